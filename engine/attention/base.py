@@ -1,0 +1,91 @@
+"""The attention backend interface: metadata is built once per step outside the layers; each
+attention layer then calls `forward(layer, q, k, v)`, which stores the new K/V into the paged
+pool and attends over the whole context.
+
+Token order within a step (the model runner guarantees it):
+
+    [ decode seq 0 | decode seq 1 | ... | prefill chunk A ....... | prefill chunk B ... ]
+      1 token each  (num_decodes of them)  query_start_loc marks every sequence's start
+
+A sequence's context after the step is seq_lens[b] tokens; its new tokens are the last
+query_len of them, at positions seq_lens[b] - query_len ... seq_lens[b] - 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]: pool slot (block_id * block_size + offset); -1 skips
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    seq_lens: torch.Tensor  # int32 [B]
+    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq]
+    num_decodes: int  # the first num_decodes sequences have exactly one new token each
+    max_query_len: int
+    max_seq_len: int
+    # Host copies for backends that loop on the CPU.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(ABC):
+    """Owns the per-layer views of the block-major KV pool
+
+        pool: [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+
+    Layer l's K cache is pool[:, l, 0]: shape [num_blocks, block_size, num_kv_heads, head_dim]
+    with a block stride of num_layers * 2 * block_size * num_kv_heads * head_dim elements.
+    """
+
+    def __init__(self, pool: torch.Tensor, num_heads: int, scale: float) -> None:
+        assert pool.dim() == 6 and pool.shape[2] == 2, "pool must be block-major [N, L, 2, bs, H, D]"
+        self.pool = pool
+        self.num_heads = num_heads
+        self.scale = scale
+        self.k_caches = [pool[:, layer, 0] for layer in range(pool.shape[1])]
+        self.v_caches = [pool[:, layer, 1] for layer in range(pool.shape[1])]
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns like q."""
+
+
+@dataclass
+class ForwardContext:
+    backend: AttentionBackend | None
+    metadata: AttentionMetadata | None
+
+
+_context: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(backend: AttentionBackend | None,
+                    metadata: AttentionMetadata | None) -> Iterator[ForwardContext]:
+    """Scope of one forward pass. Refuses nesting; always resets."""
+    global _context
+    if _context is not None:
+        raise RuntimeError("forward_context does not nest")
+    _context = ForwardContext(backend, metadata)
+    try:
+        yield _context
+    finally:
+        _context = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _context is None:
+        raise RuntimeError("attention called outside forward_context")
+    return _context

@@ -1,0 +1,63 @@
+"""Plain-torch paged attention: the CPU backend and the reference the Triton backend is tested
+against. One sequence at a time; correctness over speed."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k, v [T, H, D] into their slots of the paged caches [N, bs, H, D] (strided ok)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    bs = k_cache.shape[1]
+    blocks, offsets = slots // bs, slots % bs
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence's paged cache, as [seq_len, H, D]."""
+    bs = cache.shape[1]
+    nblocks = -(seq_len // -bs)
+    return cache[block_table[:nblocks].long()].reshape(nblocks * bs, *cache.shape[2:])[:seq_len]
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, query_lens: list[int],
+                          seq_lens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its whole paged context.
+
+    q: [T, Hq, D] packed in sequence order; the new tokens of sequence b are the last
+    query_lens[b] of its seq_lens[b] context tokens.
+    """
+    out = torch.empty_like(q)
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    start = 0
+    for b, (qlen, slen) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        qs = q[start:start + qlen].transpose(0, 1)  # [Hq, qlen, D]
+        ks = gather_context(k_cache, block_tables[b], slen).transpose(0, 1).to(q.dtype)
+        vs = gather_context(v_cache, block_tables[b], slen).transpose(0, 1).to(q.dtype)
+        if hq != hkv:
+            ks = ks.repeat_interleave(hq // hkv, dim=0)
+            vs = vs.repeat_interleave(hq // hkv, dim=0)
+        # Query i sits at position slen - qlen + i and sees keys 0 ..= that position.
+        qpos = torch.arange(slen - qlen, slen, device=q.device)
+        mask = torch.arange(slen, device=q.device)[None, :] <= qpos[:, None]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        out[start:start + qlen] = o.transpose(0, 1)
+        start += qlen
+    return out
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention_torch(q, k_cache, v_cache, meta.block_tables,
+                                     meta.query_lens_cpu, meta.seq_lens_cpu, self.scale)

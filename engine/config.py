@@ -1,0 +1,220 @@
+"""Narrow, frozen configs. The Hugging Face config is converted once into ModelConfig; every
+component receives only the config it uses."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import InvalidArgument, ModelLoadError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary scaling as Hugging Face configs spell it: rope_type none, linear or llama3."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise ModelLoadError(f"rope_scaling.rope_type {self.rope_type!r} is not supported "
+                                 "(supported: default, linear, llama3)")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2
+    qk_norm: bool  # Qwen3
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"architecture {self.architecture!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"num_attention_heads ({self.num_heads}) is not a multiple of "
+                                 f"num_key_value_heads ({self.num_kv_heads})")
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) served. Within the sliding window, sliding-window
+        attention equals full attention, so a windowed model is served up to its window."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ModelLoadError("config.json has no 'architectures' entry")
+        arch = archs[0]
+        hidden = cfg["hidden_size"]
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or hidden // heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        # transformers 5 writes rope_parameters; older checkpoints write rope_theta + rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        scaling = RopeScaling(
+            rope_type=rope_type,
+            factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                rope.get("original_max_position_embeddings", 8192)),
+        )
+        window = cfg.get("sliding_window")
+        if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+            window = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            sliding_window=window,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise ModelLoadError(f"model: no config.json in {path}")
+        try:
+            return cls.from_hf_dict(json.loads(p.read_text()))
+        except (KeyError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"model: config.json in {path} is invalid: {e!r}") from e
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV pool. Either num_blocks is given, or the pool takes `memory_fraction` of the
+    device's free memory after a profiling pass (CUDA) or `cpu_kv_bytes` (CPU)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_fraction: float = 0.9
+    cpu_kv_bytes: int = 256 << 20
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidArgument("block_size", f"must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidArgument("num_blocks", f"must be >= 1, got {self.num_blocks}")
+        if not 0 < self.memory_fraction <= 1:
+            raise InvalidArgument("memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(name, f"must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `LLM(...)` and the workers accept, validated."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    load_format: str = "auto"  # auto | dummy
+    seed: int = 0
+    role: str = "both"  # both | prefill | decode
+    max_n: int = 16
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_fraction: float = 0.9
+    cpu_kv_bytes: int = 256 << 20
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    cuda_graphs: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise InvalidArgument("model", "is required")
+        if self.dtype not in DTYPES:
+            raise InvalidArgument("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise InvalidArgument("load_format", f"must be auto or dummy, got {self.load_format!r}")
+        if self.role not in ("both", "prefill", "decode"):
+            raise InvalidArgument("role", f"must be both, prefill or decode, got {self.role!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise InvalidArgument("device", f"must be cpu or cuda[:N], got {self.device!r}")
+        if self.max_n < 1:
+            raise InvalidArgument("max_n", f"must be >= 1, got {self.max_n}")
+        # Build the narrow configs now so that bad values fail at construction.
+        self.cache_config()
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(self.block_size, self.num_blocks, self.memory_fraction,
+                           self.cpu_kv_bytes, self.enable_prefix_caching)
+
+    def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
+        max_len = min(self.max_model_len or model.max_model_len, model.max_model_len)
+        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, max_len)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 2 ** math.ceil(math.log2(n))
