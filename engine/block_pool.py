@@ -1,0 +1,128 @@
+"""The block pool: fixed-size KV blocks with reference counts and a prefix cache.
+
+Plain Python, no torch. Every operation is O(1) per block.
+
+    free queue (LRU order, evict from the left)           prefix cache
+    ┌────┬────┬────┬────┬────┐                           hash -> block id
+    │ 7  │ 2  │ 9  │ 4  │ 5  │ <- freed blocks join       (a block stays cached while
+    └────┴────┴────┴────┴────┘    on the right             free, until it is reused)
+
+A block is in the free queue exactly when its reference count is 0. A free block may still hold
+a cached prefix (it has a hash); allocating it evicts that entry. A prefix hit on a free cached
+block takes it out of the free queue again ("touch").
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Hash of a full block, chained over every token before it: equal hashes mean equal
+    prefixes (up to 64-bit collisions). Python's tuple/int hashing is deterministic across
+    processes, so the router computes the same hashes as the workers."""
+    return hash((parent_hash, *token_ids))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Counters for metrics: lookups and hits in blocks.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- queries -----------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be allocated now (free, cached or not)."""
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    def is_idle(self) -> bool:
+        """No block is referenced: the state every test ends in."""
+        return len(self.free_queue) == self.num_blocks and not any(self.ref_counts)
+
+    # -- allocation --------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """n blocks with reference count 1, least recently freed first."""
+        if n > len(self.free_queue):
+            raise MemoryError(f"asked for {n} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            block, _ = self.free_queue.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            out.append(block)
+        return out
+
+    def incref(self, blocks: Iterable[int]) -> None:
+        """Take another reference (a prefix hit, a fork, a lease); revives free cached blocks."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self.free_queue[b]
+            self.ref_counts[b] += 1
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference from each block. Pass a sequence's blocks in order: they are
+        queued tail first, so that a sequence's later blocks (useful to fewer prefixes) are
+        evicted before its earlier ones."""
+        for b in reversed(blocks):
+            rc = self.ref_counts[b] - 1
+            if rc < 0:
+                raise RuntimeError(f"block {b} freed more often than referenced")
+            self.ref_counts[b] = rc
+            if rc == 0:
+                self.free_queue[b] = None
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """Longest run of cached blocks matching hashes[0], hashes[1], ... (no reference taken)."""
+        hits: list[int] = []
+        if not self.enable_prefix_caching:
+            return hits
+        for h in hashes:
+            b = self.cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        self.prefix_queries += len(hashes)
+        self.prefix_hits += len(hits)
+        return hits
+
+    def cache_block(self, block: int, block_hash: int) -> None:
+        """Publish a full, computed block under its chained hash. If another block already holds
+        this prefix, the existing entry wins and this block stays private."""
+        if not self.enable_prefix_caching or self.block_hash[block] is not None:
+            return
+        if block_hash in self.cached:
+            return
+        self.cached[block_hash] = block
+        self.block_hash[block] = block_hash
+
+    def _evict(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            self.block_hash[block] = None
+            if self.cached.get(h) == block:
+                del self.cached[h]
+
+    def reset_prefix_cache(self) -> None:
+        for b in range(self.num_blocks):
+            if self.ref_counts[b] == 0:
+                self._evict(b)

@@ -1,0 +1,283 @@
+"""The engine loop: schedule → run → postprocess. Synchronous and single-threaded; the offline
+LLM drives it directly, the services drive it from one engine thread (engine/serving).
+
+Roles share this one engine:
+  both     prefill and decode here;
+  prefill  a request ends after its first token(s): its blocks stay pinned under a lease and
+           the output carries a Handoff (block ids, first tokens) for a decode worker;
+  decode   `add_remote_request` admits a request whose prompt KV lives on a prefill worker; the
+           engine allocates blocks, calls `kv_puller` to copy the KV in, and decodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, ModelConfig, cdiv
+from engine.errors import InvalidArgument
+from engine.kv_manager import KVCacheManager
+from engine.model_runner import ModelRunner, PoolFactory
+from engine.model_source import resolve_model
+from engine.sampler import SampleRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import FinishReason, Handoff, RemoteKV, SeqOutput, Sequence, Status
+from kvtransfer.lease import LeaseTable
+
+log = logging.getLogger(__name__)
+
+# Copies a request's prompt KV from its source into local blocks; raises if it cannot.
+KVPuller = Callable[[RemoteKV, list[int]], None]
+
+
+@dataclass
+class StepStats:
+    num_seqs: int
+    num_tokens: int
+    num_decodes: int
+    num_preempted: int
+    seconds: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, pool_factory: PoolFactory | None = None,
+                 kv_puller: KVPuller | None = None, progress: bool = True) -> None:
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        cache = config.cache_config()
+        sched = config.scheduler_config(self.model_config)
+        self.runner = ModelRunner(
+            self.model_config, cache, device=config.device, dtype=config.dtype,
+            model_dir=self.model_dir, load_format=config.load_format, seed=config.seed,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=sched.max_model_len, pool_factory=pool_factory, progress=progress)
+        self.block_pool = BlockPool(self.runner.num_blocks, cache.block_size,
+                                    cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.block_pool)
+        # A sequence can never outgrow the whole pool.
+        max_len = min(sched.max_model_len, self.runner.num_blocks * cache.block_size)
+        self.scheduler = Scheduler(
+            type(sched)(sched.max_num_batched_tokens, sched.max_num_seqs, max_len), self.kv)
+        self.max_model_len = max_len
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.leases = LeaseTable()
+        self.lease_ttl_s = 30.0
+        self.kv_puller = kv_puller
+        self.requests: dict[str, list[Sequence]] = {}
+        self.last_step: StepStats | None = None
+
+    # -- requests ----------------------------------------------------------------------------
+    def validate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
+        """Every check that can fail before a block is allocated."""
+        if not request_id:
+            raise InvalidArgument("request_id", "must be non-empty")
+        if request_id in self.requests:
+            raise InvalidArgument("request_id", f"{request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidArgument("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument("prompt_token_ids", f"token id {bad} is outside [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidArgument(
+                "prompt", f"{len(prompt_token_ids)} tokens; this model serves at most "
+                f"{self.max_model_len} tokens in all, prompt included, so at most "
+                f"{self.max_model_len - 1}")
+        if params.n > self.config.max_n:
+            raise InvalidArgument("n", f"must be <= {self.config.max_n}, got {params.n}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        self.validate(request_id, prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params)
+        self.requests[request_id] = [seq]
+        self.scheduler.add(seq)
+
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
+                           params: SamplingParams, remote: RemoteKV) -> None:
+        """Decode role: the prompt's KV and first token(s) come from a prefill worker."""
+        self.validate(request_id, prompt_token_ids, params)
+        if len(remote.first_token_ids) != params.n:
+            raise InvalidArgument("first_token_ids", f"expected {params.n}, got "
+                                  f"{len(remote.first_token_ids)}")
+        if len(remote.block_ids) != cdiv(len(prompt_token_ids), self.block_pool.block_size):
+            raise InvalidArgument("kv.block_ids", f"{len(remote.block_ids)} blocks do not hold "
+                                  f"{len(prompt_token_ids)} tokens")
+        seq = Sequence(request_id, prompt_token_ids, params)
+        seq.remote = remote
+        self.requests[request_id] = [seq]
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seqs = self.requests.pop(request_id, None)
+        if seqs is None:
+            return False
+        for seq in seqs:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+        self.scheduler.remove_finished()
+        return True
+
+    def release(self, lease_id: str) -> bool:
+        """Prefill role: the decode side has its copy. Unknown or late releases are ignored."""
+        blocks = self.leases.release(lease_id)
+        if blocks is None:
+            return False
+        self.block_pool.free(blocks)
+        return True
+
+    def expire_leases(self, now: float | None = None) -> int:
+        expired = self.leases.expire(time.monotonic() if now is None else now)
+        for blocks in expired:
+            self.block_pool.free(blocks)
+        return len(expired)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def is_idle(self) -> bool:
+        return not self.requests and not len(self.leases) and self.block_pool.is_idle()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[SeqOutput]:
+        t0 = time.perf_counter()
+        if len(self.leases):
+            self.expire_leases()
+        batch = self.scheduler.schedule()
+        outputs = self._pull(batch.pulls)
+        if batch.seqs:
+            outputs += self._run(batch)
+        self.scheduler.remove_finished()
+        self.last_step = StepStats(len(batch.seqs), batch.num_tokens, batch.num_decodes,
+                                   len(batch.preempted), time.perf_counter() - t0)
+        return outputs
+
+    def _run(self, batch: ScheduledBatch) -> list[SeqOutput]:
+        rows: list[SampleRow] = []
+        row_index: list[int] = []
+        samplers: list[Sequence] = []
+        offset = 0
+        penalties = any(s.params.has_penalties for s in batch.seqs)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            offset += n
+            if seq.num_computed_tokens + n < seq.num_tokens:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            samplers.append(seq)
+            for k in range(seq.num_samples):
+                rows.append(SampleRow(
+                    seq.params, seq.sample_index + k, seq.num_output_tokens,
+                    seq.token_ids[:seq.num_prompt_tokens] if penalties else None,
+                    seq.output_token_ids if penalties else None))
+                row_index.append(offset - 1)
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        result = self.runner.execute(batch, rows, row_index)
+
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)
+        outputs: list[SeqOutput] = []
+        r = 0
+        for seq in samplers:
+            k = seq.num_samples
+            toks, lps = result.token_ids[r:r + k], result.logprobs[r:r + k]
+            r += k
+            if self.config.role == "prefill":
+                outputs.append(self._handoff(seq, toks, lps))
+                continue
+            children = self._fork(seq, toks[1:], lps[1:])
+            for s, tok, lp in zip([seq, *children], toks, lps):
+                outputs.append(self._append(s, tok, lp))
+        return outputs
+
+    def _fork(self, parent: Sequence, tokens: list[int], lps: list) -> list[Sequence]:
+        if not tokens:
+            return []
+        parent.pending_forks = 0
+        children = [self.kv.fork(parent, parent.sample_index + 1 + i) for i in range(len(tokens))]
+        self.requests[parent.request_id].extend(children)
+        self.scheduler.insert_after(parent, children)
+        return children
+
+    def _append(self, seq: Sequence, token: int, lp) -> SeqOutput:
+        seq.token_ids.append(token)
+        seq.logprobs.append(lp)
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq, [token], [lp])
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _handoff(self, seq: Sequence, tokens: list[int], lps: list) -> SeqOutput:
+        """Prefill role: pin the prompt's blocks under a lease and end the request here."""
+        lease = self.leases.grant(seq.block_ids, self.lease_ttl_s, time.monotonic())
+        handoff = Handoff(tuple(seq.block_ids), seq.num_tokens, tuple(tokens), tuple(lps),
+                          lease, seq.num_cached_tokens)
+        seq.block_ids = []  # now owned by the lease
+        seq.pending_forks = 0
+        self._finish(seq, FinishReason.HANDOFF)
+        out = self._output(seq, [], [])
+        out.handoff = handoff
+        return out
+
+    def _pull(self, seqs: list[Sequence]) -> list[SeqOutput]:
+        """Decode role: copy admitted requests' KV in, then they decode from the next step."""
+        outputs = []
+        for seq in seqs:
+            remote, seq.remote = seq.remote, None
+            try:
+                self.kv_puller(remote, seq.block_ids)
+            except Exception as e:  # noqa: BLE001 - any transport failure fails this request
+                log.warning("KV pull failed for %s: %s", seq.request_id, e)
+                self._finish(seq, FinishReason.ERROR)
+                out = self._output(seq, [], [])
+                out.error = f"KV transfer failed: {e}"
+                outputs.append(out)
+                continue
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            seq.first_scheduled_time = time.monotonic()
+            self.kv.cache_full_blocks(seq)
+            firsts, lps = remote.first_token_ids, remote.first_logprobs
+            children = self._fork(seq, list(firsts[1:]), list(lps[1:]))
+            for s, tok, lp in zip([seq, *children], firsts, lps):
+                # The first token was streamed from the prefill side: record, do not re-emit.
+                out = self._append(s, tok, lp)
+                if s.is_finished:
+                    out.new_token_ids, out.new_logprobs = [], []
+                    outputs.append(out)
+        return outputs
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq)
+        seqs = self.requests.get(seq.request_id)
+        if seqs is not None and all(s.is_finished for s in seqs) and not seq.pending_forks:
+            del self.requests[seq.request_id]
+
+    def _output(self, seq: Sequence, tokens: list[int], lps: list) -> SeqOutput:
+        return SeqOutput(seq.request_id, seq.sample_index, tokens, lps, seq.finish_reason,
+                         seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
+
+    # -- stats -------------------------------------------------------------------------------
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)

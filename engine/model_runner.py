@@ -1,0 +1,176 @@
+"""The model runner: owns the model, the KV pool and the attention backend; turns a scheduled
+batch into tensors, runs the forward pass and samples.
+
+KV pool (one tensor, block-major; see DESIGN.md):
+
+    pool[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+         └ block b of a request: all layers, K and V, one contiguous chunk
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata, forward_context
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.config import CacheConfig, ModelConfig, cdiv
+from engine.loader import TORCH_DTYPES, build_model, init_dummy_weights, load_weights
+from engine.sampler import Sampler, SampleRow, SamplerOutput
+from engine.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+# (shape, dtype, device) -> the pool tensor. Services pass one that allocates shareable memory.
+PoolFactory = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def default_pool_factory(shape: tuple[int, ...], dtype: torch.dtype,
+                         device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, *, device: str,
+                 dtype: str, model_dir: Path | None, load_format: str = "auto", seed: int = 0,
+                 max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
+                 pool_factory: PoolFactory | None = None, progress: bool = True) -> None:
+        self.config = model_config
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = TORCH_DTYPES[dtype]
+        self.block_size = cache_config.block_size
+        torch.manual_seed(seed)
+        self.model = build_model(model_config, self.dtype, self.device)
+        if load_format == "dummy":
+            init_dummy_weights(self.model, seed)
+        else:
+            load_weights(self.model, model_dir, progress=progress)
+        self.sampler = Sampler(model_config.vocab_size, self.device)
+
+        self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
+            cache_config, max_num_batched_tokens, max_model_len)
+        self.pool = (pool_factory or default_pool_factory)(self.pool_shape(self.num_blocks),
+                                                            self.dtype, self.device)
+        self.backend = self._make_backend(self.pool)
+
+    # -- KV pool -----------------------------------------------------------------------------
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        c = self.config
+        return (num_blocks, c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        c = self.config
+        return (c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim
+                * self.dtype.itemsize)
+
+    def _make_backend(self, pool: torch.Tensor) -> AttentionBackend:
+        scale = self.config.head_dim ** -0.5
+        if pool.is_cuda:
+            from engine.attention.triton_backend import TritonAttentionBackend  # noqa: PLC0415
+
+            return TritonAttentionBackend(pool, self.config.num_heads, scale)
+        return TorchAttentionBackend(pool, self.config.num_heads, scale)
+
+    def _blocks_for_budget(self, cache: CacheConfig, max_tokens: int, max_model_len: int) -> int:
+        if self.device.type != "cuda":
+            return max(1, cache.cpu_kv_bytes // self.block_bytes)
+        # Profile: the largest step the scheduler can issue, with a throwaway pool, to learn
+        # the activation peak; the KV pool gets `memory_fraction` of what is then free.
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._profile_run(max_tokens, max_model_len)
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = (free - activation_peak) * cache.memory_fraction
+        num_blocks = int(budget // self.block_bytes)
+        if num_blocks < 1:
+            raise RuntimeError(f"no GPU memory left for the KV cache (free {free >> 20} MiB, "
+                               f"activation peak {activation_peak >> 20} MiB)")
+        log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
+                 num_blocks * self.block_bytes / 2**30)
+        return num_blocks
+
+    def _profile_run(self, num_tokens: int, max_model_len: int) -> None:
+        seq_len = min(num_tokens, max_model_len)
+        num_seqs = cdiv(num_tokens, seq_len)
+        blocks_per_seq = cdiv(seq_len, self.block_size)
+        pool = torch.empty(self.pool_shape(num_seqs * blocks_per_seq), dtype=self.dtype,
+                           device=self.device)
+        backend = self._make_backend(pool)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens %
+                                                       seq_len else [])
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(lens))]
+        meta = self._metadata(lens, lens, tables, [list(range(n)) for n in lens], 0)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        with torch.inference_mode(), forward_context(backend, meta):
+            hidden = self.model(ids, pos)
+            self.model.compute_logits(hidden[:max(1, len(lens))])
+        del pool, backend, hidden
+
+    # -- one step ----------------------------------------------------------------------------
+    def _metadata(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+                  positions: list[list[int]], num_decodes: int) -> AttentionMetadata:
+        bs = self.block_size
+        slots = [t[p // bs] * bs + p % bs for t, ps in zip(tables, positions) for p in ps]
+        width = max((len(t) for t in tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=_to(slots, torch.long, dev),
+            query_start_loc=_to(qsl, torch.int32, dev),
+            seq_lens=_to(seq_lens, torch.int32, dev),
+            block_tables=_to(padded, torch.int32, dev).view(len(tables), width),
+            num_decodes=num_decodes,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, rows: list[SampleRow],
+                row_token_index: list[int]) -> SamplerOutput:
+        """Run one step. rows[i] samples from the logits of flattened token row_token_index[i]."""
+        if batch.copies:
+            src = torch.tensor([s for s, _ in batch.copies], device=self.device)
+            dst = torch.tensor([d for _, d in batch.copies], device=self.device)
+            self.pool[dst] = self.pool[src]
+        input_ids: list[int] = []
+        positions: list[list[int]] = []
+        seq_lens: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.append(list(range(start, start + n)))
+            seq_lens.append(start + n)
+        meta = self._metadata(batch.num_new_tokens, seq_lens, [s.block_ids for s in batch.seqs],
+                              positions, batch.num_decodes)
+        ids = _to(input_ids, torch.long, self.device)
+        pos = _to([p for ps in positions for p in ps], torch.long, self.device)
+        with forward_context(self.backend, meta):
+            hidden = self.model(ids, pos)
+        logits = self.model.compute_logits(hidden[_to(row_token_index, torch.long, self.device)])
+        return self.sampler(logits, rows)
+
+
+def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t

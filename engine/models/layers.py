@@ -1,0 +1,213 @@
+"""Layers shared by every model. Projections are merged (q/k/v into one matmul, gate/up into
+one) to cut kernel launches; the loader splits Hugging Face tensors into their shards.
+
+Each parameter may carry `weight_loader(param, tensor, shard)`; the loader calls it with the
+checkpoint tensor and the shard name from the model's `packed_modules`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine import ops
+from engine.attention.base import get_forward_context
+from engine.config import ModelConfig, RopeScaling
+from engine.errors import ModelLoadError
+
+
+def _check_shape(param_name: str, expected: torch.Size, got: torch.Size) -> None:
+    if tuple(expected) != tuple(got):
+        raise ModelLoadError(f"tensor {param_name}: shape {tuple(got)} does not match the "
+                             f"config's {tuple(expected)}")
+
+
+def default_weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard: str | None,
+                          name: str = "") -> None:
+    _check_shape(name, param.shape, tensor.shape)
+    param.data.copy_(tensor)
+
+
+class MergedLinear(nn.Module):
+    """One matmul for several projections stacked on the output dim, e.g. q, k, v."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
+        super().__init__()
+        self.shard_sizes = shard_sizes
+        self.offsets: dict[str, int] = {}
+        off = 0
+        for name, size in shard_sizes.items():
+            self.offsets[name] = off
+            off += size
+        self.weight = nn.Parameter(torch.empty(off, in_features), requires_grad=False)
+        self.weight.weight_loader = self._load
+        self.bias = nn.Parameter(torch.empty(off), requires_grad=False) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None,
+              name: str = "") -> None:
+        off, size = self.offsets[shard], self.shard_sizes[shard]
+        dst = param.data.narrow(0, off, size)
+        _check_shape(name, dst.shape, tensor.shape)
+        dst.copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Inverse frequencies, with linear or llama3 scaling, as Hugging Face computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: RopeScaling) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # [max_pos, head_dim]: cos in the first half, sin in the second. Kept in float32.
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        self.rotary(positions, q, k)
+        ctx = get_forward_context()
+        out = ctx.backend.forward(self.layer_idx, q, k, v, ctx.metadata)
+        return self.o_proj(out.view(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
+            bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    """The `model.` part of a Hugging Face causal LM: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig, layer_cls: type[DecoderLayer] = DecoderLayer) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class CausalLM(nn.Module):
+    """Base of every model: `forward` gives hidden states of all tokens in the step,
+    `compute_logits` the float32 logits of the rows that sample."""
+
+    # Hugging Face tensor name fragment -> (our parameter name fragment, shard).
+    packed_modules: dict[str, tuple[str, str]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

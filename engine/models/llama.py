@@ -1,0 +1,9 @@
+"""Llama (1, 2, 3, 3.1, 3.2): RMSNorm, rotary (none, linear or llama3 scaling), GQA, SwiGLU."""
+
+from __future__ import annotations
+
+from engine.models.layers import CausalLM
+
+
+class LlamaForCausalLM(CausalLM):
+    pass

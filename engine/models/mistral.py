@@ -1,0 +1,10 @@
+"""Mistral: Llama's architecture with sliding-window attention. Tandem serves it up to its
+window (ModelConfig.max_model_len), where sliding-window attention equals full attention."""
+
+from __future__ import annotations
+
+from engine.models.layers import CausalLM
+
+
+class MistralForCausalLM(CausalLM):
+    pass

@@ -1,0 +1,154 @@
+"""Sampling on the device: penalties, temperature, top-k, top-p, min-p, then the exponential race
+(argmax of p / E with E ~ Exp(1)), which draws from p exactly.
+
+A seeded row draws its noise from a generator seeded by (seed, sample index, output position),
+so its tokens do not depend on what else is in the batch, or on which worker samples it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import Logprob, SamplingParams, TokenLogprobs
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, sample_index: int, position: int) -> int:
+    """splitmix64 over the three ints: a stable, well-spread generator seed."""
+    x = (seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + position) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SampleRow:
+    """One row to sample: the params, the sample index and the output position it fills, and
+    the tokens penalties look at."""
+
+    params: SamplingParams
+    sample_index: int
+    position: int  # index among the outputs of this sample (0 = first generated token)
+    prompt_token_ids: list[int] | None = None  # only when penalties apply
+    output_token_ids: list[int] | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        """logits: float32 [len(rows), vocab] (rows of one sequence may repeat for n > 1)."""
+        logits = logits[:, :self.vocab_size]
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if any(r.params.has_penalties for r in rows):
+            logits = self._apply_penalties(logits.clone(), rows)
+
+        if all(r.params.greedy for r in rows):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, rows)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, rows))
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        sub = logits[idx]
+        vocab = sub.shape[1]
+        out_counts = torch.zeros_like(sub)
+        seen = torch.zeros_like(sub, dtype=torch.bool)
+        for j, i in enumerate(idx):
+            out_ids = self._tensor(rows[i].output_token_ids or [], torch.long)
+            out_ids = out_ids[out_ids < vocab]
+            out_counts[j].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=sub.dtype))
+            prompt_ids = self._tensor(rows[i].prompt_token_ids or [], torch.long)
+            seen[j, prompt_ids[prompt_ids < vocab]] = True
+        seen |= out_counts > 0
+        rep = self._tensor([rows[i].params.repetition_penalty for i in idx], sub.dtype)[:, None]
+        pres = self._tensor([rows[i].params.presence_penalty for i in idx], sub.dtype)[:, None]
+        freq = self._tensor([rows[i].params.frequency_penalty for i in idx], sub.dtype)[:, None]
+        # Repetition (over prompt and output, as Hugging Face and vLLM do): shrink the logit.
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalised, sub)
+        # Presence and frequency (OpenAI's definition, over the output only).
+        sub = sub - pres * (out_counts > 0) - freq * out_counts
+        logits[idx] = sub
+        return logits
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        temps = self._tensor([r.params.temperature or 1.0 for r in rows], logits.dtype)
+        probs = self.filtered_probs(
+            logits / temps[:, None],
+            self._tensor([r.params.top_k for r in rows], torch.long),
+            self._tensor([r.params.top_p for r in rows], logits.dtype),
+            self._tensor([r.params.min_p for r in rows], logits.dtype))
+        noise = torch.empty_like(probs).exponential_()
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                gen = torch.Generator(device=logits.device)
+                gen.manual_seed(mix_seed(r.params.seed, r.sample_index, r.position))
+                noise[i].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = self._tensor([r.params.greedy for r in rows], torch.bool)
+        return torch.where(is_greedy, greedy, sampled)
+
+    @staticmethod
+    def filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       min_p: torch.Tensor) -> torch.Tensor:
+        """Probabilities after top-k (0 = off), top-p (1 = off) and min-p (0 = off); tokens
+        outside the allowed set get exactly 0. The most likely token always survives."""
+        vocab = logits.shape[-1]
+        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            rank = torch.arange(vocab, device=logits.device)[None, :]
+            k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)[:, None]
+            drop = rank >= k
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
+            # before it already reaches top_p.
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop |= (before >= top_p[:, None]) & (rank > 0)
+            mask = torch.empty_like(drop).scatter_(-1, order, drop)
+            logits = logits.masked_fill(mask, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        if bool((min_p > 0).any()):
+            top = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < min_p[:, None] * top, 0.0)
+        return probs
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, tokens: list[int],
+                  rows: list[SampleRow]) -> list[TokenLogprobs | None]:
+        if raw is None:
+            return [None] * len(rows)
+        n_top = max(r.params.logprobs or 0 for r in rows)
+        sampled = raw.gather(1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(1)
+        sampled = sampled.tolist()
+        if n_top:
+            top_vals, top_ids = raw.topk(n_top, dim=-1)
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        out: list[TokenLogprobs | None] = []
+        for i, r in enumerate(rows):
+            if r.params.logprobs is None:
+                out.append(None)
+                continue
+            k = r.params.logprobs
+            top = tuple(Logprob(t, v) for t, v in zip(top_ids[i][:k], top_vals[i][:k])) if k else ()
+            out.append(TokenLogprobs(Logprob(tokens[i], sampled[i]), top))
+        return out

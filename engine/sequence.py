@@ -1,0 +1,151 @@
+"""Request state, plain Python. One Sequence per sample: a request with n > 1 is prefilled as
+one sequence and forked into n after its first token (they share the prompt's blocks).
+
+Token ranges of a sequence (block_size 4 here):
+
+    token_ids:  p p p p | p p o o | o
+                └ prompt (num_prompt_tokens = 6) ┘└ outputs ┘
+    computed:   ←──── num_computed_tokens = 8 ────→   the last token's KV is written next step
+    block_ids:  [ 12    |  3      | 40 ]
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.block_pool import hash_block
+from engine.sampling_params import SamplingParams, TokenLogprobs
+
+_seq_counter = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's max length
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # failed (e.g. its KV could not be pulled)
+    HANDOFF = "handoff"  # prefill role: prompt done, blocks handed to a decode worker
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    """Decode role: where a request's prompt KV lives before it is pulled."""
+
+    source: Any  # opaque to the engine; the KV puller understands it
+    block_ids: tuple[int, ...]
+    first_token_ids: tuple[int, ...]  # one per sample
+    first_logprobs: tuple[TokenLogprobs | None, ...]
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 sample_index: int = 0, arrival_time: float | None = None) -> None:
+        self.seq_id = next(_seq_counter)
+        self.request_id = request_id
+        self.sample_index = sample_index
+        self.params = params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
+        self.num_cached_blocks = 0  # leading blocks already published to the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.status = Status.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.logprobs: list[TokenLogprobs | None] = []
+        self.remote: RemoteKV | None = None
+        self.num_preemptions = 0
+        # Samples still to fork off this sequence when its first token is sampled (n > 1).
+        self.pending_forks = params.n - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def num_samples(self) -> int:
+        """Rows this sequence samples at its next token: all n when it forks."""
+        return 1 + self.pending_forks
+
+    def full_block_hashes(self, block_size: int, num_tokens: int) -> list[int]:
+        """Hashes of the full blocks among the first num_tokens tokens, extending the cache."""
+        full = num_tokens // block_size
+        hashes = self.block_hashes
+        while len(hashes) < full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
+        return hashes[:full]
+
+    def fork(self, sample_index: int) -> Sequence:
+        """A sibling sample sharing everything so far. The caller takes block references."""
+        child = Sequence(self.request_id, self.token_ids[:self.num_prompt_tokens], self.params,
+                         sample_index, self.arrival_time)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_ids = list(self.block_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.num_cached_blocks = self.num_cached_blocks
+        child.num_cached_tokens = self.num_cached_tokens
+        child.status = self.status
+        child.first_scheduled_time = self.first_scheduled_time
+        child.pending_forks = 0
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}#{self.sample_index}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_ids}, {self.status.value})")
+
+
+@dataclass
+class SeqOutput:
+    """What one step produced for one sample of one request."""
+
+    request_id: str
+    sample_index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    handoff: Handoff | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Prefill role: a finished prompt whose blocks are pinned for a decode worker to pull."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token_ids: tuple[int, ...]
+    first_logprobs: tuple[TokenLogprobs | None, ...]
+    lease_id: str
+    num_cached_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
