@@ -1,0 +1,50 @@
+"""Where a model's files come from: the built-in demo, a local directory, or the Hugging Face hub.
+Everything downstream (config, weights, tokenizer) reads one local directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.demo import DEMO_NAME, demo_model_dir
+from engine.errors import ModelLoadError
+
+# Only what serving needs: configs, weights, tokenizer files (not *.bin / *.pth duplicates).
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*"]
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """The local checkpoint directory for `name_or_path`.
+
+    - "tandem-demo": the demo checkpoint, built on first use.
+    - an existing local directory: itself; it must contain config.json.
+    - anything else: a Hugging Face hub id, downloaded (configs, safetensors, tokenizer files)
+      into the hub cache. Fails with ModelLoadError where there is no network.
+    """
+    if name_or_path == DEMO_NAME:
+        return demo_model_dir()
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model: directory {str(path)!r} has no config.json")
+        return path
+    if path.exists():
+        raise ModelLoadError(f"model: {name_or_path!r} is a file, not a checkpoint directory")
+    # Something spelled as a path ("/x", "./x", "~/x") is never a hub id: say what is missing
+    # instead of reporting a confusing hub error.
+    if path.is_absolute() or name_or_path.startswith((".", "~")):
+        raise ModelLoadError(f"model: no such directory {str(path)!r}")
+    return _download(name_or_path)
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # no network, unknown repo, gated, malformed id: all mean "can't get it"
+        raise ModelLoadError(
+            f"model: {repo_id!r} is not a local directory, {DEMO_NAME!r}, or a reachable hub id "
+            f"({type(e).__name__}: {' '.join(str(e).split())})") from e
+    if not (local / "config.json").is_file():
+        raise ModelLoadError(f"model: hub repo {repo_id!r} has no config.json")
+    return local
