@@ -125,6 +125,13 @@ class LLMEngine:
         self.scheduler.remove_finished()
         return True
 
+    def stop_sequence(self, request_id: str, sample_index: int) -> None:
+        """Finish one sample early (its text hit a stop string); siblings go on."""
+        for seq in self.requests.get(request_id, ()):
+            if seq.sample_index == sample_index and not seq.is_finished:
+                self._finish(seq, FinishReason.STOP)
+        self.scheduler.remove_finished()
+
     def release(self, lease_id: str) -> bool:
         """Prefill role: the decode side has its copy. Unknown or late releases are ignored."""
         blocks = self.leases.release(lease_id)

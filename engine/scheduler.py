@@ -79,9 +79,10 @@ class Scheduler:
                 continue
             break
 
+        num_seqs = sum(s.num_samples for s in self.running)
         while self.waiting and budget > 0 and not batch.preempted:
             seq = self.waiting[0]
-            if len(self.running) + seq.num_samples > self.config.max_num_seqs:
+            if num_seqs + seq.num_samples > self.config.max_num_seqs:
                 break
             if seq.remote is not None:
                 if not self.kv.allocate_blocks(seq, seq.num_prompt_tokens):
@@ -98,6 +99,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            num_seqs += seq.num_samples
 
         # One-token sequences first: the attention backend runs them as a decode batch.
         picked.sort(key=lambda p: p[1] != 1)
