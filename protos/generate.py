@@ -1,0 +1,46 @@
+"""Regenerate the Python stubs of protos/tandem/v1/*.proto in place.
+
+    python protos/generate.py            # writes protos/tandem/v1/*_pb2*.py(i)
+    python protos/generate.py --out DIR  # writes into DIR (the freshness test compares)
+
+Pinned to grpcio-tools 1.84.0 (protoc for protobuf 7.35): the stubs then import with every
+protobuf 7.x runtime >= 7.35 and grpcio >= 1.84, which both CI and the GPU image satisfy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+TOOLS_VERSION = "1.84.0"
+
+
+def generate(out: Path) -> list[Path]:
+    import grpc_tools  # noqa: PLC0415
+    from grpc_tools import protoc  # noqa: PLC0415
+    from importlib.metadata import version  # noqa: PLC0415
+
+    if version("grpcio-tools") != TOOLS_VERSION:
+        sys.exit(f"grpcio-tools=={TOOLS_VERSION} is required, found {version('grpcio-tools')}")
+    protos = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tandem").rglob("*.proto"))
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    out.mkdir(parents=True, exist_ok=True)
+    rc = protoc.main(["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={out}",
+                      f"--pyi_out={out}", f"--grpc_python_out={out}", *protos])
+    if rc != 0:
+        sys.exit(f"protoc failed ({rc})")
+    return sorted(p for p in out.rglob("*_pb2*.py*"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT)
+    args = ap.parse_args()
+    for p in generate(args.out):
+        print(p)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+from tandem.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class KVLocation(_message.Message):
+    __slots__ = ("worker_id", "address", "block_ids", "num_tokens", "lease_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    lease_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token_ids", "first_logprobs", "finish_reasons", "kv", "num_cached_tokens")
+    FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    finish_reasons: _containers.RepeatedScalarFieldContainer[str]
+    kv: KVLocation
+    num_cached_tokens: int
+    def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv", "first_token_ids", "first_logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    kv: KVLocation
+    first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class GenerateOnWorkerRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("sample_index", "token_ids", "logprobs", "finish_reason", "num_output_tokens")
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sample_index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    finish_reason: str
+    num_output_tokens: int
+    def __init__(self, sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+
+class TokenChunks(_message.Message):
+    __slots__ = ("chunks", "num_prompt_tokens", "num_cached_tokens")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[TokenChunk]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TokenChunk, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class PoolDescriptor(_message.Message):
+    __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks", "transport", "handle", "device_index", "owner_pid")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OWNER_PID_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    transport: str
+    handle: bytes
+    device_index: int
+    owner_pid: int
+    def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transport: _Optional[str] = ..., handle: _Optional[bytes] = ..., device_index: _Optional[int] = ..., owner_pid: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("decode_worker_id", "layout")
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    decode_worker_id: str
+    layout: PoolDescriptor
+    def __init__(self, decode_worker_id: _Optional[str] = ..., layout: _Optional[_Union[PoolDescriptor, _Mapping]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("prefill_worker_id", "pool")
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker_id: str
+    pool: PoolDescriptor
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Load(_message.Message):
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_leases", "block_size")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    num_leases: int
+    block_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_leases: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
