@@ -1,0 +1,38 @@
+"""Triton kernels, one per file, each with a plain-torch reference `<name>_ref`.
+
+Importing this package imports triton; on a machine without a GPU set TRITON_INTERPRET=1 first
+to run the kernels on CPU tensors (slowly: small shapes only).
+"""
+
+from kernels.copy_blocks import copy_blocks, copy_blocks_ref
+from kernels.paged_decode_attention import (
+    decode_num_splits,
+    decode_workspace_numel,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+)
+from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.rms_norm import RMSNormResidual, rms_norm, rms_norm_ref
+from kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
+from kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from kernels.store_kv import store_kv, store_kv_ref
+
+__all__ = [
+    "RMSNormResidual",
+    "copy_blocks",
+    "copy_blocks_ref",
+    "decode_num_splits",
+    "decode_workspace_numel",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "rotary_embedding",
+    "rotary_embedding_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "store_kv",
+    "store_kv_ref",
+]

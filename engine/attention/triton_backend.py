@@ -1,0 +1,80 @@
+"""Triton paged attention: the GPU backend.
+
+Per layer: store the step's K/V into the pool, then attend. Token order (see base.py):
+
+    [ decode 0 | decode 1 | ... | prefill chunk A ...... | prefill chunk B ... ]
+      paged_decode_attention      paged_prefill_attention (query_start_loc rebased to 0)
+
+An all-decode step is one decode launch (plus the split merge), with shapes fixed by the batch
+size and the split workspace allocated here once: it can be captured in a CUDA graph. forward
+never syncs with the device; it reads the host copies in the metadata.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from kernels import (
+    decode_num_splits,
+    decode_workspace_numel,
+    paged_decode_attention,
+    paged_prefill_attention,
+    store_kv,
+)
+from kernels._common import num_sms
+from kernels.paged_decode_attention import decode_config
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, pool: torch.Tensor, num_heads: int, scale: float) -> None:
+        super().__init__(pool, num_heads, scale)
+        _, _, _, self.block_size, self.num_kv_heads, self.head_dim = pool.shape
+        self.num_sms = num_sms(pool.device)
+        self.decode_block_n = decode_config(self.head_dim).block_n
+        # The split heuristic only splits while num_seqs * num_kv_heads < 2 * SMs, so the
+        # split workspace has a small upper bound: size it once for every batch size.
+        rows = 0
+        for b in range(1, 2 * self.num_sms + 1):
+            splits = decode_num_splits(b, self.num_kv_heads, 1 << 30, self.num_sms,
+                                       self.decode_block_n)
+            if splits > 1:
+                rows = max(rows, b * splits)
+        self._workspace_rows = rows  # (sequence, split) pairs
+        self.workspace = torch.empty(decode_workspace_numel(rows, num_heads, self.head_dim, 1),
+                                     dtype=torch.float32, device=pool.device)
+
+    def _num_splits(self, num_seqs: int, max_seq_len: int, block_tables: torch.Tensor,
+                    capturing: bool) -> int:
+        # A captured graph replays with whatever contexts come later: size the split for the
+        # longest context the block tables can describe (extra splits exit at once).
+        bound = block_tables.shape[1] * self.block_size if capturing else max_seq_len
+        splits = decode_num_splits(num_seqs, self.num_kv_heads, bound, self.num_sms,
+                                   self.decode_block_n)
+        # Never exceed the preallocated workspace (batch sizes beyond the heuristic's bound
+        # do not split anyway).
+        while splits > 1 and num_seqs * splits > self._workspace_rows:
+            splits -= 1
+        return splits
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd, ns = meta.num_decodes, meta.num_seqs
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+        if nd:
+            block_tables = meta.block_tables[:nd] if nd < ns else meta.block_tables
+            seq_lens = meta.seq_lens[:nd] if nd < ns else meta.seq_lens
+            paged_decode_attention(
+                q[:nd], k_cache, v_cache, block_tables, seq_lens, self.scale, out=out[:nd],
+                num_splits=self._num_splits(nd, meta.max_seq_len, block_tables, capturing),
+                workspace=self.workspace)
+        if nd < ns:
+            # Decodes own exactly one token each, so the prefill part starts at token nd.
+            paged_prefill_attention(
+                q[nd:], k_cache, v_cache, meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:],
+                meta.block_tables[nd:], self.scale, max(meta.query_lens_cpu[nd:]), out=out[nd:])
+        return out

@@ -1,0 +1,93 @@
+"""Write the step's new K/V into their slots of the paged cache.
+
+slot = block_id * block_size + offset; token t's [Hkv, D] rows go to
+k_cache[slot // block_size, slot % block_size] (and likewise V). Slot -1 marks a padding token
+(CUDA-graph padding) and is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import check, check_last_dim_contiguous, check_same_device, device_guard
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    num_kv_heads, head_dim,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kct, stride_kch,
+    stride_vcb, stride_vct, stride_vch,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)
+    t64 = t.to(tl.int64)
+
+    k = tl.load(k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
+                mask=mask)
+    v = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
+                mask=mask)
+    kc = (k_cache_ptr + block * stride_kcb + offset * stride_kct + offs_h[:, None] * stride_kch
+          + offs_d[None, :])
+    vc = (v_cache_ptr + block * stride_vcb + offset * stride_vct + offs_h[:, None] * stride_vch
+          + offs_d[None, :])
+    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] (views of a qkv projection fine: last dim contiguous);
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D] (strided pool views fine);
+    slot_mapping: int64 [T], -1 = skip."""
+    check(k.dim() == 3 and k.shape == v.shape,
+          f"k, v must both be [T, num_kv_heads, head_dim], got {tuple(k.shape)}, {tuple(v.shape)}")
+    num_tokens, num_kv_heads, head_dim = k.shape
+    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+          and tuple(k_cache.shape[2:]) == (num_kv_heads, head_dim),
+          f"caches must be [num_blocks, block_size, {num_kv_heads}, {head_dim}], got "
+          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    check(k.dtype == v.dtype and k_cache.dtype == v_cache.dtype,
+          f"dtypes: k {k.dtype} v {v.dtype} k_cache {k_cache.dtype} v_cache {v_cache.dtype}")
+    check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (num_tokens,)
+          and slot_mapping.is_contiguous(),
+          f"slot_mapping must be contiguous int64 [T], got {slot_mapping.dtype} "
+          f"{tuple(slot_mapping.shape)}")
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, t)
+    check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    if num_tokens == 0:
+        return
+    block_h = triton.next_power_of_2(num_kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    with device_guard(k):
+        _store_kv_kernel[(num_tokens,)](
+            k, v, k_cache, v_cache, slot_mapping,
+            num_kv_heads, head_dim,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            BLOCK_SIZE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
+            num_warps=4 if block_h * block_d <= 2048 else 8,
+        )
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)

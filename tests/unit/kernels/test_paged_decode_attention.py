@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import (
+    decode_num_splits,
+    decode_workspace_numel,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+)
+
+
+def _random_lens(num_seqs: int, max_len: int) -> list[int]:
+    lens = torch.randint(1, max_len + 1, (num_seqs,)).tolist()
+    lens[torch.randint(0, num_seqs, ()).item()] = max_len  # the long one
+    return lens
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_matches_reference(seed, device, make_paged_context, group, head_dim, num_splits):
+    block_size = [8, 16, 32][seed % 3]
+    num_kv_heads = 2
+    lens = [*_random_lens(3, 150), 0]  # plus a padding row (seq_len 0)
+    pool, tables, seq_lens = make_paged_context(lens, 64, block_size, 3, 1, num_kv_heads, head_dim,
+                                           torch.float32, device)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, device=device)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, out=out,
+                           num_splits=num_splits)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, scale)
+    msg = f"seed={seed} block_size={block_size} lens={lens}"
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"{msg}\n{m}")
+    assert torch.all(out[-1] == 0), msg  # the padding row
+
+
+def test_short_contexts_with_many_splits(seed, device, make_paged_context):
+    """More splits than tiles: the trailing splits are empty and must be ignored."""
+    lens = [1, 5, 64, 9]
+    pool, tables, seq_lens = make_paged_context(lens, 32, 8, 2, 1, 1, 64, torch.float32, device)
+    q = torch.randn(4, 4, 64, device=device)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, pool[:, 1, 0], pool[:, 1, 1], tables, seq_lens, 0.125, out=out,
+                           num_splits=7)
+    ref = paged_decode_attention_ref(q, pool[:, 1, 0], pool[:, 1, 1], tables, seq_lens, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"seed={seed}\n{m}")
+
+
+def test_default_split_path_and_workspace(seed, device, make_paged_context):
+    """No num_splits: the heuristic picks one; a caller-provided workspace is used."""
+    lens = [300, 17]
+    pool, tables, seq_lens = make_paged_context(lens, 48, 16, 2, 1, 2, 64, torch.float32, device)
+    q = torch.randn(2, 8, 64, device=device)
+    splits = decode_num_splits(2, 2, 300, 8, 64)
+    assert splits > 1
+    ws = torch.full((decode_workspace_numel(2, 8, 64, splits),), float("nan"), device=device)
+    out = paged_decode_attention(q, pool[:, 1, 0], pool[:, 1, 1], tables, seq_lens, 0.125,
+                                 max_seq_len=300, workspace=ws)
+    ref = paged_decode_attention_ref(q, pool[:, 1, 0], pool[:, 1, 1], tables, seq_lens, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"seed={seed}\n{m}")
+    assert not torch.isnan(ws).all(), "the split path did not use the workspace"
+
+
+def test_split_heuristic():
+    sms = 132
+    # Plenty of (sequence, KV head) programs: no split.
+    assert decode_num_splits(64, 8, 4096, sms) == 1
+    assert decode_num_splits(256, 8, 32768, sms) == 1
+    # One sequence, long context: split up to about two programs per SM.
+    assert decode_num_splits(1, 8, 32768, sms) == 33
+    # Short contexts are not cut below 4 tiles of 64 tokens per split.
+    assert decode_num_splits(1, 8, 512, sms) == 2
+    assert decode_num_splits(1, 8, 100, sms) == 1
+    assert 1 <= decode_num_splits(16, 8, 8192, sms) <= 3
+
+
+def test_rejects_bad_arguments(device):
+    q = torch.randn(2, 4, 64, device=device)
+    cache = torch.zeros(4, 16, 2, 64, device=device)
+    tables = torch.zeros(2, 1, dtype=torch.int32, device=device)
+    lens = torch.ones(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_decode_attention(q, cache, cache, tables.long(), lens, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_decode_attention(q.transpose(1, 2).contiguous().transpose(1, 2), cache, cache,
+                               tables, lens, 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode_attention(torch.randn(2, 3, 64, device=device), cache, cache, tables,
+                               lens, 1.0)

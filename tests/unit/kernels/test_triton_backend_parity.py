@@ -1,0 +1,87 @@
+"""TritonAttentionBackend against TorchAttentionBackend on the same steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.base import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.triton_backend import TritonAttentionBackend
+
+
+def _step(query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int,
+          device: torch.device) -> AttentionMetadata:
+    """Metadata for one step; each sequence's blocks are drawn from a random permutation.
+    A sequence with seq_len 0 is CUDA-graph padding: its token's slot is -1."""
+    max_blocks = max(1, max(-(s // -block_size) for s in seq_lens))
+    perm = torch.randperm(num_blocks).tolist()
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    slots: list[int] = []
+    for b, (qlen, slen) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        n = -(slen // -block_size)
+        tables[b, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+        if slen == 0:
+            slots += [-1] * qlen
+            continue
+        for pos in range(slen - qlen, slen):
+            slots.append(int(tables[b, pos // block_size]) * block_size + pos % block_size)
+    qsl = [0]
+    for qlen in query_lens:
+        qsl.append(qsl[-1] + qlen)
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        num_decodes=num_decodes, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "cached"),
+    [
+        # 3 decodes, then chunks: a fresh prompt, one over cached context, a 1-token chunk.
+        ([1, 1, 1, 23, 17, 1], [40, 7, 90, 0, 35, 12]),
+        # all decodes, one padding row (seq_len 0)
+        ([1, 1, 1, 1], [300, 3, 530, -1]),
+        # prefill only
+        ([30, 9], [0, 50]),
+    ],
+    ids=["mixed", "decode", "prefill"])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("sms", [1, 128], ids=["no-split", "split"])
+def test_matches_torch_backend(seed, device, monkeypatch, query_lens, cached, group, sms):
+    # With many SMs for few (sequence, KV head) pairs the decode part takes the split-KV path.
+    monkeypatch.setattr("engine.attention.triton_backend.num_sms", lambda _: sms)
+    num_layers, block_size, num_kv_heads, head_dim = 2, 16, 2, 64
+    num_heads = group * num_kv_heads
+    seq_lens = [0 if c < 0 else c + q for q, c in zip(query_lens, cached, strict=True)]
+    meta = _step(query_lens, seq_lens, block_size, 64, device)
+    pool = torch.randn(64, num_layers, 2, block_size, num_kv_heads, head_dim, device=device)
+    torch_pool = pool.clone()
+    scale = head_dim ** -0.5
+    triton_be = TritonAttentionBackend(pool, num_heads, scale)
+    torch_be = TorchAttentionBackend(torch_pool, num_heads, scale)
+    num_decodes = meta.num_decodes
+    splits = triton_be._num_splits(num_decodes, meta.max_seq_len, meta.block_tables, False)
+    assert (splits > 1) == (sms > 1 and num_decodes > 0 and meta.max_seq_len > 256), splits
+
+    num_tokens = sum(query_lens)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=device)
+    heads = qkv.view(num_tokens, -1, head_dim)
+    q, k, v = heads[:, :num_heads], heads[:, num_heads:-num_kv_heads], heads[:, -num_kv_heads:]
+    for layer in range(num_layers):
+        got = triton_be.forward(layer, q, k, v, meta)
+        ref = torch_be.forward(layer, q, k, v, meta)
+        msg = f"seed={seed} layer={layer} query_lens={query_lens} seq_lens={seq_lens}"
+        live = torch.tensor(seq_lens, device=device).repeat_interleave(
+            torch.tensor(query_lens, device=device)) > 0  # the torch backend's padding rows
+        torch.testing.assert_close(got[live], ref[live], atol=2e-5, rtol=1e-4,
+                                   msg=lambda m, msg=msg: f"{msg}\n{m}")
+        assert not got.isnan().any(), msg
+    assert torch.equal(pool, torch_pool), f"seed={seed}: the pools differ after store_kv"
