@@ -1,0 +1,128 @@
+"""What a worker tells a peer about its KV pool: layout, transport, and the handle to map it.
+
+A decode worker asks each prefill worker for its PoolDescriptor once, refuses it when the layout
+differs from its own (`check_compatible`), and maps it with `kvtransfer.remote.open_remote_pool`.
+
+The handle is a capability: whoever holds it can read and write the whole pool. It never appears
+in a repr, a log line or an exception; log `redacted()` instead.
+
+Plain Python: no torch import, so the router and the tests can use it anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import DTYPES
+from engine.errors import InvalidArgument, LayoutMismatch
+
+TRANSPORTS = ("shm", "cuda_ipc")
+
+# Bytes per element of each dtype Tandem stores KV in (engine.config.DTYPES).
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+# The fields two pools must share to exchange blocks, in the order they are checked.
+# num_blocks may differ: each side addresses only its own block ids.
+LAYOUT_FIELDS = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+
+
+@dataclass(frozen=True)
+class PoolDescriptor:
+    """A worker's KV pool: one block-major tensor
+
+        [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+
+    starting at the base of the shared allocation the handle names (offset 0, so no offset
+    field). `handle` is the shared-memory segment name (UTF-8) for "shm", the 64-byte
+    cudaIpcMemHandle for "cuda_ipc". `device_index` is -1 for a CPU pool, else the CUDA device
+    the pool lives on as its owner numbers it. `owner_pid` is the owning process, for
+    diagnostics and for refusing to map one's own pool over IPC.
+    """
+
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    transport: str
+    handle: bytes = field(repr=False)
+    device_index: int
+    owner_pid: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidArgument("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgument(name, f"must be a positive int, got {value!r}")
+        if self.transport not in TRANSPORTS:
+            raise InvalidArgument(
+                "transport", f"must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        # Messages below describe the handle's type and length, never its bytes.
+        if not isinstance(self.handle, bytes) or not self.handle:
+            raise InvalidArgument("handle", "must be non-empty bytes")
+        if self.transport == "cuda_ipc":
+            if len(self.handle) != CUDA_IPC_HANDLE_BYTES:
+                raise InvalidArgument("handle", f"a cuda_ipc handle is {CUDA_IPC_HANDLE_BYTES} "
+                                                f"bytes, got {len(self.handle)}")
+            if self.device_index < 0:
+                raise InvalidArgument("device_index", f"a cuda_ipc pool lives on a CUDA device, "
+                                                      f"got {self.device_index}")
+        elif self.device_index != -1:
+            raise InvalidArgument("device_index", f"a shm pool is on the CPU (-1), "
+                                                  f"got {self.device_index}")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """The pool tensor's shape."""
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
+                self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: all layers, K and V; the unit a transfer moves."""
+        return (self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+                * DTYPE_SIZES[self.dtype])
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the whole pool (the size of the shared allocation)."""
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def shm_name(self) -> str:
+        """The shared-memory segment name of a "shm" pool. Part of the capability: don't log."""
+        if self.transport != "shm":
+            raise ValueError(f"a {self.transport} pool has no shared-memory name")
+        return self.handle.decode()
+
+    def redacted(self) -> dict[str, Any]:
+        """Every field but the handle, for logs and traces."""
+        return {
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_blocks": self.num_blocks,
+            "transport": self.transport,
+            "device_index": self.device_index,
+            "owner_pid": self.owner_pid,
+        }
+
+
+def check_compatible(local: PoolDescriptor, remote: PoolDescriptor) -> None:
+    """Raise LayoutMismatch naming the first of LAYOUT_FIELDS where the pools differ.
+
+    Blocks of two pools that pass can be copied byte for byte: each is `block_bytes` with the
+    same [layers, K/V, tokens, heads, head_dim] layout.
+    """
+    for name in LAYOUT_FIELDS:
+        mine, theirs = getattr(local, name), getattr(remote, name)
+        if mine != theirs:
+            raise LayoutMismatch(name, mine, theirs)
