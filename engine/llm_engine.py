@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 # Copies a request's prompt KV from its source into local blocks; raises if it cannot.
 KVPuller = Callable[[RemoteKV, list[int]], None]
+# Told when a request whose KV was never pulled ends (so its source can be released).
+KVDropper = Callable[[RemoteKV], None]
 
 
 @dataclass
@@ -45,7 +47,8 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, pool_factory: PoolFactory | None = None,
-                 kv_puller: KVPuller | None = None, progress: bool = True) -> None:
+                 kv_puller: KVPuller | None = None, kv_dropper: KVDropper | None = None,
+                 progress: bool = True) -> None:
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -68,6 +71,7 @@ class LLMEngine:
         self.leases = LeaseTable()
         self.lease_ttl_s = 30.0
         self.kv_puller = kv_puller
+        self.kv_dropper = kv_dropper
         self.requests: dict[str, list[Sequence]] = {}
         self.last_step: StepStats | None = None
 
@@ -234,8 +238,13 @@ class LLMEngine:
     def _handoff(self, seq: Sequence, tokens: list[int], lps: list) -> SeqOutput:
         """Prefill role: pin the prompt's blocks under a lease and end the request here."""
         lease = self.leases.grant(seq.block_ids, self.lease_ttl_s, time.monotonic())
+        reasons = []
+        for tok in tokens:
+            seq.token_ids.append(tok)  # as the decode side will see it
+            reasons.append(self._stop_reason(seq, tok))
+            seq.token_ids.pop()
         handoff = Handoff(tuple(seq.block_ids), seq.num_tokens, tuple(tokens), tuple(lps),
-                          lease, seq.num_cached_tokens)
+                          lease, self.lease_ttl_s, tuple(reasons), seq.num_cached_tokens)
         seq.block_ids = []  # now owned by the lease
         seq.pending_forks = 0
         self._finish(seq, FinishReason.HANDOFF)
@@ -271,6 +280,10 @@ class LLMEngine:
         return outputs
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.remote is not None:
+            remote, seq.remote = seq.remote, None
+            if self.kv_dropper is not None:
+                self.kv_dropper(remote)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq)

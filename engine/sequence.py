@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.block_pool import hash_block
@@ -147,5 +147,6 @@ class Handoff:
     first_token_ids: tuple[int, ...]
     first_logprobs: tuple[TokenLogprobs | None, ...]
     lease_id: str
+    lease_ttl_s: float
+    finish_reasons: tuple[FinishReason | None, ...]  # per sample: done at its first token?
     num_cached_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,6 +1,5 @@
 """The `tandem` command: generate (offline), up (the whole stack), router, prefill, decode and
-worker (one service each). Subcommands import their service lazily so `tandem generate` starts
-without the gRPC stack."""
+worker (one service each)."""
 
 from __future__ import annotations
 
@@ -129,7 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands whose parsers live with their services (each module has add_parser(sub, name)).
-SERVICE_COMMANDS: dict[str, str] = {}
+SERVICE_COMMANDS: dict[str, str] = {
+    "prefill": "prefill_svc.server",
+    "decode": "decode_svc.server",
+    "worker": "decode_svc.server",
+    "router": "router_svc.server",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"i\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"i\n\nKVLocation\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_id\x18\x05 \x01(\t\"\xb2\x01\n\x0fPrefillResponse\x12\x17\n\x0f\x66irst_token_ids\x18\x01 \x03(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x16\n\x0e\x66inish_reasons\x18\x03 \x03(\t\x12!\n\x02kv\x18\x04 \x01(\x0b\x32\x15.tandem.v1.KVLocation\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"\xd6\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12!\n\x02kv\x18\x04 \x01(\x0b\x32\x15.tandem.v1.KVLocation\x12\x17\n\x0f\x66irst_token_ids\x18\x05 \x03(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"r\n\x17GenerateOnWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\x93\x01\n\nTokenChunk\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\"j\n\x0bTokenChunks\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.tandem.v1.TokenChunk\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xcf\x01\n\x0ePoolDescriptor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x0e\n\x06handle\x18\x08 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\t \x01(\x05\x12\x11\n\towner_pid\x18\n \x01(\r\"V\n\x0fRegisterRequest\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12)\n\x06layout\x18\x02 \x01(\x0b\x32\x19.tandem.v1.PoolDescriptor\"V\n\x10RegisterResponse\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\'\n\x04pool\x18\x02 \x01(\x0b\x32\x19.tandem.v1.PoolDescriptor\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xa6\x01\n\x04Load\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_leases\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r2\xcc\x03\n\x06Worker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12<\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x16.tandem.v1.TokenChunks0\x01\x12H\n\x08Generate\x12\".tandem.v1.GenerateOnWorkerRequest\x1a\x16.tandem.v1.TokenChunks0\x01\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12\x43\n\x08Register\x12\x1a.tandem.v1.RegisterRequest\x1a\x1b.tandem.v1.RegisterResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Loadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"i\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\x7f\n\nKVLocation\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\"\xb2\x01\n\x0fPrefillResponse\x12\x17\n\x0f\x66irst_token_ids\x18\x01 \x03(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x16\n\x0e\x66inish_reasons\x18\x03 \x03(\t\x12!\n\x02kv\x18\x04 \x01(\x0b\x32\x15.tandem.v1.KVLocation\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"\xd6\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12!\n\x02kv\x18\x04 \x01(\x0b\x32\x15.tandem.v1.KVLocation\x12\x17\n\x0f\x66irst_token_ids\x18\x05 \x03(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"r\n\x17GenerateOnWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\x93\x01\n\nTokenChunk\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\"j\n\x0bTokenChunks\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.tandem.v1.TokenChunk\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xcf\x01\n\x0ePoolDescriptor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x0e\n\x06handle\x18\x08 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\t \x01(\x05\x12\x11\n\towner_pid\x18\n \x01(\r\"V\n\x0fRegisterRequest\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12)\n\x06layout\x18\x02 \x01(\x0b\x32\x19.tandem.v1.PoolDescriptor\"V\n\x10RegisterResponse\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\'\n\x04pool\x18\x02 \x01(\x0b\x32\x19.tandem.v1.PoolDescriptor\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xa6\x01\n\x04Load\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_leases\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r2\xcc\x03\n\x06Worker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12<\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x16.tandem.v1.TokenChunks0\x01\x12H\n\x08Generate\x12\".tandem.v1.GenerateOnWorkerRequest\x1a\x16.tandem.v1.TokenChunks0\x01\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12\x43\n\x08Register\x12\x1a.tandem.v1.RegisterRequest\x1a\x1b.tandem.v1.RegisterResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Loadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,35 +35,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=61
   _globals['_PREFILLREQUEST']._serialized_end=166
   _globals['_KVLOCATION']._serialized_start=168
-  _globals['_KVLOCATION']._serialized_end=273
-  _globals['_PREFILLRESPONSE']._serialized_start=276
-  _globals['_PREFILLRESPONSE']._serialized_end=454
-  _globals['_DECODEREQUEST']._serialized_start=457
-  _globals['_DECODEREQUEST']._serialized_end=671
-  _globals['_GENERATEONWORKERREQUEST']._serialized_start=673
-  _globals['_GENERATEONWORKERREQUEST']._serialized_end=787
-  _globals['_TOKENCHUNK']._serialized_start=790
-  _globals['_TOKENCHUNK']._serialized_end=937
-  _globals['_TOKENCHUNKS']._serialized_start=939
-  _globals['_TOKENCHUNKS']._serialized_end=1045
-  _globals['_RELEASEREQUEST']._serialized_start=1047
-  _globals['_RELEASEREQUEST']._serialized_end=1081
-  _globals['_RELEASERESPONSE']._serialized_start=1083
-  _globals['_RELEASERESPONSE']._serialized_end=1118
-  _globals['_POOLDESCRIPTOR']._serialized_start=1121
-  _globals['_POOLDESCRIPTOR']._serialized_end=1328
-  _globals['_REGISTERREQUEST']._serialized_start=1330
-  _globals['_REGISTERREQUEST']._serialized_end=1416
-  _globals['_REGISTERRESPONSE']._serialized_start=1418
-  _globals['_REGISTERRESPONSE']._serialized_end=1504
-  _globals['_ABORTREQUEST']._serialized_start=1506
-  _globals['_ABORTREQUEST']._serialized_end=1540
-  _globals['_ABORTRESPONSE']._serialized_start=1542
-  _globals['_ABORTRESPONSE']._serialized_end=1574
-  _globals['_GETLOADREQUEST']._serialized_start=1576
-  _globals['_GETLOADREQUEST']._serialized_end=1592
-  _globals['_LOAD']._serialized_start=1595
-  _globals['_LOAD']._serialized_end=1761
-  _globals['_WORKER']._serialized_start=1764
-  _globals['_WORKER']._serialized_end=2224
+  _globals['_KVLOCATION']._serialized_end=295
+  _globals['_PREFILLRESPONSE']._serialized_start=298
+  _globals['_PREFILLRESPONSE']._serialized_end=476
+  _globals['_DECODEREQUEST']._serialized_start=479
+  _globals['_DECODEREQUEST']._serialized_end=693
+  _globals['_GENERATEONWORKERREQUEST']._serialized_start=695
+  _globals['_GENERATEONWORKERREQUEST']._serialized_end=809
+  _globals['_TOKENCHUNK']._serialized_start=812
+  _globals['_TOKENCHUNK']._serialized_end=959
+  _globals['_TOKENCHUNKS']._serialized_start=961
+  _globals['_TOKENCHUNKS']._serialized_end=1067
+  _globals['_RELEASEREQUEST']._serialized_start=1069
+  _globals['_RELEASEREQUEST']._serialized_end=1103
+  _globals['_RELEASERESPONSE']._serialized_start=1105
+  _globals['_RELEASERESPONSE']._serialized_end=1140
+  _globals['_POOLDESCRIPTOR']._serialized_start=1143
+  _globals['_POOLDESCRIPTOR']._serialized_end=1350
+  _globals['_REGISTERREQUEST']._serialized_start=1352
+  _globals['_REGISTERREQUEST']._serialized_end=1438
+  _globals['_REGISTERRESPONSE']._serialized_start=1440
+  _globals['_REGISTERRESPONSE']._serialized_end=1526
+  _globals['_ABORTREQUEST']._serialized_start=1528
+  _globals['_ABORTREQUEST']._serialized_end=1562
+  _globals['_ABORTRESPONSE']._serialized_start=1564
+  _globals['_ABORTRESPONSE']._serialized_end=1596
+  _globals['_GETLOADREQUEST']._serialized_start=1598
+  _globals['_GETLOADREQUEST']._serialized_end=1614
+  _globals['_LOAD']._serialized_start=1617
+  _globals['_LOAD']._serialized_end=1783
+  _globals['_WORKER']._serialized_start=1786
+  _globals['_WORKER']._serialized_end=2246
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,222 @@
+"""The decode worker (role `decode`) and the colocated worker (role `both`).
+
+Decode: a handed-off request waits until this worker has blocks for its prompt; the engine then
+pulls the prompt's KV from the prefill worker's pool in one copy, this servicer releases the
+prefill side's lease, and the request decodes with continuous batching. The first token came
+with the handoff and is not recomputed. Both: prefill and decode here (the baseline).
+
+A prefill worker's pool is mapped once per pair: Register returns its descriptor, refused when
+the layouts differ (the error names the field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from engine.errors import LayoutMismatch
+from engine.sequence import RemoteKV, SeqOutput
+from engine.serving.lifecycle import GRPC_OPTIONS
+from kvtransfer.descriptor import check_compatible
+from kvtransfer.remote import RemotePool, open_remote_pool, pull_blocks
+from tandem.convert import (
+    descriptor_from_proto,
+    logprobs_from_proto,
+    logprobs_to_proto,
+    params_from_proto,
+)
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.worker_base import WorkerServicer, abort_for, add_worker_args, main_worker
+
+log = logging.getLogger(__name__)
+
+# Pull only while the lease has this much time left: the prefill side reuses blocks of an
+# expired lease, and the router hop between its answer and our receipt is not counted.
+LEASE_MARGIN_S = 2.0
+
+
+@dataclass(frozen=True)
+class PullSource:
+    """RemoteKV.source on a decode worker: a mapped peer pool and the lease to release."""
+
+    pool: RemotePool
+    address: str
+    lease_id: str
+    deadline: float  # time.monotonic() after which the blocks may have been reused
+
+
+def chunks_message(outs: list[SeqOutput], with_logprobs: bool) -> worker_pb2.TokenChunks:
+    return worker_pb2.TokenChunks(
+        chunks=[worker_pb2.TokenChunk(
+            sample_index=o.sample_index, token_ids=o.new_token_ids,
+            logprobs=[logprobs_to_proto(lp) for lp in o.new_logprobs] if with_logprobs else [],
+            finish_reason=o.finish_reason.value if o.finish_reason else "",
+            num_output_tokens=o.num_output_tokens) for o in outs],
+        num_prompt_tokens=outs[0].num_prompt_tokens,
+        num_cached_tokens=outs[0].num_cached_tokens)
+
+
+class DecodeServicer(WorkerServicer):
+    def __init__(self, engine, worker_id: str, address: str, role: str) -> None:
+        super().__init__(engine, worker_id)
+        self.role = role
+        self.address = address
+        self.peers: dict[str, RemotePool] = {}
+        self._peer_locks: dict[str, asyncio.Lock] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._background: set[asyncio.Task] = set()
+        runner = engine.engine.runner
+        cfg = engine.engine.model_config
+        self.layout = worker_pb2.PoolDescriptor(
+            dtype=engine.engine.config.dtype, block_size=runner.block_size,
+            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            num_blocks=runner.num_blocks)
+
+    # -- RPCs --------------------------------------------------------------------------------
+    async def Generate(self, request, context):  # noqa: N802 - gRPC method name
+        if self.role != "both":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.worker_id} has role {self.role}, not both")
+        try:
+            params = params_from_proto(request.params)
+            stream = self.engine.generate(request.request_id, list(request.prompt_token_ids),
+                                          params)
+            async for outs in stream:
+                await self._check_errors(outs, context)
+                yield chunks_message(outs, params.logprobs is not None)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await abort_for(context, e)
+
+    async def Decode(self, request, context):  # noqa: N802
+        if self.role != "decode":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.worker_id} has role {self.role}, not decode")
+        try:
+            params = params_from_proto(request.params)
+            kv = request.kv
+            pool = await self._peer(kv.address)
+            source = PullSource(pool, kv.address, kv.lease_id,
+                                time.monotonic() + kv.lease_ttl_ms / 1000 - LEASE_MARGIN_S)
+            remote = RemoteKV(source, tuple(kv.block_ids), tuple(request.first_token_ids),
+                              logprobs_from_proto(request.first_logprobs, params.n))
+            stream = self.engine.decode(request.request_id, list(request.prompt_token_ids),
+                                        params, remote)
+            async for outs in stream:
+                await self._check_errors(outs, context)
+                yield chunks_message(outs, params.logprobs is not None)
+        except grpc.aio.AioRpcError as e:  # the prefill worker could not be reached
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"prefill worker {request.kv.address}: {e.details()}")
+        except Exception as e:  # noqa: BLE001
+            await abort_for(context, e)
+
+    @staticmethod
+    async def _check_errors(outs: list[SeqOutput], context) -> None:
+        for o in outs:
+            if o.error is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, o.error)
+
+    # -- prefill peers -----------------------------------------------------------------------
+    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address,
+                                                                      options=GRPC_OPTIONS)
+        return worker_pb2_grpc.WorkerStub(ch)
+
+    async def _peer(self, address: str) -> RemotePool:
+        """The prefill worker's pool, registered and mapped on first use."""
+        pool = self.peers.get(address)
+        if pool is not None:
+            return pool
+        async with self._peer_locks.setdefault(address, asyncio.Lock()):
+            if address in self.peers:
+                return self.peers[address]
+            resp = await self._stub(address).Register(worker_pb2.RegisterRequest(
+                decode_worker_id=self.worker_id, layout=self.layout), timeout=30)
+            desc = descriptor_from_proto(resp.pool)
+            check_compatible(self.layout, desc)
+            device = self.engine.engine.runner.device
+            pool = await asyncio.to_thread(open_remote_pool, desc,
+                                           "cpu" if desc.transport == "shm" else device)
+            self.peers[address] = pool
+            log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id, desc.redacted())
+            return pool
+
+    def pull(self, remote: RemoteKV, dst_block_ids: list[int]) -> None:
+        """Engine thread: copy the prompt's KV in, then release the prefill side's lease."""
+        src: PullSource = remote.source
+        try:
+            if time.monotonic() > src.deadline:
+                raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
+            pull_blocks(src.pool, self.engine.engine.runner.pool, remote.block_ids,
+                        dst_block_ids)
+        finally:
+            self._release_soon(src)
+
+    def drop(self, remote: RemoteKV) -> None:
+        """Engine thread: the request ended before its KV was pulled; free the prefill side."""
+        self._release_soon(remote.source)
+
+    def _release_soon(self, src: PullSource) -> None:
+        self.engine.loop.call_soon_threadsafe(self._spawn_release, src)
+
+    def _spawn_release(self, src: PullSource) -> None:
+        task = asyncio.ensure_future(self._release(src))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, src: PullSource) -> None:
+        try:
+            resp = await self._stub(src.address).Release(
+                worker_pb2.ReleaseRequest(lease_id=src.lease_id), timeout=10)
+            if not resp.released:
+                log.warning("lease at %s had already ended when released", src.address)
+        except grpc.aio.AioRpcError as e:
+            log.warning("release at %s failed: %s (the lease will expire)", src.address,
+                        e.code().name)
+
+    async def on_stop(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        for ch in self._channels.values():
+            await ch.close()
+        for pool in self.peers.values():
+            pool.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    role = args.role
+
+    def make(engine, worker_id, address):
+        return DecodeServicer(engine, worker_id, address, role)
+
+    return main_worker(args, role, make, kv_hooks=lambda servicer: (servicer.pull, servicer.drop))
+
+
+def add_parser(sub, name: str) -> None:
+    if name == "decode":
+        p = sub.add_parser(name, help="run a decode worker")
+        p.set_defaults(role="decode")
+    else:
+        p = sub.add_parser(name, help="run a worker of any role (prefill, decode, both)")
+        p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+        p.add_argument("--transport", choices=["shm", "cuda_ipc"], default=None,
+                       help="role prefill: how decode workers reach this pool")
+        p.add_argument("--lease-ttl", type=float, default=30.0,
+                       help="role prefill: seconds blocks stay pinned for a decode worker")
+    add_worker_args(p)
+    p.set_defaults(func=_dispatch)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.role == "prefill":
+        from prefill_svc.server import run as run_prefill  # noqa: PLC0415
+
+        return run_prefill(args)
+    return run(args)

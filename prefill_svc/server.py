@@ -1,0 +1,99 @@
+"""The prefill worker: the engine in the prefill role.
+
+Prefill runs the prompt (chunked, prefix-cached, batched with other prompts), samples the first
+token of every sample, and pins the prompt's blocks under a lease until the decode worker that
+pulls them calls Release, or the lease expires. Register hands a decode worker this pool's
+descriptor (layout + handle), once per pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from engine.errors import LayoutMismatch
+from kvtransfer.descriptor import check_compatible
+from kvtransfer.pool import LocalPool, allocate_pool
+from tandem.convert import descriptor_to_proto, logprobs_to_proto, params_from_proto
+from tandem.v1 import worker_pb2
+from tandem.worker_base import WorkerServicer, abort_for, add_worker_args, main_worker
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServicer(WorkerServicer):
+    role = "prefill"
+
+    def __init__(self, engine, worker_id: str, address: str, pool: LocalPool) -> None:
+        super().__init__(engine, worker_id)
+        self.address = address
+        self.pool = pool
+
+    async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
+        try:
+            params = params_from_proto(request.params)
+            out = await self.engine.prefill(request.request_id, list(request.prompt_token_ids),
+                                            params)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            await abort_for(context, e)
+        if out.handoff is None:
+            await abort_for(context, RuntimeError(out.error or f"prefill ended: {out.finish_reason}"))
+        h = out.handoff
+        return worker_pb2.PrefillResponse(
+            first_token_ids=list(h.first_token_ids),
+            first_logprobs=[logprobs_to_proto(lp) for lp in h.first_logprobs]
+            if params.logprobs is not None else [],
+            finish_reasons=[r.value if r else "" for r in h.finish_reasons],
+            kv=worker_pb2.KVLocation(worker_id=self.worker_id, address=self.address,
+                                     block_ids=list(h.block_ids), num_tokens=h.num_tokens,
+                                     lease_id=h.lease_id, lease_ttl_ms=int(h.lease_ttl_s * 1000)),
+            num_cached_tokens=h.num_cached_tokens)
+
+    async def Release(self, request, context):  # noqa: N802
+        return worker_pb2.ReleaseResponse(released=await self.engine.release(request.lease_id))
+
+    async def Register(self, request, context):  # noqa: N802
+        mine = self.pool.descriptor
+        try:
+            check_compatible(mine, request.layout)
+        except LayoutMismatch as e:
+            log.warning("refused registration of %s: %s", request.decode_worker_id, e)
+            await abort_for(context, e)
+        log.info("decode worker %s registered (%s)", request.decode_worker_id,
+                 mine.redacted())
+        return worker_pb2.RegisterResponse(prefill_worker_id=self.worker_id,
+                                           pool=descriptor_to_proto(mine))
+
+    async def on_stop(self) -> None:
+        self.pool.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    transport = args.transport or ("shm" if args.device == "cpu" else "cuda_ipc")
+    pools: list[LocalPool] = []
+
+    def pool_factory(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        n, layers, _, bs, heads, dim = shape
+        pool = allocate_pool(num_blocks=n, num_layers=layers, block_size=bs, num_kv_heads=heads,
+                             head_dim=dim, dtype=dtype, device=device, transport=transport)
+        pools.append(pool)
+        return pool.tensor
+
+    def make(engine, worker_id, address):
+        engine.engine.lease_ttl_s = args.lease_ttl
+        return PrefillServicer(engine, worker_id, address, pools[-1])
+
+    return main_worker(args, "prefill", make, pool_factory=pool_factory)
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser(name, help="run a prefill worker")
+    add_worker_args(p)
+    p.add_argument("--transport", choices=["shm", "cuda_ipc"], default=None,
+                   help="how decode workers reach this pool (default: shm on cpu, cuda_ipc on "
+                        "cuda)")
+    p.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="seconds a finished prompt's blocks stay pinned for a decode worker")
+    p.set_defaults(func=run)

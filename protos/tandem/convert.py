@@ -1,0 +1,83 @@
+"""Wire <-> engine conversions shared by every service. The engine never imports *_pb2; the
+servicers call these."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.errors import InvalidArgument
+from engine.sampling_params import Logprob, SamplingParams, TokenLogprobs
+from kvtransfer.descriptor import PoolDescriptor
+from tandem.v1 import common_pb2, worker_pb2
+
+
+def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset fields take SamplingParams' defaults; bad values raise InvalidArgument naming the
+    field (as SamplingParams does)."""
+    kw = dict(
+        n=p.n or 1,
+        max_tokens=p.max_tokens or 16,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+    for name in ("temperature", "top_p", "repetition_penalty", "seed", "logprobs",
+                 "skip_special_tokens"):
+        if p.HasField(name):
+            kw[name] = getattr(p, name)
+    return SamplingParams(**kw)
+
+
+def params_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    p = common_pb2.SamplingParams(
+        n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+        min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        skip_special_tokens=s.skip_special_tokens)
+    if s.seed is not None:
+        p.seed = s.seed
+    if s.logprobs is not None:
+        p.logprobs = s.logprobs
+    return p
+
+
+def logprobs_to_proto(lp: TokenLogprobs | None) -> common_pb2.TokenLogprobs:
+    if lp is None:
+        return common_pb2.TokenLogprobs()
+    return common_pb2.TokenLogprobs(
+        sampled=common_pb2.Logprob(token_id=lp.sampled.token_id, logprob=lp.sampled.logprob),
+        top=[common_pb2.Logprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top])
+
+
+def logprobs_from_proto(items: Iterable[common_pb2.TokenLogprobs],
+                        count: int) -> tuple[TokenLogprobs | None, ...]:
+    """`count` entries; a missing list (logprobs not asked for) gives Nones."""
+    items = list(items)
+    if not items:
+        return (None,) * count
+    if len(items) != count:
+        raise InvalidArgument("first_logprobs", f"expected {count} entries, got {len(items)}")
+    return tuple(TokenLogprobs(Logprob(i.sampled.token_id, i.sampled.logprob),
+                               tuple(Logprob(t.token_id, t.logprob) for t in i.top))
+                 for i in items)
+
+
+def descriptor_to_proto(d: PoolDescriptor, with_handle: bool = True) -> worker_pb2.PoolDescriptor:
+    return worker_pb2.PoolDescriptor(
+        dtype=d.dtype, block_size=d.block_size, num_layers=d.num_layers,
+        num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, num_blocks=d.num_blocks,
+        transport=d.transport, handle=d.handle if with_handle else b"",
+        device_index=d.device_index, owner_pid=d.owner_pid)
+
+
+def descriptor_from_proto(p: worker_pb2.PoolDescriptor) -> PoolDescriptor:
+    return PoolDescriptor(
+        dtype=p.dtype, block_size=p.block_size, num_layers=p.num_layers,
+        num_kv_heads=p.num_kv_heads, head_dim=p.head_dim, num_blocks=p.num_blocks,
+        transport=p.transport, handle=p.handle, device_index=p.device_index,
+        owner_pid=p.owner_pid)

@@ -1,0 +1,129 @@
+"""What every worker role shares: flags, engine construction, the Abort and GetLoad RPCs, error
+mapping, and the run loop. Prefill (prefill_svc) and decode/colocated (decode_svc) servicers
+derive from WorkerServicer."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Callable
+
+import grpc
+
+from engine.errors import InvalidArgument, LayoutMismatch, ModelLoadError, Overloaded
+from engine.llm_engine import LLMEngine
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.lifecycle import Health, enable_reflection, make_server, serve_until_signal
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    from router_svc.cli import add_engine_args  # noqa: PLC0415
+
+    add_engine_args(p, prefix_caching_default=True)
+    g = p.add_argument_group("service")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
+    g.add_argument("--worker-id", default=None, help="default: ROLE@HOST:PORT")
+    g.add_argument("--grace", type=float, default=30.0,
+                   help="seconds to drain in-flight requests on SIGTERM")
+    g.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
+    g.add_argument("--ready-file", default=None,
+                   help="write the bound port here once serving (used by `tandem up`)")
+
+
+async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Map an engine error to a gRPC status (this raises, ending the RPC)."""
+    if isinstance(exc, InvalidArgument):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, LayoutMismatch):
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    if isinstance(exc, Overloaded):
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, ModelLoadError):
+        await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+    raise exc
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    role = "both"
+
+    def __init__(self, engine: AsyncEngine, worker_id: str) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+
+    async def Abort(self, request, context):  # noqa: N802 - gRPC method name
+        return worker_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
+
+    async def GetLoad(self, request, context):  # noqa: N802
+        s = self.engine.snapshot
+        return worker_pb2.Load(
+            worker_id=self.worker_id, role=self.role, num_running=s.num_running,
+            num_waiting=s.num_waiting, num_free_blocks=s.num_free_blocks,
+            num_blocks=s.num_blocks, num_leases=s.num_leases,
+            block_size=self.engine.engine.block_pool.block_size)
+
+    async def on_start(self) -> None:
+        """Hook: after the server is up (e.g. register with peers)."""
+
+    async def on_stop(self) -> None:
+        """Hook: after the server stopped, before the engine shuts down."""
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    return bound
+
+
+async def run_worker(args: argparse.Namespace, role: str,
+                     make_servicer: Callable[[LLMEngine, str, str], WorkerServicer],
+                     pool_factory=None, kv_hooks=None) -> None:
+    """config → engine → servicer → health (+ reflection) → start → signal → drain → stop."""
+    from router_svc.cli import engine_config  # noqa: PLC0415
+
+    config = engine_config(args, role=role)
+    server = make_server()
+    port = bind(server, args.host, args.port)
+    host = args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()
+    address = f"{host}:{port}"
+    worker_id = args.worker_id or f"{role}@{address}"
+    engine = LLMEngine(config, pool_factory=pool_factory, progress=False)
+    async_engine = AsyncEngine(engine)
+    servicer = make_servicer(async_engine, worker_id, address)
+    if kv_hooks is not None:
+        engine.kv_puller, engine.kv_dropper = kv_hooks(servicer)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health = Health(server, [WORKER_SERVICE])
+    if args.reflection:
+        enable_reflection(server, [WORKER_SERVICE])
+    async_engine.start()
+
+    def ready() -> None:
+        log.info("%s serving on %s (pid %d)", worker_id, address, os.getpid())
+        if args.ready_file:
+            tmp = f"{args.ready_file}.tmp"
+            with open(tmp, "w") as f:
+                f.write(str(port))
+            os.replace(tmp, args.ready_file)
+
+    async def stop() -> None:
+        await servicer.on_stop()
+        await async_engine.shutdown()
+
+    await servicer.on_start()
+    await serve_until_signal(server, health, grace_s=args.grace, on_stop=stop, ready=ready)
+
+
+def main_worker(args: argparse.Namespace, role: str, make_servicer, **kw) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(run_worker(args, role, make_servicer, **kw))
+    return 0

@@ -1,0 +1,124 @@
+"""What both public APIs (gRPC and OpenAI HTTP) share: validation, admission, and turning the
+workers' token stream into text deltas per sample, cut at stop strings, with running usage."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.config import ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidArgument, Overloaded
+from engine.sampling_params import SamplingParams, TokenLogprobs
+from engine.tokenizer import Tokenizer
+from router_svc.orchestrator import Orchestrator
+
+
+@dataclass
+class Delta:
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs | None]
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: str | None = None  # the stop string that ended the sample
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class ModelInfo:
+    id: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    block_size: int
+    max_n: int = 16
+    extra: dict = field(default_factory=dict)
+
+
+class Frontend:
+    def __init__(self, tokenizer: Tokenizer, orchestrator: Orchestrator, model: ModelInfo,
+                 max_requests: int = 1024) -> None:
+        self.tokenizer = tokenizer
+        self.orchestrator = orchestrator
+        self.model = model
+        self.max_requests = max_requests
+        self.active = 0
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid():x}-{uuid.uuid4().hex[:8]}"
+
+    @staticmethod
+    def model_info(model_id: str, cfg: ModelConfig, dtype: str, block_size: int,
+                   max_model_len: int | None) -> ModelInfo:
+        limit = min(max_model_len or cfg.max_model_len, cfg.max_model_len)
+        return ModelInfo(model_id, cfg.architecture, limit, cfg.vocab_size, dtype, block_size)
+
+    def new_request_id(self) -> str:
+        return f"req-{self._prefix}-{next(self._ids)}"
+
+    def check_model(self, name: str | None) -> None:
+        if name and name != self.model.id:
+            raise LookupError(f"model {name!r} is not served here (serving {self.model.id!r})")
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Everything that can be refused before a worker sees the request."""
+        if not prompt:
+            raise InvalidArgument("prompt", "must not be empty")
+        vocab = self.model.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument("prompt", f"token id {bad} is outside [0, {vocab})")
+        if len(prompt) >= self.model.max_model_len:
+            raise InvalidArgument("prompt", f"{len(prompt)} tokens; this model serves at most "
+                                            f"{self.model.max_model_len} tokens, prompt "
+                                            "included")
+        if params.n > self.model.max_n:
+            raise InvalidArgument("n", f"must be <= {self.model.max_n}, got {params.n}")
+
+    async def stream(self, request_id: str, prompt: list[int], params: SamplingParams,
+                     timeout: float | None = None) -> AsyncIterator[tuple[list[Delta], Usage]]:
+        """Deltas per engine step until every sample finished. Leaving early cancels the
+        request on its workers."""
+        self.validate(prompt, params)
+        if self.active >= self.max_requests:
+            raise Overloaded(f"{self.active} requests in flight (limit {self.max_requests})")
+        self.active += 1
+        try:
+            dets = [IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens,
+                                           params.stop) for _ in range(params.n)]
+            done: set[int] = set()
+            usage = Usage(prompt_tokens=len(prompt))
+            async for update in self.orchestrator.run(request_id, prompt, params, timeout):
+                usage.cached_prompt_tokens = update.num_cached_tokens
+                deltas = []
+                for s in update.samples:
+                    if s.index in done:
+                        continue  # past its stop string: the worker may still be generating
+                    usage.completion_tokens += len(s.token_ids)
+                    det = dets[s.index]
+                    step = det.push(s.token_ids)
+                    d = Delta(s.index, s.token_ids, step.text_delta, s.logprobs)
+                    if step.stopped:
+                        d.finish_reason, d.stop_reason = "stop", step.stop_reason
+                    elif s.finish_reason is not None:
+                        d.text += det.flush()
+                        d.finish_reason = s.finish_reason
+                    if d.finish_reason is not None:
+                        done.add(s.index)
+                    deltas.append(d)
+                if deltas:
+                    yield deltas, usage
+                if len(done) == params.n:
+                    return
+        finally:
+            self.active -= 1

@@ -1,0 +1,77 @@
+"""The public gRPC API, tandem.v1.Tandem: a thin servicer over the Frontend."""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.errors import InvalidArgument, Overloaded
+from router_svc.frontend import Frontend
+from router_svc.orchestrator import RouterError
+from tandem.convert import logprobs_to_proto, params_from_proto
+from tandem.v1 import api_pb2, api_pb2_grpc
+
+RETRY_AFTER_S = 1
+
+
+class TandemServicer(api_pb2_grpc.TandemServicer):
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    async def Generate(self, request, context):  # noqa: N802 - gRPC method name
+        fe = self.frontend
+        try:
+            fe.check_model(request.model)
+            params = params_from_proto(request.params)
+            if request.WhichOneof("prompt") == "text":
+                prompt = fe.tokenizer.encode(request.text)
+            else:
+                prompt = list(request.token_ids.ids)
+            rid = request.request_id or fe.new_request_id()
+            async for deltas, usage in fe.stream(rid, prompt, params, context.time_remaining()):
+                u = api_pb2.Usage(prompt_tokens=usage.prompt_tokens,
+                                  completion_tokens=usage.completion_tokens,
+                                  cached_prompt_tokens=usage.cached_prompt_tokens)
+                for d in deltas:
+                    yield api_pb2.GenerateResponse(
+                        request_id=rid, index=d.index, token_ids=d.token_ids, text=d.text,
+                        logprobs=[logprobs_to_proto(lp) for lp in d.logprobs]
+                        if params.logprobs is not None else [],
+                        finish_reason=d.finish_reason or "", stop_reason=d.stop_reason or "",
+                        usage=u)
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except LookupError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except Overloaded as e:
+            context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_S)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except RouterError as e:
+            await context.abort(e.code, e.message)
+
+    async def ListModels(self, request, context):  # noqa: N802
+        return api_pb2.ListModelsResponse(models=[self._info()])
+
+    async def GetModelInfo(self, request, context):  # noqa: N802
+        try:
+            self.frontend.check_model(request.model)
+        except LookupError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return self._info()
+
+    async def Tokenize(self, request, context):  # noqa: N802
+        tok = self.frontend.tokenizer
+        try:
+            if request.WhichOneof("input") == "chat":
+                msgs = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                ids = tok.apply_chat_template(msgs)
+            else:
+                ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return api_pb2.TokenizeResponse(token_ids=ids)
+
+    def _info(self) -> api_pb2.ModelInfo:
+        m = self.frontend.model
+        return api_pb2.ModelInfo(id=m.id, architecture=m.architecture,
+                                 max_model_len=m.max_model_len, vocab_size=m.vocab_size,
+                                 dtype=m.dtype, block_size=m.block_size)

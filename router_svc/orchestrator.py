@@ -1,0 +1,194 @@
+"""One request across the workers.
+
+Disaggregated:
+    Prefill(req) on a prefill worker ──▶ first token(s) + where the prompt's KV is (a lease)
+    Decode(req, kv, first tokens) on a decode worker ──▶ stream of tokens
+Colocated: Generate(req) on a `both` worker ──▶ stream of tokens.
+
+A leg that fails with UNAVAILABLE before the first token reached the client is retried on
+another worker; after that the request fails. Leaving early (client gone, deadline, stop
+string, error) cancels the open leg, and a lease that no decode worker released is released
+here. Once a Decode call is made, the lease belongs to the decode worker: it releases after its
+copy, or when the request ends before the copy; expiry covers a decode worker that died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from engine.sampling_params import SamplingParams, TokenLogprobs
+from router_svc.workers import Worker, WorkerSet
+from tandem.convert import logprobs_from_proto, params_to_proto
+from tandem.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+class RouterError(Exception):
+    """A request failed at the router; `code` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class SampleUpdate:
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    finish_reason: str | None  # stop | length | abort | None while it goes on
+
+
+@dataclass
+class Update:
+    samples: list[SampleUpdate]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+def _updates(msg: worker_pb2.TokenChunks, want_logprobs: bool) -> Update:
+    samples = []
+    for c in msg.chunks:
+        lps = (list(logprobs_from_proto(c.logprobs, len(c.token_ids))) if want_logprobs
+               else [None] * len(c.token_ids))
+        samples.append(SampleUpdate(c.sample_index, list(c.token_ids), lps,
+                                    c.finish_reason or None))
+    return Update(samples, msg.num_prompt_tokens, msg.num_cached_tokens)
+
+
+def _retryable(e: grpc.aio.AioRpcError) -> bool:
+    return e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def _as_router_error(e: grpc.aio.AioRpcError, leg: str) -> RouterError:
+    code = e.code()
+    if code == grpc.StatusCode.CANCELLED:
+        code = grpc.StatusCode.UNAVAILABLE
+    return RouterError(code, f"{leg}: {e.details()}")
+
+
+class Orchestrator:
+    def __init__(self, workers: WorkerSet) -> None:
+        self.workers = workers
+        self._background: set[asyncio.Task] = set()
+
+    async def run(self, request_id: str, prompt: list[int], params: SamplingParams,
+                  timeout: float | None = None) -> AsyncIterator[Update]:
+        if self.workers.disaggregated:
+            stream = self._disaggregated(request_id, prompt, params, timeout)
+        else:
+            stream = self._colocated(request_id, prompt, params, timeout)
+        async for u in stream:
+            yield u
+
+    # -- colocated ---------------------------------------------------------------------------
+    async def _colocated(self, rid: str, prompt: list[int], params: SamplingParams,
+                         timeout: float | None) -> AsyncIterator[Update]:
+        req = worker_pb2.GenerateOnWorkerRequest(request_id=rid, prompt_token_ids=prompt,
+                                                 params=params_to_proto(params))
+        tried: set[str] = set()
+        want_lp = params.logprobs is not None
+        while True:
+            w = self._pick(self.workers.pick_decode("both", tried), "colocated")
+            tried.add(w.address)
+            call = w.stub.Generate(req, timeout=timeout)
+            sent = False
+            w.in_flight += 1
+            try:
+                async for msg in call:
+                    sent = True
+                    yield _updates(msg, want_lp)
+                return
+            except grpc.aio.AioRpcError as e:
+                if not sent and _retryable(e):
+                    self.workers.mark_down(w)
+                    continue
+                raise _as_router_error(e, f"worker {w.address}") from None
+            finally:
+                w.in_flight -= 1
+                call.cancel()
+
+    # -- disaggregated -----------------------------------------------------------------------
+    async def _disaggregated(self, rid: str, prompt: list[int], params: SamplingParams,
+                             timeout: float | None) -> AsyncIterator[Update]:
+        wire_params = params_to_proto(params)
+        want_lp = params.logprobs is not None
+        p, resp = await self._prefill(rid, prompt, wire_params, timeout)
+        handed_over = False
+        try:
+            first = Update([SampleUpdate(
+                i, [tok], [logprobs_from_proto(resp.first_logprobs, params.n)[i]] if want_lp
+                else [None], resp.finish_reasons[i] or None)
+                for i, tok in enumerate(resp.first_token_ids)],
+                len(prompt), resp.num_cached_tokens)
+            yield first
+            if all(resp.finish_reasons):
+                return
+            d = self._pick(self.workers.pick_decode("decode"), "decode")
+            call = d.stub.Decode(worker_pb2.DecodeRequest(
+                request_id=rid, prompt_token_ids=prompt, params=wire_params, kv=resp.kv,
+                first_token_ids=resp.first_token_ids, first_logprobs=resp.first_logprobs),
+                timeout=timeout)
+            handed_over = True
+            d.in_flight += 1
+            try:
+                async for msg in call:
+                    yield _updates(msg, want_lp)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.workers.mark_down(d)
+                raise _as_router_error(e, f"decode worker {d.address}") from None
+            finally:
+                d.in_flight -= 1
+                call.cancel()
+        finally:
+            if not handed_over:
+                self._release_later(p, resp.kv.lease_id)
+
+    async def _prefill(self, rid: str, prompt: list[int], params, timeout: float | None
+                       ) -> tuple[Worker, worker_pb2.PrefillResponse]:
+        tried: set[str] = set()
+        req = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params)
+        while True:
+            p = self._pick(self.workers.pick_prefill(prompt, tried), "prefill")
+            tried.add(p.address)
+            p.in_flight += 1
+            call = p.stub.Prefill(req, timeout=timeout)
+            try:
+                return p, await call
+            except grpc.aio.AioRpcError as e:
+                if _retryable(e):
+                    self.workers.mark_down(p)
+                    continue
+                raise _as_router_error(e, f"prefill worker {p.address}") from None
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            finally:
+                p.in_flight -= 1
+
+    def _pick(self, w: Worker | None, role: str) -> Worker:
+        if w is None:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker")
+        return w
+
+    def _release_later(self, p: Worker, lease_id: str) -> None:
+        async def release() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await p.stub.Release(worker_pb2.ReleaseRequest(lease_id=lease_id), timeout=10)
+
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,112 @@
+"""`tandem router`: the public gRPC API and the OpenAI-compatible HTTP API in one process, over
+one WorkerSet. Same start-up and shut-down order as the workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from engine.config import ModelConfig
+from engine.model_source import resolve_model
+from engine.serving.lifecycle import Health, enable_reflection, make_server, serve_until_signal
+from engine.tokenizer import Tokenizer
+from router_svc.frontend import Frontend
+from router_svc.grpc_api import TandemServicer
+from router_svc.orchestrator import Orchestrator
+from router_svc.workers import WorkerSet
+from tandem.v1 import api_pb2, api_pb2_grpc
+from tandem.worker_base import bind
+
+log = logging.getLogger(__name__)
+
+API_SERVICE = api_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
+
+
+def _addresses(values: list[str] | None) -> list[str]:
+    return [a for v in values or [] for a in v.split(",") if a]
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser(name, help="run the router (public gRPC + OpenAI HTTP API)")
+    add_router_args(p)
+    p.set_defaults(func=run)
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="the served model (for its tokenizer)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients use (default: --model)")
+    p.add_argument("--prefill", action="append", help="prefill worker address(es), host:port")
+    p.add_argument("--decode", action="append", help="decode worker address(es)")
+    p.add_argument("--workers", action="append", help="colocated (role both) worker address(es)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port; -1: off")
+    p.add_argument("--max-requests", type=int, default=1024,
+                   help="requests in flight (queued included) before RESOURCE_EXHAUSTED / 429")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                   help="require this bearer token on HTTP (default: $TANDEM_API_KEY)")
+    p.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
+    p.add_argument("--grace", type=float, default=30.0)
+    p.add_argument("--ready-file", default=None)
+
+
+async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = None) -> None:
+    model_dir = resolve_model(args.model)
+    cfg = ModelConfig.from_dir(model_dir)
+    tokenizer = Tokenizer(model_dir)
+    workers = WorkerSet(_addresses(args.prefill), _addresses(args.decode),
+                        _addresses(args.workers), block_size=args.block_size)
+    if not workers.workers:
+        raise SystemExit("tandem router: give --prefill and --decode, or --workers")
+    if workers.disaggregated and not workers.by_role("decode", healthy_only=False):
+        raise SystemExit("tandem router: --prefill needs at least one --decode worker")
+    orchestrator = Orchestrator(workers)
+    info = Frontend.model_info(args.served_model_name or args.model, cfg, args.dtype,
+                               args.block_size, args.max_model_len)
+    frontend = Frontend(tokenizer, orchestrator, info, args.max_requests)
+
+    server = make_server()
+    grpc_port = bind(server, args.host, args.grpc_port)
+    api_pb2_grpc.add_TandemServicer_to_server(TandemServicer(frontend), server)
+    health = Health(server, [API_SERVICE])
+    if args.reflection:
+        enable_reflection(server, [API_SERVICE])
+    await workers.start()
+
+    http = None
+    http_port = None
+    if args.http_port >= 0:
+        from router_svc.http_api import HttpServer  # noqa: PLC0415
+
+        http = HttpServer(frontend, workers, args.host, args.http_port, args.api_key)
+        http_port = await http.start()
+
+    def ready() -> None:
+        log.info("router: gRPC on %s:%d, HTTP on %s, %d workers", args.host, grpc_port,
+                 f"{args.host}:{http_port}" if http else "off", len(workers.workers))
+        if args.ready_file:
+            tmp = f"{args.ready_file}.tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{grpc_port} {http_port or 0}")
+            os.replace(tmp, args.ready_file)
+
+    async def stop() -> None:
+        if http is not None:
+            await http.stop()
+        await orchestrator.close()
+        await workers.close()
+
+    await serve_until_signal(server, health, grace_s=args.grace, on_stop=stop, ready=ready,
+                             stop_event=stop_event)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(serve(args))
+    return 0

@@ -1,0 +1,158 @@
+"""The router's view of its workers: channels, health, load, and the two picking policies.
+
+Prefill: prefix-cache affinity. The router remembers which prefill worker last ran each block
+prefix (chained block hashes, as the workers' prefix caches key them); a prompt goes to the
+worker holding its longest remembered prefix, unless that worker is busier than the least
+loaded one by more than `balance_slack` requests, then to the least loaded.
+
+Decode (and colocated): the worker with the most free KV blocks per request in flight.
+
+Health: every worker's GetLoad is polled; a worker that fails a poll or an RPC with UNAVAILABLE
+is taken out until it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.block_pool import hash_block
+from engine.serving.lifecycle import GRPC_OPTIONS
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+AFFINITY_BLOCKS = 8  # prefix blocks remembered per routed prompt
+AFFINITY_ENTRIES = 65536  # LRU bound on remembered prefixes
+
+
+@dataclass
+class Worker:
+    address: str
+    role: str  # prefill | decode | both
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    healthy: bool = False
+    load: worker_pb2.Load = field(default_factory=worker_pb2.Load)
+    in_flight: int = 0  # requests this router has on the worker now
+    last_seen: float = 0.0
+
+    @property
+    def free_blocks(self) -> int:
+        return self.load.num_free_blocks
+
+    def score_load(self) -> int:
+        return self.in_flight + self.load.num_waiting
+
+
+class WorkerSet:
+    def __init__(self, prefill: list[str], decode: list[str], both: list[str], *,
+                 poll_interval_s: float = 0.5, balance_slack: int = 4,
+                 block_size: int = 16) -> None:
+        self.workers: list[Worker] = []
+        for role, addrs in (("prefill", prefill), ("decode", decode), ("both", both)):
+            for a in addrs:
+                ch = grpc.aio.insecure_channel(a, options=GRPC_OPTIONS)
+                self.workers.append(Worker(a, role, ch, worker_pb2_grpc.WorkerStub(ch)))
+        self.poll_interval_s = poll_interval_s
+        self.balance_slack = balance_slack
+        self.block_size = block_size
+        self._affinity: OrderedDict[int, str] = OrderedDict()
+        self._poller: asyncio.Task | None = None
+        self._changed = asyncio.Event()
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(w.role == "prefill" for w in self.workers)
+
+    def by_role(self, role: str, healthy_only: bool = True) -> list[Worker]:
+        return [w for w in self.workers if w.role == role and (w.healthy or not healthy_only)]
+
+    # -- health ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.poll_once()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        for w in self.workers:
+            await w.channel.close()
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(w) for w in self.workers))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            await self.poll_once()
+
+    async def _poll(self, w: Worker) -> None:
+        try:
+            w.load = await w.stub.GetLoad(worker_pb2.GetLoadRequest(),
+                                          timeout=max(1.0, self.poll_interval_s * 2))
+        except grpc.aio.AioRpcError as e:
+            if w.healthy:
+                log.warning("worker %s (%s) is down: %s", w.address, w.role, e.code().name)
+            w.healthy = False
+            return
+        if not w.healthy:
+            log.info("worker %s (%s, %s) is up", w.address, w.role, w.load.worker_id)
+        w.healthy = True
+        w.last_seen = time.monotonic()
+        if w.load.block_size:
+            self.block_size = w.load.block_size
+
+    def mark_down(self, w: Worker) -> None:
+        if w.healthy:
+            log.warning("worker %s (%s) failed a call: taken out", w.address, w.role)
+        w.healthy = False
+
+    def all_healthy(self) -> bool:
+        return all(w.healthy for w in self.workers)
+
+    # -- picking -----------------------------------------------------------------------------
+    def prefix_hashes(self, prompt: list[int]) -> list[int]:
+        bs = self.block_size
+        hashes: list[int] = []
+        for i in range(min(len(prompt) // bs, AFFINITY_BLOCKS)):
+            hashes.append(hash_block(hashes[-1] if hashes else None, prompt[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def pick_prefill(self, prompt: list[int], exclude: set[str] = frozenset()) -> Worker | None:
+        candidates = [w for w in self.by_role("prefill") if w.address not in exclude]
+        if not candidates:
+            return None
+        least = min(candidates, key=Worker.score_load)
+        hashes = self.prefix_hashes(prompt)
+        chosen = least
+        by_addr = {w.address: w for w in candidates}
+        for h in reversed(hashes):  # longest remembered prefix first
+            addr = self._affinity.get(h)
+            if addr in by_addr:
+                w = by_addr[addr]
+                if w.score_load() - least.score_load() <= self.balance_slack:
+                    chosen = w
+                break
+        for h in hashes:
+            self._affinity[h] = chosen.address
+            self._affinity.move_to_end(h)
+        while len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+        return chosen
+
+    def pick_decode(self, role: str = "decode", exclude: set[str] = frozenset()) -> Worker | None:
+        candidates = [w for w in self.by_role(role) if w.address not in exclude]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda w: (w.free_blocks / (1 + w.in_flight +
+                                                               w.load.num_running),
+                                              -w.in_flight))
