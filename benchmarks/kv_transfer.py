@@ -1,0 +1,290 @@
+"""Move the KV of one 2k-token prompt from a prefill worker's GPU to a decode worker's GPU, the
+way Tandem does, against the ways it could, and against the link's bound.
+
+Llama-3.1-8B-shaped pool: 32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks, so one
+block is 2 MiB and a 2048-token prompt is 128 blocks, 268 MB.
+
+A producer process (the prefill worker) allocates a cuda_ipc pool on GPU 0 and fills it with a
+pattern. This process (the decode worker) opens it over CUDA IPC on GPU 1, as in deployment,
+and moves 128 blocks chosen by scattered ids into scattered blocks of its own pool with:
+
+    pull_blocks              kvtransfer: one kernels.copy_blocks launch, then a stream sync
+    torch index_select+copy  gather into a temporary on GPU 1, then index_copy_
+    memcpy per block         one cudaMemcpyAsync per 2 MiB block (128 calls)
+    memcpy per layer chunk   one per block, layer and K/V, 32 KiB each (8192 calls): what a
+                             layer-major pool would need
+    contiguous IPC memcpy    one cudaMemcpyAsync of 128 adjacent blocks over the IPC mapping
+
+and, as the bound, one large peer copy: torch copy_ of a contiguous 268 MB tensor GPU 0 ->
+GPU 1, measured in the same run. Every method's result is checked byte for byte. With one GPU,
+everything runs on GPU 0 and the bound is a device-to-device copy.
+
+Times are CUDA-event medians on the decode side's stream. pull_blocks' own wall-clock seconds
+(id upload, launch, sync) are reported too.
+
+    python benchmarks/kv_transfer.py --out kv_transfer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import multiprocessing as mp
+import random
+import statistics
+import sys
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from kvtransfer.descriptor import PoolDescriptor
+from kvtransfer.pool import TORCH_DTYPES, allocate_pool
+from kvtransfer.remote import open_remote_pool, pull_blocks
+
+CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the (UVA) pointers
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--prompt-tokens", type=int, default=2048, help="tokens whose KV moves")
+    p.add_argument("--num-layers", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="bfloat16")
+    p.add_argument("--pool-blocks", type=int, default=1024,
+                   help="blocks in each pool (producer and consumer); ids are drawn from these")
+    p.add_argument("--src-device", type=int, default=0, help="the producer's GPU")
+    p.add_argument("--dst-device", type=int, default=None,
+                   help="the consumer's GPU (default: 1 if there are two GPUs, else 0)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    return p.parse_args()
+
+
+def fill_pattern(pool: torch.Tensor) -> None:
+    """Block b holds (b * 1009 + i) % 251 at flat index i: exact in every KV dtype."""
+    flat = pool.view(pool.shape[0], -1)
+    i = torch.arange(flat.shape[1], device=pool.device, dtype=torch.int32)
+    for start in range(0, flat.shape[0], 16):
+        b = torch.arange(start, min(start + 16, flat.shape[0]), device=pool.device,
+                         dtype=torch.int32)
+        flat[start:start + 16] = ((b[:, None] * 1009 + i) % 251).to(pool.dtype)
+
+
+def blocks_match(pool: torch.Tensor, dst_ids: list[int], src_ids: list[int]) -> bool:
+    """Whether pool blocks dst_ids[k] hold the producer's pattern of blocks src_ids[k]."""
+    flat = pool.view(pool.shape[0], -1)
+    i = torch.arange(flat.shape[1], device=pool.device, dtype=torch.int32)
+    for start in range(0, len(src_ids), 16):
+        s = torch.tensor(src_ids[start:start + 16], device=pool.device, dtype=torch.int32)
+        d = torch.tensor(dst_ids[start:start + 16], device=pool.device)
+        if not torch.equal(flat[d], ((s[:, None] * 1009 + i) % 251).to(pool.dtype)):
+            return False
+    return True
+
+
+def producer(conn: Connection, device: int, shape: dict[str, int], dtype: str) -> None:
+    """The prefill worker: owns a pattern-filled pool until told to stop (or the pipe closes),
+    then reports whether its memory is freed."""
+    pool = allocate_pool(device=f"cuda:{device}", transport="cuda_ipc",
+                         dtype=TORCH_DTYPES[dtype], **shape)
+    fill_pattern(pool.tensor)
+    torch.cuda.synchronize(device)
+    conn.send(pool.descriptor)
+    with contextlib.suppress(EOFError):
+        conn.recv()
+    pool.close()
+    with contextlib.suppress(OSError):
+        conn.send(not pool.mapped)
+
+
+def time_op(op: Callable[[], object], device: torch.device, warmup: int,
+            repeats: int) -> list[float]:
+    """Seconds per call of `op`, by CUDA events on the current stream of `device`."""
+    stream = torch.cuda.current_stream(device)
+    for _ in range(warmup):
+        op()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        op()
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA device")
+    src_dev = args.src_device
+    dst_dev = args.dst_device
+    if dst_dev is None:
+        dst_dev = 1 if torch.cuda.device_count() > 1 else 0
+    shape = dict(num_blocks=args.pool_blocks, num_layers=args.num_layers,
+                 block_size=args.block_size, num_kv_heads=args.num_kv_heads,
+                 head_dim=args.head_dim)
+    n = math.ceil(args.prompt_tokens / args.block_size)
+    rng = random.Random(args.seed)
+    src_ids = rng.sample(range(args.pool_blocks), n)  # distinct, scattered, unordered
+    dst_ids = rng.sample(range(args.pool_blocks), n)
+
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=producer, args=(child_conn, src_dev, shape, args.dtype))
+    proc.start()
+    child_conn.close()  # so that a dead producer reads as EOF here
+    try:
+        desc: PoolDescriptor = conn.recv()
+        results = run(args, desc, src_dev, dst_dev, shape, src_ids, dst_ids)
+        conn.send("stop")
+        results["producer_freed_its_pool"] = conn.recv()
+    finally:
+        conn.close()
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    report(results)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if not all(m["correct"] for m in results["methods"].values()):
+        sys.exit("some method moved the wrong bytes (see 'correct')")
+
+
+def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: int,
+        shape: dict[str, int], src_ids: list[int], dst_ids: list[int]) -> dict[str, Any]:
+    """The decode worker: open the producer's pool, time and check every method."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    dev = torch.device("cuda", dst_dev)
+    torch.cuda.set_device(dev)
+    remote = open_remote_pool(desc, dev)
+    local = allocate_pool(device=dev, transport="cuda_ipc", dtype=TORCH_DTYPES[args.dtype],
+                          **shape)
+    src_pool, dst_pool = remote.tensor, local.tensor
+    bb = desc.block_bytes
+    n = len(src_ids)
+    nbytes = n * bb
+    src_t = torch.tensor(src_ids, device=dev)
+    dst_t = torch.tensor(dst_ids, device=dev)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    chunk = bb // (args.num_layers * 2)  # one layer's K or V of one block
+
+    def memcpy(dst: int, src: int, size: int) -> None:
+        runtime.memcpyAsync(dst, src, size, CUDA_MEMCPY_DEFAULT, stream)
+
+    def per_block() -> None:
+        s0, d0 = src_pool.data_ptr(), dst_pool.data_ptr()
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            memcpy(d0 + d * bb, s0 + s * bb, bb)
+
+    def per_chunk() -> None:
+        s0, d0 = src_pool.data_ptr(), dst_pool.data_ptr()
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            for c in range(0, bb, chunk):
+                memcpy(d0 + d * bb + c, s0 + s * bb + c, chunk)
+
+    contiguous_src = list(range(n))  # blocks 0..n-1 of the producer, one contiguous range
+    contiguous_dst = list(range(n))
+
+    def contiguous() -> None:
+        memcpy(dst_pool.data_ptr(), src_pool.data_ptr(), nbytes)
+
+    pull_seconds: list[float] = []
+
+    def pull() -> None:
+        pull_seconds.append(pull_blocks(remote, dst_pool, src_ids, dst_ids).seconds)
+
+    methods: dict[str, tuple[Callable[[], object], list[int], list[int]]] = {
+        "pull_blocks (copy_blocks kernel)": (pull, src_ids, dst_ids),
+        "torch index_select + index_copy_": (
+            lambda: dst_pool.index_copy_(0, dst_t, src_pool.index_select(0, src_t)),
+            src_ids, dst_ids),
+        "cudaMemcpyAsync per 2 MiB block": (per_block, src_ids, dst_ids),
+        f"cudaMemcpyAsync per {chunk // 1024} KiB layer chunk": (per_chunk, src_ids, dst_ids),
+        "one cudaMemcpyAsync, contiguous, over IPC": (contiguous, contiguous_src, contiguous_dst),
+    }
+    out: dict[str, dict[str, Any]] = {}
+    with cupy.cuda.Device(dst_dev):
+        out["one large peer copy (bound)"] = large_copy(nbytes, src_dev, dev, args)
+        for name, (op, s_ids, d_ids) in methods.items():
+            dst_pool.zero_()
+            op()
+            torch.cuda.synchronize(dev)
+            correct = blocks_match(dst_pool, d_ids, s_ids)
+            times = time_op(op, dev, args.warmup, args.repeats)
+            out[name] = summary(times, nbytes, correct)
+    bound = out["one large peer copy (bound)"]["gbps"]
+    for m in out.values():
+        m["vs_large_copy"] = m["gbps"] / bound
+    out["pull_blocks (copy_blocks kernel)"]["wall_clock_median_ms"] = (
+        statistics.median(pull_seconds[-args.repeats:]) * 1e3)  # the timed calls only
+    remote.close()
+    local.close()
+    return {
+        "src_card": torch.cuda.get_device_name(src_dev),
+        "dst_card": torch.cuda.get_device_name(dst_dev),
+        "src_device": src_dev, "dst_device": dst_dev,
+        "gpus": torch.cuda.device_count(),
+        "peer_access": (torch.cuda.can_device_access_peer(dst_dev, src_dev)
+                        if dst_dev != src_dev else None),
+        "producer": "separate process, pool opened over CUDA IPC",
+        "config": {**shape, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
+                   "blocks_moved": n, "block_bytes": bb, "bytes_moved": nbytes,
+                   "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed},
+        "torch": torch.__version__, "cupy": cupy.__version__,
+        "methods": out,
+    }
+
+
+def large_copy(nbytes: int, src_dev: int, dev: torch.device,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """The bound: one copy of `nbytes` contiguous bytes GPU src -> GPU dst in this process."""
+    big_src = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{src_dev}").random_(0, 256)
+    big_dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    times = time_op(lambda: big_dst.copy_(big_src), dev, args.warmup, args.repeats)
+    return summary(times, nbytes, torch.equal(big_dst.cpu(), big_src.cpu()))
+
+
+def summary(times: list[float], nbytes: int, correct: bool) -> dict[str, Any]:
+    median = statistics.median(times)
+    return {"median_ms": median * 1e3, "min_ms": min(times) * 1e3, "gbps": nbytes / median / 1e9,
+            "correct": correct}
+
+
+def report(r: dict[str, Any]) -> None:
+    c = r["config"]
+    print(f"src GPU {r['src_device']}: {r['src_card']}   dst GPU {r['dst_device']}: {r['dst_card']}"
+          f"   peer access: {r['peer_access']}   torch {r['torch']}, cupy {r['cupy']}")
+    print(f"pool: {c['num_layers']} layers x {c['num_kv_heads']} KV heads x {c['head_dim']} "
+          f"head_dim, {c['dtype']}, {c['block_size']}-token blocks = "
+          f"{c['block_bytes'] / 2**20:.2f} MiB/block; {c['prompt_tokens']} tokens = "
+          f"{c['blocks_moved']} blocks = {c['bytes_moved'] / 1e6:.1f} MB; producer in a separate "
+          f"process; median of {c['repeats']}")
+    print(f"{'method':<44} {'ms':>8} {'GB/s':>8} {'vs large':>9}  ok")
+    for name, m in r["methods"].items():
+        print(f"{name:<44} {m['median_ms']:>8.3f} {m['gbps']:>8.1f} {m['vs_large_copy']:>9.2f}  "
+              f"{'yes' if m['correct'] else 'NO'}")
+    pull = r["methods"]["pull_blocks (copy_blocks kernel)"]
+    print(f"pull_blocks wall clock (ids upload + launch + sync): {pull['wall_clock_median_ms']:.3f}"
+          f" ms median; producer freed its pool on stop: {r['producer_freed_its_pool']}")
+
+
+if __name__ == "__main__":
+    main()
