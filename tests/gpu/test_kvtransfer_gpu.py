@@ -86,7 +86,7 @@ def _physical(index: int) -> str:
 class Producer:
     """A process that owns a pattern-filled cuda_ipc pool until stop()."""
 
-    def __init__(self, visible: str) -> None:
+    def __init__(self, visible: str | None = None) -> None:
         cfg = json.dumps({"num_blocks": NUM_BLOCKS, "shape": SHAPE})
         self.proc = subprocess.Popen([sys.executable, "-c", _PRODUCER, cfg], cwd=REPO,
                                      env=_env(visible), stdin=subprocess.PIPE,
@@ -106,8 +106,8 @@ class Producer:
 
 @pytest.fixture(scope="module")
 def producer() -> Iterator[Producer]:
-    """Owns its pool on this process's GPU 0 (seen as its own cuda:0)."""
-    p = Producer(_physical(0))
+    """Sees the GPUs this process sees, owns its pool on GPU 0."""
+    p = Producer()
     yield p
     assert "closed False" in p.stop()  # the owner freed its allocation
 
