@@ -130,9 +130,10 @@ class IncrementalDetokenizer:
         """Add one token; return the text it completes ("" while it is held)."""
         self._ids.append(tid)
         text = self._decode(self._ids, skip_special_tokens=self._skip)
+        if len(text) <= len(self._prefix_text):  # no text yet (e.g. skipped special tokens)
+            return ""
         held = len(self._ids) - self._read_offset
-        if (len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT)) \
-                and held < MAX_HELD_TOKENS:
+        if text.endswith(REPLACEMENT) and held < MAX_HELD_TOKENS:
             return ""
         new = text[len(self._prefix_text):]
         del self._ids[:self._read_offset]  # slide: the tokens just read become the context

@@ -284,6 +284,15 @@ def test_first_token_keeps_its_space_after_the_prompt(sp):
     assert "".join(deltas) == "world peace"
 
 
+def test_space_survives_a_run_of_skipped_special_tokens(sp):
+    # Tokens that add no text stay in the window, so the context before them still counts.
+    prompt = sp.encode("hello there")
+    eos = sp.encode("</s>", add_special_tokens=False)
+    out = eos * (MAX_HELD_TOKENS + 8) + sp.encode("world", add_special_tokens=False)
+    _, deltas = stream(sp, prompt, out, [1])
+    assert "".join(deltas) == " world"
+
+
 def test_prompt_ending_inside_a_character(demo):
     # The prompt ends with the first byte of "€"; the output's bytes cannot complete it
     # (the prompt is already shown), so they decode as they would alone.
