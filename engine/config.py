@@ -128,7 +128,17 @@ class ModelConfig:
         if not p.is_file():
             raise ModelLoadError(f"model: no config.json in {path}")
         try:
-            return cls.from_hf_dict(json.loads(p.read_text()))
+            cfg = json.loads(p.read_text())
+            # Instruct checkpoints list end-of-turn ids (e.g. <|eot_id|>) only in
+            # generation_config.json; generation stops at any of them.
+            gen = Path(path) / "generation_config.json"
+            if gen.is_file():
+                extra = json.loads(gen.read_text()).get("eos_token_id")
+                extra = extra if isinstance(extra, list) else [] if extra is None else [extra]
+                base = cfg.get("eos_token_id")
+                base = base if isinstance(base, list) else [] if base is None else [base]
+                cfg = {**cfg, "eos_token_id": list(dict.fromkeys(base + extra))}
+            return cls.from_hf_dict(cfg)
         except (KeyError, json.JSONDecodeError) as e:
             raise ModelLoadError(f"model: config.json in {path} is invalid: {e!r}") from e
 

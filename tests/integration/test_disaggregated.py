@@ -1,0 +1,221 @@
+"""Router, prefill and decode as separate processes on 127.0.0.1 with the shm transport:
+outputs equal the offline engine's, and every pool ends idle whatever happens to a request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from cluster import Cluster
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tandem.convert import params_to_proto
+from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
+
+WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
+PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(4 + 9 * i)] for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("disagg"), str(tiny_models["llama"]),
+                worker_args=WORKER_ARGS, prefill_args=["--lease-ttl", "3"],
+                router_args=["--http-port", "-1"]).start()
+    yield c
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_models):
+    return LLM(str(tiny_models["llama"]), progress=False, num_blocks=256)
+
+
+@pytest.fixture(autouse=True)
+def idle_after(cluster):
+    yield
+    asyncio.run(cluster.wait_idle())
+
+
+async def generate(stub, prompt, params: SamplingParams, timeout=None):
+    """Token ids per sample and the finish reasons, from the public API."""
+    req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompt),
+                                  params=params_to_proto(params))
+    tokens: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    async for chunk in stub.Generate(req, timeout=timeout):
+        tokens.setdefault(chunk.index, []).extend(chunk.token_ids)
+        if chunk.finish_reason:
+            reasons[chunk.index] = chunk.finish_reason
+    return [tokens[i] for i in sorted(tokens)], reasons
+
+
+def test_greedy_16_concurrent_match_offline(cluster, offline):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    expected = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, params)]
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            stub = cluster.api(ch)
+            return await asyncio.gather(*(generate(stub, p, params) for p in PROMPTS))
+
+    results = asyncio.run(main())
+    assert [r[0][0] for r in results] == expected
+
+
+def test_seeded_sampling_and_n3_match_colocated(cluster, offline):
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=77, max_tokens=16)
+    n3 = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    exp_seeded = [o.token_ids for o in offline.generate([PROMPTS[3]], seeded)[0].outputs]
+    exp_n3 = [o.token_ids for o in offline.generate([PROMPTS[5]], n3)[0].outputs]
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            stub = cluster.api(ch)
+            return await asyncio.gather(generate(stub, PROMPTS[3], seeded),
+                                        generate(stub, PROMPTS[5], n3))
+
+    (got_seeded, _), (got_n3, reasons) = asyncio.run(main())
+    assert got_seeded == exp_seeded
+    assert got_n3 == exp_n3 and len(got_n3) == 3 and reasons == {0: "length", 1: "length",
+                                                                  2: "length"}
+
+
+def test_client_cancel_mid_stream_frees_everything(cluster):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            stub = cluster.api(ch)
+            calls = []
+            for p in PROMPTS[:6]:
+                call = stub.Generate(api_pb2.GenerateRequest(
+                    token_ids=api_pb2.TokenIds(ids=p), params=params_to_proto(params)))
+                calls.append(call)
+            for i, call in enumerate(calls):
+                # Half are cancelled right after the first token (the KV is being handed to
+                # the decode worker), half after several decode steps.
+                for _ in range(1 if i % 2 else 6):
+                    await call.read()
+                call.cancel()
+            await asyncio.sleep(0.2)
+
+    asyncio.run(main())
+
+
+def test_deadline_mid_stream(cluster):
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await generate(cluster.api(ch), PROMPTS[8], params, timeout=0.5)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    asyncio.run(main())
+
+
+def test_decode_side_never_pulls_lease_expires(cluster):
+    """A prefill whose KV nobody pulls: the lease (3 s here) expires and the blocks return.
+    A release that comes after that is ignored, not an error."""
+    p = cluster.workers("prefill")[0]
+
+    async def main():
+        async with grpc.aio.insecure_channel(p.address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            resp = await stub.Prefill(worker_pb2.PrefillRequest(
+                request_id="orphan", prompt_token_ids=PROMPTS[10],
+                params=params_to_proto(SamplingParams(temperature=0, max_tokens=8))))
+            load = await stub.GetLoad(worker_pb2.GetLoadRequest())
+            assert load.num_leases == 1 and load.num_free_blocks < load.num_blocks
+            assert len(resp.kv.block_ids) == -(len(PROMPTS[10]) // -16)
+            t0 = time.monotonic()
+            await cluster.wait_idle(timeout=10, procs=[p])
+            assert time.monotonic() - t0 > 1.0  # it was the lease that ended it
+            late = await stub.Release(worker_pb2.ReleaseRequest(lease_id=resp.kv.lease_id))
+            assert late.released is False
+            unknown = await stub.Release(worker_pb2.ReleaseRequest(lease_id="no-such-lease"))
+            assert unknown.released is False
+
+    asyncio.run(main())
+
+
+def test_registration_with_a_different_layout_is_refused(cluster):
+    p = cluster.workers("prefill")[0]
+
+    async def main():
+        async with grpc.aio.insecure_channel(p.address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            ok = await stub.Register(worker_pb2.RegisterRequest(
+                decode_worker_id="probe", layout=worker_pb2.PoolDescriptor(
+                    dtype="float32", block_size=16, num_layers=2, num_kv_heads=2, head_dim=64)))
+            assert ok.pool.transport == "shm" and ok.pool.num_blocks == 256
+            for field, bad in [("block_size", 32), ("head_dim", 128), ("dtype", "bfloat16"),
+                               ("num_layers", 4), ("num_kv_heads", 8)]:
+                layout = dict(dtype="float32", block_size=16, num_layers=2, num_kv_heads=2,
+                              head_dim=64)
+                layout[field] = bad
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Register(worker_pb2.RegisterRequest(
+                        decode_worker_id="probe", layout=worker_pb2.PoolDescriptor(**layout)))
+                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert field in e.value.details()
+
+    asyncio.run(main())
+
+
+def test_bad_input_is_refused_before_any_block(cluster):
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            stub = cluster.api(ch)
+            cases = [
+                (api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=[])), "prompt"),
+                (api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=[1, 99999])), "prompt"),
+                (api_pb2.GenerateRequest(text="hi", params=params_to_proto(
+                    SamplingParams(max_tokens=4)).__class__(max_tokens=4, top_p=1.5)), "top_p"),
+                (api_pb2.GenerateRequest(text="hi", params=params_to_proto(
+                    SamplingParams()).__class__(temperature=-1)), "temperature"),
+            ]
+            for req, field in cases:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await generate_raw(stub, req)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+                assert field in e.value.details()
+
+    asyncio.run(main())
+
+
+async def generate_raw(stub, req):
+    return [c async for c in stub.Generate(req)]
+
+
+def test_decode_worker_killed_mid_stream(tiny_models, tmp_path):
+    c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=WORKER_ARGS,
+                prefill_args=["--lease-ttl", "3"], router_args=["--http-port", "-1"]).start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+        async def main():
+            async with grpc.aio.insecure_channel(c.router.address) as ch:
+                stub = c.api(ch)
+                calls = [stub.Generate(api_pb2.GenerateRequest(
+                    token_ids=api_pb2.TokenIds(ids=p), params=params_to_proto(params)))
+                    for p in PROMPTS[:4]]
+                for call in calls:
+                    for _ in range(3):
+                        await call.read()
+                c.kill("decode0")
+                for call in calls:
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        while (await call.read()) is not grpc.aio.EOF:
+                            pass
+                    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                # The prefill pool is idle again (the decode side released after its pulls).
+                await c.wait_idle(procs=c.workers("prefill"))
+
+        asyncio.run(main())
+    finally:
+        c.stop()
