@@ -12,7 +12,7 @@ Plain Python: no torch import, so the router and the tests can use it anywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from engine.config import DTYPES
 from engine.errors import InvalidArgument, LayoutMismatch
@@ -116,7 +116,23 @@ class PoolDescriptor:
         }
 
 
-def check_compatible(local: PoolDescriptor, remote: PoolDescriptor) -> None:
+class PoolLayout(Protocol):
+    """What check_compatible reads: a PoolDescriptor, or anything with these fields (a decode
+    worker's layout, sent without a handle)."""
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+def check_compatible(local: PoolLayout, remote: PoolLayout) -> None:
     """Raise LayoutMismatch naming the first of LAYOUT_FIELDS where the pools differ.
 
     Blocks of two pools that pass can be copied byte for byte: each is `block_bytes` with the

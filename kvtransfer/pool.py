@@ -26,6 +26,7 @@ import secrets
 import weakref
 from collections.abc import Callable
 from multiprocessing.shared_memory import SharedMemory
+from typing import Self
 
 import torch
 
@@ -75,7 +76,7 @@ class MappedPool:
         if self._on_close is not None:
             self._on_close()
 
-    def __enter__(self) -> MappedPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

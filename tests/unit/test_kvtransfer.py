@@ -44,7 +44,8 @@ def _fill(pool: torch.Tensor) -> None:
 
 
 def _segments() -> set[str]:
-    return {f for f in os.listdir(SHM_DIR) if f.startswith("tandem-kv-")}
+    """This process's segments: other processes (services under test) may have their own."""
+    return {f for f in os.listdir(SHM_DIR) if f.startswith(f"tandem-kv-{os.getpid()}-")}
 
 
 def _mapped_segments() -> str:
