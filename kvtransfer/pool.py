@@ -161,9 +161,11 @@ def device_memory_tensor(ptr: int, nbytes: int, device_index: int,
     owner = _DeviceMemory()
     memory = weakref.finalize(owner, release)
     memory.atexit = False  # at exit the driver tears down every allocation and mapping
-    unowned = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_index)
-    array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(unowned, 0))
-    return torch.from_dlpack(array), memory
+    with cupy.cuda.Device(device_index):  # DLPack's stream handshake runs on this device
+        unowned = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_index)
+        array = cupy.ndarray((nbytes,), dtype=cupy.uint8,
+                             memptr=cupy.cuda.MemoryPointer(unowned, 0))
+        return torch.from_dlpack(array), memory
 
 
 def on_device(device_index: int, fn: Callable[[int], object], ptr: int) -> None:

@@ -256,7 +256,7 @@ def test_a_process_cannot_open_its_own_pool_and_the_error_hides_the_handle() -> 
             assert "cuda_ipc" in str(e) and own.descriptor.handle.hex() not in str(e)
             print(f"\n[kvtransfer] opening one's own pool: {e}")
         else:  # some drivers may allow it; then it must be the same bytes
-            own.tensor.view(4, -1)[:, 0] = torch.arange(4, dtype=DTYPE)
+            own.tensor.view(4, -1)[:, 0] = torch.arange(4, dtype=DTYPE, device="cuda:0")
             torch.cuda.synchronize()
             assert remote.tensor.view(4, -1)[:, 0].tolist() == [0, 1, 2, 3]
             remote.close()
