@@ -58,7 +58,8 @@ class LLMEngine:
             self.model_config, cache, device=config.device, dtype=config.dtype,
             model_dir=self.model_dir, load_format=config.load_format, seed=config.seed,
             max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=sched.max_model_len, pool_factory=pool_factory, progress=progress)
+            max_model_len=sched.max_model_len, max_num_seqs=sched.max_num_seqs,
+            cuda_graphs=config.cuda_graphs, pool_factory=pool_factory, progress=progress)
         self.block_pool = BlockPool(self.runner.num_blocks, cache.block_size,
                                     cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool)
@@ -193,9 +194,11 @@ class LLMEngine:
                 seq.first_scheduled_time = now
         result = self.runner.execute(batch, rows, row_index)
 
+        bs = self.block_pool.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)
+            if seq.num_computed_tokens // bs > seq.num_cached_blocks:  # a block just filled
+                self.kv.cache_full_blocks(seq)
         outputs: list[SeqOutput] = []
         r = 0
         for seq in samplers:

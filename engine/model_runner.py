@@ -19,6 +19,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionMetadata, forward_context
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, ModelConfig, cdiv
+from engine.cuda_graphs import CudaGraphRunner
 from engine.loader import TORCH_DTYPES, build_model, init_dummy_weights, load_weights
 from engine.sampler import Sampler, SampleRow, SamplerOutput
 from engine.scheduler import ScheduledBatch
@@ -38,6 +39,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, *, device: str,
                  dtype: str, model_dir: Path | None, load_format: str = "auto", seed: int = 0,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
+                 max_num_seqs: int = 256, cuda_graphs: bool = True,
                  pool_factory: PoolFactory | None = None, progress: bool = True) -> None:
         self.config = model_config
         self.device = torch.device(device)
@@ -58,6 +60,13 @@ class ModelRunner:
         self.pool = (pool_factory or default_pool_factory)(self.pool_shape(self.num_blocks),
                                                             self.dtype, self.device)
         self.backend = self._make_backend(self.pool)
+        self.graphs: CudaGraphRunner | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphs = CudaGraphRunner(
+                self.model, self.backend, min(max_num_seqs, 512),
+                cdiv(max_model_len, self.block_size), model_config.hidden_size, self.dtype,
+                self.device)
+            self.graphs.capture()
 
     # -- KV pool -----------------------------------------------------------------------------
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -163,8 +172,13 @@ class ModelRunner:
                               positions, batch.num_decodes)
         ids = _to(input_ids, torch.long, self.device)
         pos = _to([p for ps in positions for p in ps], torch.long, self.device)
-        with forward_context(self.backend, meta):
-            hidden = self.model(ids, pos)
+        if (self.graphs is not None and meta.num_decodes == meta.num_seqs
+                and self.graphs.can_run(meta.num_seqs, meta.block_tables.shape[1])):
+            hidden = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens,
+                                     meta.block_tables)
+        else:
+            with forward_context(self.backend, meta):
+                hidden = self.model(ids, pos)
         logits = self.model.compute_logits(hidden[_to(row_token_index, torch.long, self.device)])
         return self.sampler(logits, rows)
 

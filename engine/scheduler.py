@@ -5,7 +5,8 @@ Each step, oldest first:
      chunk); when blocks run out, the newest running sequence is preempted (its blocks freed,
      recomputed later with the same output) until the older one fits;
   2. if nothing was preempted, waiting sequences are admitted in arrival order (FCFS) while
-     budget, sequence slots and blocks last; a prompt may start with a partial chunk.
+     budget, sequence slots and blocks last, keeping a watermark of free blocks (1% of the pool)
+     for the running sequences to grow into; a prompt may start with a partial chunk.
 Decode role: a waiting sequence whose KV lives on a prefill worker is admitted with fresh blocks
 and listed in `pulls`; the engine copies its KV in before the step runs.
 """
@@ -44,6 +45,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Blocks that admissions leave free so running sequences rarely need preempting.
+        self.watermark = kv.pool.num_blocks // 100
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -57,54 +60,70 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        picked: list[tuple[Sequence, int]] = []
+        # One-token sequences first: the attention backend runs them as one decode batch.
+        decodes: list[Sequence] = []
+        chunks: list[tuple[Sequence, int]] = []
 
+        bs = self.kv.block_size
+        ref_counts = self.kv.pool.ref_counts
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed = seq.num_computed_tokens
+            n = len(seq.token_ids) - computed
+            if n == 1 and computed % bs and ref_counts[seq.block_ids[-1]] == 1:
+                # A decode with room in its own last block: nothing to allocate (hot path).
+                decodes.append(seq)
+                budget -= 1
+                i += 1
+                continue
             if n <= 0:  # KV pulled this step; decodes from the next
                 i += 1
                 continue
+            n = min(n, budget)
             while not self.kv.allocate_slots(seq, n, copies=batch.copies):
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                picked.append((seq, n))
+                if n == 1:
+                    decodes.append(seq)
+                else:
+                    chunks.append((seq, n))
                 budget -= n
                 i += 1
                 continue
             break
 
-        num_seqs = sum(s.num_samples for s in self.running)
+        num_seqs = sum(s.num_samples for s in running) if self.waiting else 0
         while self.waiting and budget > 0 and not batch.preempted:
             seq = self.waiting[0]
             if num_seqs + seq.num_samples > self.config.max_num_seqs:
                 break
             if seq.remote is not None:
-                if not self.kv.allocate_blocks(seq, seq.num_prompt_tokens):
+                if not self.kv.allocate_blocks(seq, seq.num_prompt_tokens, self.watermark):
                     break
                 batch.pulls.append(seq)
             else:
                 hits = self.kv.prefix_hits(seq)
-                computed = len(hits) * self.kv.block_size
-                n = min(seq.num_tokens - computed, budget)
-                if not self.kv.allocate_slots(seq, n, hits, copies=batch.copies):
+                n = min(seq.num_tokens - len(hits) * bs, budget)
+                if not self.kv.allocate_slots(seq, n, hits, batch.copies, self.watermark):
                     break
-                picked.append((seq, n))
+                if n == 1:
+                    decodes.append(seq)
+                else:
+                    chunks.append((seq, n))
                 budget -= n
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            running.append(seq)
             num_seqs += seq.num_samples
 
-        # One-token sequences first: the attention backend runs them as a decode batch.
-        picked.sort(key=lambda p: p[1] != 1)
-        batch.seqs = [s for s, _ in picked]
-        batch.num_new_tokens = [n for _, n in picked]
+        batch.seqs = decodes + [s for s, _ in chunks]
+        batch.num_new_tokens = [1] * len(decodes) + [n for _, n in chunks]
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
