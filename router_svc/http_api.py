@@ -1,0 +1,609 @@
+"""The OpenAI-compatible HTTP API: a thin FastAPI layer over the Frontend, served by uvicorn in
+the router's own event loop.
+
+    request body (pydantic) ─▶ prompt ids + SamplingParams ─▶ Frontend.stream ─▶ OpenAI objects
+                                                                                 (JSON or SSE)
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health.
+Every /v1 route needs `Authorization: Bearer <key>` when a key is set; /health stays open. More
+routes (e.g. /metrics) go in through `HttpServer(..., routes=[...])` or `HttpServer.app` before
+start().
+
+Status codes, as the gRPC API maps the same errors: 400 InvalidArgument (param = the OpenAI name
+of the field), 404 unknown model, 429 Overloaded (with Retry-After), 503 no worker can take it,
+504 deadline. The response status is decided on the first step of the Frontend's stream, which
+is where validation, admission and worker selection fail; an error after that ends an SSE
+stream with one `data: {"error": ...}` event.
+
+A client that goes away ends its request: the Frontend's generator is closed (the workers
+cancel their legs), whether it was waiting for the first token, streaming, or being collected
+for a non-streaming answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.routing import BaseRoute
+
+from engine.errors import InvalidArgument, Overloaded
+from engine.sampling_params import SamplingParams, TokenLogprobs
+from engine.tokenizer import Tokenizer
+from router_svc.frontend import Delta, Frontend, Usage
+from router_svc.grpc_api import RETRY_AFTER_S
+from router_svc.orchestrator import RouterError
+from router_svc.workers import WorkerSet
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Step = tuple[list[Delta], Usage]
+
+
+# -- request bodies ----------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields both endpoints share. Unknown fields (user, metadata, ...) are ignored, as vLLM
+    does; fields that would change the answer and are not supported are refused by name."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template: Any = None
+    tools: Any = None
+    functions: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+# -- errors ------------------------------------------------------------------------------------
+class ApiError(Exception):
+    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.code, self.headers = code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+_ROUTER_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+def api_error(e: Exception, names: dict[str, str] | None = None) -> ApiError:
+    """The HTTP answer to an error the Frontend or the router raised. `names` maps engine field
+    names to the OpenAI parameter names this endpoint uses (e.g. chat: logprobs->top_logprobs)."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, InvalidArgument):
+        param = (names or {}).get(e.field, e.field)
+        return ApiError(400, f"{param}: {e.message}", param=param, code="invalid_value")
+    if isinstance(e, Overloaded):
+        return ApiError(429, f"the server is at capacity, retry later ({e})", "rate_limit_error",
+                        code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, RouterError):
+        status, type_ = _ROUTER_STATUS.get(e.code, (500, "server_error"))
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+        return ApiError(status, e.message, type_, code=e.code.name.lower(), headers=headers)
+    log.exception("unexpected error in the HTTP API", exc_info=e)
+    return ApiError(500, f"internal error: {type(e).__name__}", "server_error")
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's request-body errors in OpenAI's shape, the first error's field as param."""
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = loc[0] if loc and not loc[0].isdigit() else None
+    where = ".".join(loc)
+    msg = first.get("msg", "invalid request body")
+    return ApiError(400, f"{where}: {msg}" if where else msg, param=param,
+                    code="invalid_value").response()
+
+
+class ApiKeyAuth:
+    """ASGI middleware: every /v1 path needs `Authorization: Bearer <key>`. Runs before the body
+    is read, so an unauthenticated caller learns nothing about validation. Both sides are hashed
+    to equal length first so compare_digest leaks nothing, not even the key's length."""
+
+    def __init__(self, app: Callable, api_key: str) -> None:
+        self.app = app
+        self._want = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(hashlib.sha256(given).digest(), self._want):
+                resp = ApiError(401, "missing or incorrect API key", code="invalid_api_key",
+                                headers={"WWW-Authenticate": "Bearer"}).response()
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# -- request -> engine -------------------------------------------------------------------------
+def _refuse(cond: object, param: str, message: str) -> None:
+    if cond:
+        raise ApiError(400, f"{param}: {message}", param=param, code="unsupported_value")
+
+
+def _sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None
+                     ) -> SamplingParams:
+    _refuse(req.logit_bias, "logit_bias", "is not supported")
+    _refuse(req.stream_options is not None and not req.stream, "stream_options",
+            "is only allowed with stream=true")
+    kw: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed"):
+        if (v := getattr(req, name)) is not None:
+            kw[name] = v
+    if req.top_k is not None:
+        kw["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM spells "off" -1
+    return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop or (),
+                          stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
+                          logprobs=logprobs, skip_special_tokens=req.skip_special_tokens, **kw)
+
+
+def _remaining(fe: Frontend, prompt: list[int]) -> int:
+    # At least 1 so a too-long prompt is refused as the prompt, not as max_tokens.
+    return max(1, fe.model.max_model_len - len(prompt))
+
+
+def _completion_prompt(fe: Frontend, prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        _refuse(len(prompt) != 1, "prompt", f"one prompt per request, got {len(prompt)}")
+        prompt = prompt[0]
+    return fe.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Content given as a list of parts becomes one string (text parts only)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = [p.get("text") for p in content if isinstance(p, dict)]
+            _refuse(any(not (isinstance(p, dict) and p.get("type") == "text"
+                             and isinstance(p.get("text"), str)) for p in content),
+                    "messages", f"[{i}].content: only text parts are supported")
+            m = {**m, "content": "\n".join(texts)}
+        out.append(m)
+    return out
+
+
+# -- engine -> OpenAI objects ------------------------------------------------------------------
+def _usage(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+
+class _Shaper:
+    """Turns Frontend steps into one endpoint's chunks and final object. Keeps per-sample text,
+    finish reasons and logprobs for the non-streaming answer."""
+
+    object: str
+    chunk_object: str
+
+    def __init__(self, tok: Tokenizer, id_: str, model: str, n: int, want_logprobs: bool,
+                 stream: bool, include_usage: bool) -> None:
+        self.tok, self.id, self.model, self.n = tok, id_, model, n
+        self.want_logprobs, self.stream = want_logprobs, stream
+        self.include_usage = stream and include_usage
+        self.created = int(time.time())
+        self.text = [""] * n
+        self.finish: list[str | None] = [None] * n
+        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+        self.offsets: list[list[int]] = [[] for _ in range(n)]  # per token, in self.text
+        self.usage = Usage()
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        c = {"id": self.id, "object": self.chunk_object, "created": self.created,
+             "model": self.model, "choices": choices}
+        if self.include_usage:
+            c["usage"] = None
+        return c
+
+    def add(self, step: Step) -> list[dict]:
+        """Remembers one step for the final object; when streaming, its chunks."""
+        deltas, self.usage = step
+        chunks = []
+        for d in deltas:
+            i = d.index
+            self.text[i] += d.text
+            if d.finish_reason is not None:
+                self.finish[i] = d.finish_reason
+            lps = [lp for lp in d.logprobs if lp is not None] if self.want_logprobs else []
+            offsets = self._offsets(lps, len(self.text[i]) - len(d.text), len(self.text[i]))
+            self.logprobs[i] += lps
+            self.offsets[i] += offsets
+            if self.stream and (d.text or d.finish_reason is not None or lps):
+                chunks.append(self._chunk([self.choice_delta(d, lps, offsets)]))
+        return chunks
+
+    def _offsets(self, lps: list[TokenLogprobs], start: int, end: int) -> list[int]:
+        """Where each token starts in the sample's text: its token text laid end to end from
+        where this step's text starts, kept inside it (skipped special tokens, bytes held back
+        for a whole character and text past a stop string have no place of their own)."""
+        out = []
+        for lp in lps:
+            out.append(min(start, end))
+            start += len(self.tok.token_text(lp.sampled.token_id))
+        return out
+
+    def usage_chunk(self) -> dict:
+        return {**self._chunk([]), "usage": _usage(self.usage)}
+
+    def start(self) -> list[dict]:
+        return []
+
+    def final(self) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": [self.choice(i) for i in range(self.n)],
+                "usage": _usage(self.usage)}
+
+    def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
+        raise NotImplementedError
+
+    def choice(self, i: int) -> dict:
+        raise NotImplementedError
+
+
+class _CompletionShaper(_Shaper):
+    object = chunk_object = "text_completion"
+
+    def _logprobs(self, lps: list[TokenLogprobs], offsets: list[int]) -> dict | None:
+        """Legacy completions logprobs: top_logprobs holds the top N and the sampled token."""
+        if not self.want_logprobs:
+            return None
+        tokens = [self.tok.token_text(lp.sampled.token_id) for lp in lps]
+        tops = []
+        for text, lp in zip(tokens, lps, strict=True):
+            top = {self.tok.token_text(t.token_id): t.logprob for t in lp.top}
+            top.setdefault(text, lp.sampled.logprob)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [lp.sampled.logprob for lp in lps],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
+        return {"index": d.index, "text": d.text, "logprobs": self._logprobs(lps, offsets),
+                "finish_reason": d.finish_reason}
+
+    def choice(self, i: int) -> dict:
+        return {"index": i, "text": self.text[i],
+                "logprobs": self._logprobs(self.logprobs[i], self.offsets[i]),
+                "finish_reason": self.finish[i]}
+
+
+class _ChatShaper(_Shaper):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.tok.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _logprobs(self, lps: list[TokenLogprobs]) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        return {"content": [{**self._entry(lp.sampled.token_id, lp.sampled.logprob),
+                             "top_logprobs": [self._entry(t.token_id, t.logprob)
+                                              for t in lp.top]}
+                            for lp in lps], "refusal": None}
+
+    def start(self) -> list[dict]:
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
+
+    def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
+        return {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                "logprobs": self._logprobs(lps), "finish_reason": d.finish_reason}
+
+    def choice(self, i: int) -> dict:
+        return {"index": i, "message": {"role": "assistant", "content": self.text[i]},
+                "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish[i]}
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, aw: Awaitable[T]) -> T:
+    """`aw`'s result; if the client goes away first, `aw` is cancelled and _ClientGone raised.
+    (FastAPI does not cancel a handler whose client left.)"""
+    task = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise _ClientGone
+    return task.result()
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its body iterator however the response ends. Starlette cancels the sending task
+    when the client disconnects; if that happens while the iterator is parked at a `yield`,
+    nothing else would close it (and so the Frontend's stream) until garbage collection."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+# -- the app -----------------------------------------------------------------------------------
+class OpenAIApi:
+    def __init__(self, frontend: Frontend, workers: WorkerSet) -> None:
+        self.frontend = frontend
+        self.workers = workers
+
+    def routes(self) -> APIRouter:
+        r = APIRouter()
+        r.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        r.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        r.add_api_route("/v1/models", self.list_models, methods=["GET"])
+        r.add_api_route("/v1/models/{model:path}", self.get_model, methods=["GET"])
+        r.add_api_route("/health", self.health, methods=["GET"])
+        return r
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        fe = self.frontend
+        try:
+            self._check_model(body.model)
+            _refuse(body.echo, "echo", "is not supported")
+            _refuse(body.suffix, "suffix", "is not supported")
+            _refuse(body.best_of is not None and body.best_of != body.n, "best_of",
+                    "is only supported equal to n")
+            prompt = _completion_prompt(fe, body.prompt)
+            max_tokens = body.max_tokens if body.max_tokens is not None else \
+                _remaining(fe, prompt)
+            params = _sampling_params(body, max_tokens, body.logprobs)
+        except (InvalidArgument, ApiError) as e:
+            return api_error(e).response()
+        shaper = _CompletionShaper(fe.tokenizer, f"cmpl-{uuid.uuid4().hex}", fe.model.id,
+                                   params.n, body.logprobs is not None, body.stream,
+                                   self._include_usage(body))
+        return await self._respond(request, body.stream, shaper, prompt, params, {})
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        fe = self.frontend
+        max_name = "max_completion_tokens" if body.max_completion_tokens is not None \
+            else "max_tokens"
+        names = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_name}
+        try:
+            self._check_model(body.model)
+            _refuse(body.chat_template is not None, "chat_template",
+                    "is not accepted; the checkpoint's own chat template is used")
+            _refuse(body.tools or body.functions, "tools" if body.tools else "functions",
+                    "tool calling is not supported")
+            _refuse(body.response_format and body.response_format.get("type") != "text",
+                    "response_format", "only {\"type\": \"text\"} is supported")
+            _refuse(body.top_logprobs is not None and not body.logprobs, "top_logprobs",
+                    "needs logprobs=true")
+            prompt = fe.tokenizer.apply_chat_template(_chat_messages(body.messages))
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+                else body.max_tokens
+            if max_tokens is None:
+                max_tokens = _remaining(fe, prompt)
+            params = _sampling_params(body, max_tokens,
+                                      (body.top_logprobs or 0) if body.logprobs else None)
+        except (InvalidArgument, ApiError) as e:
+            return api_error(e, names).response()
+        shaper = _ChatShaper(fe.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", fe.model.id,
+                             params.n, body.logprobs, body.stream, self._include_usage(body))
+        return await self._respond(request, body.stream, shaper, prompt, params, names)
+
+    async def list_models(self) -> dict:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def get_model(self, model: str) -> Response:
+        try:
+            self._check_model(model)
+        except ApiError as e:
+            return e.response()
+        return JSONResponse(self._model_card())
+
+    async def health(self) -> Response:
+        ok = self.workers.all_healthy()
+        return JSONResponse({"status": "ok" if ok else "unavailable"},
+                            status_code=200 if ok else 503)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _check_model(self, name: str | None) -> None:
+        try:
+            self.frontend.check_model(name)
+        except LookupError as e:
+            raise ApiError(404, str(e), param="model", code="model_not_found") from None
+
+    def _model_card(self) -> dict:
+        m = self.frontend.model
+        return {"id": m.id, "object": "model", "created": 0, "owned_by": "tandem",
+                "max_model_len": m.max_model_len}
+
+    @staticmethod
+    def _include_usage(body: _SamplingFields) -> bool:
+        return bool(body.stream_options and body.stream_options.include_usage)
+
+    async def _respond(self, request: Request, stream: bool, shaper: _Shaper, prompt: list[int],
+                       params: SamplingParams, names: dict[str, str]) -> Response:
+        """Run the request. The status code is settled by the first step: validation,
+        admission and the choice of workers all happen before it."""
+        gen = self.frontend.stream(shaper.id, prompt, params)
+        try:
+            if not stream:
+                await _unless_disconnected(request, self._collect(gen, shaper))
+                return JSONResponse(shaper.final())
+            first = await _unless_disconnected(request, anext(gen, None))
+        except _ClientGone:
+            await gen.aclose()
+            return Response(status_code=499)  # nobody is listening
+        except Exception as e:
+            await gen.aclose()
+            return api_error(e, names).response()
+        finally:
+            if not stream:
+                await gen.aclose()
+        return _ClosingStreamingResponse(self._events(gen, first, shaper, names),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache",
+                                                  "X-Accel-Buffering": "no"})
+
+    @staticmethod
+    async def _collect(gen: AsyncIterator[Step], shaper: _Shaper) -> None:
+        async for step in gen:
+            shaper.add(step)
+
+    @staticmethod
+    async def _events(gen: AsyncIterator[Step], first: Step | None, shaper: _Shaper,
+                      names: dict[str, str]) -> AsyncIterator[str]:
+        try:
+            for c in shaper.start():
+                yield _sse(c)
+            step = first
+            while step is not None:
+                for c in shaper.add(step):
+                    yield _sse(c)
+                step = await anext(gen, None)
+            if shaper.include_usage:
+                yield _sse(shaper.usage_chunk())
+            yield _sse("[DONE]")
+        except Exception as e:  # mid-stream: the status line is long gone
+            yield _sse(api_error(e, names).body())
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+
+
+def build_app(frontend: Frontend, workers: WorkerSet, api_key: str | None = None,
+              routes: Sequence[BaseRoute] = ()) -> FastAPI:
+    app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.include_router(OpenAIApi(frontend, workers).routes())
+    app.router.routes.extend(routes)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    if api_key:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn in a loop it does not own: the router handles SIGTERM/SIGINT itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+class HttpServer:
+    """Serves the OpenAI API in the running event loop. `app` is the FastAPI application; mount
+    more on it (or pass `routes`) before start()."""
+
+    def __init__(self, frontend: Frontend, workers: WorkerSet, host: str, port: int,
+                 api_key: str | None = None, *, routes: Sequence[BaseRoute] = (),
+                 grace_s: float = 5.0) -> None:
+        self.app = build_app(frontend, workers, api_key, routes)
+        self._server = _Server(uvicorn.Config(
+            self.app, host=host, port=port, lifespan="off", access_log=False,
+            log_config=None,  # leave the process's logging as the router set it up
+            timeout_graceful_shutdown=grace_s))  # then cancel streams still open
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Listen; returns the bound port (the real one when port 0 was asked for)."""
+        self._task = asyncio.create_task(self._server.serve(), name="http-server")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("HTTP server exited before it started listening")
+            await asyncio.sleep(0.01)
+        return self._server.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stop accepting, let open responses finish for up to grace_s, then cancel them."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await self._task
+        self._task = None
+
