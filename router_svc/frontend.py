@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.config import ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
 from engine.errors import InvalidArgument, Overloaded
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.tokenizer import Tokenizer
@@ -47,7 +47,7 @@ class ModelInfo:
 
 
 class Frontend:
-    def __init__(self, tokenizer: Tokenizer, orchestrator: Orchestrator, model: ModelInfo,
+    def __init__(self, tokenizer: Tokenizer | None, orchestrator: Orchestrator, model: ModelInfo,
                  max_requests: int = 1024) -> None:
         self.tokenizer = tokenizer
         self.orchestrator = orchestrator
@@ -70,6 +70,11 @@ class Frontend:
         if name and name != self.model.id:
             raise LookupError(f"model {name!r} is not served here (serving {self.model.id!r})")
 
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidArgument("prompt", "this model has no tokenizer; send token ids")
+        return self.tokenizer.encode(text)
+
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         """Everything that can be refused before a worker sees the request."""
         if not prompt:
@@ -84,6 +89,8 @@ class Frontend:
                                             "included")
         if params.n > self.model.max_n:
             raise InvalidArgument("n", f"must be <= {self.model.max_n}, got {params.n}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgument("stop", "this model has no tokenizer to match stop strings")
 
     async def stream(self, request_id: str, prompt: list[int], params: SamplingParams,
                      timeout: float | None = None) -> AsyncIterator[tuple[list[Delta], Usage]]:
@@ -95,7 +102,8 @@ class Frontend:
         self.active += 1
         try:
             dets = [IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens,
-                                           params.stop) for _ in range(params.n)]
+                                           params.stop) if self.tokenizer else _NoText()
+                    for _ in range(params.n)]
             done: set[int] = set()
             usage = Usage(prompt_tokens=len(prompt))
             async for update in self.orchestrator.run(request_id, prompt, params, timeout):
@@ -122,3 +130,13 @@ class Frontend:
                     return
         finally:
             self.active -= 1
+
+
+class _NoText:
+    """Stands in for the detokenizer when the model has no tokenizer (token ids only)."""
+
+    def push(self, token_ids: list[int]) -> DetokenizerStep:
+        return DetokenizerStep("")
+
+    def flush(self) -> str:
+        return ""

@@ -23,7 +23,7 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
             fe.check_model(request.model)
             params = params_from_proto(request.params)
             if request.WhichOneof("prompt") == "text":
-                prompt = fe.tokenizer.encode(request.text)
+                prompt = fe.encode(request.text)
             else:
                 prompt = list(request.token_ids.ids)
             rid = request.request_id or fe.new_request_id()
@@ -61,6 +61,8 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
     async def Tokenize(self, request, context):  # noqa: N802
         tok = self.frontend.tokenizer
         try:
+            if tok is None:
+                raise InvalidArgument("input", "this model has no tokenizer")
             if request.WhichOneof("input") == "chat":
                 msgs = [{"role": m.role, "content": m.content} for m in request.chat.messages]
                 ids = tok.apply_chat_template(msgs)

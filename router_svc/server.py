@@ -59,7 +59,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = None) -> None:
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
-    tokenizer = Tokenizer(model_dir)
+    # Benchmark configs with dummy weights come without tokenizer files: token ids only.
+    has_tokenizer = any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
+    tokenizer = Tokenizer(model_dir) if has_tokenizer else None
     workers = WorkerSet(_addresses(args.prefill), _addresses(args.decode),
                         _addresses(args.workers), block_size=args.block_size)
     if not workers.workers:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One GPU-box session: install the carried wheels, then run the named stages, each logging to
+# $OUT/<stage>.txt (and JSON where the script writes one). Usage on the device:
+#   bash benchmarks/gpu_session.sh correctness perf
+# Stages: correctness (GPU tests + CUDA parity), kernels, transfer, decode, sched, serve.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD:$PWD/protos:${PYTHONPATH:-}
+export TANDEM_CACHE_DIR=/tmp/tandem-cache
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpus.txt"
+
+run() {  # run NAME CMD...: log, time, never stop the session
+  local name=$1; shift
+  local t0=$(date +%s)
+  echo "=== $name: $*" | tee -a "$OUT/summary.txt"
+  "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$OUT/summary.txt"
+  tail -n 25 "$OUT/$name.txt"
+}
+
+for stage in "$@"; do
+  case $stage in
+    correctness)
+      run gpu_tests python3 -m pytest -q -x -p no:cacheprovider -m "gpu or gpu2" tests/gpu -rA
+      TANDEM_TEST_DEVICE=cuda run parity_cuda python3 -m pytest -q -p no:cacheprovider tests/e2e/test_parity.py
+      run generate_8b python3 -m router_svc.cli generate --model benchmarks/configs/llama-3.1-8b \
+        --load-format dummy --device cuda --dtype bfloat16 --max-model-len 4096 \
+        --prompt-token-ids 1,2,3,4,5,6,7,8 --prompt-token-ids 9,10,11 --max-tokens 16 --json ;;
+    kernels) run kernels python3 benchmarks/kernels.py --out "$OUT/kernels.json" ;;
+    transfer) run kv_transfer python3 benchmarks/kv_transfer.py --out "$OUT/kv_transfer.json" ;;
+    decode) run decode_step_8b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b \
+        --batch 1 64 --context 1024 --out "$OUT/decode_step_8b.json"
+      run decode_step_1b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.2-1b \
+        --batch 1 64 256 --context 1024 --out "$OUT/decode_step_1b.json" ;;
+    sched) run scheduler_overhead python3 benchmarks/scheduler_overhead.py ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done

@@ -1,0 +1,88 @@
+"""`tandem health`: ask a service's grpc.health.v1 Check and exit 0 when it is SERVING, 1
+otherwise (NOT_SERVING, an unknown service, unreachable, too slow). It prints the status.
+
+    tandem health --address 127.0.0.1:50061
+    tandem health --address 127.0.0.1:50051 --service tandem.v1.Tandem --timeout 2
+
+docker-compose.yml runs it as every Tandem container's health check. It needs nothing beyond
+grpcio and grpcio-health-checking; `python -m router_svc.healthcheck` runs it without loading the
+rest of the `tandem` CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.ServingStatus.Name(
+    health_pb2.HealthCheckResponse.SERVING)
+
+# A health check always talks straight to the address it was given: an http_proxy in the
+# container's environment must not route 127.0.0.1 through a proxy.
+CHANNEL_OPTIONS = [("grpc.enable_http_proxy", 0)]
+
+
+class HealthResult(NamedTuple):
+    """`status`: a ServingStatus name (SERVING, NOT_SERVING, ...) or, when the call failed, the
+    gRPC status code's name (UNAVAILABLE, NOT_FOUND for an unknown service, ...)."""
+
+    status: str
+    detail: str = ""
+
+    @property
+    def serving(self) -> bool:
+        return self.status == SERVING
+
+
+def check(address: str, service: str = "", timeout: float = 5.0) -> HealthResult:
+    """One Check call. `service` "" asks about the whole server."""
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as e:
+            return HealthResult(e.code().name, e.details() or "")
+    return HealthResult(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+def seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def add_health_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", required=True, help="HOST:PORT of the service's gRPC server")
+    p.add_argument("--service", default="",
+                   help="the service to ask about (default: '', the whole server)")
+    p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for the answer")
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser(name, help="check a service's gRPC health (exit 0 when SERVING)")
+    add_health_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = check(args.address, args.service, args.timeout)
+    line = f"{args.address} {args.service or '(server)'}: {result.status}"
+    print(f"{line}: {result.detail}" if result.detail else line, flush=True)
+    return 0 if result.serving else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem health", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_health_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
