@@ -325,7 +325,9 @@ class _CompletionShaper(_Shaper):
         tokens = [self.tok.token_text(lp.sampled.token_id) for lp in lps]
         tops = []
         for text, lp in zip(tokens, lps, strict=True):
-            top = {self.tok.token_text(t.token_id): t.logprob for t in lp.top}
+            top: dict[str, float] = {}
+            for t in lp.top:  # most likely first; ids that read the same keep the likelier
+                top.setdefault(self.tok.token_text(t.token_id), t.logprob)
             top.setdefault(text, lp.sampled.logprob)
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": [lp.sampled.logprob for lp in lps],
