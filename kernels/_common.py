@@ -53,6 +53,13 @@ def check_same_device(**tensors: torch.Tensor) -> None:
                                   "(set TRITON_INTERPRET=1 to run them on the CPU)")
 
 
+def check_interpretable(dtype: torch.dtype) -> None:
+    """The interpreter's tl.dot multiplies bfloat16 as raw 16-bit integers (triton 3.6): refuse
+    rather than return garbage. float32 and float16 are fine."""
+    check(not (INTERPRET and dtype == torch.bfloat16),
+          "TRITON_INTERPRET=1 cannot run tl.dot on bfloat16; use float32 on the CPU")
+
+
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
     """Triton launches on the current CUDA device; make it the tensors' device."""
     if t.device.type == "cuda":

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from kernels._common import (
     check,
+    check_interpretable,
     check_last_dim_contiguous,
     check_same_device,
     device_guard,
@@ -238,6 +239,7 @@ def paged_decode_attention(
           f"{tuple(seq_lens.shape)}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
+    check_interpretable(q.dtype)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     check(out.shape == q.shape and out.dtype == q.dtype, "out must be like q")

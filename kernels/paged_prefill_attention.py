@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels._common import (
     check,
+    check_interpretable,
     check_last_dim_contiguous,
     check_same_device,
     device_guard,
@@ -171,6 +172,7 @@ def paged_prefill_attention(
           f"{block_tables.dtype} {tuple(block_tables.shape)}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
+    check_interpretable(q.dtype)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     check(out.shape == q.shape and out.dtype == q.dtype, "out must be like q")
@@ -205,8 +207,9 @@ def paged_prefill_attention(
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                                block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain torch, one sequence at a time, scores in fp32."""
+                                block_tables: torch.Tensor, scale: float,
+                                query_chunk: int = 256) -> torch.Tensor:
+    """Plain torch, one sequence (and query_chunk queries) at a time, scores in fp32."""
     out = torch.zeros_like(q)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
@@ -223,9 +226,13 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         v = v_cache[ids].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
-        qpos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        keys = torch.arange(seq_len, device=q.device)
+        for c in range(0, q_len, query_chunk):
+            rows = slice(start + c, min(start + c + query_chunk, end))
+            scores = torch.einsum("qhd,khd->hqk", q[rows].float(), k) * scale
+            # Query i of the chunk sits at position seq_len - q_len + i.
+            qpos = torch.arange(seq_len - q_len + c, seq_len - q_len + c + scores.shape[1],
+                                device=q.device)
+            scores = scores.masked_fill(keys[None, :] > qpos[:, None], float("-inf"))
+            out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out

@@ -59,3 +59,12 @@ def test_rejects_mismatched_blocks(device):
     with pytest.raises(ValueError, match="blocks differ"):
         copy_blocks(torch.zeros(2, 4, device=device), torch.zeros(2, 8, device=device),
                     torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+
+
+def test_large_blocks_span_several_programs(seed, device):
+    """160 kB blocks: two chunks per block, the last one ragged."""
+    src = torch.randn(4, 5, 8000, device=device)
+    dst = torch.zeros(4, 5, 8000, device=device)
+    copy_blocks(src, dst, torch.tensor([2, 0], device=device), torch.tensor([1, 3], device=device))
+    assert torch.equal(dst[1], src[2]) and torch.equal(dst[3], src[0]), f"seed={seed}"
+    assert torch.all(dst[0] == 0) and torch.all(dst[2] == 0)

@@ -9,6 +9,7 @@ from kernels import (
     paged_decode_attention,
     paged_decode_attention_ref,
 )
+from kernels._common import INTERPRET
 
 
 def _random_lens(num_seqs: int, max_len: int) -> list[int]:
@@ -91,3 +92,12 @@ def test_rejects_bad_arguments(device):
     with pytest.raises(ValueError, match="multiple"):
         paged_decode_attention(torch.randn(2, 3, 64, device=device), cache, cache, tables,
                                lens, 1.0)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="a limitation of the Triton interpreter")
+def test_interpreter_refuses_bfloat16(device):
+    q = torch.randn(1, 4, 64, device=device, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 1, 64, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        paged_decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                               torch.ones(1, dtype=torch.int32), 1.0)
