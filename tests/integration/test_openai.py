@@ -10,13 +10,17 @@ import contextlib
 import json
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
 from cluster import Cluster
 
+from engine.errors import InvalidArgument, Overloaded
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from router_svc.http_api import api_error
+from router_svc.orchestrator import RouterError
 
 API_KEY = "k"
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
@@ -333,3 +337,19 @@ def test_full_router_answers_429_fast_and_503_without_workers(tiny_models, tmp_p
     finally:
         codes = c.stop()
     assert codes["router"] == 0, codes
+
+
+@pytest.mark.parametrize(("error", "status", "param"), [
+    (InvalidArgument("logprobs", "must be in [0, 20]"), 400, "top_logprobs"),  # chat's name
+    (Overloaded("full"), 429, None),
+    (RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker"), 503, None),
+    (RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"), 504, None),
+    (RouterError(grpc.StatusCode.INVALID_ARGUMENT, "bad"), 400, None),
+])
+def test_error_status_mapping(error, status, param):
+    """The statuses no scenario above reaches (HTTP requests carry no deadline)."""
+    e = api_error(error, {"logprobs": "top_logprobs"})
+    assert (e.status, e.param) == (status, param)
+    assert set(e.body()["error"]) == {"message", "type", "param", "code"}
+    if status == 429:
+        assert int(e.headers["Retry-After"]) >= 1
