@@ -118,26 +118,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI, or (only=NAME) just what subcommand NAME needs: importing a service module
+    pulls in torch and gRPC, which `tandem health` should not wait for."""
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _generate_parser(sub)
+    if only is None or only == "generate":
+        _generate_parser(sub)
     for name, module in SERVICE_COMMANDS.items():
-        __import__(module, fromlist=["add_parser"]).add_parser(sub, name)
+        if only is None or only == name:
+            __import__(module, fromlist=["add_parser"]).add_parser(sub, name)
     return parser
 
 
 # Subcommands whose parsers live with their services (each module has add_parser(sub, name)).
 SERVICE_COMMANDS: dict[str, str] = {
+    "up": "router_svc.launcher",
+    "router": "router_svc.server",
     "prefill": "prefill_svc.server",
     "decode": "decode_svc.server",
     "worker": "decode_svc.server",
-    "router": "router_svc.server",
+    "health": "router_svc.healthcheck",
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    known = {"generate", *SERVICE_COMMANDS}
+    parser = build_parser(argv[0] if argv and argv[0] in known else None)
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0

@@ -58,6 +58,7 @@ _PRODUCER = textwrap.dedent("""
     sys.stdout.buffer.write(pickle.dumps(pool.descriptor))
     sys.stdout.flush()
     sys.stdin.buffer.read()  # until the test closes our stdin
+    del flat, b, i  # views of the pool: the memory goes with the last one
     pool.close()
     print("closed", pool.mapped, file=sys.stderr)
 """)
