@@ -44,6 +44,8 @@ class ModelRunner:
         self.config = model_config
         self.device = torch.device(device)
         if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = TORCH_DTYPES[dtype]
         self.block_size = cache_config.block_size
