@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -104,7 +104,9 @@ def main() -> None:
     bw = copy_bandwidth(device)
     engine = LLMEngine(EngineConfig(
         model=a.model, device="cuda", dtype=a.dtype, load_format="dummy",
-        num_blocks=a.num_blocks, max_model_len=a.context + a.steps + 64,
+        # Long enough that no sequence ends while the others are still being prefilled.
+        num_blocks=a.num_blocks,
+        max_model_len=a.context + a.steps + 64 + max(a.batch) * a.context // 2048,
         max_num_seqs=max(a.batch), enable_prefix_caching=False), progress=False)
     cfg = engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())

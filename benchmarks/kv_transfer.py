@@ -69,6 +69,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the copy_blocks kernel alone under many tile configurations")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     return p.parse_args()
 
@@ -230,6 +232,8 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
             correct = blocks_match(dst_pool, d_ids, s_ids)
             times = time_op(op, dev, args.warmup, args.repeats)
             out[name] = summary(times, nbytes, correct)
+        if args.sweep:
+            out.update(sweep_copy_configs(src_pool, dst_pool, src_t, dst_t, dev, args, nbytes))
     bound = out["one large peer copy (bound)"]["gbps"]
     for m in out.values():
         m["vs_large_copy"] = m["gbps"] / bound
@@ -251,6 +255,24 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
         "torch": torch.__version__, "cupy": cupy.__version__,
         "methods": out,
     }
+
+
+def sweep_copy_configs(src_pool, dst_pool, src_t, dst_t, dev, args, nbytes
+                       ) -> dict[str, dict[str, Any]]:
+    """Time the copy_blocks kernel alone (no id upload, no sync) under tile configurations."""
+    from kernels.copy_blocks import CopyConfig, copy_blocks
+
+    out = {}
+    for block in (512, 1024, 2048, 4096):
+        for tiles in (1, 4, 8):
+            for warps in (4, 8, 16):
+                for cache in ("", ".cg"):
+                    cfg = CopyConfig(block, tiles, warps, cache)
+                    op = lambda cfg=cfg: copy_blocks(src_pool, dst_pool, src_t, dst_t,  # noqa: E731
+                                                     config=cfg)
+                    times = time_op(op, dev, args.warmup, args.repeats)
+                    out[f"copy_blocks {cfg}"] = summary(times, nbytes, True)
+    return out
 
 
 def large_copy(nbytes: int, src_dev: int, dev: torch.device,

@@ -20,13 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.workloads import sharegpt_like  # noqa: E402
-from engine.block_pool import BlockPool  # noqa: E402
-from engine.config import SchedulerConfig  # noqa: E402
-from engine.kv_manager import KVCacheManager  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from engine.sequence import Sequence, Status  # noqa: E402
+from benchmarks.workloads import sharegpt_like
+from engine.block_pool import BlockPool
+from engine.config import SchedulerConfig
+from engine.kv_manager import KVCacheManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, Status
 
 
 def simulate(num_requests: int, num_blocks: int, block_size: int, max_model_len: int,

@@ -18,12 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.block_pool import BlockPool  # noqa: E402
-from engine.config import SchedulerConfig  # noqa: E402
-from engine.kv_manager import KVCacheManager  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
+from engine.block_pool import BlockPool
+from engine.config import SchedulerConfig
+from engine.kv_manager import KVCacheManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
 
 
 def measure(num_seqs: int, steps: int, prompt_len: int, block_size: int,

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.errors import LayoutMismatch
 from engine.sequence import RemoteKV, SeqOutput
 from engine.serving.lifecycle import GRPC_OPTIONS
 from kvtransfer.descriptor import check_compatible

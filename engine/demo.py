@@ -168,7 +168,7 @@ def _byte_to_unicode() -> dict[int, str]:
 
 
 def _build_tokenizer():  # -> tokenizers.Tokenizer
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors  # noqa: PLC0415 - only when building
 
     to_char = _byte_to_unicode()
     # BPE with no merges: every byte is its own token, and token id == byte value.
@@ -211,8 +211,8 @@ def _weight_shapes() -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _write_weights(path: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
+    import torch  # noqa: PLC0415
+    from safetensors.torch import save_file  # noqa: PLC0415
 
     g = torch.Generator(device="cpu").manual_seed(SEED)
     tensors = {}

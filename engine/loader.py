@@ -54,7 +54,7 @@ def load_weights(model: CausalLM, path: Path, progress: bool = True) -> None:
     params = dict(model.named_parameters())
     # Every (parameter, shard) that must be filled, so that a missing tensor is named.
     expected: set[tuple[str, str | None]] = set()
-    for name, p in params.items():
+    for name in params:
         owner = model.get_submodule(name.rsplit(".", 1)[0])
         shards = getattr(owner, "shard_sizes", None)
         expected.update((name, s) for s in (shards or [None]))

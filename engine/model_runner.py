@@ -21,7 +21,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, ModelConfig, cdiv
 from engine.cuda_graphs import CudaGraphRunner
 from engine.loader import TORCH_DTYPES, build_model, init_dummy_weights, load_weights
-from engine.sampler import Sampler, SampleRow, SamplerOutput
+from engine.sampler import Sampler, SamplerOutput, SampleRow
 from engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)

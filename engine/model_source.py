@@ -38,7 +38,7 @@ def resolve_model(name_or_path: str) -> Path:
 
 def _download(repo_id: str) -> Path:
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # noqa: PLC0415 - only for hub ids
 
         local = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
     except Exception as e:  # no network, unknown repo, gated, malformed id: all mean "can't get it"

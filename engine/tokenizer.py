@@ -22,7 +22,7 @@ class Tokenizer:
     """Encode, decode and chat-template for one checkpoint directory."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # noqa: PLC0415 - transformers is slow to import
 
         self.model_dir = Path(model_dir)
         try:

@@ -16,7 +16,7 @@ def _fix_interpreter_index() -> None:
     """triton 3.6's interpreter turns a scalar into an int with int(ndarray of shape (1,)),
     which numpy >= 2.4 refuses, so `range(start, end)` over loaded scalars fails
     (triton-lang/triton#9171, fixed upstream by #9172). Wrap its patcher to squeeze first."""
-    from triton.runtime import interpreter
+    from triton.runtime import interpreter  # noqa: PLC0415 - interpreter only
 
     original = interpreter._patch_lang_tensor
     if getattr(original, "_tandem_fixed", False):

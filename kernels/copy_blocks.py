@@ -15,6 +15,8 @@ one call the destination blocks must be distinct and not among the sources.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -24,11 +26,25 @@ from kernels._common import check, check_same_device, device_guard
 _WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
+@dataclass(frozen=True)
+class CopyConfig:
+    """Words per tile (one load + store per thread group), tiles per program, warps, and the
+    load cache modifier ("" or ".cg": stream past L1, useful for peer reads)."""
+
+    block: int = 2048
+    tiles: int = 8
+    num_warps: int = 8
+    cache: str = ""
+
+
+DEFAULT_CONFIG = CopyConfig()
+
+
 @triton.jit
 def _copy_blocks_kernel(
     src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr,
     words_per_block, stride_src, stride_dst,  # in words
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr, CACHE: tl.constexpr,
 ):
     pair = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -40,9 +56,9 @@ def _copy_blocks_kernel(
         offs = chunk * CHUNK + i + tl.arange(0, BLOCK)
         if MASKED:
             mask = offs < words_per_block
-            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+            tl.store(dst + offs, tl.load(src + offs, mask=mask, cache_modifier=CACHE), mask=mask)
         else:
-            tl.store(dst + offs, tl.load(src + offs))
+            tl.store(dst + offs, tl.load(src + offs, cache_modifier=CACHE))
 
 
 def _as_words(pool: torch.Tensor, word: torch.dtype) -> torch.Tensor | None:
@@ -54,7 +70,7 @@ def _as_words(pool: torch.Tensor, word: torch.dtype) -> torch.Tensor | None:
 
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_block_ids: torch.Tensor,
-                dst_block_ids: torch.Tensor) -> None:
+                dst_block_ids: torch.Tensor, *, config: CopyConfig | None = None) -> None:
     """src, dst: block-major pools [N_src, ...], [N_dst, ...] with equal block shape and dtype,
     each block contiguous; ids: int32/int64 [num_pairs] on dst's device."""
     check(src.dim() >= 2 and src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype,
@@ -79,15 +95,16 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_block_ids: torch.Tenso
         if src_w is not None and dst_w is not None:
             break
     assert src_w is not None and dst_w is not None  # uint8 always works
+    cfg = config or DEFAULT_CONFIG
     words = src_w.shape[1]
-    block = min(2048, triton.next_power_of_2(words))
-    chunk = min(8 * block, triton.next_power_of_2(words))
+    block = min(cfg.block, triton.next_power_of_2(words))
+    chunk = min(cfg.tiles * block, triton.next_power_of_2(words))
     with device_guard(dst):
         _copy_blocks_kernel[(num_pairs, triton.cdiv(words, chunk))](
             src_w, dst_w, src_block_ids, dst_block_ids,
             words, src_w.stride(0), dst_w.stride(0),
-            CHUNK=chunk, BLOCK=block, MASKED=words % chunk != 0,
-            num_warps=8,
+            CHUNK=chunk, BLOCK=block, MASKED=words % chunk != 0, CACHE=cfg.cache,
+            num_warps=cfg.num_warps,
         )
 
 

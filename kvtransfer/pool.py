@@ -156,7 +156,7 @@ def device_memory_tensor(ptr: int, nbytes: int, device_index: int,
     `release` once no view of it is left. The pointer goes through cupy (UnownedMemory on
     `device_index`: for peer memory, cupy would otherwise ask the pointer and get the peer's
     device) and DLPack, whose capsule keeps the cupy array alive as long as the tensor."""
-    import cupy
+    import cupy  # noqa: PLC0415 - cuda_ipc only
 
     owner = _DeviceMemory()
     memory = weakref.finalize(owner, release)
@@ -170,7 +170,7 @@ def device_memory_tensor(ptr: int, nbytes: int, device_index: int,
 
 def on_device(device_index: int, fn: Callable[[int], object], ptr: int) -> None:
     """Call a cupy runtime function on a pointer with `device_index` current."""
-    import cupy
+    import cupy  # noqa: PLC0415 - cuda_ipc only
 
     with cupy.cuda.Device(device_index):
         fn(ptr)
@@ -192,7 +192,7 @@ def _create_shm(nbytes: int) -> SharedMemory:
 
 def _allocate_cuda(nbytes: int, device_index: int) -> tuple[torch.Tensor, weakref.finalize,
                                                             bytes]:
-    import cupy  # only the cuda_ipc transport needs cupy
+    import cupy  # noqa: PLC0415 - only the cuda_ipc transport needs cupy
 
     runtime = cupy.cuda.runtime
     with cupy.cuda.Device(device_index):

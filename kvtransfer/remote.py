@@ -136,7 +136,7 @@ def _check_pull(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int],
 def _copy_blocks_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                                       None]:
     try:
-        from kernels.copy_blocks import copy_blocks
+        from kernels.copy_blocks import copy_blocks  # noqa: PLC0415 - triton only on CUDA
     except ImportError as e:
         raise RuntimeError("pull_blocks on CUDA needs the gather kernel "
                            f"kernels.copy_blocks.copy_blocks, which cannot be imported: {e}") from e
@@ -174,7 +174,7 @@ def _open_shm(desc: PoolDescriptor) -> tuple[torch.Tensor, weakref.finalize]:
 
 
 def _open_cuda_ipc(desc: PoolDescriptor, index: int) -> tuple[torch.Tensor, weakref.finalize]:
-    import cupy  # only the cuda_ipc transport needs cupy
+    import cupy  # noqa: PLC0415 - only the cuda_ipc transport needs cupy
 
     runtime = cupy.cuda.runtime
     try:

@@ -18,9 +18,10 @@ TOOLS_VERSION = "1.84.0"
 
 
 def generate(out: Path) -> list[Path]:
+    from importlib.metadata import version  # noqa: PLC0415
+
     import grpc_tools  # noqa: PLC0415
     from grpc_tools import protoc  # noqa: PLC0415
-    from importlib.metadata import version  # noqa: PLC0415
 
     if version("grpcio-tools") != TOOLS_VERSION:
         sys.exit(f"grpcio-tools=={TOOLS_VERSION} is required, found {version('grpcio-tools')}")

@@ -521,7 +521,7 @@ class OpenAIApi:
         except _ClientGone:
             await gen.aclose()
             return Response(status_code=499)  # nobody is listening
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             await gen.aclose()
             return api_error(e, names).response()
         finally:
@@ -551,7 +551,7 @@ class OpenAIApi:
             if shaper.include_usage:
                 yield _sse(shaper.usage_chunk())
             yield _sse("[DONE]")
-        except Exception as e:  # mid-stream: the status line is long gone
+        except Exception as e:  # noqa: BLE001 - mid-stream: the status line is long gone
             yield _sse(api_error(e, names).body())
         finally:
             await gen.aclose()  # type: ignore[attr-defined]

@@ -11,13 +11,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict:
     """name -> directory of a tiny random checkpoint of each supported architecture."""
-    from tiny import ARCHS, build_tiny  # noqa: PLC0415
+    from tiny import ARCHS, build_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     return {name: build_tiny(name, root / name) for name in ARCHS}

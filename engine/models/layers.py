@@ -8,6 +8,7 @@ checkpoint tensor and the shard name from the model's `packed_modules`.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -190,7 +191,7 @@ class CausalLM(nn.Module):
     `compute_logits` the float32 logits of the rows that sample."""
 
     # Hugging Face tensor name fragment -> (our parameter name fragment, shard).
-    packed_modules: dict[str, tuple[str, str]] = {
+    packed_modules: ClassVar[dict[str, tuple[str, str]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),

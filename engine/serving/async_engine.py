@@ -168,7 +168,7 @@ class AsyncEngine:
             if engine.has_work():
                 try:
                     outputs = engine.step()
-                except Exception:  # noqa: BLE001 - fail the requests, keep the worker up
+                except Exception:
                     log.exception("engine step failed; failing its requests")
                     outputs = self._fail_all("internal error in the engine step")
                 if outputs:

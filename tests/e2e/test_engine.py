@@ -153,7 +153,7 @@ def test_unknown_model_and_corrupt_weights(tmp_path, tiny_models):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_models["llama"], broken)
     (broken / "model.safetensors").write_bytes(b"\x00" * 100)
-    with pytest.raises(ModelLoadError, match="model.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
         LLM(str(broken), progress=False)
     unsupported = tmp_path / "unsupported"
     shutil.copytree(tiny_models["llama"], unsupported)

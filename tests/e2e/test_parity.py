@@ -64,7 +64,7 @@ def test_greedy_matches_transformers(tiny_models, hf_reference, name):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_greedy_with_small_chunks(tiny_models, hf_reference, name):
-    got, llm = run_engine(tiny_models[name], PROMPTS, max_num_batched_tokens=16)
+    got, _ = run_engine(tiny_models[name], PROMPTS, max_num_batched_tokens=16)
     assert got == hf_reference(name, PROMPTS)
 
 

@@ -14,8 +14,8 @@ import grpc
 import httpx
 import openai
 import pytest
-from cluster import Cluster
 
+from cluster import Cluster
 from engine.errors import InvalidArgument, Overloaded
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams

@@ -75,7 +75,7 @@ def test_concurrent_first_use(cache, ckpt, monkeypatch):
     def build() -> None:
         try:
             results.append(demo.demo_model_dir())
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
     threads = [threading.Thread(target=build) for _ in range(n)]
