@@ -99,9 +99,11 @@ def pull_blocks(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence
     if local.is_cuda:
         copy_blocks = _copy_blocks_kernel()
         with torch.cuda.device(local.device):
-            src_ids = torch.tensor(src_block_ids, dtype=torch.int64, device=local.device)
-            dst_ids = torch.tensor(dst_block_ids, dtype=torch.int64, device=local.device)
-            copy_blocks(src_pool, local, src_ids, dst_ids)
+            # Both id lists in one pinned upload: at ~1 ms per transfer, every extra
+            # synchronous copy shows in the achieved bandwidth.
+            ids = torch.tensor([list(src_block_ids), list(dst_block_ids)], dtype=torch.int64)
+            ids = ids.pin_memory().to(local.device, non_blocking=True)
+            copy_blocks(src_pool, local, ids[0], ids[1])
             torch.cuda.current_stream(local.device).synchronize()
     else:
         src_ids = torch.tensor(src_block_ids, dtype=torch.int64)
