@@ -290,6 +290,7 @@ class LLMEngine:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq)
+        self.runner.release(seq.seq_id)
         seqs = self.requests.get(seq.request_id)
         if seqs is not None and all(s.is_finished for s in seqs) and not seq.pending_forks:
             del self.requests[seq.request_id]

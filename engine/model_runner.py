@@ -18,11 +18,14 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, forward_context
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.block_table import BlockTableMirror
 from engine.config import CacheConfig, ModelConfig, cdiv
 from engine.cuda_graphs import CudaGraphRunner
 from engine.loader import TORCH_DTYPES, build_model, init_dummy_weights, load_weights
 from engine.sampler import Sampler, SamplerOutput, SampleRow
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,8 @@ class ModelRunner:
             load_weights(self.model, model_dir, progress=progress)
         self.sampler = Sampler(model_config.vocab_size, self.device)
 
+        self.block_tables = BlockTableMirror(2 * max_num_seqs + 16,
+                                             cdiv(max_model_len, self.block_size))
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
             cache_config, max_num_batched_tokens, max_model_len)
         self.pool = (pool_factory or default_pool_factory)(self.pool_shape(self.num_blocks),
@@ -114,46 +119,29 @@ class ModelRunner:
         return num_blocks
 
     def _profile_run(self, num_tokens: int, max_model_len: int) -> None:
+        """The largest step the scheduler can issue: sequences of up to max_model_len tokens
+        filling the token budget, over a throwaway pool."""
         seq_len = min(num_tokens, max_model_len)
-        num_seqs = cdiv(num_tokens, seq_len)
-        blocks_per_seq = cdiv(seq_len, self.block_size)
-        pool = torch.empty(self.pool_shape(num_seqs * blocks_per_seq), dtype=self.dtype,
-                           device=self.device)
-        backend = self._make_backend(pool)
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens %
                                                        seq_len else [])
-        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(lens))]
-        meta = self._metadata(lens, lens, tables, [list(range(n)) for n in lens], 0)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        pos = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        with torch.inference_mode(), forward_context(backend, meta):
+        per_seq = cdiv(seq_len, self.block_size)
+        pool = torch.empty(self.pool_shape(len(lens) * per_seq), dtype=self.dtype,
+                           device=self.device)
+        batch = ScheduledBatch()
+        for i, n in enumerate(lens):
+            seq = Sequence(f"profile-{i}", [0] * n, SamplingParams())
+            seq.block_ids = list(range(i * per_seq, (i + 1) * per_seq))
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+        last = [sum(lens[:i + 1]) - 1 for i in range(len(lens))]
+        ids, pos, meta, sample_index = self._inputs(batch, last)
+        with torch.inference_mode(), forward_context(self._make_backend(pool), meta):
             hidden = self.model(ids, pos)
-            self.model.compute_logits(hidden[:max(1, len(lens))])
-        del pool, backend, hidden
+            self.model.compute_logits(hidden[sample_index])
+        for seq in batch.seqs:
+            self.release(seq.seq_id)
 
     # -- one step ----------------------------------------------------------------------------
-    def _metadata(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
-                  positions: list[list[int]], num_decodes: int) -> AttentionMetadata:
-        bs = self.block_size
-        slots = [t[p // bs] * bs + p % bs for t, ps in zip(tables, positions) for p in ps]
-        width = max((len(t) for t in tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        qsl = [0]
-        for n in query_lens:
-            qsl.append(qsl[-1] + n)
-        dev = self.device
-        return AttentionMetadata(
-            slot_mapping=_to(slots, torch.long, dev),
-            query_start_loc=_to(qsl, torch.int32, dev),
-            seq_lens=_to(seq_lens, torch.int32, dev),
-            block_tables=_to(padded, torch.int32, dev).view(len(tables), width),
-            num_decodes=num_decodes,
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
-
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, rows: list[SampleRow],
                 row_token_index: list[int]) -> SamplerOutput:
@@ -162,18 +150,7 @@ class ModelRunner:
             src = torch.tensor([s for s, _ in batch.copies], device=self.device)
             dst = torch.tensor([d for _, d in batch.copies], device=self.device)
             self.pool[dst] = self.pool[src]
-        input_ids: list[int] = []
-        positions: list[list[int]] = []
-        seq_lens: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
-            positions.append(list(range(start, start + n)))
-            seq_lens.append(start + n)
-        meta = self._metadata(batch.num_new_tokens, seq_lens, [s.block_ids for s in batch.seqs],
-                              positions, batch.num_decodes)
-        ids = _to(input_ids, torch.long, self.device)
-        pos = _to([p for ps in positions for p in ps], torch.long, self.device)
+        ids, pos, meta, sample_index = self._inputs(batch, row_token_index)
         if (self.graphs is not None and meta.num_decodes == meta.num_seqs
                 and self.graphs.can_run(meta.num_seqs, meta.block_tables.shape[1])):
             hidden = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens,
@@ -181,8 +158,53 @@ class ModelRunner:
         else:
             with forward_context(self.backend, meta):
                 hidden = self.model(ids, pos)
-        logits = self.model.compute_logits(hidden[_to(row_token_index, torch.long, self.device)])
-        return self.sampler(logits, rows)
+        return self.sampler(self.model.compute_logits(hidden[sample_index]), rows)
+
+    def _inputs(self, batch: ScheduledBatch, row_token_index: list[int]):
+        """The step's tensors, in two host-to-device copies (one int64, one int32) plus the
+        block table gathered from the mirror."""
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        qsl = [0]
+        rows: list[int] = []
+        mirror_row = self.block_tables.row
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            end = start + n
+            blocks = seq.block_ids
+            if n == 1:
+                token_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                token_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + n)
+            rows.append(mirror_row(seq))
+        t = len(token_ids)
+        b = len(seq_lens)
+        width = max(len(s.block_ids) for s in batch.seqs)
+        dev = self.device
+        longs = _to(token_ids + positions + slots + row_token_index, torch.long, dev)
+        ints = _to(qsl + seq_lens, torch.int32, dev)
+        table = self.block_tables.gather(rows, width)
+        if dev.type == "cuda":
+            table = table.pin_memory().to(dev, non_blocking=True)
+        meta = AttentionMetadata(
+            slot_mapping=longs[2 * t:3 * t], query_start_loc=ints[:b + 1],
+            seq_lens=ints[b + 1:], block_tables=table, num_decodes=batch.num_decodes,
+            max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens),
+            query_lens_cpu=batch.num_new_tokens, seq_lens_cpu=seq_lens)
+        return longs[:t], longs[t:2 * t], meta, longs[3 * t:]
+
+    def release(self, seq_id: int) -> None:
+        """A sequence finished: its block-table row is free again."""
+        self.block_tables.release(seq_id)
 
 
 def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

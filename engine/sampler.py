@@ -24,7 +24,7 @@ def mix_seed(seed: int, sample_index: int, position: int) -> int:
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRow:
     """One row to sample: the params, the sample index and the output position it fills, and
     the tokens penalties look at."""
