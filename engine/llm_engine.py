@@ -74,6 +74,7 @@ class LLMEngine:
         self.kv_puller = kv_puller
         self.kv_dropper = kv_dropper
         self.requests: dict[str, list[Sequence]] = {}
+        self.num_requests_added = 0
         self.last_step: StepStats | None = None
 
     # -- requests ----------------------------------------------------------------------------
@@ -104,6 +105,7 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params)
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
+        self.num_requests_added += 1
 
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
                            params: SamplingParams, remote: RemoteKV) -> None:
@@ -119,6 +121,7 @@ class LLMEngine:
         seq.remote = remote
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
+        self.num_requests_added += 1
 
     def abort(self, request_id: str) -> bool:
         seqs = self.requests.pop(request_id, None)

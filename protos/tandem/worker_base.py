@@ -64,11 +64,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GetLoad(self, request, context):  # noqa: N802
         s = self.engine.snapshot
+        pool = self.engine.engine.block_pool
         return worker_pb2.Load(
             worker_id=self.worker_id, role=self.role, num_running=s.num_running,
             num_waiting=s.num_waiting, num_free_blocks=s.num_free_blocks,
-            num_blocks=s.num_blocks, num_leases=s.num_leases,
-            block_size=self.engine.engine.block_pool.block_size)
+            num_blocks=s.num_blocks, num_leases=s.num_leases, block_size=pool.block_size,
+            num_requests=self.engine.engine.num_requests_added,
+            prefix_cache_queries=pool.prefix_queries, prefix_cache_hits=pool.prefix_hits)
 
     async def on_start(self) -> None:
         """Hook: after the server is up (e.g. register with peers)."""
