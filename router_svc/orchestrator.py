@@ -141,7 +141,9 @@ class Orchestrator:
             d.in_flight += 1
             try:
                 async for msg in call:
-                    yield _updates(msg, want_lp)
+                    update = _updates(msg, want_lp)
+                    update.num_cached_tokens = resp.num_cached_tokens  # the prefill side's
+                    yield update
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self.workers.mark_down(d)

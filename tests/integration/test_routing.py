@@ -1,0 +1,145 @@
+"""Routing over 2 prefill and 2 decode workers: prefix affinity, load spreading, a killed worker
+taken out while new requests succeed, and a full router answering RESOURCE_EXHAUSTED fast."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from cluster import Cluster
+from engine.sampling_params import SamplingParams
+from tandem.convert import params_to_proto
+from tandem.v1 import api_pb2
+
+WORKER_ARGS = ["--num-blocks", "512", "--max-num-batched-tokens", "256"]
+PREFIX = [(17 * j) % 250 + 1 for j in range(64)]  # 4 full blocks
+
+
+def request(prompt, params):
+    return api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompt),
+                                   params=params_to_proto(params))
+
+
+async def generate(stub, prompt, params, timeout=30):
+    chunks = [c async for c in stub.Generate(request(prompt, params), timeout=timeout)]
+    return chunks
+
+
+@pytest.fixture
+def cluster(tiny_models, tmp_path):
+    c = Cluster(tmp_path, str(tiny_models["llama"]), prefill=2, decode=2,
+                worker_args=WORKER_ARGS, router_args=["--http-port", "-1"]).start()
+    yield c
+    c.stop()
+
+
+def test_prefix_affinity_and_spread(cluster):
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            stub = cluster.api(ch)
+            # Requests sharing a 64-token prefix: after the first, all hit its cached blocks,
+            # which only one of the two prefill workers holds.
+            shared = [await generate(stub, [*PREFIX, 200 + i, 7], params) for i in range(8)]
+            # Distinct prompts sent together spread over both prefill workers.
+            distinct = [[(31 * i + 7 * j) % 250 + 1 for j in range(40)] for i in range(16)]
+            await asyncio.gather(*(generate(stub, p, SamplingParams(temperature=0,
+                                                                    max_tokens=24))
+                                   for p in distinct))
+            loads = [await cluster.load(p) for p in cluster.workers("prefill")]
+            return shared, loads
+
+    shared, loads = asyncio.run(main())
+    cached = [chunks[-1].usage.cached_prompt_tokens for chunks in shared]
+    assert cached[0] == 0 and all(c == 64 for c in cached[1:]), cached
+    hits = [ld.prefix_cache_hits for ld in loads]
+    assert sorted(h >= 7 * 4 for h in hits) == [False, True], hits  # one worker got them all
+    served = [ld.num_requests for ld in loads]
+    assert sum(served) == 24 and min(served) >= 4, served  # the distinct ones spread
+    asyncio.run(cluster.wait_idle())
+
+
+def test_killed_workers_are_taken_out(cluster):
+    long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=8)
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            stub = cluster.api(ch)
+            calls = [stub.Generate(request([i + 1] * 20, long)) for i in range(6)]
+            for call in calls:
+                await call.read()
+                await call.read()
+            loads = {p.name: await cluster.load(p) for p in cluster.workers("decode")}
+            victim = max(loads, key=lambda n: loads[n].num_running)
+            assert loads[victim].num_running > 0
+            cluster.kill(victim)
+            killed_at = time.monotonic()
+            async def outcome(call):
+                """UNAVAILABLE if the stream breaks; "streaming" if it still delivers tokens."""
+                try:
+                    for _ in range(20):
+                        if await call.read() is grpc.aio.EOF:
+                            return "done"
+                    return "streaming"
+                except grpc.aio.AioRpcError as e:
+                    return e.code()
+
+            outcomes = await asyncio.gather(*(outcome(call) for call in calls))
+            for call in calls:
+                call.cancel()
+            # In-flight requests on the dead worker end UNAVAILABLE, the others stream on.
+            assert grpc.StatusCode.UNAVAILABLE in outcomes, outcomes
+            assert "streaming" in outcomes, outcomes
+            # ...and from at most 5 s after the kill, every new request succeeds.
+            while time.monotonic() - killed_at < 5:
+                await asyncio.sleep(0.25)
+            results = await asyncio.gather(*(generate(stub, [9, i + 1, 3], short)
+                                             for i in range(8)))
+            assert all(r[-1].finish_reason in ("length", "stop") for r in results)
+            # A prefill worker killed too: its requests are retried on the other before any
+            # token was sent, so none fails.
+            cluster.kill("prefill0")
+            results = await asyncio.gather(*(generate(stub, [11, i + 1, 5], short)
+                                             for i in range(8)))
+            assert all(r[-1].finish_reason in ("length", "stop") for r in results)
+
+    asyncio.run(main())
+    asyncio.run(cluster.wait_idle(procs=[p for p in cluster.workers()
+                                         if p.popen.poll() is None]))
+
+
+def test_full_router_answers_resource_exhausted_fast(tiny_models, tmp_path):
+    c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=WORKER_ARGS,
+                router_args=["--http-port", "-1", "--max-requests", "2"]).start()
+    try:
+        long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+
+        async def main():
+            async with grpc.aio.insecure_channel(c.router.address) as ch:
+                stub = c.api(ch)
+                calls = [stub.Generate(request([i + 1] * 10, long)) for i in range(2)]
+                for call in calls:
+                    await call.read()
+                t0 = time.perf_counter()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await generate(stub, [1, 2, 3], SamplingParams(max_tokens=4))
+                elapsed = time.perf_counter() - t0
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert dict(e.value.trailing_metadata() or ()).get("retry-after") == "1"
+                assert elapsed < 0.05, f"refusal took {elapsed * 1e3:.1f} ms"
+                for call in calls:
+                    call.cancel()
+                await asyncio.sleep(0.2)
+                # Room again: a request goes through.
+                ok = await generate(stub, [1, 2, 3], SamplingParams(max_tokens=4))
+                assert ok[-1].finish_reason
+
+        asyncio.run(main())
+        asyncio.run(c.wait_idle())
+    finally:
+        c.stop()
