@@ -1,14 +1,14 @@
 """Decode steps replayed from CUDA graphs.
 
 A decode step's work is fixed by its batch size, so one graph per size on a ladder
-(1, 2, 4, 8, 16, 24, ... max) replays the whole forward pass with one launch instead of a few
-hundred. A batch of B runs in the smallest captured size >= B; the padding rows have slot -1
+(1, 2, 4, 8, 16, 24, ... max) replays the whole forward pass, the LM head and the greedy argmax
+with one launch instead of a few hundred. A batch of B runs in the smallest captured size >= B; the padding rows have slot -1
 (nothing stored) and context 0 (nothing read).
 
 Inputs live in static buffers that every graph reads:
 
     input_ids [max_bs]  positions [max_bs]  slot_mapping [max_bs]  seq_lens [max_bs]
-    block_tables [max_bs, max_blocks_per_seq]          ─▶ graph ─▶  hidden [max_bs, H]
+    block_tables [max_bs, max_blocks_per_seq]   ─▶ graph ─▶  logits [bs, vocab] fp32, argmax [bs]
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ def batch_size_ladder(max_bs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_bs: int,
-                 max_blocks_per_seq: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 max_blocks_per_seq: int, device: torch.device) -> None:
         self.model = model
         self.backend = backend
         self.max_bs = max_bs
@@ -45,8 +44,9 @@ class CudaGraphRunner:
         self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
-        self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Per size: the graph's own output tensors (kept alive, rewritten by every replay).
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = None
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -67,7 +67,9 @@ class CudaGraphRunner:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool), forward_context(self.backend, meta):
-                self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+                hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+                logits = self.model.compute_logits(hidden)
+                self.outputs[bs] = (logits, logits.argmax(dim=-1))
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
@@ -78,8 +80,9 @@ class CudaGraphRunner:
         return num_seqs <= self.max_bs and max_blocks <= self.block_tables.shape[1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Hidden states of a decode batch (inputs already on the device)."""
+            seq_lens: torch.Tensor, block_tables: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and greedy tokens of a decode batch (inputs already on the device)."""
         b = input_ids.shape[0]
         bs = next(s for s in self.sizes if s >= b)
         self.input_ids[:b].copy_(input_ids)
@@ -92,4 +95,5 @@ class CudaGraphRunner:
             self.slot_mapping[b:bs].fill_(-1)
             self.seq_lens[b:bs].zero_()
         self.graphs[bs].replay()
-        return self.hidden[:b]
+        logits, greedy = self.outputs[bs]
+        return logits[:b], greedy[:b]

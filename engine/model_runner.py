@@ -71,8 +71,7 @@ class ModelRunner:
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = CudaGraphRunner(
                 self.model, self.backend, min(max_num_seqs, 512),
-                cdiv(max_model_len, self.block_size), model_config.hidden_size, self.dtype,
-                self.device)
+                cdiv(max_model_len, self.block_size), self.device)
             self.graphs.capture()
 
     # -- KV pool -----------------------------------------------------------------------------
@@ -153,11 +152,13 @@ class ModelRunner:
         ids, pos, meta, sample_index = self._inputs(batch, row_token_index)
         if (self.graphs is not None and meta.num_decodes == meta.num_seqs
                 and self.graphs.can_run(meta.num_seqs, meta.block_tables.shape[1])):
-            hidden = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens,
-                                     meta.block_tables)
-        else:
-            with forward_context(self.backend, meta):
-                hidden = self.model(ids, pos)
+            logits, greedy = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens,
+                                             meta.block_tables)
+            if row_token_index != list(range(meta.num_seqs)):  # a fork samples a row n times
+                logits, greedy = logits[sample_index], greedy[sample_index]
+            return self.sampler(logits, rows, greedy)
+        with forward_context(self.backend, meta):
+            hidden = self.model(ids, pos)
         return self.sampler(self.model.compute_logits(hidden[sample_index]), rows)
 
     def _inputs(self, batch: ScheduledBatch, row_token_index: list[int]):

@@ -47,16 +47,19 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = device
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-        """logits: float32 [len(rows), vocab] (rows of one sequence may repeat for n > 1)."""
-        logits = logits[:, :self.vocab_size]
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 greedy: torch.Tensor | None = None) -> SamplerOutput:
+        """logits: float32 [len(rows), vocab] (rows of one sequence may repeat for n > 1);
+        greedy: their argmax when already computed (the decode CUDA graph does)."""
+        logits = raw_logits = logits[:, :self.vocab_size]
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if any(r.params.has_penalties for r in rows):
             logits = self._apply_penalties(logits.clone(), rows)
 
         if all(r.params.greedy for r in rows):
-            tokens = logits.argmax(dim=-1)
+            has_penalties = logits is not raw_logits
+            tokens = greedy if greedy is not None and not has_penalties else logits.argmax(-1)
         else:
             tokens = self._sample(logits, rows)
         token_list = tokens.tolist()
