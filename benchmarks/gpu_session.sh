@@ -34,7 +34,7 @@ for stage in "$@"; do
         --load-format dummy --device cuda --dtype bfloat16 --max-model-len 4096 \
         --prompt-token-ids 1,2,3,4,5,6,7,8 --prompt-token-ids 9,10,11 --max-tokens 16 --json ;;
     kernels) run kernels python3 benchmarks/kernels.py --out "$OUT/kernels.json" ;;
-    transfer) run kv_transfer python3 benchmarks/kv_transfer.py --out "$OUT/kv_transfer.json" ;;
+    transfer) run kv_transfer python3 benchmarks/kv_transfer.py --ttft-model benchmarks/configs/llama-3.1-8b --out "$OUT/kv_transfer.json" ;;
     sweep) run kv_sweep python3 benchmarks/kv_transfer.py --sweep --repeats 10 --out "$OUT/kv_sweep.json" ;;
     decode) run decode_step_8b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b \
         --batch 1 64 --context 1024 --out "$OUT/decode_step_8b.json"

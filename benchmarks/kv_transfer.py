@@ -35,6 +35,7 @@ import multiprocessing as mp
 import random
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -69,6 +70,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-model", default=None,
+                   help="also time the prefill of the prompt with this model config (dummy "
+                        "weights) on the source GPU, e.g. benchmarks/configs/llama-3.1-8b")
     p.add_argument("--sweep", action="store_true",
                    help="also time the copy_blocks kernel alone under many tile configurations")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -161,6 +165,8 @@ def main() -> None:
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()
+    if args.ttft_model:
+        results["prefill"] = prefill_time(args, src_dev)
     report(results)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
@@ -257,6 +263,36 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
     }
 
 
+def prefill_time(args: argparse.Namespace, device: int) -> dict[str, Any]:
+    """Time to first token of the same prompt on the prefill side: the engine (role both, CUDA
+    graphs) prefilling a prompt of --prompt-tokens and sampling one token, median of 5. The
+    transfer happens after that first token is sent, so it delays the second token, not the
+    first; the ratio says how much of a disaggregated request's start it adds."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=args.ttft_model, device=f"cuda:{device}",
+                                    dtype=args.dtype, load_format="dummy",
+                                    max_model_len=args.prompt_tokens + 64,
+                                    max_num_batched_tokens=args.prompt_tokens,
+                                    enable_prefix_caching=False, memory_fraction=0.5),
+                       progress=False)
+    rng = random.Random(args.seed)
+    times = []
+    for i in range(7):
+        prompt = [rng.randrange(1, 32000) for _ in range(args.prompt_tokens)]
+        t0 = time.perf_counter()
+        engine.add_request(f"ttft-{i}", prompt, SamplingParams(max_tokens=1, temperature=0))
+        while engine.has_work():
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    ttft = statistics.median(times[2:])
+    del engine
+    torch.cuda.empty_cache()
+    return {"model": args.ttft_model, "prompt_tokens": args.prompt_tokens, "ttft_ms": ttft * 1e3}
+
+
 def sweep_copy_configs(src_pool, dst_pool, src_t, dst_t, dev, args, nbytes
                        ) -> dict[str, dict[str, Any]]:
     """Time the copy_blocks kernel alone (no id upload, no sync) under tile configurations."""
@@ -306,6 +342,12 @@ def report(r: dict[str, Any]) -> None:
     pull = r["methods"]["pull_blocks (copy_blocks kernel)"]
     print(f"pull_blocks wall clock (ids upload + launch + sync): {pull['wall_clock_median_ms']:.3f}"
           f" ms median; producer freed its pool on stop: {r['producer_freed_its_pool']}")
+    if "prefill" in r:
+        p = r["prefill"]
+        share = pull["wall_clock_median_ms"] / (p["ttft_ms"] + pull["wall_clock_median_ms"])
+        print(f"prefill of the same {p['prompt_tokens']}-token prompt ({Path(p['model']).name}, "
+              f"time to first token): {p['ttft_ms']:.1f} ms; the pull adds "
+              f"{pull['wall_clock_median_ms']:.3f} ms = {share:.1%} of first token + transfer")
 
 
 if __name__ == "__main__":
