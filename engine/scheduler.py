@@ -101,16 +101,18 @@ class Scheduler:
         num_seqs = sum(s.num_samples for s in running) if self.waiting else 0
         while self.waiting and budget > 0 and not batch.preempted:
             seq = self.waiting[0]
+            # The watermark protects running sequences; alone, a request may use every block.
+            reserve = self.watermark if running else 0
             if num_seqs + seq.num_samples > self.config.max_num_seqs:
                 break
             if seq.remote is not None:
-                if not self.kv.allocate_blocks(seq, seq.num_prompt_tokens, self.watermark):
+                if not self.kv.allocate_blocks(seq, seq.num_prompt_tokens, reserve):
                     break
                 batch.pulls.append(seq)
             else:
                 hits = self.kv.prefix_hits(seq)
                 n = min(seq.num_tokens - len(hits) * bs, budget)
-                if not self.kv.allocate_slots(seq, n, hits, batch.copies, self.watermark):
+                if not self.kv.allocate_slots(seq, n, hits, batch.copies, reserve):
                     break
                 if n == 1:
                     decodes.append(seq)

@@ -257,3 +257,13 @@ def test_preempting_itself_when_alone_and_stuck():
     assert batch.preempted == [a] and batch.seqs == []
     finish_all(sched)
     assert pool.is_idle()
+
+
+def test_watermark_never_blocks_a_request_alone():
+    pool = BlockPool(100, BS)
+    sched = make_scheduler(pool, budget=512, max_len=512)
+    big = seq(range(399), "big")  # 100 blocks: the whole pool, nothing left for a watermark
+    sched.add(big)
+    batch = sched.schedule()
+    assert batch.seqs == [big] and len(big.block_ids) == 100
+    finish_all(sched)
