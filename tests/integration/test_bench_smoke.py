@@ -1,0 +1,142 @@
+"""The serving benchmarks run end to end on the CPU with a tiny Llama: serve.py against a stack it
+launches (colocated and disaggregated), serve.py --mode offline, hf_baseline.py (static batches
+and transformers' continuous batching), and ratio.py's layouts and report. Each JSON must show
+every request completed with exactly the workload's token counts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import ratio
+from benchmarks.workloads import sharegpt_like
+
+ROOT = Path(__file__).resolve().parents[2]
+N = 8
+WORKLOAD = ["--workload", "sharegpt", "--num-requests", str(N), "--sharegpt-max-len", "48",
+            "--seed", "3"]
+ENGINE = ["--", "--num-blocks", "256", "--max-num-batched-tokens", "64"]
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def expected_tokens(vocab: int = 512) -> int:
+    return sum(r.max_tokens for r in sharegpt_like(N, vocab, seed=3, max_len=48))
+
+
+def run(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def check_latencies(s: dict) -> None:
+    assert s["ttft_ms"]["n"] == N and 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"]
+    assert 0 < s["tpot_ms"]["p50"] <= s["tpot_ms"]["p99"]
+    assert s["output_throughput"] > s["request_throughput"] > 0
+
+
+@pytest.mark.parametrize("launch", ["colocated", "disaggregated"])
+def test_serve_launches_the_stack_and_counts_every_token(tiny_models, tmp_path, launch):
+    out = tmp_path / "serve.json"
+    layout = ["--num-prefill", "1", "--num-decode", "1"] if launch == "disaggregated" else []
+    run("serve.py", "--launch", launch, *layout, "--model", str(tiny_models["llama"]),
+        "--devices", "cpu", "--dtype", "float32", *WORKLOAD, "--rate", "inf", "40",
+        "--warmup", "2", "--client-procs", "2" if launch == "disaggregated" else "1",
+        "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000", "--no-progress", "--out", str(out),
+        *ENGINE)
+    r = json.loads(out.read_text())
+    roles = [w["role"] for w in r["workers"]]
+    assert roles == (["prefill", "decode"] if launch == "disaggregated" else ["both"])
+    assert r["card"] == "cpu" and all(code == 0 for code in r["exit_codes"].values())
+    assert [run["summary"]["rate"] for run in r["runs"]] == ["inf", 40.0]
+    for run_ in r["runs"]:
+        s = run_["summary"]
+        assert s["completed"] == N and s["failed"] == 0, s["errors"]
+        assert s["output_tokens"] == s["expected_output_tokens"] == expected_tokens()
+        assert [q["output_tokens"] for q in run_["requests"]] == \
+            [q["expected_tokens"] for q in run_["requests"]]
+        check_latencies(s)
+        # One gap per token after the first (a chunk per token over gRPC).
+        assert 0 < s["itl_ms"]["n"] <= s["output_tokens"] - N
+        # SLOs of a minute: every request is good, so goodput is the request throughput.
+        assert s["slo_attainment"] == 1.0
+        assert s["goodput"] == pytest.approx(s["request_throughput"])
+    assert out.with_suffix(".png").exists() == HAS_MPL
+
+
+def test_serve_offline_reports_kv_waste_against_static_batches(tiny_models, tmp_path):
+    out = tmp_path / "offline.json"
+    run("serve.py", "--mode", "offline", "--model", str(tiny_models["llama"]), "--devices", "cpu",
+        "--dtype", "float32", *WORKLOAD, "--static-batch-size", "8", "--no-progress",
+        "--out", str(out), *ENGINE)
+    r = json.loads(out.read_text())
+    assert r["completed"] == N and not r["wrong_length"]
+    assert r["output_tokens"] == r["expected_output_tokens"] == expected_tokens()
+    check_latencies(r)
+    kv = r["kv"]
+    assert 2 <= kv["peak_running_seqs"] <= N
+    assert 0 <= kv["paged_waste"] < 1
+    # Paged blocks waste at most a partial block per sequence; one static batch of all 8
+    # requests reserves max prompt + max output for every row.
+    assert kv["paged_waste"] < kv["static"]["reserved_waste"]
+    assert kv["static"]["num_batches"] == 1
+    st = r["step_time"]
+    assert st["steps"] > 0 and 0 < st["outside_execute_share"] < 1
+    assert st["gpu"] is None  # GPU busy time is measured on CUDA only
+
+
+def test_hf_baseline_static_and_continuous_batching(tiny_models, tmp_path):
+    out = tmp_path / "hf.json"
+    run("hf_baseline.py", "--model", str(tiny_models["llama"]), "--device", "cpu", "--mode",
+        "both", *WORKLOAD, "--batch-size", "4", "--cb-num-blocks", "64", "--cb-block-size", "16",
+        "--cb-max-batch-tokens", "128", "--no-progress", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["card"] == "cpu" and r["workload_stats"]["output_tokens"] == expected_tokens()
+    for mode in ("static", "cb"):
+        s = r[mode]
+        assert s["completed"] == N and not s["partial"], s
+        assert s["output_tokens"] == expected_tokens()
+        check_latencies(s)
+    assert r["static"]["batches"] == 2
+    # Static rows decode their batch's longest output: more computed than asked for.
+    assert r["static"]["computed_output_throughput"] > r["static"]["output_throughput"]
+
+
+def test_ratio_layouts_and_report(tmp_path):
+    assert ratio.derived_layouts(4) == ["1P3D", "2P2D", "3P1D", "4C"]
+    assert ratio.derived_layouts(2) == ["1P1D", "2C"]
+    assert ratio.layout_roles("1P2D") == ["prefill", "decode", "decode"]
+    assert ratio.layout_roles("2c") == ["both", "both"]
+    with pytest.raises(SystemExit):
+        ratio.layout_roles("2X")
+
+    def run_(rate, duration, ttft):
+        rows = [{"ok": True, "ttft_ms": ttft, "itl_p90_ms": 1.0} for _ in range(4)]
+        lat = {"p50": ttft, "p99": ttft}
+        summary = {"rate": rate, "completed": 4, "num_requests": 4, "duration_s": duration,
+                   "request_throughput": 4 / duration, "output_throughput": 40 / duration,
+                   "ttft_ms": lat, "itl_ms": {"p50": 1.0, "p99": 1.0}, "goodput": 4 / duration,
+                   "slo_attainment": 1.0,
+                   "slo": {"ttft_ms": 10, "itl_ms": 10, "per_request_itl": "p90"}}
+        return summary, rows
+
+    # 1P1D carries more within a 10 ms TTFT (5 req/s at rate 4), but its TTFT there is 5 ms.
+    for name, runs in (("1P1D", [run_(2.0, 2.0, 1.0), run_(4.0, 0.8, 5.0), run_("inf", 0.1, 9)]),
+                       ("2C", [run_(2.0, 2.0, 1.0), run_(4.0, 1.0, 2.0)])):
+        (tmp_path / f"layout-{name}.json").write_text(json.dumps({
+            "layout": name, "card": "cpu", "model": "m",
+            "workloads": {"prompt-heavy": [s for s, _ in runs]},
+            "requests": {"prompt-heavy": [rows for _, rows in runs]}}))
+    rep = ratio.report(tmp_path)
+    assert rep["best"]["prompt-heavy"]["layout"] == "1P1D"  # rate inf's 40 req/s is no load
+    assert len(rep["rows"]) == 5
+    assert (tmp_path / "goodput-prompt-heavy.png").exists() == HAS_MPL
+    strict = ratio.report(tmp_path, (3.0, 10.0, "p90"))
+    assert strict["best"]["prompt-heavy"] == {"layout": "2C", "max_goodput": 4.0,
+                                              "mean_goodput": 3.0}
