@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Serving benchmarks on a 4-GPU box in one call: three lanes run side by side on separate GPUs.
+#   lane A (GPU 0):    CUDA parity check, Llama-3.1-8B: Tandem colocated, offline engine,
+#                      transformers static generate and continuous batching (1,000 ShareGPT-like)
+#   lane B (GPU 1):    the same on Llama-3.2-1B, offline with GPU-time sampling
+#   lane C (GPU 2,3):  prompt-heavy mix, 1 prefill + 1 decode against 2 colocated workers
+# then, with lanes A and B done, the KV transfer and decode-step benchmarks on GPUs 0 and 1.
+# Everything lands in $OUT/results.tgz (logs and JSON) plus $OUT/summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+R=$OUT/r
+mkdir -p "$R"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
+fi
+export PYTHONPATH=/tmp/site:$PWD:$PWD/protos:${PYTHONPATH:-}
+export TANDEM_CACHE_DIR=/tmp/tandem-cache
+nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$R/gpus.txt"
+B8=benchmarks/configs/llama-3.1-8b
+B1=benchmarks/configs/llama-3.2-1b
+HF_LIMIT=${HF_LIMIT:-90}
+
+LIMIT=${LIMIT:-540}
+DEADLINE=$(( $(date +%s) + LIMIT ))
+
+step() {  # step LANE NAME CMD...: run, bounded by the session deadline, and log
+  local lane=$1 name=$2; shift 2
+  local t0=$(date +%s) left=$(( DEADLINE - $(date +%s) ))
+  if [ $left -lt 15 ]; then echo "$lane $name skipped (no time left)" >> "$OUT/summary.txt"; return; fi
+  timeout --kill-after=10 $left "$@" > "$R/$name.txt" 2>&1
+  echo "$lane $name rc=$? $(( $(date +%s) - t0 ))s" >> "$OUT/summary.txt"
+}
+
+lane_a() {
+  export CUDA_VISIBLE_DEVICES=0
+  TANDEM_TEST_DEVICE=cuda step A parity python3 -m pytest -q -p no:cacheprovider tests/e2e/test_parity.py -k "greedy_matches and (llama or qwen3)"
+  step A serve_8b python3 benchmarks/serve.py --launch colocated --model $B8 --dtype bfloat16 --load-format dummy --devices cuda:0 --workload sharegpt --num-requests 1000 --rate inf --no-progress --log-dir "$R/logs_serve_8b" --out "$R/serve_8b.json"
+  step A offline_8b python3 benchmarks/serve.py --mode offline --model $B8 --dtype bfloat16 --load-format dummy --devices cuda:0 --workload sharegpt --num-requests 1000 --gpu-time-every 0 --no-progress --out "$R/offline_8b.json"
+  step A hf_static_8b python3 benchmarks/hf_baseline.py --model $B8 --mode static --batch-size 64 --workload sharegpt --num-requests 1000 --time-limit $HF_LIMIT --no-progress --out "$R/hf_static_8b.json"
+  step A hf_cb_8b python3 benchmarks/hf_baseline.py --model $B8 --mode cb --workload sharegpt --num-requests 1000 --time-limit $HF_LIMIT --no-progress --out "$R/hf_cb_8b.json"
+}
+
+lane_b() {
+  export CUDA_VISIBLE_DEVICES=1
+  step B serve_1b python3 benchmarks/serve.py --launch colocated --model $B1 --dtype bfloat16 --load-format dummy --devices cuda:0 --workload sharegpt --num-requests 1000 --rate inf --no-progress --log-dir "$R/logs_serve_1b" --out "$R/serve_1b.json"
+  step B offline_1b python3 benchmarks/serve.py --mode offline --model $B1 --dtype bfloat16 --load-format dummy --devices cuda:0 --workload sharegpt --num-requests 1000 --gpu-time-every 10 --no-progress --out "$R/offline_1b.json"
+  step B hf_static_1b python3 benchmarks/hf_baseline.py --model $B1 --mode static --batch-size 64 --workload sharegpt --num-requests 1000 --time-limit $HF_LIMIT --no-progress --out "$R/hf_static_1b.json"
+  step B hf_cb_1b python3 benchmarks/hf_baseline.py --model $B1 --mode cb --workload sharegpt --num-requests 1000 --time-limit $HF_LIMIT --no-progress --out "$R/hf_cb_1b.json"
+}
+
+lane_c() {
+  export CUDA_VISIBLE_DEVICES=2,3
+  for layout in 1P1D 2C; do
+    step C ratio_$layout python3 benchmarks/ratio.py --model $B8 --dtype bfloat16 --load-format dummy --gpus 2 --layouts $layout --workloads prompt-heavy --rates 4 8 16 --num-requests 200 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-progress --out-dir "$R/ratio2" --log-dir "$R/ratio2/logs_$layout"
+  done
+}
+
+lane_a & A=$!
+lane_b & B=$!
+lane_c & C=$!
+wait $A $B
+( export CUDA_VISIBLE_DEVICES=0,1
+  step A kv_transfer python3 benchmarks/kv_transfer.py --ttft-model $B8 --out "$R/kv_transfer.json"
+  step A decode_step_8b python3 benchmarks/decode_step.py --model $B8 --batch 1 64 --context 1024 --out "$R/decode_step_8b.json"
+  step A decode_step_1b python3 benchmarks/decode_step.py --model $B1 --batch 1 64 256 --context 1024 --out "$R/decode_step_1b.json" )
+wait $C
+python3 benchmarks/ratio.py --report-only --out-dir "$R/ratio2" > "$R/ratio2_report.txt" 2>&1
+tar czf "$OUT/results.tgz" -C "$OUT" r
+cat "$OUT/summary.txt"
