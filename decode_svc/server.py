@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import logging
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import grpc
 
 from engine.sequence import RemoteKV, SeqOutput
 from engine.serving.lifecycle import GRPC_OPTIONS
+from engine.serving.telemetry import span_name
 from kvtransfer.descriptor import check_compatible
 from kvtransfer.remote import RemotePool, open_remote_pool, pull_blocks
 from tandem.convert import (
@@ -47,6 +49,9 @@ class PullSource:
     address: str
     lease_id: str
     deadline: float  # time.monotonic() after which the blocks may have been reused
+    # The Decode handler's context (its span, the request id for log lines): the KV-transfer
+    # span is its child and the Release call joins its trace.
+    context: contextvars.Context | None = None
 
 
 def chunks_message(outs: list[SeqOutput], with_logprobs: bool) -> worker_pb2.TokenChunks:
@@ -81,38 +86,47 @@ class DecodeServicer(WorkerServicer):
         if self.role != "both":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"worker {self.worker_id} has role {self.role}, not both")
-        try:
-            params = params_from_proto(request.params)
-            stream = self.engine.generate(request.request_id, list(request.prompt_token_ids),
-                                          params)
-            async for outs in stream:
-                await self._check_errors(outs, context)
-                yield chunks_message(outs, params.logprobs is not None)
-        except Exception as e:  # noqa: BLE001 - mapped to a status
-            await abort_for(context, e)
+        with self.telemetry.request_span(span_name(self.role), request.request_id) as span:
+            try:
+                params = params_from_proto(request.params)
+                stream = self.engine.generate(request.request_id,
+                                              list(request.prompt_token_ids), params)
+                finished: list[SeqOutput] = []
+                async for outs in stream:
+                    await self._check_errors(outs, context)
+                    finished += [o for o in outs if o.finish_reason is not None]
+                    yield chunks_message(outs, params.logprobs is not None)
+                self.telemetry.decode_done(span, finished)
+            except Exception as e:  # noqa: BLE001 - mapped to a status
+                await abort_for(context, e)
 
     async def Decode(self, request, context):  # noqa: N802
         if self.role != "decode":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"worker {self.worker_id} has role {self.role}, not decode")
-        try:
-            params = params_from_proto(request.params)
-            kv = request.kv
-            pool = await self._peer(kv.address)
-            source = PullSource(pool, kv.address, kv.lease_id,
-                                time.monotonic() + kv.lease_ttl_ms / 1000 - LEASE_MARGIN_S)
-            remote = RemoteKV(source, tuple(kv.block_ids), tuple(request.first_token_ids),
-                              logprobs_from_proto(request.first_logprobs, params.n))
-            stream = self.engine.decode(request.request_id, list(request.prompt_token_ids),
-                                        params, remote)
-            async for outs in stream:
-                await self._check_errors(outs, context)
-                yield chunks_message(outs, params.logprobs is not None)
-        except grpc.aio.AioRpcError as e:  # the prefill worker could not be reached
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"prefill worker {request.kv.address}: {e.details()}")
-        except Exception as e:  # noqa: BLE001
-            await abort_for(context, e)
+        with self.telemetry.request_span(span_name(self.role), request.request_id) as span:
+            try:
+                params = params_from_proto(request.params)
+                kv = request.kv
+                pool = await self._peer(kv.address)
+                source = PullSource(pool, kv.address, kv.lease_id,
+                                    time.monotonic() + kv.lease_ttl_ms / 1000 - LEASE_MARGIN_S,
+                                    contextvars.copy_context())
+                remote = RemoteKV(source, tuple(kv.block_ids), tuple(request.first_token_ids),
+                                  logprobs_from_proto(request.first_logprobs, params.n))
+                stream = self.engine.decode(request.request_id, list(request.prompt_token_ids),
+                                            params, remote)
+                finished: list[SeqOutput] = []
+                async for outs in stream:
+                    await self._check_errors(outs, context)
+                    finished += [o for o in outs if o.finish_reason is not None]
+                    yield chunks_message(outs, params.logprobs is not None)
+                self.telemetry.decode_done(span, finished)
+            except grpc.aio.AioRpcError as e:  # the prefill worker could not be reached
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"prefill worker {request.kv.address}: {e.details()}")
+            except Exception as e:  # noqa: BLE001
+                await abort_for(context, e)
 
     @staticmethod
     async def _check_errors(outs: list[SeqOutput], context) -> None:
@@ -150,12 +164,21 @@ class DecodeServicer(WorkerServicer):
     def pull(self, remote: RemoteKV, dst_block_ids: list[int]) -> None:
         """Engine thread: copy the prompt's KV in, then release the prefill side's lease."""
         src: PullSource = remote.source
+        start_ns = time.time_ns()
+        stats = error = None
         try:
             if time.monotonic() > src.deadline:
                 raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
-            pull_blocks(src.pool, self.engine.engine.runner.pool, remote.block_ids,
-                        dst_block_ids)
+            stats = pull_blocks(src.pool, self.engine.engine.runner.pool, remote.block_ids,
+                                dst_block_ids)
+        except Exception as e:
+            error = e
+            raise
         finally:
+            self.telemetry.kv_transfer(
+                src.context, start_ns, blocks=len(remote.block_ids),
+                nbytes=stats.bytes if stats else 0, seconds=stats.seconds if stats else 0.0,
+                transport=src.pool.descriptor.transport, source=src.address, error=error)
             self._release_soon(src)
 
     def drop(self, remote: RemoteKV) -> None:
@@ -166,7 +189,8 @@ class DecodeServicer(WorkerServicer):
         self.engine.loop.call_soon_threadsafe(self._spawn_release, src)
 
     def _spawn_release(self, src: PullSource) -> None:
-        task = asyncio.ensure_future(self._release(src))
+        # In the request's context: the Release call joins its trace, its log lines its id.
+        task = asyncio.get_running_loop().create_task(self._release(src), context=src.context)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -43,6 +43,8 @@ class StepStats:
     num_decodes: int
     num_preempted: int
     seconds: float
+    num_sampled: int = 0  # tokens sampled this step (first tokens included)
+    num_prompt_tokens: int = 0  # prompts whose first token this step sampled
 
 
 class LLMEngine:
@@ -167,14 +169,18 @@ class LLMEngine:
             self.expire_leases()
         batch = self.scheduler.schedule()
         outputs = self._pull(batch.pulls)
+        num_sampled = num_prompt_tokens = 0
         if batch.seqs:
-            outputs += self._run(batch)
+            run_outputs, num_sampled, num_prompt_tokens = self._run(batch)
+            outputs += run_outputs
         self.scheduler.remove_finished()
         self.last_step = StepStats(len(batch.seqs), batch.num_tokens, batch.num_decodes,
-                                   len(batch.preempted), time.perf_counter() - t0)
+                                   len(batch.preempted), time.perf_counter() - t0,
+                                   num_sampled, num_prompt_tokens)
         return outputs
 
-    def _run(self, batch: ScheduledBatch) -> list[SeqOutput]:
+    def _run(self, batch: ScheduledBatch) -> tuple[list[SeqOutput], int, int]:
+        """Outputs, tokens sampled, and prompt tokens of the sequences sampling their first."""
         rows: list[SampleRow] = []
         row_index: list[int] = []
         samplers: list[Sequence] = []
@@ -196,9 +202,18 @@ class LLMEngine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
         result = self.runner.execute(batch, rows, row_index)
+        now = time.monotonic()
+        num_prompt_tokens = 0
+        for seq in samplers:
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.num_tokens == seq.num_prompt_tokens:
+                num_prompt_tokens += seq.num_prompt_tokens
 
         bs = self.block_pool.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                seq.num_prefill_chunks += 1
             seq.num_computed_tokens += n
             if seq.num_computed_tokens // bs > seq.num_cached_blocks:  # a block just filled
                 self.kv.cache_full_blocks(seq)
@@ -214,7 +229,7 @@ class LLMEngine:
             children = self._fork(seq, toks[1:], lps[1:])
             for s, tok, lp in zip([seq, *children], toks, lps):
                 outputs.append(self._append(s, tok, lp))
-        return outputs
+        return outputs, len(rows), num_prompt_tokens
 
     def _fork(self, parent: Sequence, tokens: list[int], lps: list) -> list[Sequence]:
         if not tokens:
@@ -263,6 +278,7 @@ class LLMEngine:
         outputs = []
         for seq in seqs:
             remote, seq.remote = seq.remote, None
+            seq.first_scheduled_time = time.monotonic()  # admitted: queue time ends here
             try:
                 self.kv_puller(remote, seq.block_ids)
             except Exception as e:  # noqa: BLE001 - any transport failure fails this request
@@ -273,7 +289,6 @@ class LLMEngine:
                 outputs.append(out)
                 continue
             seq.num_computed_tokens = seq.num_prompt_tokens
-            seq.first_scheduled_time = time.monotonic()
             self.kv.cache_full_blocks(seq)
             firsts, lps = remote.first_token_ids, remote.first_logprobs
             children = self._fork(seq, list(firsts[1:]), list(lps[1:]))
@@ -292,6 +307,7 @@ class LLMEngine:
                 self.kv_dropper(remote)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        seq.finish_time = time.monotonic()
         self.kv.free(seq)
         self.runner.release(seq.seq_id)
         seqs = self.requests.get(seq.request_id)
@@ -300,7 +316,8 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, tokens: list[int], lps: list) -> SeqOutput:
         return SeqOutput(seq.request_id, seq.sample_index, tokens, lps, seq.finish_reason,
-                         seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens)
+                         seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens,
+                         timing=seq.timing() if seq.finish_reason is not None else None)
 
     # -- stats -------------------------------------------------------------------------------
     def num_waiting(self) -> int:

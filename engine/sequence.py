@@ -65,6 +65,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None  # first token sampled on this worker
+        self.finish_time: float | None = None
+        self.num_prefill_chunks = 0  # forward passes that computed prompt tokens
         self.logprobs: list[TokenLogprobs | None] = []
         self.remote: RemoteKV | None = None
         self.num_preemptions = 0
@@ -114,8 +117,16 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
         child.first_scheduled_time = self.first_scheduled_time
+        child.first_token_time = self.first_token_time
+        child.num_prefill_chunks = self.num_prefill_chunks
         child.pending_forks = 0
         return child
+
+    def timing(self) -> RequestTiming:
+        assert self.finish_time is not None, "timing() is for finished sequences"
+        return RequestTiming(self.arrival_time, self.first_scheduled_time,
+                             self.first_token_time, self.finish_time, self.num_prefill_chunks,
+                             self.num_preemptions)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}#{self.sample_index}, tokens={self.num_tokens}, "
@@ -136,6 +147,36 @@ class SeqOutput:
     num_output_tokens: int
     handoff: Handoff | None = None
     error: str | None = None
+    timing: RequestTiming | None = None  # on a sample's last output only
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """Where one sample's time went on this worker (time.monotonic() seconds), for metrics and
+    traces. Decode role: `scheduled` is the admission (blocks allocated, KV pull starts) and
+    `first_token` the first token generated here, not the one handed over.
+
+        arrival ── queue ──▶ scheduled ── prefill / pull ──▶ first_token ── decode ──▶ finished
+    """
+
+    arrival: float
+    scheduled: float | None  # None: finished (aborted) before it was ever scheduled
+    first_token: float | None
+    finished: float
+    num_prefill_chunks: int
+    num_preemptions: int
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.scheduled is None else self.scheduled - self.arrival
+
+    @property
+    def first_token_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finished - self.arrival
 
 
 @dataclass(frozen=True)

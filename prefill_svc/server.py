@@ -32,14 +32,17 @@ class PrefillServicer(WorkerServicer):
         self.pool = pool
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
-        try:
-            params = params_from_proto(request.params)
-            out = await self.engine.prefill(request.request_id, list(request.prompt_token_ids),
-                                            params)
-        except Exception as e:  # noqa: BLE001 - mapped to a status
-            await abort_for(context, e)
-        if out.handoff is None:
-            await abort_for(context, RuntimeError(out.error or f"prefill ended: {out.finish_reason}"))
+        with self.telemetry.request_span("prefill", request.request_id) as span:
+            try:
+                params = params_from_proto(request.params)
+                out = await self.engine.prefill(request.request_id,
+                                                list(request.prompt_token_ids), params)
+            except Exception as e:  # noqa: BLE001 - mapped to a status
+                await abort_for(context, e)
+            if out.handoff is None:
+                await abort_for(context, RuntimeError(out.error or
+                                                      f"prefill ended: {out.finish_reason}"))
+            self.telemetry.prefill_done(span, out)
         h = out.handoff
         return worker_pb2.PrefillResponse(
             first_token_ids=list(h.first_token_ids),

@@ -13,6 +13,7 @@ from engine.config import ModelConfig
 from engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
 from engine.errors import InvalidArgument, Overloaded
 from engine.sampling_params import SamplingParams, TokenLogprobs
+from engine.serving.telemetry import Telemetry
 from engine.tokenizer import Tokenizer
 from router_svc.orchestrator import Orchestrator
 
@@ -48,11 +49,12 @@ class ModelInfo:
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer | None, orchestrator: Orchestrator, model: ModelInfo,
-                 max_requests: int = 1024) -> None:
+                 max_requests: int = 1024, telemetry: Telemetry | None = None) -> None:
         self.tokenizer = tokenizer
         self.orchestrator = orchestrator
         self.model = model
         self.max_requests = max_requests
+        self.telemetry = telemetry or Telemetry("router")
         self.active = 0
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}-{uuid.uuid4().hex[:8]}"
@@ -93,26 +95,35 @@ class Frontend:
             raise InvalidArgument("stop", "this model has no tokenizer to match stop strings")
 
     async def stream(self, request_id: str, prompt: list[int], params: SamplingParams,
-                     timeout: float | None = None) -> AsyncIterator[tuple[list[Delta], Usage]]:
+                     timeout: float | None = None, operation: str | None = None
+                     ) -> AsyncIterator[tuple[list[Delta], Usage]]:
         """Deltas per engine step until every sample finished. Leaving early cancels the
-        request on its workers."""
+        request on its workers. `operation`: the GenAI operation name for its trace (default:
+        chat for an OpenAI chat completion id, else text_completion)."""
         self.validate(prompt, params)
         if self.active >= self.max_requests:
             raise Overloaded(f"{self.active} requests in flight (limit {self.max_requests})")
         self.active += 1
+        record = self.telemetry.router_request(
+            request_id, prompt, params, self.model.id, operation or _operation(request_id),
+            self.tokenizer.decode if self.tokenizer else None)
+        usage = Usage(prompt_tokens=len(prompt))
+        error: BaseException | None = None
         try:
             dets = [IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens,
                                            params.stop) if self.tokenizer else _NoText()
                     for _ in range(params.n)]
             done: set[int] = set()
-            usage = Usage(prompt_tokens=len(prompt))
-            async for update in self.orchestrator.run(request_id, prompt, params, timeout):
+            async for update in self.orchestrator.run(request_id, prompt, params, timeout,
+                                                      record.context):
                 usage.cached_prompt_tokens = update.num_cached_tokens
                 deltas = []
+                new_tokens = 0
                 for s in update.samples:
                     if s.index in done:
                         continue  # past its stop string: the worker may still be generating
                     usage.completion_tokens += len(s.token_ids)
+                    new_tokens += len(s.token_ids)
                     det = dets[s.index]
                     step = det.push(s.token_ids)
                     d = Delta(s.index, s.token_ids, step.text_delta, s.logprobs)
@@ -121,15 +132,27 @@ class Frontend:
                     elif s.finish_reason is not None:
                         d.text += det.flush()
                         d.finish_reason = s.finish_reason
+                    record.text(d.index, d.text)
                     if d.finish_reason is not None:
                         done.add(s.index)
+                        record.sample_finished(s.index, d.finish_reason)
                     deltas.append(d)
+                record.tokens(new_tokens)
                 if deltas:
                     yield deltas, usage
                 if len(done) == params.n:
                     return
+        except BaseException as e:  # recorded (client gone, worker error), then re-raised
+            error = e
+            raise
         finally:
             self.active -= 1
+            record.end(params.n, usage.completion_tokens, usage.cached_prompt_tokens, error)
+
+
+def _operation(request_id: str) -> str:
+    """The GenAI operation name: the OpenAI API names chat completions chatcmpl-*."""
+    return "chat" if request_id.startswith("chatcmpl-") else "text_completion"
 
 
 class _NoText:

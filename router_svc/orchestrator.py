@@ -21,8 +21,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry.context import Context
 
 from engine.sampling_params import SamplingParams, TokenLogprobs
+from engine.serving.telemetry import use_context
 from router_svc.workers import Worker, WorkerSet
 from tandem.convert import logprobs_from_proto, params_to_proto
 from tandem.v1 import worker_pb2
@@ -81,17 +83,21 @@ class Orchestrator:
         self._background: set[asyncio.Task] = set()
 
     async def run(self, request_id: str, prompt: list[int], params: SamplingParams,
-                  timeout: float | None = None) -> AsyncIterator[Update]:
+                  timeout: float | None = None, trace_ctx: Context | None = None
+                  ) -> AsyncIterator[Update]:
+        """`trace_ctx`: the request's trace context, made current while each call to a worker
+        is created (the gRPC client interceptor carries it to the worker)."""
         if self.workers.disaggregated:
-            stream = self._disaggregated(request_id, prompt, params, timeout)
+            stream = self._disaggregated(request_id, prompt, params, timeout, trace_ctx)
         else:
-            stream = self._colocated(request_id, prompt, params, timeout)
+            stream = self._colocated(request_id, prompt, params, timeout, trace_ctx)
         async for u in stream:
             yield u
 
     # -- colocated ---------------------------------------------------------------------------
     async def _colocated(self, rid: str, prompt: list[int], params: SamplingParams,
-                         timeout: float | None) -> AsyncIterator[Update]:
+                         timeout: float | None, trace_ctx: Context | None
+                         ) -> AsyncIterator[Update]:
         req = worker_pb2.GenerateOnWorkerRequest(request_id=rid, prompt_token_ids=prompt,
                                                  params=params_to_proto(params))
         tried: set[str] = set()
@@ -99,7 +105,8 @@ class Orchestrator:
         while True:
             w = self._pick(self.workers.pick_decode("both", tried), "colocated")
             tried.add(w.address)
-            call = w.stub.Generate(req, timeout=timeout)
+            with use_context(trace_ctx):
+                call = w.stub.Generate(req, timeout=timeout)
             sent = False
             w.in_flight += 1
             try:
@@ -118,10 +125,11 @@ class Orchestrator:
 
     # -- disaggregated -----------------------------------------------------------------------
     async def _disaggregated(self, rid: str, prompt: list[int], params: SamplingParams,
-                             timeout: float | None) -> AsyncIterator[Update]:
+                             timeout: float | None, trace_ctx: Context | None
+                             ) -> AsyncIterator[Update]:
         wire_params = params_to_proto(params)
         want_lp = params.logprobs is not None
-        p, resp = await self._prefill(rid, prompt, wire_params, timeout)
+        p, resp = await self._prefill(rid, prompt, wire_params, timeout, trace_ctx)
         handed_over = False
         try:
             first = Update([SampleUpdate(
@@ -133,10 +141,11 @@ class Orchestrator:
             if all(resp.finish_reasons):
                 return
             d = self._pick(self.workers.pick_decode("decode"), "decode")
-            call = d.stub.Decode(worker_pb2.DecodeRequest(
-                request_id=rid, prompt_token_ids=prompt, params=wire_params, kv=resp.kv,
-                first_token_ids=resp.first_token_ids, first_logprobs=resp.first_logprobs),
-                timeout=timeout)
+            with use_context(trace_ctx):
+                call = d.stub.Decode(worker_pb2.DecodeRequest(
+                    request_id=rid, prompt_token_ids=prompt, params=wire_params, kv=resp.kv,
+                    first_token_ids=resp.first_token_ids, first_logprobs=resp.first_logprobs),
+                    timeout=timeout)
             handed_over = True
             d.in_flight += 1
             try:
@@ -153,17 +162,18 @@ class Orchestrator:
                 call.cancel()
         finally:
             if not handed_over:
-                self._release_later(p, resp.kv.lease_id)
+                self._release_later(p, resp.kv.lease_id, trace_ctx)
 
-    async def _prefill(self, rid: str, prompt: list[int], params, timeout: float | None
-                       ) -> tuple[Worker, worker_pb2.PrefillResponse]:
+    async def _prefill(self, rid: str, prompt: list[int], params, timeout: float | None,
+                       trace_ctx: Context | None) -> tuple[Worker, worker_pb2.PrefillResponse]:
         tried: set[str] = set()
         req = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params)
         while True:
             p = self._pick(self.workers.pick_prefill(prompt, tried), "prefill")
             tried.add(p.address)
             p.in_flight += 1
-            call = p.stub.Prefill(req, timeout=timeout)
+            with use_context(trace_ctx):
+                call = p.stub.Prefill(req, timeout=timeout)
             try:
                 return p, await call
             except grpc.aio.AioRpcError as e:
@@ -182,12 +192,13 @@ class Orchestrator:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker")
         return w
 
-    def _release_later(self, p: Worker, lease_id: str) -> None:
+    def _release_later(self, p: Worker, lease_id: str, trace_ctx: Context | None = None) -> None:
         async def release() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await p.stub.Release(worker_pb2.ReleaseRequest(lease_id=lease_id), timeout=10)
 
-        task = asyncio.ensure_future(release())
+        with use_context(trace_ctx):  # the task copies it: the Release joins the trace
+            task = asyncio.ensure_future(release())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

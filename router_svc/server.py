@@ -11,6 +11,7 @@ import os
 from engine.config import ModelConfig
 from engine.model_source import resolve_model
 from engine.serving.lifecycle import Health, enable_reflection, make_server, serve_until_signal
+from engine.serving.telemetry import Telemetry
 from engine.tokenizer import Tokenizer
 from router_svc.frontend import Frontend
 from router_svc.grpc_api import TandemServicer
@@ -52,11 +53,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require this bearer token on HTTP (default: $TANDEM_API_KEY)")
     p.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
-    p.add_argument("--grace", type=float, default=30.0)
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds to drain in-flight requests (gRPC and HTTP) on SIGTERM")
     p.add_argument("--ready-file", default=None)
+    p.add_argument("--trace-content", action="store_true",
+                   help="record prompt and output text in traces (off: never recorded)")
 
 
-async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = None) -> None:
+async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = None,
+                telemetry: Telemetry | None = None) -> None:
+    """`telemetry`: the process's (logging, tracing and metrics set up by run()); set it up
+    before this creates its gRPC channels, which tracing instruments."""
+    telemetry = telemetry or Telemetry("router")
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
     # Benchmark configs with dummy weights come without tokenizer files: token ids only.
@@ -71,9 +79,9 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     orchestrator = Orchestrator(workers)
     info = Frontend.model_info(args.served_model_name or args.model, cfg, args.dtype,
                                args.block_size, args.max_model_len)
-    frontend = Frontend(tokenizer, orchestrator, info, args.max_requests)
+    frontend = Frontend(tokenizer, orchestrator, info, args.max_requests, telemetry)
 
-    server = make_server()
+    server = make_server(telemetry.tracing.server_interceptors())
     grpc_port = bind(server, args.host, args.grpc_port)
     api_pb2_grpc.add_TandemServicer_to_server(TandemServicer(frontend), server)
     health = Health(server, [API_SERVICE])
@@ -84,9 +92,18 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     http = None
     http_port = None
     if args.http_port >= 0:
+        from starlette.responses import Response  # noqa: PLC0415
+        from starlette.routing import Route  # noqa: PLC0415
+
         from router_svc.http_api import HttpServer  # noqa: PLC0415
 
-        http = HttpServer(frontend, workers, args.host, args.http_port, args.api_key)
+        async def metrics(_request) -> Response:
+            body, content_type = telemetry.metrics.exposition()
+            return Response(body, media_type=content_type)
+
+        http = HttpServer(frontend, workers, args.host, args.http_port, args.api_key,
+                          routes=[Route("/metrics", metrics, methods=["GET"])],
+                          grace_s=args.grace)
         http_port = await http.start()
 
     def ready() -> None:
@@ -99,16 +116,19 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
             os.replace(tmp, args.ready_file)
 
     async def stop() -> None:
-        if http is not None:
-            await http.stop()
         await orchestrator.close()
         await workers.close()
 
+    # HTTP drains alongside gRPC: both refuse new requests from SIGTERM on.
     await serve_until_signal(server, health, grace_s=args.grace, on_stop=stop, ready=ready,
-                             stop_event=stop_event)
+                             stop_event=stop_event, drain_also=[http.stop] if http else [])
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(serve(args))
+    telemetry = Telemetry.start("router", args.served_model_name or args.model,
+                                capture_content=args.trace_content)
+    try:
+        asyncio.run(serve(args, telemetry=telemetry))
+    finally:
+        telemetry.shutdown()  # flush spans still buffered
     return 0

@@ -4,8 +4,11 @@ OS process started with the `tandem` CLI, ports picked by the OS and reported vi
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,9 +30,31 @@ class Proc:
     log: Path
     address: str = ""
     http_port: int = 0
+    metrics_port: int = 0  # workers started with metrics=True
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def json_logs(self) -> list[dict]:
+        """The JSON log lines the process wrote to stdout (other lines are skipped)."""
+        out = []
+        for line in self.log_text().splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(json.JSONDecodeError):
+                    out.append(json.loads(line))
+        return out
+
+    @property
+    def metrics_url(self) -> str:
+        """Where the process serves Prometheus metrics: a worker's --metrics-port, the
+        router's HTTP port."""
+        return f"http://127.0.0.1:{self.metrics_port or self.http_port}/metrics"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _cmd(*args: str) -> list[str]:
@@ -48,6 +73,7 @@ class Cluster:
     decode_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    metrics: bool = False  # give each worker a free --metrics-port
     procs: dict[str, Proc] = field(default_factory=dict)
 
     def _spawn(self, name: str, args: list[str]) -> Proc:
@@ -55,10 +81,13 @@ class Cluster:
         ready.unlink(missing_ok=True)
         log = self.tmp / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        metrics_port = free_port() if self.metrics and name != "router" else 0
+        if metrics_port:
+            args = [*args, "--metrics-port", str(metrics_port)]
         with open(log, "w") as f:
             popen = subprocess.Popen(_cmd(*args, "--ready-file", str(ready)), stdout=f,
                                      stderr=subprocess.STDOUT, env=env)
-        proc = Proc(name, popen, ready, log)
+        proc = Proc(name, popen, ready, log, metrics_port=metrics_port)
         self.procs[name] = proc
         return proc
 

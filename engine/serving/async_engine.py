@@ -46,9 +46,13 @@ class EngineSnapshot:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine,
-                 on_step: Callable[[LLMEngine, list[SeqOutput]], None] | None = None) -> None:
+                 on_step: Callable[[LLMEngine, list[SeqOutput]], None] | None = None,
+                 on_abort: Callable[[int], None] | None = None) -> None:
         self.engine = engine
-        self.on_step = on_step  # metrics hook, called on the engine thread after each step
+        # Metrics hooks, called on the engine thread: after each step, and with the number of
+        # unfinished sequences when a request is aborted (outputs of aborts are never made).
+        self.on_step = on_step
+        self.on_abort = on_abort
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, asyncio.Queue[list[SeqOutput]]] = {}
@@ -144,10 +148,10 @@ class AsyncEngine:
         finally:
             del self._streams[request_id]
             if len(finished) < num_samples:
-                self.post(lambda: self.engine.abort(request_id))
+                self.post(lambda: self._abort(request_id))
 
     async def abort(self, request_id: str) -> bool:
-        return await self.call(lambda: self.engine.abort(request_id))
+        return await self.call(lambda: self._abort(request_id))
 
     async def release(self, lease_id: str) -> bool:
         return await self.call(lambda: self.engine.release(lease_id))
@@ -181,7 +185,18 @@ class AsyncEngine:
                 continue
             self._snap()
             if self.on_step is not None:
-                self.on_step(engine, outputs)
+                try:
+                    self.on_step(engine, outputs)
+                except Exception:
+                    log.exception("on_step hook failed")
+
+    def _abort(self, request_id: str) -> bool:
+        seqs = self.engine.requests.get(request_id, ())
+        unfinished = sum(1 for s in seqs if not s.is_finished)
+        aborted = self.engine.abort(request_id)
+        if aborted and unfinished and self.on_abort is not None:
+            self.on_abort(unfinished)
+        return aborted
 
     def _fail_all(self, message: str) -> list[SeqOutput]:
         outputs = []

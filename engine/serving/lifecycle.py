@@ -3,7 +3,13 @@
     config → engine → servicer → health (+ reflection behind a flag) → start
     → wait for SIGTERM/SIGINT → health NOT_SERVING → server.stop(grace) → engine shutdown
 
-During the grace period gRPC refuses new calls (UNAVAILABLE) and lets in-flight streams finish.
+During the grace period gRPC refuses new calls (UNAVAILABLE: the listening socket is closed and
+open connections take no new streams) and lets in-flight streams finish; whatever is still open
+when the grace period ends is cancelled. Other listeners of the service (the router's HTTP API)
+drain alongside, within the same grace period. The process then exits 0.
+
+A health Watch stream counts as in flight like any other: a client that watches keeps the drain
+waiting until the grace period ends (Check, which probes use, does not).
 """
 
 from __future__ import annotations
@@ -11,11 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
+import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+log = structlog.get_logger(__name__)
 
 # Channel and server options used by every service. Each non-default value says why.
 GRPC_OPTIONS = [
@@ -60,8 +70,10 @@ def enable_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> 
 async def serve_until_signal(server: grpc.aio.Server, health_: Health, *, grace_s: float,
                              on_stop: Callable[[], Awaitable[None]] | None = None,
                              ready: Callable[[], None] | None = None,
-                             stop_event: asyncio.Event | None = None) -> None:
-    """Start, report SERVING, wait for SIGTERM/SIGINT (or stop_event), then drain and stop."""
+                             stop_event: asyncio.Event | None = None,
+                             drain_also: Sequence[Callable[[], Awaitable[None]]] = ()) -> None:
+    """Start, report SERVING, wait for SIGTERM/SIGINT (or stop_event), then drain and stop.
+    `drain_also`: other listeners' graceful stops, run alongside the gRPC server's."""
     loop = asyncio.get_running_loop()
     stop = stop_event or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -72,7 +84,10 @@ async def serve_until_signal(server: grpc.aio.Server, health_: Health, *, grace_
     if ready is not None:
         ready()
     await stop.wait()
+    t0 = time.monotonic()
+    log.info("shutting down: NOT_SERVING, draining in-flight requests", grace_s=grace_s)
     await health_.set(False)
-    await server.stop(grace_s)
+    await asyncio.gather(server.stop(grace_s), *(drain() for drain in drain_also))
+    log.info("drained", seconds=round(time.monotonic() - t0, 3))
     if on_stop is not None:
         await on_stop()

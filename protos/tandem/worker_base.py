@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
@@ -17,6 +18,7 @@ from engine.errors import InvalidArgument, LayoutMismatch, ModelLoadError, Overl
 from engine.llm_engine import LLMEngine
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.lifecycle import Health, enable_reflection, make_server, serve_until_signal
+from engine.serving.telemetry import Telemetry
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
     g.add_argument("--ready-file", default=None,
                    help="write the bound port here once serving (used by `tandem up`)")
+    g.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics at /metrics on this port (0: off)")
 
 
 async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
@@ -58,6 +62,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: AsyncEngine, worker_id: str) -> None:
         self.engine = engine
         self.worker_id = worker_id
+        self.telemetry = Telemetry(self.role)  # run_worker sets the process's
 
     async def Abort(self, request, context):  # noqa: N802 - gRPC method name
         return worker_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
@@ -88,19 +93,23 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
 
 async def run_worker(args: argparse.Namespace, role: str,
                      make_servicer: Callable[[LLMEngine, str, str], WorkerServicer],
-                     pool_factory=None, kv_hooks=None) -> None:
+                     pool_factory=None, kv_hooks=None, telemetry: Telemetry | None = None) -> None:
     """config → engine → servicer → health (+ reflection) → start → signal → drain → stop."""
     from router_svc.cli import engine_config  # noqa: PLC0415
 
+    telemetry = telemetry or Telemetry(role)
     config = engine_config(args, role=role)
-    server = make_server()
+    server = make_server(telemetry.tracing.server_interceptors())
     port = bind(server, args.host, args.port)
     host = args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()
     address = f"{host}:{port}"
     worker_id = args.worker_id or f"{role}@{address}"
     engine = LLMEngine(config, pool_factory=pool_factory, progress=False)
-    async_engine = AsyncEngine(engine)
+    metrics = telemetry.metrics
+    async_engine = AsyncEngine(engine, on_step=metrics.on_step, on_abort=metrics.on_abort)
+    metrics.bind_engine(engine, lambda: async_engine.snapshot)
     servicer = make_servicer(async_engine, worker_id, address)
+    servicer.telemetry = telemetry
     if kv_hooks is not None:
         engine.kv_puller, engine.kv_dropper = kv_hooks(servicer)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -122,10 +131,14 @@ async def run_worker(args: argparse.Namespace, role: str,
         await async_engine.shutdown()
 
     await servicer.on_start()
+    metrics.serve(args.host, args.metrics_port)
     await serve_until_signal(server, health, grace_s=args.grace, on_stop=stop, ready=ready)
 
 
 def main_worker(args: argparse.Namespace, role: str, make_servicer, **kw) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(run_worker(args, role, make_servicer, **kw))
+    telemetry = Telemetry.start(role, Path(args.model).name)
+    try:
+        asyncio.run(run_worker(args, role, make_servicer, telemetry=telemetry, **kw))
+    finally:
+        telemetry.shutdown()  # flush spans still buffered
     return 0

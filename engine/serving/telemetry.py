@@ -1,0 +1,655 @@
+"""Logs, traces and metrics for every service, set up in one place.
+
+    TelemetrySettings.from_env()   every environment variable read here, typed
+    configure_logging(service)     structlog JSON lines on stdout; inside a request each line
+                                   carries request_id, trace_id and span_id
+    configure_tracing(service)     OpenTelemetry exporting OTLP when OTEL_* asks for it (an
+                                   endpoint, or OTEL_TRACES_EXPORTER), else a no-op tracer
+    Metrics(role, model_name)      Prometheus collectors named like vLLM's, prefix `tandem:`
+    Telemetry                      what servicers call: request spans, their attributes, the
+                                   KV-transfer span; RouterRequest for the router's side
+
+One request's trace across three processes (context travels in gRPC metadata as W3C
+traceparent, through opentelemetry-instrumentation-grpc's aio interceptors):
+
+    router   "text_completion <model>"       GenAI attributes, usage, finish reasons, TTFT
+      ├ /tandem.v1.Worker/Prefill            client span, then the prefill worker's server span
+      │   └ prefill                          queue time, chunks, cached tokens
+      └ /tandem.v1.Worker/Decode             client span, then the decode worker's server span
+          └ decode                           queue time, time to first token, per output token
+              ├ kv_transfer                  blocks, bytes, GB/s (recorded on the engine thread)
+              └ /tandem.v1.Worker/Release
+
+Never recorded, in spans or logs: token ids, IPC handles (a shm segment's name, CUDA handle
+bytes: capabilities), and prompt or output text unless content capture is asked for
+(--trace-content or OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true, router only).
+
+Cost: no span, log line or histogram per token. The engine thread calls Metrics.on_step once per
+step (two counter increments, one histogram sample for a decode step, and the per-request
+histograms of sequences that finished); gauges and the engine's own counters are read when
+Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import SeqOutput
+
+log = structlog.get_logger(__name__)
+
+EXPORTERS = ("otlp", "console")
+
+
+# -- settings ----------------------------------------------------------------------------------
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class TelemetrySettings:
+    """The environment, read once. The OpenTelemetry SDK reads the rest of OTEL_* itself
+    (OTEL_BSP_SCHEDULE_DELAY, OTEL_EXPORTER_OTLP_HEADERS, ..._TIMEOUT, ..._INSECURE, ...)."""
+
+    service_name: str | None = None  # OTEL_SERVICE_NAME; default tandem-<role>
+    traces_exporter: tuple[str, ...] | None = None  # OTEL_TRACES_EXPORTER: otlp, console, none
+    otlp_endpoint: str | None = None  # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or _OTLP_ENDPOINT
+    sdk_disabled: bool = False  # OTEL_SDK_DISABLED
+    capture_content: bool = False  # OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT
+    log_format: str = "json"  # TANDEM_LOG_FORMAT: json | console
+    log_level: str = "INFO"  # TANDEM_LOG_LEVEL
+
+    def __post_init__(self) -> None:
+        if self.log_format not in ("json", "console"):
+            raise ValueError(f"TANDEM_LOG_FORMAT must be json or console, not "
+                             f"{self.log_format!r}")
+        unknown = set(self.traces_exporter or ()) - {*EXPORTERS, "none"}
+        if unknown:
+            raise ValueError(f"OTEL_TRACES_EXPORTER: {', '.join(sorted(unknown))} not supported "
+                             f"(supported: {', '.join(EXPORTERS)}, none)")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> TelemetrySettings:
+        env = os.environ if env is None else env
+        exporters = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+        return cls(
+            service_name=env.get("OTEL_SERVICE_NAME") or None,
+            traces_exporter=tuple(e.strip() for e in exporters.split(",") if e.strip())
+            if exporters else None,
+            otlp_endpoint=env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+            sdk_disabled=_truthy(env.get("OTEL_SDK_DISABLED")),
+            capture_content=_truthy(env.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT")),
+            log_format=env.get("TANDEM_LOG_FORMAT", "json").strip().lower() or "json",
+            log_level=env.get("TANDEM_LOG_LEVEL", "INFO").strip().upper() or "INFO")
+
+    @property
+    def exporters(self) -> tuple[str, ...]:
+        """The span exporters to run; none (tracing off) unless an endpoint or
+        OTEL_TRACES_EXPORTER asks for one."""
+        if self.sdk_disabled:
+            return ()
+        if self.traces_exporter is not None:
+            return tuple(e for e in self.traces_exporter if e != "none")
+        return ("otlp",) if self.otlp_endpoint else ()
+
+    def service(self, role: str) -> str:
+        return self.service_name or f"tandem-{role}"
+
+
+# -- logs --------------------------------------------------------------------------------------
+def add_trace_ids(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """structlog processor: the current span's trace and span ids, when there is one."""
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        event["trace_id"] = format(ctx.trace_id, "032x")
+        event["span_id"] = format(ctx.span_id, "016x")
+    return event
+
+
+def configure_logging(service: str, *, json: bool = True, level: str | int = "INFO") -> None:
+    """Every log line of the process, stdlib `logging` and structlog alike, as one JSON object
+    per line on stdout: timestamp, level, logger, event, service, plus request_id (bound by the
+    request's handler), trace_id and span_id inside a request."""
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        _add_service(service),
+        add_trace_ids,
+    ]
+    structlog.configure(
+        processors=[structlog.stdlib.filter_by_level, *shared,
+                    structlog.stdlib.PositionalArgumentsFormatter(),
+                    structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True)
+    renderer = (structlog.processors.JSONRenderer() if json
+                else structlog.dev.ConsoleRenderer(colors=False))
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info, renderer]))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    logging.captureWarnings(True)
+
+
+def _add_service(service: str) -> Callable[[Any, str, dict[str, Any]], dict[str, Any]]:
+    def add(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+        event["service"] = service
+        return event
+
+    return add
+
+
+# -- traces ------------------------------------------------------------------------------------
+class Tracing:
+    """The process's tracer, the gRPC server interceptor that goes with it, and the flush at
+    exit. With tracing off: a no-op tracer, no interceptors."""
+
+    def __init__(self, tracer: trace.Tracer | None = None, provider: Any = None,
+                 interceptors: Iterable[Any] = ()) -> None:
+        self.tracer = tracer or trace.NoOpTracer()
+        self.provider = provider
+        self._interceptors = list(interceptors)
+
+    @property
+    def enabled(self) -> bool:
+        return self.provider is not None
+
+    def server_interceptors(self) -> list[Any]:
+        return list(self._interceptors)
+
+    def shutdown(self) -> None:
+        """Export what is still buffered, then stop the exporters."""
+        if self.provider is not None:
+            self.provider.shutdown()
+
+
+def configure_tracing(service: str, settings: TelemetrySettings | None = None) -> Tracing:
+    """Tracing as the environment asks. When on: a global TracerProvider whose resource names
+    the service, batch export (OTEL_BSP_* tune it), and gRPC context propagation: every aio
+    channel created afterwards gets the client interceptors (so call this before creating
+    channels), and servers take `server_interceptors()`. Health checks, GetLoad polls and
+    reflection are left out of traces."""
+    settings = settings or TelemetrySettings.from_env()
+    if not settings.exporters:
+        return Tracing()
+    # The SDK and exporters load only when tracing is on.
+    from opentelemetry.instrumentation.grpc import (  # noqa: PLC0415
+        GrpcAioInstrumentorClient,
+        aio_server_interceptor,
+        filters,
+    )
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource  # noqa: PLC0415
+    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+    from opentelemetry.sdk.trace.export import (  # noqa: PLC0415
+        BatchSpanProcessor,
+        ConsoleSpanExporter,
+    )
+
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service,
+                                                        "service.namespace": "tandem"}))
+    for name in settings.exporters:
+        if name == "otlp":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # noqa: PLC0415
+                OTLPSpanExporter,
+            )
+
+            exporter: Any = OTLPSpanExporter()
+        else:
+            exporter = ConsoleSpanExporter(out=sys.stderr)  # stdout carries the JSON logs
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    traced = filters.negate(filters.any_of(filters.health_check(), filters.method_name("GetLoad"),
+                                           filters.service_prefix("grpc.reflection")))
+    client = GrpcAioInstrumentorClient(filter_=traced)
+    if not client.is_instrumented_by_opentelemetry:
+        client.instrument(tracer_provider=provider)
+    return Tracing(provider.get_tracer("tandem"), provider,
+                   [aio_server_interceptor(tracer_provider=provider, filter_=traced)])
+
+
+@contextlib.contextmanager
+def use_context(ctx: otel_context.Context | None) -> Iterator[None]:
+    """Make `ctx` current for a synchronous block, e.g. while a gRPC call is created so that the
+    client interceptor carries it. Never hold it across an await: a generator resumed in another
+    task could not detach it."""
+    if ctx is None:
+        yield
+        return
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+# -- metrics -----------------------------------------------------------------------------------
+# Buckets as vLLM's (vllm/v1/metrics/loggers.py), so dashboards carry over; inter-token latency
+# adds sub-10 ms buckets for fast GPUs.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TRANSFER_SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
+                            0.5, 1.0, 2.5, 5.0, 10.0)
+TRANSFER_BYTES_BUCKETS = tuple(float(1 << s) for s in range(16, 36, 2))  # 64 KiB .. 16 GiB
+
+
+class Metrics:
+    """One service's Prometheus collectors, each labelled role (router, prefill, decode, both)
+    and model_name. Counters and histograms are fed by the engine thread (on_step, on_abort),
+    the decode worker's KV pulls (kv_transfer) and the router (RouterRequest); gauges and the
+    engine's own counters are read at scrape time."""
+
+    def __init__(self, role: str, model_name: str) -> None:
+        self.role = role
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(c)
+        labels, values = ("role", "model_name"), (role, model_name)
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tandem:{name}", doc, labels, registry=reg).labels(*values)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tandem:{name}", doc, labels, registry=reg).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"tandem:{name}", doc, labels, registry=reg,
+                             buckets=buckets).labels(*values)
+
+        self.running = gauge("num_requests_running",
+                             "Sequences running (router: requests streaming tokens)")
+        self.waiting = gauge("num_requests_waiting",
+                             "Sequences waiting to be scheduled (router: requests before their "
+                             "first token)")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc",
+                                    "KV-cache usage: share of blocks in use, 0 to 1 (leased "
+                                    "blocks count as used)")
+        self.prompt_tokens = counter("prompt_tokens",
+                                     "Prompt tokens of requests whose first token was sampled "
+                                     "here (router: of every request)")
+        self.generation_tokens = counter("generation_tokens",
+                                         "Tokens sampled here (router: tokens sent to clients)")
+        self._success = Counter("tandem:request_success", "Finished samples, by finish reason",
+                                (*labels, "finished_reason"), registry=reg)
+        self._success_by_reason: dict[str, Counter] = {}
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "From a request's arrival here to its first token (router: sent to "
+                              "the client; prefill: sampled; decode: the first one generated "
+                              "here)", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Between consecutive decode steps (one sample per step; every "
+                             "sequence in the step waited this long for its token)", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "From a request's arrival here to its end", REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "From a request's arrival to its first scheduling (decode: "
+                                    "admission with blocks for its KV)", REQUEST_BUCKETS)
+        self.kv_transfer_seconds = histogram("kv_transfer_seconds",
+                                             "One request's KV pull, copy waited for",
+                                             TRANSFER_SECONDS_BUCKETS)
+        self.kv_transfer_bytes = histogram("kv_transfer_bytes", "Bytes of one request's KV pull",
+                                           TRANSFER_BYTES_BUCKETS)
+        self._engine = _EngineCounters(labels, values)
+        reg.register(self._engine)
+        self._last_step_end: float | None = None
+        self._http: Any = None
+
+    # -- wiring --------------------------------------------------------------------------------
+    def bind_engine(self, engine: LLMEngine, snapshot: Callable[[], Any]) -> None:
+        """Worker: gauges read the AsyncEngine's snapshot, counters the block pool and the
+        scheduler, when scraped (nothing on the engine thread)."""
+        self._engine.engine = engine
+        self.running.set_function(lambda: snapshot().num_running)
+        self.waiting.set_function(lambda: snapshot().num_waiting)
+        self.kv_cache_usage.set_function(
+            lambda: 1.0 - snapshot().num_free_blocks / max(1, snapshot().num_blocks))
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve /metrics on its own port (a thread), for workers; 0: off."""
+        if port:
+            from prometheus_client import start_http_server  # noqa: PLC0415
+
+            self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text format and its content type, for a /metrics route."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    # -- engine thread -------------------------------------------------------------------------
+    def on_step(self, engine: LLMEngine, outputs: list[SeqOutput]) -> None:
+        """AsyncEngine's hook, after every step."""
+        step = engine.last_step
+        now = time.perf_counter()
+        if step is not None:
+            if step.num_prompt_tokens:
+                self.prompt_tokens.inc(step.num_prompt_tokens)
+            if step.num_sampled:
+                self.generation_tokens.inc(step.num_sampled)
+            # A sequence decoding in this step got its previous token at the end of the last
+            # step (it was scheduled then: a pull or prefill step comes first after an idle).
+            if step.num_decodes and self.role != "prefill" and self._last_step_end is not None:
+                self.itl.observe(now - self._last_step_end)
+        self._last_step_end = now
+        for o in outputs:
+            if o.finish_reason is not None:
+                self.finished(o.finish_reason.value, o)
+
+    def on_abort(self, num_samples: int) -> None:
+        """AsyncEngine's hook: samples ended by an abort (client gone, cancelled leg)."""
+        self.success("abort", num_samples)
+
+    def finished(self, reason: str, out: SeqOutput | None = None) -> None:
+        self.success(reason)
+        t = out.timing if out is not None else None
+        if t is None:
+            return
+        if out.sample_index == 0:  # request-level: once per request
+            if t.queue_s is not None:
+                self.queue_time.observe(t.queue_s)
+            if t.first_token_s is not None:
+                self.ttft.observe(t.first_token_s)
+        self.e2e.observe(t.e2e_s)
+
+    def success(self, reason: str, n: int = 1) -> None:
+        c = self._success_by_reason.get(reason)
+        if c is None:
+            c = self._success_by_reason[reason] = self._success.labels(
+                self.role, self.model_name, reason)
+        c.inc(n)
+
+
+class _EngineCounters:
+    """Prefix-cache and preemption counters, read from the engine when scraped. Prefix-cache
+    figures are in tokens, as vLLM's (the block pool counts blocks)."""
+
+    def __init__(self, labels: tuple[str, ...], values: tuple[str, ...]) -> None:
+        self.labels, self.values = list(labels), list(values)
+        self.engine: LLMEngine | None = None
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        e = self.engine
+        if e is None:
+            return
+        pool = e.block_pool
+        for name, doc, value in (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                 pool.prefix_queries * pool.block_size),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                 pool.prefix_hits * pool.block_size),
+                ("num_preemptions", "Sequences preempted (blocks ran out)",
+                 e.scheduler.num_preemptions)):
+            family = CounterMetricFamily(f"tandem:{name}", doc, labels=self.labels)
+            family.add_metric(self.values, value)
+            yield family
+
+
+# -- what services call ------------------------------------------------------------------------
+class Telemetry:
+    """A service's tracer and metrics, and the request-level records its servicers make."""
+
+    def __init__(self, role: str, tracing: Tracing | None = None, metrics: Metrics | None = None,
+                 *, capture_content: bool = False) -> None:
+        self.role = role
+        self.tracing = tracing or Tracing()
+        self.tracer = self.tracing.tracer
+        self.metrics = metrics or Metrics(role, "")
+        self.capture_content = capture_content
+
+    @classmethod
+    def start(cls, role: str, model_name: str, *, capture_content: bool = False,
+              settings: TelemetrySettings | None = None) -> Telemetry:
+        """Logging, tracing and metrics for a service process, from the environment."""
+        settings = settings or TelemetrySettings.from_env()
+        service = settings.service(role)
+        configure_logging(service, json=settings.log_format == "json", level=settings.log_level)
+        tracing = configure_tracing(service, settings)
+        if tracing.enabled:
+            log.info("tracing on", exporters=list(settings.exporters))
+        return cls(role, tracing, Metrics(role, model_name),
+                   capture_content=capture_content or settings.capture_content)
+
+    def shutdown(self) -> None:
+        self.tracing.shutdown()
+        self.metrics.stop()
+
+    # -- workers -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def request_span(self, name: str, request_id: str) -> Iterator[Span]:
+        """A worker's span for one request, current for the handler's task (so the calls it
+        makes and the lines it logs carry it), with request_id bound for its log lines."""
+        with structlog.contextvars.bound_contextvars(request_id=request_id), \
+                self.tracer.start_as_current_span(
+                    name, attributes={"tandem.request_id": request_id}) as span:
+            yield span
+
+    def prefill_done(self, span: Span, out: SeqOutput) -> None:
+        t = out.timing
+        attrs: dict[str, Any] = {"tandem.prompt_tokens": out.num_prompt_tokens,
+                                 "tandem.cached_tokens": out.num_cached_tokens}
+        if t is not None:
+            attrs.update(_timing_attrs(t.queue_s, t.first_token_s, None))
+            attrs["tandem.prefill.chunks"] = t.num_prefill_chunks
+            attrs["tandem.preemptions"] = t.num_preemptions
+        span.set_attributes(attrs)
+        log.info("prefill done", **_short(attrs))
+
+    def decode_done(self, span: Span, finished: list[SeqOutput]) -> None:
+        """Attributes of a decode (or colocated) request whose samples all finished."""
+        if not finished:
+            return
+        first = min(finished, key=lambda o: o.sample_index)
+        handed_over = 1 if self.role == "decode" else 0  # the first token came from prefill
+        generated = sum(o.num_output_tokens - handed_over for o in finished)
+        t = first.timing
+        tpot = None
+        mine = first.num_output_tokens - handed_over
+        if t is not None and t.first_token is not None and mine > 1:
+            tpot = (t.finished - t.first_token) / (mine - 1)
+        attrs: dict[str, Any] = {
+            "tandem.prompt_tokens": first.num_prompt_tokens,
+            "tandem.output_tokens": generated,
+            "tandem.finish_reasons": [o.finish_reason.value for o in
+                                      sorted(finished, key=lambda o: o.sample_index)
+                                      if o.finish_reason is not None]}
+        if t is not None:
+            attrs.update(_timing_attrs(t.queue_s, t.first_token_s, tpot))
+            attrs["tandem.preemptions"] = t.num_preemptions
+        span.set_attributes(attrs)
+        log.info(f"{span_name(self.role)} done", **_short(attrs))
+
+    def kv_transfer(self, parent: contextvars.Context | None, start_ns: int, *,
+                    blocks: int = 0, nbytes: int = 0, seconds: float = 0.0,
+                    transport: str = "", source: str = "",
+                    error: BaseException | None = None) -> None:
+        """Decode worker, engine thread: one request's KV pull, as a child of its decode span
+        (`parent` is the handler's context, copied) and in the transfer histograms."""
+        end_ns = time.time_ns()
+        if error is None:
+            self.metrics.kv_transfer_seconds.observe(seconds)
+            self.metrics.kv_transfer_bytes.observe(nbytes)
+        if not self.tracing.enabled:
+            return
+        ctx = parent.run(otel_context.get_current) if parent is not None else None
+        span = self.tracer.start_span("kv_transfer", context=ctx, start_time=start_ns, attributes={
+            "tandem.kv.blocks": blocks, "tandem.kv.bytes": nbytes,
+            "tandem.kv.gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            "tandem.kv.transport": transport, "tandem.kv.source": source})
+        if error is not None:
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+        span.end(end_time=end_ns)
+
+    # -- router --------------------------------------------------------------------------------
+    def router_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       model: str, operation: str,
+                       decode: Callable[[list[int]], str] | None = None) -> RouterRequest:
+        return RouterRequest(self, request_id, prompt, params, model, operation,
+                             decode if self.capture_content else None)
+
+
+def span_name(role: str) -> str:
+    """The worker span of a streamed request: decode (disaggregated) or generate (colocated)."""
+    return "decode" if role == "decode" else "generate"
+
+
+def _timing_attrs(queue_s: float | None, ttft_s: float | None,
+                  tpot_s: float | None) -> dict[str, float]:
+    out = {"tandem.queue_time_seconds": queue_s, "tandem.time_to_first_token_seconds": ttft_s,
+           "tandem.time_per_output_token_seconds": tpot_s}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _short(attrs: dict[str, Any]) -> dict[str, Any]:
+    """Span attributes as log fields: without the namespace, seconds rounded."""
+    return {k.removeprefix("tandem.").removeprefix("gen_ai.").replace(".", "_"):
+            round(v, 6) if isinstance(v, float) else v for k, v in attrs.items()}
+
+
+class RouterRequest:
+    """One request at the router: its span (the trace's root unless the client sent a
+    traceparent), its metrics, and its log line.
+
+    Its span is never made current across an await: the Frontend's generator may be resumed by
+    another task (the HTTP API runs its first step in one task and streams from another). The
+    orchestrator makes `context` current while it creates each call to a worker (use_context),
+    which is what the gRPC client interceptor propagates.
+    """
+
+    def __init__(self, tel: Telemetry, request_id: str, prompt: list[int],
+                 params: SamplingParams, model: str, operation: str,
+                 decode: Callable[[list[int]], str] | None) -> None:
+        self.tel, self.metrics = tel, tel.metrics
+        self.request_id = request_id
+        self.num_prompt_tokens = len(prompt)
+        self.start = time.monotonic()
+        self.first_token: float | None = None
+        self.reasons: dict[int, str] = {}
+        self.texts: dict[int, list[str]] | None = {} if decode is not None else None
+        attrs: dict[str, Any] = {
+            "gen_ai.operation.name": operation, "gen_ai.request.model": model,
+            "gen_ai.response.model": model, "gen_ai.response.id": request_id,
+            "gen_ai.request.max_tokens": params.max_tokens,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p, "tandem.request_id": request_id}
+        if params.top_k:
+            attrs["gen_ai.request.top_k"] = params.top_k
+        if params.n != 1:
+            attrs["gen_ai.request.choice.count"] = params.n
+        if params.seed is not None:
+            attrs["gen_ai.request.seed"] = params.seed
+        if decode is not None:
+            attrs["gen_ai.input.messages"] = json.dumps(
+                [{"role": "user", "parts": [{"type": "text", "content": decode(prompt)}]}])
+        parent = trace.get_current_span().get_span_context()
+        self.span = tel.tracer.start_span(
+            f"{operation} {model}", kind=SpanKind.INTERNAL if parent.is_valid else SpanKind.SERVER,
+            attributes=attrs)
+        self.context = trace.set_span_in_context(self.span)
+        self.metrics.waiting.inc()
+
+    def activate(self) -> contextlib.AbstractContextManager[None]:
+        """This request's span and request_id current, for a synchronous block."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(use_context(self.context))
+        stack.enter_context(structlog.contextvars.bound_contextvars(request_id=self.request_id))
+        return stack
+
+    def tokens(self, n: int) -> None:
+        """Called per update from the workers with the number of new tokens."""
+        if self.first_token is None and n:
+            self.first_token = time.monotonic()
+            self.metrics.ttft.observe(self.first_token - self.start)
+            self.metrics.waiting.dec()
+            self.metrics.running.inc()
+
+    def text(self, index: int, text: str) -> None:
+        if self.texts is not None and text:
+            self.texts.setdefault(index, []).append(text)
+
+    def sample_finished(self, index: int, reason: str) -> None:
+        self.reasons[index] = reason
+
+    def end(self, num_samples: int, completion_tokens: int, cached_tokens: int,
+            error: BaseException | None = None) -> None:
+        """Once, when the request's stream ends for whatever reason."""
+        now = time.monotonic()
+        m = self.metrics
+        (m.running if self.first_token is not None else m.waiting).dec()
+        gone = isinstance(error, GeneratorExit | asyncio.CancelledError)  # caller left
+        unfinished = "abort" if error is None or gone else "error"
+        for i in range(num_samples):
+            self.reasons.setdefault(i, unfinished)
+        m.prompt_tokens.inc(self.num_prompt_tokens)
+        m.generation_tokens.inc(completion_tokens)
+        m.e2e.observe(now - self.start)
+        for reason in self.reasons.values():
+            m.success(reason)
+        reasons = [self.reasons[i] for i in sorted(self.reasons)]
+        attrs: dict[str, Any] = {
+            "gen_ai.usage.input_tokens": self.num_prompt_tokens,
+            "gen_ai.usage.output_tokens": completion_tokens,
+            "gen_ai.usage.cache_read.input_tokens": cached_tokens,
+            "gen_ai.response.finish_reasons": reasons}
+        if self.first_token is not None:
+            attrs["gen_ai.response.time_to_first_chunk"] = self.first_token - self.start
+        if self.texts is not None:
+            attrs["gen_ai.output.messages"] = json.dumps(
+                [{"role": "assistant", "parts": [{"type": "text", "content": "".join(t)}],
+                  "finish_reason": self.reasons[i]} for i, t in sorted(self.texts.items())])
+        self.span.set_attributes(attrs)
+        if error is not None and not gone:
+            self.span.record_exception(error)
+            self.span.set_status(Status(StatusCode.ERROR, str(error)))
+        with self.activate():
+            log.info("request done", e2e_seconds=round(now - self.start, 6),
+                     **_short({k: v for k, v in attrs.items() if "messages" not in k}))
+        self.span.end()
