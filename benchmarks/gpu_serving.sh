@@ -16,6 +16,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:$PWD:$PWD/protos:${PYTHONPATH:-}
 export TANDEM_CACHE_DIR=/tmp/tandem-cache
+export PYTHONSAFEPATH=1  # a script's directory (benchmarks/ has kernels.py) never shadows packages
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$R/gpus.txt"
 B8=benchmarks/configs/llama-3.1-8b
 B1=benchmarks/configs/llama-3.2-1b
@@ -34,7 +35,7 @@ step() {  # step LANE NAME CMD...: run, bounded by the session deadline, and log
 
 lane_a() {
   export CUDA_VISIBLE_DEVICES=0
-  TANDEM_TEST_DEVICE=cuda step A parity python3 -m pytest -q -p no:cacheprovider tests/e2e/test_parity.py -k "greedy_matches and (llama or qwen3)"
+  [ -n "${PARITY:-}" ] && TANDEM_TEST_DEVICE=cuda step A parity python3 -m pytest -q -p no:cacheprovider tests/e2e/test_parity.py -k "greedy_matches and (llama or qwen3)"
   step A serve_8b python3 benchmarks/serve.py --launch colocated --model $B8 --dtype bfloat16 --load-format dummy --devices cuda:0 --workload sharegpt --num-requests 1000 --rate inf --no-progress --log-dir "$R/logs_serve_8b" --out "$R/serve_8b.json"
   step A offline_8b python3 benchmarks/serve.py --mode offline --model $B8 --dtype bfloat16 --load-format dummy --devices cuda:0 --workload sharegpt --num-requests 1000 --gpu-time-every 0 --no-progress --out "$R/offline_8b.json"
   step A hf_static_8b python3 benchmarks/hf_baseline.py --model $B8 --mode static --batch-size 64 --workload sharegpt --num-requests 1000 --time-limit $HF_LIMIT --no-progress --out "$R/hf_static_8b.json"
@@ -52,7 +53,7 @@ lane_b() {
 lane_c() {
   export CUDA_VISIBLE_DEVICES=2,3
   for layout in 1P1D 2C; do
-    step C ratio_$layout python3 benchmarks/ratio.py --model $B8 --dtype bfloat16 --load-format dummy --gpus 2 --layouts $layout --workloads prompt-heavy --rates 4 8 16 --num-requests 200 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-progress --out-dir "$R/ratio2" --log-dir "$R/ratio2/logs_$layout"
+    step C ratio_$layout python3 benchmarks/ratio.py --model $B8 --dtype bfloat16 --load-format dummy --gpus 2 --layouts $layout --workloads prompt-heavy --rates ${RATES:-8 16} --num-requests ${RATIO_REQUESTS:-150} --slo-ttft-ms 1000 --slo-itl-ms 50 --no-progress --out-dir "$R/ratio2" --log-dir "$R/ratio2/logs_$layout"
   done
 }
 
@@ -60,7 +61,7 @@ lane_a & A=$!
 lane_b & B=$!
 lane_c & C=$!
 wait $A $B
-( export CUDA_VISIBLE_DEVICES=0,1
+[ -n "${MICRO:-}" ] && ( export CUDA_VISIBLE_DEVICES=0,1
   step A kv_transfer python3 benchmarks/kv_transfer.py --ttft-model $B8 --out "$R/kv_transfer.json"
   step A decode_step_8b python3 benchmarks/decode_step.py --model $B8 --batch 1 64 --context 1024 --out "$R/decode_step_8b.json"
   step A decode_step_1b python3 benchmarks/decode_step.py --model $B1 --batch 1 64 256 --context 1024 --out "$R/decode_step_1b.json" )

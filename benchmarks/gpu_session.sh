@@ -12,6 +12,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:$PWD:$PWD/protos:${PYTHONPATH:-}
 export TANDEM_CACHE_DIR=/tmp/tandem-cache
+export PYTHONSAFEPATH=1  # a script's directory (benchmarks/ has kernels.py) never shadows packages
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpus.txt"
 

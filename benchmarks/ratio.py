@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "protos"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+# The repository first, even when PYTHONPATH already lists it: the script's own directory
+# (benchmarks/, which holds kernels.py) must not shadow the `kernels` package.
+for _p in (ROOT / "protos", ROOT):
+    sys.path.insert(0, str(_p))
 
 from benchmarks import serve  # noqa: E402
 from benchmarks.workloads import add_workload_args, build_workload  # noqa: E402

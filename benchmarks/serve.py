@@ -55,9 +55,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "protos"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+# The repository first, even when PYTHONPATH already lists it: the script's own directory
+# (benchmarks/, which holds kernels.py) must not shadow the `kernels` package.
+for _p in (ROOT / "protos", ROOT):
+    sys.path.insert(0, str(_p))
 
 from benchmarks.workloads import (  # noqa: E402
     Request,
