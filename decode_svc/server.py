@@ -22,7 +22,7 @@ import grpc
 
 from engine.sequence import RemoteKV, SeqOutput
 from engine.serving.lifecycle import GRPC_OPTIONS
-from engine.serving.telemetry import span_name
+from engine.serving.telemetry import span_name, trace_metadata
 from kvtransfer.descriptor import check_compatible
 from kvtransfer.remote import RemotePool, open_remote_pool, pull_blocks
 from tandem.convert import (
@@ -151,7 +151,8 @@ class DecodeServicer(WorkerServicer):
             if address in self.peers:
                 return self.peers[address]
             resp = await self._stub(address).Register(worker_pb2.RegisterRequest(
-                decode_worker_id=self.worker_id, layout=self.layout), timeout=30)
+                decode_worker_id=self.worker_id, layout=self.layout), timeout=30,
+                metadata=trace_metadata())
             desc = descriptor_from_proto(resp.pool)
             check_compatible(self.layout, desc)
             device = self.engine.engine.runner.device
@@ -197,7 +198,8 @@ class DecodeServicer(WorkerServicer):
     async def _release(self, src: PullSource) -> None:
         try:
             resp = await self._stub(src.address).Release(
-                worker_pb2.ReleaseRequest(lease_id=src.lease_id), timeout=10)
+                worker_pb2.ReleaseRequest(lease_id=src.lease_id), timeout=10,
+                metadata=trace_metadata())
             if not resp.released:
                 log.warning("lease at %s had already ended when released", src.address)
         except grpc.aio.AioRpcError as e:

@@ -24,12 +24,14 @@ import grpc
 from opentelemetry.context import Context
 
 from engine.sampling_params import SamplingParams, TokenLogprobs
-from engine.serving.telemetry import use_context
+from engine.serving.telemetry import trace_metadata
 from router_svc.workers import Worker, WorkerSet
 from tandem.convert import logprobs_from_proto, params_to_proto
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
+
+Metadata = tuple[tuple[str, str], ...] | None  # gRPC call metadata: the trace context
 
 
 class RouterError(Exception):
@@ -85,19 +87,19 @@ class Orchestrator:
     async def run(self, request_id: str, prompt: list[int], params: SamplingParams,
                   timeout: float | None = None, trace_ctx: Context | None = None
                   ) -> AsyncIterator[Update]:
-        """`trace_ctx`: the request's trace context, made current while each call to a worker
-        is created (the gRPC client interceptor carries it to the worker)."""
+        """`trace_ctx`: the request's trace context, carried to the workers in each call's
+        metadata."""
+        md = trace_metadata(trace_ctx)
         if self.workers.disaggregated:
-            stream = self._disaggregated(request_id, prompt, params, timeout, trace_ctx)
+            stream = self._disaggregated(request_id, prompt, params, timeout, md)
         else:
-            stream = self._colocated(request_id, prompt, params, timeout, trace_ctx)
+            stream = self._colocated(request_id, prompt, params, timeout, md)
         async for u in stream:
             yield u
 
     # -- colocated ---------------------------------------------------------------------------
     async def _colocated(self, rid: str, prompt: list[int], params: SamplingParams,
-                         timeout: float | None, trace_ctx: Context | None
-                         ) -> AsyncIterator[Update]:
+                         timeout: float | None, md: Metadata) -> AsyncIterator[Update]:
         req = worker_pb2.GenerateOnWorkerRequest(request_id=rid, prompt_token_ids=prompt,
                                                  params=params_to_proto(params))
         tried: set[str] = set()
@@ -105,8 +107,7 @@ class Orchestrator:
         while True:
             w = self._pick(self.workers.pick_decode("both", tried), "colocated")
             tried.add(w.address)
-            with use_context(trace_ctx):
-                call = w.stub.Generate(req, timeout=timeout)
+            call = w.stub.Generate(req, timeout=timeout, metadata=md)
             sent = False
             w.in_flight += 1
             try:
@@ -125,11 +126,10 @@ class Orchestrator:
 
     # -- disaggregated -----------------------------------------------------------------------
     async def _disaggregated(self, rid: str, prompt: list[int], params: SamplingParams,
-                             timeout: float | None, trace_ctx: Context | None
-                             ) -> AsyncIterator[Update]:
+                             timeout: float | None, md: Metadata) -> AsyncIterator[Update]:
         wire_params = params_to_proto(params)
         want_lp = params.logprobs is not None
-        p, resp = await self._prefill(rid, prompt, wire_params, timeout, trace_ctx)
+        p, resp = await self._prefill(rid, prompt, wire_params, timeout, md)
         handed_over = False
         try:
             first = Update([SampleUpdate(
@@ -141,11 +141,10 @@ class Orchestrator:
             if all(resp.finish_reasons):
                 return
             d = self._pick(self.workers.pick_decode("decode"), "decode")
-            with use_context(trace_ctx):
-                call = d.stub.Decode(worker_pb2.DecodeRequest(
-                    request_id=rid, prompt_token_ids=prompt, params=wire_params, kv=resp.kv,
-                    first_token_ids=resp.first_token_ids, first_logprobs=resp.first_logprobs),
-                    timeout=timeout)
+            call = d.stub.Decode(worker_pb2.DecodeRequest(
+                request_id=rid, prompt_token_ids=prompt, params=wire_params, kv=resp.kv,
+                first_token_ids=resp.first_token_ids, first_logprobs=resp.first_logprobs),
+                timeout=timeout, metadata=md)
             handed_over = True
             d.in_flight += 1
             try:
@@ -162,18 +161,17 @@ class Orchestrator:
                 call.cancel()
         finally:
             if not handed_over:
-                self._release_later(p, resp.kv.lease_id, trace_ctx)
+                self._release_later(p, resp.kv.lease_id, md)
 
     async def _prefill(self, rid: str, prompt: list[int], params, timeout: float | None,
-                       trace_ctx: Context | None) -> tuple[Worker, worker_pb2.PrefillResponse]:
+                       md: Metadata) -> tuple[Worker, worker_pb2.PrefillResponse]:
         tried: set[str] = set()
         req = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params)
         while True:
             p = self._pick(self.workers.pick_prefill(prompt, tried), "prefill")
             tried.add(p.address)
             p.in_flight += 1
-            with use_context(trace_ctx):
-                call = p.stub.Prefill(req, timeout=timeout)
+            call = p.stub.Prefill(req, timeout=timeout, metadata=md)
             try:
                 return p, await call
             except grpc.aio.AioRpcError as e:
@@ -192,13 +190,13 @@ class Orchestrator:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker")
         return w
 
-    def _release_later(self, p: Worker, lease_id: str, trace_ctx: Context | None = None) -> None:
+    def _release_later(self, p: Worker, lease_id: str, md: Metadata = None) -> None:
         async def release() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await p.stub.Release(worker_pb2.ReleaseRequest(lease_id=lease_id), timeout=10)
+                await p.stub.Release(worker_pb2.ReleaseRequest(lease_id=lease_id), timeout=10,
+                                     metadata=md)
 
-        with use_context(trace_ctx):  # the task copies it: the Release joins the trace
-            task = asyncio.ensure_future(release())
+        task = asyncio.ensure_future(release())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

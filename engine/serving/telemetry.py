@@ -9,16 +9,22 @@
     Telemetry                      what servicers call: request spans, their attributes, the
                                    KV-transfer span; RouterRequest for the router's side
 
-One request's trace across three processes (context travels in gRPC metadata as W3C
-traceparent, through opentelemetry-instrumentation-grpc's aio interceptors):
+One request's trace across three processes:
 
-    router   "text_completion <model>"       GenAI attributes, usage, finish reasons, TTFT
-      ├ /tandem.v1.Worker/Prefill            client span, then the prefill worker's server span
-      │   └ prefill                          queue time, chunks, cached tokens
-      └ /tandem.v1.Worker/Decode             client span, then the decode worker's server span
-          └ decode                           queue time, time to first token, per output token
-              ├ kv_transfer                  blocks, bytes, GB/s (recorded on the engine thread)
-              └ /tandem.v1.Worker/Release
+    router   "text_completion <model>"      GenAI attributes, usage, finish reasons, TTFT
+      ├ /tandem.v1.Worker/Prefill           the prefill worker's gRPC server span
+      │   └ prefill                         queue time, chunks, cached tokens
+      └ /tandem.v1.Worker/Decode            the decode worker's gRPC server span
+          └ decode                          queue time, time to first token, per output token
+              ├ kv_transfer                 blocks, bytes, GB/s (recorded on the engine thread)
+              └ /tandem.v1.Worker/Release   (on the prefill worker)
+
+The context travels in each call's gRPC metadata as W3C traceparent: the caller injects it with
+the propagate API (trace_metadata) and servers extract it with opentelemetry-instrumentation-grpc's
+aio server interceptor, which also makes the server span. Not its client interceptors: they end
+a server stream's span only when their wrapper generator runs out, and the router closes a
+Decode stream after its last token (or at a stop string), which would leave that span open
+until garbage collection.
 
 Never recorded, in spans or logs: token ids, IPC handles (a shm segment's name, CUDA handle
 bytes: capabilities), and prompt or output text unless content capture is asked for
@@ -46,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from opentelemetry import context as otel_context
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -180,7 +186,7 @@ def _add_service(service: str) -> Callable[[Any, str, dict[str, Any]], dict[str,
 # -- traces ------------------------------------------------------------------------------------
 class Tracing:
     """The process's tracer, the gRPC server interceptor that goes with it, and the flush at
-    exit. With tracing off: a no-op tracer, no interceptors."""
+    exit. With tracing off: a no-op tracer, no interceptor."""
 
     def __init__(self, tracer: trace.Tracer | None = None, provider: Any = None,
                  interceptors: Iterable[Any] = ()) -> None:
@@ -203,19 +209,14 @@ class Tracing:
 
 def configure_tracing(service: str, settings: TelemetrySettings | None = None) -> Tracing:
     """Tracing as the environment asks. When on: a global TracerProvider whose resource names
-    the service, batch export (OTEL_BSP_* tune it), and gRPC context propagation: every aio
-    channel created afterwards gets the client interceptors (so call this before creating
-    channels), and servers take `server_interceptors()`. Health checks, GetLoad polls and
-    reflection are left out of traces."""
+    the service, batch export (OTEL_BSP_* tune it), and a gRPC server interceptor that continues
+    the caller's trace (`server_interceptors()`). Health checks, GetLoad polls and reflection
+    are left out of traces."""
     settings = settings or TelemetrySettings.from_env()
     if not settings.exporters:
         return Tracing()
     # The SDK and exporters load only when tracing is on.
-    from opentelemetry.instrumentation.grpc import (  # noqa: PLC0415
-        GrpcAioInstrumentorClient,
-        aio_server_interceptor,
-        filters,
-    )
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters  # noqa: PLC0415
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource  # noqa: PLC0415
     from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
     from opentelemetry.sdk.trace.export import (  # noqa: PLC0415
@@ -238,18 +239,22 @@ def configure_tracing(service: str, settings: TelemetrySettings | None = None) -
     trace.set_tracer_provider(provider)
     traced = filters.negate(filters.any_of(filters.health_check(), filters.method_name("GetLoad"),
                                            filters.service_prefix("grpc.reflection")))
-    client = GrpcAioInstrumentorClient(filter_=traced)
-    if not client.is_instrumented_by_opentelemetry:
-        client.instrument(tracer_provider=provider)
     return Tracing(provider.get_tracer("tandem"), provider,
                    [aio_server_interceptor(tracer_provider=provider, filter_=traced)])
 
 
+def trace_metadata(ctx: otel_context.Context | None = None) -> tuple[tuple[str, str], ...] | None:
+    """gRPC call metadata carrying `ctx` (default: the current context) as W3C traceparent;
+    None when there is no trace to continue (tracing off)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=ctx)
+    return tuple(carrier.items()) or None
+
+
 @contextlib.contextmanager
 def use_context(ctx: otel_context.Context | None) -> Iterator[None]:
-    """Make `ctx` current for a synchronous block, e.g. while a gRPC call is created so that the
-    client interceptor carries it. Never hold it across an await: a generator resumed in another
-    task could not detach it."""
+    """Make `ctx` current for a synchronous block. Never hold it across an await: a generator
+    resumed in another task could not detach it."""
     if ctx is None:
         yield
         return
@@ -560,8 +565,8 @@ class RouterRequest:
 
     Its span is never made current across an await: the Frontend's generator may be resumed by
     another task (the HTTP API runs its first step in one task and streams from another). The
-    orchestrator makes `context` current while it creates each call to a worker (use_context),
-    which is what the gRPC client interceptor propagates.
+    orchestrator passes `context` explicitly, in the metadata of each call to a worker
+    (trace_metadata).
     """
 
     def __init__(self, tel: Telemetry, request_id: str, prompt: list[int],

@@ -1,0 +1,323 @@
+"""Traces and logs across router, prefill and decode as three processes, exporting OTLP to a real
+OTLP/gRPC receiver run by the test: each request is one trace whose decode and KV-transfer spans
+descend from its router span, with the GenAI and timing attributes set; log lines inside a request
+carry its trace id; no span and no log line holds prompt text or the pool's IPC handle; spans
+still buffered at SIGTERM are flushed before exit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from cluster import Cluster
+from engine.sampling_params import SamplingParams
+from engine.serving.telemetry import Metrics, Telemetry, Tracing
+from engine.tokenizer import Tokenizer
+from router_svc.frontend import Frontend, ModelInfo
+from router_svc.orchestrator import SampleUpdate, Update
+from tandem.convert import descriptor_from_proto, params_to_proto
+from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
+
+WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
+SECRET = "zebra-quartz-"  # prompt text that must never reach a span or a log line
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 64 * 4  # layers x (K, V) x block x kv heads x head dim x fp32
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace receiver: keeps every span with its service.name."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, object]] = []
+        self.raw: list[bytes] = []
+        self.lock = threading.Lock()
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def Export(self, request, context):  # noqa: N802 - gRPC method name
+        with self.lock:
+            self.raw.append(request.SerializeToString())
+            for rs in request.resource_spans:
+                service = attrs(rs.resource)["service.name"]
+                for ss in rs.scope_spans:
+                    self.spans.extend((service, s) for s in ss.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def env(self, schedule_delay_ms: int) -> dict[str, str]:
+        return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.port}",
+                "OTEL_BSP_SCHEDULE_DELAY": str(schedule_delay_ms)}
+
+    def snapshot(self) -> list[tuple[str, object]]:
+        with self.lock:
+            return list(self.spans)
+
+
+def _value(v: AnyValue):
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind)
+
+
+def attrs(obj) -> dict:
+    return {a.key: _value(a.value) for a in obj.attributes}
+
+
+class Trace:
+    """The spans of one request, found by its id."""
+
+    def __init__(self, spans: list[tuple[str, object]], request_id: str) -> None:
+        root = [s for _, s in spans if attrs(s).get("gen_ai.response.id") == request_id]
+        self.router = root[0] if root else None
+        tid = self.router.trace_id if self.router else None
+        self.spans = {s.span_id: (svc, s) for svc, s in spans if s.trace_id == tid}
+        self.services = {svc for svc, _ in self.spans.values()}
+
+    def named(self, name: str, service: str):
+        return [s for svc, s in self.spans.values() if s.name == name and svc == service]
+
+    def ancestors(self, span) -> list:
+        out = []
+        while span.parent_span_id:
+            span = self.spans[span.parent_span_id][1]
+            out.append(span)
+        return out
+
+    def complete(self) -> bool:
+        return (self.router is not None and len(self.named("decode", "tandem-decode")) == 1
+                and len(self.named("kv_transfer", "tandem-decode")) == 1
+                and len(self.named("prefill", "tandem-prefill")) == 1
+                and all(s.parent_span_id in self.spans for _, s in self.spans.values()
+                        if s.parent_span_id and s is not self.router))
+
+
+def wait_traces(receiver: Receiver, request_ids: list[str], timeout: float = 15) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        spans = receiver.snapshot()
+        traces = {rid: Trace(spans, rid) for rid in request_ids}
+        if all(t.complete() for t in traces.values()):
+            return traces
+        if time.monotonic() > deadline:
+            missing = [rid for rid, t in traces.items() if not t.complete()]
+            raise AssertionError(f"incomplete traces for {missing}: "
+                                 f"{[(svc, s.name) for svc, s in spans]}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    r = Receiver()
+    yield r
+    r.server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, tmp_path_factory, receiver):
+    c = Cluster(tmp_path_factory.mktemp("tracing"), str(tiny_models["llama"]),
+                worker_args=WORKER_ARGS, env=receiver.env(schedule_delay_ms=50)).start()
+    yield c
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+def prompt_text(i: int) -> str:
+    return f"{SECRET}{i} " + "lorem ipsum dolor " * (1 + 3 * i)
+
+
+async def generate(stub, text: str, params: SamplingParams) -> tuple[str, api_pb2.Usage, list]:
+    reasons = []
+    async for r in stub.Generate(api_pb2.GenerateRequest(text=text,
+                                                         params=params_to_proto(params))):
+        if r.finish_reason:
+            reasons.append(r.finish_reason)
+    return r.request_id, r.usage, reasons
+
+
+def test_each_request_is_one_trace_across_three_processes(cluster, receiver):
+    params = SamplingParams(temperature=0.5, seed=1, max_tokens=12, ignore_eos=True)
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            stub = cluster.api(ch)
+            return await asyncio.gather(*(generate(stub, prompt_text(i), params)
+                                          for i in range(6)))
+
+    results = asyncio.run(main())
+    # One more over HTTP: its first step and its stream run in different tasks of the router.
+    r = httpx.post(f"http://127.0.0.1:{cluster.router.http_port}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": SECRET + " chat"}],
+                         "max_tokens": 7, "temperature": 0, "ignore_eos": True, "stream": True},
+                   timeout=30)
+    assert r.status_code == 200
+    chat_id = json.loads(r.text.split("\n")[0].removeprefix("data: "))["id"]
+    traces = wait_traces(receiver, [rid for rid, _, _ in results] + [chat_id])
+
+    assert len({t.router.trace_id for t in traces.values()}) == len(traces)
+    for rid, usage, reasons in [*results, (chat_id, None, ["length"])]:
+        t = traces[rid]
+        assert t.services == {"tandem-router", "tandem-prefill", "tandem-decode"}
+        (decode,), (kv,), (prefill,) = (t.named("decode", "tandem-decode"),
+                                        t.named("kv_transfer", "tandem-decode"),
+                                        t.named("prefill", "tandem-prefill"))
+        assert kv.parent_span_id == decode.span_id
+        for span in (decode, kv, prefill):
+            assert t.router in t.ancestors(span), (rid, span.name)
+        # Each worker span sits under its gRPC server span, itself a child of the router's span:
+        # the context crossed the process boundary in the call's metadata.
+        assert [s.name for s in t.ancestors(decode)][:2] == ["/tandem.v1.Worker/Decode",
+                                                             t.router.name]
+        assert [s.name for s in t.ancestors(prefill)][:2] == ["/tandem.v1.Worker/Prefill",
+                                                              t.router.name]
+
+        ra = attrs(t.router)
+        model = cluster.model
+        op = "chat" if rid == chat_id else "text_completion"
+        assert t.router.name == f"{op} {model}"
+        assert ra["gen_ai.operation.name"] == op and ra["gen_ai.request.model"] == model
+        assert ra["gen_ai.request.max_tokens"] == (7 if rid == chat_id else 12)
+        assert ra["gen_ai.request.temperature"] == (0.0 if rid == chat_id else 0.5)
+        assert ra["gen_ai.response.finish_reasons"] == reasons == ["length"]
+        if usage is not None:
+            assert ra["gen_ai.usage.input_tokens"] == usage.prompt_tokens
+            assert ra["gen_ai.usage.output_tokens"] == usage.completion_tokens == 12
+        assert 0 < ra["gen_ai.response.time_to_first_chunk"] < (
+            t.router.end_time_unix_nano - t.router.start_time_unix_nano) / 1e9
+
+        pa = attrs(prefill)
+        prompt_tokens = ra["gen_ai.usage.input_tokens"]
+        assert pa["tandem.request_id"] == rid and pa["tandem.prompt_tokens"] == prompt_tokens
+        assert pa["tandem.queue_time_seconds"] >= 0 and "tandem.cached_tokens" in pa
+        assert pa["tandem.prefill.chunks"] >= -(-prompt_tokens // 64)  # 64-token budget/step
+        assert pa["tandem.time_to_first_token_seconds"] > pa["tandem.queue_time_seconds"]
+
+        ka = attrs(kv)
+        blocks = -(-prompt_tokens // 16)
+        assert ka["tandem.kv.blocks"] == blocks and ka["tandem.kv.bytes"] == blocks * BLOCK_BYTES
+        assert ka["tandem.kv.gbps"] > 0 and ka["tandem.kv.transport"] == "shm"
+        assert kv.end_time_unix_nano > kv.start_time_unix_nano
+
+        da = attrs(decode)
+        assert da["tandem.request_id"] == rid
+        assert da["tandem.output_tokens"] == ra["gen_ai.usage.output_tokens"] - 1  # 1st: prefill
+        assert da["tandem.queue_time_seconds"] >= 0
+        assert da["tandem.time_to_first_token_seconds"] > 0
+        assert da["tandem.time_per_output_token_seconds"] > 0
+        # The KV pull happens inside the decode span, before its first token.
+        assert decode.start_time_unix_nano <= kv.start_time_unix_nano <= kv.end_time_unix_nano \
+            <= decode.end_time_unix_nano
+
+
+def test_log_lines_carry_the_trace_and_nothing_secret(cluster, receiver):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            stub = cluster.api(ch)
+            return await asyncio.gather(*(generate(stub, prompt_text(i), params)
+                                          for i in range(3)))
+
+    rids = [rid for rid, _, _ in asyncio.run(main())]
+    traces = wait_traces(receiver, rids)
+
+    # The pool's handle, as a decode worker is given it: a shm segment name.
+    async def shm_name():
+        async with grpc.aio.insecure_channel(cluster.workers("prefill")[0].address) as ch:
+            resp = await worker_pb2_grpc.WorkerStub(ch).Register(worker_pb2.RegisterRequest(
+                decode_worker_id="probe", layout=worker_pb2.PoolDescriptor(
+                    dtype="float32", block_size=16, num_layers=2, num_kv_heads=2, head_dim=64)))
+            return descriptor_from_proto(resp.pool).shm_name
+
+    handle = asyncio.run(shm_name())
+    assert handle
+    for proc in cluster.procs.values():
+        lines = proc.json_logs()
+        assert lines and all(line.get("service", "").startswith("tandem-") for line in lines)
+        service = lines[0]["service"]
+        for rid in rids:
+            mine = [line for line in lines if line.get("request_id") == rid]
+            assert mine, (proc.name, rid)
+            trace_id = traces[rid].router.trace_id.hex()
+            assert {line.get("trace_id") for line in mine} == {trace_id}, (proc.name, mine)
+            spans = {s.span_id.hex() for svc, s in traces[rid].spans.values() if svc == service}
+            assert all(line["span_id"] in spans for line in mine)
+        text = proc.log_text()
+        assert SECRET not in text and handle not in text, proc.name
+    exported = b"".join(receiver.raw)
+    assert SECRET.encode() not in exported and handle.encode() not in exported
+
+
+def test_spans_buffered_at_sigterm_are_flushed(tiny_models, tmp_path):
+    """A schedule delay of a minute: nothing leaves before the processes are told to stop."""
+    receiver = Receiver()
+    try:
+        c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=WORKER_ARGS,
+                    env=receiver.env(schedule_delay_ms=60_000),
+                    router_args=["--http-port", "-1"]).start()
+        try:
+            async def main():
+                async with grpc.aio.insecure_channel(c.router.address) as ch:
+                    return await generate(c.api(ch), prompt_text(1),
+                                          SamplingParams(temperature=0, max_tokens=4))
+
+            rid = asyncio.run(main())[0]
+            time.sleep(0.3)
+            assert not [s for _, s in receiver.snapshot() if s.name in ("prefill", "decode")]
+        finally:
+            codes = c.stop()
+        assert codes == {"prefill0": 0, "decode0": 0, "router": 0}
+        assert wait_traces(receiver, [rid], timeout=1)[rid].complete()
+    finally:
+        receiver.server.stop(0)
+
+
+# -- prompt and output text: only with --trace-content (in process) ----------------------------
+class _Orchestrator:
+    """Stands in for the workers: two tokens, then the sample ends."""
+
+    async def run(self, request_id, prompt, params, timeout=None, trace_ctx=None):
+        yield Update([SampleUpdate(0, [72, 105], [None, None], None)], len(prompt), 0)
+        yield Update([SampleUpdate(0, [33], [None], "length")], len(prompt), 0)
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_text_is_recorded_only_with_trace_content(tiny_models, capture):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry = Telemetry("router", Tracing(provider.get_tracer("test"), provider),
+                          Metrics("router", "m"), capture_content=capture)
+    tok = Tokenizer(tiny_models["llama"])
+    fe = Frontend(tok, _Orchestrator(), ModelInfo("m", "llama", 1024, 512, "float32", 16),
+                  telemetry=telemetry)
+
+    async def main():
+        return [d async for d in fe.stream("r1", tok.encode(SECRET + "prompt"),
+                                           SamplingParams(max_tokens=3))]
+
+    deltas = asyncio.run(main())
+    output = "".join(d.text for step, _ in deltas for d in step)
+    (span,) = exporter.get_finished_spans()
+    values = json.dumps(dict(span.attributes))
+    assert span.attributes["gen_ai.usage.output_tokens"] == 3
+    if capture:
+        inputs = json.loads(span.attributes["gen_ai.input.messages"])
+        outputs = json.loads(span.attributes["gen_ai.output.messages"])
+        assert SECRET + "prompt" in inputs[0]["parts"][0]["content"]
+        assert outputs[0]["parts"][0]["content"] == output and outputs[0]["finish_reason"] \
+            == "length"
+    else:
+        assert SECRET not in values and "messages" not in values
