@@ -1,0 +1,207 @@
+"""Prometheus metrics of router, prefill and decode (separate processes), scraped during and after
+a load: counters move by exactly what was sent, finish reasons are counted, prefix-cache hits
+show when prompts share a prefix, and the gauges return to zero when idle."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster import Cluster, Proc
+from engine.sampling_params import SamplingParams
+from tandem.convert import params_to_proto
+from tandem.v1 import api_pb2
+
+WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 64 * 4  # layers x (K, V) x block x kv heads x head dim x fp32
+NAMES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+         "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+         "generation_tokens", "request_success", "time_to_first_token_seconds",
+         "inter_token_latency_seconds", "e2e_request_latency_seconds",
+         "request_queue_time_seconds", "kv_transfer_seconds", "kv_transfer_bytes"]
+ENGINE_ONLY = {"prefix_cache_queries", "prefix_cache_hits", "num_preemptions"}
+
+
+class Scrape:
+    def __init__(self, proc: Proc) -> None:
+        text = httpx.get(proc.metrics_url, timeout=5).text
+        self.families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def __call__(self, sample: str, **labels: str) -> float:
+        """The sum of the samples named `sample` whose labels include `labels`."""
+        return sum(s.value for f in self.families.values() for s in f.samples
+                   if s.name == sample and labels.items() <= s.labels.items())
+
+    def delta(self, before: Scrape, sample: str, **labels: str) -> float:
+        return self(sample, **labels) - before(sample, **labels)
+
+
+def scrape_all(c: Cluster) -> dict[str, Scrape]:
+    return {name: Scrape(p) for name, p in c.procs.items()}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("metrics"), str(tiny_models["llama"]),
+                worker_args=WORKER_ARGS, metrics=True).start()
+    yield c
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+def request(prompt: list[int], params: SamplingParams) -> api_pb2.GenerateRequest:
+    return api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompt),
+                                   params=params_to_proto(params))
+
+
+async def generate(stub, prompt: list[int], params: SamplingParams):
+    tokens, reasons = [], []
+    async for r in stub.Generate(request(prompt, params)):
+        tokens += r.token_ids
+        if r.finish_reason:
+            reasons.append(r.finish_reason)
+    return tokens, reasons, r.usage
+
+
+def run(c: Cluster, jobs):
+    async def main():
+        async with grpc.aio.insecure_channel(c.router.address) as ch:
+            stub = c.api(ch)
+            return await asyncio.gather(*(generate(stub, p, params) for p, params in jobs))
+
+    return asyncio.run(main())
+
+
+def test_every_service_exports_the_vllm_names_with_its_role(cluster):
+    for name, s in scrape_all(cluster).items():
+        role = name.rstrip("0123456789")
+        expected = [n for n in NAMES if role != "router" or n not in ENGINE_ONLY]
+        missing = [n for n in expected if f"tandem:{n}" not in s.families]
+        assert not missing, (name, missing)
+        for n in expected:
+            for sample in s.families[f"tandem:{n}"].samples:
+                assert sample.labels["role"] == role, (name, sample)
+
+
+def test_counters_move_by_what_was_sent(cluster):
+    prompts = [[(31 * i + 7 * j) % 500 + 1 for j in range(9 + 13 * i)] for i in range(8)]
+    lengths = [4 + 3 * i for i in range(8)]
+    jobs = [(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, lengths)]
+    # One more that ends at a stop token: greedy, so the token it stops at is known beforehand.
+    stop_prompt = [(11 * j) % 400 + 3 for j in range(40)]
+    (greedy, _, _), = run(cluster, [(stop_prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                                 ignore_eos=True))])
+    k = next(i for i in range(2, 12) if greedy[i] not in greedy[:i])
+    jobs.append((stop_prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                             stop_token_ids=[greedy[k]])))
+    asyncio.run(cluster.wait_idle())
+    before = scrape_all(cluster)
+
+    results = run(cluster, jobs)
+    asyncio.run(cluster.wait_idle())
+    after = scrape_all(cluster)
+
+    assert [len(t) for t, _, _ in results] == [*lengths, k + 1]
+    assert [r for _, r, _ in results] == [["length"]] * 8 + [["stop"]]
+    n = len(jobs)
+    sent_prompt = sum(len(p) for p, _ in jobs)
+    generated = sum(u.completion_tokens for _, _, u in results)
+    r, p, d = after["router"], after["prefill0"], after["decode0"]
+    rb, pb, db = before["router"], before["prefill0"], before["decode0"]
+
+    assert r.delta(rb, "tandem:prompt_tokens_total") == sent_prompt
+    assert r.delta(rb, "tandem:generation_tokens_total") == generated
+    assert r.delta(rb, "tandem:request_success_total", finished_reason="length") == 8
+    assert r.delta(rb, "tandem:request_success_total", finished_reason="stop") == 1
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert r.delta(rb, f"tandem:{hist}_count") == n, hist
+
+    # Prefill: every prompt, and the first token of each request.
+    assert p.delta(pb, "tandem:prompt_tokens_total") == sent_prompt
+    assert p.delta(pb, "tandem:generation_tokens_total") == n
+    assert p.delta(pb, "tandem:request_success_total", finished_reason="handoff") == n
+    for hist in ("request_queue_time_seconds", "time_to_first_token_seconds",
+                 "e2e_request_latency_seconds"):
+        assert p.delta(pb, f"tandem:{hist}_count") == n, hist
+    queried = sum((len(q) - 1) // 16 * 16 for q, _ in jobs)
+    assert p.delta(pb, "tandem:prefix_cache_queries_total") == queried
+    # No two prompts share a block; the stop prompt's blocks are cached from its greedy run.
+    assert p.delta(pb, "tandem:prefix_cache_hits_total") == (len(stop_prompt) - 1) // 16 * 16
+
+    # Decode: the rest of the tokens, one KV pull per request.
+    assert d.delta(db, "tandem:prompt_tokens_total") == 0
+    assert d.delta(db, "tandem:generation_tokens_total") == generated - n
+    assert d.delta(db, "tandem:request_success_total", finished_reason="length") == 8
+    assert d.delta(db, "tandem:request_success_total", finished_reason="stop") == 1
+    assert d.delta(db, "tandem:kv_transfer_seconds_count") == n
+    assert d.delta(db, "tandem:kv_transfer_bytes_sum") == \
+        sum(-(-len(q) // 16) for q, _ in jobs) * BLOCK_BYTES
+    assert d.delta(db, "tandem:kv_transfer_seconds_sum") > 0
+    assert d.delta(db, "tandem:inter_token_latency_seconds_count") > 0
+    for hist in ("request_queue_time_seconds", "time_to_first_token_seconds",
+                 "e2e_request_latency_seconds"):
+        assert d.delta(db, f"tandem:{hist}_count") == n, hist
+    for s in (p, d):
+        assert s("tandem:num_preemptions_total") == 0
+
+
+def test_prefix_cache_hits_when_prompts_share_a_prefix(cluster):
+    shared = [(5 * j) % 300 + 100 for j in range(48)]  # three full blocks
+    prompts = [shared + [(17 * i + j) % 90 + 1 for j in range(10)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    before = scrape_all(cluster)["prefill0"]
+    run(cluster, [(prompts[0], params)])
+    results = run(cluster, [(q, params) for q in prompts[1:]])
+    after = scrape_all(cluster)["prefill0"]
+
+    assert [u.cached_prompt_tokens for _, _, u in results] == [48, 48, 48]
+    assert after.delta(before, "tandem:prefix_cache_queries_total") == 4 * 48
+    assert after.delta(before, "tandem:prefix_cache_hits_total") == 3 * 48
+
+
+def test_gauges_during_load_and_back_to_zero_when_idle(cluster):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    prompts = [[(13 * i + 3 * j) % 450 + 2 for j in range(20 + 7 * i)] for i in range(4)]
+    before = scrape_all(cluster)
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            stub = cluster.api(ch)
+            calls = [stub.Generate(request(q, params)) for q in prompts]
+            for call in calls:
+                for _ in range(3):
+                    await call.read()  # each is streaming: past prefill, decoding
+            during = scrape_all(cluster)
+            calls[0].cancel()  # a client that goes away
+            for call in calls[1:]:
+                while (await call.read()) is not grpc.aio.EOF:
+                    pass
+            return during
+
+    during = asyncio.run(main())
+    r, d = during["router"], during["decode0"]
+    assert r("tandem:num_requests_running") == 4 and r("tandem:num_requests_waiting") == 0
+    assert d("tandem:num_requests_running") >= 1
+    assert 0 < d("tandem:kv_cache_usage_perc") < 1
+
+    deadline = time.monotonic() + 10
+    while True:
+        after = scrape_all(cluster)
+        gauges = {(name, g): s(f"tandem:{g}") for name, s in after.items()
+                  for g in ("num_requests_running", "num_requests_waiting",
+                            "kv_cache_usage_perc")}
+        if not any(gauges.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not any(gauges.values()), gauges
+    r, rb, d, db = after["router"], before["router"], after["decode0"], before["decode0"]
+    assert r.delta(rb, "tandem:request_success_total", finished_reason="abort") == 1
+    assert r.delta(rb, "tandem:request_success_total", finished_reason="length") == 3
+    assert d.delta(db, "tandem:request_success_total", finished_reason="abort") == 1
+    assert d.delta(db, "tandem:request_success_total", finished_reason="length") == 3

@@ -1,0 +1,119 @@
+"""SIGTERM to router, prefill and decode (separate processes) in the middle of a load: each
+reports NOT_SERVING, refuses new requests (gRPC UNAVAILABLE, HTTP connection refused) while its
+in-flight streams, gRPC and HTTP, run to their last token, then exits 0 well within its grace."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster import Cluster
+from engine.sampling_params import SamplingParams
+from tandem.convert import params_to_proto
+from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
+
+GRACE_S = 20
+WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64", "--grace", str(GRACE_S)]
+MAX_TOKENS = 300
+SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
+                        health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def request(prompt: list[int], max_tokens: int = MAX_TOKENS) -> api_pb2.GenerateRequest:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompt),
+                                   params=params_to_proto(params))
+
+
+async def read_all(call, tokens: list[int]) -> str:
+    reason = ""
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        tokens += msg.token_ids
+        reason = msg.finish_reason or reason
+    return reason
+
+
+def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tiny_models, tmp_path):
+    c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=WORKER_ARGS,
+                router_args=["--grace", str(GRACE_S)]).start()
+    prompts = [[(19 * i + 5 * j) % 480 + 1 for j in range(12 + 9 * i)] for i in range(4)]
+    http_url = f"http://127.0.0.1:{c.router.http_port}"
+
+    async def main():
+        channels = {name: grpc.aio.insecure_channel(p.address) for name, p in c.procs.items()}
+        http = httpx.AsyncClient(timeout=60)
+        try:
+            stub = c.api(channels["router"])
+            calls = [stub.Generate(request(q)) for q in prompts]
+            tokens: list[list[int]] = [[] for _ in calls]
+            for call, got in zip(calls, tokens):
+                for _ in range(2):  # past prefill: the decode worker is streaming it
+                    got += (await call.read()).token_ids
+            sse = await http.send(http.build_request(
+                "POST", f"{http_url}/v1/completions",
+                json={"prompt": prompts[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+                      "ignore_eos": True, "stream": True}), stream=True)
+            events = sse.aiter_lines()
+            first = await anext(events)
+            assert first.startswith("data: ")
+            watches = {name: health_pb2_grpc.HealthStub(ch).Watch(
+                health_pb2.HealthCheckRequest(service="")) for name, ch in channels.items()}
+            for w in watches.values():
+                assert (await w.read()).status == SERVING
+
+            t0 = time.monotonic()
+            for name in c.procs:
+                c.kill(name, signal.SIGTERM)
+            for name, w in watches.items():
+                assert (await w.read()).status == NOT_SERVING, name
+                w.cancel()  # a watch is in flight too: leave so the drain need not wait for it
+            await asyncio.sleep(0.3)
+
+            # New requests are refused, on every service, while the old ones stream on.
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.api(channels["router"]).Generate(request(prompts[1], 4)).read()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            for name in ("prefill0", "decode0"):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await worker_pb2_grpc.WorkerStub(channels[name]).GetLoad(
+                        worker_pb2.GetLoadRequest(), timeout=5)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE, name
+            with pytest.raises(httpx.ConnectError):
+                await httpx.AsyncClient(timeout=5).post(f"{http_url}/v1/completions",
+                                                        json={"prompt": [1, 2, 3],
+                                                              "max_tokens": 2})
+            assert all(p.popen.poll() is None for p in c.procs.values())
+
+            # Every in-flight stream runs to its last token.
+            reasons = [await read_all(call, got) for call, got in zip(calls, tokens)]
+            assert reasons == ["length"] * len(calls)
+            assert [len(t) for t in tokens] == [MAX_TOKENS] * len(calls)
+            rest = [line async for line in events if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]"
+            chunks = [json.loads(x.removeprefix("data: ")) for x in [first, *rest[:-1]]]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            return t0
+        finally:
+            await http.aclose()
+            for ch in channels.values():
+                await ch.close()
+
+    try:
+        t0 = asyncio.run(main())
+        codes = {name: p.popen.wait(GRACE_S + 10) for name, p in c.procs.items()}
+        assert codes == {"prefill0": 0, "decode0": 0, "router": 0}
+        # Drained when the streams ended, not at the end of the grace period.
+        assert time.monotonic() - t0 < GRACE_S - 5
+    finally:
+        c.stop()
+    for p in c.procs.values():
+        events = [line["event"] for line in p.json_logs()]
+        assert any(e.startswith("shutting down") for e in events) and "drained" in events, \
+            p.name
