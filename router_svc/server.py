@@ -62,8 +62,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = None,
                 telemetry: Telemetry | None = None) -> None:
-    """`telemetry`: the process's (logging, tracing and metrics set up by run()); set it up
-    before this creates its gRPC channels, which tracing instruments."""
+    """`telemetry`: the process's logging, tracing and metrics, as run() sets them up (default:
+    tracing off, metrics unserved but for /metrics)."""
     telemetry = telemetry or Telemetry("router")
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)

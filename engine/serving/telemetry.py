@@ -317,7 +317,9 @@ class Metrics:
                                      "here (router: of every request)")
         self.generation_tokens = counter("generation_tokens",
                                          "Tokens sampled here (router: tokens sent to clients)")
-        self._success = Counter("tandem:request_success", "Finished samples, by finish reason",
+        self._success = Counter("tandem:request_success",
+                                "Finished samples, by finish reason (stop, length, abort, error; "
+                                "prefill: handoff)",
                                 (*labels, "finished_reason"), registry=reg)
         self._success_by_reason: dict[str, Counter] = {}
         self.ttft = histogram("time_to_first_token_seconds",
@@ -516,7 +518,16 @@ class Telemetry:
                     transport: str = "", source: str = "",
                     error: BaseException | None = None) -> None:
         """Decode worker, engine thread: one request's KV pull, as a child of its decode span
-        (`parent` is the handler's context, copied) and in the transfer histograms."""
+        (`parent` is the handler's context, copied) and in the transfer histograms. Never
+        raises: telemetry must not fail a pull."""
+        try:
+            self._kv_transfer(parent, start_ns, blocks, nbytes, seconds, transport, source, error)
+        except Exception:  # logged; the request goes on
+            log.exception("recording a KV transfer failed")
+
+    def _kv_transfer(self, parent: contextvars.Context | None, start_ns: int, blocks: int,
+                     nbytes: int, seconds: float, transport: str, source: str,
+                     error: BaseException | None) -> None:
         end_ns = time.time_ns()
         if error is None:
             self.metrics.kv_transfer_seconds.observe(seconds)
