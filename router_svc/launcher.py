@@ -108,7 +108,9 @@ class Stack:
         popen = subprocess.Popen(
             [sys.executable, "-m", "router_svc.cli", *argv, "--ready-file", str(ready)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+            # Interactive by default: readable log lines unless JSON was asked for.
+            env={"TANDEM_LOG_FORMAT": "console", **os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True)
         child = Child(name, popen, ready)
         self.children.append(child)
         threading.Thread(target=_pump, args=(child, self.log_dir and self.log_dir /
