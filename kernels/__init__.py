@@ -6,6 +6,7 @@ to run the kernels on CPU tensors (slowly: small shapes only).
 
 from kernels.copy_blocks import copy_blocks, copy_blocks_ref
 from kernels.paged_decode_attention import (
+    SplitPolicy,
     decode_num_splits,
     decode_workspace_numel,
     paged_decode_attention,
@@ -14,11 +15,13 @@ from kernels.paged_decode_attention import (
 from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.rms_norm import RMSNormResidual, rms_norm, rms_norm_ref
 from kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
+from kernels.rotary_store_kv import rotary_store_kv, rotary_store_kv_ref
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from kernels.store_kv import store_kv, store_kv_ref
 
 __all__ = [
     "RMSNormResidual",
+    "SplitPolicy",
     "copy_blocks",
     "copy_blocks_ref",
     "decode_num_splits",
@@ -31,6 +34,8 @@ __all__ = [
     "rms_norm_ref",
     "rotary_embedding",
     "rotary_embedding_ref",
+    "rotary_store_kv",
+    "rotary_store_kv_ref",
     "silu_and_mul",
     "silu_and_mul_ref",
     "store_kv",

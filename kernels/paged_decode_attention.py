@@ -1,4 +1,4 @@
-"""Paged decode attention (one query token per sequence), GQA-aware, with split-KV.
+"""Paged decode attention (one query token per sequence), GQA-aware, with split-KV in one launch.
 
 One program owns one (sequence, KV head, split): it loads the GROUP query heads that share the
 KV head as a [BLOCK_H >= 16, D] tile, so each KV token is read once for the whole group, and
@@ -10,11 +10,25 @@ walks its token range BLOCK_N tokens at a time, gathering them through the block
 
     qk = q[BLOCK_H, D] @ K[D, BLOCK_N];  online softmax in fp32 (base 2);  acc += p @ V
 
-Split-KV (flash-decoding): with few (sequence, KV head) pairs for the SMs, the context is cut
-into NUM_SPLITS ranges of whole BLOCK_N tiles computed in parallel; each writes its normalised
-partial output and log-sum-exp to a fp32 workspace, and a second kernel merges them. The split
-length is computed per sequence in the kernel from seq_lens, so the grid depends on shapes only
-(CUDA-graph friendly) and any NUM_SPLITS is correct for any context length.
+Split-KV (flash-decoding): with few (sequence, KV head) pairs for the SMs, the grid gets
+NUM_SPLITS programs per pair, and each sequence's context is cut into ranges of whole BLOCK_N
+tiles, at least min_split_tiles long. The ranges are computed in the kernel from seq_lens, so
+the grid depends on shapes only and one captured CUDA graph serves every context length; a
+graph sized for long contexts still cuts a short one into few, long splits:
+
+    seq_len 1000, BLOCK_N 64, NUM_SPLITS 33, min_split_tiles 4  ->  split_len 256 tokens
+    split     0          1           2           3           4 .. 32
+    tokens    [0, 256)   [256, 512)  [512, 768)  [768, 1000)  none: exit at once
+
+Each active split writes its normalised partial output and log-sum-exp (base 2) to a fp32
+workspace, then increments the (sequence, KV head)'s counter. The program that brings the
+counter to the number of active splits is the last one: it merges all the partials (in split
+order, so the result does not depend on which program came last), writes the output and sets
+the counter back to 0, so one zeroed counter buffer serves every later launch and CUDA-graph
+replay. A sequence with a single active split writes its output directly.
+
+    workspace (fp32)  partial [S, Hq, NUM_SPLITS, D] | lse [S, Hq, NUM_SPLITS]
+    counters  (int32) [S, Hkv], all 0 between launches
 """
 
 from __future__ import annotations
@@ -38,38 +52,21 @@ from kernels._common import (
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
+MERGE_TILE = 4096  # fp32 elements of partial output the merging program loads at once
 
 
 @triton.jit
-def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
-    scale_log2,  # softmax scale * log2(e)
+def _attend(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq, kv_head, start, end, scale_log2,
     stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_bt,
-    stride_os, stride_oh, stride_osp,  # out [S, Hq, D] or workspace [S, Hq, NUM_SPLITS, D]
-    stride_ls, stride_lh,  # lse workspace [S, Hq, NUM_SPLITS] (split stride 1)
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
-    seq_len = tl.load(seq_lens_ptr + seq)
-    if NUM_SPLITS == 1:
-        start = 0
-        end = seq_len
-    else:
-        # Whole tiles per split so that only the last tile of a sequence is ragged.
-        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = split * split_len
-        end = tl.minimum(start + split_len, seq_len)
-        if start >= seq_len:
-            return  # the merge kernel ignores splits past the context
-
+    """Online softmax of the group's query heads over tokens [start, end) of one sequence.
+    Returns (acc [BLOCK_H, D], running max m [BLOCK_H], running sum l [BLOCK_H]), unnormalised."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
@@ -106,48 +103,148 @@ def _paged_decode_kernel(
         v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr,
+    scale_log2,  # softmax scale * log2(e)
+    stride_qs, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    stride_os, stride_oh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """No split: one program per (sequence, KV head) over the whole context."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    acc, _, l_i = _attend(
+        q_ptr, k_ptr, v_ptr, bt_ptr, seq, kv_head, 0, seq_len, scale_log2,
+        stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION)
 
     # seq_len 0 (padding rows) leaves l_i at 0: write zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    o_ptrs = (o_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh
-              + split * stride_osp + offs_d[None, :])
-    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=head_mask[:, None])
-    if NUM_SPLITS > 1:
-        lse = m_i + tl.log2(l_safe)
-        tl.store(lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=head_mask)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_h
+    o_ptrs = o_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(offs_h < GROUP)[:, None])
 
 
 @triton.jit
-def _merge_splits_kernel(
-    part_ptr, lse_ptr, seq_lens_ptr, o_ptr,
+def _merge_splits(
+    part_ptr, lse_ptr, o_ptr, seq, kv_head, num_active,
     stride_ps, stride_ph, stride_psp,
     stride_ls, stride_lh,
     stride_os, stride_oh,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+):
+    """out[h] = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M) over the active splits, for the
+    group's query heads; MERGE_CHUNK splits at a time, as [GROUP_PAD, MERGE_CHUNK, D] tiles.
+    Loads bypass L1 (.cg): the partials were written by other SMs during this launch."""
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    seq64 = seq.to(tl.int64)
+
+    lse_rows = lse_ptr + seq64 * stride_ls + heads[:, None] * stride_lh  # [GROUP_PAD, 1]
+    offs_s = tl.arange(0, SPLITS_PAD)
+    lse_all = tl.load(lse_rows + offs_s[None, :],
+                      mask=g_mask[:, None] & (offs_s[None, :] < num_active),
+                      other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse_all, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+
+    part_rows = (part_ptr + seq64 * stride_ps + heads[:, None, None] * stride_ph
+                 + offs_d[None, None, :])  # [GROUP_PAD, 1, D]
+    offs_c = tl.arange(0, MERGE_CHUNK)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    denom = tl.zeros([GROUP_PAD], tl.float32)
+    for s0 in range(0, num_active, MERGE_CHUNK):
+        s = s0 + offs_c
+        mask = g_mask[:, None] & (s[None, :] < num_active)  # [GROUP_PAD, MERGE_CHUNK]
+        lse = tl.load(lse_rows + s[None, :], mask=mask, other=float("-inf"),
+                      cache_modifier=".cg")
+        w = tl.exp2(lse - m[:, None])  # 0 where masked
+        part = tl.load(part_rows + s[None, :, None] * stride_psp, mask=mask[:, :, None],
+                       other=0.0, cache_modifier=".cg")
+        acc += tl.sum(part * w[:, :, None], 1)
+        denom += tl.sum(w, 1)
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(o_ptr + seq64 * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_ptr, lse_ptr, counter_ptr,
+    scale_log2,  # softmax scale * log2(e)
+    min_split_len,  # tokens: min_split_tiles * BLOCK_N
+    stride_qs, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    stride_os, stride_oh,
+    stride_ps, stride_ph, stride_psp,  # partial outputs [S, Hq, NUM_SPLITS, D]
+    stride_ls, stride_lh,  # log-sum-exps [S, Hq, NUM_SPLITS] (split stride 1)
+    stride_cs,  # counters [S, Hkv] (KV-head stride 1)
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    num_active = tl.cdiv(seq_len, tl.maximum(split_len, 1))  # splits that saw any token
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < num_active
-    lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + offs_s, mask=s_mask,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)  # 0 for inactive splits
-    part = tl.load(part_ptr + seq.to(tl.int64) * stride_ps + head * stride_ph
-                   + offs_s[:, None] * stride_psp + offs_d[None, :],
-                   mask=s_mask[:, None], other=0.0)
-    denom = tl.sum(w, 0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(o_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d,
-             out.to(o_ptr.dtype.element_ty))
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Whole tiles per split so that only the last tile of a sequence is ragged; >= 1 token
+    # even for seq_len 0, whose single active split writes zeros.
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N,
+                           min_split_len)
+    num_active = tl.maximum(tl.cdiv(seq_len, split_len), 1)
+    if split < num_active:
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        acc, m_i, l_i = _attend(
+            q_ptr, k_ptr, v_ptr, bt_ptr, seq, kv_head, start, end, scale_log2,
+            stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+            stride_vh, stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, HEAD_DIM)
+        head_mask = offs_h < GROUP
+        heads = kv_head * GROUP + offs_h
+        seq64 = seq.to(tl.int64)
+        if num_active == 1:
+            o_ptrs = o_ptr + seq64 * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=head_mask[:, None])
+        else:
+            p_ptrs = (part_ptr + seq64 * stride_ps + heads[:, None] * stride_ph
+                      + split * stride_psp + offs_d[None, :])
+            tl.store(p_ptrs, out, mask=head_mask[:, None])
+            tl.store(lse_ptr + seq64 * stride_ls + heads * stride_lh + split,
+                     m_i + tl.log2(l_safe), mask=head_mask)
+            # Every thread's stores before the counter moves (one thread does the atomic;
+            # acq_rel at GPU scope publishes them to, and orders the loads of, the merger).
+            tl.debug_barrier()
+            counter = counter_ptr + seq64 * stride_cs + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_active - 1:  # the last active split of this (sequence, KV head)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                _merge_splits(
+                    part_ptr, lse_ptr, o_ptr, seq, kv_head, num_active,
+                    stride_ps, stride_ph, stride_psp, stride_ls, stride_lh, stride_os, stride_oh,
+                    GROUP, GROUP_PAD, HEAD_DIM, SPLITS_PAD, MERGE_CHUNK)
 
 
 class DecodeConfig(NamedTuple):
@@ -163,28 +260,52 @@ def decode_config(head_dim: int) -> DecodeConfig:
     return DecodeConfig(block_n=32, num_warps=4, num_stages=3)
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
-                      block_n: int = 64) -> int:
-    """How many ranges to cut each context into.
+class SplitPolicy(NamedTuple):
+    """How split-KV cuts contexts. Each split is a program that reads its range of KV tokens,
+    and the last one of a (sequence, KV head) also merges; more splits spread the reads over
+    more SMs, longer ones amortise each program's prologue and the merge."""
 
-    Without a split there are num_seqs * num_kv_heads programs. From two per SM on, the card is
-    busy and splitting only adds the merge pass. Below that, split until there are about two
-    programs per SM, but keep each split at least 4 tiles long (shorter ones are dominated by
-    the merge and the per-program prologue).
+    programs_per_sm: int = 2  # split until the grid has about this many programs per SM
+    min_split_tiles: int = 4  # no split shorter than this many BLOCK_N tiles (host and kernel)
+
+
+DEFAULT_SPLIT_POLICY = SplitPolicy()
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                      block_n: int = 64, policy: SplitPolicy = DEFAULT_SPLIT_POLICY) -> int:
+    """How many split programs the grid gets per (sequence, KV head): the launch's NUM_SPLITS.
+
+    Without a split there are num_seqs * num_kv_heads programs. From programs_per_sm per SM
+    on, the card is busy and splitting only adds merge work: 1. Below that, split until there
+    are about that many programs, but no more than a max_seq_len context can fill with splits
+    of min_split_tiles tiles. (The kernel applies the same minimum to each sequence's own
+    length: see decode_split_len.)
     """
     programs = num_seqs * num_kv_heads
-    target = 2 * num_sms
+    target = policy.programs_per_sm * num_sms
     if programs >= target:
         return 1
     want = math.ceil(target / max(programs, 1))
-    by_len = math.ceil(max_seq_len / (4 * block_n))
+    by_len = math.ceil(max_seq_len / (policy.min_split_tiles * block_n))
     return max(1, min(want, by_len, MAX_SPLITS))
+
+
+def decode_split_len(seq_len: int, num_splits: int, block_n: int, min_split_tiles: int) -> int:
+    """Tokens per split of one sequence, as the split kernel computes it: whole tiles, at least
+    min_split_tiles of them. The sequence has max(1, ceil(seq_len / split_len)) active splits."""
+    tiles = _cdiv(_cdiv(seq_len, num_splits), block_n)
+    return max(tiles, min_split_tiles) * block_n
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def decode_workspace_numel(num_seqs: int, num_q_heads: int, head_dim: int,
                            num_splits: int) -> int:
     """fp32 elements of scratch a launch with num_splits > 1 needs: partial outputs
-    [S, Hq, splits, D] + log-sum-exps [S, Hq, splits]."""
+    [S, Hq, splits, D] + log-sum-exps [S, Hq, splits]. Its contents never matter."""
     return num_seqs * num_q_heads * num_splits * (head_dim + 1)
 
 
@@ -200,18 +321,24 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     workspace: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    policy: SplitPolicy = DEFAULT_SPLIT_POLICY,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged context.
+    """Attention of one query token per sequence over its paged context: one kernel launch.
 
     q: [S, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (strided views of the
     block-major pool are fine; last dim contiguous); block_tables: int32 [S, max_blocks];
     seq_lens: int32 [S] (0 allowed: the row's output is zeros). Returns out [S, Hq, D].
 
     max_seq_len: host-side bound on seq_lens for the split heuristic (default: the block
-    table's capacity; no device sync). num_splits forces the split count. workspace: a flat
-    fp32 tensor of >= decode_workspace_numel(...) elements for split launches (allocated here
-    if not given; pass one when capturing a CUDA graph). config overrides tile sizes.
+    table's capacity; no device sync). num_splits forces the grid's split count (each
+    sequence still gets splits of at least policy.min_split_tiles tiles). For split launches:
+    workspace, a flat fp32 tensor of >= decode_workspace_numel(...) elements, any contents;
+    counters, a flat int32 tensor of >= S * Hkv elements that must be all zero and that every
+    launch leaves all zero. Both are allocated here if not given; pass them when capturing a
+    CUDA graph (and never share them between launches that may run concurrently). config
+    overrides tile sizes; policy the split heuristic.
     """
     check(q.dim() == 3, f"q must be [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
     num_seqs, num_q_heads, head_dim = q.shape
@@ -240,6 +367,8 @@ def paged_decode_attention(
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
     check_interpretable(q.dtype)
+    check(policy.programs_per_sm >= 1 and policy.min_split_tiles >= 1,
+          f"bad split policy {policy}")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     check(out.shape == q.shape and out.dtype == q.dtype, "out must be like q")
@@ -253,51 +382,57 @@ def paged_decode_attention(
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
         num_splits = decode_num_splits(num_seqs, num_kv_heads, bound, num_sms(q.device),
-                                       cfg.block_n)
+                                       cfg.block_n, policy)
     check(1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}]")
     group = num_q_heads // num_kv_heads
     block_h = max(16, triton.next_power_of_2(group))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    common = (
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+    )
+    tiles = dict(GROUP=group, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
+                 HEAD_DIM=head_dim, DOT_PRECISION=precision,
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     if num_splits == 1:  # no workspace: write the output directly
-        part, lse = out, out  # lse unused
-        part_strides = (out.stride(0), out.stride(1), 0)
-        lse_strides = (0, 0)
-    else:
-        need = decode_workspace_numel(num_seqs, num_q_heads, head_dim, num_splits)
-        if workspace is None:
-            workspace = torch.empty(need, dtype=torch.float32, device=q.device)
-        check(workspace.dtype == torch.float32 and workspace.is_contiguous()
-              and workspace.numel() >= need,
-              f"workspace must be contiguous fp32 with >= {need} elements")
-        n_part = num_seqs * num_q_heads * num_splits * head_dim
-        part = workspace[:n_part].view(num_seqs, num_q_heads, num_splits, head_dim)
-        lse = workspace[n_part:need].view(num_seqs, num_q_heads, num_splits)
-        part_strides = part.stride()[:3]
-        lse_strides = lse.stride()[:2]
+        with device_guard(q):
+            _paged_decode_kernel[(num_seqs, num_kv_heads)](
+                q, k_cache, v_cache, block_tables, seq_lens, out, scale * LOG2E, *common,
+                **tiles)
+        return out
 
+    need = decode_workspace_numel(num_seqs, num_q_heads, head_dim, num_splits)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+    check(workspace.dtype == torch.float32 and workspace.is_contiguous()
+          and workspace.numel() >= need,
+          f"workspace must be contiguous fp32 with >= {need} elements")
+    if counters is None:
+        counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=q.device)
+    check(counters.dtype == torch.int32 and counters.is_contiguous()
+          and counters.numel() >= num_seqs * num_kv_heads,
+          f"counters must be contiguous int32 with >= {num_seqs * num_kv_heads} elements")
+    check_same_device(q=q, workspace=workspace, counters=counters)
+    n_part = num_seqs * num_q_heads * num_splits * head_dim
+    part = workspace[:n_part].view(num_seqs, num_q_heads, num_splits, head_dim)
+    lse = workspace[n_part:need].view(num_seqs, num_q_heads, num_splits)
+    group_pad = triton.next_power_of_2(group)
+    splits_pad = triton.next_power_of_2(num_splits)
     with device_guard(q):
-        _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, part, lse,
-            scale * LOG2E,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_tables.stride(0),
-            *part_strides, *lse_strides,
-            GROUP=group, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, counters,
+            scale * LOG2E, policy.min_split_tiles * cfg.block_n, *common,
+            part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1),
+            num_kv_heads,
+            NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, GROUP_PAD=group_pad,
+            MERGE_CHUNK=max(1, min(splits_pad, MERGE_TILE // (group_pad * head_dim))),
+            **tiles,
         )
-        if num_splits > 1:
-            _merge_splits_kernel[(num_seqs, num_q_heads)](
-                part, lse, seq_lens, out,
-                *part_strides, *lse_strides,
-                out.stride(0), out.stride(1),
-                BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-                SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-                num_warps=4 if head_dim <= 128 else 8,
-            )
     return out
 
 

@@ -19,8 +19,9 @@ from kernels._common import check, check_last_dim_contiguous, check_same_device,
 
 
 @triton.jit
-def _rotate(x_ptr, token, num_heads, stride_t, stride_h, cos, sin, offs_h, offs_r, r_mask,
-            HALF: tl.constexpr):
+def rotate_heads(x_ptr, token, num_heads, stride_t, stride_h, cos, sin, offs_h, offs_r, r_mask,
+                 HALF: tl.constexpr):
+    """In place on one token's heads of x; shared with kernels/rotary_store_kv.py."""
     mask = (offs_h[:, None] < num_heads) & r_mask[None, :]
     p1 = x_ptr + token * stride_t + offs_h[:, None] * stride_h + offs_r[None, :]
     p2 = p1 + HALF
@@ -43,14 +44,15 @@ def _rotary_kernel(
     r_mask = offs_r < HALF
     cos = tl.load(cache_ptr + pos * stride_cache + offs_r, mask=r_mask, other=0.0)[None, :]
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_r, mask=r_mask, other=0.0)[None, :]
-    _rotate(q_ptr, token, num_q_heads, stride_qt, stride_qh, cos, sin,
-            tl.arange(0, BLOCK_HQ), offs_r, r_mask, HALF)
-    _rotate(k_ptr, token, num_kv_heads, stride_kt, stride_kh, cos, sin,
-            tl.arange(0, BLOCK_HK), offs_r, r_mask, HALF)
+    rotate_heads(q_ptr, token, num_q_heads, stride_qt, stride_qh, cos, sin,
+                 tl.arange(0, BLOCK_HQ), offs_r, r_mask, HALF)
+    rotate_heads(k_ptr, token, num_kv_heads, stride_kt, stride_kh, cos, sin,
+                 tl.arange(0, BLOCK_HK), offs_r, r_mask, HALF)
 
 
-def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-           cos_sin_cache: torch.Tensor) -> None:
+def check_rotary_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      cos_sin_cache: torch.Tensor) -> None:
+    """Shapes and dtypes of rotary_embedding's arguments (also rotary_store_kv's)."""
     check(q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2],
           f"q must be [T, Hq, D] and k [T, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}")
     check(positions.shape == (q.shape[0],) and positions.dtype in (torch.int32, torch.int64),
@@ -67,7 +69,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> None:
     """In place. positions: int [T] (contiguous); q: [T, Hq, D], k: [T, Hkv, D] (strided views
     of a qkv projection fine: last dim contiguous); cos_sin_cache: fp32 [max_pos, R]."""
-    _check(positions, q, k, cos_sin_cache)
+    check_rotary_args(positions, q, k, cos_sin_cache)
     check(positions.is_contiguous(), "positions must be contiguous")
     for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
         check_last_dim_contiguous(name, t)
@@ -92,7 +94,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          cos_sin_cache: torch.Tensor) -> None:
     """In place, like rotary_embedding."""
-    _check(positions, q, k, cos_sin_cache)
+    check_rotary_args(positions, q, k, cos_sin_cache)
     half = cos_sin_cache.shape[1] // 2
     cs = cos_sin_cache[positions.long()]
     cos, sin = cs[:, None, :half], cs[:, None, half:]

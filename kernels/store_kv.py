@@ -46,11 +46,9 @@ def _store_kv_kernel(
     tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D] (views of a qkv projection fine: last dim contiguous);
-    k_cache, v_cache: [num_blocks, block_size, Hkv, D] (strided pool views fine);
-    slot_mapping: int64 [T], -1 = skip."""
+def check_store_kv_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """store_kv's argument contract (also rotary_store_kv's)."""
     check(k.dim() == 3 and k.shape == v.shape,
           f"k, v must both be [T, num_kv_heads, head_dim], got {tuple(k.shape)}, {tuple(v.shape)}")
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -66,6 +64,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
           f"{tuple(slot_mapping.shape)}")
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] (views of a qkv projection fine: last dim contiguous);
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D] (strided pool views fine);
+    slot_mapping: int64 [T], -1 = skip."""
+    check_store_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
     check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if num_tokens == 0:
         return

@@ -1,6 +1,7 @@
 """The attention backend interface: metadata is built once per step outside the layers; each
-attention layer then calls `forward(layer, q, k, v)`, which stores the new K/V into the paged
-pool and attends over the whole context.
+attention layer then calls `forward(layer, q, k, v, meta, rope)`, which applies the rotary
+embedding to q and k, stores the new K/V into the paged pool and attends over the whole
+context. (Rotary lives here, not in the model, so that a backend can fuse it with the store.)
 
 Token order within a step (the model runner guarantees it):
 
@@ -17,6 +18,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -39,6 +41,13 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
+class Rope(NamedTuple):
+    """A layer's rotary embedding for this step (Neox style, kernels/rotary_embedding.py)."""
+
+    positions: torch.Tensor  # int [T]: each token's position
+    cos_sin_cache: torch.Tensor  # fp32 [max_position, R]: row p = [cos(p f) | sin(p f)]
+
+
 class AttentionBackend(ABC):
     """Owns the per-layer views of the block-major KV pool
 
@@ -58,8 +67,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns like q."""
+                meta: AttentionMetadata, rope: Rope | None = None) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns like q.
+
+        With rope, q and k are rotated in place first (k as stored in the pool); without it
+        they are used as given."""
 
 
 @dataclass

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine import ops
+from engine.attention.base import AttentionBackend, AttentionMetadata, Rope
 
 
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -56,8 +57,10 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, rope: Rope | None = None) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        if rope is not None:  # ops: Hugging Face's arithmetic on the CPU, Triton on CUDA
+            ops.rotary_embedding(rope.positions, q, k, rope.cos_sin_cache)
         store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention_torch(q, k_cache, v_cache, meta.block_tables,
                                      meta.query_lens_cpu, meta.seq_lens_cpu, self.scale)

@@ -1,29 +1,32 @@
 """Triton paged attention: the GPU backend.
 
-Per layer: store the step's K/V into the pool, then attend. Token order (see base.py):
+Per layer: rotate q and k and store the step's K/V into the pool (one kernel), then attend.
+Token order (see base.py):
 
     [ decode 0 | decode 1 | ... | prefill chunk A ...... | prefill chunk B ... ]
       paged_decode_attention      paged_prefill_attention (query_start_loc rebased to 0)
 
-An all-decode step is one decode launch (plus the split merge), with shapes fixed by the batch
-size and the split workspace allocated here once: it can be captured in a CUDA graph. forward
-never syncs with the device; it reads the host copies in the metadata.
+An all-decode step is two launches per layer (rotary + store, decode attention; a split
+decode merges inside its own launch), with shapes fixed by the batch size and the split
+workspace and counters allocated here once: it can be captured in a CUDA graph. forward never
+syncs with the device; it reads the host copies in the metadata.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.base import AttentionBackend, AttentionMetadata, Rope
 from kernels import (
     decode_num_splits,
     decode_workspace_numel,
     paged_decode_attention,
     paged_prefill_attention,
+    rotary_store_kv,
     store_kv,
 )
 from kernels._common import num_sms
-from kernels.paged_decode_attention import decode_config
+from kernels.paged_decode_attention import DEFAULT_SPLIT_POLICY, decode_config
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -32,35 +35,46 @@ class TritonAttentionBackend(AttentionBackend):
         _, _, _, self.block_size, self.num_kv_heads, self.head_dim = pool.shape
         self.num_sms = num_sms(pool.device)
         self.decode_block_n = decode_config(self.head_dim).block_n
-        # The split heuristic only splits while num_seqs * num_kv_heads < 2 * SMs, so the
-        # split workspace has a small upper bound: size it once for every batch size.
-        rows = 0
-        for b in range(1, 2 * self.num_sms + 1):
+        # The split heuristic only splits while num_seqs * num_kv_heads is below
+        # programs_per_sm * SMs, so the split workspace has a small upper bound: size it once
+        # for every batch size.
+        rows = seqs = 0
+        for b in range(1, DEFAULT_SPLIT_POLICY.programs_per_sm * self.num_sms + 1):
             splits = decode_num_splits(b, self.num_kv_heads, 1 << 30, self.num_sms,
                                        self.decode_block_n)
             if splits > 1:
-                rows = max(rows, b * splits)
+                rows, seqs = max(rows, b * splits), b
         self._workspace_rows = rows  # (sequence, split) pairs
+        self._split_seqs = seqs  # sequences the counters cover
         self.workspace = torch.empty(decode_workspace_numel(rows, num_heads, self.head_dim, 1),
                                      dtype=torch.float32, device=pool.device)
+        # One per (sequence, KV head); zero between launches (each split launch resets them).
+        self.split_counters = torch.zeros(max(1, seqs) * self.num_kv_heads, dtype=torch.int32,
+                                          device=pool.device)
 
     def _num_splits(self, num_seqs: int, max_seq_len: int, block_tables: torch.Tensor,
                     capturing: bool) -> int:
-        # A captured graph replays with whatever contexts come later: size the split for the
-        # longest context the block tables can describe (extra splits exit at once).
+        # A captured graph replays with whatever contexts come later: size the grid for the
+        # longest context the block tables can describe (the kernel still cuts a short
+        # context into few splits; the others exit at once).
+        if num_seqs > self._split_seqs:
+            return 1  # beyond the heuristic's bound: it does not split there anyway
         bound = block_tables.shape[1] * self.block_size if capturing else max_seq_len
         splits = decode_num_splits(num_seqs, self.num_kv_heads, bound, self.num_sms,
                                    self.decode_block_n)
-        # Never exceed the preallocated workspace (batch sizes beyond the heuristic's bound
-        # do not split anyway).
+        # Never exceed the preallocated workspace.
         while splits > 1 and num_seqs * splits > self._workspace_rows:
             splits -= 1
         return splits
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, rope: Rope | None = None) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if rope is None:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            rotary_store_kv(rope.positions, q, k, v, rope.cos_sin_cache, k_cache, v_cache,
+                            meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd, ns = meta.num_decodes, meta.num_seqs
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -71,7 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode_attention(
                 q[:nd], k_cache, v_cache, block_tables, seq_lens, self.scale, out=out[:nd],
                 num_splits=self._num_splits(nd, meta.max_seq_len, block_tables, capturing),
-                workspace=self.workspace)
+                workspace=self.workspace, counters=self.split_counters)
         if nd < ns:
             # Decodes own exactly one token each, so the prefill part starts at token nd.
             paged_prefill_attention(

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine import ops
-from engine.attention.base import get_forward_context
+from engine.attention.base import Rope, get_forward_context
 from engine.config import ModelConfig, RopeScaling
 from engine.errors import ModelLoadError
 
@@ -98,8 +98,10 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
+    def forward(self, positions: torch.Tensor) -> Rope:
+        """This step's rotary inputs; the attention backend applies them to q and k (on the
+        GPU in the same kernel that stores K/V into the pool)."""
+        return Rope(positions, self.cos_sin_cache)
 
 
 class Attention(nn.Module):
@@ -130,9 +132,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        self.rotary(positions, q, k)
         ctx = get_forward_context()
-        out = ctx.backend.forward(self.layer_idx, q, k, v, ctx.metadata)
+        out = ctx.backend.forward(self.layer_idx, q, k, v, ctx.metadata, self.rotary(positions))
         return self.o_proj(out.view(t, self.q_size))
 
 

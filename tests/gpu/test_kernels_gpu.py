@@ -1,5 +1,6 @@
 """Every Triton kernel against its torch reference on a GPU, at real model shapes in bfloat16
-(Llama-3.1-8B attention: 32 query heads, 8 KV heads, head dim 128; also head dims 64 and 256).
+(Llama-3.1-8B attention: 32 query heads, 8 KV heads, head dim 128; also head dims 64 and 256),
+and the attention backend's decode step captured in a CUDA graph and replayed.
 
 Run on a CUDA box:  pytest -m gpu tests/gpu/test_kernels_gpu.py -v
 Errors are norm-based: ||out - ref|| / ||ref|| < 1e-2 (references compute in fp32).
@@ -20,12 +21,15 @@ pytestmark = [
 ]
 
 if torch.cuda.is_available():
-    from engine.attention.base import AttentionMetadata
+    from engine.attention.base import AttentionMetadata, Rope
     from engine.attention.torch_backend import TorchAttentionBackend
     from engine.attention.triton_backend import TritonAttentionBackend
     from kernels import (
+        SplitPolicy,
         copy_blocks,
         copy_blocks_ref,
+        decode_num_splits,
+        decode_workspace_numel,
         paged_decode_attention,
         paged_decode_attention_ref,
         paged_prefill_attention,
@@ -34,11 +38,14 @@ if torch.cuda.is_available():
         rms_norm_ref,
         rotary_embedding,
         rotary_embedding_ref,
+        rotary_store_kv,
+        rotary_store_kv_ref,
         silu_and_mul,
         silu_and_mul_ref,
         store_kv,
         store_kv_ref,
     )
+    from kernels._common import num_sms
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -76,6 +83,27 @@ def make_pool(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim:
     return pool, tables, torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
 
 
+def rope_cache(head_dim: int, max_pos: int, theta: float = 500000.0) -> torch.Tensor:
+    """fp32 [max_pos, head_dim]: cos | sin halves, as RotaryEmbedding builds it."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=DEV).float() / head_dim)
+    freqs = torch.outer(torch.arange(max_pos, device=DEV).float(), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], -1)
+
+
+def capture(fn):  # type: ignore[no-untyped-def]
+    """Warm fn up on a side stream (Triton compiles there), then capture it in a CUDA graph.
+    Returns (graph, what fn returned during capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
 # ----------------------------------------------------------------------------- decode
 
 @pytest.mark.parametrize(
@@ -110,6 +138,72 @@ def test_decode_32k_context(seed, block_size):
     ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5)
     err = rel_err(out, ref)
     assert err < TOL, f"seed={seed} block_size={block_size} rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("min_split_tiles", [1, 4])
+@pytest.mark.parametrize("lens", [[1000], [8192, 1000, 1, 0, 130]], ids=["b1-1k", "ragged"])
+def test_decode_single_launch_split(seed, lens, min_split_tiles):
+    """Split-KV merged by each (sequence, KV head)'s last split in the same launch: a grid of
+    33 splits over ragged contexts (one-tile splits with min_split_tiles 1), NaN-filled
+    workspace; the counters come back to zero."""
+    pool, tables, seq_lens = make_pool(lens, 16, 8, 128)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    q = torch.randn(len(lens), 32, 128, dtype=BF16, device=DEV)
+    ws = torch.full((decode_workspace_numel(len(lens), 32, 128, 33),), float("nan"), device=DEV)
+    counters = torch.zeros(len(lens) * 8, dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5, out=out,
+                           num_splits=33, workspace=ws, counters=counters,
+                           policy=SplitPolicy(min_split_tiles=min_split_tiles))
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5)
+    err = rel_err(out, ref)
+    assert err < TOL, f"seed={seed} rel err {err:.2e}"
+    assert torch.all(counters == 0), f"seed={seed}: counters {counters.tolist()}"
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert torch.all(out[b] == 0), f"seed={seed}: padding row"
+
+
+def test_decode_split_cuda_graph_replays(seed):
+    """One split launch captured with a grid sized for 32k-token contexts, replayed with other
+    contexts written into seq_lens: each replay matches the reference and leaves the counters
+    at zero; replaying the same inputs gives bit-identical outputs (whichever split comes last
+    merges, always in split order)."""
+    batch, hq, hkv, d, max_len = 2, 32, 8, 128, 32768
+    pool, tables, seq_lens = make_pool([max_len] * batch, 16, hkv, d)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    q = torch.randn(batch, hq, d, dtype=BF16, device=DEV)
+    splits = decode_num_splits(batch, hkv, max_len, num_sms(DEV))
+    assert splits > 1
+    ws = torch.empty(decode_workspace_numel(batch, hq, d, splits), dtype=torch.float32,
+                     device=DEV)
+    counters = torch.zeros(batch * hkv, dtype=torch.int32, device=DEV)
+    out = torch.empty_like(q)
+    graph, _ = capture(lambda: paged_decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, d ** -0.5, out=out, num_splits=splits,
+        workspace=ws, counters=counters))
+    for lens in ([1000, max_len], [1, 0], [5000, 257], [max_len, 31999], [64, 65]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = rel_err(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens,
+                                                      d ** -0.5))
+        assert err < TOL, f"seed={seed} lens={lens} rel err {err:.2e}"
+        assert torch.all(counters == 0), f"seed={seed} lens={lens}: {counters.tolist()}"
+    seq_lens.copy_(torch.tensor([3000, 20000], dtype=torch.int32))
+    for i in range(20):
+        # Fresh queries each time: a merge that read a partial of the previous replay (a
+        # missing memory fence) would be off by far more than the tolerance.
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        first = out.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first), f"seed={seed}: replay {i}: not deterministic"
+        err = rel_err(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens,
+                                                      d ** -0.5))
+        assert err < TOL, f"seed={seed} replay {i} rel err {err:.2e}"
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -192,6 +286,36 @@ def test_rotary_embedding(seed, head_dim):
     assert err < TOL, f"seed={seed} rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_rotary_store_kv(seed, head_dim):
+    """The fused kernel against its reference and against rotary_embedding + store_kv."""
+    num_tokens, hq, hkv = 777, 32, 8
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * head_dim, dtype=BF16, device=DEV)
+    pool = torch.full((64, 3, 2, 16, hkv, head_dim), float("nan"), dtype=BF16, device=DEV)
+    cache = rope_cache(head_dim, 131072)
+    positions = torch.randint(0, 131072, (num_tokens,), device=DEV)
+    slots = torch.randperm(64 * 16, device=DEV)[:num_tokens]
+    slots[::5] = -1
+
+    def run(fn):  # type: ignore[no-untyped-def]
+        x, p = qkv.clone(), pool.clone()
+        h = x.view(num_tokens, -1, head_dim)
+        fn(positions, h[:, :hq], h[:, hq:hq + hkv], h[:, hq + hkv:], cache, p[:, 1, 0],
+           p[:, 1, 1], slots)
+        return x, p
+
+    def two_kernels(pos, q, k, v, cos_sin, kc, vc, slot_mapping):  # type: ignore[no-untyped-def]
+        rotary_embedding(pos, q, k, cos_sin)
+        store_kv(k, v, kc, vc, slot_mapping)
+
+    fused, ref, two = run(rotary_store_kv), run(rotary_store_kv_ref), run(two_kernels)
+    for name, (x, p) in (("reference", ref), ("two kernels", two)):
+        assert rel_err(fused[0], x) < TOL, f"seed={seed} qkv vs {name}"
+        assert torch.equal(fused[1].isnan(), p.isnan()), f"seed={seed} slots vs {name}"
+        err = rel_err(fused[1].nan_to_num(), p.nan_to_num())
+        assert err < TOL, f"seed={seed} pool vs {name}: rel err {err:.2e}"
+
+
 def test_silu_and_mul(seed):
     x = torch.randn(1000, 2 * 14336, dtype=BF16, device=DEV)
     err = rel_err(silu_and_mul(x), silu_and_mul_ref(x))
@@ -241,12 +365,8 @@ def _metadata(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor,
         seq_lens_cpu=list(seq_lens))
 
 
-def _qkv(num_tokens: int, hq: int, hkv: int, d: int):  # type: ignore[no-untyped-def]
-    heads = torch.randn(num_tokens, hq + 2 * hkv, d, dtype=BF16, device=DEV)
-    return heads[:, :hq], heads[:, hq:hq + hkv], heads[:, hq + hkv:]
-
-
-def test_backend_mixed_batch_matches_torch_backend(seed):
+@pytest.mark.parametrize("rope", [False, True], ids=["store", "rope-store"])
+def test_backend_mixed_batch_matches_torch_backend(seed, rope):
     hq, hkv, d, bs = 32, 8, 128, 16
     query_lens = [1] * 6 + [512, 1, 200]
     seq_lens = [3000, 17, 1, 900, 4096, 50, 512, 700, 1300]
@@ -255,51 +375,75 @@ def test_backend_mixed_batch_matches_torch_backend(seed):
     torch_pool = pool.clone()
     tri = TritonAttentionBackend(pool, hq, d ** -0.5)
     ref = TorchAttentionBackend(torch_pool, hq, d ** -0.5)
-    q, k, v = _qkv(sum(query_lens), hq, hkv, d)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens,
+                                                                   strict=True)]).to(DEV)
+    cache = rope_cache(d, 8192)
     for layer in (0, 1):
-        err = rel_err(tri.forward(layer, q, k, v, meta), ref.forward(layer, q, k, v, meta))
+        heads = torch.randn(sum(query_lens), hq + 2 * hkv, d, dtype=BF16, device=DEV)
+        heads_ref = heads.clone()
+        r = Rope(positions, cache) if rope else None
+        got = tri.forward(layer, *_views(heads, hq, hkv), meta, r)
+        expected = ref.forward(layer, *_views(heads_ref, hq, hkv), meta, r)
+        err = rel_err(got, expected)
         assert err < TOL, f"seed={seed} layer={layer} rel err {err:.2e}"
-    assert torch.equal(pool, torch_pool), f"seed={seed}"
+        assert rel_err(heads, heads_ref) < TOL, f"seed={seed} layer={layer}: q/k rotation"
+    if rope:
+        assert rel_err(pool, torch_pool) < TOL, f"seed={seed}"
+    else:
+        assert torch.equal(pool, torch_pool), f"seed={seed}"
 
 
-def test_backend_all_decode_cuda_graph(seed):
-    """Capture one all-decode step in a CUDA graph, then replay it with other contexts
-    (longer, shorter, padding) written into the same metadata tensors."""
-    hq, hkv, d, bs, batch, max_blocks = 32, 8, 128, 16, 4, 512  # up to 8k tokens a sequence
+def _views(heads: torch.Tensor, hq: int, hkv: int):  # type: ignore[no-untyped-def]
+    return heads[:, :hq], heads[:, hq:hq + hkv], heads[:, hq + hkv:]
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["store", "rope-store"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_backend_all_decode_cuda_graph(seed, batch, rope):
+    """Capture one all-decode step in a CUDA graph (sized for 8k-token contexts, so batch 1
+    splits 32 ways), then replay it with other contexts (longer, shorter, padding) and
+    positions written into the same tensors: attention matches the reference, q and k come
+    out rotated, the new K lands in its slot, the split counters are back at zero."""
+    hq, hkv, d, bs, max_blocks = 32, 8, 128, 16, 512  # up to 8k tokens a sequence
     num_blocks = batch * max_blocks + 1
     pool = torch.randn(num_blocks, 2, 2, bs, hkv, d, dtype=BF16, device=DEV)
     tables = torch.randperm(num_blocks - 1, device=DEV).to(torch.int32)[
         :batch * max_blocks].view(batch, max_blocks).contiguous()
     backend = TritonAttentionBackend(pool, hq, d ** -0.5)
+    cache = rope_cache(d, max_blocks * bs)
+    positions = torch.zeros(batch, dtype=torch.long, device=DEV)
 
     def step_meta(lens: list[int]) -> AttentionMetadata:
-        return _metadata([1] * batch, lens, tables, bs)
+        return _metadata([1] * batch, lens[:batch], tables, bs)
 
     static = step_meta([100, 2000, 5, 7000])
-    q, k, v = _qkv(batch, hq, hkv, d)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        backend.forward(1, q, k, v, static)  # warm-up (compiles) outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = backend.forward(1, q, k, v, static)
+    heads = torch.randn(batch, hq + 2 * hkv, d, dtype=BF16, device=DEV)
+    q, k, v = _views(heads, hq, hkv)
+    graph, graph_out = capture(lambda: backend.forward(
+        1, q, k, v, static, Rope(positions, cache) if rope else None))
 
-    for lens in ([8000, 1, 300, 4000], [16, 0, 8192, 1000]):
+    for lens in ([8000, 1, 300, 4000], [16, 0, 8192, 1000], [1000, 8192, 0, 1],
+                 [8192, 1000, 1, 0]):
+        lens = lens[:batch]
         new = step_meta(lens)
         static.seq_lens.copy_(new.seq_lens)
         static.slot_mapping.copy_(new.slot_mapping)
-        for t in (q, k, v):
-            t.copy_(torch.randn_like(t))
+        positions.copy_((new.seq_lens - 1).clamp(min=0))
+        heads.copy_(torch.randn_like(heads))
+        q0, k0 = q.clone(), k.clone()
         graph.replay()
         torch.cuda.synchronize()
+        msg = f"seed={seed} lens={lens}"
+        if rope:
+            rotary_embedding_ref(positions, q0, k0, cache)
+        assert rel_err(q, q0) < TOL and rel_err(k, k0) < TOL, f"{msg}: rotation"
         expected = paged_decode_attention_ref(q, pool[:, 1, 0], pool[:, 1, 1], tables,
                                               new.seq_lens, d ** -0.5)
         err = rel_err(graph_out, expected)
-        assert err < TOL, f"seed={seed} lens={lens} rel err {err:.2e}"
-        # The step's new K landed in its slot.
+        assert err < TOL, f"{msg} rel err {err:.2e}"
+        assert torch.all(backend.split_counters == 0), f"{msg}: split counters not reset"
+        # The step's new (rotated) K landed in its slot.
         for b, n in enumerate(lens):
             if n:
                 blk, off = int(tables[b, (n - 1) // bs]), (n - 1) % bs
-                assert torch.equal(pool[blk, 1, 0, off], k[b]), f"seed={seed} seq {b}"
+                assert torch.equal(pool[blk, 1, 0, off], k[b]), f"{msg} seq {b}"

@@ -4,12 +4,18 @@ import pytest
 import torch
 
 from kernels import (
+    SplitPolicy,
     decode_num_splits,
     decode_workspace_numel,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
 from kernels._common import INTERPRET
+from kernels.paged_decode_attention import DecodeConfig, decode_split_len
+
+# Splits of one tile are allowed, so that short contexts exercise the split path.
+ANY_SPLIT = SplitPolicy(min_split_tiles=1)
+SMALL_TILES = DecodeConfig(block_n=16, num_warps=4, num_stages=2)
 
 
 def _random_lens(num_seqs: int, max_len: int) -> list[int]:
@@ -32,9 +38,10 @@ def test_matches_reference(seed, device, make_paged_context, group, head_dim, nu
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, out=out,
-                           num_splits=num_splits)
+                           num_splits=num_splits, policy=ANY_SPLIT)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, scale)
     msg = f"seed={seed} block_size={block_size} lens={lens}"
+    assert num_splits == 1 or -(150 // -decode_split_len(150, num_splits, 64, 1)) == 3, msg
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"{msg}\n{m}")
     assert torch.all(out[-1] == 0), msg  # the padding row
 
@@ -46,7 +53,7 @@ def test_short_contexts_with_many_splits(seed, device, make_paged_context):
     q = torch.randn(4, 4, 64, device=device)
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, pool[:, 1, 0], pool[:, 1, 1], tables, seq_lens, 0.125, out=out,
-                           num_splits=7)
+                           num_splits=7, policy=ANY_SPLIT)
     ref = paged_decode_attention_ref(q, pool[:, 1, 0], pool[:, 1, 1], tables, seq_lens, 0.125)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"seed={seed}\n{m}")
 
@@ -77,6 +84,90 @@ def test_split_heuristic():
     assert decode_num_splits(1, 8, 512, sms) == 2
     assert decode_num_splits(1, 8, 100, sms) == 1
     assert 1 <= decode_num_splits(16, 8, 8192, sms) <= 3
+    # The policy's knobs (what benchmarks/decode_ops.py sweeps).
+    assert decode_num_splits(1, 8, 1024, sms, policy=SplitPolicy(min_split_tiles=1)) == 16
+    assert decode_num_splits(1, 8, 1024, sms, policy=SplitPolicy(min_split_tiles=8)) == 2
+    assert decode_num_splits(1, 8, 32768, sms, policy=SplitPolicy(programs_per_sm=1)) == 17
+    assert decode_num_splits(17, 8, 32768, sms, policy=SplitPolicy(programs_per_sm=1)) == 1
+
+
+def test_split_length_in_the_kernel():
+    """Each sequence's own length sets its split length: a grid sized for 32k tokens cuts a 1k
+    context into 4 splits of 256 (4 tiles), not 33 of one tile."""
+    assert decode_split_len(1000, 33, 64, 4) == 256
+    assert decode_split_len(1000, 33, 64, 1) == 64
+    assert decode_split_len(32768, 33, 64, 4) == 1024
+    assert decode_split_len(0, 8, 64, 4) == 256  # padding rows: one (empty) active split
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_single_launch_split_ragged(seed, device, make_paged_context, group, head_dim):
+    """Ragged contexts over scattered blocks of a strided pool, 7 splits of >= 16 tokens: every
+    sequence's last split merges in the same launch; the counters are left at zero."""
+    block_size = [8, 16, 32][seed % 3]
+    num_kv_heads, splits = 2, 7
+    lens = [0, 1, 17, 64, 65, 200, 333]
+    pool, tables, seq_lens = make_paged_context(lens, 100, block_size, 2, 1, num_kv_heads,
+                                                head_dim, torch.float32, device)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, device=device)
+    ws = torch.full((decode_workspace_numel(len(lens), q.shape[1], head_dim, splits),),
+                    float("nan"), device=device)
+    counters = torch.zeros(len(lens) * num_kv_heads, dtype=torch.int32, device=device)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, pool[:, 1, 0], pool[:, 1, 1], tables, seq_lens, head_dim ** -0.5,
+                           out=out, num_splits=splits, workspace=ws, counters=counters,
+                           config=SMALL_TILES, policy=ANY_SPLIT)
+    ref = paged_decode_attention_ref(q, pool[:, 1, 0], pool[:, 1, 1], tables, seq_lens,
+                                     head_dim ** -0.5)
+    msg = f"seed={seed} block_size={block_size}"
+    assert -(333 // -decode_split_len(333, splits, 16, 1)) == splits, msg  # all 7 active
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"{msg}\n{m}")
+    assert torch.all(out[0] == 0), msg
+    assert torch.all(counters == 0), f"{msg}: counters not reset: {counters.tolist()}"
+
+
+def test_repeated_launch_reuses_workspace_and_counters(seed, device, make_paged_context):
+    """Three launches sharing one workspace and one counter buffer, as a replayed CUDA graph
+    does: the second sees other contexts (the workspace holds the first launch's partials for
+    splits it no longer uses); the third repeats the first and matches it bit for bit."""
+    lens_a, lens_b = [300, 40, 129], [20, 310, 0]
+    pool, tables, _ = make_paged_context([320, 320, 320], 80, 16, 2, 1, 2, 64, torch.float32,
+                                         device)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    ws = torch.full((decode_workspace_numel(3, 8, 64, 5),), float("nan"), device=device)
+    counters = torch.zeros(3 * 2, dtype=torch.int32, device=device)
+    outs = []
+    for lens in (lens_a, lens_b, lens_a):
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        q = torch.randn(3, 8, 64, device=device, generator=torch.Generator(device).manual_seed(
+            seed + sum(lens)))
+        out = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, num_splits=5,
+                                     workspace=ws, counters=counters, config=SMALL_TILES,
+                                     policy=ANY_SPLIT)
+        ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 0.125)
+        msg = f"seed={seed} lens={lens}"
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4,
+                                   msg=lambda m, msg=msg: f"{msg}\n{m}")
+        assert torch.all(counters == 0), f"{msg}: counters {counters.tolist()}"
+        outs.append(out)
+    assert torch.equal(outs[0], outs[2]), f"seed={seed}: the merge is not deterministic"
+
+
+def test_min_split_tiles_caps_the_active_splits(seed, device, make_paged_context):
+    """A grid of 33 splits (sized for a long context) over a 1000-token context with the
+    default policy: only 4 splits of 256 tokens run and write partials."""
+    pool, tables, seq_lens = make_paged_context([1000], 80, 16, 2, 1, 1, 64, torch.float32,
+                                                device)
+    q = torch.randn(1, 4, 64, device=device)
+    ws = torch.full((decode_workspace_numel(1, 4, 64, 33),), float("nan"), device=device)
+    out = paged_decode_attention(q, pool[:, 1, 0], pool[:, 1, 1], tables, seq_lens, 0.125,
+                                 num_splits=33, workspace=ws)
+    ref = paged_decode_attention_ref(q, pool[:, 1, 0], pool[:, 1, 1], tables, seq_lens, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"seed={seed}\n{m}")
+    lse = ws[4 * 33 * 64:4 * 33 * 65].view(4, 33)
+    written = (~lse.isnan()).any(0).nonzero().flatten().tolist()
+    assert written == [0, 1, 2, 3], f"seed={seed}: splits that ran: {written}"
 
 
 def test_rejects_bad_arguments(device):
