@@ -42,6 +42,18 @@ for stage in "$@"; do
       run decode_step_1b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.2-1b \
         --batch 1 64 256 --context 1024 --out "$OUT/decode_step_1b.json" ;;
     sched) run scheduler_overhead python3 benchmarks/scheduler_overhead.py ;;
+    kernels_gpu) run kernels_gpu python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_kernels_gpu.py ;;
+    decode8b) run decode_step_8b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b \
+        --batch 1 64 --context 1024 --out "$OUT/decode_step_8b.json" ;;
+    decode_ops) run decode_ops timeout 120 python3 benchmarks/decode_ops.py --batches 1 64 --context 1024 \
+        --out "$OUT/decode_ops.json" ;;
+    ratio4)  # issue 8: every 4-GPU layout, two workloads (prompt-heavy at two rates)
+      run ratio4 python3 benchmarks/ratio.py --model benchmarks/configs/llama-3.1-8b --dtype bfloat16 \
+        --load-format dummy --gpus 4 --layouts 1P3D 2P2D 3P1D 4C --workloads prompt-heavy decode-heavy \
+        --rates-for prompt-heavy=12,24 --rates-for decode-heavy=24 --num-requests 100 \
+        --slo-ttft-ms 1000 --slo-itl-ms 50 --no-progress --out-dir "$OUT/ratio4" ;;
+    tokenpath) CUDA_VISIBLE_DEVICES= OUT=$OUT/tokenpath run token_path bash benchmarks/token_path.sh --client-procs 1 ;;
+    pack) tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
