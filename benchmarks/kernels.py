@@ -296,11 +296,14 @@ def bench_decode(batch: int, ctx: int, shape: Shape, args: argparse.Namespace,
     ws = torch.empty(decode_workspace_numel(batch, shape.num_q_heads, shape.head_dim, splits),
                      dtype=torch.float32, device=device)
     scale = shape.head_dim ** -0.5
+    # The split merge's arrival counters, zero between launches (as the engine keeps them).
+    counters = torch.zeros(batch * shape.num_kv_heads, dtype=torch.int32, device=device)
 
     def paged(inp: DecodeInputs) -> Callable[[], torch.Tensor]:
         return lambda: paged_decode_attention(inp.q, inp.k_cache, inp.v_cache,
                                               inp.block_tables, inp.seq_lens, scale,
-                                              out=inp.out, max_seq_len=ctx, workspace=ws)
+                                              out=inp.out, max_seq_len=ctx, workspace=ws,
+                                              counters=counters)
 
     t = bench([paged(i) for i in inputs], device, args.reps)
     row.paged_us = t * 1e6
@@ -355,6 +358,7 @@ def sweep_decode(batch: int, ctx: int, shape: Shape, args: argparse.Namespace,
                                             max(split_options)),
                      dtype=torch.float32, device=device)
     nbytes = decode_bytes(batch, ctx, shape, args.block_size)
+    sweep_counters = torch.zeros(batch * shape.num_kv_heads, dtype=torch.int32, device=device)
     results = []
     for cfg in configs:
         for splits in split_options:
@@ -362,7 +366,8 @@ def sweep_decode(batch: int, ctx: int, shape: Shape, args: argparse.Namespace,
                    ) -> Callable[[], torch.Tensor]:
                 return lambda: paged_decode_attention(
                     inp.q, inp.k_cache, inp.v_cache, inp.block_tables, inp.seq_lens, scale,
-                    out=inp.out, num_splits=splits, workspace=ws, config=cfg)
+                    out=inp.out, num_splits=splits, workspace=ws, config=cfg,
+                    counters=sweep_counters)
             entry: dict[str, Any] = {**cfg._asdict(), "num_splits": splits,
                                      "default": cfg == default and splits == auto_splits}
             try:
