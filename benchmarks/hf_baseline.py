@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT / "protos", ROOT):
     sys.path.insert(0, str(_p))
 
+from benchmarks.serve import _progress as _bar  # noqa: E402
 from benchmarks.serve import dist, environment, strip_private  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     Request,
@@ -280,22 +281,6 @@ def run_cb(model, requests: list[Request], a: argparse.Namespace, device: str) -
             **_memory(device)}
 
 
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _bar(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True, leave=False)
 
 
 def _row(name: str, r: dict) -> str:

@@ -54,6 +54,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from tqdm import tqdm
+
 ROOT = Path(__file__).resolve().parents[1]
 # The repository first, even when PYTHONPATH already lists it: the script's own directory
 # (benchmarks/, which holds kernels.py) must not shadow the `kernels` package.
@@ -326,22 +328,9 @@ def send_all(opts: LoadOptions, requests: list[Request], offsets: list[float],
     return sorted(out, key=lambda r: r.index)
 
 
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True, leave=False)
+def _progress(total: int, desc: str, enabled: bool) -> tqdm:
+    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True, leave=False,
+                disable=not enabled)
 
 
 # -- one run: a workload at one rate -------------------------------------------------------------
