@@ -30,6 +30,7 @@ import json
 import logging
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -244,7 +245,7 @@ def _usage(u: Usage) -> dict:
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
 
 
-class _Shaper:
+class _Shaper(ABC):
     """Turns Frontend steps into one endpoint's chunks and final object. Keeps per-sample text,
     finish reasons and logprobs for the non-streaming answer."""
 
@@ -308,11 +309,13 @@ class _Shaper:
                 "model": self.model, "choices": [self.choice(i) for i in range(self.n)],
                 "usage": _usage(self.usage)}
 
+    @abstractmethod
     def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
-        raise NotImplementedError
+        """One choice's entry in a streamed chunk."""
 
+    @abstractmethod
     def choice(self, i: int) -> dict:
-        raise NotImplementedError
+        """One choice of the final (non-streamed) response."""
 
 
 class _CompletionShaper(_Shaper):
