@@ -4,8 +4,7 @@ component receives only the config it uses."""
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +194,6 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     cuda_graphs: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -224,7 +222,3 @@ class EngineConfig:
 
 def cdiv(a: int, b: int) -> int:
     return -(a // -b)
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 2 ** math.ceil(math.log2(n))

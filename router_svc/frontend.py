@@ -7,7 +7,7 @@ import itertools
 import os
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.config import ModelConfig
 from engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
@@ -44,7 +44,6 @@ class ModelInfo:
     dtype: str
     block_size: int
     max_n: int = 16
-    extra: dict = field(default_factory=dict)
 
 
 class Frontend:
