@@ -41,17 +41,21 @@ log = logging.getLogger(__name__)
 LEASE_MARGIN_S = 2.0
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class PullSource:
-    """RemoteKV.source on a decode worker: a mapped peer pool and the lease to release."""
+    """RemoteKV.source on a decode worker: a mapped peer pool and the lease to release.
 
-    pool: RemotePool
+    The lease is released exactly once, decided on the engine thread: after the pull, when the
+    request ends before its pull, or (Decode's exit) when the engine never took the request."""
+
+    pool: RemotePool | None  # None until the prefill worker's pool is mapped
     address: str
     lease_id: str
     deadline: float  # time.monotonic() after which the blocks may have been reused
     # The Decode handler's context (its span, the request id for log lines): the KV-transfer
     # span is its child and the Release call joins its trace.
     context: contextvars.Context | None = None
+    settled: bool = False  # the release is on its way
 
 
 def chunks_message(outs: list[SeqOutput], with_logprobs: bool) -> worker_pb2.TokenChunks:
@@ -104,14 +108,14 @@ class DecodeServicer(WorkerServicer):
         if self.role != "decode":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"worker {self.worker_id} has role {self.role}, not decode")
+        kv = request.kv
+        source = PullSource(None, kv.address, kv.lease_id,
+                            time.monotonic() + kv.lease_ttl_ms / 1000 - LEASE_MARGIN_S)
         with self.telemetry.request_span(span_name(self.role), request.request_id) as span:
             try:
+                source.context = contextvars.copy_context()
                 params = params_from_proto(request.params)
-                kv = request.kv
-                pool = await self._peer(kv.address)
-                source = PullSource(pool, kv.address, kv.lease_id,
-                                    time.monotonic() + kv.lease_ttl_ms / 1000 - LEASE_MARGIN_S,
-                                    contextvars.copy_context())
+                source.pool = await self._peer(kv.address)
                 remote = RemoteKV(source, tuple(kv.block_ids), tuple(request.first_token_ids),
                                   logprobs_from_proto(request.first_logprobs, params.n))
                 stream = self.engine.decode(request.request_id, list(request.prompt_token_ids),
@@ -127,6 +131,15 @@ class DecodeServicer(WorkerServicer):
                                     f"prefill worker {request.kv.address}: {e.details()}")
             except Exception as e:  # noqa: BLE001
                 await abort_for(context, e)
+            finally:
+                # Cancelled or refused before the engine took the request (say, while the
+                # prefill worker's pool was being mapped): nobody else will release its lease.
+                # Decided on the engine thread, after any add or abort already posted.
+                self.engine.post(lambda: self._release_unclaimed(request.request_id, source))
+
+    def _release_unclaimed(self, request_id: str, source: PullSource) -> None:
+        if request_id not in self.engine.engine.requests:
+            self._release_soon(source)
 
     @staticmethod
     async def _check_errors(outs: list[SeqOutput], context) -> None:
@@ -187,6 +200,10 @@ class DecodeServicer(WorkerServicer):
         self._release_soon(remote.source)
 
     def _release_soon(self, src: PullSource) -> None:
+        """Engine thread: send the Release, once."""
+        if src.settled:
+            return
+        src.settled = True
         self.engine.loop.call_soon_threadsafe(self._spawn_release, src)
 
     def _spawn_release(self, src: PullSource) -> None:
