@@ -5,6 +5,9 @@
 #   bash benchmarks/token_path.sh [--model tandem-demo] [--num-requests 64] ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One compute thread per process (override with OMP_NUM_THREADS): the model's compute then has a
+# core of its own in every run, and the comparison isolates the cost of the services' path.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 OUT=${OUT:-$(mktemp -d)}
 ARGS=(--model tandem-demo --load-format auto --devices cpu --dtype float32 --workload fixed --prompt-len 32
       --output-len 64 --num-requests 64 --seed 0 --no-progress "$@")
