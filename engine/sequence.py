@@ -135,7 +135,8 @@ class Sequence:
 
 @dataclass
 class SeqOutput:
-    """What one step produced for one sample of one request."""
+    """What one engine step (or, when a stream lags, several merged) produced for one sample of
+    one request."""
 
     request_id: str
     sample_index: int

@@ -55,6 +55,26 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
+def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                       scale: float) -> torch.Tensor:
+    """One query token per sequence, all sequences in one batched attention: contexts gathered
+    to the longest one and masked past each sequence's own length. q: [B, Hq, D]."""
+    b, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    nblocks = -(max_seq_len // -bs)
+    tables = block_tables[:, :nblocks].long()
+    ks = k_cache[tables].reshape(b, nblocks * bs, hkv, d)[:, :max_seq_len].transpose(1, 2)
+    vs = v_cache[tables].reshape(b, nblocks * bs, hkv, d)[:, :max_seq_len].transpose(1, 2)
+    if hq != hkv:
+        ks = ks.repeat_interleave(hq // hkv, dim=1)
+        vs = vs.repeat_interleave(hq // hkv, dim=1)
+    mask = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], ks.to(q.dtype), vs.to(q.dtype),
+                                         attn_mask=mask[:, None, None, :], scale=scale)
+    return out[:, :, 0, :]
+
+
 class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, rope: Rope | None = None) -> torch.Tensor:
@@ -62,5 +82,8 @@ class TorchAttentionBackend(AttentionBackend):
         if rope is not None:  # ops: Hugging Face's arithmetic on the CPU, Triton on CUDA
             ops.rotary_embedding(rope.positions, q, k, rope.cos_sin_cache)
         store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.num_decodes == meta.num_seqs > 1:  # a decode batch: one batched call
+            return paged_decode_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                      meta.max_seq_len, self.scale)
         return paged_attention_torch(q, k_cache, v_cache, meta.block_tables,
                                      meta.query_lens_cpu, meta.seq_lens_cpu, self.scale)

@@ -14,6 +14,7 @@ deadline) aborts the request, which frees its blocks on the next turn of the loo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -138,6 +139,10 @@ class AsyncEngine:
             await self.call(add)
             while len(finished) < num_samples:
                 outs = await q.get()
+                if not q.empty():  # the consumer lags: send what piled up as one message
+                    while not q.empty():
+                        outs = outs + q.get_nowait()
+                    outs = _merge_by_sample(outs)
                 for o in outs:
                     if o.finish_reason is not None:
                         # A handoff or an error ends every sample of the request at once.
@@ -234,3 +239,15 @@ def _set_result(fut: asyncio.Future, value: Any) -> None:
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
+
+
+def _merge_by_sample(outs: list[SeqOutput]) -> list[SeqOutput]:
+    """Several steps' outputs of one request, one per sample: tokens concatenated in order, the
+    rest (finish reason, counters, timings) from the latest step."""
+    merged: dict[int, SeqOutput] = {}
+    for o in outs:
+        prev = merged.get(o.sample_index)
+        merged[o.sample_index] = o if prev is None else dataclasses.replace(
+            o, new_token_ids=prev.new_token_ids + o.new_token_ids,
+            new_logprobs=prev.new_logprobs + o.new_logprobs)
+    return list(merged.values())
