@@ -47,7 +47,7 @@ for stage in "$@"; do
         --batch 1 64 --context 1024 --out "$OUT/decode_step_8b.json" ;;
     decode_ops) run decode_ops timeout 120 python3 benchmarks/decode_ops.py --batches 1 64 --context 1024 \
         --out "$OUT/decode_ops.json" ;;
-    ratio4)  # issue 8: every 4-GPU layout, two workloads (prompt-heavy at two rates)
+    ratio4)  # every 4-GPU prefill:decode layout, two workloads (prompt-heavy at two rates)
       run ratio4 python3 benchmarks/ratio.py --model benchmarks/configs/llama-3.1-8b --dtype bfloat16 \
         --load-format dummy --gpus 4 --layouts 1P3D 2P2D 3P1D 4C --workloads prompt-heavy decode-heavy \
         --rates-for prompt-heavy=12,24 --rates-for decode-heavy=24 --num-requests 100 \
