@@ -20,9 +20,10 @@ from collections.abc import Iterable, Sequence
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     """Hash of a full block, chained over every token before it: equal hashes mean equal
-    prefixes (up to 64-bit collisions). Python's tuple/int hashing is deterministic across
-    processes, so the router computes the same hashes as the workers."""
-    return hash((parent_hash, *token_ids))
+    prefixes (up to 64-bit collisions). Deterministic across processes: ints and tuples of ints
+    hash the same everywhere, and the first block's missing parent is the constant -1 (which
+    hash() never returns) rather than None (whose hash is its address before Python 3.12)."""
+    return hash((-1 if parent_hash is None else parent_hash, *token_ids))
 
 
 class BlockPool:

@@ -267,3 +267,15 @@ def test_watermark_never_blocks_a_request_alone():
     batch = sched.schedule()
     assert batch.seqs == [big] and len(big.block_ids) == 100
     finish_all(sched)
+
+
+def test_block_hashes_agree_across_processes():
+    import subprocess
+    import sys
+
+    code = ("from engine.block_pool import hash_block; h = hash_block(None, [1, 2, 3, 4]); "
+            "print(h, hash_block(h, [5, 6, 7, 8]))")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout for _ in range(2)}
+    h = hash_block(None, [1, 2, 3, 4])
+    assert runs == {f"{h} {hash_block(h, [5, 6, 7, 8])}\n"}
