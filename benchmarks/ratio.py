@@ -74,16 +74,16 @@ def run_layout(a: argparse.Namespace, name: str, passthrough: list[str]) -> dict
     path = a.out_dir / f"layout-{name}.json"
     result = {"layout": name, "roles": roles, "model": a.model, "dtype": a.dtype,
               "engine_args": passthrough, "environment": serve.environment(), "workloads": {}}
-    stack = serve.Stack(a.model, roles, devices, serve.common_worker_args(a, passthrough),
-                        serve.router_args(a, passthrough, a.num_requests),
-                        a.log_dir / name if a.log_dir else None)
+    stack = serve.launch_stack(a.model, roles, devices, serve.common_worker_args(a, passthrough),
+                               serve.router_args(a, passthrough, a.num_requests),
+                               a.log_dir / name if a.log_dir else None)
     print(f"== {name}: starting {', '.join(f'{r}@{d}' for r, d in zip(roles, devices))} "
           f"(logs in {stack.log_dir})", flush=True)
     t = time.perf_counter()
     try:
         stack.start()
         result["startup_s"] = time.perf_counter() - t
-        result["workers"] = stack.describe()
+        result["workers"] = serve.describe_workers(stack)
         result["card"] = ", ".join(sorted({w["card"] for w in result["workers"]}))
         opts = serve.LoadOptions(
             api="grpc", target=stack.router.address, channels=a.channels,

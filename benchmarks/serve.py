@@ -46,10 +46,8 @@ import json
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -69,6 +67,7 @@ from benchmarks.workloads import (  # noqa: E402
     describe,
     static_batch_kv,
 )
+from router_svc.launcher import LocalStack  # noqa: E402
 
 STARTUP_TIMEOUT_S = 900  # an 8B model with dummy weights, profiling and CUDA graph capture
 ITL_STATS = ("max", "p99", "p90", "p50", "mean")
@@ -434,16 +433,6 @@ def fmt_rate(rate: float) -> str:
 
 
 # -- launching the stack -------------------------------------------------------------------------
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    ready_file: Path
-    log: Path
-    address: str = ""
-    http_port: int = 0
-
-
 _TORCH_NAMES = ("import torch\nfor i in range(torch.cuda.device_count()):\n"
                 "    print(f'{i}, {torch.cuda.get_device_name(i)}')")
 
@@ -492,102 +481,21 @@ def resolve_devices(spec: str, n: int) -> list[str]:
     return devs[:n]
 
 
-class Stack:
-    """Workers (one OS process each, on the device given) and a router in front, started with
-    the `tandem` CLI like tests/cluster.py does; stopped router first."""
-
-    def __init__(self, model: str, roles: list[str], devices: list[str], worker_args: list[str],
-                 router_args: list[str], log_dir: Path | None = None) -> None:
-        self.model = model
-        self.roles = roles
-        self.devices = devices
-        self.worker_args = worker_args
-        self.router_args = router_args
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tandem-bench-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.procs: list[Proc] = []
-        self.router: Proc | None = None
-
-    def _spawn(self, name: str, argv: list[str]) -> Proc:
-        ready = self.log_dir / f"{name}.ready"
-        ready.unlink(missing_ok=True)
-        log = self.log_dir / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protos"),
-                                              os.environ.get("PYTHONPATH", "")])}
-        with open(log, "w") as f:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "router_svc.cli", *argv, "--ready-file", str(ready)],
-                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-        proc = Proc(name, popen, ready, log)
-        self.procs.append(proc)
-        return proc
-
-    def _wait(self, procs: list[Proc]) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for p in procs:
-            while not p.ready_file.exists():
-                if p.popen.poll() is not None:
-                    raise RuntimeError(f"{p.name} exited ({p.popen.returncode}) while starting; "
-                                       f"log {p.log}:\n{_tail(p.log)}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{p.name} not ready in {STARTUP_TIMEOUT_S}s; log {p.log}:"
-                                       f"\n{_tail(p.log)}")
-                time.sleep(0.1)
-            ports = p.ready_file.read_text().split()
-            p.address = f"127.0.0.1:{ports[0]}"
-            p.http_port = int(ports[1]) if len(ports) > 1 else 0
-
-    def start(self) -> Stack:
-        # Workers sharing a GPU size their KV pools from free memory: start those one by one.
-        cuda = [d for d in self.devices if d.startswith("cuda")]
-        one_by_one = len(cuda) != len(set(cuda))
-        counts: dict[str, int] = {}
-        workers = []
-        for role, dev in zip(self.roles, self.devices):
-            i = counts[role] = counts.get(role, -1) + 1
-            w = self._spawn(f"{role}{i}", ["worker", "--role", role, "--device", dev,
-                                           "--model", self.model, "--port", "0",
-                                           "--grace", "5", *self.worker_args])
-            workers.append(w)
-            if one_by_one:
-                self._wait([w])
-        self._wait(workers)
-        flag = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
-        argv = ["router", "--model", self.model, "--grpc-port", "0", "--http-port", "0",
-                "--grace", "5", *self.router_args]
-        for role, w in zip(self.roles, workers):
-            argv += [flag[role], w.address]
-        self.router = self._spawn("router", argv)
-        self._wait([self.router])
-        return self
-
-    def stop(self) -> dict[str, int | None]:
-        codes: dict[str, int | None] = {}
-        ordered = sorted(self.procs, key=lambda p: p.name != "router")
-        for group in (ordered[:1], ordered[1:]):
-            for p in group:
-                if p.popen.poll() is None:
-                    p.popen.send_signal(signal.SIGTERM)
-            for p in group:
-                try:
-                    codes[p.name] = p.popen.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.popen.kill()
-                    codes[p.name] = p.popen.wait()
-        return codes
-
-    def describe(self) -> list[dict]:
-        names = cuda_names() if any(d.startswith("cuda") for d in self.devices) else {}
-        return [{"role": r, "device": d, "card": device_name(d, names)}
-                for r, d in zip(self.roles, self.devices)]
+def launch_stack(model: str, roles: list[str], devices: list[str], worker_args: list[str],
+                 router_args: list[str], log_dir: Path | None = None) -> LocalStack:
+    """Workers (one OS process each, on the device given) and a router in front: the same
+    process manager as `tandem up`, logs to files, this checkout on the children's path."""
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protos"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    return LocalStack(model, roles, devices, worker_args=worker_args,
+                      router_args=["--grpc-port", "0", "--http-port", "0", *router_args],
+                      log_dir=log_dir, env=env)
 
 
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
+def describe_workers(stack: LocalStack) -> list[dict]:
+    names = cuda_names() if any(d.startswith("cuda") for d in stack.devices) else {}
+    return [{"role": r, "device": d, "card": device_name(d, names)}
+            for r, d in zip(stack.roles, stack.devices)]
 
 
 def launch_roles(a: argparse.Namespace) -> list[str]:
@@ -1125,14 +1033,14 @@ def main(argv: list[str] | None = None) -> int:
             if a.launch:
                 roles = launch_roles(a)
                 devices = resolve_devices(a.devices, len(roles))
-                stack = Stack(a.model, roles, devices, common_worker_args(a, passthrough),
-                              router_args(a, passthrough, a.num_requests), a.log_dir)
+                stack = launch_stack(a.model, roles, devices, common_worker_args(a, passthrough),
+                                     router_args(a, passthrough, a.num_requests), a.log_dir)
                 print(f"starting {len(roles)} workers ({', '.join(roles)}) on "
                       f"{', '.join(devices)}; logs in {stack.log_dir}", flush=True)
                 t = time.perf_counter()
                 stack.start()
                 report["startup_s"] = time.perf_counter() - t
-                report["workers"] = stack.describe()
+                report["workers"] = describe_workers(stack)
                 grpc_target = stack.router.address
                 http_target = f"127.0.0.1:{stack.router.http_port}"
             else:

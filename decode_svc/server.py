@@ -16,6 +16,7 @@ import asyncio
 import contextvars
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -96,10 +97,11 @@ class DecodeServicer(WorkerServicer):
                 stream = self.engine.generate(request.request_id,
                                               list(request.prompt_token_ids), params)
                 finished: list[SeqOutput] = []
-                async for outs in stream:
-                    await self._check_errors(outs, context)
-                    finished += [o for o in outs if o.finish_reason is not None]
-                    yield chunks_message(outs, params.logprobs is not None)
+                async with aclosing(stream):
+                    async for outs in stream:
+                        await self._check_errors(outs, context)
+                        finished += [o for o in outs if o.finish_reason is not None]
+                        yield chunks_message(outs, params.logprobs is not None)
                 self.telemetry.decode_done(span, finished)
             except Exception as e:  # noqa: BLE001 - mapped to a status
                 await abort_for(context, e)
@@ -121,10 +123,11 @@ class DecodeServicer(WorkerServicer):
                 stream = self.engine.decode(request.request_id, list(request.prompt_token_ids),
                                             params, remote)
                 finished: list[SeqOutput] = []
-                async for outs in stream:
-                    await self._check_errors(outs, context)
-                    finished += [o for o in outs if o.finish_reason is not None]
-                    yield chunks_message(outs, params.logprobs is not None)
+                async with aclosing(stream):
+                    async for outs in stream:
+                        await self._check_errors(outs, context)
+                        finished += [o for o in outs if o.finish_reason is not None]
+                        yield chunks_message(outs, params.logprobs is not None)
                 self.telemetry.decode_done(span, finished)
             except grpc.aio.AioRpcError as e:  # the prefill worker could not be reached
                 await context.abort(grpc.StatusCode.UNAVAILABLE,

@@ -7,6 +7,7 @@ import itertools
 import os
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from engine.config import ModelConfig
@@ -113,34 +114,36 @@ class Frontend:
                                            params.stop) if self.tokenizer else _NoText()
                     for _ in range(params.n)]
             done: set[int] = set()
-            async for update in self.orchestrator.run(request_id, prompt, params, timeout,
-                                                      record.context):
-                usage.cached_prompt_tokens = update.num_cached_tokens
-                deltas = []
-                new_tokens = 0
-                for s in update.samples:
-                    if s.index in done:
-                        continue  # past its stop string: the worker may still be generating
-                    usage.completion_tokens += len(s.token_ids)
-                    new_tokens += len(s.token_ids)
-                    det = dets[s.index]
-                    step = det.push(s.token_ids)
-                    d = Delta(s.index, s.token_ids, step.text_delta, s.logprobs)
-                    if step.stopped:
-                        d.finish_reason, d.stop_reason = "stop", step.stop_reason
-                    elif s.finish_reason is not None:
-                        d.text += det.flush()
-                        d.finish_reason = s.finish_reason
-                    record.text(d.index, d.text)
-                    if d.finish_reason is not None:
-                        done.add(s.index)
-                        record.sample_finished(s.index, d.finish_reason)
-                    deltas.append(d)
-                record.tokens(new_tokens)
-                if deltas:
-                    yield deltas, usage
-                if len(done) == params.n:
-                    return
+            # aclosing: leaving early closes the workers' legs now, not at garbage collection.
+            updates = self.orchestrator.run(request_id, prompt, params, timeout, record.context)
+            async with aclosing(updates):
+                async for update in updates:
+                    usage.cached_prompt_tokens = update.num_cached_tokens
+                    deltas = []
+                    new_tokens = 0
+                    for s in update.samples:
+                        if s.index in done:
+                            continue  # past its stop string: the worker may still be generating
+                        usage.completion_tokens += len(s.token_ids)
+                        new_tokens += len(s.token_ids)
+                        det = dets[s.index]
+                        step = det.push(s.token_ids)
+                        d = Delta(s.index, s.token_ids, step.text_delta, s.logprobs)
+                        if step.stopped:
+                            d.finish_reason, d.stop_reason = "stop", step.stop_reason
+                        elif s.finish_reason is not None:
+                            d.text += det.flush()
+                            d.finish_reason = s.finish_reason
+                        record.text(d.index, d.text)
+                        if d.finish_reason is not None:
+                            done.add(s.index)
+                            record.sample_finished(s.index, d.finish_reason)
+                        deltas.append(d)
+                    record.tokens(new_tokens)
+                    if deltas:
+                        yield deltas, usage
+                    if len(done) == params.n:
+                        return
         except BaseException as e:  # recorded (client gone, worker error), then re-raised
             error = e
             raise

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import grpc
 
 from engine.errors import InvalidArgument, Overloaded
@@ -27,17 +29,20 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
             else:
                 prompt = list(request.token_ids.ids)
             rid = request.request_id or fe.new_request_id()
-            async for deltas, usage in fe.stream(rid, prompt, params, context.time_remaining()):
-                u = api_pb2.Usage(prompt_tokens=usage.prompt_tokens,
-                                  completion_tokens=usage.completion_tokens,
-                                  cached_prompt_tokens=usage.cached_prompt_tokens)
-                for d in deltas:
-                    yield api_pb2.GenerateResponse(
-                        request_id=rid, index=d.index, token_ids=d.token_ids, text=d.text,
-                        logprobs=[logprobs_to_proto(lp) for lp in d.logprobs]
-                        if params.logprobs is not None else [],
-                        finish_reason=d.finish_reason or "", stop_reason=d.stop_reason or "",
-                        usage=u)
+            # aclosing: a cancelled call closes the request's legs at once.
+            steps = fe.stream(rid, prompt, params, context.time_remaining())
+            async with aclosing(steps):
+                async for deltas, usage in steps:
+                    u = api_pb2.Usage(prompt_tokens=usage.prompt_tokens,
+                                      completion_tokens=usage.completion_tokens,
+                                      cached_prompt_tokens=usage.cached_prompt_tokens)
+                    for d in deltas:
+                        yield api_pb2.GenerateResponse(
+                            request_id=rid, index=d.index, token_ids=d.token_ids, text=d.text,
+                            logprobs=[logprobs_to_proto(lp) for lp in d.logprobs]
+                            if params.logprobs is not None else [],
+                            finish_reason=d.finish_reason or "",
+                            stop_reason=d.stop_reason or "", usage=u)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except LookupError as e:

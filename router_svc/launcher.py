@@ -1,12 +1,18 @@
-"""`tandem up`: the whole stack as local processes.
+"""Local stacks: workers and a router as OS processes on this machine.
+
+`LocalStack` is the one process manager that `tandem up`, the serving benchmarks and the
+integration tests share. Each process is started with the `tandem` CLI, picks a free port and
+writes it to a ready file; workers come up first, then the router in front of them. Stopping
+sends SIGTERM to the router first (it drains its streams), then to the workers.
+
+`tandem up`:
 
     tandem up                                  # tandem-demo, 1 prefill + 1 decode, CPU or GPUs
     tandem up --model DIR --prefill-workers 2 --decode-workers 2      # one GPU per worker
     tandem up --both-workers 2                 # colocated workers (the baseline)
 
-Starts the workers, waits until each is healthy, starts the router in front of them, prints the
-endpoints, and on Ctrl-C (or SIGTERM) drains and stops them all: router first, so no new
-request reaches a worker that is stopping. If any process dies, everything stops.
+prints the endpoints and on Ctrl-C (or SIGTERM) drains and stops everything; if any process
+dies, everything stops.
 """
 
 from __future__ import annotations
@@ -14,26 +20,182 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
+ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
 
 
 @dataclass
-class Child:
-    name: str
+class Proc:
+    name: str  # prefill0, decode1, both0, router
     popen: subprocess.Popen
     ready_file: Path
-    address: str = ""
-    http_port: int = 0
+    log: Path | None
+    address: str = ""  # 127.0.0.1:<gRPC port>, once ready
+    http_port: int = 0  # the router's
+    metrics_port: int = 0  # a worker's, when the stack was started with metrics=True
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""
+
+    @property
+    def metrics_url(self) -> str:
+        """Prometheus metrics: a worker's --metrics-port, the router's HTTP port."""
+        return f"http://127.0.0.1:{self.metrics_port or self.http_port}/metrics"
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalStack:
+    """Workers (role and device each) and a router in front of them.
+
+    worker_args go to every worker and role_args[role] to that role's workers after them (the
+    last flag wins); router_args go to the router, ports included. Output goes to
+    `log_dir/<name>.log`, and with echo=True also to this process's stdout, prefixed by name.
+    With metrics=True every worker serves Prometheus metrics on a free port."""
+
+    proc_class: type[Proc] = Proc
+
+    def __init__(self, model: str, roles: Sequence[str], devices: Sequence[str], *,
+                 worker_args: Sequence[str] = (),
+                 role_args: Mapping[str, Sequence[str]] | None = None,
+                 router_args: Sequence[str] = (), log_dir: Path | str | None = None,
+                 echo: bool = False, env: Mapping[str, str] | None = None,
+                 grace: float = 5.0, metrics: bool = False) -> None:
+        if len(roles) != len(devices):
+            raise ValueError(f"{len(roles)} workers but {len(devices)} devices")
+        self.model = model
+        self.roles = list(roles)
+        self.devices = list(devices)
+        self.worker_args = list(worker_args)
+        self.role_args = {r: list(a) for r, a in (role_args or {}).items()}
+        self.router_args = list(router_args)
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="tandem-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.echo = echo
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.grace = grace
+        self.metrics = metrics
+        self.procs: dict[str, Proc] = {}
+
+    # -- processes ---------------------------------------------------------------------------
+    def spawn(self, name: str, argv: Sequence[str], metrics_port: int = 0) -> Proc:
+        ready = self.log_dir / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        log = self.log_dir / f"{name}.log"
+        cmd = [sys.executable, "-m", "router_svc.cli", *argv, "--ready-file", str(ready)]
+        if metrics_port:
+            cmd += ["--metrics-port", str(metrics_port)]
+        # Own session: a terminal's Ctrl-C reaches the launcher, which stops everyone in order.
+        if self.echo:
+            popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1, env=self.env,
+                                     start_new_session=True)
+            threading.Thread(target=_pump, args=(name, popen.stdout, log), daemon=True).start()
+        else:
+            with open(log, "w") as f:
+                popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        proc = self.procs[name] = self.proc_class(name, popen, ready, log,
+                                                  metrics_port=metrics_port)
+        return proc
+
+    def wait_ready(self, procs: Sequence[Proc], timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            while not p.ready_file.exists():
+                if p.popen.poll() is not None:
+                    raise RuntimeError(f"{p.name} exited with {p.popen.returncode} while "
+                                       f"starting; log {p.log}:\n{_tail(p.log_text())}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{p.name} did not become ready in {timeout:.0f}s; log "
+                                       f"{p.log}:\n{_tail(p.log_text())}")
+                time.sleep(0.05)
+            ports = p.ready_file.read_text().split()
+            p.address = f"127.0.0.1:{ports[0]}"
+            p.http_port = int(ports[1]) if len(ports) > 1 else 0
+
+    def start(self) -> LocalStack:
+        # Workers sharing a GPU size their KV pools from its free memory: start those in turn.
+        cuda = [d for d in self.devices if d.startswith("cuda")]
+        one_by_one = len(cuda) != len(set(cuda))
+        counts: dict[str, int] = {}
+        workers: list[tuple[str, Proc]] = []
+        for role, device in zip(self.roles, self.devices):
+            i = counts[role] = counts.get(role, -1) + 1
+            argv = ["worker", "--role", role, "--device", device, "--model", self.model,
+                    "--port", "0", "--grace", str(self.grace), *self.worker_args,
+                    *self.role_args.get(role, ())]
+            w = self.spawn(f"{role}{i}", argv, free_port() if self.metrics else 0)
+            workers.append((role, w))
+            if one_by_one:
+                self.wait_ready([w])
+        self.wait_ready([w for _, w in workers])
+        argv = ["router", "--model", self.model, "--grace", str(self.grace)]
+        for role, w in workers:
+            argv += [ROLE_FLAGS[role], w.address]
+        self.wait_ready([self.spawn("router", [*argv, *self.router_args])])
+        return self
+
+    @property
+    def router(self) -> Proc:
+        return self.procs["router"]
+
+    def workers(self, role: str | None = None) -> list[Proc]:
+        return [p for n, p in self.procs.items()
+                if n != "router" and (role is None or n.rstrip("0123456789") == role)]
+
+    def any_exited(self) -> Proc | None:
+        return next((p for p in self.procs.values() if p.popen.poll() is not None), None)
+
+    def stop(self, timeout: float | None = None) -> dict[str, int | None]:
+        """SIGTERM, router first, then the workers; their exit codes (None: had to be killed)."""
+        wait = self.grace + 15 if timeout is None else timeout
+        codes: dict[str, int | None] = {}
+        router = [p for n, p in self.procs.items() if n == "router"]
+        for group in (router, self.workers()):
+            for p in group:
+                if p.popen.poll() is None:
+                    p.popen.send_signal(signal.SIGTERM)
+            for p in group:
+                try:
+                    codes[p.name] = p.popen.wait(wait)
+                except subprocess.TimeoutExpired:
+                    p.popen.kill()
+                    p.popen.wait()
+                    codes[p.name] = None
+        return codes
+
+
+def _pump(name: str, stream: IO[str], log: Path) -> None:
+    """A child's output, line by line: prefixed on our stdout and kept in its log file."""
+    with open(log, "w") as sink:
+        for line in stream:
+            sys.stdout.write(f"[{name}] {line}")
+            sys.stdout.flush()
+            sink.write(line)
+            sink.flush()
+
+
+def _tail(text: str, n: int = 40) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+# -- tandem up -----------------------------------------------------------------------------------
 def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="start router + prefill + decode workers locally")
     p.add_argument("--model", default="tandem-demo", help="checkpoint directory, name or hub id")
@@ -50,17 +212,16 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--api-key", default=None, help="require this bearer token on HTTP")
-    p.add_argument("--log-dir", default=None, help="also keep each process's log here")
+    p.add_argument("--log-dir", default=None, help="keep each process's log here")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to drain on stop")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every worker, e.g. --worker-arg=--num-blocks=512 "
                         "(repeatable)")
     p.add_argument("--router-arg", action="append", default=[],
                    help="extra flag for the router (repeatable)")
-    for flag, kw in (("--dtype", {}), ("--load-format", {}), ("--max-model-len", {}),
-                     ("--num-blocks", {}), ("--block-size", {}), ("--max-num-seqs", {}),
-                     ("--max-num-batched-tokens", {}), ("--memory-fraction", {})):
-        p.add_argument(flag, default=None, help="passed to every worker", **kw)
+    for flag in ("--dtype", "--load-format", "--max-model-len", "--num-blocks", "--block-size",
+                 "--max-num-seqs", "--max-num-batched-tokens", "--memory-fraction"):
+        p.add_argument(flag, default=None, help="passed to every worker")
     p.set_defaults(func=run)
 
 
@@ -80,134 +241,48 @@ def _devices(args: argparse.Namespace, n: int) -> list[str]:
     return [f"cuda:{g}" for g in gpus[:n]]
 
 
-def _pump(child: Child, log: Path | None) -> None:
-    """Each child's output, line by line, prefixed with its name."""
-    sink = open(log, "a") if log else None  # noqa: SIM115 - closed below
-    try:
-        for line in child.popen.stdout:
-            sys.stdout.write(f"[{child.name}] {line}")
-            sys.stdout.flush()
-            if sink:
-                sink.write(line)
-    finally:
-        if sink:
-            sink.close()
-
-
-class Stack:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.tmp = Path(tempfile.mkdtemp(prefix="tandem-up-"))
-        self.log_dir = Path(args.log_dir) if args.log_dir else None
-        if self.log_dir:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.children: list[Child] = []
-
-    def spawn(self, name: str, argv: list[str]) -> Child:
-        ready = self.tmp / f"{name}.ready"
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "router_svc.cli", *argv, "--ready-file", str(ready)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-            # Interactive by default: readable log lines unless JSON was asked for.
-            env={"TANDEM_LOG_FORMAT": "console", **os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True)
-        child = Child(name, popen, ready)
-        self.children.append(child)
-        threading.Thread(target=_pump, args=(child, self.log_dir and self.log_dir /
-                                             f"{name}.log"), daemon=True).start()
-        return child
-
-    def wait_ready(self, children: list[Child]) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for c in children:
-            while not c.ready_file.exists():
-                if c.popen.poll() is not None:
-                    raise RuntimeError(f"{c.name} exited with {c.popen.returncode} while starting")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{c.name} did not become ready in {STARTUP_TIMEOUT_S}s")
-                time.sleep(0.1)
-            ports = c.ready_file.read_text().split()
-            c.address = f"127.0.0.1:{ports[0]}"
-            c.http_port = int(ports[1]) if len(ports) > 1 else 0
-
-    def worker_args(self) -> list[str]:
-        a = self.args
-        out = ["--model", a.model, "--host", "127.0.0.1", "--port", "0", "--grace",
-               str(a.grace)]
-        for flag in ("dtype", "load_format", "max_model_len", "num_blocks", "block_size",
-                     "max_num_seqs", "max_num_batched_tokens", "memory_fraction"):
-            value = getattr(a, flag)
-            if value is not None:
-                out += [f"--{flag.replace('_', '-')}", str(value)]
-        return out + a.worker_arg
-
-    def start(self) -> Child:
-        a = self.args
-        roles = (["prefill"] * a.prefill_workers + ["decode"] * a.decode_workers
-                 + ["both"] * a.both_workers)
-        if not roles:
-            raise SystemExit("tandem up: no workers requested")
-        if (a.prefill_workers > 0) != (a.decode_workers > 0):
-            raise SystemExit("tandem up: prefill workers need decode workers and vice versa")
-        devices = _devices(a, len(roles))
-        counts: dict[str, int] = {}
-        workers: list[tuple[str, Child]] = []
-        for role, device in zip(roles, devices):
-            i = counts[role] = counts.get(role, -1) + 1
-            cmd = ["worker", "--role", role, "--device", device, *self.worker_args()]
-            workers.append((role, self.spawn(f"{role}{i}", cmd)))
-        self.wait_ready([c for _, c in workers])
-        router_cmd = ["router", "--model", a.model, "--host", a.host, "--grpc-port",
-                      str(a.grpc_port), "--http-port", str(a.http_port), "--grace", str(a.grace)]
-        if a.api_key:
-            router_cmd += ["--api-key", a.api_key]
-        if a.dtype:
-            router_cmd += ["--dtype", a.dtype]
-        if a.max_model_len:
-            router_cmd += ["--max-model-len", str(a.max_model_len)]
-        flags = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
-        for role, c in workers:
-            router_cmd += [flags[role], c.address]
-        router = self.spawn("router", router_cmd + a.router_arg)
-        self.wait_ready([router])
-        return router
-
-    def any_exited(self) -> Child | None:
-        return next((c for c in self.children if c.popen.poll() is not None), None)
-
-    def stop(self) -> int:
-        """Router first (it drains its streams), then the workers; exit code 0 when all did."""
-        rc = 0
-        ordered = sorted(self.children, key=lambda c: c.name != "router")
-        for group in (ordered[:1], ordered[1:]):
-            for c in group:
-                if c.popen.poll() is None:
-                    c.popen.send_signal(signal.SIGTERM)
-            for c in group:
-                try:
-                    code = c.popen.wait(self.args.grace + 15)
-                except subprocess.TimeoutExpired:
-                    c.popen.kill()
-                    code = c.popen.wait()
-                rc = rc or code
-        return rc
+def stack_from_args(a: argparse.Namespace) -> LocalStack:
+    roles = (["prefill"] * a.prefill_workers + ["decode"] * a.decode_workers
+             + ["both"] * a.both_workers)
+    if not roles:
+        raise SystemExit("tandem up: no workers requested")
+    if (a.prefill_workers > 0) != (a.decode_workers > 0):
+        raise SystemExit("tandem up: prefill workers need decode workers and vice versa")
+    worker_args = ["--host", "127.0.0.1"]
+    for flag in ("dtype", "load_format", "max_model_len", "num_blocks", "block_size",
+                 "max_num_seqs", "max_num_batched_tokens", "memory_fraction"):
+        value = getattr(a, flag)
+        if value is not None:
+            worker_args += [f"--{flag.replace('_', '-')}", str(value)]
+    router_args = ["--host", a.host, "--grpc-port", str(a.grpc_port), "--http-port",
+                   str(a.http_port)]
+    for flag in ("api_key", "dtype", "max_model_len"):
+        if getattr(a, flag):
+            router_args += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
+    return LocalStack(a.model, roles, _devices(a, len(roles)),
+                      worker_args=worker_args + a.worker_arg,
+                      router_args=router_args + a.router_arg, log_dir=a.log_dir, echo=True,
+                      # Interactive by default: readable log lines unless JSON was asked for.
+                      env={"TANDEM_LOG_FORMAT": os.environ.get("TANDEM_LOG_FORMAT", "console")},
+                      grace=a.grace)
 
 
 def run(args: argparse.Namespace) -> int:
-    stack = Stack(args)
+    stack = stack_from_args(args)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     try:
-        router = stack.start()
-    except (RuntimeError, SystemExit) as e:
+        stack.start()
+    except RuntimeError as e:
         print(f"tandem up: {e}", file=sys.stderr)
         stack.stop()
         return 1
     host = args.host if args.host != "0.0.0.0" else "127.0.0.1"
-    print(f"\nTandem is up ({args.model}; {len(stack.children) - 1} workers).\n"
-          f"  OpenAI HTTP: http://{host}:{router.http_port}/v1\n"
-          f"  gRPC:        {host}:{args.grpc_port if args.grpc_port else router.address}\n"
+    grpc_port = stack.router.address.rsplit(":", 1)[1]
+    print(f"\nTandem is up ({args.model}; {len(stack.workers())} workers).\n"
+          f"  OpenAI HTTP: http://{host}:{stack.router.http_port}/v1\n"
+          f"  gRPC:        {host}:{grpc_port}\n"
           "Ctrl-C stops everything.\n", flush=True)
     while not stopping.wait(0.5):
         dead = stack.any_exited()
@@ -217,4 +292,5 @@ def run(args: argparse.Namespace) -> int:
             stack.stop()
             return 1
     print("tandem up: stopping (draining in-flight requests)", flush=True)
-    return stack.stop()
+    codes = stack.stop()
+    return 0 if all(c == 0 for c in codes.values()) else 1

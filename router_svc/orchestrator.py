@@ -9,7 +9,9 @@ A leg that fails with UNAVAILABLE before the first token reached the client is r
 another worker; after that the request fails. Leaving early (client gone, deadline, stop
 string, error) cancels the open leg, and a lease that no decode worker released is released
 here. Once a Decode call is made, the lease belongs to the decode worker: it releases after its
-copy, or when the request ends before the copy; expiry covers a decode worker that died.
+copy, or when the request ends before the copy. Expiry covers a decode worker that died and a
+Decode call cancelled before the decode worker ever handled it (the router cannot release then
+without racing a copy that may have started).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -68,6 +71,27 @@ def _updates(msg: worker_pb2.TokenChunks, want_logprobs: bool) -> Update:
     return Update(samples, msg.num_prompt_tokens, msg.num_cached_tokens)
 
 
+async def _until_done(call, num_samples: int, want_logprobs: bool,
+                      done: set[int] | None = None) -> AsyncIterator[Update]:
+    """A worker stream's updates. The one that finishes the last sample is held until the
+    stream's end has been read, so a consumer that stops there never cancels a call that was
+    completing (the worker would see a cancel instead of its own clean end)."""
+    done = set(done or ())
+    held: Update | None = None
+    async for msg in call:
+        if held is not None:
+            yield held
+            held = None
+        update = _updates(msg, want_logprobs)
+        done.update(s.index for s in update.samples if s.finish_reason is not None)
+        if len(done) >= num_samples:
+            held = update
+        else:
+            yield update
+    if held is not None:
+        yield held
+
+
 def _retryable(e: grpc.aio.AioRpcError) -> bool:
     return e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
 
@@ -94,8 +118,9 @@ class Orchestrator:
             stream = self._disaggregated(request_id, prompt, params, timeout, md)
         else:
             stream = self._colocated(request_id, prompt, params, timeout, md)
-        async for u in stream:
-            yield u
+        async with aclosing(stream):
+            async for u in stream:
+                yield u
 
     # -- colocated ---------------------------------------------------------------------------
     async def _colocated(self, rid: str, prompt: list[int], params: SamplingParams,
@@ -111,9 +136,9 @@ class Orchestrator:
             sent = False
             w.in_flight += 1
             try:
-                async for msg in call:
+                async for update in _until_done(call, params.n, want_lp):
                     sent = True
-                    yield _updates(msg, want_lp)
+                    yield update
                 return
             except grpc.aio.AioRpcError as e:
                 if not sent and _retryable(e):
@@ -148,8 +173,8 @@ class Orchestrator:
             handed_over = True
             d.in_flight += 1
             try:
-                async for msg in call:
-                    update = _updates(msg, want_lp)
+                done = {i for i, r in enumerate(resp.finish_reasons) if r}
+                async for update in _until_done(call, params.n, want_lp, done):
                     update.num_cached_tokens = resp.num_cached_tokens  # the prefill side's
                     yield update
             except grpc.aio.AioRpcError as e:

@@ -1,40 +1,26 @@
-"""Real service processes on 127.0.0.1 for integration tests: workers and a router, each its own
-OS process started with the `tandem` CLI, ports picked by the OS and reported via ready files."""
+"""Real service processes on 127.0.0.1 for integration tests: the project's LocalStack (the
+process manager behind `tandem up`) with what tests need on top: worker load, waiting for idle
+pools, killing a process, reading JSON logs."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 
+from router_svc.launcher import LocalStack, Proc, free_port
 from tandem.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-STARTUP_TIMEOUT_S = 120
+__all__ = ["Cluster", "ClusterProc", "Proc", "free_port"]
 
 
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    ready_file: Path
-    log: Path
-    address: str = ""
-    http_port: int = 0
-    metrics_port: int = 0  # workers started with metrics=True
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
+class ClusterProc(Proc):
     def json_logs(self) -> list[dict]:
         """The JSON log lines the process wrote to stdout (other lines are skipped)."""
         out = []
@@ -44,92 +30,27 @@ class Proc:
                     out.append(json.loads(line))
         return out
 
-    @property
-    def metrics_url(self) -> str:
-        """Where the process serves Prometheus metrics: a worker's --metrics-port, the
-        router's HTTP port."""
-        return f"http://127.0.0.1:{self.metrics_port or self.http_port}/metrics"
 
+class Cluster(LocalStack):
+    """prefill + decode (+ colocated) workers on the CPU and a router, ports picked by the OS."""
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    proc_class = ClusterProc
 
-
-def _cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "router_svc.cli", *args]
-
-
-@dataclass
-class Cluster:
-    tmp: Path
-    model: str
-    prefill: int = 1
-    decode: int = 1
-    both: int = 0
-    worker_args: list[str] = field(default_factory=list)
-    prefill_args: list[str] = field(default_factory=list)
-    decode_args: list[str] = field(default_factory=list)
-    router_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    metrics: bool = False  # give each worker a free --metrics-port
-    procs: dict[str, Proc] = field(default_factory=dict)
-
-    def _spawn(self, name: str, args: list[str]) -> Proc:
-        ready = self.tmp / f"{name}.ready"
-        ready.unlink(missing_ok=True)
-        log = self.tmp / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        metrics_port = free_port() if self.metrics and name != "router" else 0
-        if metrics_port:
-            args = [*args, "--metrics-port", str(metrics_port)]
-        with open(log, "w") as f:
-            popen = subprocess.Popen(_cmd(*args, "--ready-file", str(ready)), stdout=f,
-                                     stderr=subprocess.STDOUT, env=env)
-        proc = Proc(name, popen, ready, log, metrics_port=metrics_port)
-        self.procs[name] = proc
-        return proc
-
-    def _wait_ready(self, procs: list[Proc]) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for p in procs:
-            while not p.ready_file.exists():
-                if p.popen.poll() is not None:
-                    raise RuntimeError(f"{p.name} exited ({p.popen.returncode}):\n{p.log_text()}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{p.name} did not start:\n{p.log_text()}")
-                time.sleep(0.05)
-            ports = p.ready_file.read_text().split()
-            p.address = f"127.0.0.1:{ports[0]}"
-            if len(ports) > 1:
-                p.http_port = int(ports[1])
+    def __init__(self, tmp: Path, model: str, prefill: int = 1, decode: int = 1, both: int = 0,
+                 worker_args: Sequence[str] = (), prefill_args: Sequence[str] = (),
+                 decode_args: Sequence[str] = (), router_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, metrics: bool = False) -> None:
+        roles = ["prefill"] * prefill + ["decode"] * decode + ["both"] * both
+        super().__init__(
+            model, roles, ["cpu"] * len(roles), worker_args=worker_args,
+            role_args={"prefill": prefill_args, "decode": decode_args},
+            router_args=["--grpc-port", "0", "--http-port", "0", "--dtype", "float32",
+                         *router_args],
+            log_dir=tmp, env=env, metrics=metrics)
 
     def start(self) -> Cluster:
-        workers = []
-        common = ["--model", self.model, "--port", "0", "--grace", "5", *self.worker_args]
-        for i in range(self.prefill):
-            workers.append(self._spawn(f"prefill{i}", ["prefill", *common, *self.prefill_args]))
-        for i in range(self.decode):
-            workers.append(self._spawn(f"decode{i}", ["decode", *common, *self.decode_args]))
-        for i in range(self.both):
-            workers.append(self._spawn(f"both{i}", ["worker", "--role", "both", *common]))
-        self._wait_ready(workers)
-        args = ["router", "--model", self.model, "--grpc-port", "0", "--http-port", "0",
-                "--grace", "5", "--dtype", "float32", *self.router_args]
-        for p in workers:
-            flag = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
-            args += [flag[p.name.rstrip("0123456789")], p.address]
-        self._wait_ready([self._spawn("router", args)])
+        super().start()
         return self
-
-    @property
-    def router(self) -> Proc:
-        return self.procs["router"]
-
-    def workers(self, role: str | None = None) -> list[Proc]:
-        return [p for n, p in self.procs.items()
-                if n != "router" and (role is None or n.startswith(role))]
 
     def api(self, channel: grpc.aio.Channel) -> api_pb2_grpc.TandemStub:
         return api_pb2_grpc.TandemStub(channel)
@@ -159,14 +80,4 @@ class Cluster:
         self.procs[name].popen.send_signal(sig)
 
     def stop(self, timeout: float = 30.0) -> dict[str, int | None]:
-        for p in self.procs.values():
-            if p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
-        codes = {}
-        for name, p in self.procs.items():
-            try:
-                codes[name] = p.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                codes[name] = None
-        return codes
+        return super().stop(timeout)

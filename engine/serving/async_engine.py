@@ -21,6 +21,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -108,22 +109,25 @@ class AsyncEngine:
                        params: SamplingParams) -> AsyncIterator[list[SeqOutput]]:
         """Outputs of one request, a list per engine step, until every sample finishes."""
         add = lambda: self.engine.add_request(request_id, prompt_token_ids, params)  # noqa: E731
-        async for outs in self._stream(request_id, params.n, add):
-            yield outs
+        async with aclosing(self._stream(request_id, params.n, add)) as stream:
+            async for outs in stream:
+                yield outs
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      remote: RemoteKV) -> AsyncIterator[list[SeqOutput]]:
         add = lambda: self.engine.add_remote_request(  # noqa: E731
             request_id, prompt_token_ids, params, remote)
-        async for outs in self._stream(request_id, params.n, add):
-            yield outs
+        async with aclosing(self._stream(request_id, params.n, add)) as stream:
+            async for outs in stream:
+                yield outs
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams) -> SeqOutput:
         """Prefill role: the single output that carries the handoff."""
         add = lambda: self.engine.add_request(request_id, prompt_token_ids, params)  # noqa: E731
-        async for outs in self._stream(request_id, 1, add):
-            return outs[-1]
+        async with aclosing(self._stream(request_id, 1, add)) as stream:
+            async for outs in stream:
+                return outs[-1]
         raise RuntimeError("prefill produced no output")
 
     async def _stream(self, request_id: str, num_samples: int,
@@ -154,6 +158,13 @@ class AsyncEngine:
             del self._streams[request_id]
             if len(finished) < num_samples:
                 self.post(lambda: self._abort(request_id))
+            # A prefill that finished while its caller was leaving: nobody will hand its blocks
+            # on, so release them now rather than at the lease's expiry.
+            while not q.empty():
+                for o in q.get_nowait():
+                    if o.handoff is not None:
+                        lease = o.handoff.lease_id
+                        self.post(lambda lease=lease: self.engine.release(lease))
 
     async def abort(self, request_id: str) -> bool:
         return await self.call(lambda: self._abort(request_id))
