@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -78,6 +77,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from benchmarks.timing import copy_bandwidth, graph_time, rel_err  # noqa: E402
 from engine.attention.base import AttentionMetadata, forward_context  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
@@ -274,28 +274,7 @@ def bench(calls: list[Callable[[], object]], device: torch.device) -> float:
         for f in seq[:len(calls)]:
             f()
         return (time.perf_counter() - t0) / len(calls)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in calls:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in seq:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(ARGS.reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(seq))
-    del graph
-    return statistics.median(times)
+    return graph_time(seq, ARGS.reps)
 
 
 def count_kernels(fn: Callable[[], object], device: torch.device) -> int | None:
@@ -315,27 +294,10 @@ def count_kernels(fn: Callable[[], object], device: torch.device) -> int | None:
         return None
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """GB/s of one large device-to-device copy, (read + write) / time, eager (a copy captured
-    in a graph measured slower, which would flatter every share)."""
-    nbytes = (16 << 20) if device.type != "cuda" else (1 << 30)
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for _ in range(max(3, ARGS.reps // 2)):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            dst.copy_(src)
-        sync()
-        times.append((time.perf_counter() - t0) / 10)
-    return 2 * nbytes / statistics.median(times) / 1e9
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+def copy_bound(device: torch.device) -> float:
+    """GB/s of one large device-to-device copy (benchmarks/timing.py)."""
+    return copy_bandwidth(device, (16 << 20) if device.type != "cuda" else (1 << 30),
+                          max(3, ARGS.reps // 2))
 
 
 @dataclass
@@ -734,7 +696,7 @@ def main() -> None:
     print(f"layer: hidden {shape.hidden}, {shape.num_q_heads} q / {shape.num_kv_heads} kv heads,"
           f" D {shape.head_dim}, MLP {shape.inter}, {str(shape.dtype).removeprefix('torch.')}; "
           f"context {ARGS.context}, graphs sized for {ARGS.graph_capacity} tokens")
-    copy_gbps = copy_bandwidth(device)
+    copy_gbps = copy_bound(device)
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s (read + write)")
     rep = Report(copy_gbps)
     for batch in ARGS.batches:

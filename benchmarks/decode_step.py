@@ -19,27 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import copy_bandwidth
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted once each)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    iters = 20
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / iters
-    return 2 * nbytes / seconds
 
 
 def run_batch(engine: LLMEngine, batch: int, context: int, steps: int, graphs: bool,
@@ -119,7 +102,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     device = torch.device("cuda")
-    bw = copy_bandwidth(device)
+    bw = copy_bandwidth(device) * 1e9  # bytes/s
     engine = LLMEngine(EngineConfig(
         model=a.model, device="cuda", dtype=a.dtype, load_format="dummy",
         # Long enough that no sequence ends while the others are still being prefilled.

@@ -29,9 +29,7 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -70,6 +68,7 @@ if not torch.cuda.is_available():
         sys.exit("no CUDA device: run on a GPU, or pass --smoke (CPU, interpreter)")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from benchmarks.timing import copy_bandwidth, eager_time, graph_time, rel_err  # noqa: E402
 from kernels import (  # noqa: E402  (TRITON_INTERPRET must be set first)
     copy_blocks,
     paged_decode_attention,
@@ -102,44 +101,6 @@ SMOKE = Shape(8, 2, 64, torch.float32)
 
 # ----------------------------------------------------------------------------- timing
 
-def _cuda_graph_time(calls: list[Callable[[], object]], reps: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in calls:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in calls:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
-
-
-def _eager_time(calls: list[Callable[[], object]], reps: int, device: torch.device) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        for f in calls:
-            f()
-        sync()
-        times.append((time.perf_counter() - t0) / len(calls))
-    return statistics.median(times)
-
-
 def bench(fns: list[Callable[[], object]], device: torch.device, reps: int,
           min_calls: int = 20) -> float:
     """Seconds per call, cycling through fns (one per input copy). On CUDA the calls run
@@ -149,11 +110,11 @@ def bench(fns: list[Callable[[], object]], device: torch.device, reps: int,
     calls = fns * max(1, math.ceil(min_calls / len(fns)))
     if device.type == "cuda":
         try:
-            return _cuda_graph_time(calls, reps)
+            return graph_time(calls, reps)
         except RuntimeError as e:  # a path that cannot be captured
             print(f"  (graph capture failed, timing eagerly: {str(e).splitlines()[0]})")
             torch.cuda.synchronize()
-    return _eager_time(calls, max(1, reps // 3) if device.type == "cpu" else reps, device)
+    return eager_time(calls, max(1, reps // 3) if device.type == "cpu" else reps, device)
 
 
 def copies_for(nbytes: int) -> int:
@@ -170,21 +131,12 @@ def fits(nbytes: int, device: torch.device, slack: int = 2 << 30) -> bool:
     return nbytes + slack < free
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
 # ----------------------------------------------------------------------------- copy bandwidth
 
-def copy_bandwidth(device: torch.device, reps: int, smoke: bool) -> dict[str, float]:
-    """One large device-to-device copy (cudaMemcpy), timed eagerly: a copy captured in a
-    graph measured ~35% slower on H200, which would flatter every share below."""
+def copy_bound(device: torch.device, reps: int, smoke: bool) -> dict[str, float]:
     nbytes = (16 << 20) if smoke else (1 << 30)
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t = _eager_time([lambda: dst.copy_(src)] * 10, max(3, reps // 4), device)
-    return {"bytes": nbytes, "seconds": t, "gbps": 2 * nbytes / t / 1e9}
+    gbps = copy_bandwidth(device, nbytes, max(3, reps // 4))
+    return {"bytes": nbytes, "seconds": 2 * nbytes / gbps / 1e9, "gbps": gbps}
 
 
 # ----------------------------------------------------------------------------- decode
@@ -509,7 +461,7 @@ def main() -> None:
                                "shape": {**asdict(shape), "dtype": str(shape.dtype)},
                                "block_size": args.block_size}
 
-    copy = copy_bandwidth(device, args.reps, args.smoke)
+    copy = copy_bound(device, args.reps, args.smoke)
     results["copy_bandwidth"] = copy
     print(f"\ncopy bandwidth: {copy['gbps']:.0f} GB/s (read + write, {copy['bytes'] >> 20} MiB)")
 
