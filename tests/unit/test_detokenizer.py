@@ -16,13 +16,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_tokenizer import (
-    MISTRAL_TEMPLATE,
-    build_bytelevel_bpe_tokenizer,
-    build_sentencepiece_tokenizer,
-)
 
-from engine.demo import BOS_ID, EOT_ID, VOCAB_SIZE, build_demo_checkpoint
+from engine.demo import BOS_ID, EOT_ID, VOCAB_SIZE
 from engine.detokenizer import MAX_HELD_TOKENS, DetokenizerStep, IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 
@@ -34,24 +29,6 @@ TRICKY = list("aé€😀日本👍🏽🇫🇷ü \n.\u0301")
 text_st = st.text(alphabet=st.one_of(st.sampled_from(TRICKY), st.characters(codec="utf-8")),
                   max_size=8)
 chunks_st = st.lists(st.integers(1, 5), min_size=1, max_size=8)
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Tokenizer:
-    d = tmp_path_factory.mktemp("demo")
-    build_demo_checkpoint(d)
-    return Tokenizer(d)
-
-
-@pytest.fixture(scope="module")
-def sp(tmp_path_factory) -> Tokenizer:
-    return Tokenizer(build_sentencepiece_tokenizer(tmp_path_factory.mktemp("sp"),
-                                                   MISTRAL_TEMPLATE))
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory) -> Tokenizer:
-    return Tokenizer(build_bytelevel_bpe_tokenizer(tmp_path_factory.mktemp("bpe")))
 
 
 def split(ids: list[int], sizes: list[int]) -> list[list[int]]:
