@@ -46,6 +46,7 @@ if torch.cuda.is_available():
         store_kv_ref,
     )
     from kernels._common import num_sms
+    from paged_meta import step_metadata
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -340,38 +341,13 @@ def test_copy_blocks_8b_pool(seed):
 
 # ----------------------------------------------------------------------------- backend
 
-def _metadata(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor,
-              block_size: int) -> AttentionMetadata:
-    slots: list[int] = []
-    tables_cpu = tables.cpu()
-    for b, (qlen, slen) in enumerate(zip(query_lens, seq_lens, strict=True)):
-        if slen == 0:
-            slots += [-1] * qlen
-            continue
-        for pos in range(slen - qlen, slen):
-            slots.append(int(tables_cpu[b, pos // block_size]) * block_size + pos % block_size)
-    qsl = [0]
-    for qlen in query_lens:
-        qsl.append(qsl[-1] + qlen)
-    num_decodes = 0
-    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-        num_decodes += 1
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEV),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEV),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
-        block_tables=tables, num_decodes=num_decodes, max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), query_lens_cpu=list(query_lens),
-        seq_lens_cpu=list(seq_lens))
-
-
 @pytest.mark.parametrize("rope", [False, True], ids=["store", "rope-store"])
 def test_backend_mixed_batch_matches_torch_backend(seed, rope):
     hq, hkv, d, bs = 32, 8, 128, 16
     query_lens = [1] * 6 + [512, 1, 200]
     seq_lens = [3000, 17, 1, 900, 4096, 50, 512, 700, 1300]
     pool, tables, _ = make_pool(seq_lens, bs, hkv, d, num_layers=2)
-    meta = _metadata(query_lens, seq_lens, tables, bs)
+    meta = step_metadata(query_lens, seq_lens, tables, bs, DEV)
     torch_pool = pool.clone()
     tri = TritonAttentionBackend(pool, hq, d ** -0.5)
     ref = TorchAttentionBackend(torch_pool, hq, d ** -0.5)
@@ -414,7 +390,7 @@ def test_backend_all_decode_cuda_graph(seed, batch, rope):
     positions = torch.zeros(batch, dtype=torch.long, device=DEV)
 
     def step_meta(lens: list[int]) -> AttentionMetadata:
-        return _metadata([1] * batch, lens[:batch], tables, bs)
+        return step_metadata([1] * batch, lens[:batch], tables, bs, DEV)
 
     static = step_meta([100, 2000, 5, 7000])
     heads = torch.randn(batch, hq + 2 * hkv, d, dtype=BF16, device=DEV)

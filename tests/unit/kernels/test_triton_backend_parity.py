@@ -10,6 +10,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
 from engine.config import ModelConfig, RopeScaling
 from engine.models.layers import Attention, RotaryEmbedding
+from paged_meta import step_metadata
 
 
 def _step(query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int,
@@ -19,29 +20,11 @@ def _step(query_lens: list[int], seq_lens: list[int], block_size: int, num_block
     max_blocks = max(1, max(-(s // -block_size) for s in seq_lens))
     perm = torch.randperm(num_blocks).tolist()
     tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    slots: list[int] = []
-    for b, (qlen, slen) in enumerate(zip(query_lens, seq_lens, strict=True)):
+    for b, slen in enumerate(seq_lens):
         n = -(slen // -block_size)
         tables[b, :n] = torch.tensor(perm[:n], dtype=torch.int32)
         perm = perm[n:]
-        if slen == 0:
-            slots += [-1] * qlen
-            continue
-        for pos in range(slen - qlen, slen):
-            slots.append(int(tables[b, pos // block_size]) * block_size + pos % block_size)
-    qsl = [0]
-    for qlen in query_lens:
-        qsl.append(qsl[-1] + qlen)
-    num_decodes = 0
-    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-        num_decodes += 1
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        num_decodes=num_decodes, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+    return step_metadata(query_lens, seq_lens, tables, block_size, device)
 
 
 @pytest.mark.parametrize(
