@@ -2,7 +2,8 @@
 # One GPU-box session: install the carried wheels, then run the named stages, each logging to
 # $OUT/<stage>.txt (and JSON where the script writes one). Usage on the device:
 #   bash benchmarks/gpu_session.sh correctness perf
-# Stages: correctness (GPU tests + CUDA parity), kernels, transfer, decode, sched, serve.
+# Stages: correctness (GPU tests + CUDA parity), kernels, transfer, sweep, decode, sched,
+# kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, pack.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -53,6 +54,17 @@ for stage in "$@"; do
         --rates-for prompt-heavy=12,24 --rates-for decode-heavy=24 --num-requests 100 \
         --slo-ttft-ms 1000 --slo-itl-ms 50 --no-progress --out-dir "$OUT/ratio4" ;;
     tokenpath) CUDA_VISIBLE_DEVICES= OUT=$OUT/tokenpath run token_path bash benchmarks/token_path.sh --client-procs 1 ;;
+    servepath)  # services against the offline engine on GPUs, one model per line, same run
+      for m in llama-3.2-1b llama-3.1-8b; do
+        common=(--model benchmarks/configs/$m --dtype bfloat16 --load-format dummy --workload sharegpt
+                --num-requests 1000 --no-progress)
+        run "offline_$m" python3 benchmarks/serve.py --mode offline "${common[@]}" --devices cuda:0 \
+          --gpu-time-every 0 --out "$OUT/offline_$m.json"
+        run "colocated_$m" python3 benchmarks/serve.py --launch colocated "${common[@]}" --devices cuda:0 \
+          --rate inf --out "$OUT/colocated_$m.json"
+        run "disagg_$m" python3 benchmarks/serve.py --launch disaggregated --num-prefill 1 --num-decode 1 \
+          "${common[@]}" --devices cuda:0,cuda:1 --rate inf --out "$OUT/disagg_$m.json"
+      done ;;
     pack) tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . ;;
     *) echo "unknown stage $stage" ;;
   esac

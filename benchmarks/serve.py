@@ -264,24 +264,27 @@ def _shard_process(opts: LoadOptions, shard, conn, go, start_value) -> None:
     async def main():
         conn.send(("ready", None))
         await asyncio.to_thread(go.wait)
-        return await run_shard(opts, shard, start_value.value, on_done)
+        c0 = time.process_time()
+        return await run_shard(opts, shard, start_value.value, on_done), time.process_time() - c0
 
-    results = asyncio.run(main())
+    results, cpu_s = asyncio.run(main())
     conn.send(("progress", done % 8))
-    conn.send(("results", [asdict(r) for r in results]))
+    conn.send(("results", ([asdict(r) for r in results], cpu_s)))
     conn.close()
 
 
 def send_all(opts: LoadOptions, requests: list[Request], offsets: list[float],
-             label: str) -> list[Result]:
-    """Every request at its offset from a common start; results in request order."""
+             label: str) -> tuple[list[Result], float]:
+    """Every request at its offset from a common start: results in request order, and the CPU
+    seconds the clients spent sending and reading."""
     indexed = [(i, r, off) for i, (r, off) in enumerate(zip(requests, offsets))]
     bar = _progress(len(requests), label, opts.progress)
     if opts.client_procs <= 1:
+        c0 = time.process_time()
         results = asyncio.run(run_shard(opts, indexed, time.monotonic() + 0.05,
                                         lambda: bar.update(1)))
         bar.close()
-        return results
+        return results, time.process_time() - c0
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # gRPC does not survive fork
@@ -304,6 +307,7 @@ def send_all(opts: LoadOptions, requests: list[Request], offsets: list[float],
     start_value.value = time.monotonic() + 0.1
     go.set()
     out: list[Result] = []
+    cpu_s = 0.0
     from multiprocessing.connection import wait
 
     pending = list(pipes)
@@ -317,14 +321,24 @@ def send_all(opts: LoadOptions, requests: list[Request], offsets: list[float],
             if kind == "progress":
                 bar.update(payload)
             elif kind == "results":
-                out += [Result(**d) for d in payload]
+                out += [Result(**d) for d in payload[0]]
+                cpu_s += payload[1]
                 pending.remove(c)
     for p in procs:
         p.join(10)
     bar.close()
     if len(out) != len(requests):
         raise RuntimeError(f"client processes returned {len(out)} of {len(requests)} results")
-    return sorted(out, key=lambda r: r.index)
+    return sorted(out, key=lambda r: r.index), cpu_s
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) a process has used so far; None off Linux."""
+    try:
+        fields_ = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _progress(total: int, desc: str, enabled: bool) -> tqdm:
@@ -389,11 +403,15 @@ def good_requests(rows: list[dict], slo_ttft_ms: float, slo_itl_ms: float,
 
 def run_rates(opts: LoadOptions, requests: list[Request], rates: list[float], seed: int,
               label: str = "", warmup: list[Request] | None = None,
-              cooldown_s: float = 1.0) -> list[dict]:
+              cooldown_s: float = 1.0, pids: dict[str, int] | None = None) -> list[dict]:
     """The workload once per rate; each run: its summary, per-request rows and the samples the
-    CDF plot needs."""
+    CDF plot needs. With `pids` (the stack's processes by name), the summary's cpu_s says what
+    CPU time each process and the clients spent during the run."""
+    def cpu() -> dict[str, float | None]:
+        return {name: process_cpu_s(pid) for name, pid in (pids or {}).items()}
+
     if warmup:
-        w = send_all(opts, warmup, [0.0] * len(warmup), f"{label}warmup")
+        w, _ = send_all(opts, warmup, [0.0] * len(warmup), f"{label}warmup")
         bad = [r.error for r in w if r.error]
         if bad:
             raise RuntimeError(f"warmup requests failed: {bad[:3]}")
@@ -402,9 +420,14 @@ def run_rates(opts: LoadOptions, requests: list[Request], rates: list[float], se
         if k:
             time.sleep(cooldown_s)
         offsets = arrival_offsets(len(requests), rate, seed + 1000 * k)
-        results = send_all(opts, requests, offsets, f"{label}rate {fmt_rate(rate)}")
+        before = cpu()
+        results, client_cpu_s = send_all(opts, requests, offsets, f"{label}rate {fmt_rate(rate)}")
+        after = cpu()
         s = summarize(results, opts)
         s["rate"] = rate
+        s["cpu_s"] = {"client": client_cpu_s, **{
+            name: after[name] - before[name] for name in before
+            if before[name] is not None and after[name] is not None}}
         ok = [r for r in results if r.ok]
         runs.append({
             "summary": s,
@@ -704,11 +727,11 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
             bar.update(n)
 
     probe._record = record_with_bar
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         outs = llm.generate([r.prompt for r in requests], params)
     finally:
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         probe.restore()
         bar.close()
     duration = t1 - t0 - probe.overhead_s - probe.record_s
@@ -756,6 +779,7 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
         "num_requests": len(requests), "completed": len(requests) - len(wrong),
         "wrong_length": wrong[:10],
         "duration_s": duration, "output_tokens": out_tokens,
+        "cpu_s": {"engine": c1 - c0},  # this process, all threads, probe included
         "expected_output_tokens": sum(r.max_tokens for r in requests),
         "request_throughput": len(requests) / duration,
         "output_throughput": out_tokens / duration,
@@ -1053,7 +1077,9 @@ def main(argv: list[str] | None = None) -> int:
                                slo_itl_ms=a.slo_itl_ms, goodput_itl=a.goodput_itl,
                                client_procs=a.client_procs or default_client_procs(),
                                progress=a.progress)
-            runs = run_rates(opts, requests, a.rate, a.seed, warmup=warm, cooldown_s=a.cooldown)
+            runs = run_rates(opts, requests, a.rate, a.seed, warmup=warm, cooldown_s=a.cooldown,
+                             pids={name: p.popen.pid for name, p in stack.procs.items()}
+                             if stack is not None else None)
         finally:
             if stack is not None:
                 codes = stack.stop()

@@ -1,30 +1,54 @@
 #!/usr/bin/env bash
 # What the services cost per token on the CPU: the same workload through the offline engine,
 # through router + gRPC + one colocated worker, and through router + prefill + decode (shm
-# transport), one after the other in one run on one machine; prints output tokens/s of each.
-#   bash benchmarks/token_path.sh [--model tandem-demo] [--num-requests 64] ...
+# transport), in one run on one machine. ROUNDS rounds (default 3), each running the three in
+# turn, so a noisy neighbour hits all of them alike; prints each path's median output tokens/s
+# (and its range) and the CPU time per output token of each process, from /proc.
+#   bash benchmarks/token_path.sh [--client-procs 1] [--num-requests 64] ...
+#   ROUNDS=5 bash benchmarks/token_path.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # One compute thread per process (override with OMP_NUM_THREADS): the model's compute then has a
 # core of its own in every run, and the comparison isolates the cost of the services' path.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+ROUNDS=${ROUNDS:-3}
 ARGS=(--model tandem-demo --load-format auto --devices cpu --dtype float32 --workload fixed --prompt-len 32
       --output-len 64 --num-requests 64 --seed 0 --no-progress "$@")
-python3 benchmarks/serve.py --mode offline "${ARGS[@]}" --out "$OUT/offline.json" > "$OUT/offline.txt"
-python3 benchmarks/serve.py --launch colocated --rate inf "${ARGS[@]}" --out "$OUT/colocated.json" > "$OUT/colocated.txt"
-python3 benchmarks/serve.py --launch disaggregated --num-prefill 1 --num-decode 1 --rate inf "${ARGS[@]}" --out "$OUT/disagg.json" > "$OUT/disagg.txt"
-python3 - "$OUT" <<'PY'
-import json, platform, sys
-out = sys.argv[1]
-off = json.load(open(f"{out}/offline.json"))
-rows = [("offline engine (LLM.generate)", off["output_throughput"], off["output_tokens"])]
-for name, f in (("router + gRPC + 1 colocated worker", "colocated"),
-                ("router + gRPC + prefill + decode (shm)", "disagg")):
-    s = json.load(open(f"{out}/{f}.json"))["runs"][0]["summary"]
-    rows.append((name, s["output_throughput"], s["output_tokens"]))
-print(f"{off['workload']} on {platform.machine()} ({off.get('card') or 'cpu'}), model {off['model']}")
-print(f"{'path':<42}{'output tok/s':>14}{'vs offline':>12}{'tokens':>9}")
-for name, tps, n in rows:
-    print(f"{name:<42}{tps:>14.1f}{tps / rows[0][1]:>12.2f}{n:>9}")
+for r in $(seq 1 "$ROUNDS"); do
+  python3 benchmarks/serve.py --mode offline "${ARGS[@]}" --out "$OUT/offline-$r.json" > "$OUT/offline-$r.txt"
+  python3 benchmarks/serve.py --launch colocated --rate inf "${ARGS[@]}" --out "$OUT/colocated-$r.json" > "$OUT/colocated-$r.txt"
+  python3 benchmarks/serve.py --launch disaggregated --num-prefill 1 --num-decode 1 --rate inf "${ARGS[@]}" --out "$OUT/disagg-$r.json" > "$OUT/disagg-$r.txt"
+done
+python3 - "$OUT" "$ROUNDS" <<'PY'
+import json, os, platform, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+
+def load(name):
+    runs = []
+    for r in range(1, rounds + 1):
+        rep = json.load(open(f"{out}/{name}-{r}.json"))
+        s = rep if name == "offline" else rep["runs"][0]["summary"]
+        runs.append((s["output_throughput"], s["output_tokens"], s["cpu_s"], rep))
+    return runs
+
+paths = [("offline engine (LLM.generate)", load("offline")),
+         ("router + gRPC + 1 colocated worker", load("colocated")),
+         ("router + gRPC + prefill + decode (shm)", load("disagg"))]
+base = statistics.median(tps for tps, *_ in paths[0][1])
+first = paths[0][1][0][3]
+print(f"{first['workload']} x{first['num_requests']} on {platform.machine()} "
+      f"({os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}), "
+      f"model {first['model']}, {rounds} rounds")
+print(f"{'path':<40}{'tok/s median':>13}{'range':>15}{'vs offline':>11}  CPU µs per token (median)")
+for name, runs in paths:
+    tps = [t for t, *_ in runs]
+    med = statistics.median(tps)
+    procs = sorted({p for _, _, cpu, _ in runs for p in cpu})
+    per_tok = {p: statistics.median(cpu[p] / n * 1e6 for _, n, cpu, _ in runs) for p in procs}
+    total = sum(per_tok.values())
+    cpu = ", ".join(f"{p} {v:.0f}" for p, v in per_tok.items())
+    print(f"{name:<40}{med:>13.1f}{f'{min(tps):.0f}-{max(tps):.0f}':>15}{med / base:>11.2f}"
+          f"  {cpu} (total {total:.0f})")
 PY

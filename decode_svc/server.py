@@ -16,10 +16,14 @@ import asyncio
 import contextvars
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
 
 from engine.sequence import RemoteKV, SeqOutput
 from engine.serving.lifecycle import GRPC_OPTIONS
@@ -33,7 +37,13 @@ from tandem.convert import (
     params_from_proto,
 )
 from tandem.v1 import worker_pb2, worker_pb2_grpc
-from tandem.worker_base import WorkerServicer, abort_for, add_worker_args, main_worker
+from tandem.worker_base import (
+    WorkerError,
+    WorkerServicer,
+    add_worker_args,
+    main_worker,
+    status_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +57,14 @@ class PullSource:
     """RemoteKV.source on a decode worker: a mapped peer pool and the lease to release.
 
     The lease is released exactly once, decided on the engine thread: after the pull, when the
-    request ends before its pull, or (Decode's exit) when the engine never took the request."""
+    request ends before its pull, or (its task's end) when the engine never took the request."""
 
     pool: RemotePool | None  # None until the prefill worker's pool is mapped
     address: str
     lease_id: str
     deadline: float  # time.monotonic() after which the blocks may have been reused
-    # The Decode handler's context (its span, the request id for log lines): the KV-transfer
-    # span is its child and the Release call joins its trace.
+    # The request's context (its span, the request id for log lines): the KV-transfer span is
+    # its child and the Release call joins its trace.
     context: contextvars.Context | None = None
     settled: bool = False  # the release is on its way
 
@@ -70,6 +80,12 @@ def chunks_message(outs: list[SeqOutput], with_logprobs: bool) -> worker_pb2.Tok
         num_cached_tokens=outs[0].num_cached_tokens)
 
 
+def _check_errors(outs: list[SeqOutput]) -> None:
+    for o in outs:
+        if o.error is not None:
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE, o.error)
+
+
 class DecodeServicer(WorkerServicer):
     def __init__(self, engine, worker_id: str, address: str, role: str) -> None:
         super().__init__(engine, worker_id)
@@ -79,6 +95,8 @@ class DecodeServicer(WorkerServicer):
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task] = set()
+        self._sessions: set[asyncio.Queue] = set()  # the open Stream calls' outboxes
+        self._draining = asyncio.Event()
         runner = engine.engine.runner
         cfg = engine.engine.model_config
         self.layout = worker_pb2.PoolDescriptor(
@@ -87,68 +105,146 @@ class DecodeServicer(WorkerServicer):
             num_blocks=runner.num_blocks)
 
     # -- RPCs --------------------------------------------------------------------------------
-    async def Generate(self, request, context):  # noqa: N802 - gRPC method name
-        if self.role != "both":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"worker {self.worker_id} has role {self.role}, not both")
-        with self.telemetry.request_span(span_name(self.role), request.request_id) as span:
-            try:
-                params = params_from_proto(request.params)
-                stream = self.engine.generate(request.request_id,
-                                              list(request.prompt_token_ids), params)
-                finished: list[SeqOutput] = []
-                async with aclosing(stream):
-                    async for outs in stream:
-                        await self._check_errors(outs, context)
-                        finished += [o for o in outs if o.finish_reason is not None]
-                        yield chunks_message(outs, params.logprobs is not None)
-                self.telemetry.decode_done(span, finished)
-            except Exception as e:  # noqa: BLE001 - mapped to a status
-                await abort_for(context, e)
+    async def Stream(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        """All of one router's requests on one call. Each request runs in its own task; what
+        they produce between two writes (one engine step's tokens, usually) goes out as one
+        message. The call ends when the router closes its side and its requests are done, or
+        when the worker drains and they are done; the router leaving cancels them all."""
+        out: asyncio.Queue[worker_pb2.RequestUpdate | None] = asyncio.Queue()
+        tasks: dict[str, asyncio.Task] = {}
 
-    async def Decode(self, request, context):  # noqa: N802
-        if self.role != "decode":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"worker {self.worker_id} has role {self.role}, not decode")
-        kv = request.kv
-        source = PullSource(None, kv.address, kv.lease_id,
-                            time.monotonic() + kv.lease_ttl_ms / 1000 - LEASE_MARGIN_S)
-        with self.telemetry.request_span(span_name(self.role), request.request_id) as span:
+        async def serve(rid: str, chunks: AsyncIterator[worker_pb2.TokenChunks]) -> None:
             try:
-                source.context = contextvars.copy_context()
-                params = params_from_proto(request.params)
-                source.pool = await self._peer(kv.address)
-                remote = RemoteKV(source, tuple(kv.block_ids), tuple(request.first_token_ids),
-                                  logprobs_from_proto(request.first_logprobs, params.n))
-                stream = self.engine.decode(request.request_id, list(request.prompt_token_ids),
-                                            params, remote)
-                finished: list[SeqOutput] = []
-                async with aclosing(stream):
-                    async for outs in stream:
-                        await self._check_errors(outs, context)
-                        finished += [o for o in outs if o.finish_reason is not None]
-                        yield chunks_message(outs, params.logprobs is not None)
-                self.telemetry.decode_done(span, finished)
-            except grpc.aio.AioRpcError as e:  # the prefill worker could not be reached
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"prefill worker {request.kv.address}: {e.details()}")
-            except Exception as e:  # noqa: BLE001
-                await abort_for(context, e)
+                async with aclosing(chunks):
+                    async for c in chunks:
+                        out.put_nowait(worker_pb2.RequestUpdate(request_id=rid, tokens=c))
+                out.put_nowait(worker_pb2.RequestUpdate(request_id=rid, done=True))
+            except Exception as e:  # noqa: BLE001 - reported to the router as a status
+                code, message = status_of(e)
+                if code == grpc.StatusCode.INTERNAL:
+                    log.exception("request %s failed", rid)
+                out.put_nowait(worker_pb2.RequestUpdate(
+                    request_id=rid, done=True, error_code=code.value[0], error_message=message))
             finally:
-                # Cancelled or refused before the engine took the request (say, while the
-                # prefill worker's pool was being mapped): nobody else will release its lease.
+                tasks.pop(rid, None)
+                if not tasks and self._draining.is_set():
+                    out.put_nowait(None)
+
+        def start(msg: worker_pb2.StreamRequest) -> None:
+            kind = msg.WhichOneof("kind")
+            if kind == "cancel":
+                task = tasks.get(msg.cancel)
+                if task is not None:
+                    task.cancel()
+                return
+            req = getattr(msg, kind)
+            rid = req.request_id
+            error = None
+            if self._draining.is_set():
+                error = (grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is shutting down")
+            elif rid in tasks:
+                error = (grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is in use")
+            elif kind != ("generate" if self.role == "both" else "decode"):
+                error = (grpc.StatusCode.FAILED_PRECONDITION,
+                         f"worker {self.worker_id} has role {self.role}, not for {kind}")
+            if error is not None:
+                out.put_nowait(worker_pb2.RequestUpdate(
+                    request_id=rid, done=True, error_code=error[0].value[0],
+                    error_message=error[1]))
+                return
+            # In the request's trace, as the router sent it: its worker span continues there.
+            ctx = contextvars.copy_context()
+            ctx.run(otel_context.attach, propagate.extract(dict(msg.trace_context)))
+            if kind == "generate":
+                chunks = self._generate(req)
+            else:
+                source = PullSource(None, req.kv.address, req.kv.lease_id, time.monotonic()
+                                    + req.kv.lease_ttl_ms / 1000 - LEASE_MARGIN_S, ctx)
+                chunks = self._decode(req, source)
+            task = tasks[rid] = asyncio.get_running_loop().create_task(serve(rid, chunks),
+                                                                      context=ctx)
+            if kind == "decode":
+                # However the task ends (even cancelled before it ran, which skips its code):
+                # a request the engine never took has a lease nobody else will release.
                 # Decided on the engine thread, after any add or abort already posted.
-                self.engine.post(lambda: self._release_unclaimed(request.request_id, source))
+                task.add_done_callback(lambda _, rid=rid, source=source: self.engine.post(
+                    lambda: self._release_unclaimed(rid, source)))
+
+        async def read() -> None:
+            async for msg in request_iterator:
+                start(msg)
+            # The router closed its side: end once what it sent is done.
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            out.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        self._sessions.add(out)
+        try:
+            while True:
+                first = await out.get()
+                batch = [first]
+                while not out.empty():
+                    batch.append(out.get_nowait())
+                updates = [u for u in batch if u is not None]
+                if updates:
+                    yield worker_pb2.StreamResponse(updates=updates)
+                if len(updates) < len(batch) and not tasks:
+                    return
+        finally:
+            self._sessions.discard(out)
+            reader.cancel()
+            for task in list(tasks.values()):
+                task.cancel()
+
+    async def drain(self) -> None:
+        """Refuse new requests on open Stream calls; each ends once its requests are done."""
+        self._draining.set()
+        for out in self._sessions:
+            out.put_nowait(None)
+
+    async def _generate(self, request: worker_pb2.GenerateOnWorkerRequest
+                        ) -> AsyncIterator[worker_pb2.TokenChunks]:
+        with self.telemetry.request_span(span_name(self.role), request.request_id,
+                                         SpanKind.SERVER) as span:
+            params = params_from_proto(request.params)
+            stream = self.engine.generate(request.request_id, list(request.prompt_token_ids),
+                                          params)
+            finished: list[SeqOutput] = []
+            async with aclosing(stream):
+                async for outs in stream:
+                    _check_errors(outs)
+                    finished += [o for o in outs if o.finish_reason is not None]
+                    yield chunks_message(outs, params.logprobs is not None)
+            self.telemetry.decode_done(span, finished)
+
+    async def _decode(self, request: worker_pb2.DecodeRequest, source: PullSource
+                      ) -> AsyncIterator[worker_pb2.TokenChunks]:
+        kv = request.kv
+        with self.telemetry.request_span(span_name(self.role), request.request_id,
+                                         SpanKind.SERVER) as span:
+            # The KV-transfer span is a child of this one, the Release call joins its trace.
+            source.context = contextvars.copy_context()
+            params = params_from_proto(request.params)
+            try:
+                source.pool = await self._peer(kv.address)
+            except grpc.aio.AioRpcError as e:
+                raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                                  f"prefill worker {kv.address}: {e.details()}") from None
+            remote = RemoteKV(source, tuple(kv.block_ids), tuple(request.first_token_ids),
+                              logprobs_from_proto(request.first_logprobs, params.n))
+            stream = self.engine.decode(request.request_id, list(request.prompt_token_ids),
+                                        params, remote)
+            finished: list[SeqOutput] = []
+            async with aclosing(stream):
+                async for outs in stream:
+                    _check_errors(outs)
+                    finished += [o for o in outs if o.finish_reason is not None]
+                    yield chunks_message(outs, params.logprobs is not None)
+            self.telemetry.decode_done(span, finished)
 
     def _release_unclaimed(self, request_id: str, source: PullSource) -> None:
         if request_id not in self.engine.engine.requests:
             self._release_soon(source)
-
-    @staticmethod
-    async def _check_errors(outs: list[SeqOutput], context) -> None:
-        for o in outs:
-            if o.error is not None:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, o.error)
 
     # -- prefill peers -----------------------------------------------------------------------
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:

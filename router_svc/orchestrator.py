@@ -2,16 +2,17 @@
 
 Disaggregated:
     Prefill(req) on a prefill worker ──▶ first token(s) + where the prompt's KV is (a lease)
-    Decode(req, kv, first tokens) on a decode worker ──▶ stream of tokens
-Colocated: Generate(req) on a `both` worker ──▶ stream of tokens.
+    decode(req, kv, first tokens) on a decode worker ──▶ stream of tokens
+Colocated: generate(req) on a `both` worker ──▶ stream of tokens.
+Streamed legs ride the worker's multiplexed Stream call (router_svc/worker_stream.py).
 
 A leg that fails with UNAVAILABLE before the first token reached the client is retried on
 another worker; after that the request fails. Leaving early (client gone, deadline, stop
 string, error) cancels the open leg, and a lease that no decode worker released is released
-here. Once a Decode call is made, the lease belongs to the decode worker: it releases after its
-copy, or when the request ends before the copy. Expiry covers a decode worker that died and a
-Decode call cancelled before the decode worker ever handled it (the router cannot release then
-without racing a copy that may have started).
+here. Once a decode request is sent, the lease belongs to the decode worker: it releases after
+its copy, or when the request ends before the copy (a cancel follows its request on the same
+call, so the worker sees every request it is asked to cancel). Expiry covers a decode worker
+that died and a request lost with a broken Stream call.
 """
 
 from __future__ import annotations
@@ -132,13 +133,14 @@ class Orchestrator:
         while True:
             w = self._pick(self.workers.pick_decode("both", tried), "colocated")
             tried.add(w.address)
-            call = w.stub.Generate(req, timeout=timeout, metadata=md)
+            call = w.stream.request(worker_pb2.StreamRequest(generate=req), md, timeout)
             sent = False
             w.in_flight += 1
             try:
-                async for update in _until_done(call, params.n, want_lp):
-                    sent = True
-                    yield update
+                async with aclosing(call):
+                    async for update in _until_done(call, params.n, want_lp):
+                        sent = True
+                        yield update
                 return
             except grpc.aio.AioRpcError as e:
                 if not sent and _retryable(e):
@@ -147,7 +149,6 @@ class Orchestrator:
                 raise _as_router_error(e, f"worker {w.address}") from None
             finally:
                 w.in_flight -= 1
-                call.cancel()
 
     # -- disaggregated -----------------------------------------------------------------------
     async def _disaggregated(self, rid: str, prompt: list[int], params: SamplingParams,
@@ -166,24 +167,24 @@ class Orchestrator:
             if all(resp.finish_reasons):
                 return
             d = self._pick(self.workers.pick_decode("decode"), "decode")
-            call = d.stub.Decode(worker_pb2.DecodeRequest(
+            call = d.stream.request(worker_pb2.StreamRequest(decode=worker_pb2.DecodeRequest(
                 request_id=rid, prompt_token_ids=prompt, params=wire_params, kv=resp.kv,
-                first_token_ids=resp.first_token_ids, first_logprobs=resp.first_logprobs),
-                timeout=timeout, metadata=md)
+                first_token_ids=resp.first_token_ids, first_logprobs=resp.first_logprobs)),
+                md, timeout)
             handed_over = True
             d.in_flight += 1
             try:
                 done = {i for i, r in enumerate(resp.finish_reasons) if r}
-                async for update in _until_done(call, params.n, want_lp, done):
-                    update.num_cached_tokens = resp.num_cached_tokens  # the prefill side's
-                    yield update
+                async with aclosing(call):
+                    async for update in _until_done(call, params.n, want_lp, done):
+                        update.num_cached_tokens = resp.num_cached_tokens  # the prefill side's
+                        yield update
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self.workers.mark_down(d)
                 raise _as_router_error(e, f"decode worker {d.address}") from None
             finally:
                 d.in_flight -= 1
-                call.cancel()
         finally:
             if not handed_over:
                 self._release_later(p, resp.kv.lease_id, md)

@@ -24,6 +24,7 @@ import grpc
 
 from engine.block_pool import hash_block
 from engine.serving.lifecycle import GRPC_OPTIONS
+from router_svc.worker_stream import WorkerStream
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class Worker:
     role: str  # prefill | decode | both
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.WorkerStub
+    stream: WorkerStream  # the Stream call its decode and colocated requests ride
     healthy: bool = False
     load: worker_pb2.Load = field(default_factory=worker_pb2.Load)
     in_flight: int = 0  # requests this router has on the worker now
@@ -59,7 +61,8 @@ class WorkerSet:
         for role, addrs in (("prefill", prefill), ("decode", decode), ("both", both)):
             for a in addrs:
                 ch = grpc.aio.insecure_channel(a, options=GRPC_OPTIONS)
-                self.workers.append(Worker(a, role, ch, worker_pb2_grpc.WorkerStub(ch)))
+                stub = worker_pb2_grpc.WorkerStub(ch)
+                self.workers.append(Worker(a, role, ch, stub, WorkerStream(stub, a)))
         self.poll_interval_s = poll_interval_s
         self.balance_slack = balance_slack
         self.block_size = block_size
@@ -85,6 +88,7 @@ class WorkerSet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
         for w in self.workers:
+            await w.stream.close()
             await w.channel.close()
 
     async def poll_once(self) -> None:

@@ -14,17 +14,18 @@ One request's trace across three processes:
     router   "text_completion <model>"      GenAI attributes, usage, finish reasons, TTFT
       ├ /tandem.v1.Worker/Prefill           the prefill worker's gRPC server span
       │   └ prefill                         queue time, chunks, cached tokens
-      └ /tandem.v1.Worker/Decode            the decode worker's gRPC server span
-          └ decode                          queue time, time to first token, per output token
-              ├ kv_transfer                 blocks, bytes, GB/s (recorded on the engine thread)
-              └ /tandem.v1.Worker/Release   (on the prefill worker)
+      └ decode                              the decode worker's span (kind SERVER): queue time,
+          │                                 time to first token, per output token
+          ├ kv_transfer                     blocks, bytes, GB/s (recorded on the engine thread)
+          └ /tandem.v1.Worker/Release       (on the prefill worker)
 
-The context travels in each call's gRPC metadata as W3C traceparent: the caller injects it with
-the propagate API (trace_metadata) and servers extract it with opentelemetry-instrumentation-grpc's
-aio server interceptor, which also makes the server span. Not its client interceptors: they end
-a server stream's span only when their wrapper generator runs out, and the router closes a
-Decode stream after its last token (or at a stop string), which would leave that span open
-until garbage collection.
+The context travels as W3C traceparent: in each unary call's gRPC metadata, where
+opentelemetry-instrumentation-grpc's aio server interceptor extracts it and makes the server
+span, and in each request message on a worker's Stream call (one call carries many requests),
+where the decode servicer extracts it for that request's span. Callers inject it with the
+propagate API (trace_metadata). Not the instrumentation's client interceptors: they end a
+server stream's span only when their wrapper generator runs out, which a consumer that stops
+early leaves to garbage collection.
 
 Never recorded, in spans or logs: token ids, IPC handles (a shm segment's name, CUDA handle
 bytes: capabilities), and prompt or output text unless content capture is asked for
@@ -237,7 +238,10 @@ def configure_tracing(service: str, settings: TelemetrySettings | None = None) -
             exporter = ConsoleSpanExporter(out=sys.stderr)  # stdout carries the JSON logs
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
+    # Not a worker's Stream call either: it lives as long as its router and carries many
+    # requests, each of which has its own span in the trace the router sent with it.
     traced = filters.negate(filters.any_of(filters.health_check(), filters.method_name("GetLoad"),
+                                           filters.method_name("Stream"),
                                            filters.service_prefix("grpc.reflection")))
     return Tracing(provider.get_tracer("tandem"), provider,
                    [aio_server_interceptor(tracer_provider=provider, filter_=traced)])
@@ -470,12 +474,14 @@ class Telemetry:
 
     # -- workers -------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def request_span(self, name: str, request_id: str) -> Iterator[Span]:
+    def request_span(self, name: str, request_id: str,
+                     kind: SpanKind = SpanKind.INTERNAL) -> Iterator[Span]:
         """A worker's span for one request, current for the handler's task (so the calls it
-        makes and the lines it logs carry it), with request_id bound for its log lines."""
+        makes and the lines it logs carry it), with request_id bound for its log lines. SERVER
+        where no gRPC server span stands above it (a request on a Stream call)."""
         with structlog.contextvars.bound_contextvars(request_id=request_id), \
                 self.tracer.start_as_current_span(
-                    name, attributes={"tandem.request_id": request_id}) as span:
+                    name, kind=kind, attributes={"tandem.request_id": request_id}) as span:
             yield span
 
     def prefill_done(self, span: Span, out: SeqOutput) -> None:

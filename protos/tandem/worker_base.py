@@ -43,17 +43,34 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics at /metrics on this port (0: off)")
 
 
+class WorkerError(Exception):
+    """A request failed on this worker with the gRPC status its caller should see."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status that reports an engine or worker error to the caller."""
+    if isinstance(exc, WorkerError):
+        return exc.code, exc.message
+    for kind, code in ((InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+                       (LayoutMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+                       (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+                       (ModelLoadError, grpc.StatusCode.NOT_FOUND)):
+        if isinstance(exc, kind):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
 async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """Map an engine error to a gRPC status (this raises, ending the RPC)."""
-    if isinstance(exc, InvalidArgument):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    if isinstance(exc, LayoutMismatch):
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-    if isinstance(exc, Overloaded):
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-    if isinstance(exc, ModelLoadError):
-        await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-    raise exc
+    """End the RPC with the status that reports `exc` (this raises)."""
+    code, message = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        raise exc  # logged by gRPC; the caller sees UNKNOWN
+    await context.abort(code, message)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -82,6 +99,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def on_stop(self) -> None:
         """Hook: after the server stopped, before the engine shuts down."""
+
+    async def drain(self) -> None:
+        """Hook: shutting down; new calls are refused, in-flight requests finish. Runs alongside
+        the server's graceful stop."""
 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:
@@ -132,7 +153,8 @@ async def run_worker(args: argparse.Namespace, role: str,
 
     await servicer.on_start()
     metrics.serve(args.host, args.metrics_port)
-    await serve_until_signal(server, health, grace_s=args.grace, on_stop=stop, ready=ready)
+    await serve_until_signal(server, health, grace_s=args.grace, on_stop=stop, ready=ready,
+                             drain_also=[servicer.drain])
 
 
 def main_worker(args: argparse.Namespace, role: str, make_servicer, **kw) -> int:

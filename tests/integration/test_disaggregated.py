@@ -143,6 +143,40 @@ def test_decode_side_never_pulls_lease_expires(cluster):
     asyncio.run(main())
 
 
+def test_decode_request_cancelled_before_it_ran_releases_the_lease_at_once(cluster):
+    """On a decode worker's Stream call a cancel follows its request in order, so the worker
+    always sees the request it cancels: a request cancelled before its task ever ran still
+    releases the prefill side's lease now, not at the lease's expiry (3 s here). Requests of
+    the wrong kind or a reused id are refused by status; closing the call's sending side ends
+    the call once its requests are done."""
+    p, d = cluster.workers("prefill")[0], cluster.workers("decode")[0]
+    params = params_to_proto(SamplingParams(temperature=0, max_tokens=8))
+
+    async def main():
+        async with grpc.aio.insecure_channel(p.address) as pch, \
+                grpc.aio.insecure_channel(d.address) as dch:
+            resp = await worker_pb2_grpc.WorkerStub(pch).Prefill(worker_pb2.PrefillRequest(
+                request_id="cancelled-early", prompt_token_ids=PROMPTS[11], params=params))
+            decode = worker_pb2.DecodeRequest(
+                request_id="cancelled-early", prompt_token_ids=PROMPTS[11], params=params,
+                kv=resp.kv, first_token_ids=resp.first_token_ids)
+            t0 = time.monotonic()
+            call = worker_pb2_grpc.WorkerStub(dch).Stream(iter([
+                worker_pb2.StreamRequest(decode=decode),
+                worker_pb2.StreamRequest(cancel="cancelled-early"),
+                worker_pb2.StreamRequest(generate=worker_pb2.GenerateOnWorkerRequest(
+                    request_id="wrong-kind", prompt_token_ids=[1, 2], params=params))]))
+            updates = [u async for m in call for u in m.updates]
+            assert await call.code() == grpc.StatusCode.OK
+            assert [(u.request_id, grpc.StatusCode.FAILED_PRECONDITION.value[0])
+                    for u in updates] == [("wrong-kind", u.error_code) for u in updates]
+            assert "has role decode" in updates[0].error_message and updates[0].done
+            await cluster.wait_idle(timeout=10)
+            assert time.monotonic() - t0 < 1.5, "released by expiry, not by the decode worker"
+
+    asyncio.run(main())
+
+
 def test_registration_with_a_different_layout_is_refused(cluster):
     p = cluster.workers("prefill")[0]
 

@@ -122,10 +122,10 @@ def test_killed_workers_are_taken_out(cluster):
 
 
 def test_full_router_answers_resource_exhausted_fast(tiny_models, tmp_path):
-    # Streams cancelled right after their first token: a Decode call cancelled before the
-    # decode worker handled it leaves its lease to expire, so keep the lease short.
+    # Streams cancelled right after their first token, while their KV may be in flight: the
+    # decode worker releases every lease at once (wait_idle's 20 s is within the default 30 s
+    # lease, so expiry cannot be what frees them).
     c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=WORKER_ARGS,
-                prefill_args=["--lease-ttl", "3"],
                 router_args=["--http-port", "-1", "--max-requests", "2"]).start()
     try:
         long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -176,12 +177,15 @@ def test_each_request_is_one_trace_across_three_processes(cluster, receiver):
         assert kv.parent_span_id == decode.span_id
         for span in (decode, kv, prefill):
             assert t.router in t.ancestors(span), (rid, span.name)
-        # Each worker span sits under its gRPC server span, itself a child of the router's span:
-        # the context crossed the process boundary in the call's metadata.
-        assert [s.name for s in t.ancestors(decode)][:2] == ["/tandem.v1.Worker/Decode",
-                                                             t.router.name]
+        # The prefill span sits under its gRPC server span, a child of the router's span (the
+        # context crossed in the call's metadata); the decode span, a request on the decode
+        # worker's Stream call, is the router span's child itself (it crossed in the message)
+        # and the long-lived Stream call has no span of its own.
+        assert [s.name for s in t.ancestors(decode)][:1] == [t.router.name]
+        assert decode.kind == trace_pb2.Span.SPAN_KIND_SERVER
         assert [s.name for s in t.ancestors(prefill)][:2] == ["/tandem.v1.Worker/Prefill",
                                                               t.router.name]
+        assert not t.named("/tandem.v1.Worker/Stream", "tandem-decode")
 
         ra = attrs(t.router)
         model = cluster.model

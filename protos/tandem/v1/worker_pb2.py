@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"i\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\x7f\n\nKVLocation\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\"\xb2\x01\n\x0fPrefillResponse\x12\x17\n\x0f\x66irst_token_ids\x18\x01 \x03(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x16\n\x0e\x66inish_reasons\x18\x03 \x03(\t\x12!\n\x02kv\x18\x04 \x01(\x0b\x32\x15.tandem.v1.KVLocation\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"\xd6\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12!\n\x02kv\x18\x04 \x01(\x0b\x32\x15.tandem.v1.KVLocation\x12\x17\n\x0f\x66irst_token_ids\x18\x05 \x03(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"r\n\x17GenerateOnWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\x93\x01\n\nTokenChunk\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\"j\n\x0bTokenChunks\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.tandem.v1.TokenChunk\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xcf\x01\n\x0ePoolDescriptor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x0e\n\x06handle\x18\x08 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\t \x01(\x05\x12\x11\n\towner_pid\x18\n \x01(\r\"V\n\x0fRegisterRequest\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12)\n\x06layout\x18\x02 \x01(\x0b\x32\x19.tandem.v1.PoolDescriptor\"V\n\x10RegisterResponse\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\'\n\x04pool\x18\x02 \x01(\x0b\x32\x19.tandem.v1.PoolDescriptor\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xf5\x01\n\x04Load\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_leases\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x14\n\x0cnum_requests\x18\t \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\n \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0b \x01(\x04\x32\xcc\x03\n\x06Worker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12<\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x16.tandem.v1.TokenChunks0\x01\x12H\n\x08Generate\x12\".tandem.v1.GenerateOnWorkerRequest\x1a\x16.tandem.v1.TokenChunks0\x01\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12\x43\n\x08Register\x12\x1a.tandem.v1.RegisterRequest\x1a\x1b.tandem.v1.RegisterResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Loadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"i\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\x7f\n\nKVLocation\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\"\xb2\x01\n\x0fPrefillResponse\x12\x17\n\x0f\x66irst_token_ids\x18\x01 \x03(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x16\n\x0e\x66inish_reasons\x18\x03 \x03(\t\x12!\n\x02kv\x18\x04 \x01(\x0b\x32\x15.tandem.v1.KVLocation\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"\xd6\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12!\n\x02kv\x18\x04 \x01(\x0b\x32\x15.tandem.v1.KVLocation\x12\x17\n\x0f\x66irst_token_ids\x18\x05 \x03(\r\x12\x30\n\x0e\x66irst_logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"r\n\x17GenerateOnWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\x93\x01\n\nTokenChunk\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\"j\n\x0bTokenChunks\x12%\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x15.tandem.v1.TokenChunk\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"\x85\x02\n\rStreamRequest\x12\x36\n\x08generate\x18\x01 \x01(\x0b\x32\".tandem.v1.GenerateOnWorkerRequestH\x00\x12*\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x18.tandem.v1.DecodeRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\tH\x00\x12\x41\n\rtrace_context\x18\x04 \x03(\x0b\x32*.tandem.v1.StreamRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\x84\x01\n\rRequestUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.tandem.v1.TokenChunks\x12\x0c\n\x04\x64one\x18\x03 \x01(\x08\x12\x12\n\nerror_code\x18\x04 \x01(\r\x12\x15\n\rerror_message\x18\x05 \x01(\t\";\n\x0eStreamResponse\x12)\n\x07updates\x18\x01 \x03(\x0b\x32\x18.tandem.v1.RequestUpdate\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xcf\x01\n\x0ePoolDescriptor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x0e\n\x06handle\x18\x08 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\t \x01(\x05\x12\x11\n\towner_pid\x18\n \x01(\r\"V\n\x0fRegisterRequest\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12)\n\x06layout\x18\x02 \x01(\x0b\x32\x19.tandem.v1.PoolDescriptor\"V\n\x10RegisterResponse\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\'\n\x04pool\x18\x02 \x01(\x0b\x32\x19.tandem.v1.PoolDescriptor\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xf5\x01\n\x04Load\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_leases\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x14\n\x0cnum_requests\x18\t \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\n \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0b \x01(\x04\x32\x87\x03\n\x06Worker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12\x41\n\x06Stream\x12\x18.tandem.v1.StreamRequest\x1a\x19.tandem.v1.StreamResponse(\x01\x30\x01\x12@\n\x07Release\x12\x19.tandem.v1.ReleaseRequest\x1a\x1a.tandem.v1.ReleaseResponse\x12\x43\n\x08Register\x12\x1a.tandem.v1.RegisterRequest\x1a\x1b.tandem.v1.RegisterResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x35\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x0f.tandem.v1.Loadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STREAMREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_STREAMREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_PREFILLREQUEST']._serialized_start=61
   _globals['_PREFILLREQUEST']._serialized_end=166
   _globals['_KVLOCATION']._serialized_start=168
@@ -46,24 +48,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENCHUNK']._serialized_end=959
   _globals['_TOKENCHUNKS']._serialized_start=961
   _globals['_TOKENCHUNKS']._serialized_end=1067
-  _globals['_RELEASEREQUEST']._serialized_start=1069
-  _globals['_RELEASEREQUEST']._serialized_end=1103
-  _globals['_RELEASERESPONSE']._serialized_start=1105
-  _globals['_RELEASERESPONSE']._serialized_end=1140
-  _globals['_POOLDESCRIPTOR']._serialized_start=1143
-  _globals['_POOLDESCRIPTOR']._serialized_end=1350
-  _globals['_REGISTERREQUEST']._serialized_start=1352
-  _globals['_REGISTERREQUEST']._serialized_end=1438
-  _globals['_REGISTERRESPONSE']._serialized_start=1440
-  _globals['_REGISTERRESPONSE']._serialized_end=1526
-  _globals['_ABORTREQUEST']._serialized_start=1528
-  _globals['_ABORTREQUEST']._serialized_end=1562
-  _globals['_ABORTRESPONSE']._serialized_start=1564
-  _globals['_ABORTRESPONSE']._serialized_end=1596
-  _globals['_GETLOADREQUEST']._serialized_start=1598
-  _globals['_GETLOADREQUEST']._serialized_end=1614
-  _globals['_LOAD']._serialized_start=1617
-  _globals['_LOAD']._serialized_end=1862
-  _globals['_WORKER']._serialized_start=1865
-  _globals['_WORKER']._serialized_end=2325
+  _globals['_STREAMREQUEST']._serialized_start=1070
+  _globals['_STREAMREQUEST']._serialized_end=1331
+  _globals['_STREAMREQUEST_TRACECONTEXTENTRY']._serialized_start=1272
+  _globals['_STREAMREQUEST_TRACECONTEXTENTRY']._serialized_end=1323
+  _globals['_REQUESTUPDATE']._serialized_start=1334
+  _globals['_REQUESTUPDATE']._serialized_end=1466
+  _globals['_STREAMRESPONSE']._serialized_start=1468
+  _globals['_STREAMRESPONSE']._serialized_end=1527
+  _globals['_RELEASEREQUEST']._serialized_start=1529
+  _globals['_RELEASEREQUEST']._serialized_end=1563
+  _globals['_RELEASERESPONSE']._serialized_start=1565
+  _globals['_RELEASERESPONSE']._serialized_end=1600
+  _globals['_POOLDESCRIPTOR']._serialized_start=1603
+  _globals['_POOLDESCRIPTOR']._serialized_end=1810
+  _globals['_REGISTERREQUEST']._serialized_start=1812
+  _globals['_REGISTERREQUEST']._serialized_end=1898
+  _globals['_REGISTERRESPONSE']._serialized_start=1900
+  _globals['_REGISTERRESPONSE']._serialized_end=1986
+  _globals['_ABORTREQUEST']._serialized_start=1988
+  _globals['_ABORTREQUEST']._serialized_end=2022
+  _globals['_ABORTRESPONSE']._serialized_start=2024
+  _globals['_ABORTRESPONSE']._serialized_end=2056
+  _globals['_GETLOADREQUEST']._serialized_start=2058
+  _globals['_GETLOADREQUEST']._serialized_end=2074
+  _globals['_LOAD']._serialized_start=2077
+  _globals['_LOAD']._serialized_end=2322
+  _globals['_WORKER']._serialized_start=2325
+  _globals['_WORKER']._serialized_end=2716
 # @@protoc_insertion_point(module_scope)

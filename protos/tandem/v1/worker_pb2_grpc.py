@@ -39,15 +39,10 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
-        self.Decode = channel.unary_stream(
-                '/tandem.v1.Worker/Decode',
-                request_serializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_worker__pb2.TokenChunks.FromString,
-                _registered_method=True)
-        self.Generate = channel.unary_stream(
-                '/tandem.v1.Worker/Generate',
-                request_serializer=tandem_dot_v1_dot_worker__pb2.GenerateOnWorkerRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_worker__pb2.TokenChunks.FromString,
+        self.Stream = channel.stream_stream(
+                '/tandem.v1.Worker/Stream',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.StreamResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/tandem.v1.Worker/Release',
@@ -82,16 +77,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Decode(self, request, context):
-        """Decode role: pull the prompt's KV from the prefill worker, release its lease, decode and
-        stream tokens. Cancelling the call frees everything.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Generate(self, request, context):
-        """Colocated role ("both"): prefill and decode on this worker.
+    def Stream(self, request_iterator, context):
+        """Decode and colocated roles: one long-lived call per router carrying all of its requests.
+        The router sends requests (decode: pull the prompt's KV from the prefill worker, release
+        its lease, decode; both: prefill and decode here) and cancels; the worker answers with one
+        message per engine step holding the new tokens of every request on the call, so a step
+        costs one message however many requests it advanced. Cancelling a request, or the call,
+        frees everything it holds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -134,15 +126,10 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
-            'Decode': grpc.unary_stream_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_worker__pb2.TokenChunks.SerializeToString,
-            ),
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=tandem_dot_v1_dot_worker__pb2.GenerateOnWorkerRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_worker__pb2.TokenChunks.SerializeToString,
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.StreamRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.StreamResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -203,7 +190,7 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
-    def Decode(request,
+    def Stream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -213,39 +200,12 @@ class Worker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/tandem.v1.Worker/Decode',
-            tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            tandem_dot_v1_dot_worker__pb2.TokenChunks.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Generate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/tandem.v1.Worker/Generate',
-            tandem_dot_v1_dot_worker__pb2.GenerateOnWorkerRequest.SerializeToString,
-            tandem_dot_v1_dot_worker__pb2.TokenChunks.FromString,
+            '/tandem.v1.Worker/Stream',
+            tandem_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,122 @@
+"""One multiplexed Stream call per worker: all of the router's requests to that worker ride it.
+
+    router                                           worker (decode or both)
+    request A ─┐                                     ┌─ task A ─┐
+    request B ─┼─ StreamRequest(generate|decode) ──▶ ├─ task B ─┼─ engine
+    request C ─┘   StreamRequest(cancel)             └─ task C ─┘
+         ▲                                                │
+         └──── StreamResponse: every request's new tokens of one engine step, in one message
+
+A per-request server stream would cost one gRPC message (and its wake-ups on both sides) per
+request per step; here a step costs one. The call opens on a request's first use and reopens
+after it ends (the worker drained or restarted). Each request's iterator raises
+grpc.aio.AioRpcError with the worker's status, as a per-request call would: the worker's own
+failures, UNAVAILABLE when the call breaks, DEADLINE_EXCEEDED past the request's timeout.
+Leaving the iterator before the request's last update cancels the request on the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+Metadata = tuple[tuple[str, str], ...] | None
+
+
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class WorkerStream:
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str) -> None:
+        self.stub = stub
+        self.address = address
+        self._outbox: asyncio.Queue[worker_pb2.StreamRequest | None] | None = None
+        self._inboxes: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def request(self, msg: worker_pb2.StreamRequest, metadata: Metadata = None,
+                      timeout: float | None = None) -> AsyncIterator[worker_pb2.TokenChunks]:
+        """Send a generate or decode request; its token chunks until its samples finish."""
+        rid = getattr(msg, msg.WhichOneof("kind")).request_id
+        if rid in self._inboxes:
+            raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is in use")
+        if metadata:
+            msg.trace_context.update(dict(metadata))
+        inbox: asyncio.Queue = asyncio.Queue()
+        self._inboxes[rid] = inbox
+        outbox = self._open()
+        outbox.put_nowait(msg)
+        done = False
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    u = await inbox.get()
+                    if isinstance(u, grpc.aio.AioRpcError):
+                        done = True  # the call broke: nothing left to cancel
+                        raise u
+                    if u.HasField("tokens"):
+                        yield u.tokens
+                    if u.done:
+                        done = True
+                        if u.error_code:
+                            raise _error(_STATUS.get(u.error_code, grpc.StatusCode.UNKNOWN),
+                                         u.error_message)
+                        return
+        except TimeoutError:
+            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
+        finally:
+            del self._inboxes[rid]
+            if not done and self._outbox is outbox:
+                outbox.put_nowait(worker_pb2.StreamRequest(cancel=rid))
+
+    def _open(self) -> asyncio.Queue:
+        if self._outbox is None:
+            outbox: asyncio.Queue[worker_pb2.StreamRequest | None] = asyncio.Queue()
+            self._outbox = outbox
+            self._reader = asyncio.create_task(self._read(outbox))
+        return self._outbox
+
+    async def _read(self, outbox: asyncio.Queue) -> None:
+        async def requests() -> AsyncIterator[worker_pb2.StreamRequest]:
+            while (msg := await outbox.get()) is not None:
+                yield msg
+
+        call = self.stub.Stream(requests())
+        error = _error(grpc.StatusCode.UNAVAILABLE, f"stream to {self.address} ended")
+        try:
+            async for resp in call:
+                for u in resp.updates:
+                    inbox = self._inboxes.get(u.request_id)
+                    if inbox is not None:
+                        inbox.put_nowait(u)
+        except grpc.aio.AioRpcError as e:
+            error = _error(grpc.StatusCode.UNAVAILABLE
+                           if e.code() == grpc.StatusCode.CANCELLED else e.code(),
+                           e.details() or str(e.code()))
+            log.warning("stream to worker %s broke: %s", self.address, e.code().name)
+        finally:
+            call.cancel()
+            # Requests sent on this call that have not ended will hear nothing more.
+            if self._outbox is outbox:
+                self._outbox = None
+            for inbox in self._inboxes.values():
+                inbox.put_nowait(error)
+
+    async def close(self) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(None)
+            self._outbox = None
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
