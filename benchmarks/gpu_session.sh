@@ -53,9 +53,9 @@ for stage in "$@"; do
         --load-format dummy --gpus 4 --layouts 1P3D 2P2D 3P1D 4C --workloads prompt-heavy decode-heavy \
         --rates-for prompt-heavy=12,24 --rates-for decode-heavy=24 --num-requests 100 \
         --slo-ttft-ms 1000 --slo-itl-ms 50 --no-progress --out-dir "$OUT/ratio4" ;;
-    tokenpath) CUDA_VISIBLE_DEVICES= OUT=$OUT/tokenpath run token_path bash benchmarks/token_path.sh --client-procs 1 ;;
-    servepath)  # services against the offline engine on GPUs, one model per line, same run
-      for m in llama-3.2-1b llama-3.1-8b; do
+    tokenpath) CUDA_VISIBLE_DEVICES= run token_path env OUT="$OUT/tokenpath" bash benchmarks/token_path.sh --client-procs 1 ;;
+    servepath)  # services against the offline engine on GPUs (SERVE_MODELS: which configs)
+      for m in ${SERVE_MODELS:-llama-3.2-1b llama-3.1-8b}; do
         common=(--model benchmarks/configs/$m --dtype bfloat16 --load-format dummy --workload sharegpt
                 --num-requests 1000 --no-progress)
         run "offline_$m" python3 benchmarks/serve.py --mode offline "${common[@]}" --devices cuda:0 \
