@@ -119,7 +119,7 @@ class DecodeServicer(WorkerServicer):
                     async for c in chunks:
                         out.put_nowait(worker_pb2.RequestUpdate(request_id=rid, tokens=c))
                 out.put_nowait(worker_pb2.RequestUpdate(request_id=rid, done=True))
-            except Exception as e:  # noqa: BLE001 - reported to the router as a status
+            except Exception as e:  # reported to the router as a status
                 code, message = status_of(e)
                 if code == grpc.StatusCode.INTERNAL:
                     log.exception("request %s failed", rid)
