@@ -5,6 +5,10 @@ pulls the prompt's KV from the prefill worker's pool in one copy, this servicer 
 prefill side's lease, and the request decodes with continuous batching. The first token came
 with the handoff and is not recomputed. Both: prefill and decode here (the baseline).
 
+Requests arrive on the router's Stream call (one per router, many requests): each runs in its
+own task, and what the tasks produce between two writes — one engine step's tokens, usually —
+leaves as one message.
+
 A prefill worker's pool is mapped once per pair: Register returns its descriptor, refused when
 the layouts differ (the error names the field).
 """
