@@ -213,13 +213,9 @@ class DecodeServicer(WorkerServicer):
             params = params_from_proto(request.params)
             stream = self.engine.generate(request.request_id, list(request.prompt_token_ids),
                                           params)
-            finished: list[SeqOutput] = []
-            async with aclosing(stream):
-                async for outs in stream:
-                    _check_errors(outs)
-                    finished += [o for o in outs if o.finish_reason is not None]
-                    yield chunks_message(outs, params.logprobs is not None)
-            self.telemetry.decode_done(span, finished)
+            async with aclosing(self._relay(stream, params.logprobs is not None, span)) as relay:
+                async for chunks in relay:
+                    yield chunks
 
     async def _decode(self, request: worker_pb2.DecodeRequest, source: PullSource
                       ) -> AsyncIterator[worker_pb2.TokenChunks]:
@@ -238,13 +234,20 @@ class DecodeServicer(WorkerServicer):
                               logprobs_from_proto(request.first_logprobs, params.n))
             stream = self.engine.decode(request.request_id, list(request.prompt_token_ids),
                                         params, remote)
-            finished: list[SeqOutput] = []
-            async with aclosing(stream):
-                async for outs in stream:
-                    _check_errors(outs)
-                    finished += [o for o in outs if o.finish_reason is not None]
-                    yield chunks_message(outs, params.logprobs is not None)
-            self.telemetry.decode_done(span, finished)
+            async with aclosing(self._relay(stream, params.logprobs is not None, span)) as relay:
+                async for chunks in relay:
+                    yield chunks
+
+    async def _relay(self, stream: AsyncIterator[list[SeqOutput]], with_logprobs: bool,
+                     span) -> AsyncIterator[worker_pb2.TokenChunks]:
+        """The engine's outputs of one request as messages; its span's attributes at the end."""
+        finished: list[SeqOutput] = []
+        async with aclosing(stream):
+            async for outs in stream:
+                _check_errors(outs)
+                finished += [o for o in outs if o.finish_reason is not None]
+                yield chunks_message(outs, with_logprobs)
+        self.telemetry.decode_done(span, finished)
 
     def _release_unclaimed(self, request_id: str, source: PullSource) -> None:
         if request_id not in self.engine.engine.requests:
