@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What the services cost per token on the CPU: the same workload through the offline engine,
-# through router + gRPC + one colocated worker, and through router + prefill + decode (shm
-# transport), in one run on one machine. ROUNDS rounds (default 3), each running the three in
-# turn, so a noisy neighbour hits all of them alike; prints each path's median output tokens/s
-# (and its range) and the CPU time per output token of each process, from /proc.
+# through one colocated worker driven on its Stream call (no router), through router + gRPC +
+# one colocated worker, and through router + prefill + decode (shm transport), in one run on one
+# machine. ROUNDS rounds (default 3), each running the four in turn, so a noisy neighbour hits
+# all of them alike; prints each path's median output tokens/s (and its range) and the CPU time
+# per output token of each process, from /proc.
 #   bash benchmarks/token_path.sh [--client-procs 1] [--num-requests 64] ...
 #   ROUNDS=5 bash benchmarks/token_path.sh
 set -euo pipefail
@@ -18,6 +19,7 @@ ARGS=(--model tandem-demo --load-format auto --devices cpu --dtype float32 --wor
       --output-len 64 --num-requests 64 --seed 0 --no-progress "$@")
 for r in $(seq 1 "$ROUNDS"); do
   python3 benchmarks/serve.py --mode offline "${ARGS[@]}" --out "$OUT/offline-$r.json" > "$OUT/offline-$r.txt"
+  python3 benchmarks/worker_stream.py "${ARGS[@]}" --out "$OUT/worker-$r.json" > "$OUT/worker-$r.txt"
   python3 benchmarks/serve.py --launch colocated --rate inf "${ARGS[@]}" --out "$OUT/colocated-$r.json" > "$OUT/colocated-$r.txt"
   python3 benchmarks/serve.py --launch disaggregated --num-prefill 1 --num-decode 1 --rate inf "${ARGS[@]}" --out "$OUT/disagg-$r.json" > "$OUT/disagg-$r.txt"
 done
@@ -29,11 +31,12 @@ def load(name):
     runs = []
     for r in range(1, rounds + 1):
         rep = json.load(open(f"{out}/{name}-{r}.json"))
-        s = rep if name == "offline" else rep["runs"][0]["summary"]
+        s = rep if name in ("offline", "worker") else rep["runs"][0]["summary"]
         runs.append((s["output_throughput"], s["output_tokens"], s["cpu_s"], rep))
     return runs
 
 paths = [("offline engine (LLM.generate)", load("offline")),
+         ("1 colocated worker, one Stream call", load("worker")),
          ("router + gRPC + 1 colocated worker", load("colocated")),
          ("router + gRPC + prefill + decode (shm)", load("disagg"))]
 base = statistics.median(tps for tps, *_ in paths[0][1])
