@@ -73,15 +73,26 @@ class PullSource:
     settled: bool = False  # the release is on its way
 
 
-def chunks_message(outs: list[SeqOutput], with_logprobs: bool) -> worker_pb2.TokenChunks:
-    return worker_pb2.TokenChunks(
-        chunks=[worker_pb2.TokenChunk(
+def update_message(outs: list[SeqOutput], with_logprobs: bool) -> worker_pb2.RequestUpdate:
+    """One step's outputs of one request, built in place (no copy of a nested message)."""
+    update = worker_pb2.RequestUpdate(request_id=outs[0].request_id)
+    tokens = update.tokens
+    tokens.num_prompt_tokens = outs[0].num_prompt_tokens
+    tokens.num_cached_tokens = outs[0].num_cached_tokens
+    for o in outs:
+        tokens.chunks.add(
             sample_index=o.sample_index, token_ids=o.new_token_ids,
             logprobs=[logprobs_to_proto(lp) for lp in o.new_logprobs] if with_logprobs else [],
             finish_reason=o.finish_reason.value if o.finish_reason else "",
-            num_output_tokens=o.num_output_tokens) for o in outs],
-        num_prompt_tokens=outs[0].num_prompt_tokens,
-        num_cached_tokens=outs[0].num_cached_tokens)
+            num_output_tokens=o.num_output_tokens)
+    return update
+
+
+def failure_message(request_id: str, exc: BaseException) -> worker_pb2.RequestUpdate:
+    """A request's last update when it failed: the gRPC status that reports `exc`."""
+    code, message = status_of(exc)
+    return worker_pb2.RequestUpdate(request_id=request_id, done=True,
+                                    error_code=code.value[0], error_message=message)
 
 
 def _check_errors(outs: list[SeqOutput]) -> None:
@@ -117,18 +128,17 @@ class DecodeServicer(WorkerServicer):
         out: asyncio.Queue[worker_pb2.RequestUpdate | None] = asyncio.Queue()
         tasks: dict[str, asyncio.Task] = {}
 
-        async def serve(rid: str, chunks: AsyncIterator[worker_pb2.TokenChunks]) -> None:
+        async def serve(rid: str, updates: AsyncIterator[worker_pb2.RequestUpdate]) -> None:
             try:
-                async with aclosing(chunks):
-                    async for c in chunks:
-                        out.put_nowait(worker_pb2.RequestUpdate(request_id=rid, tokens=c))
+                async with aclosing(updates):
+                    async for u in updates:
+                        out.put_nowait(u)
                 out.put_nowait(worker_pb2.RequestUpdate(request_id=rid, done=True))
             except Exception as e:  # reported to the router as a status
-                code, message = status_of(e)
-                if code == grpc.StatusCode.INTERNAL:
+                failed = failure_message(rid, e)
+                if failed.error_code == grpc.StatusCode.INTERNAL.value[0]:
                     log.exception("request %s failed", rid)
-                out.put_nowait(worker_pb2.RequestUpdate(
-                    request_id=rid, done=True, error_code=code.value[0], error_message=message))
+                out.put_nowait(failed)
             finally:
                 tasks.pop(rid, None)
                 if not tasks and self._draining.is_set():
@@ -143,29 +153,25 @@ class DecodeServicer(WorkerServicer):
                 return
             req = getattr(msg, kind)
             rid = req.request_id
-            error = None
             if self._draining.is_set():
-                error = (grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is shutting down")
-            elif rid in tasks:
-                error = (grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is in use")
-            elif kind != ("generate" if self.role == "both" else "decode"):
-                error = (grpc.StatusCode.FAILED_PRECONDITION,
-                         f"worker {self.worker_id} has role {self.role}, not for {kind}")
-            if error is not None:
-                out.put_nowait(worker_pb2.RequestUpdate(
-                    request_id=rid, done=True, error_code=error[0].value[0],
-                    error_message=error[1]))
-                return
+                raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                                  f"worker {self.worker_id} is shutting down")
+            if rid in tasks:
+                raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"request_id {rid!r} is in use")
+            if kind != ("generate" if self.role == "both" else "decode"):
+                raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"worker {self.worker_id} has role {self.role}, not for {kind}")
             # In the request's trace, as the router sent it: its worker span continues there.
             ctx = contextvars.copy_context()
             ctx.run(otel_context.attach, propagate.extract(dict(msg.trace_context)))
             if kind == "generate":
-                chunks = self._generate(req)
+                updates = self._generate(req)
             else:
                 source = PullSource(None, req.kv.address, req.kv.lease_id, time.monotonic()
                                     + req.kv.lease_ttl_ms / 1000 - LEASE_MARGIN_S, ctx)
-                chunks = self._decode(req, source)
-            task = tasks[rid] = asyncio.get_running_loop().create_task(serve(rid, chunks),
+                updates = self._decode(req, source)
+            task = tasks[rid] = asyncio.get_running_loop().create_task(serve(rid, updates),
                                                                       context=ctx)
             if kind == "decode":
                 # However the task ends (even cancelled before it ran, which skips its code):
@@ -176,7 +182,10 @@ class DecodeServicer(WorkerServicer):
 
         async def read() -> None:
             async for msg in request_iterator:
-                start(msg)
+                try:
+                    start(msg)
+                except WorkerError as e:  # refused: its only update says why
+                    out.put_nowait(failure_message(getattr(msg, msg.WhichOneof("kind")).request_id, e))
             # The router closed its side: end once what it sent is done.
             await asyncio.gather(*tasks.values(), return_exceptions=True)
             out.put_nowait(None)
@@ -207,18 +216,18 @@ class DecodeServicer(WorkerServicer):
             out.put_nowait(None)
 
     async def _generate(self, request: worker_pb2.GenerateOnWorkerRequest
-                        ) -> AsyncIterator[worker_pb2.TokenChunks]:
+                        ) -> AsyncIterator[worker_pb2.RequestUpdate]:
         with self.telemetry.request_span(span_name(self.role), request.request_id,
                                          SpanKind.SERVER) as span:
             params = params_from_proto(request.params)
             stream = self.engine.generate(request.request_id, list(request.prompt_token_ids),
                                           params)
             async with aclosing(self._relay(stream, params.logprobs is not None, span)) as relay:
-                async for chunks in relay:
-                    yield chunks
+                async for update in relay:
+                    yield update
 
     async def _decode(self, request: worker_pb2.DecodeRequest, source: PullSource
-                      ) -> AsyncIterator[worker_pb2.TokenChunks]:
+                      ) -> AsyncIterator[worker_pb2.RequestUpdate]:
         kv = request.kv
         with self.telemetry.request_span(span_name(self.role), request.request_id,
                                          SpanKind.SERVER) as span:
@@ -235,18 +244,18 @@ class DecodeServicer(WorkerServicer):
             stream = self.engine.decode(request.request_id, list(request.prompt_token_ids),
                                         params, remote)
             async with aclosing(self._relay(stream, params.logprobs is not None, span)) as relay:
-                async for chunks in relay:
-                    yield chunks
+                async for update in relay:
+                    yield update
 
     async def _relay(self, stream: AsyncIterator[list[SeqOutput]], with_logprobs: bool,
-                     span) -> AsyncIterator[worker_pb2.TokenChunks]:
+                     span) -> AsyncIterator[worker_pb2.RequestUpdate]:
         """The engine's outputs of one request as messages; its span's attributes at the end."""
         finished: list[SeqOutput] = []
         async with aclosing(stream):
             async for outs in stream:
                 _check_errors(outs)
                 finished += [o for o in outs if o.finish_reason is not None]
-                yield chunks_message(outs, with_logprobs)
+                yield update_message(outs, with_logprobs)
         self.telemetry.decode_done(span, finished)
 
     def _release_unclaimed(self, request_id: str, source: PullSource) -> None:
