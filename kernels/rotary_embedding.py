@@ -19,6 +19,16 @@ from kernels._common import check, check_last_dim_contiguous, check_same_device,
 
 
 @triton.jit
+def load_cos_sin(cache_ptr, pos, stride_cache, offs_r, r_mask, HALF: tl.constexpr):
+    """Row `pos` of the [max_pos, 2 * HALF] cos|sin cache, each as [1, BLOCK_R]; shared with
+    kernels/rotary_store_kv.py."""
+    row = cache_ptr + pos * stride_cache
+    cos = tl.load(row + offs_r, mask=r_mask, other=0.0)[None, :]
+    sin = tl.load(row + HALF + offs_r, mask=r_mask, other=0.0)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def rotate_heads(x_ptr, token, num_heads, stride_t, stride_h, cos, sin, offs_h, offs_r, r_mask,
                  HALF: tl.constexpr):
     """In place on one token's heads of x; shared with kernels/rotary_store_kv.py."""
@@ -42,8 +52,7 @@ def _rotary_kernel(
     pos = tl.load(pos_ptr + token).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < HALF
-    cos = tl.load(cache_ptr + pos * stride_cache + offs_r, mask=r_mask, other=0.0)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_r, mask=r_mask, other=0.0)[None, :]
+    cos, sin = load_cos_sin(cache_ptr, pos, stride_cache, offs_r, r_mask, HALF)
     rotate_heads(q_ptr, token, num_q_heads, stride_qt, stride_qh, cos, sin,
                  tl.arange(0, BLOCK_HQ), offs_r, r_mask, HALF)
     rotate_heads(k_ptr, token, num_kv_heads, stride_kt, stride_kh, cos, sin,

@@ -21,7 +21,12 @@ import triton
 import triton.language as tl
 
 from kernels._common import check, check_last_dim_contiguous, check_same_device, device_guard
-from kernels.rotary_embedding import check_rotary_args, rotary_embedding_ref, rotate_heads
+from kernels.rotary_embedding import (
+    check_rotary_args,
+    load_cos_sin,
+    rotary_embedding_ref,
+    rotate_heads,
+)
 from kernels.store_kv import check_store_kv_args, store_kv_ref
 
 
@@ -47,8 +52,7 @@ def _rotary_store_kv_kernel(
 
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < HALF
-    cos = tl.load(cache_ptr + pos * stride_cache + offs_r, mask=r_mask, other=0.0)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_r, mask=r_mask, other=0.0)[None, :]
+    cos, sin = load_cos_sin(cache_ptr, pos, stride_cache, offs_r, r_mask, HALF)
 
     rotate_heads(q_ptr, token, num_q_heads, stride_qt, stride_qh, cos, sin,
                  tl.arange(0, BLOCK_HQ), offs_r, r_mask, HALF)
