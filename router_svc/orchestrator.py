@@ -29,13 +29,12 @@ from opentelemetry.context import Context
 
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.serving.telemetry import trace_metadata
+from router_svc.worker_stream import Metadata
 from router_svc.workers import Worker, WorkerSet
 from tandem.convert import logprobs_from_proto, params_to_proto
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
-
-Metadata = tuple[tuple[str, str], ...] | None  # gRPC call metadata: the trace context
 
 
 class RouterError(Exception):

@@ -29,7 +29,7 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger(__name__)
 
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
-Metadata = tuple[tuple[str, str], ...] | None
+Metadata = tuple[tuple[str, str], ...] | None  # gRPC call metadata: the trace context
 
 
 def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
