@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -69,15 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 ARGS = parse_args() if __name__ == "__main__" else parse_args([])
-if not torch.cuda.is_available():
-    if not ARGS.smoke:
-        sys.exit("no CUDA device: run on a GPU, or pass --smoke (CPU, interpreter)")
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from benchmarks.timing import copy_bandwidth, gpu_or_smoke, graph_time, rel_err  # noqa: E402
+
+gpu_or_smoke(ARGS.smoke)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from benchmarks.timing import copy_bandwidth, graph_time, rel_err  # noqa: E402
 from engine.attention.base import AttentionMetadata, forward_context  # noqa: E402
 from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402

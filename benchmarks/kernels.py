@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -63,12 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 ARGS = parse_args() if __name__ == "__main__" else parse_args([])
-if not torch.cuda.is_available():
-    if not ARGS.smoke:
-        sys.exit("no CUDA device: run on a GPU, or pass --smoke (CPU, interpreter)")
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.timing import copy_bandwidth, eager_time, graph_time, rel_err  # noqa: E402
+from benchmarks.timing import copy_bandwidth, eager_time, gpu_or_smoke, graph_time, rel_err  # noqa: E402
+
+gpu_or_smoke(ARGS.smoke)
+
 from kernels import (  # noqa: E402  (TRITON_INTERPRET must be set first)
     copy_blocks,
     paged_decode_attention,

@@ -10,12 +10,22 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import torch
 
+
+def gpu_or_smoke(smoke: bool) -> None:
+    """Before Triton is imported: stop without a GPU unless this is a --smoke run, which then
+    runs the kernels in Triton's interpreter on the CPU."""
+    if not torch.cuda.is_available():
+        if not smoke:
+            sys.exit("no CUDA device: run on a GPU, or pass --smoke (CPU, interpreter)")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 def eager_time(calls: list[Callable[[], object]], reps: int, device: torch.device) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
