@@ -49,6 +49,7 @@ import random
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -332,6 +333,18 @@ def send_all(opts: LoadOptions, requests: list[Request], offsets: list[float],
     return sorted(out, key=lambda r: r.index), cpu_s
 
 
+def engine_steps(metrics_url: str) -> int | None:
+    """Engine steps that ran the model so far: the count of a worker's
+    tandem:iteration_tokens_total histogram; None if it serves no metrics."""
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    except OSError:
+        return None
+    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("tandem:iteration_tokens_total_count")]
+    return int(sum(counts)) if counts else None
+
+
 def process_cpu_s(pid: int) -> float | None:
     """CPU seconds (user + system, all threads) a process has used so far; None off Linux."""
     try:
@@ -403,12 +416,19 @@ def good_requests(rows: list[dict], slo_ttft_ms: float, slo_itl_ms: float,
 
 def run_rates(opts: LoadOptions, requests: list[Request], rates: list[float], seed: int,
               label: str = "", warmup: list[Request] | None = None,
-              cooldown_s: float = 1.0, pids: dict[str, int] | None = None) -> list[dict]:
+              cooldown_s: float = 1.0, stack: LocalStack | None = None) -> list[dict]:
     """The workload once per rate; each run: its summary, per-request rows and the samples the
-    CDF plot needs. With `pids` (the stack's processes by name), the summary's cpu_s says what
-    CPU time each process and the clients spent during the run."""
+    CDF plot needs. With the `stack` it runs on, the summary's cpu_s says what CPU time each
+    process and the clients spent during the run, and engine_steps how many steps each worker
+    ran (when the stack serves metrics)."""
+    procs = stack.procs if stack is not None else {}
+
     def cpu() -> dict[str, float | None]:
-        return {name: process_cpu_s(pid) for name, pid in (pids or {}).items()}
+        return {name: process_cpu_s(p.popen.pid) for name, p in procs.items()}
+
+    def steps() -> dict[str, int | None]:
+        return {name: engine_steps(p.metrics_url) for name, p in procs.items()
+                if p.metrics_port}
 
     if warmup:
         w, _ = send_all(opts, warmup, [0.0] * len(warmup), f"{label}warmup")
@@ -420,14 +440,16 @@ def run_rates(opts: LoadOptions, requests: list[Request], rates: list[float], se
         if k:
             time.sleep(cooldown_s)
         offsets = arrival_offsets(len(requests), rate, seed + 1000 * k)
-        before = cpu()
+        before, steps_before = cpu(), steps()
         results, client_cpu_s = send_all(opts, requests, offsets, f"{label}rate {fmt_rate(rate)}")
-        after = cpu()
+        after, steps_after = cpu(), steps()
         s = summarize(results, opts)
         s["rate"] = rate
         s["cpu_s"] = {"client": client_cpu_s, **{
             name: after[name] - before[name] for name in before
             if before[name] is not None and after[name] is not None}}
+        s["engine_steps"] = {name: steps_after[name] - steps_before[name] for name in steps_before
+                             if steps_before[name] is not None and steps_after[name] is not None}
         ok = [r for r in results if r.ok]
         runs.append({
             "summary": s,
@@ -512,7 +534,7 @@ def launch_stack(model: str, roles: list[str], devices: list[str], worker_args: 
                                           os.environ.get("PYTHONPATH", "")])}
     return LocalStack(model, roles, devices, worker_args=worker_args,
                       router_args=["--grpc-port", "0", "--http-port", "0", *router_args],
-                      log_dir=log_dir, env=env)
+                      log_dir=log_dir, env=env, metrics=True)
 
 
 def describe_workers(stack: LocalStack) -> list[dict]:
@@ -1078,8 +1100,7 @@ def main(argv: list[str] | None = None) -> int:
                                client_procs=a.client_procs or default_client_procs(),
                                progress=a.progress)
             runs = run_rates(opts, requests, a.rate, a.seed, warmup=warm, cooldown_s=a.cooldown,
-                             pids={name: p.popen.pid for name, p in stack.procs.items()}
-                             if stack is not None else None)
+                             stack=stack)
         finally:
             if stack is not None:
                 codes = stack.stop()

@@ -3,8 +3,8 @@
 # through one colocated worker driven on its Stream call (no router), through router + gRPC +
 # one colocated worker, and through router + prefill + decode (shm transport), in one run on one
 # machine. ROUNDS rounds (default 3), each running the four in turn, so a noisy neighbour hits
-# all of them alike; prints each path's median output tokens/s (and its range) and the CPU time
-# per output token of each process, from /proc.
+# all of them alike; prints each path's median output tokens/s (and its range), the engine steps
+# each worker ran (from its metrics) and the CPU time per output token of each process (/proc).
 #   bash benchmarks/token_path.sh [--client-procs 1] [--num-requests 64] ...
 #   ROUNDS=5 bash benchmarks/token_path.sh
 set -euo pipefail
@@ -35,7 +35,9 @@ def load(name):
     for r in range(1, rounds + 1):
         rep = json.load(open(f"{out}/{name}-{r}.json"))
         s = rep if name in ("offline", "worker") else rep["runs"][0]["summary"]
-        runs.append((s["output_throughput"], s["output_tokens"], s["cpu_s"], rep))
+        steps = ({"engine": rep["step_time"]["steps"]} if name == "offline"
+                 else s["engine_steps"])
+        runs.append((s["output_throughput"], s["output_tokens"], s["cpu_s"], rep, steps))
     return runs
 
 paths = [("offline engine (LLM.generate)", load("offline")),
@@ -47,14 +49,17 @@ first = paths[0][1][0][3]
 print(f"{first['workload']} x{first['num_requests']} on {platform.machine()} "
       f"({os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}), "
       f"model {first['model']}, {rounds} rounds")
-print(f"{'path':<40}{'tok/s median':>13}{'range':>15}{'vs offline':>11}  CPU µs per token (median)")
+print(f"{'path':<40}{'tok/s median':>13}{'range':>15}{'vs offline':>11}"
+      f"  engine steps (median)  CPU µs per token (median)")
 for name, runs in paths:
     tps = [t for t, *_ in runs]
     med = statistics.median(tps)
-    procs = sorted({p for _, _, cpu, _ in runs for p in cpu})
-    per_tok = {p: statistics.median(cpu[p] / n * 1e6 for _, n, cpu, _ in runs) for p in procs}
+    procs = sorted({p for _, _, cpu, _, _ in runs for p in cpu})
+    per_tok = {p: statistics.median(cpu[p] / n * 1e6 for _, n, cpu, _, _ in runs) for p in procs}
     total = sum(per_tok.values())
     cpu = ", ".join(f"{p} {v:.0f}" for p, v in per_tok.items())
+    workers = sorted({w for *_, steps in runs for w in steps})
+    steps = ", ".join(f"{w} {statistics.median(s[w] for *_, s in runs):.0f}" for w in workers)
     print(f"{name:<40}{med:>13.1f}{f'{min(tps):.0f}-{max(tps):.0f}':>15}{med / base:>11.2f}"
-          f"  {cpu} (total {total:.0f})")
+          f"  {steps:<22}  {cpu} (total {total:.0f})")
 PY

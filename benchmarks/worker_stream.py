@@ -7,7 +7,8 @@ and the client's share.
         --prompt-len 32 --output-len 64 --num-requests 64 --out worker.json
 
 Takes serve.py's stack and workload flags; writes output tokens/s, tokens and the CPU seconds of
-the worker process and of this client during the run (after a warm-up on the same call).
+the worker process and of this client during the run (after a warm-up on the same call), and the
+engine steps the worker ran.
 """
 
 from __future__ import annotations
@@ -57,17 +58,19 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(drive(worker.address, serve.warmup_requests(a, vocab), "warmup"))
         cpu0, c0, t0 = serve.process_cpu_s(worker.popen.pid), time.process_time(), \
             time.perf_counter()
+        steps0 = serve.engine_steps(worker.metrics_url)
         tokens = asyncio.run(drive(worker.address, requests, "run"))
         seconds = time.perf_counter() - t0
         cpu = {"both0": serve.process_cpu_s(worker.popen.pid) - cpu0,
                "client": time.process_time() - c0}
+        steps = {"both0": serve.engine_steps(worker.metrics_url) - steps0}
     finally:
         stack.stop()
     expected = sum(r.max_tokens for r in requests)
     report = {"benchmark": "worker_stream", "model": a.model, "workload": a.workload,
               "num_requests": len(requests), "duration_s": seconds, "output_tokens": tokens,
               "expected_output_tokens": expected, "output_throughput": tokens / seconds,
-              "cpu_s": cpu}
+              "cpu_s": cpu, "engine_steps": steps}
     print(f"{len(requests)} requests on one Stream call: {tokens} tokens in {seconds:.2f} s, "
           f"{tokens / seconds:.0f} output tok/s")
     if a.out:

@@ -5,9 +5,10 @@ pulls the prompt's KV from the prefill worker's pool in one copy, this servicer 
 prefill side's lease, and the request decodes with continuous batching. The first token came
 with the handoff and is not recomputed. Both: prefill and decode here (the baseline).
 
-Requests arrive on the router's Stream call (one per router, many requests): each runs in its
-own task, and what the tasks produce between two writes — one engine step's tokens, usually —
-leaves as one message.
+Requests arrive on the router's Stream call (one per router, many requests). Each step's
+outputs of a request become its update right where the engine hands them over (its sink), and
+what piled up between two writes (one engine step's updates, usually) leaves as one message; a
+request's task only starts it, waits for its end and reports how it ended.
 
 A prefill worker's pool is mapped once per pair: Register returns its descriptor, refused when
 the layouts differ (the error names the field).
@@ -20,9 +21,9 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
@@ -30,6 +31,7 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
 from engine.sequence import RemoteKV, SeqOutput
+from engine.serving.async_engine import OutputSink
 from engine.serving.lifecycle import GRPC_OPTIONS
 from engine.serving.telemetry import span_name, trace_metadata
 from kvtransfer.descriptor import check_compatible
@@ -95,10 +97,20 @@ def failure_message(request_id: str, exc: BaseException) -> worker_pb2.RequestUp
                                     error_code=code.value[0], error_message=message)
 
 
-def _check_errors(outs: list[SeqOutput]) -> None:
-    for o in outs:
-        if o.error is not None:
-            raise WorkerError(grpc.StatusCode.UNAVAILABLE, o.error)
+Emit = Callable[[worker_pb2.RequestUpdate], None]
+
+
+def _relay(emit: Emit, with_logprobs: bool, finished: list[SeqOutput]) -> OutputSink:
+    """A request's sink: each step's outputs as one update; the finished ones kept for its span.
+    An engine-side failure (a KV pull that failed) fails the request."""
+    def sink(outs: list[SeqOutput]) -> None:
+        for o in outs:
+            if o.error is not None:
+                raise WorkerError(grpc.StatusCode.UNAVAILABLE, o.error)
+            if o.finish_reason is not None:
+                finished.append(o)
+        emit(update_message(outs, with_logprobs))
+    return sink
 
 
 class DecodeServicer(WorkerServicer):
@@ -121,18 +133,17 @@ class DecodeServicer(WorkerServicer):
 
     # -- RPCs --------------------------------------------------------------------------------
     async def Stream(self, request_iterator, context):  # noqa: N802 - gRPC method name
-        """All of one router's requests on one call. Each request runs in its own task; what
-        they produce between two writes (one engine step's tokens, usually) goes out as one
-        message. The call ends when the router closes its side and its requests are done, or
-        when the worker drains and they are done; the router leaving cancels them all."""
+        """All of one router's requests on one call. Each request's updates go to the call's
+        outbox as the engine hands them over; what piled up between two writes (one engine
+        step's, usually) goes out as one message. The call ends when the router closes its side
+        and its requests are done, or when the worker drains and they are done; the router
+        leaving cancels them all."""
         out: asyncio.Queue[worker_pb2.RequestUpdate | None] = asyncio.Queue()
         tasks: dict[str, asyncio.Task] = {}
 
-        async def serve(rid: str, updates: AsyncIterator[worker_pb2.RequestUpdate]) -> None:
+        async def serve(rid: str, run: Coroutine[Any, Any, None]) -> None:
             try:
-                async with aclosing(updates):
-                    async for u in updates:
-                        out.put_nowait(u)
+                await run
                 out.put_nowait(worker_pb2.RequestUpdate(request_id=rid, done=True))
             except Exception as e:  # reported to the router as a status
                 failed = failure_message(rid, e)
@@ -166,12 +177,12 @@ class DecodeServicer(WorkerServicer):
             ctx = contextvars.copy_context()
             ctx.run(otel_context.attach, propagate.extract(dict(msg.trace_context)))
             if kind == "generate":
-                updates = self._generate(req)
+                run = self._generate(req, out.put_nowait)
             else:
                 source = PullSource(None, req.kv.address, req.kv.lease_id, time.monotonic()
                                     + req.kv.lease_ttl_ms / 1000 - LEASE_MARGIN_S, ctx)
-                updates = self._decode(req, source)
-            task = tasks[rid] = asyncio.get_running_loop().create_task(serve(rid, updates),
+                run = self._decode(req, source, out.put_nowait)
+            task = tasks[rid] = asyncio.get_running_loop().create_task(serve(rid, run),
                                                                       context=ctx)
             if kind == "decode":
                 # However the task ends (even cancelled before it ran, which skips its code):
@@ -215,19 +226,17 @@ class DecodeServicer(WorkerServicer):
         for out in self._sessions:
             out.put_nowait(None)
 
-    async def _generate(self, request: worker_pb2.GenerateOnWorkerRequest
-                        ) -> AsyncIterator[worker_pb2.RequestUpdate]:
+    async def _generate(self, request: worker_pb2.GenerateOnWorkerRequest, emit: Emit) -> None:
         with self.telemetry.request_span(span_name(self.role), request.request_id,
                                          SpanKind.SERVER) as span:
             params = params_from_proto(request.params)
-            stream = self.engine.generate(request.request_id, list(request.prompt_token_ids),
-                                          params)
-            async with aclosing(self._relay(stream, params.logprobs is not None, span)) as relay:
-                async for update in relay:
-                    yield update
+            finished: list[SeqOutput] = []
+            await self.engine.generate(request.request_id, list(request.prompt_token_ids),
+                                       params, _relay(emit, params.logprobs is not None, finished))
+            self.telemetry.decode_done(span, finished)
 
-    async def _decode(self, request: worker_pb2.DecodeRequest, source: PullSource
-                      ) -> AsyncIterator[worker_pb2.RequestUpdate]:
+    async def _decode(self, request: worker_pb2.DecodeRequest, source: PullSource,
+                      emit: Emit) -> None:
         kv = request.kv
         with self.telemetry.request_span(span_name(self.role), request.request_id,
                                          SpanKind.SERVER) as span:
@@ -241,22 +250,10 @@ class DecodeServicer(WorkerServicer):
                                   f"prefill worker {kv.address}: {e.details()}") from None
             remote = RemoteKV(source, tuple(kv.block_ids), tuple(request.first_token_ids),
                               logprobs_from_proto(request.first_logprobs, params.n))
-            stream = self.engine.decode(request.request_id, list(request.prompt_token_ids),
-                                        params, remote)
-            async with aclosing(self._relay(stream, params.logprobs is not None, span)) as relay:
-                async for update in relay:
-                    yield update
-
-    async def _relay(self, stream: AsyncIterator[list[SeqOutput]], with_logprobs: bool,
-                     span) -> AsyncIterator[worker_pb2.RequestUpdate]:
-        """The engine's outputs of one request as messages; its span's attributes at the end."""
-        finished: list[SeqOutput] = []
-        async with aclosing(stream):
-            async for outs in stream:
-                _check_errors(outs)
-                finished += [o for o in outs if o.finish_reason is not None]
-                yield update_message(outs, with_logprobs)
-        self.telemetry.decode_done(span, finished)
+            finished: list[SeqOutput] = []
+            await self.engine.decode(request.request_id, list(request.prompt_token_ids), params,
+                                     remote, _relay(emit, params.logprobs is not None, finished))
+            self.telemetry.decode_done(span, finished)
 
     def _release_unclaimed(self, request_id: str, source: PullSource) -> None:
         if request_id not in self.engine.engine.requests:

@@ -3,28 +3,30 @@
     asyncio loop (gRPC, HTTP)                     engine thread
     ─────────────────────────                     ─────────────
     add / abort / release  ── commands queue ──▶  run commands between steps
-    per-request queues     ◀── one callback ────  step(): outputs of all requests
+    per-request sinks      ◀── one callback ────  step(): outputs of all requests
                                 per step
 
-Every engine mutation happens on the engine thread, so the engine needs no locks. A request's
-stream ends when all its samples have finished; a consumer that stops early (client gone,
-deadline) aborts the request, which frees its blocks on the next turn of the loop.
+Every engine mutation happens on the engine thread, so the engine needs no locks. A request
+runs as one awaitable: each step's outputs of it go straight to its sink (a plain function, on
+the loop, in step order), so a step costs one loop callback however many requests it advanced,
+and no task wakes per request per token. The awaitable returns when all its samples have
+finished; cancelled (client gone, deadline) or failed (its sink raised), the request is aborted,
+which frees its blocks on the next turn of the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from engine.errors import InvalidArgument
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, RemoteKV, SeqOutput
@@ -33,6 +35,9 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how often an idle engine thread looks at lease deadlines
+
+# Takes one request's outputs of one engine step, on the event loop; raising fails the request.
+OutputSink = Callable[[list[SeqOutput]], None]
 
 
 @dataclass
@@ -46,6 +51,14 @@ class EngineSnapshot:
     num_leases: int = 0
 
 
+@dataclass(eq=False)
+class _Request:
+    sink: OutputSink
+    num_samples: int
+    done: asyncio.Future[None]
+    finished: set[int] = field(default_factory=set)  # sample indices that ended
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine,
                  on_step: Callable[[LLMEngine, list[SeqOutput]], None] | None = None,
@@ -57,7 +70,7 @@ class AsyncEngine:
         self.on_abort = on_abort
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, asyncio.Queue[list[SeqOutput]]] = {}
+        self._requests: dict[str, _Request] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -106,65 +119,45 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[list[SeqOutput]]:
-        """Outputs of one request, a list per engine step, until every sample finishes."""
+                       params: SamplingParams, sink: OutputSink) -> None:
+        """Run one request; `sink` gets its outputs, a list per engine step, until every sample
+        finishes."""
         add = lambda: self.engine.add_request(request_id, prompt_token_ids, params)  # noqa: E731
-        async with aclosing(self._stream(request_id, params.n, add)) as stream:
-            async for outs in stream:
-                yield outs
+        await self._run_request(request_id, params.n, add, sink)
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     remote: RemoteKV) -> AsyncIterator[list[SeqOutput]]:
+                     remote: RemoteKV, sink: OutputSink) -> None:
+        """Decode role: as generate, for a request whose prompt KV is on a prefill worker."""
         add = lambda: self.engine.add_remote_request(  # noqa: E731
             request_id, prompt_token_ids, params, remote)
-        async with aclosing(self._stream(request_id, params.n, add)) as stream:
-            async for outs in stream:
-                yield outs
+        await self._run_request(request_id, params.n, add, sink)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams) -> SeqOutput:
         """Prefill role: the single output that carries the handoff."""
         add = lambda: self.engine.add_request(request_id, prompt_token_ids, params)  # noqa: E731
-        async with aclosing(self._stream(request_id, 1, add)) as stream:
-            async for outs in stream:
-                return outs[-1]
-        raise RuntimeError("prefill produced no output")
+        outs: list[SeqOutput] = []
+        try:
+            await self._run_request(request_id, 1, add, outs.extend)
+        except BaseException:
+            # The handoff came as its caller was leaving: nobody will hand its blocks on, so
+            # release them now rather than at the lease's expiry.
+            self._release_handoffs(outs)
+            raise
+        return outs[-1]
 
-    async def _stream(self, request_id: str, num_samples: int,
-                      add: Callable[[], None]) -> AsyncIterator[list[SeqOutput]]:
-        if request_id in self._streams:
-            from engine.errors import InvalidArgument  # noqa: PLC0415
-
+    async def _run_request(self, request_id: str, num_samples: int,
+                           add: Callable[[], None], sink: OutputSink) -> None:
+        if request_id in self._requests:
             raise InvalidArgument("request_id", f"{request_id!r} is already in use")
-        q: asyncio.Queue[list[SeqOutput]] = asyncio.Queue()
-        self._streams[request_id] = q
-        finished: set[int] = set()
+        req = self._requests[request_id] = _Request(sink, num_samples, self.loop.create_future())
         try:
             await self.call(add)
-            while len(finished) < num_samples:
-                outs = await q.get()
-                if not q.empty():  # the consumer lags: send what piled up as one message
-                    while not q.empty():
-                        outs = outs + q.get_nowait()
-                    outs = _merge_by_sample(outs)
-                for o in outs:
-                    if o.finish_reason is not None:
-                        # A handoff or an error ends every sample of the request at once.
-                        if o.handoff is not None or o.error is not None:
-                            finished.update(range(num_samples))
-                        finished.add(o.sample_index)
-                yield outs
+            await req.done
         finally:
-            del self._streams[request_id]
-            if len(finished) < num_samples:
+            del self._requests[request_id]
+            if len(req.finished) < num_samples:
                 self.post(lambda: self._abort(request_id))
-            # A prefill that finished while its caller was leaving: nobody will hand its blocks
-            # on, so release them now rather than at the lease's expiry.
-            while not q.empty():
-                for o in q.get_nowait():
-                    if o.handoff is not None:
-                        lease = o.handoff.lease_id
-                        self.post(lambda lease=lease: self.engine.release(lease))
 
     async def abort(self, request_id: str) -> bool:
         return await self.call(lambda: self._abort(request_id))
@@ -172,8 +165,9 @@ class AsyncEngine:
     async def release(self, lease_id: str) -> bool:
         return await self.call(lambda: self.engine.release(lease_id))
 
-    def num_streams(self) -> int:
-        return len(self._streams)
+    def num_requests(self) -> int:
+        """Requests the event loop is waiting on."""
+        return len(self._requests)
 
     # -- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -237,9 +231,29 @@ class AsyncEngine:
 
     def _dispatch(self, grouped: dict[str, list[SeqOutput]]) -> None:
         for rid, outs in grouped.items():
-            q = self._streams.get(rid)
-            if q is not None:
-                q.put_nowait(outs)
+            req = self._requests.get(rid)
+            if req is None or req.done.done():  # its caller left, an abort is on its way
+                self._release_handoffs(outs)
+                continue
+            try:
+                req.sink(outs)
+            except Exception as e:  # noqa: BLE001 - fails this request alone
+                req.done.set_exception(e)
+                continue
+            for o in outs:
+                if o.finish_reason is not None:
+                    # A handoff or an error ends every sample of the request at once.
+                    if o.handoff is not None or o.error is not None:
+                        req.finished.update(range(req.num_samples))
+                    req.finished.add(o.sample_index)
+            if len(req.finished) >= req.num_samples:
+                req.done.set_result(None)
+
+    def _release_handoffs(self, outs: list[SeqOutput]) -> None:
+        for o in outs:
+            if o.handoff is not None:
+                lease = o.handoff.lease_id
+                self.post(lambda lease=lease: self.engine.release(lease))
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:
@@ -250,15 +264,3 @@ def _set_result(fut: asyncio.Future, value: Any) -> None:
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
-
-
-def _merge_by_sample(outs: list[SeqOutput]) -> list[SeqOutput]:
-    """Several steps' outputs of one request, one per sample: tokens concatenated in order, the
-    rest (finish reason, counters, timings) from the latest step."""
-    merged: dict[int, SeqOutput] = {}
-    for o in outs:
-        prev = merged.get(o.sample_index)
-        merged[o.sample_index] = o if prev is None else dataclasses.replace(
-            o, new_token_ids=prev.new_token_ids + o.new_token_ids,
-            new_logprobs=prev.new_logprobs + o.new_logprobs)
-    return list(merged.values())

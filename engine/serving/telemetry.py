@@ -280,6 +280,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TRANSFER_SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
                             0.5, 1.0, 2.5, 5.0, 10.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 TRANSFER_BYTES_BUCKETS = tuple(float(1 << s) for s in range(16, 36, 2))  # 64 KiB .. 16 GiB
 
 
@@ -338,6 +339,10 @@ class Metrics:
         self.queue_time = histogram("request_queue_time_seconds",
                                     "From a request's arrival to its first scheduling (decode: "
                                     "admission with blocks for its KV)", REQUEST_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total",
+                                          "Tokens one engine step computed (prompt chunks and "
+                                          "decodes); its count is the number of steps that ran "
+                                          "the model", ITERATION_TOKENS_BUCKETS)
         self.kv_transfer_seconds = histogram("kv_transfer_seconds",
                                              "One request's KV pull, copy waited for",
                                              TRANSFER_SECONDS_BUCKETS)
@@ -381,6 +386,8 @@ class Metrics:
         step = engine.last_step
         now = time.perf_counter()
         if step is not None:
+            if step.num_seqs:
+                self.iteration_tokens.observe(step.num_tokens)
             if step.num_prompt_tokens:
                 self.prompt_tokens.inc(step.num_prompt_tokens)
             if step.num_sampled:

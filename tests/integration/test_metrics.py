@@ -23,7 +23,8 @@ NAMES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
          "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
          "generation_tokens", "request_success", "time_to_first_token_seconds",
          "inter_token_latency_seconds", "e2e_request_latency_seconds",
-         "request_queue_time_seconds", "kv_transfer_seconds", "kv_transfer_bytes"]
+         "request_queue_time_seconds", "kv_transfer_seconds", "kv_transfer_bytes",
+         "iteration_tokens_total"]
 ENGINE_ONLY = {"prefix_cache_queries", "prefix_cache_hits", "num_preemptions"}
 
 
@@ -133,6 +134,10 @@ def test_counters_move_by_what_was_sent(cluster):
     assert p.delta(pb, "tandem:prefix_cache_queries_total") == queried
     # No two prompts share a block; the stop prompt's blocks are cached from its greedy run.
     assert p.delta(pb, "tandem:prefix_cache_hits_total") == (len(stop_prompt) - 1) // 16 * 16
+    # Steps computed every prompt token not found in the cache, in chunks of at most 64.
+    computed = sent_prompt - (len(stop_prompt) - 1) // 16 * 16
+    assert p.delta(pb, "tandem:iteration_tokens_total_sum") == computed
+    assert p.delta(pb, "tandem:iteration_tokens_total_count") >= -(-computed // 64)
 
     # Decode: the rest of the tokens, one KV pull per request.
     assert d.delta(db, "tandem:prompt_tokens_total") == 0
@@ -144,6 +149,9 @@ def test_counters_move_by_what_was_sent(cluster):
         sum(-(-len(q) // 16) for q, _ in jobs) * BLOCK_BYTES
     assert d.delta(db, "tandem:kv_transfer_seconds_sum") > 0
     assert d.delta(db, "tandem:inter_token_latency_seconds_count") > 0
+    # Each decode step computes one token per running sequence: the one it samples from.
+    assert d.delta(db, "tandem:iteration_tokens_total_sum") == generated - n
+    assert d.delta(db, "tandem:iteration_tokens_total_count") >= max(lengths) - 1
     for hist in ("request_queue_time_seconds", "time_to_first_token_seconds",
                  "e2e_request_latency_seconds"):
         assert d.delta(db, f"tandem:{hist}_count") == n, hist
