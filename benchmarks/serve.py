@@ -354,6 +354,78 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_stats(pid: int) -> dict[str, dict[str, float]]:
+    """A process's threads so far: CPU seconds and times preempted (involuntary context
+    switches), by thread: `main`, `engine` (a worker's engine thread, named so), the other
+    Python threads together (`py-threads`), and native threads by name (gRPC's own)."""
+    out: dict[str, dict[str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+        main_comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            comm, rest = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        comm = comm.split("(", 1)[1]
+        f = rest.split()
+        name = "main" if tid == str(pid) else "py-threads" if comm == main_comm else comm
+        t = out.setdefault(name, {"cpu_s": 0.0, "preempted": 0})
+        t["cpu_s"] += (int(f[11]) + int(f[12])) / tick
+        t["preempted"] += int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+    return out
+
+
+def thread_deltas(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+                  ) -> dict[str, dict[str, float]]:
+    return {name: {k: v - before.get(name, {}).get(k, 0) for k, v in t.items()}
+            for name, t in after.items()}
+
+
+def physical_cores() -> list[list[int]]:
+    """This machine's cores in order, each as the CPUs (hyperthreads) it runs, from sysfs; the
+    CPUs this process may use only."""
+    allowed = os.sched_getaffinity(0)
+    cores: dict[str, list[int]] = {}
+    for cpu in sorted(allowed):
+        try:
+            sib = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+                       ).read_text().strip()
+        except OSError:
+            sib = str(cpu)
+        cores.setdefault(sib, []).append(cpu)
+    return list(cores.values())
+
+
+def pin(pid: int, cpus: list[int]) -> None:
+    """Every thread of a process (and so the threads it starts later) onto these CPUs."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def pin_stack(stack: LocalStack) -> dict[str, list[int]]:
+    """--pin: this process (the client), then each worker, then the router, a core each."""
+    plan = pin_plan(["client", *stack.procs])
+    pin(os.getpid(), plan["client"])
+    for name, proc in stack.procs.items():
+        pin(proc.popen.pid, plan[name])
+    return plan
+
+
+def pin_plan(names: list[str]) -> dict[str, list[int]]:
+    """One physical core each, in order (--pin); refused when the machine has too few."""
+    cores = physical_cores()
+    if len(cores) < len(names):
+        raise SystemExit(f"serve.py --pin: {len(names)} processes ({', '.join(names)}) need as "
+                         f"many cores; this machine lets us use {len(cores)}")
+    return dict(zip(names, cores))
+
+
 def _progress(total: int, desc: str, enabled: bool) -> tqdm:
     return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True, leave=False,
                 disable=not enabled)
@@ -426,6 +498,9 @@ def run_rates(opts: LoadOptions, requests: list[Request], rates: list[float], se
     def cpu() -> dict[str, float | None]:
         return {name: process_cpu_s(p.popen.pid) for name, p in procs.items()}
 
+    def threads() -> dict[str, dict[str, dict[str, float]]]:
+        return {name: thread_stats(p.popen.pid) for name, p in procs.items()}
+
     def steps() -> dict[str, int | None]:
         return {name: engine_steps(p.metrics_url) for name, p in procs.items()
                 if p.metrics_port}
@@ -440,14 +515,16 @@ def run_rates(opts: LoadOptions, requests: list[Request], rates: list[float], se
         if k:
             time.sleep(cooldown_s)
         offsets = arrival_offsets(len(requests), rate, seed + 1000 * k)
-        before, steps_before = cpu(), steps()
+        before, steps_before, threads_before = cpu(), steps(), threads()
         results, client_cpu_s = send_all(opts, requests, offsets, f"{label}rate {fmt_rate(rate)}")
-        after, steps_after = cpu(), steps()
+        after, steps_after, threads_after = cpu(), steps(), threads()
         s = summarize(results, opts)
         s["rate"] = rate
         s["cpu_s"] = {"client": client_cpu_s, **{
             name: after[name] - before[name] for name in before
             if before[name] is not None and after[name] is not None}}
+        s["threads"] = {name: thread_deltas(threads_before[name], threads_after[name])
+                        for name in threads_after}
         s["engine_steps"] = {name: steps_after[name] - steps_before[name] for name in steps_before
                              if steps_before[name] is not None and steps_after[name] is not None}
         ok = [r for r in results if r.ok]
@@ -720,6 +797,9 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
     from router_svc.cli import add_engine_args, engine_config
 
     device = resolve_devices(a.devices, 1)[0]
+    cores = pin_plan(["client", "engine"])["engine"] if a.pin else None
+    if cores:
+        pin(os.getpid(), cores)
     p = argparse.ArgumentParser(prog="serve.py --mode offline (engine flags after --)")
     add_engine_args(p, prefix_caching_default=True)  # the workers' defaults
     ea = p.parse_args(["--model", a.model, "--device", device, "--dtype", a.dtype,
@@ -802,6 +882,7 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
         "wrong_length": wrong[:10],
         "duration_s": duration, "output_tokens": out_tokens,
         "cpu_s": {"engine": c1 - c0},  # this process, all threads, probe included
+        "pinned": {"engine": cores} if a.pin else None,
         "expected_output_tokens": sum(r.max_tokens for r in requests),
         "request_throughput": len(requests) / duration,
         "output_throughput": out_tokens / duration,
@@ -979,6 +1060,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PNG of latency CDFs (and goodput vs rate); default: --out with .png")
     g.add_argument("--label", default="", help="a name for this configuration in the report")
     g.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--pin", action="store_true",
+                   help="one physical core per process (Linux): this client on the first, then "
+                        "each launched worker and the router; --mode offline takes the core the "
+                        "first worker would get")
     return p
 
 
@@ -1085,6 +1170,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{', '.join(devices)}; logs in {stack.log_dir}", flush=True)
                 t = time.perf_counter()
                 stack.start()
+                if a.pin:
+                    report["pinned"] = pin_stack(stack)
                 report["startup_s"] = time.perf_counter() - t
                 report["workers"] = describe_workers(stack)
                 grpc_target = stack.router.address

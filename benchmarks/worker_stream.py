@@ -55,22 +55,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack.start()
         worker = stack.workers()[0]
+        pinned = serve.pin_stack(stack) if a.pin else None
         asyncio.run(drive(worker.address, serve.warmup_requests(a, vocab), "warmup"))
         cpu0, c0, t0 = serve.process_cpu_s(worker.popen.pid), time.process_time(), \
             time.perf_counter()
         steps0 = serve.engine_steps(worker.metrics_url)
+        threads0 = serve.thread_stats(worker.popen.pid)
         tokens = asyncio.run(drive(worker.address, requests, "run"))
         seconds = time.perf_counter() - t0
         cpu = {"both0": serve.process_cpu_s(worker.popen.pid) - cpu0,
                "client": time.process_time() - c0}
         steps = {"both0": serve.engine_steps(worker.metrics_url) - steps0}
+        threads = {"both0": serve.thread_deltas(threads0, serve.thread_stats(worker.popen.pid))}
     finally:
         stack.stop()
     expected = sum(r.max_tokens for r in requests)
     report = {"benchmark": "worker_stream", "model": a.model, "workload": a.workload,
               "num_requests": len(requests), "duration_s": seconds, "output_tokens": tokens,
               "expected_output_tokens": expected, "output_throughput": tokens / seconds,
-              "cpu_s": cpu, "engine_steps": steps}
+              "cpu_s": cpu, "threads": threads, "engine_steps": steps,
+              "pinned": pinned}
     print(f"{len(requests)} requests on one Stream call: {tokens} tokens in {seconds:.2f} s, "
           f"{tokens / seconds:.0f} output tok/s")
     if a.out:
