@@ -39,6 +39,7 @@ async def drive(address: str, requests: list, tag: str) -> int:
     tokens = 0
     async with grpc.aio.insecure_channel(address) as ch:
         async for resp in worker_pb2_grpc.WorkerStub(ch).Stream(iter(msgs)):
+            tokens += len(resp.tokens.token_ids)
             for u in resp.updates:
                 if u.error_code:
                     raise RuntimeError(f"{u.request_id}: {u.error_message}")

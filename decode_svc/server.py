@@ -6,9 +6,10 @@ prefill side's lease, and the request decodes with continuous batching. The firs
 with the handoff and is not recomputed. Both: prefill and decode here (the baseline).
 
 Requests arrive on the router's Stream call (one per router, many requests). Each step's
-outputs of a request become its update right where the engine hands them over (its sink), and
-what piled up between two writes (one engine step's updates, usually) leaves as one message; a
-request's task only starts it, waits for its end and reports how it ended.
+outputs of a request go into the call's outbox right where the engine hands them over (its
+sink), as a few list appends; what piled up between two writes (one engine step's, usually)
+leaves as one message, its tokens in columns. A request's task only starts it, waits for its end
+and reports how it ended.
 
 A prefill worker's pool is mapped once per pair: Register returns its descriptor, refused when
 the layouts differ (the error names the field).
@@ -21,7 +22,7 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,8 +76,8 @@ class PullSource:
     settled: bool = False  # the release is on its way
 
 
-def update_message(outs: list[SeqOutput], with_logprobs: bool) -> worker_pb2.RequestUpdate:
-    """One step's outputs of one request, built in place (no copy of a nested message)."""
+def update_message(outs: list[SeqOutput]) -> worker_pb2.RequestUpdate:
+    """One step's outputs of one request with their logprobs, built in place."""
     update = worker_pb2.RequestUpdate(request_id=outs[0].request_id)
     tokens = update.tokens
     tokens.num_prompt_tokens = outs[0].num_prompt_tokens
@@ -84,10 +85,75 @@ def update_message(outs: list[SeqOutput], with_logprobs: bool) -> worker_pb2.Req
     for o in outs:
         tokens.chunks.add(
             sample_index=o.sample_index, token_ids=o.new_token_ids,
-            logprobs=[logprobs_to_proto(lp) for lp in o.new_logprobs] if with_logprobs else [],
+            logprobs=[logprobs_to_proto(lp) for lp in o.new_logprobs],
             finish_reason=o.finish_reason.value if o.finish_reason else "",
             num_output_tokens=o.num_output_tokens)
     return update
+
+
+class Outbox:
+    """What one Stream call has yet to send: new tokens as columns (plain lists until the
+    write, so a request's step costs a few appends) and whole updates (ends, failures, tokens
+    with logprobs). The call writes everything gathered since its last write as one message."""
+
+    def __init__(self) -> None:
+        self._ready = asyncio.Event()
+        self.closing = False  # end the call once its requests are done
+        self._clear()
+
+    def _clear(self) -> None:
+        self._request_id: list[str] = []
+        self._sample_index: list[int] = []
+        self._num_tokens: list[int] = []
+        self._token_ids: list[int] = []
+        self._finish_reason: list[str] = []
+        self._num_output_tokens: list[int] = []
+        self._num_prompt_tokens: list[int] = []
+        self._num_cached_tokens: list[int] = []
+        self._updates: list[worker_pb2.RequestUpdate] = []
+
+    def tokens(self, outs: list[SeqOutput]) -> None:
+        for o in outs:
+            self._request_id.append(o.request_id)
+            self._sample_index.append(o.sample_index)
+            self._num_tokens.append(len(o.new_token_ids))
+            self._token_ids += o.new_token_ids
+            self._finish_reason.append(o.finish_reason.value if o.finish_reason else "")
+            self._num_output_tokens.append(o.num_output_tokens)
+            self._num_prompt_tokens.append(o.num_prompt_tokens)
+            self._num_cached_tokens.append(o.num_cached_tokens)
+        self._ready.set()
+
+    def update(self, update: worker_pb2.RequestUpdate) -> None:
+        self._updates.append(update)
+        self._ready.set()
+
+    def empty(self) -> bool:
+        return not self._request_id and not self._updates
+
+    def close(self) -> None:
+        self.closing = True
+        self._ready.set()
+
+    async def take(self) -> worker_pb2.StreamResponse | None:
+        """Wait until there is news: everything gathered as one message, or None if only
+        `closing` changed."""
+        await self._ready.wait()
+        self._ready.clear()
+        if self.empty():
+            return None
+        msg = worker_pb2.StreamResponse(updates=self._updates)
+        cols = msg.tokens
+        cols.request_id.extend(self._request_id)
+        cols.sample_index.extend(self._sample_index)
+        cols.num_tokens.extend(self._num_tokens)
+        cols.token_ids.extend(self._token_ids)
+        cols.finish_reason.extend(self._finish_reason)
+        cols.num_output_tokens.extend(self._num_output_tokens)
+        cols.num_prompt_tokens.extend(self._num_prompt_tokens)
+        cols.num_cached_tokens.extend(self._num_cached_tokens)
+        self._clear()
+        return msg
 
 
 def failure_message(request_id: str, exc: BaseException) -> worker_pb2.RequestUpdate:
@@ -97,19 +163,19 @@ def failure_message(request_id: str, exc: BaseException) -> worker_pb2.RequestUp
                                     error_code=code.value[0], error_message=message)
 
 
-Emit = Callable[[worker_pb2.RequestUpdate], None]
-
-
-def _relay(emit: Emit, with_logprobs: bool, finished: list[SeqOutput]) -> OutputSink:
-    """A request's sink: each step's outputs as one update; the finished ones kept for its span.
-    An engine-side failure (a KV pull that failed) fails the request."""
+def _relay(outbox: Outbox, with_logprobs: bool, finished: list[SeqOutput]) -> OutputSink:
+    """A request's sink: each step's outputs into the call's outbox; the finished ones kept for
+    its span. An engine-side failure (a KV pull that failed) fails the request."""
     def sink(outs: list[SeqOutput]) -> None:
         for o in outs:
             if o.error is not None:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE, o.error)
             if o.finish_reason is not None:
                 finished.append(o)
-        emit(update_message(outs, with_logprobs))
+        if with_logprobs:
+            outbox.update(update_message(outs))
+        else:
+            outbox.tokens(outs)
     return sink
 
 
@@ -122,7 +188,7 @@ class DecodeServicer(WorkerServicer):
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task] = set()
-        self._sessions: set[asyncio.Queue] = set()  # the open Stream calls' outboxes
+        self._sessions: set[Outbox] = set()  # the open Stream calls' outboxes
         self._draining = asyncio.Event()
         runner = engine.engine.runner
         cfg = engine.engine.model_config
@@ -133,27 +199,27 @@ class DecodeServicer(WorkerServicer):
 
     # -- RPCs --------------------------------------------------------------------------------
     async def Stream(self, request_iterator, context):  # noqa: N802 - gRPC method name
-        """All of one router's requests on one call. Each request's updates go to the call's
+        """All of one router's requests on one call. Each request's tokens go to the call's
         outbox as the engine hands them over; what piled up between two writes (one engine
         step's, usually) goes out as one message. The call ends when the router closes its side
         and its requests are done, or when the worker drains and they are done; the router
         leaving cancels them all."""
-        out: asyncio.Queue[worker_pb2.RequestUpdate | None] = asyncio.Queue()
+        out = Outbox()
         tasks: dict[str, asyncio.Task] = {}
 
         async def serve(rid: str, run: Coroutine[Any, Any, None]) -> None:
             try:
                 await run
-                out.put_nowait(worker_pb2.RequestUpdate(request_id=rid, done=True))
+                out.update(worker_pb2.RequestUpdate(request_id=rid, done=True))
             except Exception as e:  # reported to the router as a status
                 failed = failure_message(rid, e)
                 if failed.error_code == grpc.StatusCode.INTERNAL.value[0]:
                     log.exception("request %s failed", rid)
-                out.put_nowait(failed)
+                out.update(failed)
             finally:
                 tasks.pop(rid, None)
                 if not tasks and self._draining.is_set():
-                    out.put_nowait(None)
+                    out.close()
 
         def start(msg: worker_pb2.StreamRequest) -> None:
             kind = msg.WhichOneof("kind")
@@ -177,11 +243,11 @@ class DecodeServicer(WorkerServicer):
             ctx = contextvars.copy_context()
             ctx.run(otel_context.attach, propagate.extract(dict(msg.trace_context)))
             if kind == "generate":
-                run = self._generate(req, out.put_nowait)
+                run = self._generate(req, out)
             else:
                 source = PullSource(None, req.kv.address, req.kv.lease_id, time.monotonic()
                                     + req.kv.lease_ttl_ms / 1000 - LEASE_MARGIN_S, ctx)
-                run = self._decode(req, source, out.put_nowait)
+                run = self._decode(req, source, out)
             task = tasks[rid] = asyncio.get_running_loop().create_task(serve(rid, run),
                                                                       context=ctx)
             if kind == "decode":
@@ -196,24 +262,20 @@ class DecodeServicer(WorkerServicer):
                 try:
                     start(msg)
                 except WorkerError as e:  # refused: its only update says why
-                    out.put_nowait(failure_message(getattr(msg, msg.WhichOneof("kind")).request_id, e))
+                    out.update(failure_message(getattr(msg, msg.WhichOneof("kind")).request_id, e))
             # The router closed its side: end once what it sent is done.
             await asyncio.gather(*tasks.values(), return_exceptions=True)
-            out.put_nowait(None)
+            out.close()
 
         reader = asyncio.create_task(read())
         self._sessions.add(out)
         try:
             while True:
-                first = await out.get()
-                batch = [first]
-                while not out.empty():
-                    batch.append(out.get_nowait())
-                updates = [u for u in batch if u is not None]
-                if updates:
-                    yield worker_pb2.StreamResponse(updates=updates)
-                if len(updates) < len(batch) and not tasks:
-                    return
+                msg = await out.take()
+                if msg is not None:
+                    yield msg
+                if out.closing and not tasks and out.empty():  # what came during the write
+                    return                                        # goes out first
         finally:
             self._sessions.discard(out)
             reader.cancel()
@@ -224,19 +286,19 @@ class DecodeServicer(WorkerServicer):
         """Refuse new requests on open Stream calls; each ends once its requests are done."""
         self._draining.set()
         for out in self._sessions:
-            out.put_nowait(None)
+            out.close()
 
-    async def _generate(self, request: worker_pb2.GenerateOnWorkerRequest, emit: Emit) -> None:
+    async def _generate(self, request: worker_pb2.GenerateOnWorkerRequest, out: Outbox) -> None:
         with self.telemetry.request_span(span_name(self.role), request.request_id,
                                          SpanKind.SERVER) as span:
             params = params_from_proto(request.params)
             finished: list[SeqOutput] = []
             await self.engine.generate(request.request_id, list(request.prompt_token_ids),
-                                       params, _relay(emit, params.logprobs is not None, finished))
+                                       params, _relay(out, params.logprobs is not None, finished))
             self.telemetry.decode_done(span, finished)
 
     async def _decode(self, request: worker_pb2.DecodeRequest, source: PullSource,
-                      emit: Emit) -> None:
+                      out: Outbox) -> None:
         kv = request.kv
         with self.telemetry.request_span(span_name(self.role), request.request_id,
                                          SpanKind.SERVER) as span:
@@ -252,7 +314,7 @@ class DecodeServicer(WorkerServicer):
                               logprobs_from_proto(request.first_logprobs, params.n))
             finished: list[SeqOutput] = []
             await self.engine.decode(request.request_id, list(request.prompt_token_ids), params,
-                                     remote, _relay(emit, params.logprobs is not None, finished))
+                                     remote, _relay(out, params.logprobs is not None, finished))
             self.telemetry.decode_done(span, finished)
 
     def _release_unclaimed(self, request_id: str, source: PullSource) -> None:

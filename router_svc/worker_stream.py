@@ -6,6 +6,7 @@
     request C ─┘   StreamRequest(cancel)             └─ task C ─┘
          ▲                                                │
          └──── StreamResponse: every request's new tokens of one engine step, in one message
+                               (in columns; ends, failures and tokens with logprobs as updates)
 
 A per-request server stream would cost one gRPC message (and its wake-ups on both sides) per
 request per step; here a step costs one. The call opens on a request's first use and reopens
@@ -36,6 +37,32 @@ def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+def _by_request(cols: worker_pb2.TokenColumns) -> list[tuple[str, worker_pb2.TokenChunks]]:
+    """A message's token columns as one TokenChunks per request and step, in order (a request
+    appears again when the message carries more than one of its steps)."""
+    out: list[tuple[str, worker_pb2.TokenChunks]] = []
+    if not cols.request_id:
+        return out
+    current: dict[str, worker_pb2.TokenChunks] = {}
+    seen: dict[str, set[int]] = {}
+    token_ids = list(cols.token_ids)
+    pos = 0
+    for rid, sample, n, reason, n_out, n_prompt, n_cached in zip(
+            cols.request_id, cols.sample_index, cols.num_tokens, cols.finish_reason,
+            cols.num_output_tokens, cols.num_prompt_tokens, cols.num_cached_tokens, strict=True):
+        chunks = current.get(rid)
+        if chunks is None or sample in seen[rid]:  # a later step of this request
+            chunks = current[rid] = worker_pb2.TokenChunks(num_prompt_tokens=n_prompt,
+                                                           num_cached_tokens=n_cached)
+            seen[rid] = set()
+            out.append((rid, chunks))
+        seen[rid].add(sample)
+        chunks.chunks.add(sample_index=sample, token_ids=token_ids[pos:pos + n],
+                          finish_reason=reason, num_output_tokens=n_out)
+        pos += n
+    return out
+
+
 class WorkerStream:
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str) -> None:
         self.stub = stub
@@ -61,6 +88,9 @@ class WorkerStream:
             async with asyncio.timeout(timeout):
                 while True:
                     u = await inbox.get()
+                    if isinstance(u, worker_pb2.TokenChunks):
+                        yield u
+                        continue
                     if isinstance(u, grpc.aio.AioRpcError):
                         done = True  # the call broke: nothing left to cancel
                         raise u
@@ -95,6 +125,10 @@ class WorkerStream:
         error = _error(grpc.StatusCode.UNAVAILABLE, f"stream to {self.address} ended")
         try:
             async for resp in call:
+                for rid, chunks in _by_request(resp.tokens):  # tokens first, then ends
+                    inbox = self._inboxes.get(rid)
+                    if inbox is not None:
+                        inbox.put_nowait(chunks)
                 for u in resp.updates:
                     inbox = self._inboxes.get(u.request_id)
                     if inbox is not None:

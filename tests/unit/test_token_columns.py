@@ -1,0 +1,76 @@
+"""A worker's outbox writes many requests' tokens as columns; the router reads them back as one
+TokenChunks per request and step, in order, with ends and failures after the tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decode_svc.server import Outbox, failure_message
+from engine.sequence import FinishReason, SeqOutput
+from router_svc.worker_stream import _by_request
+from tandem.v1 import worker_pb2
+from tandem.worker_base import WorkerError
+
+
+def engine_steps(requests, rnd) -> list[list[list[SeqOutput]]]:
+    """Steps as the engine makes them: each step, every request with samples left hands its
+    sink one output per unfinished sample (requests in any order); a sample ends at a step of
+    its own. requests: (samples, steps) per request."""
+    ends = {(i, k): rnd.randint(1, steps) for i, (n, steps) in enumerate(requests)
+            for k in range(n)}
+    out = []
+    for t in range(1, max(steps for _, steps in requests) + 1):
+        step = []
+        for i in rnd.sample(range(len(requests)), len(requests)):
+            outs = [SeqOutput(f"req-{i}", k, [rnd.randint(0, 50_000)] * rnd.randint(0, 2), [],
+                              FinishReason.LENGTH if ends[i, k] == t else None, 7 + i, 3, t)
+                    for k in range(requests[i][0]) if ends[i, k] >= t]
+            if outs:
+                step.append(outs)
+        out.append(step)
+    return out
+
+
+def take(outbox: Outbox) -> worker_pb2.StreamResponse | None:
+    return asyncio.run(asyncio.wait_for(outbox.take(), 1))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 4)), min_size=1, max_size=4),
+       st.randoms(use_true_random=False))
+def test_columns_read_back_as_one_chunks_per_request_and_step(requests, rnd):
+    """Several steps in one message (the router read late): each request's steps stay apart,
+    in order, with everything the sink was handed."""
+    outbox = Outbox()
+    expected = []
+    for step in engine_steps(requests, rnd):
+        for outs in step:
+            outbox.tokens(outs)
+            expected.append((outs[0].request_id, [
+                (o.sample_index, o.new_token_ids, o.finish_reason.value if o.finish_reason
+                 else "", o.num_output_tokens) for o in outs]))
+    msg = worker_pb2.StreamResponse.FromString(take(outbox).SerializeToString())
+    got = _by_request(msg.tokens)
+    assert [(rid, [(c.sample_index, list(c.token_ids), c.finish_reason, c.num_output_tokens)
+                   for c in chunks.chunks]) for rid, chunks in got] == expected
+    for rid, chunks in got:
+        assert chunks.num_prompt_tokens == 7 + int(rid[-1]) and chunks.num_cached_tokens == 3
+
+
+def test_ends_and_failures_follow_the_tokens_and_the_outbox_empties():
+    outbox = Outbox()
+    outbox.tokens([SeqOutput("a", 0, [5], [None], FinishReason.STOP, 4, 0, 1)])
+    outbox.update(worker_pb2.RequestUpdate(request_id="a", done=True))
+    outbox.update(failure_message("b", WorkerError(grpc.StatusCode.UNAVAILABLE,
+                                                   "KV transfer failed")))
+    msg = take(outbox)
+    assert [(rid, [list(c.token_ids) for c in ch.chunks]) for rid, ch in
+            _by_request(msg.tokens)] == [("a", [[5]])]
+    assert [(u.request_id, u.done, u.error_message) for u in msg.updates] == \
+        [("a", True, ""), ("b", True, "KV transfer failed")]
+    outbox.close()
+    assert take(outbox) is None and outbox.closing  # nothing left; only the close is news
