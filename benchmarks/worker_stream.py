@@ -24,7 +24,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]),
 
 import grpc  # noqa: E402
 
-from benchmarks import serve  # noqa: E402
+from benchmarks import procstat, serve  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.convert import params_to_proto  # noqa: E402
 from tandem.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
@@ -56,18 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack.start()
         worker = stack.workers()[0]
-        pinned = serve.pin_stack(stack) if a.pin else None
+        pinned = procstat.pin_stack(stack) if a.pin else None
         asyncio.run(drive(worker.address, serve.warmup_requests(a, vocab), "warmup"))
-        cpu0, c0, t0 = serve.process_cpu_s(worker.popen.pid), time.process_time(), \
+        cpu0, c0, t0 = procstat.process_cpu_s(worker.popen.pid), time.process_time(), \
             time.perf_counter()
-        steps0 = serve.engine_steps(worker.metrics_url)
-        threads0 = serve.thread_stats(worker.popen.pid)
+        steps0 = procstat.engine_steps(worker.metrics_url)
+        threads0 = procstat.thread_stats(worker.popen.pid)
         tokens = asyncio.run(drive(worker.address, requests, "run"))
         seconds = time.perf_counter() - t0
-        cpu = {"both0": serve.process_cpu_s(worker.popen.pid) - cpu0,
+        cpu = {"both0": procstat.process_cpu_s(worker.popen.pid) - cpu0,
                "client": time.process_time() - c0}
-        steps = {"both0": serve.engine_steps(worker.metrics_url) - steps0}
-        threads = {"both0": serve.thread_deltas(threads0, serve.thread_stats(worker.popen.pid))}
+        steps = {"both0": procstat.engine_steps(worker.metrics_url) - steps0}
+        threads = {"both0": procstat.thread_deltas(threads0, procstat.thread_stats(worker.popen.pid))}
     finally:
         stack.stop()
     expected = sum(r.max_tokens for r in requests)
