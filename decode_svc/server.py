@@ -230,15 +230,21 @@ class DecodeServicer(WorkerServicer):
                 return
             req = getattr(msg, kind)
             rid = req.request_id
+            refusal = None
             if self._draining.is_set():
-                raise WorkerError(grpc.StatusCode.UNAVAILABLE,
-                                  f"worker {self.worker_id} is shutting down")
-            if rid in tasks:
+                refusal = WorkerError(grpc.StatusCode.UNAVAILABLE,
+                                      f"worker {self.worker_id} is shutting down")
+            elif kind != ("generate" if self.role == "both" else "decode"):
+                refusal = WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"worker {self.worker_id} has role {self.role}, not for "
+                                      f"{kind}")
+            if refusal is not None:
+                if kind == "decode":  # the router handed its lease over: nobody else releases it
+                    self._release_soon(PullSource(None, req.kv.address, req.kv.lease_id, 0.0))
+                raise refusal
+            if rid in tasks:  # (its lease may be the running request's: left alone)
                 raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"request_id {rid!r} is in use")
-            if kind != ("generate" if self.role == "both" else "decode"):
-                raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"worker {self.worker_id} has role {self.role}, not for {kind}")
             # In the request's trace, as the router sent it: its worker span continues there.
             ctx = contextvars.copy_context()
             ctx.run(otel_context.attach, propagate.extract(dict(msg.trace_context)))
@@ -374,7 +380,7 @@ class DecodeServicer(WorkerServicer):
         self._release_soon(remote.source)
 
     def _release_soon(self, src: PullSource) -> None:
-        """Engine thread: send the Release, once."""
+        """Send the Release, once (from the engine thread or the event loop)."""
         if src.settled:
             return
         src.settled = True

@@ -117,3 +117,60 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tiny_models, tmp_path)
         events = [line["event"] for line in p.json_logs()]
         assert any(e.startswith("shutting down") for e in events) and "drained" in events, \
             p.name
+
+
+def test_a_draining_decode_worker_releases_the_lease_of_a_request_it_refuses(tiny_models,
+                                                                            tmp_path):
+    """A decode request that reaches a draining decode worker on a Stream call opened before
+    is refused (UNAVAILABLE), and its prefill lease is released at once, not at its expiry
+    (30 s): the router had handed the lease over. The request in flight runs to its end."""
+    c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=WORKER_ARGS).start()
+    p, d = c.workers("prefill")[0], c.workers("decode")[0]
+    params = params_to_proto(SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                            ignore_eos=True))
+
+    async def main():
+        async with grpc.aio.insecure_channel(p.address) as pch, \
+                grpc.aio.insecure_channel(d.address) as dch:
+            async def handed_over(rid: str, prompt: list[int]) -> worker_pb2.StreamRequest:
+                resp = await worker_pb2_grpc.WorkerStub(pch).Prefill(worker_pb2.PrefillRequest(
+                    request_id=rid, prompt_token_ids=prompt, params=params))
+                return worker_pb2.StreamRequest(decode=worker_pb2.DecodeRequest(
+                    request_id=rid, prompt_token_ids=prompt, params=params, kv=resp.kv,
+                    first_token_ids=resp.first_token_ids))
+
+            outbox: asyncio.Queue = asyncio.Queue()
+
+            async def sent():
+                while (m := await outbox.get()) is not None:
+                    yield m
+
+            call = worker_pb2_grpc.WorkerStub(dch).Stream(sent())
+            watch = health_pb2_grpc.HealthStub(dch).Watch(health_pb2.HealthCheckRequest())
+            assert (await watch.read()).status == SERVING
+            outbox.put_nowait(await handed_over("in-flight", [3, 1, 4, 1, 5, 9, 2, 6]))
+            tokens = len((await call.read()).tokens.token_ids)  # decoding
+
+            c.kill("decode0", signal.SIGTERM)
+            assert (await watch.read()).status == NOT_SERVING
+            await asyncio.sleep(0.2)  # the drain hook runs right after
+            late = await handed_over("late", [2, 7, 1, 8, 2, 8, 1, 8, 2, 8])
+            assert (await c.load(p)).num_leases == 1
+            outbox.put_nowait(late)
+            outbox.put_nowait(None)
+            ends = {}
+            while (m := await call.read()) is not grpc.aio.EOF:
+                tokens += len(m.tokens.token_ids)
+                ends.update({u.request_id: u for u in m.updates})
+            assert ends["late"].error_code == grpc.StatusCode.UNAVAILABLE.value[0]
+            assert "shutting down" in ends["late"].error_message
+            assert ends["in-flight"].done and not ends["in-flight"].error_code
+            assert tokens == MAX_TOKENS - 1  # the first came with the handoff
+            await c.wait_idle(timeout=3, procs=[p])  # the lease expires only after 30 s
+            watch.cancel()
+
+    try:
+        asyncio.run(main())
+        assert c.procs["decode0"].popen.wait(GRACE_S + 10) == 0
+    finally:
+        c.stop()
