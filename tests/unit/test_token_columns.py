@@ -9,7 +9,7 @@ import grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decode_svc.server import Outbox, failure_message
+from decode_svc.outbox import Outbox, failure_message
 from engine.sequence import FinishReason, SeqOutput
 from router_svc.worker_stream import _by_request
 from tandem.v1 import worker_pb2

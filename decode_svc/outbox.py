@@ -1,0 +1,118 @@
+"""The output side of a worker's Stream call: what a request's steps, end or failure become on
+the wire. New tokens go out in columns (TokenColumns: a few list appends per request and step);
+ends, failures and tokens that carry logprobs as whole RequestUpdates, read after the columns."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from engine.sequence import SeqOutput
+from engine.serving.async_engine import OutputSink
+from tandem.convert import logprobs_to_proto
+from tandem.v1 import worker_pb2
+from tandem.worker_base import WorkerError, status_of
+
+
+def update_message(outs: list[SeqOutput]) -> worker_pb2.RequestUpdate:
+    """One step's outputs of one request with their logprobs, built in place."""
+    update = worker_pb2.RequestUpdate(request_id=outs[0].request_id)
+    tokens = update.tokens
+    tokens.num_prompt_tokens = outs[0].num_prompt_tokens
+    tokens.num_cached_tokens = outs[0].num_cached_tokens
+    for o in outs:
+        tokens.chunks.add(
+            sample_index=o.sample_index, token_ids=o.new_token_ids,
+            logprobs=[logprobs_to_proto(lp) for lp in o.new_logprobs],
+            finish_reason=o.finish_reason.value if o.finish_reason else "",
+            num_output_tokens=o.num_output_tokens)
+    return update
+
+
+class Outbox:
+    """What one Stream call has yet to send: new tokens as columns (plain lists until the
+    write, so a request's step costs a few appends) and whole updates (ends, failures, tokens
+    with logprobs). The call writes everything gathered since its last write as one message."""
+
+    def __init__(self) -> None:
+        self._ready = asyncio.Event()
+        self.closing = False  # end the call once its requests are done
+        self._clear()
+
+    def _clear(self) -> None:
+        self._request_id: list[str] = []
+        self._sample_index: list[int] = []
+        self._num_tokens: list[int] = []
+        self._token_ids: list[int] = []
+        self._finish_reason: list[str] = []
+        self._num_output_tokens: list[int] = []
+        self._num_prompt_tokens: list[int] = []
+        self._num_cached_tokens: list[int] = []
+        self._updates: list[worker_pb2.RequestUpdate] = []
+
+    def tokens(self, outs: list[SeqOutput]) -> None:
+        for o in outs:
+            self._request_id.append(o.request_id)
+            self._sample_index.append(o.sample_index)
+            self._num_tokens.append(len(o.new_token_ids))
+            self._token_ids += o.new_token_ids
+            self._finish_reason.append(o.finish_reason.value if o.finish_reason else "")
+            self._num_output_tokens.append(o.num_output_tokens)
+            self._num_prompt_tokens.append(o.num_prompt_tokens)
+            self._num_cached_tokens.append(o.num_cached_tokens)
+        self._ready.set()
+
+    def update(self, update: worker_pb2.RequestUpdate) -> None:
+        self._updates.append(update)
+        self._ready.set()
+
+    def empty(self) -> bool:
+        return not self._request_id and not self._updates
+
+    def close(self) -> None:
+        self.closing = True
+        self._ready.set()
+
+    async def take(self) -> worker_pb2.StreamResponse | None:
+        """Wait until there is news: everything gathered as one message, or None if only
+        `closing` changed."""
+        await self._ready.wait()
+        self._ready.clear()
+        if self.empty():
+            return None
+        msg = worker_pb2.StreamResponse(updates=self._updates)
+        cols = msg.tokens
+        cols.request_id.extend(self._request_id)
+        cols.sample_index.extend(self._sample_index)
+        cols.num_tokens.extend(self._num_tokens)
+        cols.token_ids.extend(self._token_ids)
+        cols.finish_reason.extend(self._finish_reason)
+        cols.num_output_tokens.extend(self._num_output_tokens)
+        cols.num_prompt_tokens.extend(self._num_prompt_tokens)
+        cols.num_cached_tokens.extend(self._num_cached_tokens)
+        self._clear()
+        return msg
+
+
+def failure_message(request_id: str, exc: BaseException) -> worker_pb2.RequestUpdate:
+    """A request's last update when it failed: the gRPC status that reports `exc`."""
+    code, message = status_of(exc)
+    return worker_pb2.RequestUpdate(request_id=request_id, done=True,
+                                    error_code=code.value[0], error_message=message)
+
+
+def relay(outbox: Outbox, with_logprobs: bool, finished: list[SeqOutput]) -> OutputSink:
+    """A request's sink: each step's outputs into the call's outbox; the finished ones kept for
+    its span. An engine-side failure (a KV pull that failed) fails the request."""
+    def sink(outs: list[SeqOutput]) -> None:
+        for o in outs:
+            if o.error is not None:
+                raise WorkerError(grpc.StatusCode.UNAVAILABLE, o.error)
+            if o.finish_reason is not None:
+                finished.append(o)
+        if with_logprobs:
+            outbox.update(update_message(outs))
+        else:
+            outbox.tokens(outs)
+    return sink
