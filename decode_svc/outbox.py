@@ -46,7 +46,6 @@ class Outbox:
         self._num_tokens: list[int] = []
         self._token_ids: list[int] = []
         self._finish_reason: list[str] = []
-        self._num_output_tokens: list[int] = []
         self._num_prompt_tokens: list[int] = []
         self._num_cached_tokens: list[int] = []
         self._updates: list[worker_pb2.RequestUpdate] = []
@@ -58,7 +57,6 @@ class Outbox:
             self._num_tokens.append(len(o.new_token_ids))
             self._token_ids += o.new_token_ids
             self._finish_reason.append(o.finish_reason.value if o.finish_reason else "")
-            self._num_output_tokens.append(o.num_output_tokens)
             self._num_prompt_tokens.append(o.num_prompt_tokens)
             self._num_cached_tokens.append(o.num_cached_tokens)
         self._ready.set()
@@ -88,7 +86,6 @@ class Outbox:
         cols.num_tokens.extend(self._num_tokens)
         cols.token_ids.extend(self._token_ids)
         cols.finish_reason.extend(self._finish_reason)
-        cols.num_output_tokens.extend(self._num_output_tokens)
         cols.num_prompt_tokens.extend(self._num_prompt_tokens)
         cols.num_cached_tokens.extend(self._num_cached_tokens)
         self._clear()

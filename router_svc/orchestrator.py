@@ -22,14 +22,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 
 import grpc
 from opentelemetry.context import Context
 
-from engine.sampling_params import SamplingParams, TokenLogprobs
+from engine.sampling_params import SamplingParams
 from engine.serving.telemetry import trace_metadata
-from router_svc.worker_stream import Metadata
+from router_svc.worker_stream import Metadata, SampleUpdate, Update
 from router_svc.workers import Worker, WorkerSet
 from tandem.convert import logprobs_from_proto, params_to_proto
 from tandem.v1 import worker_pb2
@@ -46,43 +45,17 @@ class RouterError(Exception):
         self.message = message
 
 
-@dataclass
-class SampleUpdate:
-    index: int
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
-    finish_reason: str | None  # stop | length | abort | None while it goes on
-
-
-@dataclass
-class Update:
-    samples: list[SampleUpdate]
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-
-def _updates(msg: worker_pb2.TokenChunks, want_logprobs: bool) -> Update:
-    samples = []
-    for c in msg.chunks:
-        lps = (list(logprobs_from_proto(c.logprobs, len(c.token_ids))) if want_logprobs
-               else [None] * len(c.token_ids))
-        samples.append(SampleUpdate(c.sample_index, list(c.token_ids), lps,
-                                    c.finish_reason or None))
-    return Update(samples, msg.num_prompt_tokens, msg.num_cached_tokens)
-
-
-async def _until_done(call, num_samples: int, want_logprobs: bool,
+async def _until_done(call: AsyncIterator[Update], num_samples: int,
                       done: set[int] | None = None) -> AsyncIterator[Update]:
     """A worker stream's updates. The one that finishes the last sample is held until the
     stream's end has been read, so a consumer that stops there never cancels a call that was
     completing (the worker would see a cancel instead of its own clean end)."""
     done = set(done or ())
     held: Update | None = None
-    async for msg in call:
+    async for update in call:
         if held is not None:
             yield held
             held = None
-        update = _updates(msg, want_logprobs)
         done.update(s.index for s in update.samples if s.finish_reason is not None)
         if len(done) >= num_samples:
             held = update
@@ -128,7 +101,6 @@ class Orchestrator:
         req = worker_pb2.GenerateOnWorkerRequest(request_id=rid, prompt_token_ids=prompt,
                                                  params=params_to_proto(params))
         tried: set[str] = set()
-        want_lp = params.logprobs is not None
         while True:
             w = self._pick(self.workers.pick_decode("both", tried), "colocated")
             tried.add(w.address)
@@ -137,7 +109,7 @@ class Orchestrator:
             w.in_flight += 1
             try:
                 async with aclosing(call):
-                    async for update in _until_done(call, params.n, want_lp):
+                    async for update in _until_done(call, params.n):
                         sent = True
                         yield update
                 return
@@ -175,7 +147,7 @@ class Orchestrator:
             try:
                 done = {i for i, r in enumerate(resp.finish_reasons) if r}
                 async with aclosing(call):
-                    async for update in _until_done(call, params.n, want_lp, done):
+                    async for update in _until_done(call, params.n, done):
                         update.num_cached_tokens = resp.num_cached_tokens  # the prefill side's
                         yield update
             except grpc.aio.AioRpcError as e:

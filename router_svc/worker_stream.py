@@ -22,9 +22,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
+from engine.sampling_params import TokenLogprobs
+from tandem.convert import logprobs_from_proto
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -37,28 +40,52 @@ def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-def _by_request(cols: worker_pb2.TokenColumns) -> list[tuple[str, worker_pb2.TokenChunks]]:
-    """A message's token columns as one TokenChunks per request and step, in order (a request
-    appears again when the message carries more than one of its steps)."""
-    out: list[tuple[str, worker_pb2.TokenChunks]] = []
+@dataclass
+class SampleUpdate:
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    finish_reason: str | None  # stop | length | abort | None while it goes on
+
+
+@dataclass
+class Update:
+    """One request's new tokens of one engine step."""
+    samples: list[SampleUpdate]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+def _with_logprobs(msg: worker_pb2.TokenChunks) -> Update:
+    """A request's step sent whole: it asked for logprobs."""
+    return Update([SampleUpdate(c.sample_index, list(c.token_ids),
+                                list(logprobs_from_proto(c.logprobs, len(c.token_ids))),
+                                c.finish_reason or None) for c in msg.chunks],
+                  msg.num_prompt_tokens, msg.num_cached_tokens)
+
+
+def _by_request(cols: worker_pb2.TokenColumns) -> list[tuple[str, Update]]:
+    """A message's token columns as one Update per request and step, in order (a request
+    appears again when the message carries more than one of its steps: each step lists every
+    sample it advanced, so a sample seen twice starts the next one)."""
+    out: list[tuple[str, Update]] = []
     if not cols.request_id:
         return out
-    current: dict[str, worker_pb2.TokenChunks] = {}
+    current: dict[str, Update] = {}
     seen: dict[str, set[int]] = {}
     token_ids = list(cols.token_ids)
     pos = 0
-    for rid, sample, n, reason, n_out, n_prompt, n_cached in zip(
+    for rid, sample, n, reason, n_prompt, n_cached in zip(
             cols.request_id, cols.sample_index, cols.num_tokens, cols.finish_reason,
-            cols.num_output_tokens, cols.num_prompt_tokens, cols.num_cached_tokens, strict=True):
-        chunks = current.get(rid)
-        if chunks is None or sample in seen[rid]:  # a later step of this request
-            chunks = current[rid] = worker_pb2.TokenChunks(num_prompt_tokens=n_prompt,
-                                                           num_cached_tokens=n_cached)
+            cols.num_prompt_tokens, cols.num_cached_tokens, strict=True):
+        update = current.get(rid)
+        if update is None or sample in seen[rid]:  # a later step of this request
+            update = current[rid] = Update([], n_prompt, n_cached)
             seen[rid] = set()
-            out.append((rid, chunks))
+            out.append((rid, update))
         seen[rid].add(sample)
-        chunks.chunks.add(sample_index=sample, token_ids=token_ids[pos:pos + n],
-                          finish_reason=reason, num_output_tokens=n_out)
+        update.samples.append(SampleUpdate(sample, token_ids[pos:pos + n], [None] * n,
+                                           reason or None))
         pos += n
     return out
 
@@ -72,8 +99,9 @@ class WorkerStream:
         self._reader: asyncio.Task | None = None
 
     async def request(self, msg: worker_pb2.StreamRequest, metadata: Metadata = None,
-                      timeout: float | None = None) -> AsyncIterator[worker_pb2.TokenChunks]:
-        """Send a generate or decode request; its token chunks until its samples finish."""
+                      timeout: float | None = None) -> AsyncIterator[Update]:
+        """Send a generate or decode request; its updates, one per engine step, until its
+        samples finish."""
         rid = getattr(msg, msg.WhichOneof("kind")).request_id
         if rid in self._inboxes:
             raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is in use")
@@ -88,14 +116,14 @@ class WorkerStream:
             async with asyncio.timeout(timeout):
                 while True:
                     u = await inbox.get()
-                    if isinstance(u, worker_pb2.TokenChunks):
+                    if isinstance(u, Update):
                         yield u
                         continue
                     if isinstance(u, grpc.aio.AioRpcError):
                         done = True  # the call broke: nothing left to cancel
                         raise u
                     if u.HasField("tokens"):
-                        yield u.tokens
+                        yield _with_logprobs(u.tokens)
                     if u.done:
                         done = True
                         if u.error_code:
@@ -125,10 +153,10 @@ class WorkerStream:
         error = _error(grpc.StatusCode.UNAVAILABLE, f"stream to {self.address} ended")
         try:
             async for resp in call:
-                for rid, chunks in _by_request(resp.tokens):  # tokens first, then ends
+                for rid, update in _by_request(resp.tokens):  # tokens first, then ends
                     inbox = self._inboxes.get(rid)
                     if inbox is not None:
-                        inbox.put_nowait(chunks)
+                        inbox.put_nowait(update)
                 for u in resp.updates:
                     inbox = self._inboxes.get(u.request_id)
                     if inbox is not None:

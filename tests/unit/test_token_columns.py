@@ -1,5 +1,5 @@
 """A worker's outbox writes many requests' tokens as columns; the router reads them back as one
-TokenChunks per request and step, in order, with ends and failures after the tokens."""
+update per request and step, in order, with ends and failures after the tokens."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def take(outbox: Outbox) -> worker_pb2.StreamResponse | None:
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 4)), min_size=1, max_size=4),
        st.randoms(use_true_random=False))
-def test_columns_read_back_as_one_chunks_per_request_and_step(requests, rnd):
+def test_columns_read_back_as_one_update_per_request_and_step(requests, rnd):
     """Several steps in one message (the router read late): each request's steps stay apart,
     in order, with everything the sink was handed."""
     outbox = Outbox()
@@ -52,13 +52,14 @@ def test_columns_read_back_as_one_chunks_per_request_and_step(requests, rnd):
             outbox.tokens(outs)
             expected.append((outs[0].request_id, [
                 (o.sample_index, o.new_token_ids, o.finish_reason.value if o.finish_reason
-                 else "", o.num_output_tokens) for o in outs]))
+                 else None) for o in outs]))
     msg = worker_pb2.StreamResponse.FromString(take(outbox).SerializeToString())
     got = _by_request(msg.tokens)
-    assert [(rid, [(c.sample_index, list(c.token_ids), c.finish_reason, c.num_output_tokens)
-                   for c in chunks.chunks]) for rid, chunks in got] == expected
-    for rid, chunks in got:
-        assert chunks.num_prompt_tokens == 7 + int(rid[-1]) and chunks.num_cached_tokens == 3
+    assert [(rid, [(s.index, s.token_ids, s.finish_reason) for s in u.samples])
+            for rid, u in got] == expected
+    for rid, u in got:
+        assert u.num_prompt_tokens == 7 + int(rid[-1]) and u.num_cached_tokens == 3
+        assert all(s.logprobs == [None] * len(s.token_ids) for s in u.samples)
 
 
 def test_ends_and_failures_follow_the_tokens_and_the_outbox_empties():
@@ -68,7 +69,7 @@ def test_ends_and_failures_follow_the_tokens_and_the_outbox_empties():
     outbox.update(failure_message("b", WorkerError(grpc.StatusCode.UNAVAILABLE,
                                                    "KV transfer failed")))
     msg = take(outbox)
-    assert [(rid, [list(c.token_ids) for c in ch.chunks]) for rid, ch in
+    assert [(rid, [s.token_ids for s in u.samples]) for rid, u in
             _by_request(msg.tokens)] == [("a", [[5]])]
     assert [(u.request_id, u.done, u.error_message) for u in msg.updates] == \
         [("a", True, ""), ("b", True, "KV transfer failed")]
