@@ -26,19 +26,40 @@ def engine_steps(metrics_url: str) -> int | None:
     return int(sum(counts)) if counts else None
 
 
-def process_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system, all threads) a process has used so far; None off Linux."""
+def engine_cores(pid: int) -> list[int]:
+    """The engine core processes a worker started (its children run by multiprocessing's
+    spawn; not its resource tracker); [] for other processes or off Linux."""
     try:
-        fields_ = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [int(k) for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
     except OSError:
-        return None
-    return (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
+        return []
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) a process and its engine core have used so far;
+    None off Linux."""
+    total = 0.0
+    for p in (pid, *engine_cores(pid)):
+        try:
+            fields_ = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        total += (int(fields_[11]) + int(fields_[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def thread_stats(pid: int) -> dict[str, dict[str, float]]:
-    """A process's threads so far: CPU seconds and times preempted (involuntary context
-    switches), by thread: `main`, `engine` (a worker's engine thread, named so), the other
-    Python threads together (`py-threads`), and native threads by name (gRPC's own)."""
+    """A process's threads so far, and its engine core's (prefixed `core.`): CPU seconds and
+    times preempted (involuntary context switches), by thread: `main`, the other Python threads
+    together (`py-threads`), and native threads by name (gRPC's own)."""
+    out = _threads(pid, "")
+    for core in engine_cores(pid):
+        out.update(_threads(core, "core."))
+    return out
+
+
+def _threads(pid: int, prefix: str) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     tick = os.sysconf("SC_CLK_TCK")
     try:
@@ -55,7 +76,7 @@ def thread_stats(pid: int) -> dict[str, dict[str, float]]:
         comm = comm.split("(", 1)[1]
         f = rest.split()
         name = "main" if tid == str(pid) else "py-threads" if comm == main_comm else comm
-        t = out.setdefault(name, {"cpu_s": 0.0, "preempted": 0})
+        t = out.setdefault(prefix + name, {"cpu_s": 0.0, "preempted": 0})
         t["cpu_s"] += (int(f[11]) + int(f[12])) / tick
         t["preempted"] += int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
     return out
@@ -90,11 +111,18 @@ def pin(pid: int, cpus: list[int]) -> None:
 
 
 def pin_stack(stack: LocalStack) -> dict[str, list[int]]:
-    """--pin: this process (the client), then each worker, then the router, a core each."""
-    plan = pin_plan(["client", *stack.procs])
+    """--pin: this process (the client), then each worker and its engine core, then the
+    router, a core each."""
+    cores = {name: engine_cores(proc.popen.pid) for name, proc in stack.procs.items()}
+    names = ["client"]
+    for name in stack.procs:
+        names += [name, *(f"{name}.core" for _ in cores[name][:1])]
+    plan = pin_plan(names)
     pin(os.getpid(), plan["client"])
     for name, proc in stack.procs.items():
         pin(proc.popen.pid, plan[name])
+        for core in cores[name][:1]:
+            pin(core, plan[f"{name}.core"])
     return plan
 
 

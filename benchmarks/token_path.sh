@@ -6,8 +6,8 @@
 # all of them alike; prints each path's median output tokens/s (and its range), the engine steps
 # each worker ran (from its metrics) and the CPU time per output token of each process (/proc).
 #   bash benchmarks/token_path.sh [--client-procs 1] [--pin] [--num-requests 64] ...
-# --pin gives every process a physical core of its own (client, workers, router; the offline
-# engine the first worker's), so what the path costs is not mixed with the OS sharing cores.
+# --pin gives every process a physical core of its own (client, each worker and its engine core,
+# router; the offline engine the first worker's), so what the path costs is not mixed with the OS sharing cores.
 #   ROUNDS=5 bash benchmarks/token_path.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,8 +67,8 @@ for name, runs in paths:
     print(f"{name:<40}{med:>13.1f}{f'{min(tps):.0f}-{max(tps):.0f}':>15}{med / base:>11.2f}"
           f"  {steps:<22}  {cpu} (total {total:.0f})")
 print("workers' threads, CPU µs per token and times preempted (medians): main = gRPC's event "
-      "loop, engine = the engine loop, py-threads = other Python threads (gRPC's poller among "
-      "them)")
+      "loop, py-threads = other Python threads (gRPC's poller among them); core.* = the engine "
+      "core process: core.main the engine loop, core.py-threads its command reader")
 for name, runs in paths[1:]:
     for w in sorted({w for *_, th in runs for w in th if w not in ("router", "client")}):
         names = sorted({t for *_, th in runs for t in th.get(w, {})})

@@ -12,7 +12,8 @@ leaves as one message, its tokens in columns. A request's task only starts it, w
 and reports how it ended.
 
 A prefill worker's pool is mapped once per pair: Register returns its descriptor, refused when
-the layouts differ (the error names the field).
+the layouts differ (the error names the field), and the engine core maps it. Pulls happen on the
+core; it says when it is done with each lease (lease_done), and this servicer sends the Release.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
 from decode_svc.outbox import Outbox, failure_message, relay
-from engine.sequence import RemoteKV, SeqOutput
+from engine.sequence import SeqOutput
+from engine.serving.engine_core import LeaseDone, RemoteSource
 from engine.serving.lifecycle import GRPC_OPTIONS
 from engine.serving.telemetry import span_name, trace_metadata
 from kvtransfer.descriptor import check_compatible
-from kvtransfer.remote import RemotePool, open_remote_pool, pull_blocks
 from tandem.convert import (
     descriptor_from_proto,
     logprobs_from_proto,
@@ -58,20 +59,17 @@ LEASE_MARGIN_S = 2.0
 
 
 @dataclass(eq=False)
-class PullSource:
-    """RemoteKV.source on a decode worker: a mapped peer pool and the lease to release.
+class _Lease:
+    """A decode request's prefill lease, as this servicer holds it: released here unless the
+    request reached the engine (`handed`), whose core then says when it is done with it."""
 
-    The lease is released exactly once, decided on the engine thread: after the pull, when the
-    request ends before its pull, or (its task's end) when the engine never took the request."""
-
-    pool: RemotePool | None  # None until the prefill worker's pool is mapped
     address: str
     lease_id: str
     deadline: float  # time.monotonic() after which the blocks may have been reused
     # The request's context (its span, the request id for log lines): the KV-transfer span is
     # its child and the Release call joins its trace.
     context: contextvars.Context | None = None
-    settled: bool = False  # the release is on its way
+    handed: bool = False
 
 
 class DecodeServicer(WorkerServicer):
@@ -79,18 +77,17 @@ class DecodeServicer(WorkerServicer):
         super().__init__(engine, worker_id)
         self.role = role
         self.address = address
-        self.peers: dict[str, RemotePool] = {}
+        self.peers: set[str] = set()  # prefill workers whose pools the engine core mapped
+        self._leases: dict[str, _Lease] = {}  # by lease id: handed to the engine core
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task] = set()
         self._sessions: set[Outbox] = set()  # the open Stream calls' outboxes
         self._draining = asyncio.Event()
-        runner = engine.engine.runner
-        cfg = engine.engine.model_config
+        info = engine.info
         self.layout = worker_pb2.PoolDescriptor(
-            dtype=engine.engine.config.dtype, block_size=runner.block_size,
-            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            num_blocks=runner.num_blocks)
+            dtype=info.dtype, block_size=info.block_size, num_layers=info.num_layers,
+            num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, num_blocks=info.num_blocks)
 
     # -- RPCs --------------------------------------------------------------------------------
     async def Stream(self, request_iterator, context):  # noqa: N802 - gRPC method name
@@ -135,7 +132,7 @@ class DecodeServicer(WorkerServicer):
                                       f"{kind}")
             if refusal is not None:
                 if kind == "decode":  # the router handed its lease over: nobody else releases it
-                    self._release_soon(PullSource(None, req.kv.address, req.kv.lease_id, 0.0))
+                    self._spawn_release(req.kv.address, req.kv.lease_id, None)
                 raise refusal
             if rid in tasks:  # (its lease may be the running request's: left alone)
                 raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -146,17 +143,15 @@ class DecodeServicer(WorkerServicer):
             if kind == "generate":
                 run = self._generate(req, out)
             else:
-                source = PullSource(None, req.kv.address, req.kv.lease_id, time.monotonic()
-                                    + req.kv.lease_ttl_ms / 1000 - LEASE_MARGIN_S, ctx)
-                run = self._decode(req, source, out)
+                lease = _Lease(req.kv.address, req.kv.lease_id, time.monotonic()
+                               + req.kv.lease_ttl_ms / 1000 - LEASE_MARGIN_S, ctx)
+                run = self._decode(req, lease, out)
             task = tasks[rid] = asyncio.get_running_loop().create_task(serve(rid, run),
                                                                       context=ctx)
             if kind == "decode":
                 # However the task ends (even cancelled before it ran, which skips its code):
-                # a request the engine never took has a lease nobody else will release.
-                # Decided on the engine thread, after any add or abort already posted.
-                task.add_done_callback(lambda _, rid=rid, source=source: self.engine.post(
-                    lambda: self._release_unclaimed(rid, source)))
+                # a request never handed to the engine has a lease nobody else will release.
+                task.add_done_callback(lambda _, lease=lease: self._release_unhanded(lease))
 
         async def read() -> None:
             async for msg in request_iterator:
@@ -198,29 +193,40 @@ class DecodeServicer(WorkerServicer):
                                        params, relay(out, params.logprobs is not None, finished))
             self.telemetry.decode_done(span, finished)
 
-    async def _decode(self, request: worker_pb2.DecodeRequest, source: PullSource,
+    async def _decode(self, request: worker_pb2.DecodeRequest, lease: _Lease,
                       out: Outbox) -> None:
         kv = request.kv
         with self.telemetry.request_span(span_name(self.role), request.request_id,
                                          SpanKind.SERVER) as span:
             # The KV-transfer span is a child of this one, the Release call joins its trace.
-            source.context = contextvars.copy_context()
+            lease.context = contextvars.copy_context()
             params = params_from_proto(request.params)
             try:
-                source.pool = await self._peer(kv.address)
+                await self._peer(kv.address)
             except grpc.aio.AioRpcError as e:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE,
                                   f"prefill worker {kv.address}: {e.details()}") from None
-            remote = RemoteKV(source, tuple(kv.block_ids), tuple(request.first_token_ids),
-                              logprobs_from_proto(request.first_logprobs, params.n))
+            remote = RemoteSource(kv.address, kv.lease_id, lease.deadline, tuple(kv.block_ids),
+                                  tuple(request.first_token_ids),
+                                  logprobs_from_proto(request.first_logprobs, params.n))
             finished: list[SeqOutput] = []
+            self._leases[kv.lease_id] = lease
+            lease.handed = True  # from here the engine ends it (lease_done), exactly once
             await self.engine.decode(request.request_id, list(request.prompt_token_ids), params,
                                      remote, relay(out, params.logprobs is not None, finished))
             self.telemetry.decode_done(span, finished)
 
-    def _release_unclaimed(self, request_id: str, source: PullSource) -> None:
-        if request_id not in self.engine.engine.requests:
-            self._release_soon(source)
+    def _release_unhanded(self, lease: _Lease) -> None:
+        if not lease.handed:
+            self._spawn_release(lease.address, lease.lease_id, lease.context)
+
+    def lease_done(self, done: LeaseDone) -> None:
+        """The engine core is done with a lease: record its pull, then release it."""
+        lease = self._leases.pop(done.lease_id, None)
+        context = lease.context if lease is not None else None
+        if done.pulled:
+            self.telemetry.kv_transfer(context, done)
+        self._spawn_release(done.address, done.lease_id, context)
 
     # -- prefill peers -----------------------------------------------------------------------
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
@@ -230,72 +236,39 @@ class DecodeServicer(WorkerServicer):
                                                                       options=GRPC_OPTIONS)
         return worker_pb2_grpc.WorkerStub(ch)
 
-    async def _peer(self, address: str) -> RemotePool:
-        """The prefill worker's pool, registered and mapped on first use."""
-        pool = self.peers.get(address)
-        if pool is not None:
-            return pool
+    async def _peer(self, address: str) -> None:
+        """Register with a prefill worker and map its pool in the engine core, on first use."""
+        if address in self.peers:
+            return
         async with self._peer_locks.setdefault(address, asyncio.Lock()):
             if address in self.peers:
-                return self.peers[address]
+                return
             resp = await self._stub(address).Register(worker_pb2.RegisterRequest(
                 decode_worker_id=self.worker_id, layout=self.layout), timeout=30,
                 metadata=trace_metadata())
             desc = descriptor_from_proto(resp.pool)
             check_compatible(self.layout, desc)
-            device = self.engine.engine.runner.device
-            pool = await asyncio.to_thread(open_remote_pool, desc,
-                                           "cpu" if desc.transport == "shm" else device)
-            self.peers[address] = pool
+            await self.engine.map_pool(address, desc)
+            self.peers.add(address)
             log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id, desc.redacted())
-            return pool
 
-    def pull(self, remote: RemoteKV, dst_block_ids: list[int]) -> None:
-        """Engine thread: copy the prompt's KV in, then release the prefill side's lease."""
-        src: PullSource = remote.source
-        start_ns = time.time_ns()
-        stats = error = None
-        try:
-            if time.monotonic() > src.deadline:
-                raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
-            stats = pull_blocks(src.pool, self.engine.engine.runner.pool, remote.block_ids,
-                                dst_block_ids)
-        except Exception as e:
-            error = e
-            raise
-        finally:
-            self.telemetry.kv_transfer(
-                src.context, start_ns, blocks=len(remote.block_ids),
-                nbytes=stats.bytes if stats else 0, seconds=stats.seconds if stats else 0.0,
-                transport=src.pool.descriptor.transport, source=src.address, error=error)
-            self._release_soon(src)
-
-    def drop(self, remote: RemoteKV) -> None:
-        """Engine thread: the request ended before its KV was pulled; free the prefill side."""
-        self._release_soon(remote.source)
-
-    def _release_soon(self, src: PullSource) -> None:
-        """Send the Release, once (from the engine thread or the event loop)."""
-        if src.settled:
-            return
-        src.settled = True
-        self.engine.loop.call_soon_threadsafe(self._spawn_release, src)
-
-    def _spawn_release(self, src: PullSource) -> None:
+    def _spawn_release(self, address: str, lease_id: str,
+                       context: contextvars.Context | None) -> None:
         # In the request's context: the Release call joins its trace, its log lines its id.
-        task = asyncio.get_running_loop().create_task(self._release(src), context=src.context)
+        task = asyncio.get_running_loop().create_task(self._release(address, lease_id),
+                                                      context=context)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _release(self, src: PullSource) -> None:
+    async def _release(self, address: str, lease_id: str) -> None:
         try:
-            resp = await self._stub(src.address).Release(
-                worker_pb2.ReleaseRequest(lease_id=src.lease_id), timeout=10,
+            resp = await self._stub(address).Release(
+                worker_pb2.ReleaseRequest(lease_id=lease_id), timeout=10,
                 metadata=trace_metadata())
             if not resp.released:
-                log.warning("lease at %s had already ended when released", src.address)
+                log.warning("lease at %s had already ended when released", address)
         except grpc.aio.AioRpcError as e:
-            log.warning("release at %s failed: %s (the lease will expire)", src.address,
+            log.warning("release at %s failed: %s (the lease will expire)", address,
                         e.code().name)
 
     async def on_stop(self) -> None:
@@ -303,8 +276,6 @@ class DecodeServicer(WorkerServicer):
             await asyncio.gather(*self._background, return_exceptions=True)
         for ch in self._channels.values():
             await ch.close()
-        for pool in self.peers.values():
-            pool.close()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -313,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     def make(engine, worker_id, address):
         return DecodeServicer(engine, worker_id, address, role)
 
-    return main_worker(args, role, make, kv_hooks=lambda servicer: (servicer.pull, servicer.drop))
+    return main_worker(args, role, make)
 
 
 def add_parser(sub, name: str) -> None:

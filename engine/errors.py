@@ -16,6 +16,9 @@ class InvalidArgument(TandemError, ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self):  # pickled from the engine core to its worker
+        return type(self), (self.field, self.message)
+
 
 class ModelLoadError(TandemError):
     """A model cannot be loaded: missing directory, unsupported architecture, bad tensors."""
@@ -27,6 +30,10 @@ class LayoutMismatch(TandemError):
     def __init__(self, field: str, local: object, remote: object) -> None:
         super().__init__(f"KV pool layout mismatch in {field}: local {local!r}, remote {remote!r}")
         self.field = field
+        self.local, self.remote = local, remote
+
+    def __reduce__(self):
+        return type(self), (self.field, self.local, self.remote)
 
 
 class Overloaded(TandemError):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, cdiv
@@ -25,7 +24,15 @@ from engine.model_source import resolve_model
 from engine.sampler import SampleRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import FinishReason, Handoff, RemoteKV, SeqOutput, Sequence, Status
+from engine.sequence import (
+    FinishReason,
+    Handoff,
+    RemoteKV,
+    SeqOutput,
+    Sequence,
+    Status,
+    StepStats,
+)
 from kvtransfer.lease import LeaseTable
 
 log = logging.getLogger(__name__)
@@ -34,17 +41,6 @@ log = logging.getLogger(__name__)
 KVPuller = Callable[[RemoteKV, list[int]], None]
 # Told when a request whose KV was never pulled ends (so its source can be released).
 KVDropper = Callable[[RemoteKV], None]
-
-
-@dataclass
-class StepStats:
-    num_seqs: int
-    num_tokens: int
-    num_decodes: int
-    num_preempted: int
-    seconds: float
-    num_sampled: int = 0  # tokens sampled this step (first tokens included)
-    num_prompt_tokens: int = 0  # prompts whose first token this step sampled
 
 
 class LLMEngine:

@@ -192,3 +192,16 @@ class Handoff:
     lease_ttl_s: float
     finish_reasons: tuple[FinishReason | None, ...]  # per sample: done at its first token?
     num_cached_tokens: int = 0
+
+
+@dataclass
+class StepStats:
+    """What one engine step did (LLMEngine.last_step)."""
+
+    num_seqs: int
+    num_tokens: int
+    num_decodes: int
+    num_preempted: int
+    seconds: float
+    num_sampled: int = 0  # tokens sampled this step (first tokens included)
+    num_prompt_tokens: int = 0  # prompts whose first token this step sampled

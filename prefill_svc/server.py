@@ -11,11 +11,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-import torch
-
 from engine.errors import LayoutMismatch
 from kvtransfer.descriptor import check_compatible
-from kvtransfer.pool import LocalPool, allocate_pool
 from tandem.convert import descriptor_to_proto, logprobs_to_proto, params_from_proto
 from tandem.v1 import worker_pb2
 from tandem.worker_base import WorkerServicer, abort_for, add_worker_args, main_worker
@@ -26,10 +23,10 @@ log = logging.getLogger(__name__)
 class PrefillServicer(WorkerServicer):
     role = "prefill"
 
-    def __init__(self, engine, worker_id: str, address: str, pool: LocalPool) -> None:
+    def __init__(self, engine, worker_id: str, address: str) -> None:
         super().__init__(engine, worker_id)
         self.address = address
-        self.pool = pool
+        self.pool = engine.info.pool  # the engine core's pool, as peers map it
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
         with self.telemetry.request_span("prefill", request.request_id) as span:
@@ -58,7 +55,7 @@ class PrefillServicer(WorkerServicer):
         return worker_pb2.ReleaseResponse(released=await self.engine.release(request.lease_id))
 
     async def Register(self, request, context):  # noqa: N802
-        mine = self.pool.descriptor
+        mine = self.pool
         try:
             check_compatible(mine, request.layout)
         except LayoutMismatch as e:
@@ -69,26 +66,11 @@ class PrefillServicer(WorkerServicer):
         return worker_pb2.RegisterResponse(prefill_worker_id=self.worker_id,
                                            pool=descriptor_to_proto(mine))
 
-    async def on_stop(self) -> None:
-        self.pool.close()
-
 
 def run(args: argparse.Namespace) -> int:
     transport = args.transport or ("shm" if args.device == "cpu" else "cuda_ipc")
-    pools: list[LocalPool] = []
-
-    def pool_factory(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        n, layers, _, bs, heads, dim = shape
-        pool = allocate_pool(num_blocks=n, num_layers=layers, block_size=bs, num_kv_heads=heads,
-                             head_dim=dim, dtype=dtype, device=device, transport=transport)
-        pools.append(pool)
-        return pool.tensor
-
-    def make(engine, worker_id, address):
-        engine.engine.lease_ttl_s = args.lease_ttl
-        return PrefillServicer(engine, worker_id, address, pools[-1])
-
-    return main_worker(args, "prefill", make, pool_factory=pool_factory)
+    return main_worker(args, "prefill", PrefillServicer, transport=transport,
+                       lease_ttl_s=args.lease_ttl)
 
 
 def add_parser(sub, name: str) -> None:

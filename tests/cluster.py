@@ -79,5 +79,14 @@ class Cluster(LocalStack):
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         self.procs[name].popen.send_signal(sig)
 
+    def engine_core(self, name: str) -> int:
+        """The pid of worker `name`'s engine core, from /proc (Linux): its one child started by
+        multiprocessing's spawn (the other is multiprocessing's resource tracker)."""
+        pid = self.procs[name].popen.pid
+        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        (core,) = [k for k in kids
+                   if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+        return core
+
     def stop(self, timeout: float = 30.0) -> dict[str, int | None]:
         return super().stop(timeout)

@@ -1,56 +1,55 @@
-"""The engine on its own thread, for asyncio services.
+"""The engine as an asyncio service sees it: a process of its own (engine_core), driven from
+the event loop.
 
-    asyncio loop (gRPC, HTTP)                     engine thread
-    ─────────────────────────                     ─────────────
-    add / abort / release  ── commands queue ──▶  run commands between steps
-    per-request sinks      ◀── one callback ────  step(): outputs of all requests
-                                per step
+    asyncio loop (gRPC, HTTP)                       engine core process
+    ─────────────────────────                       ───────────────────
+    generate / decode / prefill / abort / release ─── commands ──▶  between steps
+    per-request sinks  ◀── one "step" message per step (outputs of all requests), read when
+                           the pipe is readable: no thread, no wake-up per request
 
-Every engine mutation happens on the engine thread, so the engine needs no locks. A request
-runs as one awaitable: each step's outputs of it go straight to its sink (a plain function, on
-the loop, in step order), so a step costs one loop callback however many requests it advanced,
-and no task wakes per request per token. The awaitable returns when all its samples have
-finished; cancelled (client gone, deadline) or failed (its sink raised), the request is aborted,
-which frees its blocks on the next turn of the loop.
+A request runs as one awaitable: each step's outputs of it go straight to its sink (a plain
+function, on the loop, in step order). The awaitable returns when all its samples have finished;
+cancelled (client gone, deadline) or failed (its sink raised), the request is aborted, which
+frees its blocks between the core's next two steps.
+
+The core dying (killed, out of memory) fails every request and call in flight with EngineDead
+and calls `on_death`: a worker without its engine stops serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
+import itertools
 import logging
-import queue
-import threading
-import time
+import multiprocessing
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-from engine.errors import InvalidArgument
-from engine.llm_engine import LLMEngine
+from engine.errors import InvalidArgument, TandemError
 from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason, RemoteKV, SeqOutput
+from engine.sequence import SeqOutput
+from engine.serving.engine_core import (
+    CoreInfo,
+    CoreSpec,
+    EngineSnapshot,
+    LeaseDone,
+    RemoteSource,
+    run_core,
+)
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.05  # how often an idle engine thread looks at lease deadlines
+STOP_TIMEOUT_S = 30.0  # for the core to exit after "stop" before it is killed
 
 # Takes one request's outputs of one engine step, on the event loop; raising fails the request.
 OutputSink = Callable[[list[SeqOutput]], None]
 
 
-@dataclass
-class EngineSnapshot:
-    """Load figures, read on the engine thread after each step (cheap to read anywhere)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-    num_leases: int = 0
+class EngineDead(TandemError):
+    """The engine core process exited; nothing it held survives."""
 
 
 @dataclass(eq=False)
@@ -62,86 +61,122 @@ class _Request:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine,
-                 on_step: Callable[[LLMEngine, list[SeqOutput]], None] | None = None,
-                 on_abort: Callable[[int], None] | None = None) -> None:
-        self.engine = engine
-        # Metrics hooks, called on the engine thread: after each step, and with the number of
-        # unfinished sequences when a request is aborted (outputs of aborts are never made).
+    def __init__(self, spec: CoreSpec, *,
+                 on_step: Callable[[Any, list[SeqOutput], float], None] | None = None,
+                 on_abort: Callable[[int], None] | None = None,
+                 on_lease_done: Callable[[LeaseDone], None] | None = None,
+                 on_death: Callable[[], None] | None = None) -> None:
+        self.spec = spec
+        # Hooks, on the loop: after each step (StepStats or None, its outputs, the core's
+        # perf_counter at its end), samples ended by an abort, a prefill lease the core is done
+        # with (decode role), the core's death.
         self.on_step = on_step
         self.on_abort = on_abort
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self.on_lease_done = on_lease_done
+        self.on_death = on_death
+        self.info: CoreInfo | None = None
+        self.snapshot = EngineSnapshot()
+        self.dead = False
         self._requests: dict[str, _Request] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = False
-        self._error: BaseException | None = None
-        self.snapshot = EngineSnapshot(num_blocks=engine.block_pool.num_blocks,
-                                       num_free_blocks=engine.block_pool.num_free)
+        self._proc: Any = None
+        self._commands: Any = None  # Connection, worker -> core
+        self._events: Any = None  # Connection, core -> worker
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
-        _keep_freed_memory()
+    async def start(self) -> None:
+        """Start the core and wait until its model is loaded; its load errors raise here."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._thread.start()
+        ctx = multiprocessing.get_context("spawn")  # CUDA cannot live in a forked child
+        cmd_recv, self._commands = ctx.Pipe(duplex=False)
+        self._events, evt_send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=run_core, args=(self.spec, cmd_recv, evt_send),
+                                 name=f"{self.spec.role}-core", daemon=True)
+        self._proc.start()
+        cmd_recv.close()
+        evt_send.close()
+        kind, _, info, error = await asyncio.to_thread(self._first_message)
+        if kind != "ready":
+            self._proc.join(STOP_TIMEOUT_S)
+            raise error
+        self.info = info
+        self.snapshot = EngineSnapshot(num_free_blocks=info.num_blocks,
+                                       num_blocks=info.num_blocks, block_size=info.block_size)
+        self._loop.add_reader(self._events.fileno(), self._on_readable)
+
+    def _first_message(self) -> tuple:
+        while not self._events.poll(0.5):
+            if not self._proc.is_alive():
+                return ("failed", 0, None, EngineDead(
+                    f"the engine core exited while starting (exit code {self._proc.exitcode})"))
+        try:
+            return self._events.recv()
+        except EOFError:
+            return ("failed", 0, None, EngineDead("the engine core exited while starting"))
 
     async def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        if self._proc is None:
+            return
+        if not self.dead:
+            self._loop.remove_reader(self._events.fileno())
+            self._send(("stop", 0))
+        proc = self._proc
+        await asyncio.to_thread(proc.join, STOP_TIMEOUT_S)
+        if proc.is_alive():
+            log.warning("the engine core did not stop within %.0f s; killing it", STOP_TIMEOUT_S)
+            proc.kill()
+            await asyncio.to_thread(proc.join)
+        self._commands.close()
+        self._events.close()
+        self._proc = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        assert self._loop is not None, "AsyncEngine.start() first"
+        assert self._loop is not None, "await AsyncEngine.start() first"
         return self._loop
 
-    # -- calls onto the engine thread --------------------------------------------------------
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run fn on the engine thread between steps; its result or exception comes back."""
-        fut: asyncio.Future[T] = self.loop.create_future()
-
-        def run() -> None:
-            try:
-                result = fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                self.loop.call_soon_threadsafe(_set_exception, fut, e)
-            else:
-                self.loop.call_soon_threadsafe(_set_result, fut, result)
-
-        self._commands.put(run)
-        self._wake.set()
+    # -- commands ----------------------------------------------------------------------------
+    async def call(self, name: str, *args: Any) -> Any:
+        """Run command `name` on the core between steps; its result or exception comes back."""
+        if self.dead:
+            raise EngineDead("the engine core has exited")
+        call_id = next(self._ids)
+        fut = self._calls[call_id] = self.loop.create_future()
+        self._send((name, call_id, *args))
         return await fut
 
-    def post(self, fn: Callable[[], Any]) -> None:
-        """Fire-and-forget onto the engine thread."""
-        self._commands.put(fn)
-        self._wake.set()
+    def post(self, name: str, *args: Any) -> None:
+        """Fire-and-forget onto the core."""
+        if not self.dead:
+            self._send((name, 0, *args))
+
+    def _send(self, msg: tuple) -> None:
+        with contextlib.suppress(OSError):  # the core is gone; its pipe's EOF reports it
+            self._commands.send(msg)
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, sink: OutputSink) -> None:
         """Run one request; `sink` gets its outputs, a list per engine step, until every sample
         finishes."""
-        add = lambda: self.engine.add_request(request_id, prompt_token_ids, params)  # noqa: E731
-        await self._run_request(request_id, params.n, add, sink)
+        await self._run_request(request_id, prompt_token_ids, params, None, sink)
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     remote: RemoteKV, sink: OutputSink) -> None:
-        """Decode role: as generate, for a request whose prompt KV is on a prefill worker."""
-        add = lambda: self.engine.add_remote_request(  # noqa: E731
-            request_id, prompt_token_ids, params, remote)
-        await self._run_request(request_id, params.n, add, sink)
+                     remote: RemoteSource, sink: OutputSink) -> None:
+        """Decode role: as generate, for a request whose prompt KV is on a prefill worker (whose
+        pool `map_pool` mapped). Its lease ends in exactly one `on_lease_done`: from the core,
+        after the pull or when the request ends before it; from here, if it never reached the
+        core (or the core died after it did, in which case the lease expires)."""
+        await self._run_request(request_id, prompt_token_ids, params, remote, sink)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams) -> SeqOutput:
         """Prefill role: the single output that carries the handoff."""
-        add = lambda: self.engine.add_request(request_id, prompt_token_ids, params)  # noqa: E731
         outs: list[SeqOutput] = []
         try:
-            await self._run_request(request_id, 1, add, outs.extend)
+            await self._run_request(request_id, prompt_token_ids, params, None, outs.extend)
         except BaseException:
             # The handoff came as its caller was leaving: nobody will hand its blocks on, so
             # release them now rather than at the lease's expiry.
@@ -149,91 +184,78 @@ class AsyncEngine:
             raise
         return outs[-1]
 
-    async def _run_request(self, request_id: str, num_samples: int,
-                           add: Callable[[], None], sink: OutputSink) -> None:
-        if request_id in self._requests:
+    async def _run_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                           remote: RemoteSource | None, sink: OutputSink) -> None:
+        if request_id in self._requests or self.dead:
+            if remote is not None:  # never reaches the core: its lease is done here
+                _hook(self.on_lease_done, LeaseDone(request_id, remote.address, remote.lease_id))
+            if self.dead:
+                raise EngineDead("the engine core has exited")
             raise InvalidArgument("request_id", f"{request_id!r} is already in use")
-        req = self._requests[request_id] = _Request(sink, num_samples, self.loop.create_future())
+        req = self._requests[request_id] = _Request(sink, params.n, self.loop.create_future())
         try:
-            await self.call(add)
+            await self.call("add", request_id, prompt, params, remote)
             await req.done
         finally:
             del self._requests[request_id]
-            if len(req.finished) < num_samples:
-                self.post(lambda: self._abort(request_id))
+            if len(req.finished) < params.n:
+                self.post("abort", request_id)
 
     async def abort(self, request_id: str) -> bool:
-        return await self.call(lambda: self._abort(request_id))
+        return await self.call("abort", request_id)
 
     async def release(self, lease_id: str) -> bool:
-        return await self.call(lambda: self.engine.release(lease_id))
+        return await self.call("release", lease_id)
+
+    async def map_pool(self, address: str, descriptor: Any) -> None:
+        """Decode role: map a prefill worker's pool in the core (once per address)."""
+        await self.call("map", address, descriptor)
+
+    async def refresh(self) -> EngineSnapshot:
+        """A snapshot taken now, between two steps."""
+        self.snapshot = await self.call("snapshot")
+        return self.snapshot
 
     def num_requests(self) -> int:
         """Requests the event loop is waiting on."""
         return len(self._requests)
 
-    # -- the engine thread -------------------------------------------------------------------
-    def _run(self) -> None:
-        _name_native_thread("engine")
-        engine = self.engine
-        while not self._stop:
-            self._wake.clear()
-            while True:
-                try:
-                    self._commands.get_nowait()()
-                except queue.Empty:
-                    break
-            if engine.has_work():
-                try:
-                    outputs = engine.step()
-                except Exception:
-                    log.exception("engine step failed; failing its requests")
-                    outputs = self._fail_all("internal error in the engine step")
-                if outputs:
-                    self._deliver(outputs)
-            else:
-                if len(engine.leases):
-                    engine.expire_leases(time.monotonic())
-                self._snap()
-                self._wake.wait(IDLE_WAIT_S)
-                continue
-            self._snap()
-            if self.on_step is not None:
-                try:
-                    self.on_step(engine, outputs)
-                except Exception:
-                    log.exception("on_step hook failed")
+    # -- events from the core ----------------------------------------------------------------
+    def _on_readable(self) -> None:
+        try:
+            while self._events.poll():
+                self._handle(self._events.recv())
+        except (EOFError, OSError):
+            self._died()
 
-    def _abort(self, request_id: str) -> bool:
-        seqs = self.engine.requests.get(request_id, ())
-        unfinished = sum(1 for s in seqs if not s.is_finished)
-        aborted = self.engine.abort(request_id)
-        if aborted and unfinished and self.on_abort is not None:
-            self.on_abort(unfinished)
-        return aborted
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "step":
+            _, outputs, stats, end, self.snapshot = msg
+            if outputs:
+                self._dispatch(outputs)
+            _hook(self.on_step, stats, outputs, end)
+        elif kind == "reply":
+            _, call_id, result, error = msg
+            fut = self._calls.pop(call_id)
+            if not fut.done():
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(result)
+        elif kind == "snapshot":
+            self.snapshot = msg[1]
+        elif kind == "aborted":
+            _hook(self.on_abort, msg[1])
+        elif kind == "lease_done":
+            _hook(self.on_lease_done, msg[1])
+        else:
+            log.error("unknown message from the engine core: %r", kind)
 
-    def _fail_all(self, message: str) -> list[SeqOutput]:
-        outputs = []
-        for rid, seqs in list(self.engine.requests.items()):
-            self.engine.abort(rid)
-            for s in seqs:
-                outputs.append(SeqOutput(rid, s.sample_index, [], [], FinishReason.ERROR,
-                                         s.num_prompt_tokens, s.num_cached_tokens,
-                                         s.num_output_tokens, error=message))
-        return outputs
-
-    def _snap(self) -> None:
-        e = self.engine
-        self.snapshot = EngineSnapshot(e.num_running(), e.num_waiting(), e.block_pool.num_free,
-                                       e.block_pool.num_blocks, len(e.leases))
-
-    def _deliver(self, outputs: list[SeqOutput]) -> None:
+    def _dispatch(self, outputs: list[SeqOutput]) -> None:
         grouped: dict[str, list[SeqOutput]] = defaultdict(list)
         for o in outputs:
             grouped[o.request_id].append(o)
-        self.loop.call_soon_threadsafe(self._dispatch, grouped)
-
-    def _dispatch(self, grouped: dict[str, list[SeqOutput]]) -> None:
         for rid, outs in grouped.items():
             req = self._requests.get(rid)
             if req is None or req.done.done():  # its caller left, an abort is on its way
@@ -256,37 +278,33 @@ class AsyncEngine:
     def _release_handoffs(self, outs: list[SeqOutput]) -> None:
         for o in outs:
             if o.handoff is not None:
-                lease = o.handoff.lease_id
-                self.post(lambda lease=lease: self.engine.release(lease))
+                self.post("release", o.handoff.lease_id)
+
+    def _died(self) -> None:
+        if self.dead:
+            return
+        self.dead = True
+        self.loop.remove_reader(self._events.fileno())
+        self._proc.join(1.0)
+        log.error("the engine core exited (exit code %s): failing %d requests",
+                  self._proc.exitcode, len(self._requests))
+        error = EngineDead(f"the engine core exited (exit code {self._proc.exitcode})")
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._calls.clear()
+        for req in self._requests.values():
+            if not req.done.done():
+                req.done.set_exception(error)
+        if self.on_death is not None:
+            self.on_death()
 
 
-def _keep_freed_memory() -> None:
-    """glibc: keep freed memory in the process (up to 512 MiB of it; blocks under 32 MiB from
-    the heap, not from mmap). Every step allocates and frees the same temporaries on the engine
-    thread; with glibc's defaults its arena hands them back to the OS and the next step faults
-    the pages in again (a CPU decode worker: 227k page faults in one 64-request benchmark run
-    and a step twice as long; 1k-12k faults with these settings). Process-wide; elsewhere than
-    glibc, nothing."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+def _hook(fn: Callable[..., None] | None, *args: Any) -> None:
+    if fn is None:
         return
-    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: fixed (glibc's maximum), not adjusted on the fly
-    mallopt(-1, 512 << 20)  # M_TRIM_THRESHOLD
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("engine hook %s failed", getattr(fn, "__name__", fn))
 
-
-def _name_native_thread(name: str) -> None:
-    """The calling thread shows as `name` in top -H, ps -L and /proc (Linux; elsewhere, and
-    where libc lacks prctl, nothing)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-
-
-def _set_result(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)

@@ -16,7 +16,7 @@ One request's trace across three processes:
       │   └ prefill                         queue time, chunks, cached tokens
       └ decode                              the decode worker's span (kind SERVER): queue time,
           │                                 time to first token, per output token
-          ├ kv_transfer                     blocks, bytes, GB/s (recorded on the engine thread)
+          ├ kv_transfer                     blocks, bytes, GB/s (measured on the engine core)
           └ /tandem.v1.Worker/Release       (on the prefill worker)
 
 The context travels as W3C traceparent: in each unary call's gRPC metadata, where
@@ -31,8 +31,8 @@ Never recorded, in spans or logs: token ids, IPC handles (a shm segment's name, 
 bytes: capabilities), and prompt or output text unless content capture is asked for
 (--trace-content or OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true, router only).
 
-Cost: no span, log line or histogram per token. The engine thread calls Metrics.on_step once per
-step (two counter increments, one histogram sample for a decode step, and the per-request
+Cost: no span, log line or histogram per token. A worker calls Metrics.on_step once per engine
+step, when the step's message arrives from its engine core (two counter increments, one histogram sample for a decode step, and the per-request
 histograms of sequences that finished); gauges and the engine's own counters are read when
 Prometheus scrapes.
 """
@@ -69,9 +69,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-    from engine.sequence import SeqOutput
+    from engine.sequence import SeqOutput, StepStats
+    from engine.serving.engine_core import LeaseDone
 
 log = structlog.get_logger(__name__)
 
@@ -286,7 +286,7 @@ TRANSFER_BYTES_BUCKETS = tuple(float(1 << s) for s in range(16, 36, 2))  # 64 Ki
 
 class Metrics:
     """One service's Prometheus collectors, each labelled role (router, prefill, decode, both)
-    and model_name. Counters and histograms are fed by the engine thread (on_step, on_abort),
+    and model_name. Counters and histograms are fed by the engine core's events (on_step, on_abort),
     the decode worker's KV pulls (kv_transfer) and the router (RouterRequest); gauges and the
     engine's own counters are read at scrape time."""
 
@@ -354,10 +354,9 @@ class Metrics:
         self._http: Any = None
 
     # -- wiring --------------------------------------------------------------------------------
-    def bind_engine(self, engine: LLMEngine, snapshot: Callable[[], Any]) -> None:
-        """Worker: gauges read the AsyncEngine's snapshot, counters the block pool and the
-        scheduler, when scraped (nothing on the engine thread)."""
-        self._engine.engine = engine
+    def bind_engine(self, snapshot: Callable[[], Any]) -> None:
+        """Worker: gauges and the engine's counters read its latest snapshot when scraped."""
+        self._engine.snapshot = snapshot
         self.running.set_function(lambda: snapshot().num_running)
         self.waiting.set_function(lambda: snapshot().num_waiting)
         self.kv_cache_usage.set_function(
@@ -380,11 +379,11 @@ class Metrics:
         """The text format and its content type, for a /metrics route."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    # -- engine thread -------------------------------------------------------------------------
-    def on_step(self, engine: LLMEngine, outputs: list[SeqOutput]) -> None:
-        """AsyncEngine's hook, after every step."""
-        step = engine.last_step
-        now = time.perf_counter()
+    # -- engine events -------------------------------------------------------------------------
+    def on_step(self, step: StepStats | None, outputs: list[SeqOutput], end: float) -> None:
+        """AsyncEngine's hook, after every step: its statistics, its outputs, and when it ended
+        (the core's time.perf_counter(), one clock host-wide)."""
+        now = end
         if step is not None:
             if step.num_seqs:
                 self.iteration_tokens.observe(step.num_tokens)
@@ -426,25 +425,23 @@ class Metrics:
 
 
 class _EngineCounters:
-    """Prefix-cache and preemption counters, read from the engine when scraped. Prefix-cache
-    figures are in tokens, as vLLM's (the block pool counts blocks)."""
+    """Prefix-cache and preemption counters, read from the engine's snapshot when scraped.
+    Prefix-cache figures are in tokens, as vLLM's (the block pool counts blocks)."""
 
     def __init__(self, labels: tuple[str, ...], values: tuple[str, ...]) -> None:
         self.labels, self.values = list(labels), list(values)
-        self.engine: LLMEngine | None = None
+        self.snapshot: Callable[[], Any] | None = None
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        e = self.engine
-        if e is None:
+        if self.snapshot is None:
             return
-        pool = e.block_pool
+        s = self.snapshot()
         for name, doc, value in (
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                 pool.prefix_queries * pool.block_size),
+                 s.prefix_queries * s.block_size),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                 pool.prefix_hits * pool.block_size),
-                ("num_preemptions", "Sequences preempted (blocks ran out)",
-                 e.scheduler.num_preemptions)):
+                 s.prefix_hits * s.block_size),
+                ("num_preemptions", "Sequences preempted (blocks ran out)", s.num_preemptions)):
             family = CounterMetricFamily(f"tandem:{name}", doc, labels=self.labels)
             family.add_metric(self.values, value)
             yield family
@@ -526,36 +523,31 @@ class Telemetry:
         span.set_attributes(attrs)
         log.info(f"{span_name(self.role)} done", **_short(attrs))
 
-    def kv_transfer(self, parent: contextvars.Context | None, start_ns: int, *,
-                    blocks: int = 0, nbytes: int = 0, seconds: float = 0.0,
-                    transport: str = "", source: str = "",
-                    error: BaseException | None = None) -> None:
-        """Decode worker, engine thread: one request's KV pull, as a child of its decode span
-        (`parent` is the handler's context, copied) and in the transfer histograms. Never
-        raises: telemetry must not fail a pull."""
+    def kv_transfer(self, parent: contextvars.Context | None, pull: LeaseDone) -> None:
+        """Decode worker: one request's KV pull (done on the engine core), as a child of its
+        decode span (`parent` is the handler's context, copied) and in the transfer
+        histograms. Never raises: telemetry must not fail a request."""
         try:
-            self._kv_transfer(parent, start_ns, blocks, nbytes, seconds, transport, source, error)
+            self._kv_transfer(parent, pull)
         except Exception:  # logged; the request goes on
             log.exception("recording a KV transfer failed")
 
-    def _kv_transfer(self, parent: contextvars.Context | None, start_ns: int, blocks: int,
-                     nbytes: int, seconds: float, transport: str, source: str,
-                     error: BaseException | None) -> None:
-        end_ns = time.time_ns()
-        if error is None:
-            self.metrics.kv_transfer_seconds.observe(seconds)
-            self.metrics.kv_transfer_bytes.observe(nbytes)
+    def _kv_transfer(self, parent: contextvars.Context | None, pull: LeaseDone) -> None:
+        if pull.error is None:
+            self.metrics.kv_transfer_seconds.observe(pull.seconds)
+            self.metrics.kv_transfer_bytes.observe(pull.nbytes)
         if not self.tracing.enabled:
             return
         ctx = parent.run(otel_context.get_current) if parent is not None else None
-        span = self.tracer.start_span("kv_transfer", context=ctx, start_time=start_ns, attributes={
-            "tandem.kv.blocks": blocks, "tandem.kv.bytes": nbytes,
-            "tandem.kv.gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-            "tandem.kv.transport": transport, "tandem.kv.source": source})
-        if error is not None:
-            span.record_exception(error)
-            span.set_status(Status(StatusCode.ERROR, type(error).__name__))
-        span.end(end_time=end_ns)
+        span = self.tracer.start_span("kv_transfer", context=ctx, start_time=pull.start_ns,
+                                      attributes={
+            "tandem.kv.blocks": pull.num_blocks, "tandem.kv.bytes": pull.nbytes,
+            "tandem.kv.gbps": pull.nbytes / pull.seconds / 1e9 if pull.seconds > 0 else 0.0,
+            "tandem.kv.transport": pull.transport, "tandem.kv.source": pull.address})
+        if pull.error is not None:
+            span.add_event("exception", {"exception.message": pull.error})
+            span.set_status(Status(StatusCode.ERROR, pull.error.split(":", 1)[0]))
+        span.end(end_time=pull.end_ns)
 
     # -- router --------------------------------------------------------------------------------
     def router_request(self, request_id: str, prompt: list[int], params: SamplingParams,

@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 
 from engine.errors import InvalidArgument, LayoutMismatch, ModelLoadError, Overloaded
-from engine.llm_engine import LLMEngine
-from engine.serving.async_engine import AsyncEngine
+from engine.serving.async_engine import AsyncEngine, EngineDead
+from engine.serving.engine_core import CoreSpec, LeaseDone
 from engine.serving.lifecycle import Health, enable_reflection, make_server, serve_until_signal
 from engine.serving.telemetry import Telemetry
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -56,7 +56,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status that reports an engine or worker error to the caller."""
     if isinstance(exc, WorkerError):
         return exc.code, exc.message
-    for kind, code in ((InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    for kind, code in ((EngineDead, grpc.StatusCode.UNAVAILABLE),
+                       (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
                        (LayoutMismatch, grpc.StatusCode.FAILED_PRECONDITION),
                        (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
                        (ModelLoadError, grpc.StatusCode.NOT_FOUND)):
@@ -86,13 +87,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GetLoad(self, request, context):  # noqa: N802
         s = self.engine.snapshot
-        pool = self.engine.engine.block_pool
         return worker_pb2.Load(
             worker_id=self.worker_id, role=self.role, num_running=s.num_running,
             num_waiting=s.num_waiting, num_free_blocks=s.num_free_blocks,
-            num_blocks=s.num_blocks, num_leases=s.num_leases, block_size=pool.block_size,
-            num_requests=self.engine.engine.num_requests_added,
-            prefix_cache_queries=pool.prefix_queries, prefix_cache_hits=pool.prefix_hits)
+            num_blocks=s.num_blocks, num_leases=s.num_leases, block_size=s.block_size,
+            num_requests=s.num_requests_added, prefix_cache_queries=s.prefix_queries,
+            prefix_cache_hits=s.prefix_hits)
+
+    def lease_done(self, done: LeaseDone) -> None:
+        """Hook, decode role: the engine core is done with a prefill worker's lease."""
 
     async def on_start(self) -> None:
         """Hook: after the server is up (e.g. register with peers)."""
@@ -113,54 +116,62 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
 
 
 async def run_worker(args: argparse.Namespace, role: str,
-                     make_servicer: Callable[[LLMEngine, str, str], WorkerServicer],
-                     pool_factory=None, kv_hooks=None, telemetry: Telemetry | None = None) -> None:
-    """config → engine → servicer → health (+ reflection) → start → signal → drain → stop."""
+                     make_servicer: Callable[[AsyncEngine, str, str], WorkerServicer],
+                     telemetry: Telemetry | None = None, transport: str | None = None,
+                     lease_ttl_s: float = 30.0) -> int:
+    """engine core → servicer → health (+ reflection) → start → signal → drain → stop.
+    Returns the exit code: 1 when the engine core died under the server."""
     from router_svc.cli import engine_config  # noqa: PLC0415
 
     telemetry = telemetry or Telemetry(role)
-    config = engine_config(args, role=role)
-    server = make_server(telemetry.tracing.server_interceptors())
-    port = bind(server, args.host, args.port)
-    host = args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()
-    address = f"{host}:{port}"
-    worker_id = args.worker_id or f"{role}@{address}"
-    engine = LLMEngine(config, pool_factory=pool_factory, progress=False)
     metrics = telemetry.metrics
-    async_engine = AsyncEngine(engine, on_step=metrics.on_step, on_abort=metrics.on_abort)
-    metrics.bind_engine(engine, lambda: async_engine.snapshot)
-    servicer = make_servicer(async_engine, worker_id, address)
-    servicer.telemetry = telemetry
-    if kv_hooks is not None:
-        engine.kv_puller, engine.kv_dropper = kv_hooks(servicer)
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    health = Health(server, [WORKER_SERVICE])
-    if args.reflection:
-        enable_reflection(server, [WORKER_SERVICE])
-    async_engine.start()
+    stop = asyncio.Event()
+    died = False
 
-    def ready() -> None:
-        log.info("%s serving on %s (pid %d)", worker_id, address, os.getpid())
-        if args.ready_file:
-            tmp = f"{args.ready_file}.tmp"
-            with open(tmp, "w") as f:
-                f.write(str(port))
-            os.replace(tmp, args.ready_file)
+    def on_death() -> None:
+        nonlocal died
+        died = True
+        stop.set()
 
-    async def stop() -> None:
-        await servicer.on_stop()
-        await async_engine.shutdown()
+    engine = AsyncEngine(CoreSpec(engine_config(args, role=role), role, transport, lease_ttl_s),
+                         on_step=metrics.on_step, on_abort=metrics.on_abort, on_death=on_death)
+    await engine.start()
+    try:
+        metrics.bind_engine(lambda: engine.snapshot)
+        server = make_server(telemetry.tracing.server_interceptors())
+        port = bind(server, args.host, args.port)
+        host = args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()
+        address = f"{host}:{port}"
+        worker_id = args.worker_id or f"{role}@{address}"
+        servicer = make_servicer(engine, worker_id, address)
+        servicer.telemetry = telemetry
+        engine.on_lease_done = servicer.lease_done
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        health = Health(server, [WORKER_SERVICE])
+        if args.reflection:
+            enable_reflection(server, [WORKER_SERVICE])
 
-    await servicer.on_start()
-    metrics.serve(args.host, args.metrics_port)
-    await serve_until_signal(server, health, grace_s=args.grace, on_stop=stop, ready=ready,
-                             drain_also=[servicer.drain])
+        def ready() -> None:
+            log.info("%s serving on %s (pid %d, engine core pid %d)", worker_id, address,
+                     os.getpid(), engine.info.pid)
+            if args.ready_file:
+                tmp = f"{args.ready_file}.tmp"
+                with open(tmp, "w") as f:
+                    f.write(str(port))
+                os.replace(tmp, args.ready_file)
+
+        await servicer.on_start()
+        metrics.serve(args.host, args.metrics_port)
+        await serve_until_signal(server, health, grace_s=args.grace, on_stop=servicer.on_stop,
+                                 ready=ready, stop_event=stop, drain_also=[servicer.drain])
+    finally:
+        await engine.shutdown()
+    return 1 if died else 0
 
 
 def main_worker(args: argparse.Namespace, role: str, make_servicer, **kw) -> int:
     telemetry = Telemetry.start(role, Path(args.model).name)
     try:
-        asyncio.run(run_worker(args, role, make_servicer, telemetry=telemetry, **kw))
+        return asyncio.run(run_worker(args, role, make_servicer, telemetry=telemetry, **kw))
     finally:
         telemetry.shutdown()  # flush spans still buffered
-    return 0

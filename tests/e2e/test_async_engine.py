@@ -1,20 +1,25 @@
-"""The engine on its own thread as the services drive it: each step's outputs of a request reach
-its sink in order and add up to the offline engine's output; a sink that raises fails its own
-request alone; a cancelled request is aborted. Every test ends with the pool idle."""
+"""The engine in its own process (the engine core) as the services drive it: each step's outputs
+of a request reach its sink in order and add up to the offline engine's output; a sink that
+raises fails its own request alone; a cancelled request is aborted; a load error comes back
+whole; the core's death fails what is in flight. Every test that leaves the core alive ends with
+the pool idle."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import Awaitable, Callable
 
 import pytest
 
 from engine.config import EngineConfig
+from engine.errors import ModelLoadError
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import SeqOutput
-from engine.serving.async_engine import AsyncEngine
+from engine.serving.async_engine import AsyncEngine, EngineDead
+from engine.serving.engine_core import CoreSpec
 
 PROMPTS = [[3 + i, 11, 29 + 2 * i, 7] * (1 + i) for i in range(8)]
 
@@ -24,15 +29,16 @@ def model_dir(tiny_models):
     return str(tiny_models["llama"])
 
 
-def serve(model_dir: str, body: Callable[[AsyncEngine], Awaitable[None]]) -> None:
+def serve(model_dir: str, body: Callable[[AsyncEngine], Awaitable[None]], **hooks) -> None:
     """Run `body` against a started AsyncEngine; the pool must be idle afterwards."""
     async def main() -> None:
-        engine = AsyncEngine(LLMEngine(EngineConfig(model=model_dir, max_model_len=256),
-                                       progress=False))
-        engine.start()
+        engine = AsyncEngine(CoreSpec(EngineConfig(model=model_dir, max_model_len=256), "both"),
+                             **hooks)
+        await engine.start()
         try:
             await body(engine)
-            assert await engine.call(engine.engine.is_idle), "KV pool not back to idle"
+            if not engine.dead:
+                assert (await engine.refresh()).idle, "KV pool not back to idle"
             assert engine.num_requests() == 0
         finally:
             await engine.shutdown()
@@ -96,8 +102,8 @@ def test_a_cancelled_request_is_aborted_and_its_id_free_again(model_dir):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await engine.call(lambda: None)  # the abort was posted before this
-        assert "x" not in engine.engine.requests
+        snap = await engine.refresh()  # the abort was posted before this
+        assert snap.num_requests == 0 and snap.num_free_blocks == snap.num_blocks
         # The id can be used again at once.
         outs: list[SeqOutput] = []
         await engine.generate("x", PROMPTS[3], SamplingParams(temperature=0, max_tokens=3),
@@ -105,3 +111,34 @@ def test_a_cancelled_request_is_aborted_and_its_id_free_again(model_dir):
         assert sum(len(o.new_token_ids) for o in outs) == 3
 
     serve(model_dir, body)
+
+
+def test_a_load_error_comes_back_from_the_core_with_its_message(tmp_path):
+    async def main() -> None:
+        engine = AsyncEngine(CoreSpec(EngineConfig(model=str(tmp_path / "absent")), "both"))
+        with pytest.raises(ModelLoadError, match="absent"):
+            await engine.start()
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_the_core_dying_fails_what_is_in_flight_and_reports_it(model_dir):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    deaths: list[bool] = []
+
+    async def body(engine: AsyncEngine) -> None:
+        first = asyncio.Event()
+        task = asyncio.create_task(engine.generate("x", PROMPTS[3], params,
+                                                   lambda outs: first.set()))
+        await first.wait()
+        os.kill(engine.info.pid, signal.SIGKILL)
+        with pytest.raises(EngineDead, match="exited"):
+            await task
+        assert engine.dead and deaths == [True]
+        with pytest.raises(EngineDead):
+            await engine.generate("y", PROMPTS[0], params, lambda outs: None)
+        with pytest.raises(EngineDead):
+            await engine.abort("x")
+
+    serve(model_dir, body, on_death=lambda: deaths.append(True))

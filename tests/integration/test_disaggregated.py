@@ -4,6 +4,8 @@ outputs equal the offline engine's, and every pool ends idle whatever happens to
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import grpc
@@ -241,6 +243,7 @@ def test_decode_worker_killed_mid_stream(tiny_models, tmp_path):
                 for call in calls:
                     for _ in range(3):
                         await call.read()
+                core = c.engine_core("decode0")
                 c.kill("decode0")
                 for call in calls:
                     with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -249,7 +252,58 @@ def test_decode_worker_killed_mid_stream(tiny_models, tmp_path):
                     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
                 # The prefill pool is idle again (the decode side released after its pulls).
                 await c.wait_idle(procs=c.workers("prefill"))
+                # Its engine core died with it (nothing left holding the pool or a GPU).
+                await wait_gone(core)
 
         asyncio.run(main())
     finally:
         c.stop()
+
+
+def test_a_worker_whose_engine_core_dies_fails_its_requests_and_exits(tiny_models, tmp_path):
+    """The engine core killed under a serving decode worker: its requests fail UNAVAILABLE
+    (the router's clients see the worker go, as for the worker's own death), the prefill side
+    is released, and the worker exits 1 for its supervisor to restart it."""
+    c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=WORKER_ARGS,
+                prefill_args=["--lease-ttl", "3"], router_args=["--http-port", "-1"]).start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+        async def main():
+            async with grpc.aio.insecure_channel(c.router.address) as ch:
+                stub = c.api(ch)
+                calls = [stub.Generate(api_pb2.GenerateRequest(
+                    token_ids=api_pb2.TokenIds(ids=p), params=params_to_proto(params)))
+                    for p in PROMPTS[:3]]
+                for call in calls:
+                    await call.read()
+                os.kill(c.engine_core("decode0"), signal.SIGKILL)
+                for call in calls:
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        while (await call.read()) is not grpc.aio.EOF:
+                            pass
+                    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+                await c.wait_idle(procs=c.workers("prefill"))
+
+        asyncio.run(main())
+        assert c.procs["decode0"].popen.wait(30) == 1
+        logs = c.procs["decode0"].json_logs()
+        assert any("engine core exited" in line["event"] for line in logs)
+    finally:
+        c.stop()
+
+
+async def wait_gone(pid: int, timeout: float = 10.0) -> None:
+    """Until process `pid` has exited (gone, or a zombie nobody reaped yet)."""
+    deadline = time.monotonic() + timeout
+    while _state(pid) != "Z":
+        assert time.monotonic() < deadline, f"process {pid} still alive"
+        await asyncio.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"

@@ -1,0 +1,397 @@
+"""The engine core: the engine in a process of its own, driven over two pipes.
+
+    worker process (gRPC, asyncio)                 engine core process
+    ──────────────────────────────                 ───────────────────
+    AsyncEngine ── commands: add, abort, ──────▶   input thread ─▶ queue
+                   release, map, snapshot, stop    main thread: commands between steps,
+                ◀── events: reply, step outputs,   step(), one "step" message per step
+                    snapshot, aborted, lease done
+
+A worker's gRPC server and its engine loop used to share one interpreter lock: every message the
+server built or read stalled the engine's step, and the step's many short torch calls kept
+handing the lock to the server's threads (on a CPU worker, 10-20% of the engine's throughput).
+Here each has an interpreter of its own; per step the core pays one pickled message.
+
+The core owns everything that touches the model or the KV pool: the LLMEngine, its pool (a
+prefill worker's, allocated here for peers to map), the peers' pools a decode worker maps, the
+KV pulls, and the leases. It never builds a span or a metric: what the worker records comes to
+it as events (step statistics, a pull's figures with its lease).
+
+Lifetime: the core ignores SIGINT and SIGTERM (its worker decides when it stops: "stop" or the
+command pipe closing) and dies with its worker (PR_SET_PDEATHSIG), so a killed worker leaves no
+engine holding memory or a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams, TokenLogprobs
+from engine.sequence import FinishReason, RemoteKV, SeqOutput
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # how often an idle core looks at lease deadlines
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """What the core is built from (pickled to the new process)."""
+
+    config: EngineConfig
+    role: str  # prefill, decode, both
+    transport: str | None = None  # prefill: how peers map the pool (shm, cuda_ipc)
+    lease_ttl_s: float = 30.0  # prefill: how long a handed-off prompt's blocks stay pinned
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """The core's layout, sent once it is ready; `pool` is a prefill core's descriptor (with its
+    handle: never logged)."""
+
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    device: str
+    pid: int
+    pool: Any = None  # kvtransfer.descriptor.PoolDescriptor
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Load and counters, read on the core between steps."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    num_leases: int = 0
+    num_requests: int = 0  # requests in the engine
+    num_requests_added: int = 0
+    block_size: int = 0
+    prefix_queries: int = 0  # blocks looked up in the prefix cache
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def idle(self) -> bool:
+        """No request, no lease, every block free (cached blocks count as free)."""
+        return (not self.num_requests and not self.num_leases
+                and self.num_free_blocks == self.num_blocks)
+
+
+@dataclass(frozen=True)
+class RemoteSource:
+    """Decode role: where a request's prompt KV is, as the worker sent it."""
+
+    address: str  # the prefill worker (its pool must be mapped: "map")
+    lease_id: str
+    deadline: float  # time.monotonic() (one clock host-wide) after which blocks may be reused
+    block_ids: tuple[int, ...]
+    first_token_ids: tuple[int, ...]
+    first_logprobs: tuple[TokenLogprobs | None, ...]
+
+
+@dataclass(frozen=True)
+class LeaseDone:
+    """Decode role: the core is done with a prefill worker's lease (its KV pulled, the pull
+    failed, or the request ended first): the worker releases it. Sent exactly once for every
+    request whose add reached the core. `seconds` and the rest describe the pull, if one ran."""
+
+    request_id: str
+    address: str
+    lease_id: str
+    pulled: bool = False
+    start_ns: int = 0  # time.time_ns()
+    end_ns: int = 0
+    num_blocks: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    transport: str = ""
+    error: str | None = None  # why the pull failed
+
+
+@dataclass(eq=False)
+class _Source:
+    """RemoteKV.source on the core: the request's lease, released once."""
+
+    request_id: str
+    remote: RemoteSource
+    settled: bool = False
+
+
+class EngineCore:
+    def __init__(self, spec: CoreSpec, events: Connection) -> None:
+        from engine.llm_engine import LLMEngine  # noqa: PLC0415 - torch, in the core only
+
+        self.spec = spec
+        self.events = events
+        self.pools: list[Any] = []  # this core's pool, when peers map it
+        self.peers: dict[str, Any] = {}  # address -> RemotePool
+        pool_factory = self._allocate_shared_pool if spec.role == "prefill" else None
+        self.engine = LLMEngine(spec.config, pool_factory=pool_factory, progress=False)
+        self.engine.lease_ttl_s = spec.lease_ttl_s
+        if spec.role == "decode":
+            self.engine.kv_puller, self.engine.kv_dropper = self._pull, self._drop
+        self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self.stopping = False
+        self._last_snapshot: EngineSnapshot | None = None
+
+    def info(self) -> CoreInfo:
+        runner, cfg = self.engine.runner, self.engine.model_config
+        return CoreInfo(self.spec.config.dtype, runner.block_size, cfg.num_layers,
+                        cfg.num_kv_heads, cfg.head_dim, runner.num_blocks, str(runner.device),
+                        os.getpid(), self.pools[0].descriptor if self.pools else None)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def serve(self, commands: Connection) -> None:
+        threading.Thread(target=self._read, args=(commands,), name="core-input",
+                         daemon=True).start()
+        engine = self.engine
+        while not self.stopping:
+            self.wake.clear()
+            while True:
+                try:
+                    self._command(self.commands.get_nowait())
+                except queue.Empty:
+                    break
+            if self.stopping:
+                break
+            if not engine.has_work():
+                if len(engine.leases):
+                    engine.expire_leases(time.monotonic())
+                self._send_snapshot_if_changed()
+                self.wake.wait(IDLE_WAIT_S)
+                continue
+            try:
+                outputs = engine.step()
+                stats = engine.last_step
+            except Exception:
+                log.exception("engine step failed; failing its requests")
+                outputs, stats = self._fail_all("internal error in the engine step"), None
+            snap = self._snapshot()
+            self._last_snapshot = snap
+            self.events.send(("step", outputs, stats, time.perf_counter(), snap))
+
+    def close(self) -> None:
+        for pool in (*self.peers.values(), *self.pools):
+            with contextlib.suppress(Exception):
+                pool.close()
+
+    def _read(self, commands: Connection) -> None:
+        """Input thread: commands into the queue as they come; the pipe closing (the worker is
+        gone) stops the core."""
+        while True:
+            try:
+                msg = commands.recv()
+            except (EOFError, OSError):
+                msg = ("stop", 0)
+            self.commands.put(msg)
+            self.wake.set()
+            if msg[0] == "stop":
+                return
+
+    def _command(self, msg: tuple) -> None:
+        name, call_id, *args = msg
+        try:
+            result = getattr(self, f"_do_{name}")(*args)
+        except Exception as e:
+            if call_id:
+                self.events.send(("reply", call_id, None, portable(e)))
+            else:
+                log.exception("command %s failed", name)
+            return
+        if call_id:
+            self.events.send(("reply", call_id, result, None))
+
+    # -- commands ----------------------------------------------------------------------------
+    def _do_add(self, request_id: str, prompt: list[int], params: SamplingParams,
+                remote: RemoteSource | None) -> None:
+        if remote is None:
+            self.engine.add_request(request_id, prompt, params)
+            return
+        source = _Source(request_id, remote)
+        kv = RemoteKV(source, remote.block_ids, remote.first_token_ids, remote.first_logprobs)
+        try:
+            self.engine.add_remote_request(request_id, prompt, params, kv)
+        except BaseException:
+            self._settle(source)  # refused: nobody will pull it
+            raise
+
+    def _do_abort(self, request_id: str) -> bool:
+        engine = self.engine
+        unfinished = sum(1 for s in engine.requests.get(request_id, ()) if not s.is_finished)
+        aborted = engine.abort(request_id)
+        if aborted and unfinished:
+            self.events.send(("aborted", unfinished))
+        return aborted
+
+    def _do_release(self, lease_id: str) -> bool:
+        return self.engine.release(lease_id)
+
+    def _do_map(self, address: str, descriptor: Any) -> None:
+        """Decode role: map a prefill worker's pool (once per address)."""
+        from kvtransfer.remote import open_remote_pool  # noqa: PLC0415
+
+        if address not in self.peers:
+            device = "cpu" if descriptor.transport == "shm" else self.engine.runner.device
+            self.peers[address] = open_remote_pool(descriptor, device)
+
+    def _do_snapshot(self) -> EngineSnapshot:
+        return self._snapshot()
+
+    def _do_stop(self) -> None:
+        self.stopping = True
+
+    # -- KV hooks (decode role) --------------------------------------------------------------
+    def _pull(self, kv: RemoteKV, dst_block_ids: list[int]) -> None:
+        from kvtransfer.remote import pull_blocks  # noqa: PLC0415
+
+        source: _Source = kv.source
+        remote = source.remote
+        start_ns = time.time_ns()
+        stats = error = None
+        pool = self.peers.get(remote.address)
+        try:
+            if pool is None:
+                raise RuntimeError(f"the KV pool of {remote.address} is not mapped")
+            if time.monotonic() > remote.deadline:
+                raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
+            stats = pull_blocks(pool, self.engine.runner.pool, kv.block_ids, dst_block_ids)
+        except Exception as e:
+            error = e
+            raise
+        finally:
+            self._settle(source, LeaseDone(
+                source.request_id, remote.address, remote.lease_id, pulled=True,
+                start_ns=start_ns, end_ns=time.time_ns(), num_blocks=len(kv.block_ids),
+                nbytes=stats.bytes if stats else 0, seconds=stats.seconds if stats else 0.0,
+                transport=pool.descriptor.transport if pool is not None else "",
+                error=f"{type(error).__name__}: {error}" if error is not None else None))
+
+    def _drop(self, kv: RemoteKV) -> None:
+        self._settle(kv.source)
+
+    def _settle(self, source: _Source, done: LeaseDone | None = None) -> None:
+        if source.settled:
+            return
+        source.settled = True
+        r = source.remote
+        self.events.send(("lease_done", done or LeaseDone(source.request_id, r.address,
+                                                          r.lease_id)))
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _allocate_shared_pool(self, shape, dtype, device):
+        from kvtransfer.pool import allocate_pool  # noqa: PLC0415
+
+        n, layers, _, bs, heads, dim = shape
+        pool = allocate_pool(num_blocks=n, num_layers=layers, block_size=bs, num_kv_heads=heads,
+                             head_dim=dim, dtype=dtype, device=device,
+                             transport=self.spec.transport or "shm")
+        self.pools.append(pool)
+        return pool.tensor
+
+    def _snapshot(self) -> EngineSnapshot:
+        e = self.engine
+        pool = e.block_pool
+        return EngineSnapshot(e.num_running(), e.num_waiting(), pool.num_free, pool.num_blocks,
+                              len(e.leases), len(e.requests), e.num_requests_added,
+                              pool.block_size, pool.prefix_queries, pool.prefix_hits,
+                              e.scheduler.num_preemptions)
+
+    def _send_snapshot_if_changed(self) -> None:
+        snap = self._snapshot()
+        if snap != self._last_snapshot:
+            self._last_snapshot = snap
+            self.events.send(("snapshot", snap))
+
+    def _fail_all(self, message: str) -> list[SeqOutput]:
+        outputs = []
+        for rid, seqs in list(self.engine.requests.items()):
+            self.engine.abort(rid)
+            for s in seqs:
+                outputs.append(SeqOutput(rid, s.sample_index, [], [], FinishReason.ERROR,
+                                         s.num_prompt_tokens, s.num_cached_tokens,
+                                         s.num_output_tokens, error=message))
+        return outputs
+
+
+def run_core(spec: CoreSpec, commands: Connection, events: Connection) -> None:
+    """The core process's entry point (multiprocessing, spawn)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    _die_with_parent()
+    _name_native_thread(f"{spec.role[:6]}-core")
+    _keep_freed_memory()
+    _configure_logging(spec.role)
+    try:
+        core = EngineCore(spec, events)
+    except BaseException as e:  # noqa: BLE001 - reported to the worker, which exits
+        events.send(("failed", 0, None, portable(e)))
+        return
+    try:
+        events.send(("ready", 0, core.info(), None))
+        core.serve(commands)
+    except (BrokenPipeError, EOFError):
+        pass  # the worker is gone
+    finally:
+        core.close()
+
+
+def portable(exc: BaseException) -> BaseException:
+    """`exc` if it survives pickling, else a RuntimeError with its type and text."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+def _configure_logging(role: str) -> None:
+    from engine.serving.telemetry import TelemetrySettings, configure_logging  # noqa: PLC0415
+
+    settings = TelemetrySettings.from_env()
+    configure_logging(settings.service(role), json=settings.log_format == "json",
+                      level=settings.log_level)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the worker that started it dies (even by SIGKILL)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _keep_freed_memory() -> None:
+    """glibc: keep freed memory in the process (up to 512 MiB of it; blocks under 32 MiB from
+    the heap, not from mmap). Every step allocates and frees the same temporaries; with glibc's
+    defaults they go back to the OS and the next step faults the pages in again (a CPU decode
+    worker: 227k page faults in one 64-request benchmark run and a step twice as long; 1k-12k
+    faults with these settings). Elsewhere than glibc, nothing."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: fixed (glibc's maximum), not adjusted on the fly
+    mallopt(-1, 512 << 20)  # M_TRIM_THRESHOLD
+
+
+def _name_native_thread(name: str) -> None:
+    """The calling thread shows as `name` in top, ps and /proc (Linux; elsewhere nothing)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
