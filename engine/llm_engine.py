@@ -1,5 +1,5 @@
 """The engine loop: schedule → run → postprocess. Synchronous and single-threaded; the offline
-LLM drives it directly, the services drive it from one engine thread (engine/serving).
+LLM drives it directly, the services from their engine core process (engine/serving).
 
 Roles share this one engine:
   both     prefill and decode here;

@@ -1,7 +1,7 @@
 """Leases: a prefill worker pins a finished request's KV blocks until the decode worker that
 pulls them says Release, or until the lease's time to live runs out.
 
-Plain Python, no torch. Not thread-safe: the engine thread drives it, calling `expire(now)`
+Plain Python, no torch. Not thread-safe: the engine loop drives it, calling `expire(now)`
 each step. Times are seconds on one monotonic clock (time.monotonic()), passed in so that
 tests control them.
 """
