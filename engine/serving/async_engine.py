@@ -38,6 +38,7 @@ from engine.serving.engine_core import (
     LeaseDone,
     RemoteSource,
     run_core,
+    unpack_outputs,
 )
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,8 @@ class AsyncEngine:
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "step":
-            _, outputs, stats, end, self.snapshot = msg
+            _, plain, whole, stats, end, self.snapshot = msg
+            outputs = unpack_outputs(plain, whole)
             if outputs:
                 self._dispatch(outputs)
             _hook(self.on_step, stats, outputs, end)
