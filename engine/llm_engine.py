@@ -11,6 +11,7 @@ Roles share this one engine:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, pool_factory: PoolFactory | None = None,
                  kv_puller: KVPuller | None = None, kv_dropper: KVDropper | None = None,
                  progress: bool = True) -> None:
+        keep_freed_memory()
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -321,3 +323,19 @@ class LLMEngine:
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+
+def keep_freed_memory() -> None:
+    """glibc: keep freed memory in the process (up to 512 MiB of it; blocks under 32 MiB from
+    the heap, not from mmap). Process-wide, set once an engine exists. Every step allocates and
+    frees the same temporaries; with glibc's defaults they go back to the OS and the next step
+    faults the pages in again: on the CPU, a decode worker took 227k minor page faults in one
+    64-request benchmark run at half speed, and the offline engine 6.3 million in a 256-request
+    one (1,068-1,160 tok/s; 1,721-1,784 with these settings, 50k-326k faults). Elsewhere than
+    glibc, nothing."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: fixed (glibc's maximum), not adjusted on the fly
+    mallopt(-1, 512 << 20)  # M_TRIM_THRESHOLD

@@ -365,7 +365,6 @@ def run_core(spec: CoreSpec, commands: Connection, events: Connection) -> None:
         signal.signal(sig, signal.SIG_IGN)
     _die_with_parent()
     _name_native_thread(f"{spec.role[:6]}-core")
-    _keep_freed_memory()
     _configure_logging(spec.role)
     _widen_pipe(events)
     _one_compute_thread_on_gpus(spec.config.device)
@@ -423,20 +422,6 @@ def _die_with_parent() -> None:
     """Linux: SIGKILL this process when the worker that started it dies (even by SIGKILL)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-def _keep_freed_memory() -> None:
-    """glibc: keep freed memory in the process (up to 512 MiB of it; blocks under 32 MiB from
-    the heap, not from mmap). Every step allocates and frees the same temporaries; with glibc's
-    defaults they go back to the OS and the next step faults the pages in again (a CPU decode
-    worker: 227k page faults in one 64-request benchmark run and a step twice as long; 1k-12k
-    faults with these settings). Elsewhere than glibc, nothing."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: fixed (glibc's maximum), not adjusted on the fly
-    mallopt(-1, 512 << 20)  # M_TRIM_THRESHOLD
 
 
 def _name_native_thread(name: str) -> None:
