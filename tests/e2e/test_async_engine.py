@@ -9,17 +9,18 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
 
 from engine.config import EngineConfig
-from engine.errors import ModelLoadError
+from engine.errors import InvalidArgument, ModelLoadError
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.sequence import SeqOutput
 from engine.serving.async_engine import AsyncEngine, EngineDead
-from engine.serving.engine_core import CoreSpec
+from engine.serving.engine_core import CoreSpec, RemoteSource
 
 PROMPTS = [[3 + i, 11, 29 + 2 * i, 7] * (1 + i) for i in range(8)]
 
@@ -29,10 +30,11 @@ def model_dir(tiny_models):
     return str(tiny_models["llama"])
 
 
-def serve(model_dir: str, body: Callable[[AsyncEngine], Awaitable[None]], **hooks) -> None:
+def serve(model_dir: str, body: Callable[[AsyncEngine], Awaitable[None]], role: str = "both",
+          **hooks) -> None:
     """Run `body` against a started AsyncEngine; the pool must be idle afterwards."""
     async def main() -> None:
-        engine = AsyncEngine(CoreSpec(EngineConfig(model=model_dir, max_model_len=256), "both"),
+        engine = AsyncEngine(CoreSpec(EngineConfig(model=model_dir, max_model_len=256), role),
                              **hooks)
         await engine.start()
         try:
@@ -142,3 +144,41 @@ def test_the_core_dying_fails_what_is_in_flight_and_reports_it(model_dir):
             await engine.abort("x")
 
     serve(model_dir, body, on_death=lambda: deaths.append(True))
+
+
+def test_every_decode_lease_ends_in_exactly_one_lease_done(model_dir):
+    """Decode role: the core says when it is done with each prefill lease, once: after a pull
+    (here one that fails: the pool was never mapped), when the core refuses the request; and the
+    worker side says it for a request that never reached the core (its id in use)."""
+    done: list = []
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = PROMPTS[2]
+
+    def source(lease: str, blocks: int) -> RemoteSource:
+        return RemoteSource("127.0.0.1:1", lease, time.monotonic() + 30, tuple(range(blocks)),
+                            (5,), (None,))
+
+    async def body(engine: AsyncEngine) -> None:
+        nblocks = -(-len(prompt) // engine.info.block_size)
+        outs: list[SeqOutput] = []  # its pull fails: the request ends with the error
+        await engine.decode("pulled", prompt, params, source("L1", nblocks), outs.extend)
+        assert [o.error for o in outs] == ["KV transfer failed: the KV pool of 127.0.0.1:1 is "
+                                           "not mapped"]
+        with pytest.raises(InvalidArgument, match=r"kv\.block_ids"):  # refused by the core
+            await engine.decode("refused", prompt, params, source("L2", nblocks + 1), print)
+        blocker = asyncio.Event()
+        first = asyncio.create_task(engine.generate("busy", prompt, SamplingParams(
+            temperature=0, max_tokens=200, ignore_eos=True), lambda outs: blocker.set()))
+        await blocker.wait()
+        with pytest.raises(InvalidArgument, match="request_id"):  # never sent to the core
+            await engine.decode("busy", prompt, params, source("L3", nblocks), outs.extend)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await engine.refresh()
+
+    serve(model_dir, body, role="decode", on_lease_done=done.append)
+    assert sorted(d.lease_id for d in done) == ["L1", "L2", "L3"]
+    by_lease = {d.lease_id: d for d in done}
+    assert by_lease["L1"].pulled and "not mapped" in by_lease["L1"].error
+    assert not by_lease["L2"].pulled and not by_lease["L3"].pulled
