@@ -364,7 +364,7 @@ def run_core(spec: CoreSpec, commands: Connection, events: Connection) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     _die_with_parent()
-    _name_native_thread(f"{spec.role[:6]}-core")
+    _name_native_thread(f"{spec.role}-core")
     _configure_logging(spec.role)
     _widen_pipe(events)
     _one_compute_thread_on_gpus(spec.config.device)
