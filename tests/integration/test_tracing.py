@@ -24,7 +24,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from cluster import Cluster
 from engine.sampling_params import SamplingParams
-from engine.serving.telemetry import Metrics, Telemetry, Tracing
+from engine.serving.metrics import Metrics
+from engine.serving.telemetry import Telemetry, Tracing
 from engine.tokenizer import Tokenizer
 from router_svc.frontend import Frontend, ModelInfo
 from router_svc.orchestrator import SampleUpdate, Update
