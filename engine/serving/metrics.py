@@ -16,6 +16,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily
@@ -114,6 +115,11 @@ class Metrics:
         self.waiting.set_function(lambda: snapshot().num_waiting)
         self.kv_cache_usage.set_function(
             lambda: 1.0 - snapshot().num_free_blocks / max(1, snapshot().num_blocks))
+
+    def watch_engine_core(self, pid: int) -> None:
+        """Worker: the engine core's CPU time, memory and open files, as
+        tandem_engine_core_process_* (process_* describe the gRPC process only)."""
+        ProcessCollector(namespace="tandem_engine_core", pid=lambda: pid, registry=self.registry)
 
     def serve(self, host: str, port: int) -> None:
         """Serve /metrics on its own port (a thread), for workers; 0: off."""

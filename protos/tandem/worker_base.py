@@ -138,6 +138,7 @@ async def run_worker(args: argparse.Namespace, role: str,
     await engine.start()
     try:
         metrics.bind_engine(lambda: engine.snapshot)
+        metrics.watch_engine_core(engine.info.pid)
         server = make_server(telemetry.tracing.server_interceptors())
         port = bind(server, args.host, args.port)
         host = args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()

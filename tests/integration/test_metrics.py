@@ -87,6 +87,10 @@ def test_every_service_exports_the_vllm_names_with_its_role(cluster):
         for n in expected:
             for sample in s.families[f"tandem:{n}"].samples:
                 assert sample.labels["role"] == role, (name, sample)
+        if role != "router":  # the engine core's process, beside the worker's own
+            core_cpu = s.families["tandem_engine_core_process_cpu_seconds"].samples[0].value
+            assert core_cpu > 0 and s.families[
+                "tandem_engine_core_process_resident_memory_bytes"].samples[0].value > 10 << 20
 
 
 def test_counters_move_by_what_was_sent(cluster):
