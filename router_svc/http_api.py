@@ -28,9 +28,7 @@ import hashlib
 import hmac
 import json
 import logging
-import time
 import uuid
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -43,17 +41,16 @@ from pydantic import BaseModel, ConfigDict
 from starlette.routing import BaseRoute
 
 from engine.errors import InvalidArgument, Overloaded
-from engine.sampling_params import SamplingParams, TokenLogprobs
-from engine.tokenizer import Tokenizer
-from router_svc.frontend import Delta, Frontend, Usage
+from engine.sampling_params import SamplingParams
+from router_svc.frontend import Frontend
 from router_svc.grpc_api import RETRY_AFTER_S
+from router_svc.openai_objects import ChatShaper, CompletionShaper, Shaper, Step
 from router_svc.orchestrator import RouterError
 from router_svc.workers import WorkerSet
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Step = tuple[list[Delta], Usage]
 
 
 # -- request bodies ----------------------------------------------------------------------------
@@ -238,143 +235,6 @@ def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-# -- engine -> OpenAI objects ------------------------------------------------------------------
-def _usage(u: Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
-
-
-class _Shaper(ABC):
-    """Turns Frontend steps into one endpoint's chunks and final object. Keeps per-sample text,
-    finish reasons and logprobs for the non-streaming answer."""
-
-    object: str
-    chunk_object: str
-
-    def __init__(self, tok: Tokenizer, id_: str, model: str, n: int, want_logprobs: bool,
-                 stream: bool, include_usage: bool) -> None:
-        self.tok, self.id, self.model, self.n = tok, id_, model, n
-        self.want_logprobs, self.stream = want_logprobs, stream
-        self.include_usage = stream and include_usage
-        self.created = int(time.time())
-        self.text = [""] * n
-        self.finish: list[str | None] = [None] * n
-        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
-        self.offsets: list[list[int]] = [[] for _ in range(n)]  # per token, in self.text
-        self.usage = Usage()
-
-    def _chunk(self, choices: list[dict]) -> dict:
-        c = {"id": self.id, "object": self.chunk_object, "created": self.created,
-             "model": self.model, "choices": choices}
-        if self.include_usage:
-            c["usage"] = None
-        return c
-
-    def add(self, step: Step) -> list[dict]:
-        """Remembers one step for the final object; when streaming, its chunks."""
-        deltas, self.usage = step
-        chunks = []
-        for d in deltas:
-            i = d.index
-            self.text[i] += d.text
-            if d.finish_reason is not None:
-                self.finish[i] = d.finish_reason
-            lps = [lp for lp in d.logprobs if lp is not None] if self.want_logprobs else []
-            offsets = self._offsets(lps, len(self.text[i]) - len(d.text), len(self.text[i]))
-            self.logprobs[i] += lps
-            self.offsets[i] += offsets
-            if self.stream and (d.text or d.finish_reason is not None or lps):
-                chunks.append(self._chunk([self.choice_delta(d, lps, offsets)]))
-        return chunks
-
-    def _offsets(self, lps: list[TokenLogprobs], start: int, end: int) -> list[int]:
-        """Where each token starts in the sample's text: its token text laid end to end from
-        where this step's text starts, kept inside it (skipped special tokens, bytes held back
-        for a whole character and text past a stop string have no place of their own)."""
-        out = []
-        for lp in lps:
-            out.append(min(start, end))
-            start += len(self.tok.token_text(lp.sampled.token_id))
-        return out
-
-    def usage_chunk(self) -> dict:
-        return {**self._chunk([]), "usage": _usage(self.usage)}
-
-    def start(self) -> list[dict]:
-        return []
-
-    def final(self) -> dict:
-        return {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": [self.choice(i) for i in range(self.n)],
-                "usage": _usage(self.usage)}
-
-    @abstractmethod
-    def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
-        """One choice's entry in a streamed chunk."""
-
-    @abstractmethod
-    def choice(self, i: int) -> dict:
-        """One choice of the final (non-streamed) response."""
-
-
-class _CompletionShaper(_Shaper):
-    object = chunk_object = "text_completion"
-
-    def _logprobs(self, lps: list[TokenLogprobs], offsets: list[int]) -> dict | None:
-        """Legacy completions logprobs: top_logprobs holds the top N and the sampled token."""
-        if not self.want_logprobs:
-            return None
-        tokens = [self.tok.token_text(lp.sampled.token_id) for lp in lps]
-        tops = []
-        for text, lp in zip(tokens, lps, strict=True):
-            top: dict[str, float] = {}
-            for t in lp.top:  # most likely first; ids that read the same keep the likelier
-                top.setdefault(self.tok.token_text(t.token_id), t.logprob)
-            top.setdefault(text, lp.sampled.logprob)
-            tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [lp.sampled.logprob for lp in lps],
-                "top_logprobs": tops, "text_offset": offsets}
-
-    def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
-        return {"index": d.index, "text": d.text, "logprobs": self._logprobs(lps, offsets),
-                "finish_reason": d.finish_reason}
-
-    def choice(self, i: int) -> dict:
-        return {"index": i, "text": self.text[i],
-                "logprobs": self._logprobs(self.logprobs[i], self.offsets[i]),
-                "finish_reason": self.finish[i]}
-
-
-class _ChatShaper(_Shaper):
-    object = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-
-    def _entry(self, token_id: int, logprob: float) -> dict:
-        text = self.tok.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    def _logprobs(self, lps: list[TokenLogprobs]) -> dict | None:
-        if not self.want_logprobs:
-            return None
-        return {"content": [{**self._entry(lp.sampled.token_id, lp.sampled.logprob),
-                             "top_logprobs": [self._entry(t.token_id, t.logprob)
-                                              for t in lp.top]}
-                            for lp in lps], "refusal": None}
-
-    def start(self) -> list[dict]:
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
-
-    def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
-        return {"index": d.index, "delta": {"content": d.text} if d.text else {},
-                "logprobs": self._logprobs(lps), "finish_reason": d.finish_reason}
-
-    def choice(self, i: int) -> dict:
-        return {"index": i, "message": {"role": "assistant", "content": self.text[i]},
-                "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish[i]}
-
-
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
@@ -447,7 +307,7 @@ class OpenAIApi:
             params = _sampling_params(body, max_tokens, body.logprobs)
         except (InvalidArgument, ApiError) as e:
             return api_error(e).response()
-        shaper = _CompletionShaper(fe.tokenizer, f"cmpl-{uuid.uuid4().hex}", fe.model.id,
+        shaper = CompletionShaper(fe.tokenizer, f"cmpl-{uuid.uuid4().hex}", fe.model.id,
                                    params.n, body.logprobs is not None, body.stream,
                                    self._include_usage(body))
         return await self._respond(request, body.stream, shaper, prompt, params, {})
@@ -476,7 +336,7 @@ class OpenAIApi:
                                       (body.top_logprobs or 0) if body.logprobs else None)
         except (InvalidArgument, ApiError) as e:
             return api_error(e, names).response()
-        shaper = _ChatShaper(fe.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", fe.model.id,
+        shaper = ChatShaper(fe.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", fe.model.id,
                              params.n, body.logprobs, body.stream, self._include_usage(body))
         return await self._respond(request, body.stream, shaper, prompt, params, names)
 
@@ -511,7 +371,7 @@ class OpenAIApi:
     def _include_usage(body: _SamplingFields) -> bool:
         return bool(body.stream_options and body.stream_options.include_usage)
 
-    async def _respond(self, request: Request, stream: bool, shaper: _Shaper, prompt: list[int],
+    async def _respond(self, request: Request, stream: bool, shaper: Shaper, prompt: list[int],
                        params: SamplingParams, names: dict[str, str]) -> Response:
         """Run the request. The status code is settled by the first step: validation,
         admission and the choice of workers all happen before it."""
@@ -536,12 +396,12 @@ class OpenAIApi:
                                                   "X-Accel-Buffering": "no"})
 
     @staticmethod
-    async def _collect(gen: AsyncIterator[Step], shaper: _Shaper) -> None:
+    async def _collect(gen: AsyncIterator[Step], shaper: Shaper) -> None:
         async for step in gen:
             shaper.add(step)
 
     @staticmethod
-    async def _events(gen: AsyncIterator[Step], first: Step | None, shaper: _Shaper,
+    async def _events(gen: AsyncIterator[Step], first: Step | None, shaper: Shaper,
                       names: dict[str, str]) -> AsyncIterator[str]:
         try:
             for c in shaper.start():

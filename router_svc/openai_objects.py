@@ -1,0 +1,150 @@
+"""OpenAI response objects from the Frontend's steps: one endpoint's streamed chunks and its
+final object (completions and chat completions), with usage and logprobs as OpenAI shapes
+them."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+
+from engine.sampling_params import TokenLogprobs
+from engine.tokenizer import Tokenizer
+from router_svc.frontend import Delta, Usage
+
+Step = tuple[list[Delta], Usage]
+
+
+def _usage(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+
+class Shaper(ABC):
+    """Turns Frontend steps into one endpoint's chunks and final object. Keeps per-sample text,
+    finish reasons and logprobs for the non-streaming answer."""
+
+    object: str
+    chunk_object: str
+
+    def __init__(self, tok: Tokenizer, id_: str, model: str, n: int, want_logprobs: bool,
+                 stream: bool, include_usage: bool) -> None:
+        self.tok, self.id, self.model, self.n = tok, id_, model, n
+        self.want_logprobs, self.stream = want_logprobs, stream
+        self.include_usage = stream and include_usage
+        self.created = int(time.time())
+        self.text = [""] * n
+        self.finish: list[str | None] = [None] * n
+        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+        self.offsets: list[list[int]] = [[] for _ in range(n)]  # per token, in self.text
+        self.usage = Usage()
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        c = {"id": self.id, "object": self.chunk_object, "created": self.created,
+             "model": self.model, "choices": choices}
+        if self.include_usage:
+            c["usage"] = None
+        return c
+
+    def add(self, step: Step) -> list[dict]:
+        """Remembers one step for the final object; when streaming, its chunks."""
+        deltas, self.usage = step
+        chunks = []
+        for d in deltas:
+            i = d.index
+            self.text[i] += d.text
+            if d.finish_reason is not None:
+                self.finish[i] = d.finish_reason
+            lps = [lp for lp in d.logprobs if lp is not None] if self.want_logprobs else []
+            offsets = self._offsets(lps, len(self.text[i]) - len(d.text), len(self.text[i]))
+            self.logprobs[i] += lps
+            self.offsets[i] += offsets
+            if self.stream and (d.text or d.finish_reason is not None or lps):
+                chunks.append(self._chunk([self.choice_delta(d, lps, offsets)]))
+        return chunks
+
+    def _offsets(self, lps: list[TokenLogprobs], start: int, end: int) -> list[int]:
+        """Where each token starts in the sample's text: its token text laid end to end from
+        where this step's text starts, kept inside it (skipped special tokens, bytes held back
+        for a whole character and text past a stop string have no place of their own)."""
+        out = []
+        for lp in lps:
+            out.append(min(start, end))
+            start += len(self.tok.token_text(lp.sampled.token_id))
+        return out
+
+    def usage_chunk(self) -> dict:
+        return {**self._chunk([]), "usage": _usage(self.usage)}
+
+    def start(self) -> list[dict]:
+        return []
+
+    def final(self) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": [self.choice(i) for i in range(self.n)],
+                "usage": _usage(self.usage)}
+
+    @abstractmethod
+    def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
+        """One choice's entry in a streamed chunk."""
+
+    @abstractmethod
+    def choice(self, i: int) -> dict:
+        """One choice of the final (non-streamed) response."""
+
+
+class CompletionShaper(Shaper):
+    object = chunk_object = "text_completion"
+
+    def _logprobs(self, lps: list[TokenLogprobs], offsets: list[int]) -> dict | None:
+        """Legacy completions logprobs: top_logprobs holds the top N and the sampled token."""
+        if not self.want_logprobs:
+            return None
+        tokens = [self.tok.token_text(lp.sampled.token_id) for lp in lps]
+        tops = []
+        for text, lp in zip(tokens, lps, strict=True):
+            top: dict[str, float] = {}
+            for t in lp.top:  # most likely first; ids that read the same keep the likelier
+                top.setdefault(self.tok.token_text(t.token_id), t.logprob)
+            top.setdefault(text, lp.sampled.logprob)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [lp.sampled.logprob for lp in lps],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
+        return {"index": d.index, "text": d.text, "logprobs": self._logprobs(lps, offsets),
+                "finish_reason": d.finish_reason}
+
+    def choice(self, i: int) -> dict:
+        return {"index": i, "text": self.text[i],
+                "logprobs": self._logprobs(self.logprobs[i], self.offsets[i]),
+                "finish_reason": self.finish[i]}
+
+
+class ChatShaper(Shaper):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.tok.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _logprobs(self, lps: list[TokenLogprobs]) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        return {"content": [{**self._entry(lp.sampled.token_id, lp.sampled.logprob),
+                             "top_logprobs": [self._entry(t.token_id, t.logprob)
+                                              for t in lp.top]}
+                            for lp in lps], "refusal": None}
+
+    def start(self) -> list[dict]:
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
+
+    def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
+        return {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                "logprobs": self._logprobs(lps), "finish_reason": d.finish_reason}
+
+    def choice(self, i: int) -> dict:
+        return {"index": i, "message": {"role": "assistant", "content": self.text[i]},
+                "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish[i]}
