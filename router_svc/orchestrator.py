@@ -6,8 +6,10 @@ Disaggregated:
 Colocated: generate(req) on a `both` worker ──▶ stream of tokens.
 Streamed legs ride the worker's multiplexed Stream call (router_svc/worker_stream.py).
 
-A leg that fails with UNAVAILABLE before the first token reached the client is retried on
-another worker; after that the request fails. Leaving early (client gone, deadline, stop
+A leg that fails with UNAVAILABLE (or FAILED_PRECONDITION) before its first token is retried on
+another worker: a prefill or colocated leg as it was; a decode leg after a fresh prefill, since
+its lease went with it (the decode request carries the first tokens the client already has).
+After a leg's first token the request fails. Leaving early (client gone, deadline, stop
 string, error) cancels the open leg, and a lease that no decode worker released is released
 here. Once a decode request is sent, the lease belongs to the decode worker: it releases after
 its copy, or when the request ends before the copy (a cancel follows its request on the same
@@ -127,6 +129,7 @@ class Orchestrator:
         wire_params = params_to_proto(params)
         want_lp = params.logprobs is not None
         p, resp = await self._prefill(rid, prompt, wire_params, timeout, md)
+        kv = resp.kv  # the lease this router holds until a decode request carries it
         handed_over = False
         try:
             first = Update([SampleUpdate(
@@ -137,28 +140,43 @@ class Orchestrator:
             yield first
             if all(resp.finish_reasons):
                 return
-            d = self._pick(self.workers.pick_decode("decode"), "decode")
-            call = d.stream.request(worker_pb2.StreamRequest(decode=worker_pb2.DecodeRequest(
-                request_id=rid, prompt_token_ids=prompt, params=wire_params, kv=resp.kv,
-                first_token_ids=resp.first_token_ids, first_logprobs=resp.first_logprobs)),
-                md, timeout)
-            handed_over = True
-            d.in_flight += 1
-            try:
-                done = {i for i, r in enumerate(resp.finish_reasons) if r}
-                async with aclosing(call):
-                    async for update in _until_done(call, params.n, done):
-                        update.num_cached_tokens = resp.num_cached_tokens  # the prefill side's
-                        yield update
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    self.workers.mark_down(d)
-                raise _as_router_error(e, f"decode worker {d.address}") from None
-            finally:
-                d.in_flight -= 1
+            done = {i for i, r in enumerate(resp.finish_reasons) if r}
+            tried: set[str] = set()
+            while True:
+                d = self._pick(self.workers.pick_decode("decode", tried), "decode")
+                tried.add(d.address)
+                call = d.stream.request(worker_pb2.StreamRequest(decode=worker_pb2.DecodeRequest(
+                    request_id=rid, prompt_token_ids=prompt, params=wire_params, kv=kv,
+                    first_token_ids=resp.first_token_ids, first_logprobs=resp.first_logprobs)),
+                    md, timeout)
+                handed_over = True
+                sent = False
+                d.in_flight += 1
+                try:
+                    async with aclosing(call):
+                        async for update in _until_done(call, params.n, done):
+                            sent = True
+                            update.num_cached_tokens = resp.num_cached_tokens  # prefill side's
+                            yield update
+                    return
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.workers.mark_down(d)
+                    if sent or not _retryable(e):
+                        raise _as_router_error(e, f"decode worker {d.address}") from None
+                    log.warning("decode worker %s failed %s before its first token: prefilling "
+                                "again for another", d.address, rid)
+                finally:
+                    d.in_flight -= 1
+                # The lease went with the request: the refusing worker releases it (or it
+                # expires). Another decode worker needs a lease of its own: a fresh prefill
+                # (its prompt blocks are most likely still cached). The client has the first
+                # tokens already: the decode request carries those, the new ones are dropped.
+                p, again = await self._prefill(rid, prompt, wire_params, timeout, md)
+                kv, handed_over = again.kv, False
         finally:
             if not handed_over:
-                self._release_later(p, resp.kv.lease_id, md)
+                self._release_later(p, kv.lease_id, md)
 
     async def _prefill(self, rid: str, prompt: list[int], params, timeout: float | None,
                        md: Metadata) -> tuple[Worker, worker_pb2.PrefillResponse]:

@@ -45,6 +45,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port; -1: off")
+    p.add_argument("--poll-interval", type=float, default=0.5,
+                   help="seconds between polls of each worker's load and health")
     p.add_argument("--max-requests", type=int, default=1024,
                    help="requests in flight (queued included) before RESOURCE_EXHAUSTED / 429")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -71,7 +73,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     has_tokenizer = any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
     tokenizer = Tokenizer(model_dir) if has_tokenizer else None
     workers = WorkerSet(_addresses(args.prefill), _addresses(args.decode),
-                        _addresses(args.workers), block_size=args.block_size)
+                        _addresses(args.workers), block_size=args.block_size,
+                        poll_interval_s=args.poll_interval)
     if not workers.workers:
         raise SystemExit("tandem router: give --prefill and --decode, or --workers")
     if workers.disaggregated and not workers.by_role("decode", healthy_only=False):

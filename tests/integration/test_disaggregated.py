@@ -307,3 +307,38 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_a_decode_leg_that_fails_before_its_first_token_goes_to_another_decode_worker(
+        tiny_models, offline, tmp_path):
+    """A decode worker gone before the router notices (it polls every 60 s here): the decode
+    leg that reaches it fails UNAVAILABLE before any token, and the router prefills again and
+    decodes on the other worker, carrying the first tokens the client already has. Every
+    request's output is what the offline engine gives, greedy and seeded n=2 alike."""
+    c = Cluster(tmp_path, str(tiny_models["llama"]), decode=2, worker_args=WORKER_ARGS,
+                prefill_args=["--lease-ttl", "3"],
+                router_args=["--http-port", "-1", "--poll-interval", "60"]).start()
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=16)
+        seeded = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=12, ignore_eos=True)
+        jobs = [(p, greedy) for p in PROMPTS[:5]] + [(PROMPTS[6], seeded)]
+        expected = [[o.token_ids for o in offline.generate([p], params)[0].outputs]
+                    for p, params in jobs]
+        c.kill("decode0")
+        c.procs["decode0"].popen.wait(10)
+
+        async def main():
+            async with grpc.aio.insecure_channel(c.router.address) as ch:
+                stub = c.api(ch)
+                results = await asyncio.gather(*(generate(stub, p, params)
+                                                 for p, params in jobs))
+                # The failed leg's lease: its worker died holding it, so it expires (3 s).
+                await c.wait_idle(timeout=15, procs=c.workers("prefill"))
+                return results
+
+        results = asyncio.run(main())
+        assert [tokens for tokens, _ in results] == expected
+        events = [line["event"] for line in c.procs["router"].json_logs()]
+        assert any("prefilling again" in e for e in events), events[-20:]
+    finally:
+        c.stop()
