@@ -60,7 +60,10 @@ def test_tandem_up_and_readme_examples(tmp_path):
             assert up.poll() is None, (tmp_path / "up.log").read_text()
             assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
             time.sleep(0.25)
-        assert "OpenAI HTTP" in (tmp_path / "up.log").read_text()
+        # The endpoints banner follows once `tandem up` has seen the router's ready file.
+        while "OpenAI HTTP" not in (tmp_path / "up.log").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
+            time.sleep(0.1)
 
         curl = block_after("With it running, from another shell", "bash")
         curl = curl.replace("127.0.0.1:8000", f"127.0.0.1:{http}").replace("\\\n", " ")
