@@ -228,7 +228,12 @@ async def generate_raw(stub, req):
     return [c async for c in stub.Generate(req)]
 
 
-def test_decode_worker_killed_mid_stream(tiny_models, tmp_path):
+@pytest.mark.parametrize("victim", ["worker", "engine core"])
+def test_decode_worker_or_its_engine_core_killed_mid_stream(tiny_models, tmp_path, victim):
+    """SIGKILL mid-stream, to the decode worker or to its engine core: its requests fail
+    UNAVAILABLE and the prefill pool is idle again (released after the pulls). A killed worker
+    takes its core with it (nothing left holding the pool or a GPU); a worker whose core died
+    exits 1, for its supervisor to restart it."""
     c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=WORKER_ARGS,
                 prefill_args=["--lease-ttl", "3"], router_args=["--http-port", "-1"]).start()
     try:
@@ -244,51 +249,23 @@ def test_decode_worker_killed_mid_stream(tiny_models, tmp_path):
                     for _ in range(3):
                         await call.read()
                 core = c.engine_core("decode0")
-                c.kill("decode0")
-                for call in calls:
-                    with pytest.raises(grpc.aio.AioRpcError) as e:
-                        while (await call.read()) is not grpc.aio.EOF:
-                            pass
-                    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-                # The prefill pool is idle again (the decode side released after its pulls).
-                await c.wait_idle(procs=c.workers("prefill"))
-                # Its engine core died with it (nothing left holding the pool or a GPU).
-                await wait_gone(core)
-
-        asyncio.run(main())
-    finally:
-        c.stop()
-
-
-def test_a_worker_whose_engine_core_dies_fails_its_requests_and_exits(tiny_models, tmp_path):
-    """The engine core killed under a serving decode worker: its requests fail UNAVAILABLE
-    (the router's clients see the worker go, as for the worker's own death), the prefill side
-    is released, and the worker exits 1 for its supervisor to restart it."""
-    c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=WORKER_ARGS,
-                prefill_args=["--lease-ttl", "3"], router_args=["--http-port", "-1"]).start()
-    try:
-        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-
-        async def main():
-            async with grpc.aio.insecure_channel(c.router.address) as ch:
-                stub = c.api(ch)
-                calls = [stub.Generate(api_pb2.GenerateRequest(
-                    token_ids=api_pb2.TokenIds(ids=p), params=params_to_proto(params)))
-                    for p in PROMPTS[:3]]
-                for call in calls:
-                    await call.read()
-                os.kill(c.engine_core("decode0"), signal.SIGKILL)
+                if victim == "worker":
+                    c.kill("decode0")
+                else:
+                    os.kill(core, signal.SIGKILL)
                 for call in calls:
                     with pytest.raises(grpc.aio.AioRpcError) as e:
                         while (await call.read()) is not grpc.aio.EOF:
                             pass
                     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
                 await c.wait_idle(procs=c.workers("prefill"))
+                await wait_gone(core)
 
         asyncio.run(main())
-        assert c.procs["decode0"].popen.wait(30) == 1
-        logs = c.procs["decode0"].json_logs()
-        assert any("engine core exited" in line["event"] for line in logs)
+        if victim == "engine core":
+            assert c.procs["decode0"].popen.wait(30) == 1
+            logs = c.procs["decode0"].json_logs()
+            assert any("engine core exited" in line["event"] for line in logs)
     finally:
         c.stop()
 
