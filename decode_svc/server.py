@@ -34,7 +34,7 @@ from opentelemetry.trace import SpanKind
 
 from decode_svc.outbox import Outbox, failure_message, relay
 from engine.sequence import SeqOutput
-from engine.serving.engine_core import LeaseDone, RemoteSource
+from engine.serving.core_messages import LeaseDone, RemoteSource
 from engine.serving.lifecycle import GRPC_OPTIONS
 from engine.serving.telemetry import span_name, trace_metadata
 from kvtransfer.descriptor import check_compatible

@@ -31,15 +31,15 @@ from typing import Any
 from engine.errors import InvalidArgument, TandemError
 from engine.sampling_params import SamplingParams
 from engine.sequence import SeqOutput
-from engine.serving.engine_core import (
+from engine.serving.core_messages import (
     CoreInfo,
     CoreSpec,
     EngineSnapshot,
     LeaseDone,
     RemoteSource,
-    run_core,
     unpack_outputs,
 )
+from engine.serving.engine_core import run_core
 
 log = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ from engine.serving.metrics import Metrics
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
     from engine.sequence import SeqOutput
-    from engine.serving.engine_core import LeaseDone
+    from engine.serving.core_messages import LeaseDone
 
 log = structlog.get_logger(__name__)
 

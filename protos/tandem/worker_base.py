@@ -16,7 +16,7 @@ import grpc
 
 from engine.errors import InvalidArgument, LayoutMismatch, ModelLoadError, Overloaded
 from engine.serving.async_engine import AsyncEngine, EngineDead
-from engine.serving.engine_core import CoreSpec, LeaseDone
+from engine.serving.core_messages import CoreSpec, LeaseDone
 from engine.serving.lifecycle import Health, enable_reflection, make_server, serve_until_signal
 from engine.serving.telemetry import Telemetry
 from tandem.v1 import worker_pb2, worker_pb2_grpc

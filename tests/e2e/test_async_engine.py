@@ -20,7 +20,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.sequence import SeqOutput
 from engine.serving.async_engine import AsyncEngine, EngineDead
-from engine.serving.engine_core import CoreSpec, RemoteSource
+from engine.serving.core_messages import CoreSpec, RemoteSource
 
 PROMPTS = [[3 + i, 11, 29 + 2 * i, 7] * (1 + i) for i in range(8)]
 

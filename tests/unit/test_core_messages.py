@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from engine.errors import InvalidArgument, LayoutMismatch
 from engine.sampling_params import Logprob, TokenLogprobs
 from engine.sequence import FinishReason, SeqOutput
-from engine.serving.engine_core import pack_outputs, portable, unpack_outputs
+from engine.serving.core_messages import pack_outputs, portable, unpack_outputs
 
 outputs = st.builds(
     lambda rid, i, toks, reason, with_lp, error, n: SeqOutput(
