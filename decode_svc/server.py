@@ -84,10 +84,7 @@ class DecodeServicer(WorkerServicer):
         self._background: set[asyncio.Task] = set()
         self._sessions: set[Outbox] = set()  # the open Stream calls' outboxes
         self._draining = asyncio.Event()
-        info = engine.info
-        self.layout = worker_pb2.PoolDescriptor(
-            dtype=info.dtype, block_size=info.block_size, num_layers=info.num_layers,
-            num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, num_blocks=info.num_blocks)
+        self.layout = worker_pb2.PoolDescriptor(**engine.info.layout)
 
     # -- RPCs --------------------------------------------------------------------------------
     async def Stream(self, request_iterator, context):  # noqa: N802 - gRPC method name

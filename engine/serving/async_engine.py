@@ -68,8 +68,9 @@ class AsyncEngine:
                  on_lease_done: Callable[[LeaseDone], None] | None = None,
                  on_death: Callable[[], None] | None = None) -> None:
         self.spec = spec
-        # Hooks, on the loop: after each step (StepStats or None, its outputs, the core's
-        # perf_counter at its end), samples ended by an abort, a prefill lease the core is done
+        # Hooks, on the loop: after each step (StepStats or None, those of its outputs that are
+        # more than new tokens, every finished one among them, and the core's perf_counter at
+        # its end: nothing per token), samples ended by an abort, a prefill lease the core is done
         # with (decode role), the core's death.
         self.on_step = on_step
         self.on_abort = on_abort
@@ -103,8 +104,9 @@ class AsyncEngine:
             self._proc.join(STOP_TIMEOUT_S)
             raise error
         self.info = info
-        self.snapshot = EngineSnapshot(num_free_blocks=info.num_blocks,
-                                       num_blocks=info.num_blocks, block_size=info.block_size)
+        n = info.layout["num_blocks"]
+        self.snapshot = EngineSnapshot(num_free_blocks=n, num_blocks=n,
+                                       block_size=info.layout["block_size"])
         self._loop.add_reader(self._events.fileno(), self._on_readable)
 
     def _first_message(self) -> tuple:
@@ -236,7 +238,7 @@ class AsyncEngine:
             outputs = unpack_outputs(plain, whole)
             if outputs:
                 self._dispatch(outputs)
-            _hook(self.on_step, stats, outputs, end)
+            _hook(self.on_step, stats, whole, end)
         elif kind == "reply":
             _, call_id, result, error = msg
             fut = self._calls.pop(call_id)

@@ -38,16 +38,11 @@ class CoreSpec:
 
 @dataclass(frozen=True)
 class CoreInfo:
-    """The core's layout, sent once it is ready; `pool` is a prefill core's descriptor (with its
-    handle: never logged)."""
+    """Sent once the core is ready. `layout`: its KV pool's, by the fields a PoolDescriptor
+    names (kvtransfer.descriptor.LAYOUT_FIELDS and num_blocks); `pool`: a prefill core's
+    descriptor (with its handle: never logged)."""
 
-    dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_blocks: int
-    device: str
+    layout: dict[str, Any]
     pid: int
     pool: Any = None  # kvtransfer.descriptor.PoolDescriptor
 

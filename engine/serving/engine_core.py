@@ -70,7 +70,7 @@ class EngineCore:
 
         self.spec = spec
         self.events = events
-        self.pools: list[Any] = []  # this core's pool, when peers map it
+        self.pool: Any = None  # this core's pool, when peers map it (prefill)
         self.peers: dict[str, Any] = {}  # address -> RemotePool
         pool_factory = self._allocate_shared_pool if spec.role == "prefill" else None
         self.engine = LLMEngine(spec.config, pool_factory=pool_factory, progress=False)
@@ -84,9 +84,11 @@ class EngineCore:
 
     def info(self) -> CoreInfo:
         runner, cfg = self.engine.runner, self.engine.model_config
-        return CoreInfo(self.spec.config.dtype, runner.block_size, cfg.num_layers,
-                        cfg.num_kv_heads, cfg.head_dim, runner.num_blocks, str(runner.device),
-                        os.getpid(), self.pools[0].descriptor if self.pools else None)
+        layout = {"dtype": self.spec.config.dtype, "block_size": runner.block_size,
+                  "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
+                  "head_dim": cfg.head_dim, "num_blocks": runner.num_blocks}
+        return CoreInfo(layout, os.getpid(),
+                        self.pool.descriptor if self.pool is not None else None)
 
     # -- the loop ----------------------------------------------------------------------------
     def serve(self, commands: Connection) -> None:
@@ -120,7 +122,8 @@ class EngineCore:
             self.events.send(("step", plain, whole, stats, time.perf_counter(), snap))
 
     def close(self) -> None:
-        for pool in (*self.peers.values(), *self.pools):
+        own = [self.pool] if self.pool is not None else []
+        for pool in [*self.peers.values(), *own]:
             with contextlib.suppress(Exception):
                 pool.close()
 
@@ -234,7 +237,7 @@ class EngineCore:
         pool = allocate_pool(num_blocks=n, num_layers=layers, block_size=bs, num_kv_heads=heads,
                              head_dim=dim, dtype=dtype, device=device,
                              transport=self.spec.transport or "shm")
-        self.pools.append(pool)
+        self.pool = pool
         return pool.tensor
 
     def _snapshot(self) -> EngineSnapshot:

@@ -140,9 +140,9 @@ class Metrics:
 
     # -- engine events -------------------------------------------------------------------------
     def on_step(self, step: StepStats | None, outputs: list[SeqOutput], end: float) -> None:
-        """AsyncEngine's hook, after every step: its statistics, its outputs, and when it ended
-        (the core's time.perf_counter(), one clock host-wide)."""
-        now = end
+        """AsyncEngine's hook, after every step: its statistics, its outputs that are more than
+        new tokens (the finished ones among them), and when it ended (the core's
+        time.perf_counter(), one clock host-wide)."""
         if step is not None:
             if step.num_seqs:
                 self.iteration_tokens.observe(step.num_tokens)
@@ -153,8 +153,8 @@ class Metrics:
             # A sequence decoding in this step got its previous token at the end of the last
             # step (it was scheduled then: a pull or prefill step comes first after an idle).
             if step.num_decodes and self.role != "prefill" and self._last_step_end is not None:
-                self.itl.observe(now - self._last_step_end)
-        self._last_step_end = now
+                self.itl.observe(end - self._last_step_end)
+        self._last_step_end = end
         for o in outputs:
             if o.finish_reason is not None:
                 self.finished(o.finish_reason.value, o)

@@ -159,7 +159,7 @@ def test_every_decode_lease_ends_in_exactly_one_lease_done(model_dir):
                             (5,), (None,))
 
     async def body(engine: AsyncEngine) -> None:
-        nblocks = -(-len(prompt) // engine.info.block_size)
+        nblocks = -(-len(prompt) // engine.info.layout["block_size"])
         outs: list[SeqOutput] = []  # its pull fails: the request ends with the error
         await engine.decode("pulled", prompt, params, source("L1", nblocks), outs.extend)
         assert [o.error for o in outs] == ["KV transfer failed: the KV pool of 127.0.0.1:1 is "
