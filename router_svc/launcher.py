@@ -54,6 +54,14 @@ class Proc:
         return f"http://127.0.0.1:{self.metrics_port or self.http_port}/metrics"
 
 
+def cpu_threads_each(num_engine_cores: int) -> int:
+    """torch threads for each of the engine cores that compute on this machine's CPUs: its
+    share of the cores this process may run on. Each core would otherwise start a thread per
+    CPU, and threads that spin between parallel regions on oversubscribed cores stalled every
+    step of a two-decode-worker stack on two cores for seconds (0.3 s became 5-17 s)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, num_engine_cores))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -91,6 +99,8 @@ class LocalStack:
         self.grace = grace
         self.metrics = metrics
         self.procs: dict[str, Proc] = {}
+        # Workers on the CPU divide its cores (an explicit --cpu-threads in worker_args wins).
+        self.cpu_threads = cpu_threads_each(self.devices.count("cpu"))
 
     # -- processes ---------------------------------------------------------------------------
     def spawn(self, name: str, argv: Sequence[str], metrics_port: int = 0) -> Proc:
@@ -138,8 +148,10 @@ class LocalStack:
         for role, device in zip(self.roles, self.devices):
             i = counts[role] = counts.get(role, -1) + 1
             argv = ["worker", "--role", role, "--device", device, "--model", self.model,
-                    "--port", "0", "--grace", str(self.grace), *self.worker_args,
-                    *self.role_args.get(role, ())]
+                    "--port", "0", "--grace", str(self.grace)]
+            if device == "cpu":
+                argv += ["--cpu-threads", str(self.cpu_threads)]
+            argv += [*self.worker_args, *self.role_args.get(role, ())]
             w = self.spawn(f"{role}{i}", argv, free_port() if self.metrics else 0)
             workers.append((role, w))
             if one_by_one:
@@ -280,9 +292,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     host = args.host if args.host != "0.0.0.0" else "127.0.0.1"
     grpc_port = stack.router.address.rsplit(":", 1)[1]
+    cpu = stack.devices.count("cpu")
+    cpu_note = (f"  CPU:         {len(os.sched_getaffinity(0))} cores shared by {cpu} engine "
+                f"cores, {stack.cpu_threads} torch thread(s) each\n" if cpu else "")
     print(f"\nTandem is up ({args.model}; {len(stack.workers())} workers).\n"
           f"  OpenAI HTTP: http://{host}:{stack.router.http_port}/v1\n"
           f"  gRPC:        {host}:{grpc_port}\n"
+          f"{cpu_note}"
           "Ctrl-C stops everything.\n", flush=True)
     while not stopping.wait(0.5):
         dead = stack.any_exited()

@@ -34,6 +34,10 @@ class CoreSpec:
     role: str  # prefill, decode, both
     transport: str | None = None  # prefill: how peers map the pool (shm, cuda_ipc)
     lease_ttl_s: float = 30.0  # prefill: how long a handed-off prompt's blocks stay pinned
+    # torch's CPU threads for the model: None is 1 on a GPU (the host only prepares steps) and
+    # every core on the CPU. Engine cores that share a CPU each get their share (`tandem up`):
+    # more threads than cores, spinning between parallel regions, stall every step for seconds.
+    cpu_threads: int | None = None
 
 
 @dataclass(frozen=True)

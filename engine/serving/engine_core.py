@@ -273,7 +273,7 @@ def run_core(spec: CoreSpec, commands: Connection, events: Connection) -> None:
     _name_native_thread(f"{spec.role}-core")
     _configure_logging(spec.role)
     _widen_pipe(events)
-    _one_compute_thread_on_gpus(spec.config.device)
+    _set_compute_threads(spec.config.device, spec.cpu_threads)
     try:
         core = EngineCore(spec, events)
     except BaseException as e:  # noqa: BLE001 - reported to the worker, which exits
@@ -305,13 +305,15 @@ def _widen_pipe(conn: Connection, size: int = 1 << 20) -> None:
         fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, size)
 
 
-def _one_compute_thread_on_gpus(device: str) -> None:
-    """On a GPU the host only prepares steps: torch's CPU thread pool (a thread per core by
-    default, spinning between parallel regions) only competes with the engine loop. One thread
-    unless OMP_NUM_THREADS says otherwise; on the CPU, torch's default (or OMP_NUM_THREADS)."""
-    if device.startswith("cuda") and "OMP_NUM_THREADS" not in os.environ:
-        import torch  # noqa: PLC0415
+def _set_compute_threads(device: str, threads: int | None) -> None:
+    """torch's CPU thread pool for this core: `threads` when given; else one on a GPU, where
+    the host only prepares steps and a thread per core spinning between parallel regions only
+    competes with the engine loop (OMP_NUM_THREADS still wins there); else torch's default."""
+    import torch  # noqa: PLC0415
 
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif device.startswith("cuda") and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
 
 

@@ -39,6 +39,12 @@ GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     # Let peers ping as often as the keepalive above.
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # A peer that was down (starting, restarting) is tried again within a second, not after
+    # gRPC's default backoff of up to 120 s: no channel a request needs waits on a peer
+    # that is up. min_reconnect_backoff is the connect attempt's timeout (20 s by default).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    ("grpc.min_reconnect_backoff_ms", 5_000),
 ]
 
 

@@ -41,6 +41,16 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="write the bound port here once serving (used by `tandem up`)")
     g.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics at /metrics on this port (0: off)")
+    g.add_argument("--cpu-threads", type=_at_least_one, default=None,
+                   help="torch CPU threads of the engine core (default: every core on the "
+                        "CPU, 1 on a GPU); engine cores sharing a machine need their share")
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 class WorkerError(Exception):
@@ -133,8 +143,10 @@ async def run_worker(args: argparse.Namespace, role: str,
         died = True
         stop.set()
 
-    engine = AsyncEngine(CoreSpec(engine_config(args, role=role), role, transport, lease_ttl_s),
-                         on_step=metrics.on_step, on_abort=metrics.on_abort, on_death=on_death)
+    spec = CoreSpec(engine_config(args, role=role), role, transport, lease_ttl_s,
+                    cpu_threads=args.cpu_threads)
+    engine = AsyncEngine(spec, on_step=metrics.on_step, on_abort=metrics.on_abort,
+                         on_death=on_death)
     await engine.start()
     try:
         metrics.bind_engine(lambda: engine.snapshot)

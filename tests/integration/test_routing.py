@@ -84,28 +84,23 @@ def test_killed_workers_are_taken_out(cluster):
                 await asyncio.sleep(0.1)
             victim = max(loads, key=lambda n: loads[n].num_running)
             cluster.kill(victim)
-            killed_at = time.monotonic()
+
             async def outcome(call):
-                """The status a stream ends with, or "streaming" if it still delivers tokens
-                3 s after the kill (a dead worker's stream fails as soon as the tokens already
-                buffered on the way are read)."""
+                """How a stream ends: "done", or the status it failed with."""
                 try:
-                    while time.monotonic() - killed_at < 3:
-                        if await call.read() is grpc.aio.EOF:
-                            return "done"
-                    return "streaming"
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                    return "done"
                 except grpc.aio.AioRpcError as e:
                     return e.code()
 
+            # In-flight requests on the dead worker end UNAVAILABLE, the others run to their
+            # end (1,000 tokens each: still running at the kill, which follows the load check).
             outcomes = await asyncio.gather(*(outcome(call) for call in calls))
-            for call in calls:
-                call.cancel()
-            # In-flight requests on the dead worker end UNAVAILABLE, the others stream on.
             assert grpc.StatusCode.UNAVAILABLE in outcomes, (outcomes, loads)
-            assert "streaming" in outcomes, (outcomes, loads)
-            # ...and from at most 5 s after the kill, every new request succeeds.
-            while time.monotonic() - killed_at < 5:
-                await asyncio.sleep(0.25)
+            assert "done" in outcomes, (outcomes, loads)
+            # New requests succeed at once: one that goes to the dead worker before the router
+            # has seen it gone is retried on the other before its first decode token.
             results = await asyncio.gather(*(generate(stub, [9, i + 1, 3], short)
                                              for i in range(8)))
             assert all(r[-1].finish_reason in ("length", "stop") for r in results)
