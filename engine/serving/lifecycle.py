@@ -35,6 +35,9 @@ GRPC_OPTIONS = [
     # Workers and the router talk over long-lived channels: notice a dead peer in seconds.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    # gRPC core waits for any ping's ack up to this long (60 s by default, which outranks the
+    # keepalive timeout above: a SIGSTOPped worker held its streams for 60 s).
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     # Let peers ping as often as the keepalive above.
