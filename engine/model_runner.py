@@ -21,15 +21,18 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.block_table import BlockTableMirror
 from engine.config import CacheConfig, ModelConfig, cdiv
 from engine.cuda_graphs import CudaGraphRunner
+from engine.errors import InvalidArgument
 from engine.loader import TORCH_DTYPES, build_model, init_dummy_weights, load_weights
 from engine.sampler import Sampler, SamplerOutput, SampleRow
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 # (shape, dtype, device) -> the pool tensor. Services pass one that allocates shareable memory.
+MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly (capture time and memory)
+
 PoolFactory = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 
@@ -62,16 +65,17 @@ class ModelRunner:
 
         self.block_tables = BlockTableMirror(2 * max_num_seqs + 16,
                                              cdiv(max_model_len, self.block_size))
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        graph_bs = min(max_num_seqs, MAX_GRAPH_BATCH) if use_graphs else 0
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
-            cache_config, max_num_batched_tokens, max_model_len)
+            cache_config, max_num_batched_tokens, max_model_len, max_num_seqs, graph_bs)
         self.pool = (pool_factory or default_pool_factory)(self.pool_shape(self.num_blocks),
                                                             self.dtype, self.device)
         self.backend = self._make_backend(self.pool)
         self.graphs: CudaGraphRunner | None = None
-        if cuda_graphs and self.device.type == "cuda":
-            self.graphs = CudaGraphRunner(
-                self.model, self.backend, min(max_num_seqs, 512),
-                cdiv(max_model_len, self.block_size), self.device)
+        if use_graphs:
+            self.graphs = CudaGraphRunner(self.model, self.backend, graph_bs,
+                                          cdiv(max_model_len, self.block_size), self.device)
             self.graphs.capture()
 
     # -- KV pool -----------------------------------------------------------------------------
@@ -93,29 +97,53 @@ class ModelRunner:
             return TritonAttentionBackend(pool, self.config.num_heads, scale)
         return TorchAttentionBackend(pool, self.config.num_heads, scale)
 
-    def _blocks_for_budget(self, cache: CacheConfig, max_tokens: int, max_model_len: int) -> int:
+    def _blocks_for_budget(self, cache: CacheConfig, max_tokens: int, max_model_len: int,
+                           max_num_seqs: int, graph_bs: int) -> int:
         if self.device.type != "cuda":
             return max(1, cache.cpu_kv_bytes // self.block_bytes)
-        # Profile: the largest step the scheduler can issue, with a throwaway pool, to learn
-        # the activation peak; the KV pool gets `memory_fraction` of what is then free.
+        # Profile before the pool takes its share, as everything below must fit beside it:
+        # the largest step the scheduler can issue (the token budget as prompt chunks), the
+        # largest decode batch sampled on its heaviest path (top-k/top-p sort, penalties and
+        # logprobs over [max_num_seqs, vocab]), and the decode CUDA graphs, which keep their
+        # own memory: the activations of their largest batch.
+        try:
+            step = self._peak_bytes(lambda: self._profile_run(max_tokens, max_model_len))
+            decode = self._peak_bytes(lambda: self._profile_decode(max_num_seqs, sample=True))
+            graphs = (self._peak_bytes(lambda: self._profile_decode(graph_bs, sample=False))
+                      if graph_bs else 0)
+        except torch.cuda.OutOfMemoryError:
+            raise InvalidArgument(
+                "max_num_batched_tokens", f"one step of {max_tokens} tokens or {max_num_seqs} "
+                "sequences does not fit in GPU memory beside the weights: lower "
+                "--max-num-batched-tokens or --max-num-seqs") from None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        num_blocks = kv_pool_blocks(free, max(step, decode) + graphs, cache.memory_fraction,
+                                    self.block_bytes)
+        needed = cdiv(max_model_len, self.block_size)
+        if num_blocks < needed:
+            raise InvalidArgument(
+                "memory_fraction", f"a KV pool of {num_blocks} blocks cannot hold one sequence "
+                f"of max_model_len {max_model_len} ({needed} blocks): GPU free "
+                f"{free >> 20} MiB, step peak {max(step, decode) >> 20} MiB, CUDA graphs "
+                f"{graphs >> 20} MiB; raise --memory-fraction or lower --max-num-seqs, "
+                "--max-num-batched-tokens or --max-model-len")
+        log.info("KV pool: %d blocks of %d tokens (%.2f GiB); reserved for steps %d MiB, "
+                 "for CUDA graphs %d MiB", num_blocks, self.block_size,
+                 num_blocks * self.block_bytes / 2**30, max(step, decode) >> 20, graphs >> 20)
+        return num_blocks
+
+    def _peak_bytes(self, run: Callable[[], None]) -> int:
+        """Device memory `run` needs beyond what is allocated before it (its peak)."""
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self._profile_run(max_tokens, max_model_len)
+        run()
         torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
+        peak = torch.cuda.max_memory_allocated(self.device) - before
         gc.collect()
         torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(self.device)
-        budget = (free - activation_peak) * cache.memory_fraction
-        num_blocks = int(budget // self.block_bytes)
-        if num_blocks < 1:
-            raise RuntimeError(f"no GPU memory left for the KV cache (free {free >> 20} MiB, "
-                               f"activation peak {activation_peak >> 20} MiB)")
-        log.info("KV pool: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
-                 num_blocks * self.block_bytes / 2**30)
-        return num_blocks
+        return peak
 
     def _profile_run(self, num_tokens: int, max_model_len: int) -> None:
         """The largest step the scheduler can issue: sequences of up to max_model_len tokens
@@ -123,7 +151,16 @@ class ModelRunner:
         seq_len = min(num_tokens, max_model_len)
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens %
                                                        seq_len else [])
-        per_seq = cdiv(seq_len, self.block_size)
+        self._profile_step(lens, [sum(lens[:i + 1]) - 1 for i in range(len(lens))],
+                           sample=False)
+
+    def _profile_decode(self, num_seqs: int, sample: bool) -> None:
+        """A decode step of num_seqs sequences: logits for every row and, with sample, the
+        sampler's heaviest path over them."""
+        self._profile_step([1] * num_seqs, list(range(num_seqs)), sample)
+
+    def _profile_step(self, lens: list[int], last: list[int], sample: bool) -> None:
+        per_seq = cdiv(max(lens), self.block_size)
         pool = torch.empty(self.pool_shape(len(lens) * per_seq), dtype=self.dtype,
                            device=self.device)
         batch = ScheduledBatch()
@@ -132,11 +169,17 @@ class ModelRunner:
             seq.block_ids = list(range(i * per_seq, (i + 1) * per_seq))
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
-        last = [sum(lens[:i + 1]) - 1 for i in range(len(lens))]
         ids, pos, meta, sample_index = self._inputs(batch, last)
         with torch.inference_mode(), forward_context(self._make_backend(pool), meta):
             hidden = self.model(ids, pos)
-            self.model.compute_logits(hidden[sample_index])
+            logits = self.model.compute_logits(hidden[sample_index])
+            if sample:
+                heaviest = SamplingParams(temperature=1.0, top_k=50, top_p=0.9,
+                                          repetition_penalty=1.1, frequency_penalty=0.1,
+                                          logprobs=MAX_LOGPROBS)
+                self.sampler(logits, [SampleRow(heaviest, 0, 0, [0], [0]) for _ in last])
+            else:
+                logits.argmax(dim=-1)
         for seq in batch.seqs:
             self.release(seq.seq_id)
 
@@ -206,6 +249,13 @@ class ModelRunner:
     def release(self, seq_id: int) -> None:
         """A sequence finished: its block-table row is free again."""
         self.block_tables.release(seq_id)
+
+
+def kv_pool_blocks(free_bytes: int, reserved_bytes: int, memory_fraction: float,
+                   block_bytes: int) -> int:
+    """Blocks of the KV pool: `memory_fraction` of the device memory left once the steps'
+    and the CUDA graphs' peaks are set aside (the rest is headroom for the allocator)."""
+    return max(0, int((free_bytes - reserved_bytes) * memory_fraction) // block_bytes)
 
 
 def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
