@@ -586,7 +586,9 @@ class StepProbe:
         self.alloc_slot_steps = 0
         self.filled_slot_steps = 0
         self.step_waste: list[float] = []
-        self.gpu_rows: list[tuple[float, float, bool]] = []  # (wall s, busy s, decode only)
+        # Per step kind (decode, mixed, prefill): steps, tokens, wall s; and the profiled
+        # steps' (wall s, GPU busy s).
+        self.kinds: dict[str, list] = {k: [0, 0, 0.0, []] for k in STEP_KINDS}
         self.gpu_error: str | None = None
 
     def restore(self) -> None:
@@ -610,11 +612,16 @@ class StepProbe:
         t1 = time.perf_counter()
         self.steps += 1
         self.step_s += t1 - t0
+        last = self.engine.last_step
+        kind = self.kinds[step_kind(last)] if last is not None and last.num_seqs else None
+        if kind is not None:
+            kind[0] += 1
+            kind[1] += last.num_tokens
+            kind[2] += t1 - t0
         if prof is not None:
             busy = _stop_profiler(self, prof)
-            last = self.engine.last_step
-            if busy is not None and last is not None and last.num_seqs:
-                self.gpu_rows.append((t1 - t0, busy, last.num_decodes == last.num_seqs))
+            if busy is not None and kind is not None:
+                kind[3].append((t1 - t0, busy))
             self.overhead_s += time.perf_counter() - t1
         t2 = time.perf_counter()
         self._record(outs, t1)
@@ -646,19 +653,33 @@ class StepProbe:
             self.filled_slot_steps += filled
             self.step_waste.append(1 - filled / alloc)
 
-    def gpu_summary(self) -> dict:
-        def share(rows):
-            wall = sum(r[0] for r in rows)
-            busy = sum(r[1] for r in rows)
-            return {"steps": len(rows), "wall_ms_mean": wall / len(rows) * 1e3,
-                    "gpu_busy_ms_mean": busy / len(rows) * 1e3,
-                    "outside_gpu_share": 1 - busy / wall} if rows else None
+    def step_account(self) -> dict:
+        """Per step kind: steps, tokens, mean wall time; over the profiled steps of that kind,
+        mean GPU-busy time and host time (wall minus busy: no kernel or copy running)."""
+        out: dict = {"gpu_sampled_every": self.gpu_every, "gpu_error": self.gpu_error}
+        for name, (steps, tokens, wall, prof) in self.kinds.items():
+            row = {"steps": steps, "tokens": tokens,
+                   "wall_ms_mean": wall / steps * 1e3 if steps else None,
+                   "profiled": len(prof), "gpu_busy_ms_mean": None, "host_ms_mean": None,
+                   "host_share": None}
+            if prof:
+                p_wall = sum(w for w, _ in prof)
+                p_busy = sum(b for _, b in prof)
+                row.update(gpu_busy_ms_mean=p_busy / len(prof) * 1e3,
+                           host_ms_mean=(p_wall - p_busy) / len(prof) * 1e3,
+                           host_share=1 - p_busy / p_wall)
+            out[name] = row
+        return out
 
-        rows = self.gpu_rows
-        return {"sampled_every": self.gpu_every, "error": self.gpu_error,
-                "all": share(rows),
-                "decode_only": share([r for r in rows if r[2]]),
-                "with_prefill": share([r for r in rows if not r[2]])}
+
+STEP_KINDS = ("decode", "mixed", "prefill")
+
+
+def step_kind(step) -> str:
+    """decode: every sequence advanced one token; prefill: none did; mixed: both kinds."""
+    if step.num_decodes == step.num_seqs:
+        return "decode"
+    return "prefill" if step.num_decodes == 0 else "mixed"
 
 
 def _start_profiler(probe: StepProbe):
@@ -785,7 +806,7 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
              "outside_execute_share": 1 - probe.execute_s / probe.step_s if probe.step_s else None,
              "profiler_overhead_s": probe.overhead_s, "probe_bookkeeping_s": probe.record_s,
              "excluded_from_duration_s": probe.overhead_s + probe.record_s,
-             "gpu": probe.gpu_summary() if gpu_every else None}
+             "by_kind": probe.step_account()}
     return {
         "mode": "offline", "device": device,
         "card": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda")
@@ -855,16 +876,16 @@ def print_offline(r: dict, header: str) -> None:
     s = r["step_time"]
     print(f"steps: {s['steps']}, mean {s['step_ms_mean']:.2f} ms; outside the model runner "
           f"(scheduling, bookkeeping) {_f(s['outside_execute_share'], '.1%')}")
-    g = s.get("gpu")
-    if g:
-        if g["error"] and not g["all"]:
-            print(f"    GPU time: unavailable ({g['error']})")
-        for name in ("all", "decode_only", "with_prefill"):
-            row = g.get(name)
-            if row:
-                print(f"    {name:>12}: {row['steps']} steps sampled, wall {row['wall_ms_mean']:.2f}"
-                      f" ms, GPU busy {row['gpu_busy_ms_mean']:.2f} ms -> outside GPU kernels "
-                      f"{row['outside_gpu_share']:.1%}")
+    k = s["by_kind"]
+    if k["gpu_error"]:
+        print(f"    GPU time: unavailable ({k['gpu_error']})")
+    print(f"    {'step kind':>9}{'steps':>7}{'tokens':>9}{'wall ms':>9}{'GPU busy':>10}"
+          f"{'host ms':>9}{'host %':>8}  (GPU figures: every {k['gpu_sampled_every']}th step)")
+    for name in STEP_KINDS:
+        row = k[name]
+        print(f"    {name:>9}{row['steps']:>7}{row['tokens']:>9}{_f(row['wall_ms_mean'], '.2f'):>9}"
+              f"{_f(row['gpu_busy_ms_mean'], '.2f'):>10}{_f(row['host_ms_mean'], '.2f'):>9}"
+              f"{_f(row['host_share'], '.1%'):>8}")
 
 
 def plot(runs_for_plot: list[dict], path: Path, title: str) -> str | None:

@@ -88,7 +88,15 @@ def test_serve_offline_reports_kv_waste_against_static_batches(tiny_models, tmp_
     assert kv["static"]["num_batches"] == 1
     st = r["step_time"]
     assert st["steps"] > 0 and 0 < st["outside_execute_share"] < 1
-    assert st["gpu"] is None  # GPU busy time is measured on CUDA only
+    # The step-time account: every step is of one kind, every token in one of them.
+    kinds = st["by_kind"]
+    assert sum(kinds[k]["steps"] for k in ("decode", "mixed", "prefill")) == st["steps"]
+    assert kinds["decode"]["steps"] > 0 and kinds["decode"]["tokens"] >= kinds["decode"]["steps"]
+    assert kinds["prefill"]["steps"] + kinds["mixed"]["steps"] > 0
+    total = sum(kinds[k]["tokens"] for k in ("decode", "mixed", "prefill"))
+    assert total >= expected_tokens() - N  # every output token but the first is a decode token
+    # GPU busy time is measured on CUDA only.
+    assert all(kinds[k]["profiled"] == 0 for k in ("decode", "mixed", "prefill"))
 
 
 def test_hf_baseline_static_and_continuous_batching(tiny_models, tmp_path):
