@@ -9,6 +9,9 @@ Inputs live in static buffers that every graph reads:
 
     input_ids [max_bs]  positions [max_bs]  slot_mapping [max_bs]  seq_lens [max_bs]
     block_tables [max_bs, max_blocks_per_seq]   ─▶ graph ─▶  logits [bs, vocab] fp32, argmax [bs]
+
+and every graph writes its logits into one static buffer: outputs that each graph kept for itself
+held [bs, vocab] float32 per captured size (8.5 GiB for an 8B model's ladder up to 512).
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ class CudaGraphRunner:
         self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        vocab = model.lm_head.weight.shape[0]
+        self.logits = torch.zeros(max_bs, vocab, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # Per size: the graph's own output tensors (kept alive, rewritten by every replay).
+        # Per size: its rows of the logits buffer and its argmax (rewritten by every replay).
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = None
 
@@ -68,7 +73,7 @@ class CudaGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool), forward_context(self.backend, meta):
                 hidden = self.model(self.input_ids[:bs], self.positions[:bs])
-                logits = self.model.compute_logits(hidden)
+                logits = self.model.compute_logits(hidden, out=self.logits[:bs])
                 self.outputs[bs] = (logits, logits.argmax(dim=-1))
             if self.pool is None:
                 self.pool = graph.pool()

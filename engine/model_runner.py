@@ -102,34 +102,34 @@ class ModelRunner:
         if self.device.type != "cuda":
             return max(1, cache.cpu_kv_bytes // self.block_bytes)
         # Profile before the pool takes its share, as everything below must fit beside it:
-        # the largest step the scheduler can issue (the token budget as prompt chunks), the
-        # largest decode batch sampled on its heaviest path (top-k/top-p sort, penalties and
-        # logprobs over [max_num_seqs, vocab]), and the decode CUDA graphs, which keep their
-        # own memory: the activations of their largest batch.
+        # the largest step the scheduler can issue (the token budget as prompt chunks) with as
+        # many rows sampled as it can finish (max_num_seqs, on the sampler's heaviest path:
+        # top-k/top-p sort, penalties, logprobs over [rows, vocab]), and the decode CUDA
+        # graphs, which keep their own memory: the activations of their largest batch.
+        rows = min(max_num_seqs, max_tokens)
         try:
-            step = self._peak_bytes(lambda: self._profile_run(max_tokens, max_model_len))
-            decode = self._peak_bytes(lambda: self._profile_decode(max_num_seqs, sample=True))
-            graphs = (self._peak_bytes(lambda: self._profile_decode(graph_bs, sample=False))
-                      if graph_bs else 0)
+            step = self._peak_bytes(lambda: self._profile_run(max_tokens, max_model_len, rows))
+            graphs = (self._peak_bytes(lambda: self._profile_decode(graph_bs)) if graph_bs
+                      else 0)
         except torch.cuda.OutOfMemoryError:
             raise InvalidArgument(
-                "max_num_batched_tokens", f"one step of {max_tokens} tokens or {max_num_seqs} "
+                "max_num_batched_tokens", f"one step of {max_tokens} tokens sampling {rows} "
                 "sequences does not fit in GPU memory beside the weights: lower "
                 "--max-num-batched-tokens or --max-num-seqs") from None
         free, _ = torch.cuda.mem_get_info(self.device)
-        num_blocks = kv_pool_blocks(free, max(step, decode) + graphs, cache.memory_fraction,
+        num_blocks = kv_pool_blocks(free, step + graphs, cache.memory_fraction,
                                     self.block_bytes)
         needed = cdiv(max_model_len, self.block_size)
         if num_blocks < needed:
             raise InvalidArgument(
                 "memory_fraction", f"a KV pool of {num_blocks} blocks cannot hold one sequence "
                 f"of max_model_len {max_model_len} ({needed} blocks): GPU free "
-                f"{free >> 20} MiB, step peak {max(step, decode) >> 20} MiB, CUDA graphs "
+                f"{free >> 20} MiB, step peak {step >> 20} MiB, CUDA graphs "
                 f"{graphs >> 20} MiB; raise --memory-fraction or lower --max-num-seqs, "
                 "--max-num-batched-tokens or --max-model-len")
         log.info("KV pool: %d blocks of %d tokens (%.2f GiB); reserved for steps %d MiB, "
                  "for CUDA graphs %d MiB", num_blocks, self.block_size,
-                 num_blocks * self.block_bytes / 2**30, max(step, decode) >> 20, graphs >> 20)
+                 num_blocks * self.block_bytes / 2**30, step >> 20, graphs >> 20)
         return num_blocks
 
     def _peak_bytes(self, run: Callable[[], None]) -> int:
@@ -145,19 +145,19 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def _profile_run(self, num_tokens: int, max_model_len: int) -> None:
+    def _profile_run(self, num_tokens: int, max_model_len: int, rows: int) -> None:
         """The largest step the scheduler can issue: sequences of up to max_model_len tokens
-        filling the token budget, over a throwaway pool."""
+        filling the token budget, over a throwaway pool, and `rows` rows sampled."""
         seq_len = min(num_tokens, max_model_len)
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens %
                                                        seq_len else [])
-        self._profile_step(lens, [sum(lens[:i + 1]) - 1 for i in range(len(lens))],
-                           sample=False)
+        last = [sum(lens[:i + 1]) - 1 for i in range(len(lens))]
+        self._profile_step(lens, [last[i % len(last)] for i in range(rows)], sample=True)
 
-    def _profile_decode(self, num_seqs: int, sample: bool) -> None:
-        """A decode step of num_seqs sequences: logits for every row and, with sample, the
-        sampler's heaviest path over them."""
-        self._profile_step([1] * num_seqs, list(range(num_seqs)), sample)
+    def _profile_decode(self, num_seqs: int) -> None:
+        """A decode step of num_seqs sequences as the CUDA graphs run it: logits for every
+        row and their argmax."""
+        self._profile_step([1] * num_seqs, list(range(num_seqs)), sample=False)
 
     def _profile_step(self, lens: list[int], last: list[int], sample: bool) -> None:
         per_seq = cdiv(max(lens), self.block_size)

@@ -211,5 +211,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """float32 logits, written into `out` when given (a CUDA graph's static buffer)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)

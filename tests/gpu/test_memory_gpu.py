@@ -4,6 +4,7 @@ while capturing graphs, and a setting that cannot fit fails at start naming a fl
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ def test_large_batch_caps_start_and_run_a_full_batch(max_num_seqs, max_tokens):
         assert llm.engine.is_idle()
     finally:
         del llm
+        gc.collect()
         torch.cuda.empty_cache()
 
 

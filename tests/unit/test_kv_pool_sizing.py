@@ -1,5 +1,5 @@
 """Sizing the KV pool on a GPU: what the profile runs set aside, and the runs themselves (the
-decode batch sampled on the sampler's heaviest path) on the CPU with a tiny model."""
+largest step with its rows sampled on the sampler's heaviest path) on the CPU with a tiny model."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def test_profile_runs_leave_the_block_table_as_they_found_it(tiny_models):
                        progress=False)
     runner = engine.runner
     rows_before = list(runner.block_tables.free_rows)
-    runner._profile_run(512, 256)  # two prompt chunks of the max model length
-    runner._profile_decode(64, sample=True)  # top-k/top-p sort, penalties, logprobs
-    runner._profile_decode(64, sample=False)
+    # Two prompt chunks of the max model length, 64 rows sampled on the heaviest path.
+    runner._profile_run(512, 256, rows=64)
+    runner._profile_decode(64)
     assert sorted(runner.block_tables.free_rows) == sorted(rows_before)
     assert not runner.block_tables.state
