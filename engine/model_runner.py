@@ -1,7 +1,8 @@
 """The model runner: owns the model, the KV pool and the attention backend; turns a scheduled
 batch into tensors, runs the forward pass and samples.
 
-KV pool (one tensor, block-major; see DESIGN.md):
+KV pool, one tensor, block-major (a transfer moves one chunk per block; kernels take strides,
+never a contiguous per-layer tensor):
 
     pool[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
          └ block b of a request: all layers, K and V, one contiguous chunk
