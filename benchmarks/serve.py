@@ -589,6 +589,7 @@ class StepProbe:
         # Per step kind (decode, mixed, prefill): steps, tokens, wall s; and the profiled
         # steps' (wall s, GPU busy s).
         self.kinds: dict[str, list] = {k: [0, 0, 0.0, []] for k in STEP_KINDS}
+        self.saturated = [0, 0.0]  # tokens sampled and seconds in steps with >= 200 running
         self.gpu_error: str | None = None
 
     def restore(self) -> None:
@@ -618,6 +619,9 @@ class StepProbe:
             kind[0] += 1
             kind[1] += last.num_tokens
             kind[2] += t1 - t0
+            if last.num_seqs >= SATURATED_SEQS:
+                self.saturated[0] += last.num_sampled
+                self.saturated[1] += t1 - t0
         if prof is not None:
             busy = _stop_profiler(self, prof)
             if busy is not None and kind is not None:
@@ -673,6 +677,7 @@ class StepProbe:
 
 
 STEP_KINDS = ("decode", "mixed", "prefill")
+SATURATED_SEQS = 200  # the saturated phase: steps running at least this many sequences
 
 
 def step_kind(step) -> str:
@@ -742,6 +747,11 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
                        "--load-format", a.load_format, "--max-model-len", str(a.max_model_len),
                        *passthrough])
     cfg = engine_config(ea)
+    card = None
+    if device.startswith("cuda"):
+        from benchmarks.floors import measure_card
+
+        card = measure_card(device)
     t = time.perf_counter()
     llm = LLM(cfg.model, **{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "model"},
               progress=False)
@@ -806,7 +816,17 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
              "outside_execute_share": 1 - probe.execute_s / probe.step_s if probe.step_s else None,
              "profiler_overhead_s": probe.overhead_s, "probe_bookkeeping_s": probe.record_s,
              "excluded_from_duration_s": probe.overhead_s + probe.record_s,
-             "by_kind": probe.step_account()}
+             "by_kind": probe.step_account(),
+             "saturated_output_throughput": (probe.saturated[0] / probe.saturated[1]
+                                             if probe.saturated[1] else None)}
+    floor = None
+    if card is not None:
+        from benchmarks.floors import describe_model, floors
+
+        model = describe_model(engine.runner.model,
+                               engine.runner.block_bytes // engine.block_pool.block_size)
+        floor = floors(card, model, [len(r.prompt) for r in requests], counts,
+                       [probe.first[i] - t0 for i in ids], duration)
     return {
         "mode": "offline", "device": device,
         "card": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda")
@@ -825,7 +845,7 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
         "total_token_throughput": (out_tokens + sum(len(r.prompt) for r in requests)) / duration,
         "ttft_ms": dist(ttft), "tpot_ms": dist(tpot),
         "itl_ms": dist([g * 1e3 for g in probe.itls]), "e2e_s": dist(e2e),
-        "kv": kv, "step_time": steps,
+        "kv": kv, "step_time": steps, "floors": floor,
         "_samples": {"ttft_ms": ttft, "tpot_ms": tpot,
                      "itl_ms": [g * 1e3 for g in probe.itls], "e2e_s": e2e},
     }
@@ -863,7 +883,19 @@ def print_offline(r: dict, header: str) -> None:
     print(f"{r['completed']}/{r['num_requests']} requests in {r['duration_s']:.2f} s: "
           f"{r['request_throughput']:.2f} req/s, {r['output_throughput']:.0f} output tok/s, "
           f"{r['total_token_throughput']:.0f} total tok/s; TTFT p50 {_f(r['ttft_ms']['p50'], '.0f')}"
-          f" ms, TPOT p50 {_f(r['tpot_ms']['p50'])} ms")
+          f" ms, TPOT p50 {_f(r['tpot_ms']['p50'])} ms; saturated phase (>= {SATURATED_SEQS} "
+          f"running) {_f(r['step_time']['saturated_output_throughput'], '.0f')} output tok/s")
+    f = r.get("floors")
+    if f:
+        c = f["card"]
+        print(f"floors (card: {c['matmul_tflops']:.0f} TFLOP/s bf16 matmul, {c['copy_gbps']:.0f} "
+              f"GB/s copy, measured): compute {f['compute_floor_s']:.2f} s ({f['tflop']:.0f} "
+              f"TFLOP), bandwidth {f['bandwidth_floor_s']:.2f} s, critical path "
+              f"{f['critical_path_s']:.2f} s (request {f['critical_request']['index']}: first "
+              f"token at {f['critical_request']['ttft_s']:.2f} s, "
+              f"{f['critical_request']['output_tokens']} tokens at "
+              f"{f['batch1_step_floor_ms']:.2f} ms); bound by {f['bound_by']}: this run is "
+              f"{f['share_of_floor']:.0%} of its floor")
     kv, st = r["kv"], r["kv"]["static"]
     print(f"KV: peak {kv['peak_running_seqs']} sequences running (max_num_seqs "
           f"{kv['max_num_seqs']}); slots allocated but unfilled {_f(kv['paged_waste'], '.1%')} "

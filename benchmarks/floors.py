@@ -1,0 +1,100 @@
+"""What the card allows a run: floors beside a throughput figure, so the figure reads as a share.
+
+    compute floor    the run's FLOPs (matmuls over every prompt and output token, attention
+                     over each token's context) at the card's measured bf16 matmul rate
+    bandwidth floor  weight bytes once per step, for the fewest steps the run can take (its
+                     longest output), plus the KV bytes every decode token reads, at the card's
+                     measured copy bandwidth
+    critical path    per request: when its first token came (admission, measured) plus its
+                     remaining decode steps at the batch-1 step floor (weights at copy
+                     bandwidth); the run cannot end before its slowest request does
+
+The run's floor is the largest of the three; `share` is floor / measured duration.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Card:
+    matmul_tflops: float  # bf16, 8192^3, measured
+    copy_gbps: float  # device-to-device, bytes read + written per second / 1e9
+
+
+def measure_card(device: str) -> Card:
+    """The card's rates, measured (before the engine takes its memory: 2.4 GiB here)."""
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def best(fn, reps: int = 10) -> float:
+        fn()
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    mm = best(lambda: a @ b)
+    cp = best(lambda: dst.copy_(src))
+    return Card(matmul_tflops=2 * n**3 / mm / 1e12, copy_gbps=2 * (1 << 30) / cp / 1e9)
+
+
+@dataclass
+class Model:
+    matmul_params: int  # parameters in matmuls per token (LM head included, embedding not)
+    weight_bytes: int  # every parameter, as stored
+    layers: int
+    q_dim: int  # heads x head_dim
+    kv_bytes_per_token: int  # all layers, K and V
+
+
+def describe_model(model, kv_bytes_per_token: int) -> Model:
+    cfg = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    matmul = total - embed + (embed if cfg.tie_word_embeddings else 0)
+    return Model(matmul, weight_bytes, cfg.num_layers, cfg.num_heads * cfg.head_dim,
+                 kv_bytes_per_token)
+
+
+def floors(card: Card, model: Model, prompt_lens: list[int], output_lens: list[int],
+           ttft_s: list[float], duration_s: float) -> dict:
+    """Floors of a run of requests (prompt, output lengths; measured first-token times)."""
+    tokens = sum(prompt_lens) + sum(output_lens)
+    # Attention: QK^T and PV, 2 FLOPs per multiply-add, over each token's context.
+    context_sum = sum(p * (p + 1) // 2 + o * p + o * (o - 1) // 2
+                      for p, o in zip(prompt_lens, output_lens))
+    flops = 2 * model.matmul_params * tokens + 4 * model.layers * model.q_dim * context_sum
+    compute_s = flops / (card.matmul_tflops * 1e12)
+    bw = card.copy_gbps * 1e9 / 2  # bytes read per second (the copy counts read + write)
+    decode_context = sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens))
+    bandwidth_s = (max(output_lens) * model.weight_bytes
+                   + decode_context * model.kv_bytes_per_token) / bw
+    step_b1 = model.weight_bytes / bw
+    critical = [t + (o - 1) * step_b1 for t, o in zip(ttft_s, output_lens)]
+    slowest = max(range(len(critical)), key=critical.__getitem__)
+    critical_s = critical[slowest]
+    floor = max(compute_s, bandwidth_s, critical_s)
+    return {
+        "card": asdict(card), "tflop": flops / 1e12,
+        "compute_floor_s": compute_s, "bandwidth_floor_s": bandwidth_s,
+        "critical_path_s": critical_s,
+        "critical_request": {"index": slowest, "ttft_s": ttft_s[slowest],
+                             "output_tokens": output_lens[slowest]},
+        "batch1_step_floor_ms": step_b1 * 1e3,
+        "floor_s": floor, "bound_by": ("compute", "bandwidth", "critical path")[
+            [compute_s, bandwidth_s, critical_s].index(floor)],
+        "share_of_floor": floor / duration_s,
+    }
