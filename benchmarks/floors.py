@@ -5,9 +5,12 @@
     bandwidth floor  weight bytes once per step, for the fewest steps the run can take (its
                      longest output), plus the KV bytes every decode token reads, at the card's
                      measured copy bandwidth
-    critical path    per request: when its first token came (admission, measured) plus its
-                     remaining decode steps at the batch-1 step floor (weights at copy
-                     bandwidth); the run cannot end before its slowest request does
+    critical path    per request, in arrival order: the prefill FLOPs of every prompt up to
+                     and including its own at the matmul rate (its earliest first token with
+                     first-come first-served admission), plus its remaining decode steps at the
+                     batch-1 step floor (weights at copy bandwidth); the run cannot end before
+                     its slowest request does. The measured first-token time of that request is
+                     reported beside it: the difference is time spent waiting for admission.
 
 The run's floor is the largest of the three; `share` is floor / measured duration.
 """
@@ -72,18 +75,26 @@ def describe_model(model, kv_bytes_per_token: int) -> Model:
 def floors(card: Card, model: Model, prompt_lens: list[int], output_lens: list[int],
            ttft_s: list[float], duration_s: float) -> dict:
     """Floors of a run of requests (prompt, output lengths; measured first-token times)."""
+    rate = card.matmul_tflops * 1e12
+    attn = 4 * model.layers * model.q_dim  # QK^T and PV: 2 FLOPs a multiply-add, per context
+
+    def prefill_flops(p: int) -> int:
+        return 2 * model.matmul_params * p + attn * (p * (p + 1) // 2)
+
     tokens = sum(prompt_lens) + sum(output_lens)
-    # Attention: QK^T and PV, 2 FLOPs per multiply-add, over each token's context.
     context_sum = sum(p * (p + 1) // 2 + o * p + o * (o - 1) // 2
                       for p, o in zip(prompt_lens, output_lens))
-    flops = 2 * model.matmul_params * tokens + 4 * model.layers * model.q_dim * context_sum
-    compute_s = flops / (card.matmul_tflops * 1e12)
+    flops = 2 * model.matmul_params * tokens + attn * context_sum
+    compute_s = flops / rate
     bw = card.copy_gbps * 1e9 / 2  # bytes read per second (the copy counts read + write)
     decode_context = sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens))
     bandwidth_s = (max(output_lens) * model.weight_bytes
                    + decode_context * model.kv_bytes_per_token) / bw
     step_b1 = model.weight_bytes / bw
-    critical = [t + (o - 1) * step_b1 for t, o in zip(ttft_s, output_lens)]
+    critical, prefilled = [], 0
+    for p, o in zip(prompt_lens, output_lens):
+        prefilled += prefill_flops(p)
+        critical.append(prefilled / rate + (o - 1) * step_b1)
     slowest = max(range(len(critical)), key=critical.__getitem__)
     critical_s = critical[slowest]
     floor = max(compute_s, bandwidth_s, critical_s)
@@ -91,8 +102,9 @@ def floors(card: Card, model: Model, prompt_lens: list[int], output_lens: list[i
         "card": asdict(card), "tflop": flops / 1e12,
         "compute_floor_s": compute_s, "bandwidth_floor_s": bandwidth_s,
         "critical_path_s": critical_s,
-        "critical_request": {"index": slowest, "ttft_s": ttft_s[slowest],
-                             "output_tokens": output_lens[slowest]},
+        "critical_request": {"index": slowest, "output_tokens": output_lens[slowest],
+                             "earliest_first_token_s": critical_s - (output_lens[slowest] - 1)
+                             * step_b1, "measured_first_token_s": ttft_s[slowest]},
         "batch1_step_floor_ms": step_b1 * 1e3,
         "floor_s": floor, "bound_by": ("compute", "bandwidth", "critical path")[
             [compute_s, bandwidth_s, critical_s].index(floor)],

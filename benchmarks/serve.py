@@ -892,7 +892,8 @@ def print_offline(r: dict, header: str) -> None:
               f"GB/s copy, measured): compute {f['compute_floor_s']:.2f} s ({f['tflop']:.0f} "
               f"TFLOP), bandwidth {f['bandwidth_floor_s']:.2f} s, critical path "
               f"{f['critical_path_s']:.2f} s (request {f['critical_request']['index']}: first "
-              f"token at {f['critical_request']['ttft_s']:.2f} s, "
+              f"token at {f['critical_request']['earliest_first_token_s']:.2f} s at the earliest,"
+              f" {f['critical_request']['measured_first_token_s']:.2f} s measured; "
               f"{f['critical_request']['output_tokens']} tokens at "
               f"{f['batch1_step_floor_ms']:.2f} ms); bound by {f['bound_by']}: this run is "
               f"{f['share_of_floor']:.0%} of its floor")

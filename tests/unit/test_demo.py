@@ -186,6 +186,7 @@ def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
     with pytest.raises(ModelLoadError) as e:
         resolve_model("some-org/some-model")
     assert str(e.value) == (
-        "model: 'some-org/some-model' is not a local directory, 'tandem-demo', or a reachable "
-        "hub id (OSError: Name or service not known)")
+        "model: 'some-org/some-model' is not a local directory or .gguf file, a built-in name "
+        "(tandem-demo, smollm2-135m-instruct), or a reachable hub id (OSError: Name or service "
+        "not known)")
     assert model_source.HUB_PATTERNS == ["*.json", "*.safetensors", "tokenizer*"]

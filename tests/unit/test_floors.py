@@ -21,8 +21,13 @@ def test_floors_worked_by_hand():
     # Four steps at least (the longest output), weights once per step, plus the KV the decode
     # tokens read (7 + 10 token contexts of 100 bytes).
     assert f["bandwidth_floor_s"] == pytest.approx((4 * 10_000_000 + 17 * 100) / 1e9)
-    # Batch-1 step: 10 ms. Request 0: 0.5 + 1 step; request 1: 0.1 + 3 steps.
+    # Batch-1 step: 10 ms. Request 0: its prefill (2e6 x 3 + 32 x 6 FLOPs) + 1 step; request 1:
+    # both prefills + 3 steps: the slowest.
+    p0 = 2 * 1_000_000 * 3 + 4 * 2 * 4 * 6
+    p1 = 2 * 1_000_000 * 1 + 4 * 2 * 4 * 1
     assert f["batch1_step_floor_ms"] == pytest.approx(10.0)
-    assert f["critical_path_s"] == pytest.approx(0.51)
-    assert f["critical_request"]["index"] == 0
-    assert f["bound_by"] == "critical path" and f["share_of_floor"] == pytest.approx(0.51)
+    assert f["critical_path_s"] == pytest.approx((p0 + p1) / 1e12 + 0.03)
+    assert f["critical_request"]["index"] == 1
+    assert f["critical_request"]["measured_first_token_s"] == 0.1
+    assert f["bound_by"] == "bandwidth"  # 40 ms of weights beats 30 ms of steps
+    assert f["share_of_floor"] == pytest.approx(f["bandwidth_floor_s"] / 1.0)
