@@ -1,9 +1,11 @@
 """The decode worker (role `decode`) and the colocated worker (role `both`).
 
-Decode: a handed-off request waits until this worker has blocks for its prompt; the engine then
-pulls the prompt's KV from the prefill worker's pool in one copy, this servicer releases the
-prefill side's lease, and the request decodes with continuous batching. The first token came
-with the handoff and is not recomputed. Both: prefill and decode here (the baseline).
+Decode: a handed-off request is checked (every id and length), claims its prefill lease with
+the lease's token (the prefill worker answers with the lease's block ids: nothing a caller names
+is read; decode_svc/handoff.py), and waits until this worker has blocks for its prompt; the
+engine then pulls the prompt's KV from the prefill worker's pool in one copy, this servicer
+releases the prefill side's lease, and the request decodes with continuous batching. The first
+token came with the handoff and is not recomputed. Both: prefill and decode here (the baseline).
 
 Requests arrive on the router's Stream call (one per router, many requests). Each step's
 outputs of a request go into the call's outbox right where the engine hands them over (its
@@ -12,7 +14,8 @@ leaves as one message, its tokens in columns. A request's task only starts it, w
 and reports how it ended.
 
 A prefill worker's pool is mapped once per pair: Register returns its descriptor, refused when
-the layouts differ (the error names the field), and the engine core maps it. Pulls happen on the
+the layouts differ (the error names the field) or when the pool is already mapped for another
+address (a peer presenting another's pool), and the engine core maps it. Pulls happen on the
 core; it says when it is done with each lease (lease_done), and this servicer sends the Release.
 """
 
@@ -22,9 +25,7 @@ import argparse
 import asyncio
 import contextvars
 import logging
-import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -32,17 +33,14 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
+from decode_svc.handoff import HeldLease, claim, decode_args
 from decode_svc.outbox import Outbox, failure_message, relay
 from engine.sequence import SeqOutput
-from engine.serving.core_messages import LeaseDone, RemoteSource
+from engine.serving.core_messages import LeaseDone
 from engine.serving.lifecycle import GRPC_OPTIONS
 from engine.serving.telemetry import span_name, trace_metadata
 from kvtransfer.descriptor import check_compatible
-from tandem.convert import (
-    descriptor_from_proto,
-    logprobs_from_proto,
-    params_from_proto,
-)
+from tandem.convert import descriptor_from_proto, params_from_proto
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.worker_base import (
     WorkerError,
@@ -53,24 +51,6 @@ from tandem.worker_base import (
 
 log = logging.getLogger(__name__)
 
-# Pull only while the lease has this much time left: the prefill side reuses blocks of an
-# expired lease, and the router hop between its answer and our receipt is not counted.
-LEASE_MARGIN_S = 2.0
-
-
-@dataclass(eq=False)
-class _Lease:
-    """A decode request's prefill lease, as this servicer holds it: released here unless the
-    request reached the engine (`handed`), whose core then says when it is done with it."""
-
-    address: str
-    lease_id: str
-    deadline: float  # time.monotonic() after which the blocks may have been reused
-    # The request's context (its span, the request id for log lines): the KV-transfer span is
-    # its child and the Release call joins its trace.
-    context: contextvars.Context | None = None
-    handed: bool = False
-
 
 class DecodeServicer(WorkerServicer):
     def __init__(self, engine, worker_id: str, address: str, role: str) -> None:
@@ -78,7 +58,10 @@ class DecodeServicer(WorkerServicer):
         self.role = role
         self.address = address
         self.peers: set[str] = set()  # prefill workers whose pools the engine core mapped
-        self._leases: dict[str, _Lease] = {}  # by lease id: handed to the engine core
+        self._pool_addresses: dict[bytes, str] = {}  # a mapped pool's handle -> its address
+        # Every lease this worker holds, by token, from its request's arrival to its release.
+        self._held: dict[str, HeldLease] = {}
+        self.limits = engine.info.limits
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task] = set()
@@ -119,36 +102,29 @@ class DecodeServicer(WorkerServicer):
                 return
             req = getattr(msg, kind)
             rid = req.request_id
-            refusal = None
-            if self._draining.is_set():
-                refusal = WorkerError(grpc.StatusCode.UNAVAILABLE,
-                                      f"worker {self.worker_id} is shutting down")
-            elif kind != ("generate" if self.role == "both" else "decode"):
-                refusal = WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
-                                      f"worker {self.worker_id} has role {self.role}, not for "
-                                      f"{kind}")
-            if refusal is not None:
-                if kind == "decode":  # the router handed its lease over: nobody else releases it
-                    self._spawn_release(req.kv.address, req.kv.lease_id, None)
-                raise refusal
-            if rid in tasks:  # (its lease may be the running request's: left alone)
-                raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"request_id {rid!r} is in use")
+            # The router handed a decode request's lease over: from here this worker releases
+            # it, even when it refuses the request (a token it already holds excepted).
+            lease = self._hold(req.kv) if kind == "decode" else None
+            try:
+                self._admit(kind, rid, tasks)
+            except WorkerError:
+                if lease is not None:
+                    self._end(lease)
+                raise
             # In the request's trace, as the router sent it: its worker span continues there.
             ctx = contextvars.copy_context()
             ctx.run(otel_context.attach, propagate.extract(dict(msg.trace_context)))
-            if kind == "generate":
+            if lease is None:
                 run = self._generate(req, out)
             else:
-                lease = _Lease(req.kv.address, req.kv.lease_id, time.monotonic()
-                               + req.kv.lease_ttl_ms / 1000 - LEASE_MARGIN_S, ctx)
+                lease.context = ctx
                 run = self._decode(req, lease, out)
             task = tasks[rid] = asyncio.get_running_loop().create_task(serve(rid, run),
                                                                       context=ctx)
-            if kind == "decode":
+            if lease is not None:
                 # However the task ends (even cancelled before it ran, which skips its code):
                 # a request never handed to the engine has a lease nobody else will release.
-                task.add_done_callback(lambda _, lease=lease: self._release_unhanded(lease))
+                task.add_done_callback(lambda _, lease=lease: self._end(lease))
 
         async def read() -> None:
             async for msg in request_iterator:
@@ -175,6 +151,16 @@ class DecodeServicer(WorkerServicer):
             for task in list(tasks.values()):
                 task.cancel()
 
+    def _admit(self, kind: str, rid: str, tasks: dict[str, asyncio.Task]) -> None:
+        if self._draining.is_set():
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                              f"worker {self.worker_id} is shutting down")
+        if kind != ("generate" if self.role == "both" else "decode"):
+            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"worker {self.worker_id} has role {self.role}, not for {kind}")
+        if rid in tasks:
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is in use")
+
     async def drain(self) -> None:
         """Refuse new requests on open Stream calls; each ends once its requests are done."""
         self._draining.set()
@@ -190,36 +176,51 @@ class DecodeServicer(WorkerServicer):
                                        params, relay(out, params.logprobs is not None, finished))
             self.telemetry.decode_done(span, finished)
 
-    async def _decode(self, request: worker_pb2.DecodeRequest, lease: _Lease,
+    async def _decode(self, request: worker_pb2.DecodeRequest, lease: HeldLease,
                       out: Outbox) -> None:
-        kv = request.kv
         with self.telemetry.request_span(span_name(self.role), request.request_id,
                                          SpanKind.SERVER) as span:
             # The KV-transfer span is a child of this one, the Release call joins its trace.
             lease.context = contextvars.copy_context()
-            params = params_from_proto(request.params)
+            args = decode_args(request, self.limits)  # before anything is claimed or allocated
             try:
-                await self._peer(kv.address)
+                await self._peer(lease.address)
             except grpc.aio.AioRpcError as e:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE,
-                                  f"prefill worker {kv.address}: {e.details()}") from None
-            remote = RemoteSource(kv.address, kv.lease_id, lease.deadline, tuple(kv.block_ids),
-                                  tuple(request.first_token_ids),
-                                  logprobs_from_proto(request.first_logprobs, params.n))
+                                  f"prefill worker {lease.address}: {e.details()}") from None
+            remote = await claim(self._stub(lease.address), lease, args)
             finished: list[SeqOutput] = []
-            self._leases[kv.lease_id] = lease
             lease.handed = True  # from here the engine ends it (lease_done), exactly once
-            await self.engine.decode(request.request_id, list(request.prompt_token_ids), params,
-                                     remote, relay(out, params.logprobs is not None, finished))
+            await self.engine.decode(request.request_id, args.prompt, args.params, remote,
+                                     relay(out, args.params.logprobs is not None, finished))
             self.telemetry.decode_done(span, finished)
 
-    def _release_unhanded(self, lease: _Lease) -> None:
-        if not lease.handed:
+    # -- leases ------------------------------------------------------------------------------
+    def _hold(self, kv: worker_pb2.KVLocation) -> HeldLease:
+        """The lease a decode request carries, held from now until its one release. Refused
+        without one, or with a token this worker already holds (a replay: never released on
+        the second holder's behalf)."""
+        if not kv.address or not kv.lease_id:
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
+                              "kv: a decode request needs the prefill worker's address and "
+                              "the lease's token")
+        if kv.lease_id in self._held:
+            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "kv.lease_id: this lease is held by another request")
+        lease = self._held[kv.lease_id] = HeldLease(kv.address, kv.lease_id)
+        return lease
+
+    def _end(self, lease: HeldLease) -> None:
+        """The request ended, or was refused, before the engine core took its lease: release
+        it, unless the prefill worker refused our claim (then it was never ours)."""
+        if lease.handed or self._held.pop(lease.lease_id, None) is not lease:
+            return
+        if not lease.refused:
             self._spawn_release(lease.address, lease.lease_id, lease.context)
 
     def lease_done(self, done: LeaseDone) -> None:
         """The engine core is done with a lease: record its pull, then release it."""
-        lease = self._leases.pop(done.lease_id, None)
+        lease = self._held.pop(done.lease_id, None)
         context = lease.context if lease is not None else None
         if done.pulled:
             self.telemetry.kv_transfer(context, done)
@@ -245,6 +246,14 @@ class DecodeServicer(WorkerServicer):
                 metadata=trace_metadata())
             desc = descriptor_from_proto(resp.pool)
             check_compatible(self.layout, desc)
+            # One address per pool: a peer presenting a pool mapped for another would answer
+            # claims for that pool's blocks itself.
+            known = self._pool_addresses.setdefault(desc.handle, address)
+            if known != address:
+                log.warning("refused %s: it presents the pool of %s", address, known)
+                raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"prefill worker {address} presents the KV pool of another "
+                                  f"prefill worker")
             await self.engine.map_pool(address, desc)
             self.peers.add(address)
             log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id, desc.redacted())

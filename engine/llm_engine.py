@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, cdiv
@@ -114,6 +114,10 @@ class LLMEngine:
         if len(remote.first_token_ids) != params.n:
             raise InvalidArgument("first_token_ids", f"expected {params.n}, got "
                                   f"{len(remote.first_token_ids)}")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in remote.first_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument("first_token_ids", f"token id {bad} is outside [0, {vocab})")
         if len(remote.block_ids) != cdiv(len(prompt_token_ids), self.block_pool.block_size):
             raise InvalidArgument("kv.block_ids", f"{len(remote.block_ids)} blocks do not hold "
                                   f"{len(prompt_token_ids)} tokens")
@@ -132,6 +136,20 @@ class LLMEngine:
                 self._finish(seq, FinishReason.ABORT)
         self.scheduler.remove_finished()
         return True
+
+    def fail(self, request_ids: Iterable[str], message: str) -> list[SeqOutput]:
+        """End these requests with an error: each of their unfinished samples gets a last
+        output that carries it."""
+        outputs = []
+        for rid in request_ids:
+            for seq in self.requests.pop(rid, ()):
+                if not seq.is_finished:
+                    self._finish(seq, FinishReason.ERROR)
+                    out = self._output(seq, [], [])
+                    out.error = message
+                    outputs.append(out)
+        self.scheduler.remove_finished()
+        return outputs
 
     def stop_sequence(self, request_id: str, sample_index: int) -> None:
         """Finish one sample early (its text hit a stop string); siblings go on."""
@@ -169,7 +187,15 @@ class LLMEngine:
         outputs = self._pull(batch.pulls)
         num_sampled = num_prompt_tokens = 0
         if batch.seqs:
-            run_outputs, num_sampled, num_prompt_tokens = self._run(batch)
+            try:
+                run_outputs, num_sampled, num_prompt_tokens = self._run(batch)
+            except Exception:  # fails this step's requests, not the others
+                # One forward pass for the whole batch: nothing tells which request broke it,
+                # so the batch's requests fail; those waiting or preempted go on.
+                log.exception("engine step failed; failing the %d requests in it",
+                              len({s.request_id for s in batch.seqs}))
+                run_outputs = self.fail(dict.fromkeys(s.request_id for s in batch.seqs),
+                                        "internal error in the engine step")
             outputs += run_outputs
         self.scheduler.remove_finished()
         self.last_step = StepStats(len(batch.seqs), batch.num_tokens, batch.num_decodes,
@@ -256,14 +282,16 @@ class LLMEngine:
 
     def _handoff(self, seq: Sequence, tokens: list[int], lps: list) -> SeqOutput:
         """Prefill role: pin the prompt's blocks under a lease and end the request here."""
-        lease = self.leases.grant(seq.block_ids, self.lease_ttl_s, time.monotonic())
+        now = time.monotonic()
+        lease = self.leases.grant(seq.block_ids, self.lease_ttl_s, now)
         reasons = []
         for tok in tokens:
             seq.token_ids.append(tok)  # as the decode side will see it
             reasons.append(self._stop_reason(seq, tok))
             seq.token_ids.pop()
         handoff = Handoff(tuple(seq.block_ids), seq.num_tokens, tuple(tokens), tuple(lps),
-                          lease, self.lease_ttl_s, tuple(reasons), seq.num_cached_tokens)
+                          lease, self.lease_ttl_s, tuple(reasons), seq.num_cached_tokens,
+                          now + self.lease_ttl_s)
         seq.block_ids = []  # now owned by the lease
         seq.pending_forks = 0
         self._finish(seq, FinishReason.HANDOFF)
@@ -281,21 +309,28 @@ class LLMEngine:
                 self.kv_puller(remote, seq.block_ids)
             except Exception as e:  # noqa: BLE001 - any transport failure fails this request
                 log.warning("KV pull failed for %s: %s", seq.request_id, e)
-                self._finish(seq, FinishReason.ERROR)
-                out = self._output(seq, [], [])
-                out.error = f"KV transfer failed: {e}"
-                outputs.append(out)
+                outputs += self.fail([seq.request_id], f"KV transfer failed: {e}")
                 continue
-            seq.num_computed_tokens = seq.num_prompt_tokens
-            self.kv.cache_full_blocks(seq)
-            firsts, lps = remote.first_token_ids, remote.first_logprobs
-            children = self._fork(seq, list(firsts[1:]), list(lps[1:]))
-            for s, tok, lp in zip([seq, *children], firsts, lps):
-                # The first token was streamed from the prefill side: record, do not re-emit.
-                out = self._append(s, tok, lp)
-                if s.is_finished:
-                    out.new_token_ids, out.new_logprobs = [], []
-                    outputs.append(out)
+            try:
+                outputs += self._start_decoding(seq, remote)
+            except Exception:  # this request's own state: it fails alone
+                log.exception("request %s failed after its KV pull", seq.request_id)
+                outputs += self.fail([seq.request_id], "internal error after the KV pull")
+        return outputs
+
+    def _start_decoding(self, seq: Sequence, remote: RemoteKV) -> list[SeqOutput]:
+        """A pulled request's prompt is computed; its first token(s) came with the handoff."""
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.kv.cache_full_blocks(seq)
+        firsts, lps = remote.first_token_ids, remote.first_logprobs
+        children = self._fork(seq, list(firsts[1:]), list(lps[1:]))
+        outputs = []
+        for s, tok, lp in zip([seq, *children], firsts, lps):
+            # The first token was streamed from the prefill side: record, do not re-emit.
+            out = self._append(s, tok, lp)
+            if s.is_finished:
+                out.new_token_ids, out.new_logprobs = [], []
+                outputs.append(out)
         return outputs
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -188,10 +188,11 @@ class Handoff:
     num_tokens: int
     first_token_ids: tuple[int, ...]
     first_logprobs: tuple[TokenLogprobs | None, ...]
-    lease_id: str
+    lease_id: str  # the lease's secret token (kvtransfer/lease.py): never logged
     lease_ttl_s: float
     finish_reasons: tuple[FinishReason | None, ...]  # per sample: done at its first token?
     num_cached_tokens: int = 0
+    lease_deadline: float = 0.0  # time.monotonic() at which the core reclaims the blocks
 
 
 @dataclass

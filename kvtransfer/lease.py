@@ -1,17 +1,32 @@
 """Leases: a prefill worker pins a finished request's KV blocks until the decode worker that
 pulls them says Release, or until the lease's time to live runs out.
 
-Plain Python, no torch. Not thread-safe: the engine loop drives it, calling `expire(now)`
-each step. Times are seconds on one monotonic clock (time.monotonic()), passed in so that
-tests control them.
+A lease's id is its capability: 128 random bits, known only to the prefill worker, the router
+and the decode worker the router hands it to. Two tables, both keyed by it:
+
+    LeaseTable  (engine core)     the blocks stay pinned: grant → release | expire
+    LeaseClaims (prefill worker)  who may read them: offer → claim (once) | forget | expire
+
+A decode worker presents the id (ClaimLease) and gets the blocks' ids back, once, while the
+lease lives; it never takes block ids from its caller. The claims table holds a lease only
+while the core's lease is live: it is offered when the handoff reaches the worker, forgotten
+before the worker sends the core a release, and dead from the core's own deadline on (one
+monotonic clock host-wide).
+
+Plain Python, no torch. Not thread-safe: one loop drives each table. Times are seconds on one
+monotonic clock (time.monotonic()), passed in so that tests control them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
-import uuid
+import secrets
+import sys
+from array import array
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from engine.errors import InvalidArgument
 
@@ -34,11 +49,12 @@ class LeaseTable:
     def grant(self, block_ids: Iterable[int], ttl_s: float, now: float) -> str:
         """Pin `block_ids` until release or `now + ttl_s`; return the new lease's id.
 
-        Ids are random (uuid4), not a counter, so a Release meant for a lease of an earlier run
-        of this worker cannot match a lease of this one."""
+        Ids are 128 random bits (hex): unguessable, since whoever holds one can claim the
+        lease's blocks; and a Release meant for a lease of an earlier run cannot match one of
+        this run."""
         if not ttl_s > 0:
             raise InvalidArgument("ttl_s", f"must be > 0, got {ttl_s}")
-        lease_id = uuid.uuid4().hex
+        lease_id = secrets.token_hex(16)
         blocks = tuple(block_ids)
         self._blocks[lease_id] = blocks
         self._refs.update(blocks)
@@ -80,3 +96,59 @@ class LeaseTable:
         for block in blocks:
             if self._refs[block] <= 0:
                 del self._refs[block]
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """BLAKE2b-128 of a prompt's token ids as uint32 little-endian: what binds a lease to the
+    prompt it was prefilled for (a decode worker must not cache one prompt's KV as another's)."""
+    tokens = array("I", token_ids)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    return hashlib.blake2b(tokens.tobytes(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a lease's token opens: its blocks (in prompt order), the prompt they hold, and
+    the core's deadline for them (time.monotonic())."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    prompt_digest: bytes
+    deadline: float
+
+
+class LeaseClaims:
+    """The prefill worker's gate on its leases' blocks: each offered lease can be claimed once,
+    before its deadline; after a claim, a release (`forget`) or the deadline, its id opens
+    nothing. Unknown, expired, forgotten and claimed ids are refused alike (None)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, Claim] = {}
+        self._deadlines: list[tuple[float, str]] = []  # a min-heap, swept as `offer` goes
+
+    def offer(self, lease_id: str, claim: Claim, now: float) -> None:
+        self.expire(now)
+        self._open[lease_id] = claim
+        heapq.heappush(self._deadlines, (claim.deadline, lease_id))
+
+    def claim(self, lease_id: str, now: float) -> Claim | None:
+        """The lease's blocks, once, while it lives."""
+        claim = self._open.pop(lease_id, None)
+        if claim is None or claim.deadline <= now:
+            return None
+        return claim
+
+    def forget(self, lease_id: str) -> None:
+        """The lease is being released: its id opens nothing from now on."""
+        self._open.pop(lease_id, None)
+
+    def expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, lease_id = heapq.heappop(self._deadlines)
+            claim = self._open.get(lease_id)
+            if claim is not None and claim.deadline <= now:
+                del self._open[lease_id]
+
+    def __len__(self) -> int:
+        return len(self._open)

@@ -2,17 +2,24 @@
 
 Prefill runs the prompt (chunked, prefix-cached, batched with other prompts), samples the first
 token of every sample, and pins the prompt's blocks under a lease until the decode worker that
-pulls them calls Release, or the lease expires. Register hands a decode worker this pool's
-descriptor (layout + handle), once per pair.
+pulls them calls Release, or the lease expires. The lease's id is a secret token: the decode
+worker presents it (ClaimLease) and gets the lease's block ids, once, while the lease lives;
+this worker answers from its own table (kvtransfer.lease.LeaseClaims), on its event loop,
+without waiting for an engine step. Register hands a decode worker this pool's descriptor
+(layout + handle), once per pair.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import time
+
+import grpc
 
 from engine.errors import LayoutMismatch
 from kvtransfer.descriptor import check_compatible
+from kvtransfer.lease import Claim, LeaseClaims, prompt_digest
 from tandem.convert import descriptor_to_proto, logprobs_to_proto, params_from_proto
 from tandem.v1 import worker_pb2
 from tandem.worker_base import WorkerServicer, abort_for, add_worker_args, main_worker
@@ -27,6 +34,7 @@ class PrefillServicer(WorkerServicer):
         super().__init__(engine, worker_id)
         self.address = address
         self.pool = engine.info.pool  # the engine core's pool, as peers map it
+        self.claims = LeaseClaims()  # which lease token may read which blocks, once
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
         with self.telemetry.request_span("prefill", request.request_id) as span:
@@ -41,17 +49,32 @@ class PrefillServicer(WorkerServicer):
                                                       f"prefill ended: {out.finish_reason}"))
             self.telemetry.prefill_done(span, out)
         h = out.handoff
+        self.claims.offer(h.lease_id, Claim(h.block_ids, h.num_tokens,
+                                            prompt_digest(request.prompt_token_ids),
+                                            h.lease_deadline), time.monotonic())
         return worker_pb2.PrefillResponse(
             first_token_ids=list(h.first_token_ids),
             first_logprobs=[logprobs_to_proto(lp) for lp in h.first_logprobs]
             if params.logprobs is not None else [],
             finish_reasons=[r.value if r else "" for r in h.finish_reasons],
             kv=worker_pb2.KVLocation(worker_id=self.worker_id, address=self.address,
-                                     block_ids=list(h.block_ids), num_tokens=h.num_tokens,
-                                     lease_id=h.lease_id, lease_ttl_ms=int(h.lease_ttl_s * 1000)),
+                                     num_tokens=h.num_tokens, lease_id=h.lease_id,
+                                     lease_ttl_ms=int(h.lease_ttl_s * 1000)),
             num_cached_tokens=h.num_cached_tokens)
 
+    async def ClaimLease(self, request, context):  # noqa: N802
+        now = time.monotonic()
+        claim = self.claims.claim(request.lease_id, now)
+        if claim is None:
+            # One answer for unknown, expired, released and claimed: the token opens nothing.
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "no live, unclaimed lease has this token")
+        return worker_pb2.ClaimLeaseResponse(
+            block_ids=claim.block_ids, num_tokens=claim.num_tokens,
+            prompt_digest=claim.prompt_digest, ttl_ms=int((claim.deadline - now) * 1000))
+
     async def Release(self, request, context):  # noqa: N802
+        self.claims.forget(request.lease_id)  # before the core frees the blocks
         return worker_pb2.ReleaseResponse(released=await self.engine.release(request.lease_id))
 
     async def Register(self, request, context):  # noqa: N802

@@ -15,6 +15,9 @@ here. Once a decode request is sent, the lease belongs to the decode worker: it 
 its copy, or when the request ends before the copy (a cancel follows its request on the same
 call, so the worker sees every request it is asked to cancel). Expiry covers a decode worker
 that died and a request lost with a broken Stream call.
+
+A request id in flight is refused for a second request (INVALID_ARGUMENT) before anything is
+taken for it: no prefill, no lease.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry.context import Context
@@ -67,6 +71,19 @@ async def _until_done(call: AsyncIterator[Update], num_samples: int,
         yield held
 
 
+@dataclass(eq=False)
+class _Lease:
+    """A prefill lease the router holds: released here unless a decode request carrying it
+    went out to a decode worker (`handed_over`), which then releases it."""
+
+    worker: Worker
+    lease_id: str
+    handed_over: bool = False
+
+    def hand_over(self) -> None:
+        self.handed_over = True
+
+
 def _retryable(e: grpc.aio.AioRpcError) -> bool:
     return e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
 
@@ -82,20 +99,28 @@ class Orchestrator:
     def __init__(self, workers: WorkerSet) -> None:
         self.workers = workers
         self._background: set[asyncio.Task] = set()
+        self._active: set[str] = set()  # request ids in flight
 
     async def run(self, request_id: str, prompt: list[int], params: SamplingParams,
                   timeout: float | None = None, trace_ctx: Context | None = None
                   ) -> AsyncIterator[Update]:
         """`trace_ctx`: the request's trace context, carried to the workers in each call's
         metadata."""
+        if request_id in self._active:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"request_id {request_id!r} is in use")
+        self._active.add(request_id)
         md = trace_metadata(trace_ctx)
         if self.workers.disaggregated:
             stream = self._disaggregated(request_id, prompt, params, timeout, md)
         else:
             stream = self._colocated(request_id, prompt, params, timeout, md)
-        async with aclosing(stream):
-            async for u in stream:
-                yield u
+        try:
+            async with aclosing(stream):
+                async for u in stream:
+                    yield u
+        finally:
+            self._active.discard(request_id)
 
     # -- colocated ---------------------------------------------------------------------------
     async def _colocated(self, rid: str, prompt: list[int], params: SamplingParams,
@@ -129,8 +154,8 @@ class Orchestrator:
         wire_params = params_to_proto(params)
         want_lp = params.logprobs is not None
         p, resp = await self._prefill(rid, prompt, wire_params, timeout, md)
-        kv = resp.kv  # the lease this router holds until a decode request carries it
-        handed_over = False
+        kv = resp.kv
+        lease = _Lease(p, kv.lease_id)  # this router's until a decode request carries it
         try:
             first = Update([SampleUpdate(
                 i, [tok], [logprobs_from_proto(resp.first_logprobs, params.n)[i]] if want_lp
@@ -148,8 +173,7 @@ class Orchestrator:
                 call = d.stream.request(worker_pb2.StreamRequest(decode=worker_pb2.DecodeRequest(
                     request_id=rid, prompt_token_ids=prompt, params=wire_params, kv=kv,
                     first_token_ids=resp.first_token_ids, first_logprobs=resp.first_logprobs)),
-                    md, timeout)
-                handed_over = True
+                    md, timeout, on_sent=lease.hand_over)
                 sent = False
                 d.in_flight += 1
                 try:
@@ -173,10 +197,11 @@ class Orchestrator:
                 # (its prompt blocks are most likely still cached). The client has the first
                 # tokens already: the decode request carries those, the new ones are dropped.
                 p, again = await self._prefill(rid, prompt, wire_params, timeout, md)
-                kv, handed_over = again.kv, False
+                kv = again.kv
+                lease = _Lease(p, kv.lease_id)
         finally:
-            if not handed_over:
-                self._release_later(p, kv.lease_id, md)
+            if not lease.handed_over:
+                self._release_later(lease.worker, lease.lease_id, md)
 
     async def _prefill(self, rid: str, prompt: list[int], params, timeout: float | None,
                        md: Metadata) -> tuple[Worker, worker_pb2.PrefillResponse]:

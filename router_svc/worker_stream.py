@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -99,9 +99,11 @@ class WorkerStream:
         self._reader: asyncio.Task | None = None
 
     async def request(self, msg: worker_pb2.StreamRequest, metadata: Metadata = None,
-                      timeout: float | None = None) -> AsyncIterator[Update]:
+                      timeout: float | None = None,
+                      on_sent: Callable[[], None] | None = None) -> AsyncIterator[Update]:
         """Send a generate or decode request; its updates, one per engine step, until its
-        samples finish."""
+        samples finish. `on_sent` is called once the request is on its way to the worker (a
+        request refused here never is: what it carries is still the caller's)."""
         rid = getattr(msg, msg.WhichOneof("kind")).request_id
         if rid in self._inboxes:
             raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is in use")
@@ -111,6 +113,8 @@ class WorkerStream:
         self._inboxes[rid] = inbox
         outbox = self._open()
         outbox.put_nowait(msg)
+        if on_sent is not None:
+            on_sent()
         done = False
         try:
             async with asyncio.timeout(timeout):

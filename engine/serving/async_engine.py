@@ -53,6 +53,10 @@ class EngineDead(TandemError):
     """The engine core process exited; nothing it held survives."""
 
 
+class RequestAborted(TandemError):
+    """The request was dropped by `abort` (a worker's Abort call) before it finished."""
+
+
 @dataclass(eq=False)
 class _Request:
     sink: OutputSink
@@ -205,7 +209,16 @@ class AsyncEngine:
                 self.post("abort", request_id)
 
     async def abort(self, request_id: str) -> bool:
-        return await self.call("abort", request_id)
+        """Drop a request: its blocks are freed between the core's next two steps and its
+        awaitable raises RequestAborted (a stream that waits on it ends). False if the core
+        did not hold it (unknown, finished, or refused)."""
+        aborted = await self.call("abort", request_id)
+        # The core sends a step's outputs before a later reply: a request that finished first
+        # is done by now; one that is not was dropped without a last output.
+        req = self._requests.get(request_id)
+        if aborted and req is not None and not req.done.done():
+            req.done.set_exception(RequestAborted(f"request {request_id!r} was aborted"))
+        return aborted
 
     async def release(self, lease_id: str) -> bool:
         return await self.call("release", lease_id)

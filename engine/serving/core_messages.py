@@ -41,6 +41,16 @@ class CoreSpec:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What a request's ids and lengths must respect, for a worker to check them before the
+    engine sees them."""
+
+    vocab_size: int  # token ids are in [0, vocab_size)
+    max_model_len: int  # tokens in all, prompt included
+    max_n: int  # samples per request
+
+
+@dataclass(frozen=True)
 class CoreInfo:
     """Sent once the core is ready. `layout`: its KV pool's, by the fields a PoolDescriptor
     names (kvtransfer.descriptor.LAYOUT_FIELDS and num_blocks); `pool`: a prefill core's
@@ -49,6 +59,7 @@ class CoreInfo:
     layout: dict[str, Any]
     pid: int
     pool: Any = None  # kvtransfer.descriptor.PoolDescriptor
+    limits: RequestLimits | None = None
 
 
 @dataclass(frozen=True)
@@ -76,12 +87,13 @@ class EngineSnapshot:
 
 @dataclass(frozen=True)
 class RemoteSource:
-    """Decode role: where a request's prompt KV is, as the worker sent it."""
+    """Decode role: where a request's prompt KV is, as the prefill worker answered its claim
+    (never as the worker's caller said)."""
 
     address: str  # the prefill worker (its pool must be mapped: "map")
-    lease_id: str
+    lease_id: str  # the lease's token: a capability, never logged
     deadline: float  # time.monotonic() (one clock host-wide) after which blocks may be reused
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # from the claim
     first_token_ids: tuple[int, ...]
     first_logprobs: tuple[TokenLogprobs | None, ...]
 

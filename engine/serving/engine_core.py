@@ -39,13 +39,14 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason, RemoteKV, SeqOutput
+from engine.sequence import RemoteKV
 from engine.serving.core_messages import (
     CoreInfo,
     CoreSpec,
     EngineSnapshot,
     LeaseDone,
     RemoteSource,
+    RequestLimits,
     pack_outputs,
     portable,
 )
@@ -83,12 +84,14 @@ class EngineCore:
         self._last_snapshot: EngineSnapshot | None = None
 
     def info(self) -> CoreInfo:
-        runner, cfg = self.engine.runner, self.engine.model_config
+        engine = self.engine
+        runner, cfg = engine.runner, engine.model_config
         layout = {"dtype": self.spec.config.dtype, "block_size": runner.block_size,
                   "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
                   "head_dim": cfg.head_dim, "num_blocks": runner.num_blocks}
+        limits = RequestLimits(cfg.vocab_size, engine.max_model_len, self.spec.config.max_n)
         return CoreInfo(layout, os.getpid(),
-                        self.pool.descriptor if self.pool is not None else None)
+                        self.pool.descriptor if self.pool is not None else None, limits)
 
     # -- the loop ----------------------------------------------------------------------------
     def serve(self, commands: Connection) -> None:
@@ -110,12 +113,13 @@ class EngineCore:
                 self._send_snapshot_if_changed()
                 self.wake.wait(IDLE_WAIT_S)
                 continue
-            try:
+            try:  # a request's own failure in a step fails it alone (LLMEngine.step)
                 outputs = engine.step()
                 stats = engine.last_step
-            except Exception:
-                log.exception("engine step failed; failing its requests")
-                outputs, stats = self._fail_all("internal error in the engine step"), None
+            except Exception:  # the engine's own state: nothing tells whose, all fail
+                log.exception("engine step failed; failing every request")
+                outputs = engine.fail(list(engine.requests), "internal error in the engine step")
+                stats = None
             snap = self._snapshot()
             self._last_snapshot = snap
             plain, whole = pack_outputs(outputs)
@@ -253,16 +257,6 @@ class EngineCore:
         if snap != self._last_snapshot:
             self._last_snapshot = snap
             self.events.send(("snapshot", snap))
-
-    def _fail_all(self, message: str) -> list[SeqOutput]:
-        outputs = []
-        for rid, seqs in list(self.engine.requests.items()):
-            self.engine.abort(rid)
-            for s in seqs:
-                outputs.append(SeqOutput(rid, s.sample_index, [], [], FinishReason.ERROR,
-                                         s.num_prompt_tokens, s.num_cached_tokens,
-                                         s.num_output_tokens, error=message))
-        return outputs
 
 
 def run_core(spec: CoreSpec, commands: Connection, events: Connection) -> None:

@@ -17,6 +17,7 @@ One request's trace across three processes:
       │   └ prefill                         queue time, chunks, cached tokens
       └ decode                              the decode worker's span (kind SERVER): queue time,
           │                                 time to first token, per output token
+          ├ /tandem.v1.Worker/ClaimLease    (on the prefill worker) the lease's block ids
           ├ kv_transfer                     blocks, bytes, GB/s (measured on the engine core)
           └ /tandem.v1.Worker/Release       (on the prefill worker)
 
@@ -28,8 +29,8 @@ propagate API (trace_metadata). Not the instrumentation's client interceptors: t
 server stream's span only when their wrapper generator runs out, which a consumer that stops
 early leaves to garbage collection.
 
-Never recorded, in spans or logs: token ids, IPC handles (a shm segment's name, CUDA handle
-bytes: capabilities), and prompt or output text unless content capture is asked for
+Never recorded, in spans or logs: token ids, lease tokens and IPC handles (a shm segment's
+name, CUDA handle bytes: capabilities all), and prompt or output text unless content capture is asked for
 (--trace-content or OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true, router only).
 
 Cost: no span, log line or histogram per token. A worker calls Metrics.on_step once per engine

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from engine.errors import InvalidArgument, LayoutMismatch, ModelLoadError, Overloaded
-from engine.serving.async_engine import AsyncEngine, EngineDead
+from engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
 from engine.serving.core_messages import CoreSpec, LeaseDone
 from engine.serving.lifecycle import Health, enable_reflection, make_server, serve_until_signal
 from engine.serving.telemetry import Telemetry
@@ -67,6 +67,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, WorkerError):
         return exc.code, exc.message
     for kind, code in ((EngineDead, grpc.StatusCode.UNAVAILABLE),
+                       (RequestAborted, grpc.StatusCode.ABORTED),
                        (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
                        (LayoutMismatch, grpc.StatusCode.FAILED_PRECONDITION),
                        (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),

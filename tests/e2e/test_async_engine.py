@@ -19,7 +19,7 @@ from engine.errors import InvalidArgument, ModelLoadError
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.sequence import SeqOutput
-from engine.serving.async_engine import AsyncEngine, EngineDead
+from engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
 from engine.serving.core_messages import CoreSpec, RemoteSource
 
 PROMPTS = [[3 + i, 11, 29 + 2 * i, 7] * (1 + i) for i in range(8)]
@@ -115,6 +115,24 @@ def test_a_cancelled_request_is_aborted_and_its_id_free_again(model_dir):
     serve(model_dir, body)
 
 
+def test_an_aborted_request_ends_and_its_blocks_are_freed(model_dir):
+    """`abort` (a worker's Abort call) mid-request: the request's awaitable raises
+    RequestAborted, so a stream that waits on it ends; an unknown id aborts nothing."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def body(engine: AsyncEngine) -> None:
+        first = asyncio.Event()
+        task = asyncio.create_task(engine.generate("x", PROMPTS[3], params,
+                                                   lambda outs: first.set()))
+        await first.wait()
+        assert await engine.abort("x")
+        with pytest.raises(RequestAborted, match="'x' was aborted"):
+            await task
+        assert not await engine.abort("x") and not await engine.abort("never-seen")
+
+    serve(model_dir, body)
+
+
 def test_a_load_error_comes_back_from_the_core_with_its_message(tmp_path):
     async def main() -> None:
         engine = AsyncEngine(CoreSpec(EngineConfig(model=str(tmp_path / "absent")), "both"))
@@ -182,3 +200,33 @@ def test_every_decode_lease_ends_in_exactly_one_lease_done(model_dir):
     by_lease = {d.lease_id: d for d in done}
     assert by_lease["L1"].pulled and "not mapped" in by_lease["L1"].error
     assert not by_lease["L2"].pulled and not by_lease["L3"].pulled
+
+
+def test_a_decode_request_with_an_out_of_vocabulary_first_token_fails_alone(model_dir):
+    """A first token outside the vocabulary is refused when the request is added (it would
+    fail the engine step of every request decoding beside it); its lease ends once; the
+    requests running meanwhile finish whole."""
+    done: list = []
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    async def body(engine: AsyncEngine) -> None:
+        started = [asyncio.Event() for _ in range(4)]
+        outs: list[list[SeqOutput]] = [[] for _ in range(4)]
+
+        def sink(i: int):
+            return lambda o: (outs[i].extend(o), started[i].set())
+
+        running = [asyncio.create_task(engine.generate(f"r{i}", PROMPTS[i], params, sink(i)))
+                   for i in range(4)]
+        for e in started:
+            await e.wait()
+        vocab, bs = engine.info.limits.vocab_size, engine.info.layout["block_size"]
+        source = RemoteSource("127.0.0.1:1", "L", time.monotonic() + 30,
+                              tuple(range(-(-len(PROMPTS[2]) // bs))), (vocab,), (None,))
+        with pytest.raises(InvalidArgument, match="first_token_ids"):
+            await engine.decode("bad", PROMPTS[2], params, source, print)
+        await asyncio.gather(*running)
+        assert [sum(len(o.new_token_ids) for o in out) for out in outs] == [30] * 4
+
+    serve(model_dir, body, role="decode", on_lease_done=done.append)
+    assert [d.lease_id for d in done] == ["L"]

@@ -147,6 +147,32 @@ def test_bad_requests_name_the_field_and_engine_serves_on(llm):
     assert llm.generate([[1, 2, 3]], ok)[0].outputs[0].finish_reason in ("length", "stop")
 
 
+def test_a_failed_step_fails_the_requests_in_it_alone(tiny_models):
+    """A step whose forward pass raises ends the requests in it with an error output; a request
+    that was waiting for a sequence slot meanwhile runs afterwards, to its output when alone."""
+    llm = LLM(str(tiny_models["llama"]), progress=False, max_model_len=256, max_num_seqs=2)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = tokens(llm.generate([PROMPTS[3]], params))[0][0]
+    for i, prompt in enumerate([PROMPTS[0], PROMPTS[1], PROMPTS[3]]):
+        engine.add_request(f"r{i}", prompt, params)
+    execute = engine.runner.execute
+
+    def broken(*args, **kwargs):
+        engine.runner.execute = execute  # once
+        raise RuntimeError("a kernel failed")
+
+    engine.runner.execute = broken
+    failed = engine.step()
+    assert sorted((o.request_id, o.error) for o in failed) == [
+        ("r0", "internal error in the engine step"), ("r1", "internal error in the engine step")]
+    assert list(engine.requests) == ["r2"]
+    got = []
+    while engine.has_work():
+        got += [t for o in engine.step() for t in o.new_token_ids]
+    assert got == expected and engine.is_idle()
+
+
 def test_unknown_model_and_corrupt_weights(tmp_path, tiny_models):
     with pytest.raises(ModelLoadError, match="no-such-model"):
         LLM("/nonexistent/no-such-model", progress=False)

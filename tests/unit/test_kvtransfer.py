@@ -16,7 +16,7 @@ import torch
 
 from engine.errors import InvalidArgument, LayoutMismatch
 from kvtransfer.descriptor import LAYOUT_FIELDS, PoolDescriptor, check_compatible
-from kvtransfer.lease import LeaseTable
+from kvtransfer.lease import Claim, LeaseClaims, LeaseTable, prompt_digest
 from kvtransfer.pool import SHM_DIR, allocate_pool
 from kvtransfer.remote import open_remote_pool, pull_blocks
 
@@ -325,6 +325,36 @@ def test_grant_copies_its_input_and_refuses_a_non_positive_ttl() -> None:
             table.grant([1], ttl_s=ttl, now=0.0)
         assert err.value.field == "ttl_s"
     assert len({table.grant([], ttl_s=1.0, now=0.0) for _ in range(1000)}) == 1000
+
+
+def test_lease_ids_are_128_random_bits() -> None:
+    table = LeaseTable()
+    ids = [table.grant([1], ttl_s=1.0, now=0.0) for _ in range(100)]
+    assert all(len(bytes.fromhex(i)) == 16 for i in ids) and len(set(ids)) == 100
+
+
+def test_a_lease_is_claimed_once_while_it_lives() -> None:
+    claims = LeaseClaims()
+    a = Claim((4, 1, 3), 40, prompt_digest(range(40)), deadline=10.0)
+    claims.offer("a", a, now=0.0)
+    claims.offer("b", Claim((2,), 5, b"", deadline=10.0), now=0.0)
+    claims.offer("c", Claim((7,), 5, b"", deadline=5.0), now=0.0)
+    assert claims.claim("a", now=9.9) == a
+    assert claims.claim("a", now=9.9) is None  # claimed: never again
+    assert claims.claim("no-such-lease", now=0.0) is None
+    claims.forget("b")  # released before anyone claimed it
+    assert claims.claim("b", now=1.0) is None
+    assert claims.claim("c", now=5.0) is None  # the core reclaims the blocks at the deadline
+    claims.offer("d", Claim((8,), 5, b"", deadline=20.0), now=6.0)
+    claims.offer("e", Claim((9,), 5, b"", deadline=30.0), now=21.0)  # sweeps d
+    assert len(claims) == 1 and claims.claim("e", now=29.0) is not None
+
+
+def test_prompt_digest_binds_every_token_and_the_length() -> None:
+    prompt = [1, 2, 3, 70000]
+    assert prompt_digest(prompt) == prompt_digest(tuple(prompt)) and len(prompt_digest([])) == 16
+    assert len({prompt_digest(p) for p in (prompt, prompt[:3], [1, 2, 3, 70001], [2, 1, 3, 70000],
+                                           [*prompt, 0])}) == 5
 
 
 def test_descriptor_is_frozen_and_picklable_with_its_handle() -> None:

@@ -18,20 +18,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class KVLocation(_message.Message):
-    __slots__ = ("worker_id", "address", "block_ids", "num_tokens", "lease_id", "lease_ttl_ms")
+    __slots__ = ("worker_id", "address", "num_tokens", "lease_id", "lease_ttl_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     lease_id: str
     lease_ttl_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_ids", "first_logprobs", "finish_reasons", "kv", "num_cached_tokens")
@@ -155,6 +153,24 @@ class StreamResponse(_message.Message):
     updates: _containers.RepeatedCompositeFieldContainer[RequestUpdate]
     tokens: TokenColumns
     def __init__(self, updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., tokens: _Optional[_Union[TokenColumns, _Mapping]] = ...) -> None: ...
+
+class ClaimLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ClaimLeaseResponse(_message.Message):
+    __slots__ = ("block_ids", "num_tokens", "prompt_digest", "ttl_ms")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    prompt_digest: bytes
+    ttl_ms: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.StreamResponse.FromString,
                 _registered_method=True)
+        self.ClaimLease = channel.unary_unary(
+                '/tandem.v1.Worker/ClaimLease',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.ClaimLeaseRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.ClaimLeaseResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/tandem.v1.Worker/Release',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
@@ -84,6 +89,15 @@ class WorkerServicer:
         message per engine step holding the new tokens of every request on the call, so a step
         costs one message however many requests it advanced. Cancelling a request, or the call,
         frees everything it holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClaimLease(self, request, context):
+        """Prefill role: a decode worker presents a lease's token and gets the lease's blocks, once,
+        while the lease lives. An unknown, expired, released or already claimed token is refused
+        with FAILED_PRECONDITION. The decode side copies only the block ids this returns.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -130,6 +144,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stream,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.StreamRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.StreamResponse.SerializeToString,
+            ),
+            'ClaimLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimLease,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.ClaimLeaseRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.ClaimLeaseResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -206,6 +225,33 @@ class Worker:
             '/tandem.v1.Worker/Stream',
             tandem_dot_v1_dot_worker__pb2.StreamRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.StreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/ClaimLease',
+            tandem_dot_v1_dot_worker__pb2.ClaimLeaseRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.ClaimLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

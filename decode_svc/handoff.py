@@ -1,0 +1,118 @@
+"""The decode side of the prefill → decode handoff: what a decode request must be before the
+engine sees it, and the prefill lease it carries, from the router's handover to its one release.
+
+    router ── DecodeRequest(prompt, params, kv {address, lease token}, first tokens) ──▶ D
+    D: every id and length checked (INVALID_ARGUMENT naming the field)
+    D ── ClaimLease(token) ──▶ P: the lease's block ids, prompt length and digest, time left;
+                                 once, while the lease lives (else FAILED_PRECONDITION)
+    D: the prompt must be the lease's; the engine core pulls exactly the claimed blocks, then
+       D ── Release(token) ──▶ P
+
+Nothing a caller names is read from a prefill worker's pool: block ids come from the claim.
+The claim costs one unary call to the prefill worker per request, answered on its event loop
+(not between its engine steps), before the request joins the engine's queue.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from engine.errors import InvalidArgument
+from engine.sampling_params import SamplingParams, TokenLogprobs
+from engine.serving.core_messages import RemoteSource, RequestLimits
+from engine.serving.telemetry import trace_metadata
+from kvtransfer.lease import prompt_digest
+from tandem.convert import logprobs_from_proto, params_from_proto
+from tandem.v1 import worker_pb2
+from tandem.worker_base import WorkerError
+
+# Pull only while the lease has this much time left: the prefill side reuses blocks of an
+# expired lease, and the request may wait for room here before its pull.
+LEASE_MARGIN_S = 2.0
+
+
+@dataclass(eq=False)
+class HeldLease:
+    """A decode request's prefill lease as this worker holds it. Released exactly once: by the
+    worker when the request ends before reaching the engine core (`handed`), by the core's
+    lease_done after; never when the prefill worker refused our claim (`refused`: not ours)."""
+
+    address: str
+    lease_id: str  # the token: a capability, never logged
+    # The request's context (its span, the request id for log lines): the KV-transfer span is
+    # its child and the Release call joins its trace.
+    context: contextvars.Context | None = None
+    handed: bool = False
+    refused: bool = False
+
+
+@dataclass(frozen=True)
+class DecodeArgs:
+    """A decode request's fields once checked."""
+
+    prompt: list[int]
+    params: SamplingParams
+    first_token_ids: tuple[int, ...]
+    first_logprobs: tuple[TokenLogprobs | None, ...]
+
+
+def decode_args(req: worker_pb2.DecodeRequest, limits: RequestLimits) -> DecodeArgs:
+    """Every id and length the caller handed over, checked against the model's limits; a bad
+    one raises InvalidArgument naming its field. Nothing here trusts the caller."""
+    if not req.request_id:
+        raise InvalidArgument("request_id", "must be non-empty")
+    prompt = list(req.prompt_token_ids)
+    if not prompt:
+        raise InvalidArgument("prompt_token_ids", "must not be empty")
+    if len(prompt) >= limits.max_model_len:
+        raise InvalidArgument("prompt_token_ids", f"{len(prompt)} tokens; this model serves at "
+                              f"most {limits.max_model_len - 1} before its first output")
+    _check_ids("prompt_token_ids", prompt, limits.vocab_size)
+    params = params_from_proto(req.params)
+    if params.n > limits.max_n:
+        raise InvalidArgument("n", f"must be <= {limits.max_n}, got {params.n}")
+    firsts = tuple(req.first_token_ids)
+    if len(firsts) != params.n:
+        raise InvalidArgument("first_token_ids", f"{len(firsts)} ids for n={params.n}")
+    _check_ids("first_token_ids", firsts, limits.vocab_size)
+    return DecodeArgs(prompt, params, firsts, logprobs_from_proto(req.first_logprobs, params.n))
+
+
+def _check_ids(field: str, ids: list[int] | tuple[int, ...], vocab: int) -> None:
+    if ids and max(ids) >= vocab:  # uint32 on the wire: never negative
+        bad = next(t for t in ids if t >= vocab)
+        raise InvalidArgument(field, f"token id {bad} is outside [0, {vocab})")
+
+
+async def claim(stub, lease: HeldLease, args: DecodeArgs) -> RemoteSource:
+    """Present the lease's token to its prefill worker; what the engine core will pull. A
+    refused token (unknown, expired, released or claimed before) fails the request with
+    FAILED_PRECONDITION and marks the lease not ours to release."""
+    sent = time.monotonic()
+    try:
+        resp = await stub.ClaimLease(worker_pb2.ClaimLeaseRequest(lease_id=lease.lease_id),
+                                     timeout=10, metadata=trace_metadata())
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            lease.refused = True
+            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"prefill worker {lease.address} refused the lease: "
+                              f"{e.details()}") from None
+        raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                          f"prefill worker {lease.address}: {e.details()}") from None
+    # Claimed: ours to release from here, whatever happens next.
+    if resp.num_tokens != len(args.prompt):
+        raise InvalidArgument("prompt_token_ids", f"{len(args.prompt)} tokens; the lease holds "
+                              f"the KV of {resp.num_tokens}")
+    if resp.prompt_digest != prompt_digest(args.prompt):
+        raise InvalidArgument("prompt_token_ids", "not the prompt the lease was prefilled for")
+    deadline = sent + resp.ttl_ms / 1000 - LEASE_MARGIN_S
+    if deadline <= time.monotonic():
+        raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"the lease has {resp.ttl_ms} ms left, too little to pull its KV")
+    return RemoteSource(lease.address, lease.lease_id, deadline, tuple(resp.block_ids),
+                        args.first_token_ids, args.first_logprobs)
