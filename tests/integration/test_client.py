@@ -5,7 +5,14 @@ with the HTTP API's, reflection on by default, and retries only where no token w
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -17,6 +24,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams as EngineParams
 from tandem import client as tc
 
+ROOT = Path(__file__).resolve().parents[2]
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
 LONG = 1000  # tokens: far longer than any test waits for
 
@@ -143,6 +151,46 @@ def test_models_tokenize_and_reflection_by_default(cluster, client):
     listed, files = asyncio.run(services())
     assert "tandem.v1.Tandem" in {s.name for s in listed.list_services_response.service}
     assert files.file_descriptor_response.file_descriptor_proto  # what grpcurl describes
+
+
+# -- the README's section, as written ------------------------------------------------------------
+def readme_block(lang: str, index: int = 0) -> str:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## Calling it over gRPC")
+    section = readme[start:readme.index("\n## ", start + 1)]
+    return re.findall(rf"```{lang}\n(.*?)```", section, re.S)[index]
+
+
+def test_readme_python_example(cluster):
+    code = readme_block("python").replace("127.0.0.1:50051", cluster.router.address)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "Usage(prompt_tokens=" in lines[0]
+    assert {line.split()[0] for line in lines[1:]} == {"0", "1"}  # n=2 samples streamed
+
+
+def test_readme_grpcurl_call_through_reflection(cluster):
+    """The README's grpcurl request, sent by buf curl (installed with buf; grpcurl too where
+    it is installed): both learn the schema from the router's reflection alone."""
+    cmd = readme_block("bash").replace("\\\n", " ").splitlines()[1]
+    args = shlex.split(cmd)
+    body, method = args[args.index("-d") + 1], args[-1]
+    assert method == "tandem.v1.Tandem/Generate" and args[-2] == "127.0.0.1:50051"
+    buf = shutil.which("buf", path=str(ROOT / ".tools" / "node_modules" / ".bin"))
+    if buf is None:
+        pytest.skip("buf is not installed (make buf)")
+    r = subprocess.run([buf, "curl", "--protocol", "grpc", "--http2-prior-knowledge", "-d", body,
+                        f"http://{cluster.router.address}/{method}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    chunks = [json.loads(m) for m in re.findall(r"^\{.*?^\}", r.stdout, re.S | re.M)]
+    assert chunks[-1]["finishReason"] == "length"
+    assert chunks[-1]["usage"]["completionTokens"] == json.loads(body)["params"]["max_tokens"]
+    if shutil.which("grpcurl"):
+        args[-2] = cluster.router.address
+        r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and '"finishReason": "length"' in r.stdout, r.stderr
 
 
 # -- a stack that is made to fail ----------------------------------------------------------------

@@ -48,7 +48,7 @@ class Scripted(api_pb2_grpc.TandemServicer):
             self.attempts[script] += 1
             attempt = self.attempts[script]
             self.previous.append(md.get("grpc-previous-rpc-attempts"))
-        if script == "unavailable once" and attempt == 1 or script == "unavailable":
+        if (script == "unavailable once" and attempt == 1) or script == "unavailable":
             context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         if script in ERRORS:
             context.abort_with_status(grpc_status(*ERRORS[script]))
@@ -234,3 +234,15 @@ def test_tls_without_the_client_certificate_is_refused(pki, mtls_server):
         client.generate("who am i")
     with pytest.raises(ValueError, match="go together"):
         tc.Client(mtls_server, client_certificate=pki / "client.pem")
+
+
+def test_router_reflection_is_on_unless_turned_off():
+    import argparse
+
+    from router_svc.server import add_router_args
+
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    assert p.parse_args(["--model", "m"]).reflection is True
+    assert p.parse_args(["--model", "m", "--no-reflection"]).reflection is False
+    assert p.parse_args(["--model", "m", "--reflection"]).reflection is True
