@@ -11,7 +11,8 @@ start().
 
 Status codes, as the gRPC API maps the same errors (one table, api_errors.py): 400
 InvalidArgument (param = the OpenAI name of the field), 404 unknown model, 429 Overloaded (with
-Retry-After), 503 no worker can take it, 504 deadline; `code` is the gRPC ErrorInfo reason. The response status is decided on the first step of the Frontend's stream, which
+Retry-After), 503 no worker can take it, 504 deadline; `code` is the gRPC ErrorInfo reason in
+lower case. The response status is decided on the first step of the Frontend's stream, which
 is where validation, admission and worker selection fail; an error after that ends an SSE
 stream with one `data: {"error": ...}` event.
 
