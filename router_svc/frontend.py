@@ -19,6 +19,10 @@ from engine.tokenizer import Tokenizer
 from router_svc.orchestrator import Orchestrator
 
 
+class ModelNotFound(LookupError):
+    """The request names a model this router does not serve."""
+
+
 @dataclass
 class Delta:
     index: int
@@ -70,7 +74,7 @@ class Frontend:
 
     def check_model(self, name: str | None) -> None:
         if name and name != self.model.id:
-            raise LookupError(f"model {name!r} is not served here (serving {self.model.id!r})")
+            raise ModelNotFound(f"model {name!r} is not served here (serving {self.model.id!r})")
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

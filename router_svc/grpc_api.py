@@ -1,18 +1,16 @@
-"""The public gRPC API, tandem.v1.Tandem: a thin servicer over the Frontend."""
+"""The public gRPC API, tandem.v1.Tandem: a thin servicer over the Frontend. Errors carry
+google.rpc.Status details (api_errors.py)."""
 
 from __future__ import annotations
 
 from contextlib import aclosing
 
-import grpc
-
 from engine.errors import InvalidArgument, Overloaded
-from router_svc.frontend import Frontend
+from router_svc.api_errors import abort, failure_of, grpc_field
+from router_svc.frontend import Frontend, ModelNotFound
 from router_svc.orchestrator import RouterError
 from tandem.convert import logprobs_to_proto, params_from_proto
 from tandem.v1 import api_pb2, api_pb2_grpc
-
-RETRY_AFTER_S = 1
 
 
 class TandemServicer(api_pb2_grpc.TandemServicer):
@@ -43,15 +41,10 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                             if params.logprobs is not None else [],
                             finish_reason=d.finish_reason or "",
                             stop_reason=d.stop_reason or "", usage=u)
-        except InvalidArgument as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except LookupError as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except Overloaded as e:
-            context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_S)),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except RouterError as e:
-            await context.abort(e.code, e.message)
+        except (InvalidArgument, ModelNotFound, Overloaded, RouterError) as e:
+            f = failure_of(e)
+            prompt_field = request.WhichOneof("prompt") or "prompt"
+            await abort(context, f, grpc_field(f.field, prompt_field) if f.field else None)
 
     async def ListModels(self, request, context):  # noqa: N802
         return api_pb2.ListModelsResponse(models=[self._info()])
@@ -59,8 +52,8 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
     async def GetModelInfo(self, request, context):  # noqa: N802
         try:
             self.frontend.check_model(request.model)
-        except LookupError as e:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ModelNotFound as e:
+            await abort(context, failure_of(e))
         return self._info()
 
     async def Tokenize(self, request, context):  # noqa: N802
@@ -74,7 +67,7 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
             else:
                 ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
         except InvalidArgument as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort(context, failure_of(e))
         return api_pb2.TokenizeResponse(token_ids=ids)
 
     def _info(self) -> api_pb2.ModelInfo:

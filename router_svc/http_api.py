@@ -9,9 +9,10 @@ Every /v1 route needs `Authorization: Bearer <key>` when a key is set; /health s
 routes (e.g. /metrics) go in through `HttpServer(..., routes=[...])` or `HttpServer.app` before
 start().
 
-Status codes, as the gRPC API maps the same errors: 400 InvalidArgument (param = the OpenAI name
-of the field), 404 unknown model, 429 Overloaded (with Retry-After), 503 no worker can take it,
-504 deadline. The response status is decided on the first step of the Frontend's stream, which
+Status codes, as the gRPC API maps the same errors (one table, api_errors.py): 400
+InvalidArgument (param = the OpenAI name of the field), 404 unknown model, 429 Overloaded (with
+Retry-After), 503 no worker can take it, 504 deadline; `code` is the gRPC ErrorInfo reason in
+lower case. The response status is decided on the first step of the Frontend's stream, which
 is where validation, admission and worker selection fail; an error after that ends an SSE
 stream with one `data: {"error": ...}` event.
 
@@ -32,7 +33,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-import grpc
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,12 +40,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.routing import BaseRoute
 
-from engine.errors import InvalidArgument, Overloaded
+from engine.errors import InvalidArgument
 from engine.sampling_params import SamplingParams
-from router_svc.frontend import Frontend
-from router_svc.grpc_api import RETRY_AFTER_S
+from router_svc.api_errors import failure_of
+from router_svc.frontend import Frontend, ModelNotFound
 from router_svc.openai_objects import ChatShaper, CompletionShaper, Shaper, Step
-from router_svc.orchestrator import RouterError
 from router_svc.workers import WorkerSet
 
 log = logging.getLogger(__name__)
@@ -124,32 +123,21 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-_ROUTER_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-}
-
-
 def api_error(e: Exception, names: dict[str, str] | None = None) -> ApiError:
-    """The HTTP answer to an error the Frontend or the router raised. `names` maps engine field
-    names to the OpenAI parameter names this endpoint uses (e.g. chat: logprobs->top_logprobs)."""
+    """The HTTP answer to an error the Frontend or the router raised, mapped as the gRPC API
+    maps it (api_errors.failure_of). `names` maps engine field names to the OpenAI parameter
+    names this endpoint uses (e.g. chat: logprobs->top_logprobs)."""
     if isinstance(e, ApiError):
         return e
-    if isinstance(e, InvalidArgument):
-        param = (names or {}).get(e.field, e.field)
-        return ApiError(400, f"{param}: {e.message}", param=param, code="invalid_value")
-    if isinstance(e, Overloaded):
-        return ApiError(429, f"the server is at capacity, retry later ({e})", "rate_limit_error",
-                        code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
-    if isinstance(e, RouterError):
-        status, type_ = _ROUTER_STATUS.get(e.code, (500, "server_error"))
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
-        return ApiError(status, e.message, type_, code=e.code.name.lower(), headers=headers)
-    log.exception("unexpected error in the HTTP API", exc_info=e)
-    return ApiError(500, f"internal error: {type(e).__name__}", "server_error")
+    f = failure_of(e)
+    if f is None:
+        log.exception("unexpected error in the HTTP API", exc_info=e)
+        return ApiError(500, f"internal error: {type(e).__name__}", "server_error")
+    status, type_ = f.http_status
+    param = (names or {}).get(f.field, f.field) if f.field else None
+    message = f"{param}: {f.message}" if param and status == 400 else f.message
+    headers = {"Retry-After": str(f.retry_after_s)} if f.retry_after_s is not None else None
+    return ApiError(status, message, type_, param=param, code=f.reason.lower(), headers=headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -359,8 +347,8 @@ class OpenAIApi:
     def _check_model(self, name: str | None) -> None:
         try:
             self.frontend.check_model(name)
-        except LookupError as e:
-            raise ApiError(404, str(e), param="model", code="model_not_found") from None
+        except ModelNotFound as e:
+            raise api_error(e) from None
 
     def _model_card(self) -> dict:
         m = self.frontend.model

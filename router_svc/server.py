@@ -54,7 +54,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require this bearer token on HTTP (default: $TANDEM_API_KEY)")
-    p.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
+    p.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
+                   help="gRPC server reflection on the public port, for grpcurl and other "
+                        "tools (default: on; --no-reflection turns it off)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds to drain in-flight requests (gRPC and HTTP) on SIGTERM")
     p.add_argument("--ready-file", default=None)
