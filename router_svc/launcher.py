@@ -255,12 +255,13 @@ def _devices(args: argparse.Namespace, n: int) -> tuple[list[str], str]:
     gpus = ([int(g) for g in args.gpus.split(",")] if args.gpus
             else list(range(torch.cuda.device_count())))
     if args.device == "auto" and len(gpus) < n:
-        return ["cpu"] * n, (f"--device auto: {_plural(len(gpus), 'GPU')} for "
-                             f"{_plural(n, 'worker')} (one each needed), so all run on the CPU")
+        return ["cpu"] * n, (f"--device auto found {_plural(len(gpus), 'GPU')} for "
+                             f"{_plural(n, 'worker')}, one each needed: all run on the CPU")
     if len(gpus) < n:
         raise InvalidArgument("--gpus" if args.gpus else "--device",
-                              f"{_plural(n, 'worker')} need {n} GPUs, found {len(gpus)} (each "
-                              "worker sizes its KV pool from its GPU's free memory)")
+                              f"one GPU per worker needed: {_plural(n, 'worker')}, "
+                              f"{_plural(len(gpus), 'GPU')} (each worker sizes its KV pool "
+                              "from its GPU's free memory)")
     return [f"cuda:{g}" for g in gpus[:n]], ""
 
 
@@ -306,7 +307,7 @@ def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str
         metrics = f", metrics {w.metrics_url}" if w.metrics_port else ""
         lines.append(f"  {w.name + ':':<13}{device}{metrics}")
     if device_note:
-        lines.append(f"  ({device_note})")
+        lines.append(f"  Note: {device_note}.")
     return "\n".join([*lines, "Ctrl-C stops everything.\n"])
 
 
