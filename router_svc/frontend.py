@@ -49,6 +49,7 @@ class ModelInfo:
     dtype: str
     block_size: int
     max_n: int = 16
+    aliases: tuple[str, ...] = ()  # other names requests may use (the --model path)
 
 
 class Frontend:
@@ -65,15 +66,16 @@ class Frontend:
 
     @staticmethod
     def model_info(model_id: str, cfg: ModelConfig, dtype: str, block_size: int,
-                   max_model_len: int | None) -> ModelInfo:
+                   max_model_len: int | None, aliases: tuple[str, ...] = ()) -> ModelInfo:
         limit = min(max_model_len or cfg.max_model_len, cfg.max_model_len)
-        return ModelInfo(model_id, cfg.architecture, limit, cfg.vocab_size, dtype, block_size)
+        return ModelInfo(model_id, cfg.architecture, limit, cfg.vocab_size, dtype, block_size,
+                         aliases=aliases)
 
     def new_request_id(self) -> str:
         return f"req-{self._prefix}-{next(self._ids)}"
 
     def check_model(self, name: str | None) -> None:
-        if name and name != self.model.id:
+        if name and name != self.model.id and name not in self.model.aliases:
             raise ModelNotFound(f"model {name!r} is not served here (serving {self.model.id!r})")
 
     def encode(self, text: str) -> list[int]:

@@ -72,6 +72,7 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
 
     def _info(self) -> api_pb2.ModelInfo:
         m = self.frontend.model
+        workers = self.frontend.orchestrator.workers  # they run the model: their dtype is it
         return api_pb2.ModelInfo(id=m.id, architecture=m.architecture,
                                  max_model_len=m.max_model_len, vocab_size=m.vocab_size,
-                                 dtype=m.dtype, block_size=m.block_size)
+                                 dtype=workers.dtype or m.dtype, block_size=workers.block_size)

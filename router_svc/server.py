@@ -7,9 +7,11 @@ import argparse
 import asyncio
 import logging
 import os
+from pathlib import Path
 
 from engine.config import ModelConfig
-from engine.model_source import resolve_model
+from engine.errors import InvalidArgument
+from engine.model_source import resolve_model, served_name
 from engine.serving.lifecycle import Health, enable_reflection, make_server, serve_until_signal
 from engine.serving.telemetry import Telemetry
 from engine.tokenizer import Tokenizer
@@ -29,6 +31,16 @@ def _addresses(values: list[str] | None) -> list[str]:
     return [a for v in values or [] for a in v.split(",") if a]
 
 
+def model_names(args: argparse.Namespace) -> tuple[str, tuple[str, ...]]:
+    """The model id served (--served-model-name, default the checkpoint's own name) and the
+    other names requests may use for it: --model as given and, for a local path, its absolute
+    form."""
+    served = args.served_model_name or served_name(args.model)
+    path = Path(args.model).expanduser()
+    others = {args.model, str(path.resolve())} if path.exists() else {args.model}
+    return served, tuple(sorted(others - {served}))
+
+
 def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="run the router (public gRPC + OpenAI HTTP API)")
     add_router_args(p)
@@ -38,7 +50,8 @@ def add_parser(sub, name: str) -> None:
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="the served model (for its tokenizer)")
     p.add_argument("--served-model-name", default=None,
-                   help="the model id clients use (default: --model)")
+                   help="the model id clients use (default: the checkpoint directory's "
+                        "name; --model as given is accepted too)")
     p.add_argument("--prefill", action="append", help="prefill worker address(es), host:port")
     p.add_argument("--decode", action="append", help="decode worker address(es)")
     p.add_argument("--workers", action="append", help="colocated (role both) worker address(es)")
@@ -50,7 +63,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=1024,
                    help="requests in flight (queued included) before RESOURCE_EXHAUSTED / 429")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default=None,
+                   help="reported by GetModelInfo until a worker has told its own (default: "
+                        "the workers')")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require this bearer token on HTTP (default: $TANDEM_API_KEY)")
@@ -69,21 +84,23 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     """`telemetry`: the process's logging, tracing and metrics, as run() sets them up (default:
     tracing off, metrics unserved but for /metrics)."""
     telemetry = telemetry or Telemetry("router")
+    prefill, decode, both = (_addresses(a) for a in (args.prefill, args.decode, args.workers))
+    if not (prefill or decode or both):
+        raise InvalidArgument("--prefill", "give --prefill and --decode, or --workers")
+    if bool(prefill) != bool(decode):
+        raise InvalidArgument("--prefill" if decode else "--decode",
+                              "prefill and decode workers go together")
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
     # Benchmark configs with dummy weights come without tokenizer files: token ids only.
     has_tokenizer = any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
     tokenizer = Tokenizer(model_dir) if has_tokenizer else None
-    workers = WorkerSet(_addresses(args.prefill), _addresses(args.decode),
-                        _addresses(args.workers), block_size=args.block_size,
+    workers = WorkerSet(prefill, decode, both, block_size=args.block_size,
                         poll_interval_s=args.poll_interval)
-    if not workers.workers:
-        raise SystemExit("tandem router: give --prefill and --decode, or --workers")
-    if workers.disaggregated and not workers.by_role("decode", healthy_only=False):
-        raise SystemExit("tandem router: --prefill needs at least one --decode worker")
     orchestrator = Orchestrator(workers)
-    info = Frontend.model_info(args.served_model_name or args.model, cfg, args.dtype,
-                               args.block_size, args.max_model_len)
+    served, aliases = model_names(args)
+    info = Frontend.model_info(served, cfg, args.dtype or "", args.block_size,
+                               args.max_model_len, aliases)
     frontend = Frontend(tokenizer, orchestrator, info, args.max_requests, telemetry)
 
     server = make_server(telemetry.tracing.server_interceptors())
@@ -130,7 +147,7 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
 
 
 def run(args: argparse.Namespace) -> int:
-    telemetry = Telemetry.start("router", args.served_model_name or args.model,
+    telemetry = Telemetry.start("router", model_names(args)[0],
                                 capture_content=args.trace_content)
     try:
         asyncio.run(serve(args, telemetry=telemetry))

@@ -66,6 +66,7 @@ class WorkerSet:
         self.poll_interval_s = poll_interval_s
         self.balance_slack = balance_slack
         self.block_size = block_size
+        self.dtype = ""  # the workers' model dtype, once one has answered a poll
         self._affinity: OrderedDict[int, str] = OrderedDict()
         self._poller: asyncio.Task | None = None
         self._changed = asyncio.Event()
@@ -114,6 +115,8 @@ class WorkerSet:
         w.last_seen = time.monotonic()
         if w.load.block_size:
             self.block_size = w.load.block_size
+        if w.load.dtype:
+            self.dtype = w.load.dtype
 
     def mark_down(self, w: Worker) -> None:
         if w.healthy:

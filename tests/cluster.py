@@ -44,8 +44,7 @@ class Cluster(LocalStack):
         super().__init__(
             model, roles, ["cpu"] * len(roles), worker_args=worker_args,
             role_args={"prefill": prefill_args, "decode": decode_args},
-            router_args=["--grpc-port", "0", "--http-port", "0", "--dtype", "float32",
-                         *router_args],
+            router_args=["--grpc-port", "0", "--http-port", "0", *router_args],
             log_dir=tmp, env=env, metrics=metrics)
 
     def start(self) -> Cluster:

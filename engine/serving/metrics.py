@@ -68,9 +68,6 @@ class Metrics:
         self.waiting = gauge("num_requests_waiting",
                              "Sequences waiting to be scheduled (router: requests before their "
                              "first token)")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc",
-                                    "KV-cache usage: share of blocks in use, 0 to 1 (leased "
-                                    "blocks count as used)")
         self.prompt_tokens = counter("prompt_tokens",
                                      "Prompt tokens of requests whose first token was sampled "
                                      "here (router: of every request)")
@@ -109,10 +106,16 @@ class Metrics:
 
     # -- wiring --------------------------------------------------------------------------------
     def bind_engine(self, snapshot: Callable[[], Any]) -> None:
-        """Worker: gauges and the engine's counters read its latest snapshot when scraped."""
+        """Worker: gauges and the engine's counters read its latest snapshot when scraped. The
+        KV-cache gauge exists only here: the router has no KV cache (a 0 from it would read as an
+        idle one)."""
         self._engine.snapshot = snapshot
         self.running.set_function(lambda: snapshot().num_running)
         self.waiting.set_function(lambda: snapshot().num_waiting)
+        self.kv_cache_usage = Gauge(
+            "tandem:kv_cache_usage_perc",
+            "KV-cache usage: share of blocks in use, 0 to 1 (leased blocks count as used)",
+            ("role", "model_name"), registry=self.registry).labels(self.role, self.model_name)
         self.kv_cache_usage.set_function(
             lambda: 1.0 - snapshot().num_free_blocks / max(1, snapshot().num_blocks))
 

@@ -29,7 +29,7 @@ WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     from router_svc.cli import add_engine_args  # noqa: PLC0415
 
-    add_engine_args(p, prefix_caching_default=True)
+    add_engine_args(p)
     g = p.add_argument_group("service")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
@@ -103,7 +103,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_waiting=s.num_waiting, num_free_blocks=s.num_free_blocks,
             num_blocks=s.num_blocks, num_leases=s.num_leases, block_size=s.block_size,
             num_requests=s.num_requests_added, prefix_cache_queries=s.prefix_queries,
-            prefix_cache_hits=s.prefix_hits)
+            prefix_cache_hits=s.prefix_hits, dtype=self.engine.spec.config.dtype)
 
     def lease_done(self, done: LeaseDone) -> None:
         """Hook, decode role: the engine core is done with a prefill worker's lease."""

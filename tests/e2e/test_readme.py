@@ -1,5 +1,6 @@
-"""The README's main command brings the stack up, and its curl and openai examples work as
-written (only the port differs, so the test does not collide with a stack already running)."""
+"""The README's main command brings the stack up, and its curl, `tandem health` (in the activated
+venv) and openai examples work as written (only the ports differ, so the test does not collide
+with a stack already running); its install overrides pick torch's index as it says."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+VENV_PYTHON = ROOT / ".venv" / "bin" / "python"  # what `make install` made: the README's venv
 
 
 def free_port() -> int:
@@ -76,10 +78,23 @@ def test_tandem_up_and_readme_examples(tmp_path):
         quoted = re.search(r"answers `(\".*?\")`", README).group(1)
         assert body["choices"][0]["text"] == json.loads(quoted)
 
-        snippet = block_after("or with the `openai` client", "python")
-        snippet = snippet.replace("127.0.0.1:8000", f"127.0.0.1:{http}")
-        res = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
-                             timeout=60, env=env)
+        # In a new shell: the venv activated, then `tandem` (from ROOT, where .venv is).
+        health = block_after("activate it first", "bash")
+        assert health.startswith("source .venv/bin/activate\n")
+        health = health.replace("127.0.0.1:50051", f"127.0.0.1:{grpc_port}")
+        clean = {k: v for k, v in env.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+        clean["PATH"] = "/usr/bin:/bin"  # no tandem but the venv's
+        res = subprocess.run(["bash", "-c", health], capture_output=True, text=True, timeout=60,
+                             cwd=ROOT, env=clean)
+        printed = re.search(r'# prints "(.*)"', health).group(1)  # what the README says
+        assert res.returncode == 0 and res.stdout.strip() == printed, res
+
+        # hello.py, run by the venv's python.
+        snippet = block_after("through the `openai` client", "python")
+        (tmp_path / "hello.py").write_text(snippet.replace("127.0.0.1:8000",
+                                                           f"127.0.0.1:{http}"))
+        res = subprocess.run([str(VENV_PYTHON), "hello.py"], capture_output=True, text=True,
+                             timeout=60, env=env, cwd=tmp_path)
         assert res.returncode == 0, res.stderr
         assert res.stdout.strip() == "The capital of France is Paris.", res.stdout
     finally:
@@ -87,3 +102,29 @@ def test_tandem_up_and_readme_examples(tmp_path):
         code = up.wait(60)
         log.close()
     assert code == 0, (tmp_path / "up.log").read_text()
+
+
+def _make_install_commands(env: dict[str, str], *overrides: str) -> list[str]:
+    """The commands `make install` would run (make -n: nothing runs), as given to pip."""
+    out = subprocess.run(["make", "-n", "-B", ".venv/.installed", f"PY={sys.executable}",
+                          *overrides], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    return [line for line in out.splitlines() if "pip install" in line]
+
+
+def test_make_install_takes_cpu_torch_from_the_index_the_readme_names():
+    index = re.search(r"the Makefile takes torch from the\s+PyTorch CPU index, `(\S+)`",
+                      README).group(1)
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    plain["PIP_CONFIG_FILE"] = os.devnull  # a machine where pip has no sources configured
+    torch_line = next(c for c in _make_install_commands(plain) if "torch==" in c)
+    assert f"--index-url '{index}'" in torch_line, torch_line
+    # Where pip has its own sources (a local wheel cache, as in CI), only those are asked.
+    cached = {**plain, "PIP_FIND_LINKS": "/opt/wheels"}
+    torch_line = next(c for c in _make_install_commands(cached) if "torch==" in c)
+    assert "--index-url" not in torch_line, torch_line
+    # The README's override.
+    torch_line = next(c for c in _make_install_commands(plain, "TORCH_INDEX=file:///mirror")
+                      if "torch==" in c)
+    assert "--index-url 'file:///mirror'" in torch_line, torch_line
+    assert all("-qq" in c for c in _make_install_commands(plain))  # quiet unless it fails

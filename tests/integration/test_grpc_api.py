@@ -4,6 +4,7 @@ streaming, n > 1, deadlines, cancellation, health, reflection, model info and to
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import pytest
@@ -135,6 +136,9 @@ def test_health_reflection_models_and_tokenize(cluster, offline):
             api = cluster.api(ch)
             models = await api.ListModels(api_pb2.ListModelsRequest())
             assert len(models.models) == 1 and models.models[0].architecture == "LlamaForCausalLM"
+            # The workers' dtype (float32 on the CPU): the router was not told one.
+            info = await api.GetModelInfo(api_pb2.GetModelInfoRequest(model=cluster.model))
+            assert (info.id, info.dtype) == (Path(cluster.model).name, "float32")
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await api.GetModelInfo(api_pb2.GetModelInfoRequest(model="no-such-model"))
             assert e.value.code() == grpc.StatusCode.NOT_FOUND

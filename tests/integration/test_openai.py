@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -39,7 +40,7 @@ def cluster(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(cluster) -> str:
-    return cluster.model
+    return Path(cluster.model).name  # served under its directory's name
 
 
 @pytest.fixture(scope="module")
@@ -202,9 +203,13 @@ def test_stream_include_usage(client, model):
     assert last.choices == [] and last.usage.completion_tokens == 6
 
 
-def test_models(client, model, base_url):
+def test_models(client, model, base_url, cluster):
     models = client.models.list()
     assert [(m.id, m.object) for m in models.data] == [(model, "model")]
+    # The checkpoint's path, as the router's --model got it, names the same model.
+    assert client.models.retrieve(cluster.model).id == model
+    r = client.completions.create(model=cluster.model, prompt="hi", max_tokens=2)
+    assert r.model == model
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
     assert e.value.param == "model"
