@@ -89,17 +89,18 @@ def grpc_field(field: str, prompt_field: str = "prompt") -> str:
 
 
 def grpc_status(f: Failure, field_path: str | None = None) -> grpc.Status:
-    """A grpc.Status whose trailers carry the google.rpc.Status of `f`. The message keeps
-    the "field: message" form the API has always sent."""
+    """A grpc.Status whose trailers carry the google.rpc.Status of `f`, the field under
+    `field_path` (its path in the request). The message stays what the API has always sent
+    ("prompt: must not be empty"): callers may show or match it."""
     field = field_path or f.field
-    message = f"{field}: {f.message}" if field and f.code == grpc.StatusCode.INVALID_ARGUMENT \
-        else f.message
+    invalid = f.code == grpc.StatusCode.INVALID_ARGUMENT
+    message = f"{f.field}: {f.message}" if f.field and invalid else f.message
     status = status_pb2.Status(code=f.code.value[0], message=message)
     info = error_details_pb2.ErrorInfo(reason=f.reason, domain=DOMAIN)
     if field:
         info.metadata["field"] = field
     status.details.add().Pack(info)
-    if field and f.code == grpc.StatusCode.INVALID_ARGUMENT:
+    if field and invalid:
         status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[
             error_details_pb2.BadRequest.FieldViolation(field=field, description=f.message)]))
     if f.retry_after_s is not None:
