@@ -33,7 +33,8 @@ import torch
 from engine.errors import InvalidArgument
 from kvtransfer.descriptor import PoolDescriptor
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+               torch.float8_e4m3fn: "float8_e4m3fn"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 SHM_PREFIX = "tandem-kv-"
