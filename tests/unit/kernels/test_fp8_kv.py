@@ -155,3 +155,58 @@ def test_scales_come_with_fp8_caches_only(device):
     k = torch.randn(1, 2, 64, device=device)
     with pytest.raises(ValueError, match="v_scale"):
         store_kv(k, k, fp8, fp8, torch.zeros(1, dtype=torch.int64, device=device), ones)
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["no-rope", "rope"])
+def test_triton_backend_matches_torch_backend_on_an_fp8_pool(seed, device, monkeypatch, rope):
+    """One mixed step (2 decodes, 2 prefill chunks, one over cached context) on both backends
+    with an FP8 pool and uneven per-(layer, KV head) scales: the same bytes stored, the same
+    attention out. With rope the two rotate k with different fp32 arithmetic, so a stored
+    element may land one e4m3 step apart."""
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.attention.triton_backend import TritonAttentionBackend
+    from engine.config import RopeScaling
+    from engine.models.layers import RotaryEmbedding
+    from engine.quantization.kv_cache import KVScales
+    from paged_meta import step_metadata
+
+    monkeypatch.setattr("engine.attention.triton_backend.num_sms", lambda _: 128)  # split-KV
+    num_layers, block_size, hkv, head_dim, num_heads = 2, 16, 2, 64, 8
+    query_lens, cached = [1, 1, 13, 6], [290, 40, 0, 25]
+    seq_lens = [q + c for q, c in zip(query_lens, cached, strict=True)]
+    perm = torch.randperm(64).tolist()
+    tables = torch.zeros(4, 19, dtype=torch.int32)
+    for b, s in enumerate(seq_lens):
+        n = -(s // -block_size)
+        tables[b, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+    meta = step_metadata(query_lens, seq_lens, tables, block_size, device)
+    scales = KVScales(torch.rand(num_layers, hkv, device=device) * 0.05 + 0.03,
+                      torch.rand(num_layers, hkv, device=device) * 0.05 + 0.03)
+    pool = quantize_fp8_ref(torch.randn(64, num_layers, 2, block_size, hkv, head_dim,
+                                        device=device), torch.full((hkv,), 0.04, device=device))
+    pools = [pool.clone(), pool.clone()]
+    backends = [TritonAttentionBackend(pools[0], num_heads, head_dim ** -0.5, scales),
+                TorchAttentionBackend(pools[1], num_heads, head_dim ** -0.5, scales)]
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens,
+                                                                   strict=True)]).to(device)
+    rotary = RotaryEmbedding(head_dim, 1024, 10000.0, RopeScaling()).to(device)
+    for layer in range(num_layers):
+        qkv = torch.randn(sum(query_lens), (num_heads + 2 * hkv) * head_dim, device=device)
+        outs = []
+        for be in backends:
+            h = qkv.clone().view(qkv.shape[0], -1, head_dim)
+            outs.append(be.forward(layer, h[:, :num_heads], h[:, num_heads:num_heads + hkv],
+                                   h[:, num_heads + hkv:], meta,
+                                   rotary(positions) if rope else None))
+        msg = f"seed={seed} layer={layer}"
+        if rope:
+            torch.testing.assert_close(outs[0], outs[1], atol=1e-3, rtol=1e-3,
+                                       msg=lambda m, msg=msg: f"{msg}\n{m}")
+        else:
+            torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-4,
+                                       msg=lambda m, msg=msg: f"{msg}\n{m}")
+    a, b = (p.view(torch.uint8) for p in pools)
+    differ = (a != b).float().mean().item()
+    assert differ == 0 if not rope else differ < 1e-3, f"seed={seed}: {differ:.2%} differ"
+    assert not _bytes_equal(pools[0], pool), "nothing was stored"
