@@ -201,3 +201,19 @@ def test_unsupported_quantization_configs_are_named(tiny_models, tmp_path):
         (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
         with pytest.raises(ModelLoadError, match=match):
             _fp8_runner(d)
+
+
+# -- the flags -----------------------------------------------------------------------------------
+def test_generate_and_up_take_the_fp8_flags(tiny_models, capsys):
+    from router_svc.cli import build_parser, main
+    from router_svc.launcher import stack_from_args
+
+    assert main(["generate", "--model", str(tiny_models["llama"]), "--kv-cache-dtype", "fp8",
+                 "--quantization", "fp8", "--prompt-token-ids", "5,6,7", "--max-tokens", "4",
+                 "--temperature", "0", "--ignore-eos", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]) == 4
+    stack = stack_from_args(build_parser("up").parse_args(
+        ["up", "--device", "cpu", "--kv-cache-dtype", "fp8", "--quantization", "fp8"]))
+    args = stack.worker_args
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    assert args[args.index("--quantization") + 1] == "fp8"
