@@ -28,9 +28,9 @@ from engine.config import CacheConfig, ModelConfig, cdiv
 from engine.cuda_graphs import CudaGraphRunner
 from engine.errors import InvalidArgument
 from engine.loader import TORCH_DTYPES, build_model, init_dummy_weights, load_weights
-from engine.quantization import fp8
+from engine.models.layers import CausalLM
+from engine.quantization import fp8, kv_cache
 from engine.quantization.checkpoint import fp8_scheme
-from engine.quantization.kv_cache import FP8_DTYPE, KVScales, kv_cache_dtype
 from engine.sampler import Sampler, SamplerOutput, SampleRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledBatch
@@ -63,23 +63,14 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = TORCH_DTYPES[dtype]
-        self.kv_dtype = kv_cache_dtype(kv_cache_dtype_name, self.dtype)
-        self.kv_scales = (KVScales.ones(model_config.num_layers, model_config.num_kv_heads,
-                                        self.device) if self.kv_dtype == FP8_DTYPE else None)
+        self.kv_dtype = kv_cache.kv_cache_dtype(kv_cache_dtype_name, self.dtype)
+        kv_cache.check_device(self.kv_dtype, self.device)
+        self.kv_scales = (kv_cache.KVScales.ones(model_config.num_layers,
+                                                 model_config.num_kv_heads, self.device)
+                          if self.kv_dtype == kv_cache.FP8_DTYPE else None)
         self.block_size = cache_config.block_size
         torch.manual_seed(seed)
-        self.model = build_model(model_config, self.dtype, self.device)
-        self.fp8_scheme = fp8_scheme(model_dir if load_format != "dummy" else None,
-                                     quantization)
-        if self.fp8_scheme is not None:
-            fp8.check_device(self.device, self.dtype)
-            fp8.prepare(self.model, self.fp8_scheme)
-        if load_format == "dummy":
-            init_dummy_weights(self.model, seed)
-        else:
-            load_weights(self.model, model_dir, progress=progress)
-        if self.fp8_scheme is not None:
-            fp8.finish(self.model, self.fp8_scheme)
+        self.model = self._load_model(model_dir, load_format, seed, quantization, progress)
         self.sampler = Sampler(model_config.vocab_size, self.device)
 
         self.block_tables = BlockTableMirror(2 * max_num_seqs + 16,
@@ -96,6 +87,24 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self.model, self.backend, graph_bs,
                                           cdiv(max_model_len, self.block_size), self.device)
             self.graphs.capture()
+
+    def _load_model(self, model_dir: Path | None, load_format: str, seed: int,
+                    quantization: str | None, progress: bool) -> CausalLM:
+        """Build the model on its device and fill its weights; with an FP8 scheme the
+        projections become FP8 layers around the load (shells before an FP8 checkpoint's,
+        quantized after a float one's)."""
+        model = build_model(self.config, self.dtype, self.device)
+        scheme = fp8_scheme(model_dir if load_format != "dummy" else None, quantization)
+        if scheme is not None:
+            fp8.check_device(self.device, self.dtype)
+            fp8.prepare(model, scheme)
+        if load_format == "dummy":
+            init_dummy_weights(model, seed)
+        else:
+            load_weights(model, model_dir, progress=progress)
+        if scheme is not None:
+            fp8.finish(model, scheme)
+        return model
 
     # -- KV pool -----------------------------------------------------------------------------
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:

@@ -57,6 +57,17 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else FP8_DTYPE
 
 
+def check_device(kv_dtype: torch.dtype, device: torch.device) -> None:
+    """The GPU kernels convert e4m3 in hardware: compute capability 8.9 (Ada, Hopper) on."""
+    if kv_dtype != FP8_DTYPE or device.type != "cuda":
+        return
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        raise InvalidArgument("kv_cache_dtype", f"an FP8 KV cache needs a GPU of compute "
+                                                f"capability 8.9 or later; {device} is "
+                                                f"{cap[0]}.{cap[1]}: use --kv-cache-dtype auto")
+
+
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., H, D], scale fp32 [H] -> e4m3, as the store kernels write it."""
     return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
