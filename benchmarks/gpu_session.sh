@@ -3,7 +3,7 @@
 # $OUT/<stage>.txt (and JSON where the script writes one). Usage on the device:
 #   bash benchmarks/gpu_session.sh correctness perf
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, sweep, decode, sched,
-# kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, pack.
+# kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, pack.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -69,6 +69,25 @@ for stage in "$@"; do
         run "disagg_$m" python3 benchmarks/serve.py --launch disaggregated --num-prefill 1 --num-decode 1 \
           "${common[@]}" --devices cuda:0,cuda:1 --rate inf --out "$OUT/disagg_$m.json"
       done ;;
+    fp8)  # issue 20: FP8 KV cache and FP8 weights (Llama-3.1-8B config, dummy weights)
+      run fp8_gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fp8_gpu.py -rA
+      run fp8_decode_8b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b \
+        --batch 1 64 256 --context 1024 --variants bf16 fp8-kv fp8-w fp8-w+kv \
+        --out "$OUT/fp8_decode_8b.json"
+      run fp8_transfer python3 benchmarks/kv_transfer.py --kv-cache-dtype auto fp8 \
+        --ttft-model benchmarks/configs/llama-3.1-8b --out "$OUT/fp8_transfer.json"
+      common=(--model benchmarks/configs/llama-3.1-8b --dtype bfloat16 --load-format dummy
+              --workload sharegpt --num-requests 1000 --no-progress --devices cuda:0 --gpu-time-every 0)
+      run fp8_warm python3 benchmarks/serve.py --mode offline "${common[@]}" -- --kv-cache-dtype fp8 --quantization fp8
+      for v in "bf16:" "fp8kv:--kv-cache-dtype fp8" "fp8wkv:--kv-cache-dtype fp8 --quantization fp8"; do
+        # shellcheck disable=SC2086  # the flags split on purpose
+        run "fp8_offline_${v%%:*}" python3 benchmarks/serve.py --mode offline "${common[@]}" \
+          --out "$OUT/fp8_offline_${v%%:*}.json" -- ${v#*:}
+      done
+      if [ -n "${FP8_ACCURACY_MODEL:-}" ]; then  # a real checkpoint (SmolLM2-135M-Instruct)
+        run fp8_accuracy python3 benchmarks/fp8_accuracy.py --model "$FP8_ACCURACY_MODEL" \
+          --device cuda --out "$OUT/fp8_accuracy.json"
+      fi ;;
     pack) tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -16,13 +16,17 @@ and moves 128 blocks chosen by scattered ids into scattered blocks of its own po
     contiguous IPC memcpy    one cudaMemcpyAsync of 128 adjacent blocks over the IPC mapping
 
 and, as the bound, one large peer copy: torch copy_ of a contiguous 268 MB tensor GPU 0 ->
-GPU 1, measured in the same run. Every method's result is checked byte for byte. With one GPU,
+GPU 1, measured in the same run. With --kv-cache-dtype auto fp8 the whole measurement runs for
+the model dtype's pool and for an FP8 (e4m3, 1 byte an element) pool, and a last table compares
+the two: an FP8 block is half the bytes, so the pull should take about half the time. Every method's result is checked byte for byte. With one GPU,
 everything runs on GPU 0 and the bound is a device-to-device copy.
 
 Times are CUDA-event medians on the decode side's stream. pull_blocks' own wall-clock seconds
 (id upload, launch, sync) are reported too.
 
     python benchmarks/kv_transfer.py --out kv_transfer.json
+    python benchmarks/kv_transfer.py --kv-cache-dtype auto fp8 --ttft-model \
+        benchmarks/configs/llama-3.1-8b --out kv_transfer_fp8.json
 """
 
 from __future__ import annotations
@@ -61,7 +65,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
+                   help="the model dtype (the pool's with --kv-cache-dtype auto)")
+    p.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "fp8"], default=["auto"],
+                   help="pool dtype(s) to measure, one run each: auto = --dtype, fp8 = e4m3")
     p.add_argument("--pool-blocks", type=int, default=1024,
                    help="blocks in each pool (producer and consumer); ids are drawn from these")
     p.add_argument("--src-device", type=int, default=0, help="the producer's GPU")
@@ -79,26 +86,35 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def _bytes(pool: torch.Tensor) -> torch.Tensor:
+    """The pool as [num_blocks, block bytes] of uint8 (any KV dtype, FP8 included)."""
+    return pool.view(pool.shape[0], -1).view(torch.uint8)
+
+
 def fill_pattern(pool: torch.Tensor) -> None:
-    """Block b holds (b * 1009 + i) % 251 at flat index i: exact in every KV dtype."""
-    flat = pool.view(pool.shape[0], -1)
+    """Block b holds byte (b * 1009 + i) % 251 at byte i: the same in every KV dtype."""
+    flat = _bytes(pool)
     i = torch.arange(flat.shape[1], device=pool.device, dtype=torch.int32)
     for start in range(0, flat.shape[0], 16):
         b = torch.arange(start, min(start + 16, flat.shape[0]), device=pool.device,
                          dtype=torch.int32)
-        flat[start:start + 16] = ((b[:, None] * 1009 + i) % 251).to(pool.dtype)
+        flat[start:start + 16] = ((b[:, None] * 1009 + i) % 251).to(torch.uint8)
 
 
 def blocks_match(pool: torch.Tensor, dst_ids: list[int], src_ids: list[int]) -> bool:
     """Whether pool blocks dst_ids[k] hold the producer's pattern of blocks src_ids[k]."""
-    flat = pool.view(pool.shape[0], -1)
+    flat = _bytes(pool)
     i = torch.arange(flat.shape[1], device=pool.device, dtype=torch.int32)
     for start in range(0, len(src_ids), 16):
         s = torch.tensor(src_ids[start:start + 16], device=pool.device, dtype=torch.int32)
         d = torch.tensor(dst_ids[start:start + 16], device=pool.device)
-        if not torch.equal(flat[d], ((s[:, None] * 1009 + i) % 251).to(pool.dtype)):
+        if not torch.equal(flat[d], ((s[:, None] * 1009 + i) % 251).to(torch.uint8)):
             return False
     return True
+
+
+def pool_dtype(args: argparse.Namespace, kv_cache_dtype: str) -> str:
+    return "float8_e4m3fn" if kv_cache_dtype == "fp8" else args.dtype
 
 
 def producer(conn: Connection, device: int, shape: dict[str, int], dtype: str) -> None:
@@ -138,6 +154,19 @@ def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
+    runs = [measure(args, kv) for kv in args.kv_cache_dtype]
+    if len(runs) > 1:
+        compare(runs)
+    if args.out:
+        out = runs[0] if len(runs) == 1 else {"runs": runs}
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    if not all(m["correct"] for r in runs for m in r["methods"].values()):
+        sys.exit("some method moved the wrong bytes (see 'correct')")
+
+
+def measure(args: argparse.Namespace, kv_cache_dtype: str) -> dict[str, Any]:
+    """The whole measurement for one pool dtype: a producer process, every method, report."""
+    dtype = pool_dtype(args, kv_cache_dtype)
     src_dev = args.src_device
     dst_dev = args.dst_device
     if dst_dev is None:
@@ -152,12 +181,12 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=producer, args=(child_conn, src_dev, shape, args.dtype))
+    proc = ctx.Process(target=producer, args=(child_conn, src_dev, shape, dtype))
     proc.start()
     child_conn.close()  # so that a dead producer reads as EOF here
     try:
         desc: PoolDescriptor = conn.recv()
-        results = run(args, desc, src_dev, dst_dev, shape, src_ids, dst_ids)
+        results = run(args, desc, src_dev, dst_dev, shape, src_ids, dst_ids, dtype)
         conn.send("stop")
         results["producer_freed_its_pool"] = conn.recv()
     finally:
@@ -166,16 +195,29 @@ def main() -> None:
         if proc.is_alive():
             proc.kill()
     if args.ttft_model:
-        results["prefill"] = prefill_time(args, src_dev)
+        results["prefill"] = prefill_time(args, src_dev, kv_cache_dtype)
     report(results)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
-    if not all(m["correct"] for m in results["methods"].values()):
-        sys.exit("some method moved the wrong bytes (see 'correct')")
+    return results
+
+
+def compare(runs: list[dict[str, Any]]) -> None:
+    """Pool dtypes side by side: bytes and pull time for the same prompt."""
+    base = runs[0]
+    key = "pull_blocks (copy_blocks kernel)"
+    print(f"\n{runs[0]['config']['prompt_tokens']}-token prompt, pull_blocks, by KV dtype "
+          f"({base['dst_card']}):")
+    print(f"{'KV dtype':<16}{'block MiB':>10}{'MB moved':>10}{'kernel ms':>11}{'wall ms':>9}"
+          f"{'vs first':>10}")
+    for r in runs:
+        c, m = r["config"], r["methods"][key]
+        ratio = m["median_ms"] / base["methods"][key]["median_ms"]
+        print(f"{c['dtype']:<16}{c['block_bytes'] / 2**20:>10.2f}{c['bytes_moved'] / 1e6:>10.1f}"
+              f"{m['median_ms']:>11.3f}{m['wall_clock_median_ms']:>9.3f}{ratio:>10.2f}")
 
 
 def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: int,
-        shape: dict[str, int], src_ids: list[int], dst_ids: list[int]) -> dict[str, Any]:
+        shape: dict[str, int], src_ids: list[int], dst_ids: list[int],
+        dtype: str) -> dict[str, Any]:
     """The decode worker: open the producer's pool, time and check every method."""
     import cupy
 
@@ -183,8 +225,7 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
     dev = torch.device("cuda", dst_dev)
     torch.cuda.set_device(dev)
     remote = open_remote_pool(desc, dev)
-    local = allocate_pool(device=dev, transport="cuda_ipc", dtype=TORCH_DTYPES[args.dtype],
-                          **shape)
+    local = allocate_pool(device=dev, transport="cuda_ipc", dtype=TORCH_DTYPES[dtype], **shape)
     src_pool, dst_pool = remote.tensor, local.tensor
     bb = desc.block_bytes
     n = len(src_ids)
@@ -221,10 +262,10 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
 
     methods: dict[str, tuple[Callable[[], object], list[int], list[int]]] = {
         "pull_blocks (copy_blocks kernel)": (pull, src_ids, dst_ids),
-        "torch index_select + index_copy_": (
-            lambda: dst_pool.index_copy_(0, dst_t, src_pool.index_select(0, src_t)),
+        "torch index_select + index_copy_": (  # as bytes: no float8 index_copy_ in torch
+            lambda: _bytes(dst_pool).index_copy_(0, dst_t, _bytes(src_pool).index_select(0, src_t)),
             src_ids, dst_ids),
-        "cudaMemcpyAsync per 2 MiB block": (per_block, src_ids, dst_ids),
+        f"cudaMemcpyAsync per {bb / 2**20:g} MiB block": (per_block, src_ids, dst_ids),
         f"cudaMemcpyAsync per {chunk // 1024} KiB layer chunk": (per_chunk, src_ids, dst_ids),
         "one cudaMemcpyAsync, contiguous, over IPC": (contiguous, contiguous_src, contiguous_dst),
     }
@@ -232,7 +273,7 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
     with cupy.cuda.Device(dst_dev):
         out["one large peer copy (bound)"] = large_copy(nbytes, src_dev, dev, args)
         for name, (op, s_ids, d_ids) in methods.items():
-            dst_pool.zero_()
+            _bytes(dst_pool).zero_()
             op()
             torch.cuda.synchronize(dev)
             correct = blocks_match(dst_pool, d_ids, s_ids)
@@ -255,7 +296,7 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
         "peer_access": (torch.cuda.can_device_access_peer(dst_dev, src_dev)
                         if dst_dev != src_dev else None),
         "producer": "separate process, pool opened over CUDA IPC",
-        "config": {**shape, "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
+        "config": {**shape, "dtype": dtype, "prompt_tokens": args.prompt_tokens,
                    "blocks_moved": n, "block_bytes": bb, "bytes_moved": nbytes,
                    "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed},
         "torch": torch.__version__, "cupy": cupy.__version__,
@@ -263,7 +304,7 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
     }
 
 
-def prefill_time(args: argparse.Namespace, device: int) -> dict[str, Any]:
+def prefill_time(args: argparse.Namespace, device: int, kv_cache_dtype: str) -> dict[str, Any]:
     """Time to first token of the same prompt on the prefill side: the engine (role both, CUDA
     graphs) prefilling a prompt of --prompt-tokens and sampling one token, median of 5. The
     transfer happens after that first token is sent, so it delays the second token, not the
@@ -276,7 +317,8 @@ def prefill_time(args: argparse.Namespace, device: int) -> dict[str, Any]:
                                     dtype=args.dtype, load_format="dummy",
                                     max_model_len=args.prompt_tokens + 64,
                                     max_num_batched_tokens=args.prompt_tokens,
-                                    enable_prefix_caching=False, memory_fraction=0.5),
+                                    enable_prefix_caching=False, memory_fraction=0.5,
+                                    kv_cache_dtype=kv_cache_dtype),
                        progress=False)
     rng = random.Random(args.seed)
     times = []

@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8: e4m3
+QUANTIZATIONS = ("fp8",)  # weights; an FP8 checkpoint is recognised without the flag
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     cuda_graphs: bool = True
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -208,6 +212,12 @@ class EngineConfig:
             raise InvalidArgument("device", f"must be cpu or cuda[:N], got {self.device!r}")
         if self.max_n < 1:
             raise InvalidArgument("max_n", f"must be >= 1, got {self.max_n}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidArgument("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}"
+                                                    f", got {self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidArgument("quantization", f"must be one of {', '.join(QUANTIZATIONS)}, "
+                                                  f"got {self.quantization!r}")
         # Build the narrow configs now so that bad values fail at construction.
         self.cache_config()
 

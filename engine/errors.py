@@ -25,15 +25,18 @@ class ModelLoadError(TandemError):
 
 
 class LayoutMismatch(TandemError):
-    """Two KV pools cannot exchange blocks; `field` names the first differing property."""
+    """Two KV pools cannot exchange blocks; `field` names the first differing property and
+    `hint`, when given, what to change (the flag that sets it)."""
 
-    def __init__(self, field: str, local: object, remote: object) -> None:
-        super().__init__(f"KV pool layout mismatch in {field}: local {local!r}, remote {remote!r}")
+    def __init__(self, field: str, local: object, remote: object, hint: str = "") -> None:
+        super().__init__(f"KV pool layout mismatch in {field}: local {local!r}, remote {remote!r}"
+                         + (f"; {hint}" if hint else ""))
         self.field = field
         self.local, self.remote = local, remote
+        self.hint = hint
 
     def __reduce__(self):
-        return type(self), (self.field, self.local, self.remote)
+        return type(self), (self.field, self.local, self.remote, self.hint)
 
 
 class Overloaded(TandemError):

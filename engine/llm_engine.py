@@ -59,7 +59,8 @@ class LLMEngine:
             model_dir=self.model_dir, load_format=config.load_format, seed=config.seed,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=sched.max_model_len, max_num_seqs=sched.max_num_seqs,
-            cuda_graphs=config.cuda_graphs, pool_factory=pool_factory, progress=progress)
+            cuda_graphs=config.cuda_graphs, pool_factory=pool_factory, progress=progress,
+            kv_cache_dtype_name=config.kv_cache_dtype, quantization=config.quantization)
         self.block_pool = BlockPool(self.runner.num_blocks, cache.block_size,
                                     cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool)

@@ -6,6 +6,11 @@ never a contiguous per-layer tensor):
 
     pool[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
          └ block b of a request: all layers, K and V, one contiguous chunk
+
+in the KV cache dtype (`kv_cache_dtype`: the model's, or e4m3 with per-(layer, KV head) scales,
+engine/quantization/kv_cache.py). With an FP8 weight scheme (`quantization`, or an FP8
+checkpoint) the decoder layers' projections are swapped for FP8 layers around the weight load
+(engine/quantization/fp8.py).
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from engine.config import CacheConfig, ModelConfig, cdiv
 from engine.cuda_graphs import CudaGraphRunner
 from engine.errors import InvalidArgument
 from engine.loader import TORCH_DTYPES, build_model, init_dummy_weights, load_weights
+from engine.models.layers import CausalLM
+from engine.quantization import fp8, kv_cache
+from engine.quantization.checkpoint import fp8_scheme
 from engine.sampler import Sampler, SamplerOutput, SampleRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledBatch
@@ -47,7 +55,8 @@ class ModelRunner:
                  dtype: str, model_dir: Path | None, load_format: str = "auto", seed: int = 0,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
                  max_num_seqs: int = 256, cuda_graphs: bool = True,
-                 pool_factory: PoolFactory | None = None, progress: bool = True) -> None:
+                 pool_factory: PoolFactory | None = None, progress: bool = True,
+                 kv_cache_dtype_name: str = "auto", quantization: str | None = None) -> None:
         self.config = model_config
         self.device = torch.device(device)
         if self.device.type == "cuda":
@@ -55,13 +64,14 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = TORCH_DTYPES[dtype]
+        self.kv_dtype = kv_cache.kv_cache_dtype(kv_cache_dtype_name, self.dtype)
+        kv_cache.check_device(self.kv_dtype, self.device)
+        self.kv_scales = (kv_cache.KVScales.ones(model_config.num_layers,
+                                                 model_config.num_kv_heads, self.device)
+                          if self.kv_dtype == kv_cache.FP8_DTYPE else None)
         self.block_size = cache_config.block_size
         torch.manual_seed(seed)
-        self.model = build_model(model_config, self.dtype, self.device)
-        if load_format == "dummy":
-            init_dummy_weights(self.model, seed)
-        else:
-            load_weights(self.model, model_dir, progress=progress)
+        self.model = self._load_model(model_dir, load_format, seed, quantization, progress)
         self.sampler = Sampler(model_config.vocab_size, self.device)
 
         self.block_tables = BlockTableMirror(2 * max_num_seqs + 16,
@@ -71,13 +81,31 @@ class ModelRunner:
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
             cache_config, max_num_batched_tokens, max_model_len, max_num_seqs, graph_bs)
         self.pool = (pool_factory or default_pool_factory)(self.pool_shape(self.num_blocks),
-                                                            self.dtype, self.device)
+                                                            self.kv_dtype, self.device)
         self.backend = self._make_backend(self.pool)
         self.graphs: CudaGraphRunner | None = None
         if use_graphs:
             self.graphs = CudaGraphRunner(self.model, self.backend, graph_bs,
                                           cdiv(max_model_len, self.block_size), self.device)
             self.graphs.capture()
+
+    def _load_model(self, model_dir: Path | None, load_format: str, seed: int,
+                    quantization: str | None, progress: bool) -> CausalLM:
+        """Build the model on its device and fill its weights; with an FP8 scheme the
+        projections become FP8 layers around the load (shells before an FP8 checkpoint's,
+        quantized after a float one's)."""
+        model = build_model(self.config, self.dtype, self.device)
+        scheme = fp8_scheme(model_dir if load_format != "dummy" else None, quantization)
+        if scheme is not None:
+            fp8.check_device(self.device, self.dtype)
+            fp8.prepare(model, scheme)
+        if load_format == "dummy":
+            init_dummy_weights(model, seed)
+        else:
+            load_weights(model, model_dir, progress=progress)
+        if scheme is not None:
+            fp8.finish(model, scheme)
+        return model
 
     # -- KV pool -----------------------------------------------------------------------------
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -88,15 +116,15 @@ class ModelRunner:
     def block_bytes(self) -> int:
         c = self.config
         return (c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim
-                * self.dtype.itemsize)
+                * self.kv_dtype.itemsize)  # 1 byte an element in an FP8 pool
 
     def _make_backend(self, pool: torch.Tensor) -> AttentionBackend:
         scale = self.config.head_dim ** -0.5
         if pool.is_cuda:
             from engine.attention.triton_backend import TritonAttentionBackend  # noqa: PLC0415
 
-            return TritonAttentionBackend(pool, self.config.num_heads, scale)
-        return TorchAttentionBackend(pool, self.config.num_heads, scale)
+            return TritonAttentionBackend(pool, self.config.num_heads, scale, self.kv_scales)
+        return TorchAttentionBackend(pool, self.config.num_heads, scale, self.kv_scales)
 
     def _blocks_for_budget(self, cache: CacheConfig, max_tokens: int, max_model_len: int,
                            max_num_seqs: int, graph_bs: int) -> int:
@@ -162,7 +190,7 @@ class ModelRunner:
 
     def _profile_step(self, lens: list[int], last: list[int], sample: bool) -> None:
         per_seq = cdiv(max(lens), self.block_size)
-        pool = torch.empty(self.pool_shape(len(lens) * per_seq), dtype=self.dtype,
+        pool = torch.empty(self.pool_shape(len(lens) * per_seq), dtype=self.kv_dtype,
                            device=self.device)
         batch = ScheduledBatch()
         for i, n in enumerate(lens):

@@ -5,6 +5,7 @@ to run the kernels on CPU tensors (slowly: small shapes only).
 """
 
 from kernels.copy_blocks import copy_blocks, copy_blocks_ref
+from kernels.fp8_quant import quant_fp8, quant_fp8_ref
 from kernels.paged_decode_attention import (
     SplitPolicy,
     decode_num_splits,
@@ -30,6 +31,8 @@ __all__ = [
     "paged_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
+    "quant_fp8",
+    "quant_fp8_ref",
     "rms_norm",
     "rms_norm_ref",
     "rotary_embedding",

@@ -30,8 +30,50 @@ def _fix_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patch
 
 
+def _fix_interpreter_fp8() -> None:
+    """triton 3.6's interpreter converts to and from fp8 with its own bit arithmetic, which
+    drops the carry when rounding up crosses a power of two (1.97 -> 1.0, not 2.0) and does
+    not saturate at e4m3's 448. The GPU's conversion is correct: convert e4m3 with torch's
+    (round to nearest even, saturating) so the interpreter matches it."""
+    import numpy as np  # noqa: PLC0415 - interpreter only
+    import triton.language as tl  # noqa: PLC0415
+    from triton.runtime import interpreter  # noqa: PLC0415
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fp_to_fp
+    if getattr(original, "_tandem_fixed", False):
+        return
+    as_torch = {tl.float32: lambda d: torch.from_numpy(d.astype(np.float32)),
+                tl.float16: lambda d: torch.from_numpy(d.astype(np.float16)),
+                tl.bfloat16: lambda d: torch.from_numpy(d.view(np.int16)).view(torch.bfloat16),
+                tl.float8e4nv: lambda d: torch.from_numpy(d.view(np.uint8)).view(FP8_DTYPE)}
+    to_np = {tl.float32: lambda t: t.numpy(), tl.float16: lambda t: t.numpy(),
+             tl.bfloat16: lambda t: t.view(torch.int16).numpy().view(np.uint16),
+             tl.float8e4nv: lambda t: t.view(torch.uint8).numpy()}
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):  # type: ignore[no-untyped-def]
+        src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+        if tl.float8e4nv not in (src_ty, dst_ty) or src_ty not in as_torch \
+                or dst_ty not in as_torch:
+            return original(self, src, dst_type, rounding_mode)
+        x = as_torch[src_ty](np.ascontiguousarray(src.data))
+        torch_dtype = {tl.float32: torch.float32, tl.float16: torch.float16,
+                       tl.bfloat16: torch.bfloat16, tl.float8e4nv: FP8_DTYPE}[dst_ty]
+        return interpreter.TensorHandle(to_np[dst_ty](x.to(torch_dtype)), dst_ty)
+
+    create_fp_to_fp._tandem_fixed = True  # type: ignore[attr-defined]
+    builder.create_fp_to_fp = create_fp_to_fp
+
+
+# FP8 KV cache (e4m3, torch.float8_e4m3fn / Triton fp8e4nv): a stored element is
+# clamp(x / scale, -FP8_MAX, FP8_MAX) rounded to nearest even, one fp32 scale per (layer, KV
+# head); a kernel reads it back as element * scale. The clamp makes every path saturate alike.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
 if INTERPRET:
     _fix_interpreter_index()
+    _fix_interpreter_fp8()
 
 
 def check(cond: bool, msg: str) -> None:
@@ -58,6 +100,26 @@ def check_interpretable(dtype: torch.dtype) -> None:
     rather than return garbage. float32 and float16 are fine."""
     check(not (INTERPRET and dtype == torch.bfloat16),
           "TRITON_INTERPRET=1 cannot run tl.dot on bfloat16; use float32 on the CPU")
+
+
+def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., H, D] in any float dtype, scale fp32 [H]: the e4m3 values the store kernels
+    write."""
+    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def check_kv_scales(cache: torch.Tensor, num_kv_heads: int,
+                    **scales: torch.Tensor | None) -> None:
+    """Scales come with an FP8 cache and only with one: contiguous fp32 [num_kv_heads] each
+    (one layer's row of the per-(layer, KV head) scales)."""
+    fp8 = cache.dtype == FP8_DTYPE
+    for name, s in scales.items():
+        check((s is not None) == fp8, f"{name}: an FP8 cache needs per-KV-head scales and only "
+                                      f"an FP8 cache takes them (cache {cache.dtype})")
+        if s is not None:
+            check(s.dtype == torch.float32 and s.shape == (num_kv_heads,) and s.is_contiguous(),
+                  f"{name} must be contiguous fp32 [{num_kv_heads}], got {s.dtype} "
+                  f"{tuple(s.shape)}")
 
 
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:

@@ -29,6 +29,11 @@ replay. A sequence with a single active split writes its output directly.
 
     workspace (fp32)  partial [S, Hq, NUM_SPLITS, D] | lse [S, Hq, NUM_SPLITS]
     counters  (int32) [S, Hkv], all 0 between launches
+
+FP8 caches (e4m3, kernels/_common.py) come with one fp32 scale per KV head for K and for V.
+A program serves one KV head, so dequantizing costs no per-element multiply: K tiles are
+converted to q's dtype and k_scale folds into the softmax scale; V tiles likewise, and v_scale
+multiplies the accumulator once at the end (softmax weights sum V linearly).
 """
 
 from __future__ import annotations
@@ -41,8 +46,10 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
+    FP8_DTYPE,
     check,
     check_interpretable,
+    check_kv_scales,
     check_last_dim_contiguous,
     check_same_device,
     device_guard,
@@ -57,7 +64,7 @@ MERGE_TILE = 4096  # fp32 elements of partial output the merging program loads a
 
 @triton.jit
 def _attend(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq, kv_head, start, end, scale_log2,
+    q_ptr, k_ptr, v_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, start, end, scale_log2,
     stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -66,7 +73,9 @@ def _attend(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax of the group's query heads over tokens [start, end) of one sequence.
-    Returns (acc [BLOCK_H, D], running max m [BLOCK_H], running sum l [BLOCK_H]), unnormalised."""
+    Returns (acc [BLOCK_H, D], running max m [BLOCK_H], running sum l [BLOCK_H]), unnormalised.
+    With scales (an FP8 cache) K and V are dequantized: k_scale into the softmax scale, v_scale
+    into acc."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
@@ -83,6 +92,8 @@ def _attend(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    if k_scale_ptr is not None:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
 
     for tile_start in range(start, end, BLOCK_N):
         t = tile_start + offs_n
@@ -91,6 +102,7 @@ def _attend(
         slot = t % BLOCK_SIZE
         k_off = block * stride_kb + slot * stride_kt
         k = tl.load(k_base + k_off[None, :] + offs_d[:, None], mask=t_mask[None, :], other=0.0)
+        k = k.to(q.dtype)  # FP8 -> q's dtype; a no-op otherwise
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
         qk = tl.where(t_mask[None, :], qk, float("-inf"))
 
@@ -101,14 +113,17 @@ def _attend(
 
         v_off = block * stride_vb + slot * stride_vt
         v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if v_scale_ptr is not None:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2,  # softmax scale * log2(e)
     stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -123,7 +138,8 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     acc, _, l_i = _attend(
-        q_ptr, k_ptr, v_ptr, bt_ptr, seq, kv_head, 0, seq_len, scale_log2,
+        q_ptr, k_ptr, v_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, 0, seq_len,
+        scale_log2,
         stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION)
 
@@ -186,6 +202,7 @@ def _merge_splits(
 @triton.jit
 def _paged_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_ptr, lse_ptr, counter_ptr,
+    k_scale_ptr, v_scale_ptr,
     scale_log2,  # softmax scale * log2(e)
     min_split_len,  # tokens: min_split_tiles * BLOCK_N
     stride_qs, stride_qh,
@@ -215,7 +232,8 @@ def _paged_decode_split_kernel(
         start = split * split_len
         end = tl.minimum(start + split_len, seq_len)
         acc, m_i, l_i = _attend(
-            q_ptr, k_ptr, v_ptr, bt_ptr, seq, kv_head, start, end, scale_log2,
+            q_ptr, k_ptr, v_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, start, end,
+            scale_log2,
             stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
             stride_vh, stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -324,6 +342,8 @@ def paged_decode_attention(
     counters: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     policy: SplitPolicy = DEFAULT_SPLIT_POLICY,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context: one kernel launch.
 
@@ -338,7 +358,8 @@ def paged_decode_attention(
     counters, a flat int32 tensor of >= S * Hkv elements that must be all zero and that every
     launch leaves all zero. Both are allocated here if not given; pass them when capturing a
     CUDA graph (and never share them between launches that may run concurrently). config
-    overrides tile sizes; policy the split heuristic.
+    overrides tile sizes; policy the split heuristic. k_scale, v_scale: fp32 [Hkv], with FP8
+    caches only: the caches hold values / scale in e4m3.
     """
     check(q.dim() == 3, f"q must be [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
     num_seqs, num_q_heads, head_dim = q.shape
@@ -353,8 +374,9 @@ def paged_decode_attention(
           f"block_size must be a power of two >= 8, got {block_size}")
     check(num_q_heads % num_kv_heads == 0,
           f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    check(q.dtype == k_cache.dtype == v_cache.dtype,
+    check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, FP8_DTYPE),
           f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    check_kv_scales(k_cache, num_kv_heads, k_scale=k_scale, v_scale=v_scale)
     check(block_tables.dtype == torch.int32 and block_tables.dim() == 2
           and block_tables.shape[0] == num_seqs,
           f"block_tables must be int32 [num_seqs, max_blocks], got {block_tables.dtype} "
@@ -401,8 +423,8 @@ def paged_decode_attention(
     if num_splits == 1:  # no workspace: write the output directly
         with device_guard(q):
             _paged_decode_kernel[(num_seqs, num_kv_heads)](
-                q, k_cache, v_cache, block_tables, seq_lens, out, scale * LOG2E, *common,
-                **tiles)
+                q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale,
+                scale * LOG2E, *common, **tiles)
         return out
 
     need = decode_workspace_numel(num_seqs, num_q_heads, head_dim, num_splits)
@@ -425,7 +447,7 @@ def paged_decode_attention(
     with device_guard(q):
         _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, counters,
-            scale * LOG2E, policy.min_split_tiles * cfg.block_n, *common,
+            k_scale, v_scale, scale * LOG2E, policy.min_split_tiles * cfg.block_n, *common,
             part.stride(0), part.stride(1), part.stride(2),
             lse.stride(0), lse.stride(1),
             num_kv_heads,
@@ -438,8 +460,10 @@ def paged_decode_attention(
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """Plain torch, one sequence at a time, in fp32. Rows with seq_len 0 come out as zeros."""
+                               scale: float, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch, one sequence at a time, in fp32. Rows with seq_len 0 come out as zeros.
+    FP8 caches are dequantized (element * its KV head's scale)."""
     num_q_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -451,6 +475,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ids = block_tables[s, :nblocks].long()
         k = k_cache[ids].reshape(-1, num_kv_heads, q.shape[2])[:seq_len].float()
         v = v_cache[ids].reshape(-1, num_kv_heads, q.shape[2])[:seq_len].float()
+        if k_scale is not None:
+            k, v = k * k_scale[:, None], v * v_scale[:, None]
         k = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[s].float(), k) * scale

@@ -12,6 +12,10 @@ One program owns BLOCK_Q query tokens x the GROUP query heads of one KV head, fl
 BLOCK_M = BLOCK_Q * GROUP rows (row r: token r // GROUP, head r % GROUP), so each K/V tile is
 loaded once for the whole group. It walks keys BLOCK_N at a time up to its last query's
 position (causal early exit) with an fp32 online softmax, as in FlashAttention-2.
+
+FP8 caches (e4m3) carry one fp32 scale per KV head for K and for V; a program serves one KV
+head, so K's scale folds into the softmax scale and V's multiplies the accumulator once
+(see paged_decode_attention.py).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
+    FP8_DTYPE,
     check,
     check_interpretable,
+    check_kv_scales,
     check_last_dim_contiguous,
     check_same_device,
     device_guard,
@@ -36,7 +42,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2,  # softmax scale * log2(e)
     num_q_tiles,
     stride_qt, stride_qh,
@@ -78,6 +84,8 @@ def _paged_prefill_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+    if k_scale_ptr is not None:  # FP8 cache: K's scale folds into the softmax scale
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
     # Keys past the tile's last query are masked for every row: stop there.
     kv_end = ctx_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
 
@@ -88,7 +96,7 @@ def _paged_prefill_kernel(
         block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         slot = n % BLOCK_SIZE
         k = tl.load(k_base + (block * stride_kb + slot * stride_kt)[None, :] + offs_d[:, None],
-                    mask=n_mask[None, :], other=0.0)
+                    mask=n_mask[None, :], other=0.0).to(q.dtype)  # FP8 -> q's dtype
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         visible = (n[None, :] <= pos[:, None]) & n_mask[None, :]
         qk = tl.where(visible, qk, float("-inf"))
@@ -98,10 +106,12 @@ def _paged_prefill_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + (block * stride_vb + slot * stride_vt)[:, None] + offs_d[None, :],
-                    mask=n_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                    mask=n_mask[:, None], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if v_scale_ptr is not None:  # FP8 cache: softmax weights sum V linearly
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -136,6 +146,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     *,
     config: PrefillConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of B packed query chunks over their paged contexts.
 
@@ -143,6 +155,7 @@ def paged_prefill_attention(
     last dim contiguous) already holding the chunks' K/V; query_start_loc: int32 [B + 1];
     seq_lens: int32 [B], context length after the chunk; block_tables: int32 [B, max_blocks];
     max_query_len: host-side max of the chunk lengths (sizes the grid). Returns out [T, Hq, D].
+    k_scale, v_scale: fp32 [Hkv], with FP8 caches only (they hold values / scale in e4m3).
     """
     check(q.dim() == 3, f"q must be [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
     num_tokens, num_q_heads, head_dim = q.shape
@@ -157,8 +170,9 @@ def paged_prefill_attention(
           f"block_size must be a power of two >= 8, got {block_size}")
     check(num_q_heads % num_kv_heads == 0,
           f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    check(q.dtype == k_cache.dtype == v_cache.dtype,
+    check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, FP8_DTYPE),
           f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    check_kv_scales(k_cache, num_kv_heads, k_scale=k_scale, v_scale=v_scale)
     num_seqs = seq_lens.shape[0]
     check(seq_lens.dtype == torch.int32 and seq_lens.dim() == 1 and seq_lens.is_contiguous(),
           f"seq_lens must be contiguous int32 [B], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
@@ -191,7 +205,7 @@ def paged_prefill_attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     with device_guard(q):
         _paged_prefill_kernel[(num_q_tiles, num_seqs, num_kv_heads)](
-            q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+            q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, k_scale, v_scale,
             scale * LOG2E, num_q_tiles,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -208,8 +222,10 @@ def paged_prefill_attention(
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                                 block_tables: torch.Tensor, scale: float,
-                                query_chunk: int = 256) -> torch.Tensor:
-    """Plain torch, one sequence (and query_chunk queries) at a time, scores in fp32."""
+                                query_chunk: int = 256, k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch, one sequence (and query_chunk queries) at a time, scores in fp32; FP8
+    caches dequantized (element * its KV head's scale)."""
     out = torch.zeros_like(q)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
@@ -224,6 +240,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         ids = block_tables[b, :nblocks].long()
         k = k_cache[ids].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
         v = v_cache[ids].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        if k_scale is not None:
+            k, v = k * k_scale[:, None], v * v_scale[:, None]
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         keys = torch.arange(seq_len, device=q.device)

@@ -10,8 +10,9 @@ One program per token t, over the strided head views of the qkv projection:
 
 The rotation is kernels/rotary_embedding.py's (cos_sin_cache row p = [cos | sin], x1' =
 x1 cos - x2 sin, x2' = x2 cos + x1 sin in fp32, rounded once to k's dtype); the cache gets that
-rounded k, so the result equals rotary_embedding followed by store_kv. Slot -1 (CUDA-graph
-padding) still rotates q and k but stores nothing.
+rounded k (quantized as store_kv quantizes it for an FP8 cache), so the result equals
+rotary_embedding followed by store_kv. Slot -1 (CUDA-graph padding) still rotates q and k but
+stores nothing.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from kernels.rotary_embedding import (
     rotary_embedding_ref,
     rotate_heads,
 )
-from kernels.store_kv import check_store_kv_args, store_kv_ref
+from kernels.store_kv import check_store_kv_args, store_kv_ref, to_cache
 
 
 @triton.jit
 def _rotary_store_kv_kernel(
     pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, cache_ptr,
+    k_scale_ptr, v_scale_ptr,
     num_q_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kct, stride_kch,
@@ -70,14 +72,16 @@ def _rotary_store_kv_kernel(
     o2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty)
     tl.store(k_row + offs_r[None, :], o1, mask=mask)
     tl.store(k_row + HALF + offs_r[None, :], o2, mask=mask)
-    tl.store(kc_row + offs_r[None, :], o1.to(k_cache_ptr.dtype.element_ty), mask=mask & keep)
-    tl.store(kc_row + HALF + offs_r[None, :], o2.to(k_cache_ptr.dtype.element_ty),
+    tl.store(kc_row + offs_r[None, :], to_cache(o1, k_scale_ptr, offs_h, h_mask, k_cache_ptr),
              mask=mask & keep)
+    tl.store(kc_row + HALF + offs_r[None, :],
+             to_cache(o2, k_scale_ptr, offs_h, h_mask, k_cache_ptr), mask=mask & keep)
     if 2 * HALF < HEAD_DIM:  # partial rotary: the rest of k goes to the cache as it is
         offs_t = 2 * HALF + tl.arange(0, BLOCK_TAIL)
         t_mask = h_mask[:, None] & (offs_t < HEAD_DIM)[None, :] & keep
         tail = tl.load(k_row + offs_t[None, :], mask=t_mask)
-        tl.store(kc_row + offs_t[None, :], tail.to(k_cache_ptr.dtype.element_ty), mask=t_mask)
+        tl.store(kc_row + offs_t[None, :], to_cache(tail, k_scale_ptr, offs_h, h_mask,
+                                                    k_cache_ptr), mask=t_mask)
 
     # v: copy to its slot.
     offs_d = tl.arange(0, BLOCK_D)
@@ -86,21 +90,23 @@ def _rotary_store_kv_kernel(
                 mask=v_mask)
     vc = (v_cache_ptr + block * stride_vcb + offset * stride_vct + offs_h[:, None] * stride_vch
           + offs_d[None, :])
-    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(vc, to_cache(v, v_scale_ptr, offs_h, h_mask, v_cache_ptr), mask=v_mask)
 
 
 def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+                    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
     """Rotate q and k in place, then write k and v into their cache slots.
 
     positions: int32/int64 [T] (contiguous); q: [T, Hq, D], k, v: [T, Hkv, D] (strided views of
     a qkv projection fine: last dim contiguous); cos_sin_cache: fp32 [max_pos, R], R even
     <= D; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (strided pool views fine);
-    slot_mapping: contiguous int64 [T], -1 = store nothing for that token.
+    slot_mapping: contiguous int64 [T], -1 = store nothing for that token; k_scale, v_scale:
+    fp32 [Hkv], for FP8 caches only (see store_kv).
     """
     check_rotary_args(positions, q, k, cos_sin_cache)
-    check_store_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    check_store_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     check(positions.is_contiguous(), "positions must be contiguous")
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("cos_sin_cache", cos_sin_cache)
@@ -116,7 +122,7 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     with device_guard(q):
         _rotary_store_kv_kernel[(num_tokens,)](
             positions, slot_mapping, q, k, v, k_cache, v_cache, cos_sin_cache,
-            num_q_heads, k.shape[1],
+            k_scale, v_scale, num_q_heads, k.shape[1],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -132,7 +138,9 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 def rotary_store_kv_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, cos_sin_cache: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> None:
     """The two kernels' references in sequence: rotary_embedding, then store_kv."""
     rotary_embedding_ref(positions, q, k, cos_sin_cache)
-    store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -3,6 +3,9 @@
 slot = block_id * block_size + offset; token t's [Hkv, D] rows go to
 k_cache[slot // block_size, slot % block_size] (and likewise V). Slot -1 marks a padding token
 (CUDA-graph padding) and is skipped.
+
+FP8 caches (float8_e4m3fn) take per-KV-head fp32 scales and store clamp(x / scale) in e4m3
+(kernels/_common.py); other caches store x in their own dtype and take no scales.
 """
 
 from __future__ import annotations
@@ -11,12 +14,34 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check, check_last_dim_contiguous, check_same_device, device_guard
+from kernels._common import (
+    FP8_MAX,
+    check,
+    check_kv_scales,
+    check_last_dim_contiguous,
+    check_same_device,
+    device_guard,
+    quantize_fp8_ref,
+)
+
+_FP8_MAX = tl.constexpr(FP8_MAX)  # a jitted function reads globals only as constexprs
+
+
+@triton.jit
+def to_cache(x, scale_ptr, offs_h, h_mask, cache_ptr):
+    """x [BLOCK_H, ...] (rows = KV heads offs_h) as the cache stores it: with scales (an FP8
+    cache), clamp(x / scale[h]) in fp32, correctly rounded, then e4m3; else x in the cache's
+    dtype. scale_ptr None is a compile-time branch."""
+    if scale_ptr is not None:
+        s = tl.load(scale_ptr + offs_h, mask=h_mask, other=1.0)
+        x = tl.div_rn(x.to(tl.float32), s[:, None])
+        x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     num_kv_heads, head_dim,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kct, stride_kch,
@@ -42,12 +67,15 @@ def _store_kv_kernel(
           + offs_d[None, :])
     vc = (v_cache_ptr + block * stride_vcb + offset * stride_vct + offs_h[:, None] * stride_vch
           + offs_d[None, :])
-    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    h_mask = offs_h < num_kv_heads
+    tl.store(kc, to_cache(k, k_scale_ptr, offs_h, h_mask, k_cache_ptr), mask=mask)
+    tl.store(vc, to_cache(v, v_scale_ptr, offs_h, h_mask, v_cache_ptr), mask=mask)
 
 
 def check_store_kv_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> None:
     """store_kv's argument contract (also rotary_store_kv's)."""
     check(k.dim() == 3 and k.shape == v.shape,
           f"k, v must both be [T, num_kv_heads, head_dim], got {tuple(k.shape)}, {tuple(v.shape)}")
@@ -64,14 +92,16 @@ def check_store_kv_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
           f"{tuple(slot_mapping.shape)}")
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
+    check_kv_scales(k_cache, num_kv_heads, k_scale=k_scale, v_scale=v_scale)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """k, v: [T, Hkv, D] (views of a qkv projection fine: last dim contiguous);
     k_cache, v_cache: [num_blocks, block_size, Hkv, D] (strided pool views fine);
-    slot_mapping: int64 [T], -1 = skip."""
-    check_store_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    slot_mapping: int64 [T], -1 = skip; k_scale, v_scale: fp32 [Hkv], for FP8 caches only."""
+    check_store_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = k.shape
     check_same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     if num_tokens == 0:
@@ -80,7 +110,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block_d = triton.next_power_of_2(head_dim)
     with device_guard(k):
         _store_kv_kernel[(num_tokens,)](
-            k, v, k_cache, v_cache, slot_mapping,
+            k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
             num_kv_heads, head_dim,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -91,10 +121,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        x = x[keep]
+        cache[blocks, offsets] = (quantize_fp8_ref(x, scale) if scale is not None
+                                  else x.to(cache.dtype))

@@ -14,19 +14,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.config import DTYPES
 from engine.errors import InvalidArgument, LayoutMismatch
 
 TRANSPORTS = ("shm", "cuda_ipc")
 
-# Bytes per element of each dtype Tandem stores KV in (engine.config.DTYPES).
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per element of each dtype Tandem stores KV in: the model dtypes (engine.config.DTYPES)
+# and e4m3 (--kv-cache-dtype fp8; its scales are static, the same on every worker, so FP8
+# pages move unchanged like any other).
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
 # The fields two pools must share to exchange blocks, in the order they are checked.
 # num_blocks may differ: each side addresses only its own block ids.
 LAYOUT_FIELDS = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+# What to change when a field differs: the flags that set it, the same on both workers.
+LAYOUT_HINTS = {
+    "dtype": "start the prefill and decode workers with the same --kv-cache-dtype (and, with "
+             "--kv-cache-dtype auto, the same --dtype)",
+    "block_size": "start both workers with the same --block-size",
+}
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,9 @@ class PoolDescriptor:
     owner_pid: int
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise InvalidArgument("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_SIZES:
+            raise InvalidArgument("dtype", f"must be one of {', '.join(DTYPE_SIZES)}, "
+                                           f"got {self.dtype!r}")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -141,4 +149,5 @@ def check_compatible(local: PoolLayout, remote: PoolLayout) -> None:
     for name in LAYOUT_FIELDS:
         mine, theirs = getattr(local, name), getattr(remote, name)
         if mine != theirs:
-            raise LayoutMismatch(name, mine, theirs)
+            raise LayoutMismatch(name, mine, theirs,
+                                 LAYOUT_HINTS.get(name, "serve the same --model on both workers"))

@@ -33,7 +33,8 @@ import torch
 from engine.errors import InvalidArgument
 from kvtransfer.descriptor import PoolDescriptor
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+               torch.float8_e4m3fn: "float8_e4m3fn"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 SHM_PREFIX = "tandem-kv-"
@@ -123,8 +124,8 @@ def allocate_pool(*, num_blocks: int, num_layers: int, block_size: int, num_kv_h
         raise InvalidArgument("transport", f"must be shm or cuda_ipc, got {transport!r}")
     descriptor = PoolDescriptor(dtype=DTYPE_NAMES[dtype], transport=transport, handle=handle,
                                 device_index=device_index, owner_pid=os.getpid(), **dims)
+    tensor.zero_()  # as bytes, whatever the KV dtype
     tensor = tensor.view(dtype).view(descriptor.shape)
-    tensor.zero_()
     if tensor.is_cuda:
         # A peer may read the pool as soon as it holds the descriptor: let the zeros land first.
         torch.cuda.synchronize(tensor.device)

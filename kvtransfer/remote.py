@@ -108,7 +108,9 @@ def pull_blocks(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence
     else:
         src_ids = torch.tensor(src_block_ids, dtype=torch.int64)
         dst_ids = torch.tensor(dst_block_ids, dtype=torch.int64)
-        local.index_copy_(0, dst_ids, src_pool.index_select(0, src_ids))
+        # As bytes: pages move unchanged, and the CPU has no index_copy_ for float8.
+        local.view(torch.uint8).index_copy_(0, dst_ids,
+                                            src_pool.view(torch.uint8).index_select(0, src_ids))
     seconds = time.perf_counter() - start
     return TransferStats(num_blocks=n, bytes=n * local[0].numel() * local.element_size(),
                          seconds=seconds)

@@ -17,7 +17,8 @@ FLAG_NAMES = {
     "block_size": "--block-size", "max_num_batched_tokens": "--max-num-batched-tokens",
     "dtype": "--dtype", "device": "--device", "model": "--model", "prompt": "--prompt",
     "prompt_token_ids": "--prompt-token-ids", "max_num_seqs": "--max-num-seqs",
-    "max_model_len": "--max-model-len",
+    "max_model_len": "--max-model-len", "kv_cache_dtype": "--kv-cache-dtype",
+    "quantization": "--quantization",
 }
 
 
@@ -59,6 +60,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache dtype: auto = the model's; fp8 = e4m3 (twice the tokens per "
+                        "byte, half the bytes per handoff); prefill and decode workers must match")
+    g.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize the weights to e4m3 at load (per channel); FP8 "
+                        "checkpoints are recognised without it. CUDA needs compute "
+                        "capability >= 8.9")
     g.add_argument("--enable-prefix-caching", action="store_true", default=True,
                    help="reuse KV blocks of shared prompt prefixes (the default)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
@@ -74,7 +82,8 @@ def engine_config(args: argparse.Namespace, role: str = "both"):
         role=role, block_size=args.block_size, num_blocks=args.num_blocks,
         memory_fraction=args.memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, cuda_graphs=not args.no_cuda_graphs)
+        max_model_len=args.max_model_len, cuda_graphs=not args.no_cuda_graphs,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
 
 
 def _generate_parser(sub) -> None:

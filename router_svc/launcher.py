@@ -252,7 +252,8 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--router-arg", action="append", default=[],
                    help="extra flag for the router (repeatable)")
     for flag in ("--dtype", "--load-format", "--max-model-len", "--num-blocks", "--block-size",
-                 "--max-num-seqs", "--max-num-batched-tokens", "--memory-fraction"):
+                 "--max-num-seqs", "--max-num-batched-tokens", "--memory-fraction",
+                 "--kv-cache-dtype", "--quantization"):
         p.add_argument(flag, default=None, help="passed to every worker")
     p.set_defaults(func=run)
 
@@ -292,7 +293,8 @@ def stack_from_args(a: argparse.Namespace) -> tuple[LocalStack, str]:
                               "prefill workers need decode workers and vice versa")
     worker_args = ["--host", "127.0.0.1"]
     for flag in ("dtype", "load_format", "max_model_len", "num_blocks", "block_size",
-                 "max_num_seqs", "max_num_batched_tokens", "memory_fraction"):
+                 "max_num_seqs", "max_num_batched_tokens", "memory_fraction", "kv_cache_dtype",
+                 "quantization"):
         value = getattr(a, flag)
         if value is not None:
             worker_args += [f"--{flag.replace('_', '-')}", str(value)]

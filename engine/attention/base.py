@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from engine.quantization.kv_cache import FP8_DTYPE, KVScales
+
 
 @dataclass
 class AttentionMetadata:
@@ -55,15 +57,28 @@ class AttentionBackend(ABC):
 
     Layer l's K cache is pool[:, l, 0]: shape [num_blocks, block_size, num_kv_heads, head_dim]
     with a block stride of num_layers * 2 * block_size * num_kv_heads * head_dim elements.
+
+    An FP8 pool comes with kv_scales (engine/quantization/kv_cache.py): layer l's K and V
+    scales per KV head are kv_scale(l); other pools have none (kv_scale(l) is (None, None)).
     """
 
-    def __init__(self, pool: torch.Tensor, num_heads: int, scale: float) -> None:
+    def __init__(self, pool: torch.Tensor, num_heads: int, scale: float,
+                 kv_scales: KVScales | None = None) -> None:
         assert pool.dim() == 6 and pool.shape[2] == 2, "pool must be block-major [N, L, 2, bs, H, D]"
+        if (pool.dtype == FP8_DTYPE) != (kv_scales is not None):
+            raise ValueError(f"a {pool.dtype} pool takes kv_scales exactly when it is FP8")
         self.pool = pool
         self.num_heads = num_heads
         self.scale = scale
+        self.kv_scales = kv_scales
         self.k_caches = [pool[:, layer, 0] for layer in range(pool.shape[1])]
         self.v_caches = [pool[:, layer, 1] for layer in range(pool.shape[1])]
+
+    def kv_scale(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer's (k_scale, v_scale), fp32 [num_kv_heads] each, or (None, None)."""
+        if self.kv_scales is None:
+            return None, None
+        return self.kv_scales.k[layer], self.kv_scales.v[layer]
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, Rope
+from engine.quantization.kv_cache import KVScales
 from kernels import (
     decode_num_splits,
     decode_workspace_numel,
@@ -30,8 +31,9 @@ from kernels.paged_decode_attention import DEFAULT_SPLIT_POLICY, decode_config
 
 
 class TritonAttentionBackend(AttentionBackend):
-    def __init__(self, pool: torch.Tensor, num_heads: int, scale: float) -> None:
-        super().__init__(pool, num_heads, scale)
+    def __init__(self, pool: torch.Tensor, num_heads: int, scale: float,
+                 kv_scales: KVScales | None = None) -> None:
+        super().__init__(pool, num_heads, scale, kv_scales)
         _, _, _, self.block_size, self.num_kv_heads, self.head_dim = pool.shape
         self.num_sms = num_sms(pool.device)
         self.decode_block_n = decode_config(self.head_dim).block_n
@@ -70,11 +72,12 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, rope: Rope | None = None) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
+        k_scale, v_scale = self.kv_scale(layer)  # FP8 pool: quantize on store, dequantize on load
         if rope is None:
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         else:
             rotary_store_kv(rope.positions, q, k, v, rope.cos_sin_cache, k_cache, v_cache,
-                            meta.slot_mapping)
+                            meta.slot_mapping, k_scale, v_scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd, ns = meta.num_decodes, meta.num_seqs
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -85,10 +88,12 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode_attention(
                 q[:nd], k_cache, v_cache, block_tables, seq_lens, self.scale, out=out[:nd],
                 num_splits=self._num_splits(nd, meta.max_seq_len, block_tables, capturing),
-                workspace=self.workspace, counters=self.split_counters)
+                workspace=self.workspace, counters=self.split_counters, k_scale=k_scale,
+                v_scale=v_scale)
         if nd < ns:
             # Decodes own exactly one token each, so the prefill part starts at token nd.
             paged_prefill_attention(
                 q[nd:], k_cache, v_cache, meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:],
-                meta.block_tables[nd:], self.scale, max(meta.query_lens_cpu[nd:]), out=out[nd:])
+                meta.block_tables[nd:], self.scale, max(meta.query_lens_cpu[nd:]), out=out[nd:],
+                k_scale=k_scale, v_scale=v_scale)
         return out

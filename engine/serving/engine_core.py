@@ -86,7 +86,9 @@ class EngineCore:
     def info(self) -> CoreInfo:
         engine = self.engine
         runner, cfg = engine.runner, engine.model_config
-        layout = {"dtype": self.spec.config.dtype, "block_size": runner.block_size,
+        # The pool's own dtype ("float8_e4m3fn" with --kv-cache-dtype fp8), as torch names it.
+        layout = {"dtype": str(runner.kv_dtype).removeprefix("torch."),
+                  "block_size": runner.block_size,
                   "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
                   "head_dim": cfg.head_dim, "num_blocks": runner.num_blocks}
         limits = RequestLimits(cfg.vocab_size, engine.max_model_len, self.spec.config.max_n)

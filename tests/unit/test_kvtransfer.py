@@ -191,6 +191,37 @@ def test_pull_blocks_in_process_by_scattered_ids(dtype: torch.dtype) -> None:
         remote.close()
 
 
+def test_fp8_pool_moves_its_pages_unchanged_at_one_byte_an_element() -> None:
+    """--kv-cache-dtype fp8: a block is half a bf16 block's bytes and pulls copy its bytes as
+    they are (any bit pattern, NaN encodings included)."""
+    assert _desc(dtype="float8_e4m3fn").block_bytes * 2 == _desc().block_bytes == 2 << 20
+    fp8 = torch.float8_e4m3fn
+    with allocate_pool(num_blocks=6, dtype=fp8, device="cpu", transport="shm", **SHAPE) as owner:
+        owner.tensor.view(torch.uint8).copy_(torch.randint(0, 256, owner.tensor.shape,
+                                                           dtype=torch.uint8))
+        remote = open_remote_pool(owner.descriptor, "cpu")
+        assert remote.descriptor.dtype == "float8_e4m3fn" and remote.tensor.dtype == fp8
+        local = torch.zeros((4, *owner.tensor.shape[1:]), dtype=fp8)
+        stats = pull_blocks(remote, local, [5, 1], [0, 3])
+        for s, d in ((5, 0), (1, 3)):
+            assert torch.equal(local[d].view(torch.uint8), owner.tensor[s].view(torch.uint8))
+        assert not local[1].view(torch.uint8).any()
+        assert stats.bytes == 2 * owner.descriptor.block_bytes == 2 * local[0].numel()
+        with pytest.raises(InvalidArgument, match="cannot take blocks"):
+            pull_blocks(remote, torch.zeros(local.shape, dtype=torch.bfloat16), [0], [0])
+        remote.close()
+
+
+def test_a_kv_cache_dtype_mismatch_names_the_flag() -> None:
+    with pytest.raises(LayoutMismatch) as err:
+        check_compatible(_desc(dtype="float8_e4m3fn"), _desc(dtype="bfloat16"))
+    assert err.value.field == "dtype" and "--kv-cache-dtype" in str(err.value)
+    again = pickle.loads(pickle.dumps(err.value))  # it travels from the engine core
+    assert str(again) == str(err.value) and again.hint == err.value.hint
+    with pytest.raises(LayoutMismatch, match="--block-size"):
+        check_compatible(_desc(block_size=16), _desc(block_size=32))
+
+
 def test_pull_blocks_refuses_bad_ids_and_layouts_before_copying() -> None:
     with allocate_pool(num_blocks=4, dtype=torch.float32, device="cpu", transport="shm",
                        **SHAPE) as owner:

@@ -1,0 +1,230 @@
+"""FP8 (e4m3) linear layers and the transform that swaps them in, from outside the models.
+
+    Fp8Linear:  y = (q(x) * s_x) @ (W_q * s_w[:, None])^T + b
+
+W_q [out, in] in e4m3 with one fp32 scale per output channel s_w (a per-tensor scale, and each
+shard's scale of a merged q/k/v or gate/up layer, becomes a constant run of channels); x is
+quantized per token (s_x = amax(|x_row|) / 448) or with a checkpoint's static input_scale.
+On CUDA with compute capability >= 8.9 this is one torch._scaled_mm with row-wise scales
+(scale_a [M, 1], scale_b [1, N], bf16 out). Elsewhere a reference path computes the same math
+in fp32 (dequantizing the weight on the fly): slow, for testing the loader and the scale math
+on the CPU.
+
+The transform (`prepare`, then load, then `finish`) touches the decoder layers' projections
+(qkv_proj, o_proj, gate_up_proj, down_proj); embeddings and lm_head stay in the model dtype.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from engine.errors import InvalidArgument, ModelLoadError
+from engine.models.layers import CausalLM, MergedLinear
+from engine.quantization.checkpoint import Fp8Scheme
+from engine.quantization.kv_cache import FP8_DTYPE, FP8_MAX
+
+MIN_CAPABILITY = (8, 9)  # Ada, Hopper and later have FP8 tensor cores
+_MIN_AMAX = 1e-6  # kernels/fp8_quant.py MIN_AMAX
+
+
+class Fp8Linear(nn.Module):
+    """An FP8 linear layer; `shard_sizes` (as MergedLinear's) when it stands for several
+    projections stacked on the output dim, so that each loads from its own checkpoint tensor."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool,
+                 shard_sizes: dict[str, int] | None = None, static_input: bool = False,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.shard_sizes = shard_sizes
+        self.offsets: dict[str | None, int] = {None: 0}
+        self.shard_index: dict[str | None, int] = {None: 0}
+        off = 0
+        for i, (name, size) in enumerate((shard_sizes or {}).items()):
+            self.offsets[name], self.shard_index[name] = off, i
+            off += size
+        empty = dict(device=device, requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE,
+                                               device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32,
+                                                    device=device), requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
+                                  requires_grad=False) if bias else None)
+        # Static activations: one scale per shard as loaded; the layer uses their max.
+        self.input_scale = (nn.Parameter(torch.zeros(max(1, len(shard_sizes or {})), **empty))
+                            if static_input else None)
+        for p in (self.weight, self.weight_scale, self.bias, self.input_scale):
+            if p is not None:
+                p.weight_loader = self._load
+        self._input_scale: torch.Tensor | None = None  # fp32 [1], set by finalize()
+
+    # -- loading -----------------------------------------------------------------------------
+    def _rows(self, shard: str | None) -> slice:
+        size = self.shard_sizes[shard] if shard is not None else self.out_features
+        return slice(self.offsets[shard], self.offsets[shard] + size)
+
+    def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None,
+              name: str = "") -> None:
+        rows = self._rows(shard)
+        if param is self.input_scale:
+            if tensor.numel() != 1:
+                raise ModelLoadError(f"tensor {name}: one static input scale expected, got "
+                                     f"{tensor.numel()}")
+            param.data[self.shard_index[shard]] = tensor.float().reshape(())
+        elif param is self.weight_scale:
+            # One element (per tensor) or one per output channel ([out] or [out, 1]).
+            n = rows.stop - rows.start
+            if tensor.numel() not in (1, n):
+                raise ModelLoadError(f"tensor {name}: {tensor.numel()} scales for {n} channels")
+            param.data[rows] = tensor.float().reshape(-1).to(param.device)
+        else:
+            dst = param.data[rows]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ModelLoadError(f"tensor {name}: shape {tuple(tensor.shape)} does not "
+                                     f"match the config's {tuple(dst.shape)}")
+            if param is self.weight and tensor.dtype != FP8_DTYPE:
+                raise ModelLoadError(f"tensor {name}: an FP8 checkpoint's weight must be "
+                                     f"float8_e4m3fn, got {tensor.dtype}")
+            dst.copy_(tensor)
+
+    def finalize(self) -> None:
+        """After loading: the static input scale the layer uses (the max over its shards)."""
+        if self.input_scale is not None:
+            self._input_scale = self.input_scale.data.max().reshape(1).contiguous()
+
+    @classmethod
+    def from_float(cls, layer: nn.Linear | MergedLinear) -> Fp8Linear:
+        """Quantize a loaded float layer per output channel: s_w = amax(|W_row|) / 448."""
+        w = layer.weight.data
+        out = cls(w.shape[1], w.shape[0], bias=layer.bias is not None,
+                  shard_sizes=getattr(layer, "shard_sizes", None), dtype=w.dtype,
+                  device=w.device)
+        out.weight.data, out.weight_scale.data = quantize_weight(w)
+        if layer.bias is not None:
+            out.bias.data.copy_(layer.bias.data)
+        return out
+
+    # -- forward -----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = fp8_linear(x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.bias,
+                       self._input_scale)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        static = "static" if self.input_scale is not None else "per-token"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, activations={static}")
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (e4m3 [out, in], fp32 scales [out]), one scale per output channel."""
+    scale = w.float().abs().amax(dim=1).clamp(min=_MIN_AMAX) / FP8_MAX
+    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.contiguous(), scale
+
+
+def quantize_activation(x: torch.Tensor, input_scale: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 [M, 1]): kernels/fp8_quant.py on CUDA, its torch
+    reference elsewhere."""
+    if x.is_cuda:
+        from kernels import quant_fp8  # noqa: PLC0415 - Triton is only needed on CUDA
+
+        return quant_fp8(x, input_scale)
+    xf = x.float()
+    if input_scale is None:
+        s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX
+    else:
+        s = input_scale.reshape(1, 1).expand(x.shape[0], 1)
+    return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None, input_scale: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] in the model dtype -> [M, N]: torch._scaled_mm on CUDA, fp32 math elsewhere."""
+    x_q, x_s = quantize_activation(x, input_scale)
+    if x.is_cuda:
+        y = torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=w_scale.view(1, -1),
+                             out_dtype=x.dtype)
+    else:
+        y = ((x_q.float() * x_s) @ (w.float() * w_scale[:, None]).t()).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+# -- the transform -------------------------------------------------------------------------------
+def check_device(device: torch.device, dtype: torch.dtype) -> None:
+    """FP8 matmuls need FP8 tensor cores and, for row-wise scales, bf16 output."""
+    if device.type != "cuda":
+        return  # the reference path
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        raise InvalidArgument(
+            "quantization", f"FP8 weights need a GPU of compute capability "
+            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later (Ada, Hopper); {device} is "
+            f"{cap[0]}.{cap[1]}: drop --quantization fp8 or serve an unquantized checkpoint")
+    if dtype != torch.bfloat16:
+        raise InvalidArgument("dtype", f"FP8 weights on CUDA compute in bfloat16 (row-wise "
+                                       f"scaled matmuls), got {dtype}: use --dtype bfloat16")
+
+
+def projections(model: CausalLM, scheme: Fp8Scheme) -> list[tuple[str, nn.Module]]:
+    """The decoder layers' linear layers the scheme quantizes, by module name."""
+    out = []
+    for name, mod in model.model.layers.named_modules(prefix="model.layers"):
+        if isinstance(mod, nn.Linear | MergedLinear | Fp8Linear) and \
+                not _ignored(model, name, mod, scheme.ignore):
+            out.append((name, mod))
+    return out
+
+
+def prepare(model: CausalLM, scheme: Fp8Scheme) -> None:
+    """Before loading an FP8 checkpoint: empty Fp8Linear layers in place of the projections,
+    so that the loader fills their e4m3 weights and scales."""
+    if not scheme.from_checkpoint:
+        return
+    for name, mod in projections(model, scheme):
+        w = mod.weight
+        _swap(model, name, Fp8Linear(
+            w.shape[1], w.shape[0], bias=mod.bias is not None,
+            shard_sizes=getattr(mod, "shard_sizes", None), static_input=scheme.static_input,
+            dtype=w.dtype, device=w.device))
+
+
+def finish(model: CausalLM, scheme: Fp8Scheme) -> None:
+    """After loading: quantize the float projections (one layer at a time, so the peak is one
+    layer's float weight beside the rest), or finalize the checkpoint's FP8 layers."""
+    for name, mod in projections(model, scheme):
+        if isinstance(mod, Fp8Linear):
+            mod.finalize()
+        else:
+            _swap(model, name, Fp8Linear.from_float(mod))
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, new)
+
+
+def _ignored(model: CausalLM, name: str, mod: nn.Module, ignore: tuple[str, ...]) -> bool:
+    """Whether the checkpoint leaves this layer unquantized. A merged layer stands for several
+    Hugging Face modules (q/k/v_proj, gate/up_proj): all or none of them may be ignored."""
+    if not ignore:
+        return False
+    head, _, attr = name.rpartition(".")
+    names = ([f"{head}.{frag}" for frag, (ours, _) in model.packed_modules.items()
+              if ours == attr] if getattr(mod, "shard_sizes", None) else [name])
+    hits = [any(_matches(n, pattern) for pattern in ignore) for n in names]
+    if any(hits) and not all(hits):
+        raise ModelLoadError(f"model: the checkpoint quantizes only some of {', '.join(names)}, "
+                             f"which run as one merged layer ({name})")
+    return all(hits)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
