@@ -19,6 +19,7 @@ from collections.abc import Callable
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, cdiv
 from engine.errors import InvalidArgument
+from engine.grammar import GrammarCompiler
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner, PoolFactory
 from engine.model_source import resolve_model
@@ -69,6 +70,9 @@ class LLMEngine:
             type(sched)(sched.max_num_batched_tokens, sched.max_num_seqs, max_len), self.kv)
         self.max_model_len = max_len
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        # Structured outputs; loads the tokenizer and xgrammar only when a grammar arrives.
+        self.grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size,
+                                        list(self.eos_token_ids))
         self.leases = LeaseTable()
         self.lease_ttl_s = 30.0
         self.kv_puller = kv_puller
@@ -98,11 +102,23 @@ class LLMEngine:
                 f"{self.max_model_len - 1}")
         if params.n > self.config.max_n:
             raise InvalidArgument("n", f"must be <= {self.config.max_n}, got {params.n}")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument("logit_bias", f"token id {bad} is outside [0, {vocab})")
+        if params.response_format is not None:
+            self.grammars.compile(params.response_format)  # cached; refuses a bad schema
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams) -> Sequence:
+        seq = Sequence(request_id, prompt_token_ids, params)
+        if params.response_format is not None:
+            seq.grammar = self.grammars.state(params.response_format)
+        return seq
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         self.validate(request_id, prompt_token_ids, params)
-        seq = Sequence(request_id, prompt_token_ids, params)
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
         self.num_requests_added += 1
@@ -117,7 +133,8 @@ class LLMEngine:
         if len(remote.block_ids) != cdiv(len(prompt_token_ids), self.block_pool.block_size):
             raise InvalidArgument("kv.block_ids", f"{len(remote.block_ids)} blocks do not hold "
                                   f"{len(prompt_token_ids)} tokens")
-        seq = Sequence(request_id, prompt_token_ids, params)
+        # The matcher starts fresh: the first tokens it advances over come with `remote`.
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
         seq.remote = remote
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
@@ -193,7 +210,7 @@ class LLMEngine:
                 rows.append(SampleRow(
                     seq.params, seq.sample_index + k, seq.num_output_tokens,
                     seq.token_ids[:seq.num_prompt_tokens] if penalties else None,
-                    seq.output_token_ids if penalties else None))
+                    seq.output_token_ids if penalties else None, seq.grammar))
                 row_index.append(offset - 1)
         now = time.monotonic()
         for seq in batch.seqs:
@@ -239,6 +256,13 @@ class LLMEngine:
         return children
 
     def _append(self, seq: Sequence, token: int, lp) -> SeqOutput:
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # Only a token sampled from a row with nothing allowed (or a first token from a
+            # prefill worker that broke the grammar) gets here: end the sample without it.
+            log.warning("%s#%d: token %d breaks its grammar; ending the sample",
+                        seq.request_id, seq.sample_index, token)
+            self._finish(seq, FinishReason.STOP)
+            return self._output(seq, [], [])
         seq.token_ids.append(token)
         seq.logprobs.append(lp)
         reason = self._stop_reason(seq, token)

@@ -61,7 +61,8 @@ class ModelRunner:
             init_dummy_weights(self.model, seed)
         else:
             load_weights(self.model, model_dir, progress=progress)
-        self.sampler = Sampler(model_config.vocab_size, self.device)
+        self.sampler = Sampler(model_config.vocab_size, self.device,
+                               model_config.eos_token_ids)
 
         self.block_tables = BlockTableMirror(2 * max_num_seqs + 16,
                                              cdiv(max_model_len, self.block_size))
