@@ -4,8 +4,12 @@ the router's own event loop.
     request body (pydantic) ─▶ prompt ids + SamplingParams ─▶ Frontend.stream ─▶ OpenAI objects
                                                                                  (JSON or SSE)
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health.
-Every /v1 route needs `Authorization: Bearer <key>` when a key is set; /health stays open. More
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], POST /tokenize,
+POST /detokenize, GET /health. Every route but /health needs `Authorization: Bearer <key>` when
+a key is set.
+
+No field is silently ignored: a request field that is not implemented is a 400 naming it, unless
+it cannot change the answer (HARMLESS_FIELDS). More
 routes (e.g. /metrics) go in through `HttpServer(..., routes=[...])` or `HttpServer.app` before
 start().
 
@@ -41,7 +45,8 @@ from pydantic import BaseModel, ConfigDict
 from starlette.routing import BaseRoute
 
 from engine.errors import InvalidArgument, Overloaded
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import ResponseFormat, SamplingParams
+from router_svc import chat_request
 from router_svc.frontend import Frontend
 from router_svc.grpc_api import RETRY_AFTER_S
 from router_svc.openai_objects import ChatShaper, CompletionShaper, Shaper, Step
@@ -58,11 +63,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    """Fields both endpoints share. Unknown fields (user, metadata, ...) are ignored, as vLLM
-    does; fields that would change the answer and are not supported are refused by name."""
+# Fields accepted and not acted on: none of them changes what the model writes.
+HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier",
+                             "prompt_cache_key"})
 
-    model_config = ConfigDict(extra="ignore")
+
+class _SamplingFields(BaseModel):
+    """Fields both endpoints share. Any other field is refused by name (see _refuse_unknown)
+    unless it is one of HARMLESS_FIELDS."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -82,6 +92,10 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of a json_schema
 
 
 class CompletionRequest(_SamplingFields):
@@ -100,9 +114,33 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
     functions: Any = None
-    response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -175,7 +213,8 @@ class ApiKeyAuth:
         self._want = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path.startswith("/v1") or path in ("/tokenize", "/detokenize"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(hashlib.sha256(given).digest(), self._want):
                 resp = ApiError(401, "missing or incorrect API key", code="invalid_api_key",
@@ -191,9 +230,38 @@ def _refuse(cond: object, param: str, message: str) -> None:
         raise ApiError(400, f"{param}: {message}", param=param, code="unsupported_value")
 
 
-def _sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None
-                     ) -> SamplingParams:
-    _refuse(req.logit_bias, "logit_bias", "is not supported")
+def _refuse_unknown(req: BaseModel) -> None:
+    for name in req.model_extra or {}:
+        _refuse(name not in HARMLESS_FIELDS, name, "is not supported by this server")
+
+
+def _response_format(req: _SamplingFields) -> ResponseFormat | None:
+    fmt = chat_request.response_format(req.response_format)
+    if req.guided_json is None:
+        return fmt
+    _refuse(fmt is not None, "guided_json", "give response_format or guided_json, not both")
+    schema = req.guided_json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise ApiError(400, "guided_json: is not JSON", param="guided_json",
+                           code="invalid_value") from None
+    return chat_request.response_format({"type": "json_schema",
+                                         "json_schema": {"schema": schema}}, "guided_json")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    try:
+        return {int(k): v for k, v in (bias or {}).items()}
+    except ValueError:
+        raise ApiError(400, "logit_bias: keys must be token ids", param="logit_bias",
+                       code="invalid_value") from None
+
+
+def _sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
+                     response_format: ResponseFormat | None = None) -> SamplingParams:
+    _refuse_unknown(req)
     _refuse(req.stream_options is not None and not req.stream, "stream_options",
             "is only allowed with stream=true")
     kw: dict[str, Any] = {}
@@ -205,7 +273,10 @@ def _sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None
         kw["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM spells "off" -1
     return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop or (),
                           stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-                          logprobs=logprobs, skip_special_tokens=req.skip_special_tokens, **kw)
+                          logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                          min_tokens=req.min_tokens, logit_bias=_logit_bias(req.logit_bias),
+                          include_stop_str_in_output=req.include_stop_str_in_output,
+                          response_format=response_format, **kw)
 
 
 def _remaining(fe: Frontend, prompt: list[int]) -> int:
@@ -218,6 +289,16 @@ def _completion_prompt(fe: Frontend, prompt: Any) -> list[int]:
         _refuse(len(prompt) != 1, "prompt", f"one prompt per request, got {len(prompt)}")
         prompt = prompt[0]
     return fe.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def _echo_text(fe: Frontend, given: Any, prompt: list[int]) -> str:
+    """The prompt as the client sent it: its text, or the decode of its token ids."""
+    if isinstance(given, list) and given and isinstance(given[0], str):
+        given = given[0]
+    if isinstance(given, str):
+        return given
+    _refuse(fe.tokenizer is None, "echo", "this model has no tokenizer to write the prompt")
+    return fe.tokenizer.decode(prompt)
 
 
 def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -290,6 +371,8 @@ class OpenAIApi:
         r.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         r.add_api_route("/v1/models", self.list_models, methods=["GET"])
         r.add_api_route("/v1/models/{model:path}", self.get_model, methods=["GET"])
+        r.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        r.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         r.add_api_route("/health", self.health, methods=["GET"])
         return r
 
@@ -297,19 +380,21 @@ class OpenAIApi:
         fe = self.frontend
         try:
             self._check_model(body.model)
-            _refuse(body.echo, "echo", "is not supported")
+            _refuse(body.echo and body.logprobs is not None, "echo",
+                    "is not supported together with logprobs")
             _refuse(body.suffix, "suffix", "is not supported")
             _refuse(body.best_of is not None and body.best_of != body.n, "best_of",
                     "is only supported equal to n")
             prompt = _completion_prompt(fe, body.prompt)
             max_tokens = body.max_tokens if body.max_tokens is not None else \
                 _remaining(fe, prompt)
-            params = _sampling_params(body, max_tokens, body.logprobs)
+            params = _sampling_params(body, max_tokens, body.logprobs, _response_format(body))
+            echo = _echo_text(fe, body.prompt, prompt) if body.echo else ""
         except (InvalidArgument, ApiError) as e:
             return api_error(e).response()
         shaper = CompletionShaper(fe.tokenizer, f"cmpl-{uuid.uuid4().hex}", fe.model.id,
                                    params.n, body.logprobs is not None, body.stream,
-                                   self._include_usage(body))
+                                   self._include_usage(body), echo=echo)
         return await self._respond(request, body.stream, shaper, prompt, params, {})
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -321,23 +406,34 @@ class OpenAIApi:
             self._check_model(body.model)
             _refuse(body.chat_template is not None, "chat_template",
                     "is not accepted; the checkpoint's own chat template is used")
-            _refuse(body.tools or body.functions, "tools" if body.tools else "functions",
-                    "tool calling is not supported")
-            _refuse(body.response_format and body.response_format.get("type") != "text",
-                    "response_format", "only {\"type\": \"text\"} is supported")
+            _refuse(body.functions, "functions", "is not supported; use tools")
             _refuse(body.top_logprobs is not None and not body.logprobs, "top_logprobs",
                     "needs logprobs=true")
-            prompt = fe.tokenizer.apply_chat_template(_chat_messages(body.messages))
+            tools = chat_request.parse_tools(body.tools)
+            mode, name = chat_request.tool_choice_mode(body.tool_choice, tools)
+            fmt = _response_format(body)
+            grammar = chat_request.tool_grammar(tools, mode, name, body.parallel_tool_calls)
+            if grammar is not None:
+                _refuse(fmt is not None, "response_format",
+                        f"cannot be combined with tool_choice {mode}")
+                fmt, names["response_format"] = grammar, "tools"
+            prompt = fe.tokenizer.apply_chat_template(
+                chat_request.template_messages(_chat_messages(body.messages)),
+                tools=body.tools if tools else None,
+                **chat_request.template_kwargs(body.chat_template_kwargs))
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
                 else body.max_tokens
             if max_tokens is None:
                 max_tokens = _remaining(fe, prompt)
             params = _sampling_params(body, max_tokens,
-                                      (body.top_logprobs or 0) if body.logprobs else None)
+                                      (body.top_logprobs or 0) if body.logprobs else None, fmt)
+            output = chat_request.output_spec(fe.tokenizer, fe.model.architecture, prompt,
+                                              mode, name)
         except (InvalidArgument, ApiError) as e:
             return api_error(e, names).response()
         shaper = ChatShaper(fe.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", fe.model.id,
-                             params.n, body.logprobs, body.stream, self._include_usage(body))
+                             params.n, body.logprobs, body.stream, self._include_usage(body),
+                             output=output)
         return await self._respond(request, body.stream, shaper, prompt, params, names)
 
     async def list_models(self) -> dict:
@@ -349,6 +445,40 @@ class OpenAIApi:
         except ApiError as e:
             return e.response()
         return JSONResponse(self._model_card())
+
+    async def tokenize(self, body: TokenizeRequest) -> Response:
+        fe = self.frontend
+        try:
+            self._check_model(body.model)
+            _refuse(fe.tokenizer is None, "prompt", "this model has no tokenizer")
+            _refuse((body.prompt is None) == (body.messages is None), "prompt",
+                    "give a prompt or messages")
+            if body.messages is not None:
+                ids = fe.tokenizer.apply_chat_template(
+                    chat_request.template_messages(_chat_messages(body.messages)),
+                    body.add_generation_prompt, tools=body.tools,
+                    **chat_request.template_kwargs(body.chat_template_kwargs))
+            else:
+                ids = fe.tokenizer.encode(body.prompt or "", body.add_special_tokens)
+        except (InvalidArgument, ApiError) as e:
+            return api_error(e).response()
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": fe.model.max_model_len,
+                               "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = fe.tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse(out)
+
+    async def detokenize(self, body: DetokenizeRequest) -> Response:
+        fe = self.frontend
+        try:
+            self._check_model(body.model)
+            _refuse(fe.tokenizer is None, "tokens", "this model has no tokenizer")
+            vocab = fe.model.vocab_size
+            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+            _refuse(bad is not None, "tokens", f"token id {bad} is outside [0, {vocab})")
+        except ApiError as e:
+            return e.response()
+        return JSONResponse({"prompt": fe.tokenizer.decode(body.tokens)})
 
     async def health(self) -> Response:
         ok = self.workers.all_healthy()
