@@ -9,7 +9,7 @@ POST /detokenize, GET /health. Every route but /health needs `Authorization: Bea
 a key is set.
 
 No field is silently ignored: a request field that is not implemented is a 400 naming it, unless
-it cannot change the answer (HARMLESS_FIELDS). More
+it cannot change the answer (router_svc/openai_requests.py). More
 routes (e.g. /metrics) go in through `HttpServer(..., routes=[...])` or `HttpServer.app` before
 start().
 
@@ -41,15 +41,21 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.routing import BaseRoute
 
 from engine.errors import InvalidArgument, Overloaded
-from engine.sampling_params import ResponseFormat, SamplingParams
+from engine.sampling_params import SamplingParams
 from router_svc import chat_request
+from router_svc import openai_requests as req
 from router_svc.frontend import Frontend
 from router_svc.grpc_api import RETRY_AFTER_S
 from router_svc.openai_objects import ChatShaper, CompletionShaper, Shaper, Step
+from router_svc.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from router_svc.orchestrator import RouterError
 from router_svc.workers import WorkerSet
 
@@ -58,89 +64,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-# -- request bodies ----------------------------------------------------------------------------
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+def _refuse(cond: object, param: str, message: str) -> None:
+    if cond:
+        raise ApiError(400, f"{param}: {message}", param=param, code="unsupported_value")
 
 
-# Fields accepted and not acted on: none of them changes what the model writes.
-HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier",
-                             "prompt_cache_key"})
-
-
-class _SamplingFields(BaseModel):
-    """Fields both endpoints share. Any other field is refused by name (see _refuse_unknown)
-    unless it is one of HARMLESS_FIELDS."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
-    # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of a json_schema
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    chat_template: Any = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool = True
-    functions: Any = None
-
-
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    tools: Any = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    tokens: list[int]
+def _refuse_unknown(body: req.CompletionRequest | req.ChatCompletionRequest) -> None:
+    name = req.unknown_field(body)
+    _refuse(name is not None, name or "", "is not supported by this server")
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -225,97 +156,6 @@ class ApiKeyAuth:
 
 
 # -- request -> engine -------------------------------------------------------------------------
-def _refuse(cond: object, param: str, message: str) -> None:
-    if cond:
-        raise ApiError(400, f"{param}: {message}", param=param, code="unsupported_value")
-
-
-def _refuse_unknown(req: BaseModel) -> None:
-    for name in req.model_extra or {}:
-        _refuse(name not in HARMLESS_FIELDS, name, "is not supported by this server")
-
-
-def _response_format(req: _SamplingFields) -> ResponseFormat | None:
-    fmt = chat_request.response_format(req.response_format)
-    if req.guided_json is None:
-        return fmt
-    _refuse(fmt is not None, "guided_json", "give response_format or guided_json, not both")
-    schema = req.guided_json
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError:
-            raise ApiError(400, "guided_json: is not JSON", param="guided_json",
-                           code="invalid_value") from None
-    return chat_request.response_format({"type": "json_schema",
-                                         "json_schema": {"schema": schema}}, "guided_json")
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
-    try:
-        return {int(k): v for k, v in (bias or {}).items()}
-    except ValueError:
-        raise ApiError(400, "logit_bias: keys must be token ids", param="logit_bias",
-                       code="invalid_value") from None
-
-
-def _sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
-                     response_format: ResponseFormat | None = None) -> SamplingParams:
-    _refuse_unknown(req)
-    _refuse(req.stream_options is not None and not req.stream, "stream_options",
-            "is only allowed with stream=true")
-    kw: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed"):
-        if (v := getattr(req, name)) is not None:
-            kw[name] = v
-    if req.top_k is not None:
-        kw["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM spells "off" -1
-    return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop or (),
-                          stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-                          logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-                          min_tokens=req.min_tokens, logit_bias=_logit_bias(req.logit_bias),
-                          include_stop_str_in_output=req.include_stop_str_in_output,
-                          response_format=response_format, **kw)
-
-
-def _remaining(fe: Frontend, prompt: list[int]) -> int:
-    # At least 1 so a too-long prompt is refused as the prompt, not as max_tokens.
-    return max(1, fe.model.max_model_len - len(prompt))
-
-
-def _completion_prompt(fe: Frontend, prompt: Any) -> list[int]:
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        _refuse(len(prompt) != 1, "prompt", f"one prompt per request, got {len(prompt)}")
-        prompt = prompt[0]
-    return fe.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
-
-def _echo_text(fe: Frontend, given: Any, prompt: list[int]) -> str:
-    """The prompt as the client sent it: its text, or the decode of its token ids."""
-    if isinstance(given, list) and given and isinstance(given[0], str):
-        given = given[0]
-    if isinstance(given, str):
-        return given
-    _refuse(fe.tokenizer is None, "echo", "this model has no tokenizer to write the prompt")
-    return fe.tokenizer.decode(prompt)
-
-
-def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Content given as a list of parts becomes one string (text parts only)."""
-    out = []
-    for i, m in enumerate(messages):
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = [p.get("text") for p in content if isinstance(p, dict)]
-            _refuse(any(not (isinstance(p, dict) and p.get("type") == "text"
-                             and isinstance(p.get("text"), str)) for p in content),
-                    "messages", f"[{i}].content: only text parts are supported")
-            m = {**m, "content": "\n".join(texts)}
-        out.append(m)
-    return out
-
-
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
@@ -380,16 +220,18 @@ class OpenAIApi:
         fe = self.frontend
         try:
             self._check_model(body.model)
+            _refuse_unknown(body)
             _refuse(body.echo and body.logprobs is not None, "echo",
                     "is not supported together with logprobs")
             _refuse(body.suffix, "suffix", "is not supported")
             _refuse(body.best_of is not None and body.best_of != body.n, "best_of",
                     "is only supported equal to n")
-            prompt = _completion_prompt(fe, body.prompt)
+            prompt = req.completion_prompt(fe, body.prompt)
             max_tokens = body.max_tokens if body.max_tokens is not None else \
-                _remaining(fe, prompt)
-            params = _sampling_params(body, max_tokens, body.logprobs, _response_format(body))
-            echo = _echo_text(fe, body.prompt, prompt) if body.echo else ""
+                req.remaining(fe, prompt)
+            params = req.sampling_params(body, max_tokens, body.logprobs,
+                                         req.request_format(body))
+            echo = req.echo_text(fe, body.prompt, prompt) if body.echo else ""
         except (InvalidArgument, ApiError) as e:
             return api_error(e).response()
         shaper = CompletionShaper(fe.tokenizer, f"cmpl-{uuid.uuid4().hex}", fe.model.id,
@@ -404,37 +246,15 @@ class OpenAIApi:
         names = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_name}
         try:
             self._check_model(body.model)
-            _refuse(body.chat_template is not None, "chat_template",
-                    "is not accepted; the checkpoint's own chat template is used")
-            _refuse(body.functions, "functions", "is not supported; use tools")
-            _refuse(body.top_logprobs is not None and not body.logprobs, "top_logprobs",
-                    "needs logprobs=true")
-            tools = chat_request.parse_tools(body.tools)
-            mode, name = chat_request.tool_choice_mode(body.tool_choice, tools)
-            fmt = _response_format(body)
-            grammar = chat_request.tool_grammar(tools, mode, name, body.parallel_tool_calls)
-            if grammar is not None:
-                _refuse(fmt is not None, "response_format",
-                        f"cannot be combined with tool_choice {mode}")
-                fmt, names["response_format"] = grammar, "tools"
-            prompt = fe.tokenizer.apply_chat_template(
-                chat_request.template_messages(_chat_messages(body.messages)),
-                tools=body.tools if tools else None,
-                **chat_request.template_kwargs(body.chat_template_kwargs))
-            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
-                else body.max_tokens
-            if max_tokens is None:
-                max_tokens = _remaining(fe, prompt)
-            params = _sampling_params(body, max_tokens,
-                                      (body.top_logprobs or 0) if body.logprobs else None, fmt)
-            output = chat_request.output_spec(fe.tokenizer, fe.model.architecture, prompt,
-                                              mode, name)
+            _refuse_unknown(body)
+            plan = req.chat_plan(fe, body, names)
         except (InvalidArgument, ApiError) as e:
             return api_error(e, names).response()
         shaper = ChatShaper(fe.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", fe.model.id,
-                             params.n, body.logprobs, body.stream, self._include_usage(body),
-                             output=output)
-        return await self._respond(request, body.stream, shaper, prompt, params, names)
+                             plan.params.n, body.logprobs, body.stream,
+                             self._include_usage(body), output=plan.output)
+        return await self._respond(request, body.stream, shaper, plan.prompt, plan.params,
+                                   names)
 
     async def list_models(self) -> dict:
         return {"object": "list", "data": [self._model_card()]}
@@ -455,7 +275,7 @@ class OpenAIApi:
                     "give a prompt or messages")
             if body.messages is not None:
                 ids = fe.tokenizer.apply_chat_template(
-                    chat_request.template_messages(_chat_messages(body.messages)),
+                    chat_request.template_messages(req.chat_messages(body.messages)),
                     body.add_generation_prompt, tools=body.tools,
                     **chat_request.template_kwargs(body.chat_template_kwargs))
             else:
@@ -498,7 +318,7 @@ class OpenAIApi:
                 "max_model_len": m.max_model_len}
 
     @staticmethod
-    def _include_usage(body: _SamplingFields) -> bool:
+    def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
         return bool(body.stream_options and body.stream_options.include_usage)
 
     async def _respond(self, request: Request, stream: bool, shaper: Shaper, prompt: list[int],
