@@ -22,7 +22,7 @@ SCHEMA = {"type": "object",
 FMT = ResponseFormat("json_schema", json.dumps(SCHEMA))
 # A shared 48-token prefix (three full blocks) so later prompts hit the prefix cache.
 PREFIX = [(7 * j) % 200 + 1 for j in range(48)]
-PROMPTS = [PREFIX + [10 + i, 20 + i] for i in range(6)]
+PROMPTS = [[*PREFIX, 10 + i, 20 + i] for i in range(6)]
 
 
 def _params(i: int) -> SamplingParams:
