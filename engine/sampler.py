@@ -116,11 +116,12 @@ class Sampler:
         masked = [i for i, r in enumerate(rows) if r.grammar is not None]
         if not masked:
             return None, masked
+        from engine.grammar import fill_bitmask  # noqa: PLC0415 - xgrammar, when used
+
         words = (self.vocab_size + 31) // 32
         bitmask = torch.full((len(rows), words), -1, dtype=torch.int32,
                              pin_memory=self.device.type == "cuda")
-        for i in masked:
-            rows[i].grammar.fill(bitmask, i)  # type: ignore[union-attr]
+        fill_bitmask([rows[i].grammar for i in masked], bitmask, masked)  # type: ignore[misc]
         return bitmask, masked
 
     def _apply_bias(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
