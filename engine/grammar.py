@@ -15,13 +15,19 @@ The engine core has no tokenizer of its own: the first request with a grammar lo
 checkpoint's tokenizer to build xgrammar's TokenizerInfo (sized to the model's logits, which may
 be wider than the tokenizer's vocabulary; the extra ids are never allowed).
 
+Compiling takes from milliseconds to seconds (a large vocabulary, a big schema): it runs on a
+thread of its own (`submit`), and the engine holds the request back until its grammar is ready,
+so the step loop never waits for it.
+
 xgrammar is an optional dependency (the `structured` extra), imported on first use.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +103,9 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._compiler: Any = None
         self._cache: OrderedDict[tuple[str, str | None], Any] = OrderedDict()
+        self._pending: dict[tuple[str, str | None], Future] = {}
+        self._lock = threading.Lock()  # the cache and the pending compiles
+        self._executor: ThreadPoolExecutor | None = None
         self.num_compiled = 0
 
     def _get_compiler(self) -> Any:
@@ -118,28 +127,54 @@ class GrammarCompiler:
                                   "structured outputs need")
         return Tokenizer(d).hf
 
-    def compile(self, fmt: ResponseFormat) -> Any:
-        """The compiled grammar of `fmt` (cached); InvalidArgument if it cannot be compiled."""
+    def submit(self, fmt: ResponseFormat) -> Future:
+        """The compiled grammar of `fmt`, now if cached, else from the compile thread (one
+        compile per schema however many requests wait for it). Its exception is an
+        InvalidArgument if the schema cannot be compiled."""
         key = (fmt.type, fmt.schema)
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            self._cache.move_to_end(key)
-            return compiled
-        compiler = self._get_compiler()
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                done: Future = Future()
+                done.set_result(compiled)
+                return done
+            fut = self._pending.get(key)
+            if fut is None:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+                fut = self._pending[key] = self._executor.submit(self._compile, key, fmt)
+            return fut
+
+    def compile(self, fmt: ResponseFormat) -> Any:
+        """The compiled grammar of `fmt`, waiting for it; InvalidArgument if it cannot be."""
+        return self.submit(fmt).result()
+
+    def _compile(self, key: tuple[str, str | None], fmt: ResponseFormat) -> Any:
         try:
-            compiled = compiler.compile_grammar(schema_grammar(fmt.schema))
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with its reason
+            compiled = self._get_compiler().compile_grammar(schema_grammar(fmt.schema))
+        except Exception as e:  # xgrammar raises RuntimeError with its reason
+            with self._lock:
+                self._pending.pop(key, None)
+            if isinstance(e, InvalidArgument):
+                raise
             raise InvalidArgument("response_format", f"the schema cannot be compiled: "
                                   f"{_reason(e)}") from None
-        self.num_compiled += 1
-        self._cache[key] = compiled
-        if len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        with self._lock:  # cached before it stops pending: no second compile in between
+            self._pending.pop(key, None)
+            self.num_compiled += 1
+            self._cache[key] = compiled
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return compiled
 
     def state(self, fmt: ResponseFormat) -> GrammarState:
         """A fresh matcher at the start of `fmt`'s grammar."""
-        return GrammarState(xgrammar().GrammarMatcher(self.compile(fmt)))
+        return self.state_of(self.compile(fmt))
+
+    @staticmethod
+    def state_of(compiled: Any) -> GrammarState:
+        return GrammarState(xgrammar().GrammarMatcher(compiled))
 
 
 # JSON strings as xgrammar 0.2.8 writes them let through what a strict parser refuses: every

@@ -15,11 +15,12 @@ import ctypes
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, cdiv
 from engine.errors import InvalidArgument
-from engine.grammar import GrammarCompiler
+from engine.grammar import GrammarCompiler, check_schema
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner, PoolFactory
 from engine.model_source import resolve_model
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 KVPuller = Callable[[RemoteKV, list[int]], None]
 # Told when a request whose KV was never pulled ends (so its source can be released).
 KVDropper = Callable[[RemoteKV], None]
+# With nothing else to run, how long a step waits for a grammar being compiled.
+COMPILE_WAIT_S = 0.05
 
 
 class LLMEngine:
@@ -73,6 +76,8 @@ class LLMEngine:
         # Structured outputs; loads the tokenizer and xgrammar only when a grammar arrives.
         self.grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size,
                                         list(self.eos_token_ids))
+        # Requests held back until their grammar is compiled (in arrival order).
+        self.compiling: list[tuple[Sequence, Future]] = []
         self.leases = LeaseTable()
         self.lease_ttl_s = 30.0
         self.kv_puller = kv_puller
@@ -106,21 +111,48 @@ class LLMEngine:
         if bad is not None:
             raise InvalidArgument("logit_bias", f"token id {bad} is outside [0, {vocab})")
         if params.response_format is not None:
-            self.grammars.compile(params.response_format)  # cached; refuses a bad schema
+            check_schema(params.response_format)  # cheap: no tokenizer, no compile
 
-    def _new_sequence(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams) -> Sequence:
-        seq = Sequence(request_id, prompt_token_ids, params)
-        if params.response_format is not None:
-            seq.grammar = self.grammars.state(params.response_format)
-        return seq
+    def _admit(self, seq: Sequence) -> None:
+        """To the scheduler, or, while its grammar compiles (off this thread), held back."""
+        fmt = seq.params.response_format
+        if fmt is not None:
+            fut = self.grammars.submit(fmt)
+            if not fut.done() or fut.exception() is not None:
+                self.compiling.append((seq, fut))
+                return
+            # The matcher starts fresh: a decode request's first tokens advance it on arrival.
+            seq.grammar = self.grammars.state_of(fut.result())
+        self.scheduler.add(seq)
+
+    def _grammars_ready(self) -> list[SeqOutput]:
+        """Held-back requests whose grammar is compiled join the scheduler; one whose grammar
+        failed ends with the error. With nothing else to run, wait briefly for a compile."""
+        if not self.scheduler.has_work():
+            wait([f for _, f in self.compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
+        outputs, still = [], []
+        for seq, fut in self.compiling:
+            if seq.is_finished:  # aborted while compiling
+                continue
+            if not fut.done():
+                still.append((seq, fut))
+            elif (err := fut.exception()) is not None:
+                self._finish(seq, FinishReason.ERROR)
+                out = self._output(seq, [], [])
+                out.error = str(err)
+                outputs.append(out)
+            else:
+                seq.grammar = self.grammars.state_of(fut.result())
+                self.scheduler.add(seq)
+        self.compiling = still
+        return outputs
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         self.validate(request_id, prompt_token_ids, params)
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params)
         self.requests[request_id] = [seq]
-        self.scheduler.add(seq)
+        self._admit(seq)
         self.num_requests_added += 1
 
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
@@ -133,11 +165,10 @@ class LLMEngine:
         if len(remote.block_ids) != cdiv(len(prompt_token_ids), self.block_pool.block_size):
             raise InvalidArgument("kv.block_ids", f"{len(remote.block_ids)} blocks do not hold "
                                   f"{len(prompt_token_ids)} tokens")
-        # The matcher starts fresh: the first tokens it advances over come with `remote`.
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params)
         seq.remote = remote
         self.requests[request_id] = [seq]
-        self.scheduler.add(seq)
+        self._admit(seq)
         self.num_requests_added += 1
 
     def abort(self, request_id: str) -> bool:
@@ -172,7 +203,7 @@ class LLMEngine:
         return len(expired)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.compiling)
 
     def is_idle(self) -> bool:
         return not self.requests and not len(self.leases) and self.block_pool.is_idle()
@@ -182,8 +213,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         if len(self.leases):
             self.expire_leases()
+        outputs = self._grammars_ready() if self.compiling else []
         batch = self.scheduler.schedule()
-        outputs = self._pull(batch.pulls)
+        outputs += self._pull(batch.pulls)
         num_sampled = num_prompt_tokens = 0
         if batch.seqs:
             run_outputs, num_sampled, num_prompt_tokens = self._run(batch)
@@ -343,7 +375,7 @@ class LLMEngine:
 
     # -- stats -------------------------------------------------------------------------------
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.compiling)
 
     def num_running(self) -> int:
         return len(self.scheduler.running)

@@ -5,6 +5,7 @@ run with room to spare; min_tokens and logit_bias; grammars compiled once per sc
 from __future__ import annotations
 
 import json
+import threading
 
 import jsonschema
 import pytest
@@ -74,3 +75,38 @@ def test_min_tokens_and_logit_bias(tiny_models):
             response_format=ResponseFormat("json_schema", '{"type": "bogus"}')))
     assert e.value.field == "response_format" and "bogus" in e.value.message
     assert llm.engine.is_idle()
+
+
+def test_compile_off_the_step_loop_and_abort_while_compiling(tiny_models):
+    """A request whose grammar is still compiling waits aside: other requests run to their end
+    meanwhile; it joins once its grammar is ready; an abort while it waits frees it."""
+    llm = LLM(str(tiny_models["llama"]), progress=False, num_blocks=64)
+    engine = llm.engine
+    gate = threading.Event()
+    real = engine.grammars._compile
+
+    def slow(key, fmt):
+        assert gate.wait(60)
+        return real(key, fmt)
+
+    engine.grammars._compile = slow
+    one = SamplingParams(temperature=1.0, seed=1, max_tokens=120, response_format=FMT)
+    engine.add_request("json", [1, 2, 3], one)
+    engine.add_request("aborted", [4, 5, 6], one)  # the same schema: one compile for both
+    engine.add_request("plain", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5,
+                                                          ignore_eos=True))
+    assert engine.num_waiting() == 3
+    finished = set()
+    while "plain" not in finished:
+        finished |= {o.request_id for o in engine.step() if o.finish_reason is not None}
+    assert [s.request_id for s, _ in engine.compiling] == ["json", "aborted"]
+    engine.abort("aborted")
+    gate.set()
+    outs: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert set(outs) == {"json"} and engine.grammars.num_compiled == 1
+    text = llm.tokenizer.decode(outs["json"])
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert engine.is_idle()
