@@ -132,3 +132,39 @@ def test_chat_choice_mistral_marker_token_restored():
     assert choice.feed("", [5]).content == ""
     choice.feed('[{"name": "get_time", "arguments": {"zone": "utc"}}]', [9, 9])
     assert _calls(choice.finish().tool_calls) == [("get_time", TIME)]
+
+
+def test_chat_shaper_streams_reasoning_content_and_tool_calls():
+    from router_svc.frontend import Delta, Usage
+    from router_svc.openai_objects import ChatShaper
+
+    text = ('<think>hmm</think>\n\nSure.<tool_call>\n{"name": "get_time", "arguments": '
+            '{"zone": "utc"}}\n</tool_call>')
+    spec = ChatOutputSpec(reasoning=True, tool_mode="auto", tool_family="hermes")
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+    for stream in (True, False):
+        shaper = ChatShaper(None, "chatcmpl-x", "m", 1, False, stream, False, output=spec)
+        chunks = shaper.start() if stream else []
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            chunks += shaper.add(([Delta(0, [1], piece, [None], "stop" if last else None)],
+                                  Usage(3, k + 1)))
+        final = shaper.final()["choices"][0]
+        assert final["finish_reason"] == "tool_calls"
+        msg = final["message"]
+        assert msg["reasoning_content"] == "hmm" and msg["content"] == "Sure."
+        assert _calls_of(msg["tool_calls"]) == [("get_time", TIME)]
+        if not stream:
+            assert chunks == []
+            continue
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "hmm"
+        assert "".join(d.get("content", "") for d in deltas[1:]) == "Sure."
+        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+        assert [tc["index"] for tc in calls] == [0] and calls[0]["id"] == \
+            msg["tool_calls"][0]["id"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def _calls_of(tool_calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls]
