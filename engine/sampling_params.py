@@ -11,6 +11,9 @@ from engine.errors import InvalidArgument
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias: [-100, 100]
 RESPONSE_FORMATS = ("json_object", "json_schema")
+# A schema's text at most: compiling is one thread for every request, so one caller's giant
+# schema must not hold up everyone else's grammars.
+MAX_SCHEMA_CHARS = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class ResponseFormat:
             raise InvalidArgument("response_format", "a schema goes with type json_schema, "
                                   "and only with it")
         if self.schema is not None:
+            if len(self.schema) > MAX_SCHEMA_CHARS:
+                raise InvalidArgument("response_format", f"the schema is {len(self.schema)} "
+                                      f"characters long; at most {MAX_SCHEMA_CHARS} are served")
             try:
                 parsed = json.loads(self.schema)
             except (TypeError, ValueError) as e:

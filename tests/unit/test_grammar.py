@@ -94,6 +94,8 @@ def test_response_format_validation():
         ResponseFormat("json_schema", "not json")
     with pytest.raises(InvalidArgument, match="response_format"):
         ResponseFormat("yaml")
+    with pytest.raises(InvalidArgument, match="at most"):
+        ResponseFormat("json_schema", json.dumps({"enum": ["x" * 70_000]}))
     with pytest.raises(InvalidArgument, match="ignore_eos"):
         SamplingParams(ignore_eos=True, response_format=ResponseFormat("json_object"))
 
