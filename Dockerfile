@@ -40,8 +40,9 @@ COPY . .
 # Not editable: the final stage takes /opt/tandem alone, without the source tree.
 # The smoke test imports every service module (`tandem --help` builds all their parsers); no
 # GPU is needed to import torch, triton or cupy.
-RUN pip install ".[gpu]" \
- && python -c "import torch, cupy; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
+# `structured`: xgrammar, for response_format and tool_choice required (it keeps this torch).
+RUN pip install ".[gpu,structured]" \
+ && python -c "import torch, cupy, xgrammar; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
  && tandem --help > /dev/null
 
 # ---- runtime ------------------------------------------------------------------------------------

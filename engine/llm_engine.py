@@ -15,10 +15,12 @@ import ctypes
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, cdiv
 from engine.errors import InvalidArgument
+from engine.grammar import GrammarCompiler, check_schema
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner, PoolFactory
 from engine.model_source import resolve_model
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 KVPuller = Callable[[RemoteKV, list[int]], None]
 # Told when a request whose KV was never pulled ends (so its source can be released).
 KVDropper = Callable[[RemoteKV], None]
+# With nothing else to run, how long a step waits for a grammar being compiled.
+COMPILE_WAIT_S = 0.05
 
 
 class LLMEngine:
@@ -70,6 +74,11 @@ class LLMEngine:
             type(sched)(sched.max_num_batched_tokens, sched.max_num_seqs, max_len), self.kv)
         self.max_model_len = max_len
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        # Structured outputs; loads the tokenizer and xgrammar only when a grammar arrives.
+        self.grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size,
+                                        list(self.eos_token_ids))
+        # Requests held back until their grammar is compiled (in arrival order).
+        self.compiling: list[tuple[Sequence, Future]] = []
         self.leases = LeaseTable()
         self.lease_ttl_s = 30.0
         self.kv_puller = kv_puller
@@ -99,13 +108,52 @@ class LLMEngine:
                 f"{self.max_model_len - 1}")
         if params.n > self.config.max_n:
             raise InvalidArgument("n", f"must be <= {self.config.max_n}, got {params.n}")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument("logit_bias", f"token id {bad} is outside [0, {vocab})")
+        if params.response_format is not None:
+            check_schema(params.response_format)  # cheap: no tokenizer, no compile
+
+    def _admit(self, seq: Sequence) -> None:
+        """To the scheduler, or, while its grammar compiles (off this thread), held back."""
+        fmt = seq.params.response_format
+        if fmt is not None:
+            fut = self.grammars.submit(fmt)
+            if not fut.done() or fut.exception() is not None:
+                self.compiling.append((seq, fut))
+                return
+            # The matcher starts fresh: a decode request's first tokens advance it on arrival.
+            seq.grammar = self.grammars.state_of(fut.result())
+        self.scheduler.add(seq)
+
+    def _grammars_ready(self) -> list[SeqOutput]:
+        """Held-back requests whose grammar is compiled join the scheduler; one whose grammar
+        failed ends with the error. With nothing else to run, wait briefly for a compile."""
+        if not self.scheduler.has_work():
+            wait([f for _, f in self.compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
+        outputs, still = [], []
+        for seq, fut in self.compiling:
+            if seq.is_finished:  # aborted while compiling
+                continue
+            if not fut.done():
+                still.append((seq, fut))
+            elif (err := fut.exception()) is not None:
+                self._finish(seq, FinishReason.ERROR)
+                out = self._output(seq, [], [])
+                out.error = str(err)
+                outputs.append(out)
+            else:
+                seq.grammar = self.grammars.state_of(fut.result())
+                self.scheduler.add(seq)
+        self.compiling = still
+        return outputs
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         self.validate(request_id, prompt_token_ids, params)
         seq = Sequence(request_id, prompt_token_ids, params)
         self.requests[request_id] = [seq]
-        self.scheduler.add(seq)
+        self._admit(seq)
         self.num_requests_added += 1
 
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
@@ -125,7 +173,7 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params)
         seq.remote = remote
         self.requests[request_id] = [seq]
-        self.scheduler.add(seq)
+        self._admit(seq)
         self.num_requests_added += 1
 
     def abort(self, request_id: str) -> bool:
@@ -174,7 +222,7 @@ class LLMEngine:
         return len(expired)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.compiling)
 
     def is_idle(self) -> bool:
         return not self.requests and not len(self.leases) and self.block_pool.is_idle()
@@ -184,8 +232,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         if len(self.leases):
             self.expire_leases()
+        outputs = self._grammars_ready() if self.compiling else []
         batch = self.scheduler.schedule()
-        outputs = self._pull(batch.pulls)
+        outputs += self._pull(batch.pulls)
         num_sampled = num_prompt_tokens = 0
         if batch.seqs:
             try:
@@ -220,7 +269,7 @@ class LLMEngine:
                 rows.append(SampleRow(
                     seq.params, seq.sample_index + k, seq.num_output_tokens,
                     seq.token_ids[:seq.num_prompt_tokens] if penalties else None,
-                    seq.output_token_ids if penalties else None))
+                    seq.output_token_ids if penalties else None, seq.grammar))
                 row_index.append(offset - 1)
         now = time.monotonic()
         for seq in batch.seqs:
@@ -266,6 +315,13 @@ class LLMEngine:
         return children
 
     def _append(self, seq: Sequence, token: int, lp) -> SeqOutput:
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # Only a token sampled from a row with nothing allowed (or a first token from a
+            # prefill worker that broke the grammar) gets here: end the sample without it.
+            log.warning("%s#%d: token %d breaks its grammar; ending the sample",
+                        seq.request_id, seq.sample_index, token)
+            self._finish(seq, FinishReason.STOP)
+            return self._output(seq, [], [])
         seq.token_ids.append(token)
         seq.logprobs.append(lp)
         reason = self._stop_reason(seq, token)
@@ -355,7 +411,7 @@ class LLMEngine:
 
     # -- stats -------------------------------------------------------------------------------
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.compiling)
 
     def num_running(self) -> int:
         return len(self.scheduler.running)

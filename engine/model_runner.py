@@ -72,7 +72,8 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         torch.manual_seed(seed)
         self.model = self._load_model(model_dir, load_format, seed, quantization, progress)
-        self.sampler = Sampler(model_config.vocab_size, self.device)
+        self.sampler = Sampler(model_config.vocab_size, self.device,
+                               model_config.eos_token_ids)
 
         self.block_tables = BlockTableMirror(2 * max_num_seqs + 16,
                                              cdiv(max_model_len, self.block_size))

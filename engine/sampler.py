@@ -1,5 +1,6 @@
-"""Sampling on the device: penalties, temperature, top-k, top-p, min-p, then the exponential race
-(argmax of p / E with E ~ Exp(1)), which draws from p exactly.
+"""Sampling on the device: penalties, logit bias, min_tokens, the grammar's token mask, then
+temperature, top-k, top-p, min-p, then the exponential race (argmax of p / E with E ~ Exp(1)),
+which draws from p exactly. Logprobs are those of the raw logits, before all of it.
 
 A seeded row draws its noise from a generator seeded by (seed, sample index, output position),
 so its tokens do not depend on what else is in the batch, or on which worker samples it.
@@ -7,11 +8,16 @@ so its tokens do not depend on what else is in the batch, or on which worker sam
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import Logprob, SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
 
 _MASK64 = (1 << 64) - 1
 
@@ -34,6 +40,7 @@ class SampleRow:
     position: int  # index among the outputs of this sample (0 = first generated token)
     prompt_token_ids: list[int] | None = None  # only when penalties apply
     output_token_ids: list[int] | None = None
+    grammar: GrammarState | None = None  # the sample's structured-output matcher
 
 
 @dataclass
@@ -43,23 +50,35 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device,
+                 eos_token_ids: Iterable[int] = ()) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.eos_token_ids = sorted(eos_token_ids)  # held back by min_tokens
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
                  greedy: torch.Tensor | None = None) -> SamplerOutput:
         """logits: float32 [len(rows), vocab] (rows of one sequence may repeat for n > 1);
         greedy: their argmax when already computed (the decode CUDA graph does)."""
         logits = raw_logits = logits[:, :self.vocab_size]
+        # The grammar's mask first (host work: it overlaps the forward pass still running on
+        # the device), applied after the other processors.
+        bitmask, masked_rows = self._fill_bitmask(rows)
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if any(r.params.has_penalties for r in rows):
             logits = self._apply_penalties(logits.clone(), rows)
+        if any(r.params.logit_bias or r.params.min_tokens > r.position for r in rows):
+            logits = self._apply_bias(logits.clone() if logits is raw_logits else logits, rows)
+        if bitmask is not None:
+            from engine.grammar import apply_bitmask  # noqa: PLC0415 - xgrammar, when used
+
+            logits = logits.clone() if logits is raw_logits else logits
+            apply_bitmask(logits, bitmask, masked_rows)
 
         if all(r.params.greedy for r in rows):
-            has_penalties = logits is not raw_logits
-            tokens = greedy if greedy is not None and not has_penalties else logits.argmax(-1)
+            processed = logits is not raw_logits
+            tokens = greedy if greedy is not None and not processed else logits.argmax(-1)
         else:
             tokens = self._sample(logits, rows)
         token_list = tokens.tolist()
@@ -90,6 +109,45 @@ class Sampler:
         # Presence and frequency (OpenAI's definition, over the output only).
         sub = sub - pres * (out_counts > 0) - freq * out_counts
         logits[idx] = sub
+        return logits
+
+    def _fill_bitmask(self, rows: list[SampleRow]) -> tuple[torch.Tensor | None, list[int]]:
+        """The allowed tokens of every row with a grammar, one bit per token id (CPU int32)."""
+        masked = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not masked:
+            return None, masked
+        from engine.grammar import fill_bitmask  # noqa: PLC0415 - xgrammar, when used
+
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32,
+                             pin_memory=self.device.type == "cuda")
+        fill_bitmask([rows[i].grammar for i in masked], bitmask, masked)  # type: ignore[misc]
+        return bitmask, masked
+
+    def _apply_bias(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """logit_bias adds to its tokens' logits; while a sample has fewer than min_tokens
+        outputs, its EOS and stop token ids are held back (a row with a grammar excepted: the
+        grammar decides when the output may end)."""
+        vocab = logits.shape[1]
+        r_idx: list[int] = []
+        t_idx: list[int] = []
+        vals: list[float] = []
+        for i, r in enumerate(rows):
+            p = r.params
+            for tok, b in p.logit_bias:
+                if tok < vocab:
+                    r_idx.append(i)
+                    t_idx.append(tok)
+                    vals.append(b)
+            if p.min_tokens > r.position and r.grammar is None:
+                for tok in (*self.eos_token_ids, *p.stop_token_ids):
+                    if tok < vocab:
+                        r_idx.append(i)
+                        t_idx.append(tok)
+                        vals.append(float("-inf"))
+        if r_idx:
+            logits.index_put_((self._tensor(r_idx, torch.long), self._tensor(t_idx, torch.long)),
+                              self._tensor(vals, logits.dtype), accumulate=True)
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -3,11 +3,45 @@ KV block is allocated."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidArgument
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias: [-100, 100]
+RESPONSE_FORMATS = ("json_object", "json_schema")
+# A schema's text at most: compiling is one thread for every request, so one caller's giant
+# schema must not hold up everyone else's grammars.
+MAX_SCHEMA_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """Structured output: the sample must be JSON (`json_object`) or JSON valid against a schema
+    (`json_schema`, the schema as JSON text). The grammar is compiled once per distinct schema
+    text and enforced by masking the logits (engine/grammar.py)."""
+
+    type: str
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in RESPONSE_FORMATS:
+            raise InvalidArgument("response_format", f"type must be one of "
+                                  f"{', '.join(RESPONSE_FORMATS)}, got {self.type!r}")
+        if (self.type == "json_schema") != (self.schema is not None):
+            raise InvalidArgument("response_format", "a schema goes with type json_schema, "
+                                  "and only with it")
+        if self.schema is not None:
+            if len(self.schema) > MAX_SCHEMA_CHARS:
+                raise InvalidArgument("response_format", f"the schema is {len(self.schema)} "
+                                      f"characters long; at most {MAX_SCHEMA_CHARS} are served")
+            try:
+                parsed = json.loads(self.schema)
+            except (TypeError, ValueError) as e:
+                raise InvalidArgument("response_format", f"the schema is not JSON: {e}") from None
+            if not isinstance(parsed, dict | bool):
+                raise InvalidArgument("response_format", "the schema must be a JSON object")
 
 
 @dataclass(frozen=True)
@@ -27,12 +61,19 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token; 0: only the sampled one
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many outputs
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    response_format: ResponseFormat | None = None
+    # Router side only: keep the stop string that ended the sample in its text.
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples (hashable, immutable).
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str)
                                                else self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         if self.n < 1:
             raise InvalidArgument("n", f"must be >= 1, got {self.n}")
         if self.max_tokens < 1:
@@ -62,6 +103,18 @@ class SamplingParams:
             raise InvalidArgument("stop", "stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgument("stop_token_ids", "token ids must be >= 0")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgument("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], "
+                                  f"got {self.min_tokens}")
+        for tok, b in self.logit_bias:
+            if tok < 0:
+                raise InvalidArgument("logit_bias", f"token id {tok} is negative")
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise InvalidArgument("logit_bias", f"bias {b} of token {tok} is outside "
+                                      f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.response_format is not None and self.ignore_eos:
+            raise InvalidArgument("ignore_eos", "cannot be combined with response_format: the "
+                                  "grammar ends the output")
 
     @property
     def greedy(self) -> bool:

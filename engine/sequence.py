@@ -15,10 +15,13 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.block_pool import hash_block
 from engine.sampling_params import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
 
 _seq_counter = itertools.count()
 
@@ -73,6 +76,8 @@ class Sequence:
         self.num_preemptions = 0
         # Samples still to fork off this sequence when its first token is sampled (n > 1).
         self.pending_forks = params.n - 1
+        # Structured output: the grammar's matcher, advanced with every output token appended.
+        self.grammar: GrammarState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +125,7 @@ class Sequence:
         child.first_token_time = self.first_token_time
         child.num_prefill_chunks = self.num_prefill_chunks
         child.pending_forks = 0
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
     def timing(self) -> RequestTiming:

@@ -83,11 +83,15 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None,
+                            **template_kwargs: Any) -> list[int]:
         """Token ids of a conversation rendered with the checkpoint's own chat template.
 
-        Each message is {"role": system|user|assistant|tool, "content": str} (extra keys are
-        passed to the template). Raises InvalidArgument("messages", ...) for malformed
+        Each message is {"role": system|user|assistant|tool, "content": str} (extra keys, such
+        as tool_calls and tool_call_id, are passed to the template). `tools`: OpenAI function
+        tools, for templates that describe them; `template_kwargs`: template variables (e.g.
+        Qwen3's enable_thinking). Raises InvalidArgument("messages", ...) for malformed
         messages, a checkpoint without a template, or a template that rejects the
         conversation (e.g. roles that do not alternate)."""
         if not self.has_chat_template:
@@ -96,7 +100,8 @@ class Tokenizer:
         _validate_messages(messages)
         try:
             ids = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                              tokenize=True, return_dict=False)
+                                              tokenize=True, return_dict=False, tools=tools,
+                                              **template_kwargs)
         except Exception as e:  # jinja2 errors, including the template's own raise_exception
             raise InvalidArgument("messages", f"the chat template rejected them: {e}") from e
         return list(ids)

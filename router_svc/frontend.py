@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from engine.config import ModelConfig
 from engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
 from engine.errors import InvalidArgument, Overloaded
+from engine.grammar import check_schema
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.serving.telemetry import Telemetry
 from engine.tokenizer import Tokenizer
@@ -99,6 +100,14 @@ class Frontend:
             raise InvalidArgument("n", f"must be <= {self.model.max_n}, got {params.n}")
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop", "this model has no tokenizer to match stop strings")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument("logit_bias", f"token id {bad} is outside [0, {vocab})")
+        if params.response_format is not None:
+            if self.tokenizer is None:
+                raise InvalidArgument("response_format", "this model has no tokenizer, which "
+                                      "structured outputs need")
+            check_schema(params.response_format)
 
     async def stream(self, request_id: str, prompt: list[int], params: SamplingParams,
                      timeout: float | None = None, operation: str | None = None
@@ -137,6 +146,8 @@ class Frontend:
                         d = Delta(s.index, s.token_ids, step.text_delta, s.logprobs)
                         if step.stopped:
                             d.finish_reason, d.stop_reason = "stop", step.stop_reason
+                            if params.include_stop_str_in_output:
+                                d.text += step.stop_reason or ""
                         elif s.finish_reason is not None:
                             d.text += det.flush()
                             d.finish_reason = s.finish_reason

@@ -4,8 +4,12 @@ the router's own event loop.
     request body (pydantic) ─▶ prompt ids + SamplingParams ─▶ Frontend.stream ─▶ OpenAI objects
                                                                                  (JSON or SSE)
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], GET /health.
-Every /v1 route needs `Authorization: Bearer <key>` when a key is set; /health stays open. More
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], POST /tokenize,
+POST /detokenize, GET /health. Every route but /health needs `Authorization: Bearer <key>` when
+a key is set.
+
+No field is silently ignored: a request field that is not implemented is a 400 naming it, unless
+it cannot change the answer (router_svc/openai_requests.py). More
 routes (e.g. /metrics) go in through `HttpServer(..., routes=[...])` or `HttpServer.app` before
 start().
 
@@ -37,14 +41,21 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.routing import BaseRoute
 
 from engine.errors import InvalidArgument
 from engine.sampling_params import SamplingParams
+from router_svc import chat_request
+from router_svc import openai_requests as req
 from router_svc.api_errors import failure_of
 from router_svc.frontend import Frontend, ModelNotFound
 from router_svc.openai_objects import ChatShaper, CompletionShaper, Shaper, Step
+from router_svc.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from router_svc.workers import WorkerSet
 
 log = logging.getLogger(__name__)
@@ -52,56 +63,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-# -- request bodies ----------------------------------------------------------------------------
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+def _refuse(cond: object, param: str, message: str) -> None:
+    if cond:
+        raise ApiError(400, f"{param}: {message}", param=param, code="unsupported_value")
 
 
-class _SamplingFields(BaseModel):
-    """Fields both endpoints share. Unknown fields (user, metadata, ...) are ignored, as vLLM
-    does; fields that would change the answer and are not supported are refused by name."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
-    # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    chat_template: Any = None
-    tools: Any = None
-    functions: Any = None
-    response_format: dict[str, Any] | None = None
+def _refuse_unknown(body: req.CompletionRequest | req.ChatCompletionRequest) -> None:
+    name = req.unknown_field(body)
+    _refuse(name is not None, name or "", "is not supported by this server")
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -163,7 +132,8 @@ class ApiKeyAuth:
         self._want = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path.startswith("/v1") or path in ("/tokenize", "/detokenize"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(hashlib.sha256(given).digest(), self._want):
                 resp = ApiError(401, "missing or incorrect API key", code="invalid_api_key",
@@ -174,55 +144,6 @@ class ApiKeyAuth:
 
 
 # -- request -> engine -------------------------------------------------------------------------
-def _refuse(cond: object, param: str, message: str) -> None:
-    if cond:
-        raise ApiError(400, f"{param}: {message}", param=param, code="unsupported_value")
-
-
-def _sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None
-                     ) -> SamplingParams:
-    _refuse(req.logit_bias, "logit_bias", "is not supported")
-    _refuse(req.stream_options is not None and not req.stream, "stream_options",
-            "is only allowed with stream=true")
-    kw: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed"):
-        if (v := getattr(req, name)) is not None:
-            kw[name] = v
-    if req.top_k is not None:
-        kw["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM spells "off" -1
-    return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop or (),
-                          stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-                          logprobs=logprobs, skip_special_tokens=req.skip_special_tokens, **kw)
-
-
-def _remaining(fe: Frontend, prompt: list[int]) -> int:
-    # At least 1 so a too-long prompt is refused as the prompt, not as max_tokens.
-    return max(1, fe.model.max_model_len - len(prompt))
-
-
-def _completion_prompt(fe: Frontend, prompt: Any) -> list[int]:
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        _refuse(len(prompt) != 1, "prompt", f"one prompt per request, got {len(prompt)}")
-        prompt = prompt[0]
-    return fe.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
-
-def _chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Content given as a list of parts becomes one string (text parts only)."""
-    out = []
-    for i, m in enumerate(messages):
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = [p.get("text") for p in content if isinstance(p, dict)]
-            _refuse(any(not (isinstance(p, dict) and p.get("type") == "text"
-                             and isinstance(p.get("text"), str)) for p in content),
-                    "messages", f"[{i}].content: only text parts are supported")
-            m = {**m, "content": "\n".join(texts)}
-        out.append(m)
-    return out
-
-
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
@@ -278,6 +199,8 @@ class OpenAIApi:
         r.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         r.add_api_route("/v1/models", self.list_models, methods=["GET"])
         r.add_api_route("/v1/models/{model:path}", self.get_model, methods=["GET"])
+        r.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        r.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         r.add_api_route("/health", self.health, methods=["GET"])
         return r
 
@@ -285,19 +208,23 @@ class OpenAIApi:
         fe = self.frontend
         try:
             self._check_model(body.model)
-            _refuse(body.echo, "echo", "is not supported")
+            _refuse_unknown(body)
+            _refuse(body.echo and body.logprobs is not None, "echo",
+                    "is not supported together with logprobs")
             _refuse(body.suffix, "suffix", "is not supported")
             _refuse(body.best_of is not None and body.best_of != body.n, "best_of",
                     "is only supported equal to n")
-            prompt = _completion_prompt(fe, body.prompt)
+            prompt = req.completion_prompt(fe, body.prompt)
             max_tokens = body.max_tokens if body.max_tokens is not None else \
-                _remaining(fe, prompt)
-            params = _sampling_params(body, max_tokens, body.logprobs)
+                req.remaining(fe, prompt)
+            params = req.sampling_params(body, max_tokens, body.logprobs,
+                                         req.request_format(body))
+            echo = req.echo_text(fe, body.prompt, prompt) if body.echo else ""
         except (InvalidArgument, ApiError) as e:
             return api_error(e).response()
         shaper = CompletionShaper(fe.tokenizer, f"cmpl-{uuid.uuid4().hex}", fe.model.id,
                                    params.n, body.logprobs is not None, body.stream,
-                                   self._include_usage(body))
+                                   self._include_usage(body), echo=echo)
         return await self._respond(request, body.stream, shaper, prompt, params, {})
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -307,26 +234,15 @@ class OpenAIApi:
         names = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_name}
         try:
             self._check_model(body.model)
-            _refuse(body.chat_template is not None, "chat_template",
-                    "is not accepted; the checkpoint's own chat template is used")
-            _refuse(body.tools or body.functions, "tools" if body.tools else "functions",
-                    "tool calling is not supported")
-            _refuse(body.response_format and body.response_format.get("type") != "text",
-                    "response_format", "only {\"type\": \"text\"} is supported")
-            _refuse(body.top_logprobs is not None and not body.logprobs, "top_logprobs",
-                    "needs logprobs=true")
-            prompt = fe.tokenizer.apply_chat_template(_chat_messages(body.messages))
-            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
-                else body.max_tokens
-            if max_tokens is None:
-                max_tokens = _remaining(fe, prompt)
-            params = _sampling_params(body, max_tokens,
-                                      (body.top_logprobs or 0) if body.logprobs else None)
+            _refuse_unknown(body)
+            plan = req.chat_plan(fe, body, names)
         except (InvalidArgument, ApiError) as e:
             return api_error(e, names).response()
         shaper = ChatShaper(fe.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", fe.model.id,
-                             params.n, body.logprobs, body.stream, self._include_usage(body))
-        return await self._respond(request, body.stream, shaper, prompt, params, names)
+                             plan.params.n, body.logprobs, body.stream,
+                             self._include_usage(body), output=plan.output)
+        return await self._respond(request, body.stream, shaper, plan.prompt, plan.params,
+                                   names)
 
     async def list_models(self) -> dict:
         return {"object": "list", "data": [self._model_card()]}
@@ -337,6 +253,40 @@ class OpenAIApi:
         except ApiError as e:
             return e.response()
         return JSONResponse(self._model_card())
+
+    async def tokenize(self, body: TokenizeRequest) -> Response:
+        fe = self.frontend
+        try:
+            self._check_model(body.model)
+            _refuse(fe.tokenizer is None, "prompt", "this model has no tokenizer")
+            _refuse((body.prompt is None) == (body.messages is None), "prompt",
+                    "give a prompt or messages")
+            if body.messages is not None:
+                ids = fe.tokenizer.apply_chat_template(
+                    chat_request.template_messages(req.chat_messages(body.messages)),
+                    body.add_generation_prompt, tools=body.tools,
+                    **chat_request.template_kwargs(body.chat_template_kwargs))
+            else:
+                ids = fe.tokenizer.encode(body.prompt or "", body.add_special_tokens)
+        except (InvalidArgument, ApiError) as e:
+            return api_error(e).response()
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": fe.model.max_model_len,
+                               "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = fe.tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse(out)
+
+    async def detokenize(self, body: DetokenizeRequest) -> Response:
+        fe = self.frontend
+        try:
+            self._check_model(body.model)
+            _refuse(fe.tokenizer is None, "tokens", "this model has no tokenizer")
+            vocab = fe.model.vocab_size
+            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+            _refuse(bad is not None, "tokens", f"token id {bad} is outside [0, {vocab})")
+        except ApiError as e:
+            return e.response()
+        return JSONResponse({"prompt": fe.tokenizer.decode(body.tokens)})
 
     async def health(self) -> Response:
         ok = self.workers.all_healthy()
@@ -356,7 +306,7 @@ class OpenAIApi:
                 "max_model_len": m.max_model_len}
 
     @staticmethod
-    def _include_usage(body: _SamplingFields) -> bool:
+    def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
         return bool(body.stream_options and body.stream_options.include_usage)
 
     async def _respond(self, request: Request, stream: bool, shaper: Shaper, prompt: list[int],

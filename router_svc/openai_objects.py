@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 
 from engine.sampling_params import TokenLogprobs
 from engine.tokenizer import Tokenizer
+from router_svc.chat_output import ChatChoice, ChatOutputSpec
 from router_svc.frontend import Delta, Usage
 
 Step = tuple[list[Delta], Usage]
@@ -53,15 +54,22 @@ class Shaper(ABC):
         for d in deltas:
             i = d.index
             self.text[i] += d.text
-            if d.finish_reason is not None:
-                self.finish[i] = d.finish_reason
             lps = [lp for lp in d.logprobs if lp is not None] if self.want_logprobs else []
             offsets = self._offsets(lps, len(self.text[i]) - len(d.text), len(self.text[i]))
             self.logprobs[i] += lps
             self.offsets[i] += offsets
-            if self.stream and (d.text or d.finish_reason is not None or lps):
-                chunks.append(self._chunk([self.choice_delta(d, lps, offsets)]))
+            choice = self.step_choice(d, lps, offsets)
+            if self.stream and choice is not None:
+                chunks.append(self._chunk([choice]))
         return chunks
+
+    def step_choice(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict | None:
+        """Takes one sample's delta; its entry in a streamed chunk, None when it adds none."""
+        if d.finish_reason is not None:
+            self.finish[d.index] = d.finish_reason
+        if d.text or d.finish_reason is not None or lps:
+            return self.choice_delta(d, lps, offsets)
+        return None
 
     def _offsets(self, lps: list[TokenLogprobs], start: int, end: int) -> list[int]:
         """Where each token starts in the sample's text: its token text laid end to end from
@@ -96,6 +104,16 @@ class Shaper(ABC):
 class CompletionShaper(Shaper):
     object = chunk_object = "text_completion"
 
+    def __init__(self, *args, echo: str = "", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.echo = echo  # the prompt's text, written before each choice's (echo=true)
+
+    def start(self) -> list[dict]:
+        if not self.echo:
+            return []
+        return [self._chunk([{"index": i, "text": self.echo, "logprobs": None,
+                              "finish_reason": None}]) for i in range(self.n)]
+
     def _logprobs(self, lps: list[TokenLogprobs], offsets: list[int]) -> dict | None:
         """Legacy completions logprobs: top_logprobs holds the top N and the sampled token."""
         if not self.want_logprobs:
@@ -116,14 +134,44 @@ class CompletionShaper(Shaper):
                 "finish_reason": d.finish_reason}
 
     def choice(self, i: int) -> dict:
-        return {"index": i, "text": self.text[i],
+        return {"index": i, "text": self.echo + self.text[i],
                 "logprobs": self._logprobs(self.logprobs[i], self.offsets[i]),
                 "finish_reason": self.finish[i]}
 
 
 class ChatShaper(Shaper):
+    """Chat: each choice's text goes through its ChatChoice (reasoning, tool calls)."""
+
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, *args, output: ChatOutputSpec | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.choices = [ChatChoice(output or ChatOutputSpec()) for _ in range(self.n)]
+
+    def step_choice(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict | None:
+        choice = self.choices[d.index]
+        md = choice.feed(d.text, d.token_ids)
+        finish = d.finish_reason
+        if finish is not None:
+            end = choice.finish()
+            md.content += end.content
+            md.reasoning += end.reasoning
+            md.tool_calls = end.tool_calls
+            if end.tool_calls and finish == "stop":
+                finish = "tool_calls"
+            self.finish[d.index] = finish
+        if not (md.content or md.reasoning or md.tool_calls or finish is not None or lps):
+            return None
+        delta: dict = {}
+        if md.reasoning:
+            delta["reasoning_content"] = md.reasoning
+        if md.content:
+            delta["content"] = md.content
+        if md.tool_calls:
+            delta["tool_calls"] = [c.openai(k) for k, c in enumerate(md.tool_calls)]
+        return {"index": d.index, "delta": delta, "logprobs": self._logprobs(lps),
+                "finish_reason": finish}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.tok.token_text(token_id)
@@ -142,9 +190,8 @@ class ChatShaper(Shaper):
                               "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
 
     def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
-        return {"index": d.index, "delta": {"content": d.text} if d.text else {},
-                "logprobs": self._logprobs(lps), "finish_reason": d.finish_reason}
+        raise NotImplementedError("ChatShaper.step_choice builds its deltas")
 
     def choice(self, i: int) -> dict:
-        return {"index": i, "message": {"role": "assistant", "content": self.text[i]},
+        return {"index": i, "message": self.choices[i].message(),
                 "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish[i]}

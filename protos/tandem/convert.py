@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.errors import InvalidArgument
-from engine.sampling_params import Logprob, SamplingParams, TokenLogprobs
+from engine.sampling_params import Logprob, ResponseFormat, SamplingParams, TokenLogprobs
 from kvtransfer.descriptor import PoolDescriptor
 from tandem.v1 import common_pb2, worker_pb2
 
@@ -24,6 +24,10 @@ def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        response_format=_format_from_proto(p),
     )
     for name in ("temperature", "top_p", "repetition_penalty", "seed", "logprobs",
                  "skip_special_tokens"):
@@ -43,7 +47,29 @@ def params_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         p.seed = s.seed
     if s.logprobs is not None:
         p.logprobs = s.logprobs
+    p.min_tokens = s.min_tokens
+    p.logit_bias.update(dict(s.logit_bias))
+    p.include_stop_str_in_output = s.include_stop_str_in_output
+    fmt = s.response_format
+    if fmt is not None and fmt.type == "json_object":
+        p.json_object = True
+    elif fmt is not None:
+        p.json_schema = fmt.schema or ""
     return p
+
+
+def _format_from_proto(p: common_pb2.SamplingParams) -> ResponseFormat | None:
+    which = p.WhichOneof("response_format")
+    if which == "json_object":
+        if not p.json_object:
+            raise InvalidArgument("json_object", "set it to true, or leave it unset")
+        return ResponseFormat("json_object")
+    if which == "json_schema":
+        try:
+            return ResponseFormat("json_schema", p.json_schema)
+        except InvalidArgument as e:
+            raise InvalidArgument("json_schema", e.message) from None
+    return None
 
 
 def logprobs_to_proto(lp: TokenLogprobs | None) -> common_pb2.TokenLogprobs:

@@ -148,3 +148,17 @@ def test_ratio_layouts_and_report(tmp_path):
     strict = ratio.report(tmp_path, (3.0, 10.0, "p90"))
     assert strict["best"]["prompt-heavy"] == {"layout": "2C", "max_goodput": 4.0,
                                               "mean_goodput": 3.0}
+
+
+def test_structured_benchmark_counts_every_token(tiny_models, tmp_path):
+    """benchmarks/structured.py on the CPU: both kinds decode every token, the grammar is
+    compiled once, and the JSON names the card."""
+    model = str(tiny_models["llama"])
+    out = tmp_path / "structured.json"
+    run("structured.py", "--model", model, "--tokenizer", model, "--device", "cpu",
+        "--dtype", "float32", "--num-requests", "3", "--prompt-len", "6", "--max-tokens", "12",
+        "--rounds", "1", "--max-num-batched-tokens", "64", "--out", str(out), timeout=300)
+    r = json.loads(out.read_text())
+    assert r["card"] == "cpu" and r["requests"] == 3 and set(r["median"]) == {
+        "unconstrained", "json_schema"}
+    assert r["ratio"] > 0

@@ -203,6 +203,59 @@ def test_stream_include_usage(client, model):
     assert last.choices == [] and last.usage.completion_tokens == 6
 
 
+def test_min_tokens_logit_bias_stop_str_echo(client, model, offline):
+    """min_tokens holds EOS back, logit_bias moves the pick, include_stop_str_in_output keeps the
+    stop string, echo writes the prompt first: each against what the model does without it."""
+    eos = sorted(offline.engine.eos_token_ids)
+    # EOS as likely as can be: without min_tokens the first token ends the sample.
+    bias = {str(t): 100 for t in eos}
+    r = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                  logit_bias=bias)
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                  logit_bias=bias, extra_body={"min_tokens": 5})
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "stop"
+
+    r = client.completions.create(model=model, prompt="ab", max_tokens=6, temperature=0,
+                                  logit_bias={str(ord("z")): 100},
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == "z" * 6
+
+    r = client.completions.create(model=model, prompt="ab", max_tokens=6, temperature=0,
+                                  logit_bias={str(ord("z")): 100}, stop="zz",
+                                  extra_body={"ignore_eos": True,
+                                              "include_stop_str_in_output": True})
+    assert r.choices[0].text == "zz" and r.choices[0].finish_reason == "stop"
+
+    r = client.completions.create(model=model, prompt="Echo me", max_tokens=3, echo=True,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(model=model, prompt="Echo me", max_tokens=3,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == "Echo me" + plain.choices[0].text
+    chunks = list(client.completions.create(model=model, prompt="Echo me", max_tokens=3,
+                                            echo=True, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_tokenize_detokenize(base_url, model, offline):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    ids = offline.tokenizer.encode("Hello, world")
+    r = httpx.post(f"{base_url}/tokenize", headers=auth, json={"model": model,
+                                                               "prompt": "Hello, world"})
+    assert r.json() == {"count": len(ids), "max_model_len": 1024, "tokens": ids}
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(f"{base_url}/tokenize", headers=auth, json={"messages": msgs})
+    assert r.json()["tokens"] == offline.tokenizer.apply_chat_template(msgs)
+    r = httpx.post(f"{base_url}/detokenize", headers=auth, json={"tokens": ids[1:]})
+    assert r.json() == {"prompt": "Hello, world"}
+    r = httpx.post(f"{base_url}/detokenize", headers=auth, json={"tokens": [99999]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = httpx.post(f"{base_url}/tokenize", headers=auth, json={"prompt": "x", "bogus": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
+    assert httpx.post(f"{base_url}/tokenize", json={"prompt": "x"}).status_code == 401
+
+
 def test_models(client, model, base_url, cluster):
     models = client.models.list()
     assert [(m.id, m.object) for m in models.data] == [(model, "model")]
@@ -215,6 +268,7 @@ def test_models(client, model, base_url, cluster):
     assert e.value.param == "model"
     r = httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.json()["object"] == "list"
+    assert r.json()["data"][0]["max_model_len"] == 1024
 
 
 BAD_COMPLETIONS = [
@@ -224,7 +278,7 @@ BAD_COMPLETIONS = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"logprobs": 21}, "logprobs"),
     ({"presence_penalty": 3}, "presence_penalty"),
-    ({"echo": True}, "echo"),
+    ({"echo": True, "logprobs": 1}, "echo"),
     ({"best_of": 3}, "best_of"),
     ({"prompt": [1] * 1024}, "prompt"),  # the model serves 1024 tokens, prompt included
     ({"prompt": ["one", "two"]}, "prompt"),
@@ -320,7 +374,10 @@ def test_full_router_answers_429_fast_and_503_without_workers(tiny_models, tmp_p
                 for path, extra in [("/v1/completions", {}), ("/v1/chat/completions", {
                         "messages": [{"role": "user", "content": "hi"}], "stream": True})]:
                     t0 = time.perf_counter()
-                    r = h.post(path, json={**small, **extra})
+                    body = {**small, **extra}
+                    if "messages" in body:  # chat takes no prompt
+                        del body["prompt"]
+                    r = h.post(path, json=body)
                     elapsed = time.perf_counter() - t0
                     assert r.status_code == 429, r.text
                     assert int(r.headers["retry-after"]) >= 1

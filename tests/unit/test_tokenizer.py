@@ -142,3 +142,42 @@ def test_load_errors(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ModelLoadError):
         Tokenizer(tmp_path)
+
+
+QWEN_LIKE = (
+    "{%- if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"
+    "{% endif %}{%- for m in messages %}<|{{ m.role }}|>{% if m.tool_calls %}"
+    "{% for c in m.tool_calls %}<tool_call>{{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}</tool_call>{% endfor %}{% else %}{{ m.content }}"
+    "{% endif %}{% endfor %}{%- if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>"
+    "{% else %}<think>{% endif %}{% endif %}")
+
+
+def test_tools_tool_turns_and_template_kwargs(demo, tmp_path):
+    """Tools reach the template; a tool call's JSON arguments are an object there; template
+    kwargs (Qwen3's enable_thinking) are passed; the answer's reading follows the template."""
+    from router_svc.chat_request import output_spec, template_messages
+
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((demo.model_dir / f).read_bytes())
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg,
+                                                                "chat_template": QWEN_LIKE}))
+    tok = Tokenizer(tmp_path)
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    msgs = template_messages([
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}])
+    ids = tok.apply_chat_template(msgs, tools=tools)
+    assert tok.decode(ids) == ('<tools>get_time;</tools><|user|>time?<|assistant|><tool_call>'
+                               'get_time {"zone": "utc"}</tool_call><|tool|>12:00<|assistant|>'
+                               '<think>')
+    spec = output_spec(tok, "Qwen3ForCausalLM", ids, "auto", None)
+    assert spec.reasoning and spec.in_reasoning and spec.tool_family == "hermes"
+    off = tok.apply_chat_template(msgs[:1], enable_thinking=False)
+    assert tok.decode(off).endswith("<think></think>")
+    assert not output_spec(tok, "Qwen3ForCausalLM", off, "none", None).in_reasoning

@@ -1,0 +1,138 @@
+"""The cost of grammar-constrained decoding: N concurrent json_schema requests against the same N
+unconstrained, in one offline engine (one process, one GPU), alternated over several rounds.
+
+    python benchmarks/structured.py --model benchmarks/configs/llama-3.1-8b --device cuda:0 \\
+        --num-requests 256 --max-tokens 256 --rounds 3
+
+Benchmark configs ship without a tokenizer; a grammar needs one. The model directory is
+assembled from --model's config.json and --tokenizer's tokenizer files (default: the packaged
+SmolLM2's, 49k tokens; pass a real Llama 3 tokenizer directory for its 128k vocabulary). Ids past
+the tokenizer's vocabulary are never allowed by the grammar, as with any padded embedding.
+
+Both kinds send the same prompts at temperature 1.0 (greedy would repeat itself under dummy
+weights; no seeds, whose per-row generators would slow both kinds alike). The unconstrained requests use ignore_eos; the schema
+(a list of at least 64 records) cannot be complete within --max-tokens, so every constrained
+output runs to max_tokens too: both kinds decode exactly N x max_tokens tokens at batch N.
+Reported: output tokens/s of each kind per round (wall time of LLM.generate), the ratio, and the
+grammar's compile count. Goal (issue 18): constrained >= 0.9 x unconstrained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.llm import LLM
+from engine.model_source import resolve_model
+from engine.sampling_params import ResponseFormat, SamplingParams
+
+RECORD = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": 0, "maximum": 1000000},
+    "name": {"type": "string", "maxLength": 24},
+    "kind": {"enum": ["person", "place", "thing", "event"]},
+    "score": {"type": "number"},
+    "active": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4}},
+    "required": ["id", "name", "kind", "score", "active", "tags"],
+    "additionalProperties": False}
+SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "items": RECORD,
+                                                       "minItems": 64}},
+          "required": ["records"], "additionalProperties": False}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "chat_template.jinja")
+
+
+def assemble(model: Path, tokenizer: Path, out: Path) -> Path:
+    shutil.copy(model / "config.json", out / "config.json")
+    for f in TOKENIZER_FILES:
+        if (tokenizer / f).exists() and not (out / f).exists():
+            shutil.copy(tokenizer / f, out / f)
+    return out
+
+
+def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    return seconds, sum(len(o.token_ids) for out in outs for o in out.outputs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=Path("benchmarks/configs/llama-3.1-8b"))
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="a directory with tokenizer files (default: packaged SmolLM2)")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+
+    tok_dir = args.tokenizer or resolve_model("smollm2-135m-instruct")
+    with tempfile.TemporaryDirectory(prefix="tandem-structured-") as tmp:
+        model_dir = assemble(args.model, tok_dir, Path(tmp))
+        llm = LLM(str(model_dir), device=args.device, dtype=args.dtype, load_format="dummy",
+                  max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, progress=False)
+        vocab = llm.tokenizer.vocab_size
+        if vocab > llm.engine.model_config.vocab_size:
+            sys.exit(f"the tokenizer has {vocab} tokens, more than the model's "
+                     f"{llm.engine.model_config.vocab_size} logits: pass another --tokenizer")
+        n = args.num_requests
+        prompts = [[(97 * i + 13 * j) % (vocab - 1) + 1 for j in range(args.prompt_len)]
+                   for i in range(n)]
+        fmt = ResponseFormat("json_schema", json.dumps(SCHEMA))
+        kinds = {
+            "unconstrained": [SamplingParams(temperature=1.0, max_tokens=args.max_tokens,
+                                             ignore_eos=True)] * n,
+            "json_schema": [SamplingParams(temperature=1.0, max_tokens=args.max_tokens,
+                                           response_format=fmt)] * n,
+        }
+        run(llm, prompts[:8], kinds["json_schema"][:8])  # warm-up; compiles the grammar
+        rates: dict[str, list[float]] = {k: [] for k in kinds}
+        for r in range(args.rounds):
+            for kind, params in kinds.items():
+                seconds, tokens = run(llm, prompts, params)
+                assert tokens == n * args.max_tokens, (kind, tokens)
+                rates[kind].append(tokens / seconds)
+                print(f"round {r}  {kind:13s}  {tokens} tokens  {seconds:7.2f} s  "
+                      f"{tokens / seconds:9.0f} tok/s", flush=True)
+    card = _card(args.device)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    ratio = med["json_schema"] / med["unconstrained"]
+    print(f"\n{card}, {args.model.name}, {n} concurrent requests, {args.max_tokens} tokens each,"
+          f" tokenizer vocab {vocab}")
+    print(f"{'kind':14s} {'median tok/s':>13s}")
+    for k, v in med.items():
+        print(f"{k:14s} {v:13.0f}")
+    print(f"json_schema / unconstrained: {ratio:.3f} ({(1 - ratio) * 100:.1f}% lower)")
+    print(f"grammars compiled: {llm.engine.grammars.num_compiled}")
+    if args.out:
+        args.out.write_text(json.dumps({"card": card, "model": args.model.name, "requests": n,
+                                        "max_tokens": args.max_tokens, "tokenizer_vocab": vocab,
+                                        "tok_s": rates, "median": med, "ratio": ratio}, indent=2))
+
+
+def _card(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Structured outputs: grammars compiled by xgrammar, one matcher per sample.
+
+    ResponseFormat ──compile once per distinct schema text (LRU)──▶ CompiledGrammar
+    each sample: GrammarState(matcher) ── fill its row of the step's token bitmask (CPU)
+                                       ── the sampler masks the logits on the device
+                                       ── accept the sampled token (the engine, per sample)
+
+The matcher lives with its Sequence. It advances with each token the sequence appends, so a
+preempted sequence (recomputed, same tokens) keeps it, a fork copies it, and a decode worker
+rebuilds it from the first tokens the prefill worker sampled under the same grammar (the
+schema travels in the request's SamplingParams). EOS is allowed only once the grammar is
+complete: the tokenizer info names the engine's EOS ids as the grammar's stop tokens.
+
+The engine core has no tokenizer of its own: the first request with a grammar loads the
+checkpoint's tokenizer to build xgrammar's TokenizerInfo (sized to the model's logits, which may
+be wider than the tokenizer's vocabulary; the extra ids are never allowed).
+
+Compiling takes from milliseconds to seconds (a large vocabulary, a big schema): it runs on a
+thread of its own (`submit`), and the engine holds the request back until its grammar is ready,
+so the step loop never waits for it.
+
+xgrammar is an optional dependency (the `structured` extra), imported on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.errors import InvalidArgument
+from engine.sampling_params import ResponseFormat
+
+EXTRA = "structured"
+CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
+
+
+def xgrammar() -> Any:
+    """The xgrammar module, or InvalidArgument naming the extra that installs it."""
+    try:
+        import xgrammar as xgr  # noqa: PLC0415 - optional, and slow to import
+    except ImportError:
+        raise InvalidArgument(
+            "response_format", "structured outputs need the xgrammar package, which is not "
+            f"installed here: pip install 'tandem[{EXTRA}]'") from None
+    return xgr
+
+
+def check_schema(fmt: ResponseFormat) -> None:
+    """Refuse a schema xgrammar cannot turn into a grammar (no tokenizer needed: the router
+    calls this to answer 400 before any worker sees the request)."""
+    if fmt.schema is not None:
+        _check_schema_text(fmt.schema)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _check_schema_text(schema: str) -> None:
+    xgrammar()  # ImportError first, naming the extra
+    try:
+        schema_grammar(schema)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with its reason
+        raise InvalidArgument("response_format", f"the schema cannot be used: "
+                              f"{_reason(e)}") from None
+
+
+class GrammarState:
+    """One sample's position in its grammar."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into row `row` of a CPU int32 bitmask."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar does not allow it."""
+        return self.matcher.accept_token(token_id)
+
+    def fork(self) -> GrammarState:
+        return GrammarState(self.matcher.fork())
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class GrammarCompiler:
+    """Compiles response formats against one model's tokenizer, once per distinct schema."""
+
+    def __init__(self, model_dir: Path | None, vocab_size: int, eos_token_ids: list[int],
+                 cache_size: int = CACHE_SIZE) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size  # the model's logits, >= the tokenizer's vocabulary
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.cache_size = cache_size
+        self._compiler: Any = None
+        self._cache: OrderedDict[tuple[str, str | None], Any] = OrderedDict()
+        self._pending: dict[tuple[str, str | None], Future] = {}
+        self._lock = threading.Lock()  # the cache and the pending compiles
+        self._executor: ThreadPoolExecutor | None = None
+        self.num_compiled = 0
+
+    def _get_compiler(self) -> Any:
+        if self._compiler is None:
+            xgr = xgrammar()
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._hf_tokenizer(), vocab_size=self.vocab_size,
+                stop_token_ids=self.eos_token_ids)
+            # Our own LRU keeps what is compiled; xgrammar's cache would keep a second copy.
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+    def _hf_tokenizer(self) -> Any:
+        from engine.tokenizer import Tokenizer  # noqa: PLC0415 - transformers, on first use
+
+        d = self.model_dir
+        if d is None or not any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+            raise InvalidArgument("response_format", "this model has no tokenizer, which "
+                                  "structured outputs need")
+        return Tokenizer(d).hf
+
+    def submit(self, fmt: ResponseFormat) -> Future:
+        """The compiled grammar of `fmt`, now if cached, else from the compile thread (one
+        compile per schema however many requests wait for it). Its exception is an
+        InvalidArgument if the schema cannot be compiled."""
+        key = (fmt.type, fmt.schema)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                done: Future = Future()
+                done.set_result(compiled)
+                return done
+            fut = self._pending.get(key)
+            if fut is None:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+                fut = self._pending[key] = self._executor.submit(self._compile, key, fmt)
+            return fut
+
+    def compile(self, fmt: ResponseFormat) -> Any:
+        """The compiled grammar of `fmt`, waiting for it; InvalidArgument if it cannot be."""
+        return self.submit(fmt).result()
+
+    def _compile(self, key: tuple[str, str | None], fmt: ResponseFormat) -> Any:
+        try:
+            compiled = self._get_compiler().compile_grammar(schema_grammar(fmt.schema))
+        except Exception as e:  # xgrammar raises RuntimeError with its reason
+            with self._lock:
+                self._pending.pop(key, None)
+            if isinstance(e, InvalidArgument):
+                raise
+            raise InvalidArgument("response_format", f"the schema cannot be compiled: "
+                                  f"{_reason(e)}") from None
+        with self._lock:  # cached before it stops pending: no second compile in between
+            self._pending.pop(key, None)
+            self.num_compiled += 1
+            self._cache[key] = compiled
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def state(self, fmt: ResponseFormat) -> GrammarState:
+        """A fresh matcher at the start of `fmt`'s grammar."""
+        return self.state_of(self.compile(fmt))
+
+    @staticmethod
+    def state_of(compiled: Any) -> GrammarState:
+        return GrammarState(xgrammar().GrammarMatcher(compiled))
+
+
+# JSON strings as xgrammar 0.2.8 writes them let through what a strict parser refuses: every
+# string rule admits UTF-8-encoded surrogates (U+D800-U+DFFF, invalid UTF-8: they decode to
+# U+FFFD, so a "maxLength" string grows), and a length-bounded string ("maxLength") admits raw
+# control characters (JSON allows them only escaped). Both are closed in the grammar's text.
+_CONTROL = r"\0-\x1f"
+_LOOSE_CHARS = r'[^\"\\\r\n]'
+_STRICT_CHARS = r"\0-\x1f\ud800-\udfff"
+
+
+def _strict_strings(ebnf: str) -> str:
+    ebnf = ebnf.replace(_CONTROL, _STRICT_CHARS)
+    return ebnf.replace(_LOOSE_CHARS, r'[^\"\\' + _STRICT_CHARS + "]")
+
+
+def schema_grammar(schema: str | None) -> Any:
+    """The grammar of JSON valid against `schema` (None: any JSON object): compact (with any
+    whitespace allowed, a weak model can pad forever), strings strictly valid."""
+    xgr = xgrammar()
+    ebnf = str(xgr.Grammar.from_json_schema(schema or '{"type": "object"}',
+                                            any_whitespace=False))
+    return xgr.Grammar.from_ebnf(_strict_strings(ebnf))
+
+
+def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Each state's allowed tokens into its row of `bitmask`, the rows in parallel on xgrammar's
+    threads (half the cores): at 256 rows one at a time this is most of a decode step."""
+    if len(states) == 1:
+        states[0].fill(bitmask, rows[0])
+        return
+    _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, rows)
+
+
+@functools.cache
+def _batch_matcher() -> Any:
+    return xgrammar().BatchGrammarMatcher("auto")
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per row of a token bitmask (one bit per token id)."""
+    return (vocab_size + 31) // 32
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, the logits of rows `rows` whose bit is 0 in the CPU `bitmask`
+    (one row per row of logits). xgrammar's kernel on CUDA, its C++ loop on the CPU."""
+    xgr = xgrammar()
+    mask = bitmask.to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1], indices=rows)
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message without its source location prefix ("[time] file.cc:123: ")."""
+    text = str(e).strip()
+    if text.startswith("[") and ": " in text:
+        text = text.split(": ", 1)[1]
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,229 @@
+"""The OpenAI request bodies (pydantic) and what the HTTP API makes of them: prompt ids, the
+SamplingParams, and for chat the template's input and how the answer is read back. Errors are
+InvalidArgument naming the OpenAI field.
+
+No field is silently ignored: a field these models do not declare is refused by name
+(unknown_field) unless it cannot change the answer (HARMLESS_FIELDS).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from engine.errors import InvalidArgument
+from engine.sampling_params import ResponseFormat, SamplingParams
+from router_svc import chat_request
+from router_svc.chat_output import ChatOutputSpec
+from router_svc.frontend import Frontend
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+# Fields accepted and not acted on: none of them changes what the model writes.
+HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier",
+                             "prompt_cache_key"})
+
+
+class _SamplingFields(BaseModel):
+    """Fields both endpoints share. Any other field is refused by name (see _refuse_unknown)
+    unless it is one of HARMLESS_FIELDS."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of a json_schema
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    functions: Any = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def refuse(cond: object, param: str, message: str) -> None:
+    if cond:
+        raise InvalidArgument(param, message)
+
+
+def unknown_field(req: BaseModel) -> str | None:
+    """The first field of the request that is neither declared nor harmless."""
+    return next((k for k in req.model_extra or {} if k not in HARMLESS_FIELDS), None)
+
+
+def request_format(req: _SamplingFields) -> ResponseFormat | None:
+    fmt = chat_request.response_format(req.response_format)
+    if req.guided_json is None:
+        return fmt
+    refuse(fmt is not None, "guided_json", "give response_format or guided_json, not both")
+    schema = req.guided_json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise InvalidArgument("guided_json", "is not JSON") from None
+    return chat_request.response_format({"type": "json_schema",
+                                         "json_schema": {"schema": schema}}, "guided_json")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    try:
+        return {int(k): v for k, v in (bias or {}).items()}
+    except ValueError:
+        raise InvalidArgument("logit_bias", "keys must be token ids") from None
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
+                     response_format: ResponseFormat | None = None) -> SamplingParams:
+    refuse(req.stream_options is not None and not req.stream, "stream_options",
+            "is only allowed with stream=true")
+    kw: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed"):
+        if (v := getattr(req, name)) is not None:
+            kw[name] = v
+    if req.top_k is not None:
+        kw["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM spells "off" -1
+    return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop or (),
+                          stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
+                          logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                          min_tokens=req.min_tokens, logit_bias=_logit_bias(req.logit_bias),
+                          include_stop_str_in_output=req.include_stop_str_in_output,
+                          response_format=response_format, **kw)
+
+
+def remaining(fe: Frontend, prompt: list[int]) -> int:
+    # At least 1 so a too-long prompt is refused as the prompt, not as max_tokens.
+    return max(1, fe.model.max_model_len - len(prompt))
+
+
+def completion_prompt(fe: Frontend, prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        refuse(len(prompt) != 1, "prompt", f"one prompt per request, got {len(prompt)}")
+        prompt = prompt[0]
+    return fe.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def echo_text(fe: Frontend, given: Any, prompt: list[int]) -> str:
+    """The prompt as the client sent it: its text, or the decode of its token ids."""
+    if isinstance(given, list) and given and isinstance(given[0], str):
+        given = given[0]
+    if isinstance(given, str):
+        return given
+    refuse(fe.tokenizer is None, "echo", "this model has no tokenizer to write the prompt")
+    return fe.tokenizer.decode(prompt)
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Content given as a list of parts becomes one string (text parts only)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = [p.get("text") for p in content if isinstance(p, dict)]
+            refuse(any(not (isinstance(p, dict) and p.get("type") == "text"
+                             and isinstance(p.get("text"), str)) for p in content),
+                    "messages", f"[{i}].content: only text parts are supported")
+            m = {**m, "content": "\n".join(texts)}
+        out.append(m)
+    return out
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    prompt: list[int]
+    params: SamplingParams
+    output: ChatOutputSpec
+
+
+def chat_plan(fe: Frontend, body: ChatCompletionRequest, names: dict[str, str]) -> ChatPlan:
+    """The prompt, params and output reading of a chat request. `names` (updated in place, so
+    an error raised here reads right too) maps engine field names to this request's."""
+    refuse(body.chat_template is not None, "chat_template",
+           "is not accepted; the checkpoint's own chat template is used")
+    refuse(body.functions, "functions", "is not supported; use tools")
+    refuse(body.top_logprobs is not None and not body.logprobs, "top_logprobs",
+           "needs logprobs=true")
+    tools = chat_request.parse_tools(body.tools)
+    mode, name = chat_request.tool_choice_mode(body.tool_choice, tools)
+    fmt = request_format(body)
+    grammar = chat_request.tool_grammar(tools, mode, name, body.parallel_tool_calls)
+    if grammar is not None:
+        refuse(fmt is not None, "response_format", f"cannot be combined with tool_choice {mode}")
+        fmt, names["response_format"] = grammar, "tools"
+    prompt = fe.tokenizer.apply_chat_template(
+        chat_request.template_messages(chat_messages(body.messages)),
+        tools=body.tools if tools else None,
+        **chat_request.template_kwargs(body.chat_template_kwargs))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    if max_tokens is None:
+        max_tokens = remaining(fe, prompt)
+    params = sampling_params(body, max_tokens,
+                             (body.top_logprobs or 0) if body.logprobs else None, fmt)
+    output = chat_request.output_spec(fe.tokenizer, fe.model.architecture, prompt, mode, name)
+    return ChatPlan(prompt, params, output)
