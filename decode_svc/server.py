@@ -77,7 +77,8 @@ class DecodeServicer(WorkerServicer):
         super().__init__(engine, worker_id)
         self.role = role
         self.address = address
-        self.peers: set[str] = set()  # prefill workers whose pools the engine core mapped
+        # prefill worker address -> the instance (process) whose pool the engine core mapped
+        self.peers: dict[str, str] = {}
         self._leases: dict[str, _Lease] = {}  # by lease id: handed to the engine core
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -199,13 +200,15 @@ class DecodeServicer(WorkerServicer):
             lease.context = contextvars.copy_context()
             params = params_from_proto(request.params)
             try:
-                await self._peer(kv.address)
+                await self._peer(kv.address, kv.instance_id)
             except grpc.aio.AioRpcError as e:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE,
                                   f"prefill worker {kv.address}: {e.details()}") from None
             remote = RemoteSource(kv.address, kv.lease_id, lease.deadline, tuple(kv.block_ids),
                                   tuple(request.first_token_ids),
-                                  logprobs_from_proto(request.first_logprobs, params.n))
+                                  logprobs_from_proto(request.first_logprobs, params.n),
+                                  tuple(tuple(s.token_ids) for s in request.resume),
+                                  kv.instance_id)
             finished: list[SeqOutput] = []
             self._leases[kv.lease_id] = lease
             lease.handed = True  # from here the engine ends it (lease_done), exactly once
@@ -233,21 +236,26 @@ class DecodeServicer(WorkerServicer):
                                                                       options=GRPC_OPTIONS)
         return worker_pb2_grpc.WorkerStub(ch)
 
-    async def _peer(self, address: str) -> None:
-        """Register with a prefill worker and map its pool in the engine core, on first use."""
-        if address in self.peers:
+    async def _peer(self, address: str, instance_id: str) -> None:
+        """Register with a prefill worker and map its pool in the engine core, on first use and
+        again once the worker there restarted (a new instance has a new pool). A lease from an
+        instance that is gone fails its request: its KV went with it."""
+        if self.peers.get(address) == instance_id:
             return
         async with self._peer_locks.setdefault(address, asyncio.Lock()):
-            if address in self.peers:
-                return
-            resp = await self._stub(address).Register(worker_pb2.RegisterRequest(
-                decode_worker_id=self.worker_id, layout=self.layout), timeout=30,
-                metadata=trace_metadata())
-            desc = descriptor_from_proto(resp.pool)
-            check_compatible(self.layout, desc)
-            await self.engine.map_pool(address, desc)
-            self.peers.add(address)
-            log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id, desc.redacted())
+            if self.peers.get(address) != instance_id:
+                resp = await self._stub(address).Register(worker_pb2.RegisterRequest(
+                    decode_worker_id=self.worker_id, layout=self.layout), timeout=30,
+                    metadata=trace_metadata())
+                desc = descriptor_from_proto(resp.pool)
+                check_compatible(self.layout, desc)
+                await self.engine.map_pool(address, desc, resp.instance_id)
+                self.peers[address] = resp.instance_id
+                log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id,
+                         desc.redacted())
+        if self.peers[address] != instance_id:
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {address} "
+                              "restarted since it granted the lease")
 
     def _spawn_release(self, address: str, lease_id: str,
                        context: contextvars.Context | None) -> None:

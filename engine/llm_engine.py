@@ -117,11 +117,28 @@ class LLMEngine:
         if len(remote.block_ids) != cdiv(len(prompt_token_ids), self.block_pool.block_size):
             raise InvalidArgument("kv.block_ids", f"{len(remote.block_ids)} blocks do not hold "
                                   f"{len(prompt_token_ids)} tokens")
+        if remote.resume_token_ids:
+            self._validate_resume(prompt_token_ids, params, remote.resume_token_ids)
         seq = Sequence(request_id, prompt_token_ids, params)
         seq.remote = remote
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
         self.num_requests_added += 1
+
+    def _validate_resume(self, prompt: list[int], params: SamplingParams,
+                         resume: tuple[tuple[int, ...], ...]) -> None:
+        if len(resume) != params.n:
+            raise InvalidArgument("resume", f"expected {params.n} samples, got {len(resume)}")
+        vocab = self.model_config.vocab_size
+        for tokens in resume:
+            bad = next((t for t in tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidArgument("resume", f"token id {bad} is outside [0, {vocab})")
+            # The first token and these: no more than the request may have.
+            if 1 + len(tokens) > params.max_tokens or \
+                    len(prompt) + 1 + len(tokens) > self.max_model_len:
+                raise InvalidArgument("resume", f"{1 + len(tokens)} output tokens exceed "
+                                      "max_tokens or the model's length")
 
     def abort(self, request_id: str) -> bool:
         seqs = self.requests.pop(request_id, None)
@@ -289,13 +306,18 @@ class LLMEngine:
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.kv.cache_full_blocks(seq)
             firsts, lps = remote.first_token_ids, remote.first_logprobs
+            resume = remote.resume_token_ids or ((),) * len(firsts)
             children = self._fork(seq, list(firsts[1:]), list(lps[1:]))
-            for s, tok, lp in zip([seq, *children], firsts, lps):
-                # The first token was streamed from the prefill side: record, do not re-emit.
-                out = self._append(s, tok, lp)
-                if s.is_finished:
-                    out.new_token_ids, out.new_logprobs = [], []
-                    outputs.append(out)
+            for s, tok, lp, more in zip([seq, *children], firsts, lps, resume):
+                # The first token (and after a move, the outputs since) went to the client
+                # already: record, do not re-emit. The tokens after the prompt have no KV here
+                # yet: the next steps compute it as a prompt chunk, then sample the next one.
+                s.token_ids += [tok, *more]
+                s.logprobs += [lp, *[None] * len(more)]
+                reason = self._stop_reason(s, s.token_ids[-1])
+                if reason is not None:  # a sample that had finished before the move
+                    self._finish(s, reason)
+                    outputs.append(self._output(s, [], []))
         return outputs
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

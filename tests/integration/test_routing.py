@@ -30,8 +30,11 @@ async def generate(stub, prompt, params, timeout=30):
 
 @pytest.fixture
 def cluster(tiny_models, tmp_path):
+    # --max-migrations 0: a stream whose decode worker dies fails (test_faults.py has them
+    # move), and says why.
     c = Cluster(tmp_path, str(tiny_models["llama"]), prefill=2, decode=2,
-                worker_args=WORKER_ARGS, router_args=["--http-port", "-1"]).start()
+                worker_args=WORKER_ARGS,
+                router_args=["--http-port", "-1", "--max-migrations", "0"]).start()
     yield c
     c.stop()
 
@@ -92,6 +95,7 @@ def test_killed_workers_are_taken_out(cluster):
                         pass
                     return "done"
                 except grpc.aio.AioRpcError as e:
+                    assert "--max-migrations 0" in e.details(), e.details()
                     return e.code()
 
             # In-flight requests on the dead worker end UNAVAILABLE, the others run to their
