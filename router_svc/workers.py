@@ -66,18 +66,20 @@ class Worker:
 
 async def unless_lost(w: Worker, call: grpc.aio.UnaryUnaryCall):
     """A unary call's response, or UNAVAILABLE (the call cancelled) as soon as `w` is lost."""
-    lost = w.lost
     answer = asyncio.ensure_future(call)
-    waiter = asyncio.ensure_future(lost.wait())
+    waiter = asyncio.ensure_future(w.lost.wait())
     try:
-        await asyncio.wait((answer, waiter), return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait((answer, waiter), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the caller left
+        call.cancel()
+        answer.cancel()
+        raise
     finally:
         waiter.cancel()
-        if not answer.done():
-            call.cancel()
-            answer.cancel()
-    if not answer.cancelled():
+    if answer in done:
         return answer.result()
+    call.cancel()
+    answer.cancel()
     raise StreamBroken(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                        f"worker {w.address} stopped answering")
 
