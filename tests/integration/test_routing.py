@@ -144,9 +144,17 @@ def test_full_router_answers_resource_exhausted_fast(tiny_models, tmp_path):
                 assert elapsed < 0.05, f"refusal took {elapsed * 1e3:.1f} ms"
                 for call in calls:
                     call.cancel()
-                await asyncio.sleep(0.2)
-                # Room again: a request goes through.
-                ok = await generate(stub, [1, 2, 3], SamplingParams(max_tokens=4))
+                # Room again once the router has seen the cancels: a request goes through
+                # (retried after each refusal, as Retry-After asks, not after a fixed wait).
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        ok = await generate(stub, [1, 2, 3], SamplingParams(max_tokens=4))
+                        break
+                    except grpc.aio.AioRpcError as e:
+                        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        assert time.monotonic() < deadline, "the cancelled calls never left"
+                        await asyncio.sleep(0.05)
                 assert ok[-1].finish_reason
 
         asyncio.run(main())
