@@ -58,6 +58,8 @@ class DecodeArgs:
     params: SamplingParams
     first_token_ids: tuple[int, ...]
     first_logprobs: tuple[TokenLogprobs | None, ...]
+    # A request moved here mid-stream: per sample, the outputs after the first it already has.
+    resume_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 def decode_args(req: worker_pb2.DecodeRequest, limits: RequestLimits) -> DecodeArgs:
@@ -79,7 +81,16 @@ def decode_args(req: worker_pb2.DecodeRequest, limits: RequestLimits) -> DecodeA
     if len(firsts) != params.n:
         raise InvalidArgument("first_token_ids", f"{len(firsts)} ids for n={params.n}")
     _check_ids("first_token_ids", firsts, limits.vocab_size)
-    return DecodeArgs(prompt, params, firsts, logprobs_from_proto(req.first_logprobs, params.n))
+    resume = tuple(tuple(s.token_ids) for s in req.resume)
+    if resume and len(resume) != params.n:
+        raise InvalidArgument("resume", f"{len(resume)} samples for n={params.n}")
+    for tokens in resume:
+        _check_ids("resume", tokens, limits.vocab_size)
+        if len(prompt) + 1 + len(tokens) > limits.max_model_len:
+            raise InvalidArgument("resume", f"{1 + len(tokens)} outputs after a prompt of "
+                                  f"{len(prompt)} exceed max_model_len {limits.max_model_len}")
+    return DecodeArgs(prompt, params, firsts, logprobs_from_proto(req.first_logprobs, params.n),
+                      resume)
 
 
 def _check_ids(field: str, ids: list[int] | tuple[int, ...], vocab: int) -> None:
@@ -88,7 +99,7 @@ def _check_ids(field: str, ids: list[int] | tuple[int, ...], vocab: int) -> None
         raise InvalidArgument(field, f"token id {bad} is outside [0, {vocab})")
 
 
-async def claim(stub, lease: HeldLease, args: DecodeArgs) -> RemoteSource:
+async def claim(stub, lease: HeldLease, args: DecodeArgs, instance_id: str = "") -> RemoteSource:
     """Present the lease's token to its prefill worker; what the engine core will pull. A
     refused token (unknown, expired, released or claimed before) fails the request with
     FAILED_PRECONDITION and marks the lease not ours to release."""
@@ -115,4 +126,5 @@ async def claim(stub, lease: HeldLease, args: DecodeArgs) -> RemoteSource:
         raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"the lease has {resp.ttl_ms} ms left, too little to pull its KV")
     return RemoteSource(lease.address, lease.lease_id, deadline, tuple(resp.block_ids),
-                        args.first_token_ids, args.first_logprobs)
+                        args.first_token_ids, args.first_logprobs, args.resume_token_ids,
+                        instance_id)

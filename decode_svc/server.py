@@ -57,7 +57,8 @@ class DecodeServicer(WorkerServicer):
         super().__init__(engine, worker_id)
         self.role = role
         self.address = address
-        self.peers: set[str] = set()  # prefill workers whose pools the engine core mapped
+        # prefill worker address -> the instance (process) whose pool the engine core mapped
+        self.peers: dict[str, str] = {}
         self._pool_addresses: dict[bytes, str] = {}  # a mapped pool's handle -> its address
         # Every lease this worker holds, by token, from its request's arrival to its release.
         self._held: dict[str, HeldLease] = {}
@@ -184,11 +185,12 @@ class DecodeServicer(WorkerServicer):
             lease.context = contextvars.copy_context()
             args = decode_args(request, self.limits)  # before anything is claimed or allocated
             try:
-                await self._peer(lease.address)
+                await self._peer(lease.address, request.kv.instance_id)
             except grpc.aio.AioRpcError as e:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE,
                                   f"prefill worker {lease.address}: {e.details()}") from None
-            remote = await claim(self._stub(lease.address), lease, args)
+            remote = await claim(self._stub(lease.address), lease, args,
+                                 request.kv.instance_id)
             finished: list[SeqOutput] = []
             lease.handed = True  # from here the engine ends it (lease_done), exactly once
             await self.engine.decode(request.request_id, args.prompt, args.params, remote,
@@ -234,29 +236,34 @@ class DecodeServicer(WorkerServicer):
                                                                       options=GRPC_OPTIONS)
         return worker_pb2_grpc.WorkerStub(ch)
 
-    async def _peer(self, address: str) -> None:
-        """Register with a prefill worker and map its pool in the engine core, on first use."""
-        if address in self.peers:
+    async def _peer(self, address: str, instance_id: str) -> None:
+        """Register with a prefill worker and map its pool in the engine core, on first use and
+        again once the worker there restarted (a new instance has a new pool). A lease from an
+        instance that is gone fails its request: its KV went with it."""
+        if self.peers.get(address) == instance_id:
             return
         async with self._peer_locks.setdefault(address, asyncio.Lock()):
-            if address in self.peers:
-                return
-            resp = await self._stub(address).Register(worker_pb2.RegisterRequest(
-                decode_worker_id=self.worker_id, layout=self.layout), timeout=30,
-                metadata=trace_metadata())
-            desc = descriptor_from_proto(resp.pool)
-            check_compatible(self.layout, desc)
-            # One address per pool: a peer presenting a pool mapped for another would answer
-            # claims for that pool's blocks itself.
-            known = self._pool_addresses.setdefault(desc.handle, address)
-            if known != address:
-                log.warning("refused %s: it presents the pool of %s", address, known)
-                raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"prefill worker {address} presents the KV pool of another "
-                                  f"prefill worker")
-            await self.engine.map_pool(address, desc)
-            self.peers.add(address)
-            log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id, desc.redacted())
+            if self.peers.get(address) != instance_id:
+                resp = await self._stub(address).Register(worker_pb2.RegisterRequest(
+                    decode_worker_id=self.worker_id, layout=self.layout), timeout=30,
+                    metadata=trace_metadata())
+                desc = descriptor_from_proto(resp.pool)
+                check_compatible(self.layout, desc)
+                # One address per pool: a peer presenting a pool mapped for another would
+                # answer claims for that pool's blocks itself.
+                known = self._pool_addresses.setdefault(desc.handle, address)
+                if known != address:
+                    log.warning("refused %s: it presents the pool of %s", address, known)
+                    raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"prefill worker {address} presents the KV pool of "
+                                      "another prefill worker")
+                await self.engine.map_pool(address, desc, resp.instance_id)
+                self.peers[address] = resp.instance_id
+                log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id,
+                         desc.redacted())
+        if self.peers[address] != instance_id:
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {address} "
+                              "restarted since it granted the lease")
 
     def _spawn_release(self, address: str, lease_id: str,
                        context: contextvars.Context | None) -> None:

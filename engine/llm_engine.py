@@ -170,11 +170,28 @@ class LLMEngine:
         if len(remote.block_ids) != cdiv(len(prompt_token_ids), self.block_pool.block_size):
             raise InvalidArgument("kv.block_ids", f"{len(remote.block_ids)} blocks do not hold "
                                   f"{len(prompt_token_ids)} tokens")
+        if remote.resume_token_ids:
+            self._validate_resume(prompt_token_ids, params, remote.resume_token_ids)
         seq = Sequence(request_id, prompt_token_ids, params)
         seq.remote = remote
         self.requests[request_id] = [seq]
         self._admit(seq)
         self.num_requests_added += 1
+
+    def _validate_resume(self, prompt: list[int], params: SamplingParams,
+                         resume: tuple[tuple[int, ...], ...]) -> None:
+        if len(resume) != params.n:
+            raise InvalidArgument("resume", f"expected {params.n} samples, got {len(resume)}")
+        vocab = self.model_config.vocab_size
+        for tokens in resume:
+            bad = next((t for t in tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidArgument("resume", f"token id {bad} is outside [0, {vocab})")
+            # The first token and these: no more than the request may have.
+            if 1 + len(tokens) > params.max_tokens or \
+                    len(prompt) + 1 + len(tokens) > self.max_model_len:
+                raise InvalidArgument("resume", f"{1 + len(tokens)} output tokens exceed "
+                                      "max_tokens or the model's length")
 
     def abort(self, request_id: str) -> bool:
         seqs = self.requests.pop(request_id, None)
@@ -376,18 +393,25 @@ class LLMEngine:
         return outputs
 
     def _start_decoding(self, seq: Sequence, remote: RemoteKV) -> list[SeqOutput]:
-        """A pulled request's prompt is computed; its first token(s) came with the handoff."""
+        """A pulled request's prompt is computed; its first token(s) came with the handoff, and
+        after a move from another decode worker each sample's outputs since."""
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.kv.cache_full_blocks(seq)
         firsts, lps = remote.first_token_ids, remote.first_logprobs
+        resume = remote.resume_token_ids or ((),) * len(firsts)
         children = self._fork(seq, list(firsts[1:]), list(lps[1:]))
         outputs = []
-        for s, tok, lp in zip([seq, *children], firsts, lps):
-            # The first token was streamed from the prefill side: record, do not re-emit.
-            out = self._append(s, tok, lp)
-            if s.is_finished:
-                out.new_token_ids, out.new_logprobs = [], []
-                outputs.append(out)
+        for s, tok, lp, more in zip([seq, *children], firsts, lps, resume):
+            # These went to the client already: record (grammar and stop checks included), do
+            # not re-emit. The tokens after the prompt have no KV here yet: the next steps
+            # compute them as a prompt chunk, then sample the next one.
+            self._append(s, tok, lp)
+            for t in more:
+                if s.is_finished:
+                    break
+                self._append(s, t, None)
+            if s.is_finished:  # a sample that had finished before the move
+                outputs.append(self._output(s, [], []))
         return outputs
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

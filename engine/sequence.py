@@ -48,6 +48,9 @@ class RemoteKV:
     block_ids: tuple[int, ...]
     first_token_ids: tuple[int, ...]  # one per sample
     first_logprobs: tuple[TokenLogprobs | None, ...]
+    # A request moved here mid-stream: per sample, its outputs after the first token (empty:
+    # none). Their KV is recomputed after the pull, as a preempted sequence's is.
+    resume_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 class Sequence:

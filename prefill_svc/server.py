@@ -59,7 +59,8 @@ class PrefillServicer(WorkerServicer):
             finish_reasons=[r.value if r else "" for r in h.finish_reasons],
             kv=worker_pb2.KVLocation(worker_id=self.worker_id, address=self.address,
                                      num_tokens=h.num_tokens, lease_id=h.lease_id,
-                                     lease_ttl_ms=int(h.lease_ttl_s * 1000)),
+                                     lease_ttl_ms=int(h.lease_ttl_s * 1000),
+                                     instance_id=self.instance_id),
             num_cached_tokens=h.num_cached_tokens)
 
     async def ClaimLease(self, request, context):  # noqa: N802
@@ -87,7 +88,8 @@ class PrefillServicer(WorkerServicer):
         log.info("decode worker %s registered (%s)", request.decode_worker_id,
                  mine.redacted())
         return worker_pb2.RegisterResponse(prefill_worker_id=self.worker_id,
-                                           pool=descriptor_to_proto(mine))
+                                           pool=descriptor_to_proto(mine),
+                                           instance_id=self.instance_id)
 
 
 def run(args: argparse.Namespace) -> int:

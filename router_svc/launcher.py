@@ -11,8 +11,9 @@ sends SIGTERM to the router first (it drains its streams), then to the workers.
     tandem up --model DIR --prefill-workers 2 --decode-workers 2      # one GPU per worker
     tandem up --both-workers 2                 # colocated workers (the baseline)
 
-prints the endpoints and on Ctrl-C (or SIGTERM) drains and stops everything; if any process
-dies, everything stops.
+prints the endpoints and on Ctrl-C (or SIGTERM) drains and stops everything. A process that
+exits is restarted on the address it had (router_svc/supervisor.py); one that cannot be
+restarted (--max-restarts exits within --restart-window seconds) stops the stack, exit code 1.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from engine.errors import InvalidArgument
 from engine.model_source import served_name
@@ -48,6 +49,7 @@ class Proc:
     address: str = ""  # 127.0.0.1:<gRPC port>, once ready
     http_port: int = 0  # the router's
     metrics_port: int = 0  # a worker's, when the stack was started with metrics=True
+    argv: tuple[str, ...] = ()  # the `tandem` command line it was started with
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""
@@ -106,11 +108,14 @@ class LocalStack:
         self.metrics = metrics
         self.metrics_port_base = metrics_port_base
         self.procs: dict[str, Proc] = {}
+        self.supervisor: Any = None  # router_svc.supervisor.Supervisor, when supervised
         # Workers on the CPU divide its cores (an explicit --cpu-threads in worker_args wins).
         self.cpu_threads = cpu_threads_each(self.devices.count("cpu"))
 
     # -- processes ---------------------------------------------------------------------------
-    def spawn(self, name: str, argv: Sequence[str], metrics_port: int = 0) -> Proc:
+    def spawn(self, name: str, argv: Sequence[str], metrics_port: int = 0,
+              append: bool = False) -> Proc:
+        """Start `tandem argv` as process `name`; `append`: add to its log (a restart)."""
         ready = self.log_dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log = self.log_dir / f"{name}.log"
@@ -122,19 +127,43 @@ class LocalStack:
             popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1, env=self.env,
                                      start_new_session=True)
-            threading.Thread(target=_pump, args=(name, popen.stdout, log), daemon=True).start()
+            threading.Thread(target=_pump, args=(name, popen.stdout, log, append),
+                             daemon=True).start()
         else:
-            with open(log, "w") as f:
+            with open(log, "a" if append else "w") as f:
                 popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
         proc = self.procs[name] = self.proc_class(name, popen, ready, log,
-                                                  metrics_port=metrics_port)
+                                                  metrics_port=metrics_port, argv=tuple(argv))
         return proc
+
+    def restart(self, name: str) -> Proc:
+        """Start process `name` again as it was started, on the ports it had (the router's
+        worker list and the peers' stay valid). Returns at once; `read_ready` says when."""
+        old = self.procs[name]
+        return self.spawn(name, _pin_ports(old), old.metrics_port, append=True)
+
+    def read_ready(self, p: Proc) -> bool:
+        """Whether `p` wrote its ready file; if so, its ports are read into it."""
+        if not p.ready_file.exists():
+            return False
+        ports = p.ready_file.read_text().split()
+        p.address = f"127.0.0.1:{ports[0]}"
+        p.http_port = int(ports[1]) if len(ports) > 1 else 0
+        return True
+
+    def supervise(self, policy: Any = None, say: Any = print) -> Any:
+        """Restart the processes that exit, from a thread, until stop() (router_svc/
+        supervisor.py); the Supervisor."""
+        from router_svc.supervisor import RestartPolicy, Supervisor  # noqa: PLC0415
+
+        self.supervisor = Supervisor(self, policy or RestartPolicy(), say).start()
+        return self.supervisor
 
     def wait_ready(self, procs: Sequence[Proc], timeout: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         for p in procs:
-            while not p.ready_file.exists():
+            while not self.read_ready(p):
                 if p.popen.poll() is not None:
                     raise RuntimeError(f"{p.name} exited with {p.popen.returncode} while "
                                        f"starting; log {p.log}:\n{_tail(p.log_text())}")
@@ -142,9 +171,6 @@ class LocalStack:
                     raise RuntimeError(f"{p.name} did not become ready in {timeout:.0f}s; log "
                                        f"{p.log}:\n{_tail(p.log_text())}")
                 time.sleep(0.05)
-            ports = p.ready_file.read_text().split()
-            p.address = f"127.0.0.1:{ports[0]}"
-            p.http_port = int(ports[1]) if len(ports) > 1 else 0
 
     def start(self) -> LocalStack:
         # Workers sharing a GPU size their KV pools from its free memory: start those in turn.
@@ -187,7 +213,10 @@ class LocalStack:
         return next((p for p in self.procs.values() if p.popen.poll() is not None), None)
 
     def stop(self, timeout: float | None = None) -> dict[str, int | None]:
-        """SIGTERM, router first, then the workers; their exit codes (None: had to be killed)."""
+        """SIGTERM, router first, then the workers; their exit codes (None: had to be killed).
+        A supervisor stops first: nothing is restarted from here on."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
         wait = self.grace + 15 if timeout is None else timeout
         codes: dict[str, int | None] = {}
         router = [p for n, p in self.procs.items() if n == "router"]
@@ -205,9 +234,20 @@ class LocalStack:
         return codes
 
 
-def _pump(name: str, stream: IO[str], log: Path) -> None:
+def _pin_ports(p: Proc) -> list[str]:
+    """p's command line with the ports it bound in place of any it was to pick (0)."""
+    argv = list(p.argv)
+    port = p.address.rsplit(":", 1)[1] if p.address else "0"
+    for flag, value in (("--port", port), ("--grpc-port", port),
+                        ("--http-port", str(p.http_port))):
+        if flag in argv and value != "0":
+            argv[len(argv) - 1 - argv[::-1].index(flag) + 1] = value  # argparse: last wins
+    return argv
+
+
+def _pump(name: str, stream: IO[str], log: Path, append: bool = False) -> None:
     """A child's output, line by line: prefixed on our stdout and kept in its log file."""
-    with open(log, "w") as sink:
+    with open(log, "a" if append else "w") as sink:
         for line in stream:
             sys.stdout.write(f"[{name}] {line}")
             sys.stdout.flush()
@@ -246,6 +286,10 @@ def add_parser(sub, name: str) -> None:
                         "-1: off); the banner lists them")
     p.add_argument("--log-dir", default=None, help="keep each process's log here")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to drain on stop")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of one process within --restart-window before the stack "
+                        "gives up and stops (exit code 1)")
+    p.add_argument("--restart-window", type=float, default=60.0, help="seconds")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every worker, e.g. --worker-arg=--num-blocks=512 "
                         "(repeatable)")
@@ -328,12 +372,16 @@ def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str
     if cpu:
         lines.append(f"  CPU:         {len(os.sched_getaffinity(0))} cores shared by "
                      f"{_plural(cpu, 'engine core')}, {stack.cpu_threads} torch thread(s) each")
+    lines.append(f"  Supervised:  a process that exits is restarted (at most "
+                 f"{args.max_restarts} times in {args.restart_window:.0f} s)")
     if device_note:
         lines.append(f"  Note: {device_note}.")
     return "\n".join([*lines, "Ctrl-C stops everything.\n"])
 
 
 def run(args: argparse.Namespace) -> int:
+    from router_svc.supervisor import RestartPolicy, Supervisor  # noqa: PLC0415
+
     stack, device_note = stack_from_args(args)
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -345,13 +393,18 @@ def run(args: argparse.Namespace) -> int:
         stack.stop()
         return 1
     print(banner(stack, args, device_note), flush=True)
-    while not stopping.wait(0.5):
-        dead = stack.any_exited()
-        if dead is not None:
-            print(f"tandem up: {dead.name} exited with {dead.popen.returncode}; stopping",
-                  file=sys.stderr)
+    supervisor = Supervisor(stack, RestartPolicy(args.max_restarts, args.restart_window),
+                            say=lambda msg: print(f"tandem up: {msg}", file=sys.stderr,
+                                                  flush=True))
+    while not stopping.wait(0.2):
+        supervisor.check()
+        if supervisor.failed is not None:
+            print(f"tandem up: {supervisor.failed}; stopping", file=sys.stderr, flush=True)
             stack.stop()
             return 1
+    restarts = {name: n for name, n in supervisor.restarts.items() if n}
+    if restarts:
+        print(f"tandem up: restarts: {restarts}", flush=True)
     print("tandem up: stopping (draining in-flight requests)", flush=True)
     codes = stack.stop()
     return 0 if all(c == 0 for c in codes.values()) else 1

@@ -18,7 +18,7 @@ from engine.tokenizer import Tokenizer
 from router_svc.frontend import Frontend
 from router_svc.grpc_api import TandemServicer
 from router_svc.orchestrator import Orchestrator
-from router_svc.workers import WorkerSet
+from router_svc.workers import FaultMetrics, WorkerSet
 from tandem.v1 import api_pb2, api_pb2_grpc
 from tandem.worker_base import bind
 
@@ -60,6 +60,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port; -1: off")
     p.add_argument("--poll-interval", type=float, default=0.5,
                    help="seconds between polls of each worker's load and health")
+    p.add_argument("--worker-timeout", type=float, default=5.0,
+                   help="seconds without an answered poll after which a worker counts as lost "
+                        "(hung): the requests in flight on it are failed or moved at once")
+    p.add_argument("--max-migrations", type=int, default=3,
+                   help="times a request may move to another decode worker after its worker "
+                        "failed mid-stream (0: never; it then fails UNAVAILABLE)")
     p.add_argument("--max-requests", type=int, default=1024,
                    help="requests in flight (queued included) before RESOURCE_EXHAUSTED / 429")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -96,8 +102,10 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     has_tokenizer = any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
     tokenizer = Tokenizer(model_dir) if has_tokenizer else None
     workers = WorkerSet(prefill, decode, both, block_size=args.block_size,
-                        poll_interval_s=args.poll_interval)
-    orchestrator = Orchestrator(workers)
+                        poll_interval_s=args.poll_interval,
+                        worker_timeout_s=args.worker_timeout,
+                        metrics=FaultMetrics(telemetry.metrics.registry))
+    orchestrator = Orchestrator(workers, max_migrations=args.max_migrations)
     served, aliases = model_names(args)
     info = Frontend.model_info(served, cfg, args.dtype or "", args.block_size,
                                args.max_model_len, aliases)
@@ -110,6 +118,9 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     if args.reflection:
         enable_reflection(server, [API_SERVICE])
     await workers.start()
+    # gRPC health says what HTTP /health says: NOT_SERVING while a worker is out.
+    workers.on_health = lambda: health.depend(workers.all_healthy())
+    await health.depend(workers.all_healthy())
 
     http = None
     http_port = None

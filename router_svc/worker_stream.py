@@ -12,7 +12,8 @@ A per-request server stream would cost one gRPC message (and its wake-ups on bot
 request per step; here a step costs one. The call opens on a request's first use and reopens
 after it ends (the worker drained or restarted). Each request's iterator raises
 grpc.aio.AioRpcError with the worker's status, as a per-request call would: the worker's own
-failures, UNAVAILABLE when the call breaks, DEADLINE_EXCEEDED past the request's timeout.
+failures, DEADLINE_EXCEEDED past the request's timeout, and StreamBroken (UNAVAILABLE) when the
+call breaks or is abandoned (its worker stopped answering: `abandon`).
 Leaving the iterator before the request's last update cancels the request on the worker.
 """
 
@@ -38,6 +39,11 @@ Metadata = tuple[tuple[str, str], ...] | None  # gRPC call metadata: the trace c
 
 def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class StreamBroken(grpc.aio.AioRpcError):
+    """The call to the worker broke (or was given up on), not the request: the worker is gone
+    or unreachable, as far as this router can tell."""
 
 
 @dataclass
@@ -97,6 +103,7 @@ class WorkerStream:
         self._outbox: asyncio.Queue[worker_pb2.StreamRequest | None] | None = None
         self._inboxes: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._abandoned: str | None = None  # why abandon() ended the call
 
     async def request(self, msg: worker_pb2.StreamRequest, metadata: Metadata = None,
                       timeout: float | None = None,
@@ -154,7 +161,9 @@ class WorkerStream:
                 yield msg
 
         call = self.stub.Stream(requests())
-        error = _error(grpc.StatusCode.UNAVAILABLE, f"stream to {self.address} ended")
+        error: grpc.aio.AioRpcError = StreamBroken(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+            f"stream to {self.address} ended")
         try:
             async for resp in call:
                 for rid, update in _by_request(resp.tokens):  # tokens first, then ends
@@ -166,10 +175,17 @@ class WorkerStream:
                     if inbox is not None:
                         inbox.put_nowait(u)
         except grpc.aio.AioRpcError as e:
-            error = _error(grpc.StatusCode.UNAVAILABLE
-                           if e.code() == grpc.StatusCode.CANCELLED else e.code(),
-                           e.details() or str(e.code()))
+            error = StreamBroken(grpc.StatusCode.UNAVAILABLE
+                                 if e.code() == grpc.StatusCode.CANCELLED else e.code(),
+                                 grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                 e.details() or str(e.code()))
             log.warning("stream to worker %s broke: %s", self.address, e.code().name)
+        except asyncio.CancelledError:
+            if self._abandoned is None:
+                raise
+            error = StreamBroken(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                 grpc.aio.Metadata(), self._abandoned)
+            self._abandoned = None
         finally:
             call.cancel()
             # Requests sent on this call that have not ended will hear nothing more.
@@ -177,6 +193,14 @@ class WorkerStream:
                 self._outbox = None
             for inbox in self._inboxes.values():
                 inbox.put_nowait(error)
+
+    def abandon(self, reason: str) -> None:
+        """Give up on the call now (its worker stopped answering): every request on it fails
+        with StreamBroken(UNAVAILABLE, reason); the next request opens a new call. Cancelling
+        the call also tells the worker, should it come back, to drop what it had."""
+        if self._reader is not None and not self._reader.done():
+            self._abandoned = reason
+            self._reader.cancel()
 
     async def close(self) -> None:
         if self._outbox is not None:

@@ -7,8 +7,13 @@ loaded one by more than `balance_slack` requests, then to the least loaded.
 
 Decode (and colocated): the worker with the most free KV blocks per request in flight.
 
-Health: every worker's GetLoad is polled; a worker that fails a poll or an RPC with UNAVAILABLE
-is taken out until it answers again.
+Health: every worker's GetLoad is polled; a worker that fails a poll, or whose Stream call
+breaks, is taken out until it answers again. One whose polls time out, unanswered for
+`worker_timeout_s` (hung: stopped, stuck, cut off), is lost: the calls in flight on it give up at
+once (UNAVAILABLE; the orchestrator moves or retries them) rather than when the connection's
+keepalive fires (15 s). A worker that refuses polls (draining, or dead) is not lost: its streams
+finish, or broke already.
+A worker whose answers carry a new instance id restarted (counted).
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
+from prometheus_client import CollectorRegistry, Counter
 
 from engine.block_pool import hash_block
 from engine.serving.lifecycle import GRPC_OPTIONS
-from router_svc.worker_stream import WorkerStream
+from router_svc.worker_stream import StreamBroken, WorkerStream
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,7 +50,11 @@ class Worker:
     healthy: bool = False
     load: worker_pb2.Load = field(default_factory=worker_pb2.Load)
     in_flight: int = 0  # requests this router has on the worker now
-    last_seen: float = 0.0
+    last_seen: float = 0.0  # time.monotonic() of its last answered poll
+    instance_id: str = ""  # the worker process that answered last (Load.instance_id)
+    # Set when the worker is lost (no poll answered for worker_timeout_s): calls in flight on
+    # it give up. A fresh one once it answers again.
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def free_blocks(self) -> int:
@@ -53,10 +64,47 @@ class Worker:
         return self.in_flight + self.load.num_waiting
 
 
+async def unless_lost(w: Worker, call: grpc.aio.UnaryUnaryCall):
+    """A unary call's response, or UNAVAILABLE (the call cancelled) as soon as `w` is lost."""
+    answer = asyncio.ensure_future(call)
+    waiter = asyncio.ensure_future(w.lost.wait())
+    try:
+        done, _ = await asyncio.wait((answer, waiter), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the caller left
+        call.cancel()
+        answer.cancel()
+        raise
+    finally:
+        waiter.cancel()
+    if answer in done:
+        return answer.result()
+    call.cancel()
+    answer.cancel()
+    raise StreamBroken(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                       f"worker {w.address} stopped answering")
+
+
+class FaultMetrics:
+    """The router's fault counters, on its /metrics."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry or CollectorRegistry()
+        self.restarts = Counter("tandem:worker_restarts", "Worker restarts the router saw (a "
+                                "new process answered at a worker's address)", ["worker"],
+                                registry=reg)
+        self.lost = Counter("tandem:worker_lost", "Times a worker answered no poll for "
+                            "--worker-timeout: its calls in flight were failed or moved",
+                            ["worker"], registry=reg)
+        self.migrations = Counter("tandem:request_migrations", "Requests moved to another "
+                                  "decode worker after their worker failed mid-stream",
+                                  registry=reg)
+
+
 class WorkerSet:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str], *,
                  poll_interval_s: float = 0.5, balance_slack: int = 4,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, worker_timeout_s: float = 5.0,
+                 metrics: FaultMetrics | None = None) -> None:
         self.workers: list[Worker] = []
         for role, addrs in (("prefill", prefill), ("decode", decode), ("both", both)):
             for a in addrs:
@@ -64,6 +112,13 @@ class WorkerSet:
                 stub = worker_pb2_grpc.WorkerStub(ch)
                 self.workers.append(Worker(a, role, ch, stub, WorkerStream(stub, a)))
         self.poll_interval_s = poll_interval_s
+        self.worker_timeout_s = worker_timeout_s
+        self.metrics = metrics or FaultMetrics()
+        # Called (a task, on the loop) when all_healthy() may have changed: the router's gRPC
+        # health follows it, as its HTTP /health does.
+        self.on_health: Callable[[], Awaitable[None]] | None = None
+        self._was_healthy: bool | None = None
+        self._health_tasks: set[asyncio.Task] = set()
         self.balance_slack = balance_slack
         self.block_size = block_size
         self.dtype = ""  # the workers' model dtype, once one has answered a poll
@@ -94,6 +149,7 @@ class WorkerSet:
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
+        self._health_changed()
 
     async def _poll_forever(self) -> None:
         while True:
@@ -108,9 +164,22 @@ class WorkerSet:
             if w.healthy:
                 log.warning("worker %s (%s) is down: %s", w.address, w.role, e.code().name)
             w.healthy = False
+            # No answer at all (a refusal is an answer: a draining worker refuses polls while
+            # its streams finish; a dead one's streams broke already).
+            silent = time.monotonic() - w.last_seen
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not w.lost.is_set() \
+                    and silent >= self.worker_timeout_s:
+                self._lose(w, silent)
             return
         if not w.healthy:
             log.info("worker %s (%s, %s) is up", w.address, w.role, w.load.worker_id)
+        instance = w.load.instance_id
+        if w.instance_id and instance != w.instance_id:
+            log.warning("worker %s (%s) restarted", w.address, w.role)
+            self.metrics.restarts.labels(w.address).inc()
+        w.instance_id = instance
+        if w.lost.is_set():
+            w.lost = asyncio.Event()
         w.healthy = True
         w.last_seen = time.monotonic()
         if w.load.block_size:
@@ -118,10 +187,29 @@ class WorkerSet:
         if w.load.dtype:
             self.dtype = w.load.dtype
 
+    def _lose(self, w: Worker, silent: float) -> None:
+        """No answer for `silent` seconds: whatever this router has in flight there gives up
+        now (the streams fail UNAVAILABLE and move), not when keepalive notices."""
+        log.warning("worker %s (%s) has answered no poll for %.1f s: failing over its %d "
+                    "requests in flight", w.address, w.role, silent, w.in_flight)
+        self.metrics.lost.labels(w.address).inc()
+        w.lost.set()
+        w.stream.abandon(f"worker {w.address} answered no poll for {silent:.1f} s")
+
     def mark_down(self, w: Worker) -> None:
         if w.healthy:
             log.warning("worker %s (%s) failed a call: taken out", w.address, w.role)
         w.healthy = False
+        self._health_changed()
+
+    def _health_changed(self) -> None:
+        ok = self.all_healthy()
+        if ok == self._was_healthy or self.on_health is None:
+            return
+        self._was_healthy = ok
+        task = asyncio.get_running_loop().create_task(self.on_health())
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
 
     def all_healthy(self) -> bool:
         return all(w.healthy for w in self.workers)

@@ -223,9 +223,10 @@ class AsyncEngine:
     async def release(self, lease_id: str) -> bool:
         return await self.call("release", lease_id)
 
-    async def map_pool(self, address: str, descriptor: Any) -> None:
-        """Decode role: map a prefill worker's pool in the core (once per address)."""
-        await self.call("map", address, descriptor)
+    async def map_pool(self, address: str, descriptor: Any, instance_id: str = "") -> None:
+        """Decode role: map a prefill worker's pool in the core (once per address and worker
+        instance)."""
+        await self.call("map", address, descriptor, instance_id)
 
     async def refresh(self) -> EngineSnapshot:
         """A snapshot taken now, between two steps."""

@@ -5,7 +5,7 @@ imports this, never the engine.
 
 Commands (worker → core), each (name, call id, *args); call id 0 wants no reply:
     add(request_id, prompt, params, RemoteSource | None), abort(request_id),
-    release(lease_id), map(address, PoolDescriptor), snapshot(), stop()
+    release(lease_id), map(address, PoolDescriptor, instance id), snapshot(), stop()
 Events (core → worker):
     ready(CoreInfo) | failed(exception)        once, first
     reply(call id, result, exception)
@@ -96,6 +96,12 @@ class RemoteSource:
     block_ids: tuple[int, ...]  # from the claim
     first_token_ids: tuple[int, ...]
     first_logprobs: tuple[TokenLogprobs | None, ...]
+    # Per sample, outputs after the first that the client already has (a request moved here
+    # mid-stream; RemoteKV.resume_token_ids), else empty.
+    resume_token_ids: tuple[tuple[int, ...], ...] = ()
+    # The prefill worker process that granted the lease: its pool is the one "map" mapped
+    # for that instance; a request from an earlier instance (restarted since) cannot be pulled.
+    instance_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ class EngineCore:
         self.spec = spec
         self.events = events
         self.pool: Any = None  # this core's pool, when peers map it (prefill)
-        self.peers: dict[str, Any] = {}  # address -> RemotePool
+        # address -> (instance id, RemotePool): the pool of the prefill process there now
+        self.peers: dict[str, tuple[str, Any]] = {}
         pool_factory = self._allocate_shared_pool if spec.role == "prefill" else None
         self.engine = LLMEngine(spec.config, pool_factory=pool_factory, progress=False)
         self.engine.lease_ttl_s = spec.lease_ttl_s
@@ -129,7 +130,7 @@ class EngineCore:
 
     def close(self) -> None:
         own = [self.pool] if self.pool is not None else []
-        for pool in [*self.peers.values(), *own]:
+        for pool in [*(p for _, p in self.peers.values()), *own]:
             with contextlib.suppress(Exception):
                 pool.close()
 
@@ -166,7 +167,8 @@ class EngineCore:
             self.engine.add_request(request_id, prompt, params)
             return
         source = _Source(request_id, remote)
-        kv = RemoteKV(source, remote.block_ids, remote.first_token_ids, remote.first_logprobs)
+        kv = RemoteKV(source, remote.block_ids, remote.first_token_ids, remote.first_logprobs,
+                      remote.resume_token_ids)
         try:
             self.engine.add_remote_request(request_id, prompt, params, kv)
         except BaseException:
@@ -184,13 +186,19 @@ class EngineCore:
     def _do_release(self, lease_id: str) -> bool:
         return self.engine.release(lease_id)
 
-    def _do_map(self, address: str, descriptor: Any) -> None:
-        """Decode role: map a prefill worker's pool (once per address)."""
+    def _do_map(self, address: str, descriptor: Any, instance_id: str = "") -> None:
+        """Decode role: map a prefill worker's pool (once per address and instance: a worker
+        restarted on the address has a new pool, which replaces the old one's mapping)."""
         from kvtransfer.remote import open_remote_pool  # noqa: PLC0415
 
-        if address not in self.peers:
-            device = "cpu" if descriptor.transport == "shm" else self.engine.runner.device
-            self.peers[address] = open_remote_pool(descriptor, device)
+        old = self.peers.get(address)
+        if old is not None and old[0] == instance_id:
+            return
+        device = "cpu" if descriptor.transport == "shm" else self.engine.runner.device
+        self.peers[address] = (instance_id, open_remote_pool(descriptor, device))
+        if old is not None:
+            with contextlib.suppress(Exception):
+                old[1].close()
 
     def _do_snapshot(self) -> EngineSnapshot:
         return self._snapshot()
@@ -206,10 +214,13 @@ class EngineCore:
         remote = source.remote
         start_ns = time.time_ns()
         stats = error = None
-        pool = self.peers.get(remote.address)
+        instance, pool = self.peers.get(remote.address, ("", None))
         try:
             if pool is None:
                 raise RuntimeError(f"the KV pool of {remote.address} is not mapped")
+            if instance != remote.instance_id:
+                raise RuntimeError(f"the prefill worker at {remote.address} restarted: the "
+                                   "lease's KV went with it")
             if time.monotonic() > remote.deadline:
                 raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
             stats = pull_blocks(pool, self.engine.runner.pool, kv.block_ids, dst_block_ids)

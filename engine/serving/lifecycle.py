@@ -56,15 +56,27 @@ def make_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc
 
 
 class Health:
-    """grpc.health.v1 for a server's services; "" is the whole server."""
+    """grpc.health.v1 for a server's services; "" is the whole server. SERVING while the server
+    is up (`set`, by the start-up and shut-down order) and what it depends on is usable
+    (`depend`: the router's workers, as its HTTP /health sees them)."""
 
     def __init__(self, server: grpc.aio.Server, service_names: Sequence[str]) -> None:
         self.servicer = health.aio.HealthServicer()
         self.names = ["", *service_names]
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        self._up = False
+        self._usable = True
 
     async def set(self, serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
+        self._up = serving
+        await self._publish()
+
+    async def depend(self, usable: bool) -> None:
+        self._usable = usable
+        await self._publish()
+
+    async def _publish(self) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if self._up and self._usable
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in self.names:
             await self.servicer.set(name, status)

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -91,6 +92,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: AsyncEngine, worker_id: str) -> None:
         self.engine = engine
         self.worker_id = worker_id
+        # This process, among the ones that served as worker_id: a restart gets a new one.
+        self.instance_id = secrets.token_hex(8)
         self.telemetry = Telemetry(self.role)  # run_worker sets the process's
 
     async def Abort(self, request, context):  # noqa: N802 - gRPC method name
@@ -103,7 +106,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_waiting=s.num_waiting, num_free_blocks=s.num_free_blocks,
             num_blocks=s.num_blocks, num_leases=s.num_leases, block_size=s.block_size,
             num_requests=s.num_requests_added, prefix_cache_queries=s.prefix_queries,
-            prefix_cache_hits=s.prefix_hits, dtype=self.engine.spec.config.dtype)
+            prefix_cache_hits=s.prefix_hits, dtype=self.engine.spec.config.dtype,
+            instance_id=self.instance_id)
 
     def lease_done(self, done: LeaseDone) -> None:
         """Hook, decode role: the engine core is done with a prefill worker's lease."""

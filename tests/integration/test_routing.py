@@ -30,8 +30,11 @@ async def generate(stub, prompt, params, timeout=30):
 
 @pytest.fixture
 def cluster(tiny_models, tmp_path):
+    # --max-migrations 0: a stream whose decode worker dies fails (test_faults.py has them
+    # move), and says why.
     c = Cluster(tmp_path, str(tiny_models["llama"]), prefill=2, decode=2,
-                worker_args=WORKER_ARGS, router_args=["--http-port", "-1"]).start()
+                worker_args=WORKER_ARGS,
+                router_args=["--http-port", "-1", "--max-migrations", "0"]).start()
     yield c
     c.stop()
 
@@ -92,6 +95,7 @@ def test_killed_workers_are_taken_out(cluster):
                         pass
                     return "done"
                 except grpc.aio.AioRpcError as e:
+                    assert "--max-migrations 0" in e.details(), e.details()
                     return e.code()
 
             # In-flight requests on the dead worker end UNAVAILABLE, the others run to their
@@ -140,9 +144,17 @@ def test_full_router_answers_resource_exhausted_fast(tiny_models, tmp_path):
                 assert elapsed < 0.05, f"refusal took {elapsed * 1e3:.1f} ms"
                 for call in calls:
                     call.cancel()
-                await asyncio.sleep(0.2)
-                # Room again: a request goes through.
-                ok = await generate(stub, [1, 2, 3], SamplingParams(max_tokens=4))
+                # Room again once the router has seen the cancels: a request goes through
+                # (retried after each refusal, as Retry-After asks, not after a fixed wait).
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        ok = await generate(stub, [1, 2, 3], SamplingParams(max_tokens=4))
+                        break
+                    except grpc.aio.AioRpcError as e:
+                        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        assert time.monotonic() < deadline, "the cancelled calls never left"
+                        await asyncio.sleep(0.05)
                 assert ok[-1].finish_reason
 
         asyncio.run(main())

@@ -291,6 +291,23 @@ def test_start_order_waits_for_health(services: dict) -> None:
         assert services[name]["restart"] in ("unless-stopped", "always", "on-failure"), name
 
 
+def test_a_restarted_worker_comes_back_where_the_router_and_its_peers_look(services: dict,
+                                                                          args: dict) -> None:
+    """Compose's side of supervision: a container that exits is restarted (its restart
+    policy), on its fixed port under its service name, so the router's worker list stays
+    valid; the router takes it back in when it answers its poll (`tandem up` does the same
+    with router_svc/supervisor.py). decode lives in prefill's namespaces and maps prefill's
+    pool: it is restarted with prefill."""
+    for name in TANDEM:
+        assert services[name]["restart"] in ("unless-stopped", "always", "on-failure"), name
+        assert grpc_port(name, args[name]) != 0, f"{name} must come back on its own port"
+        assert "test" in services[name]["healthcheck"], name
+    assert services["decode"]["depends_on"]["prefill"]["restart"] is True
+    # Docker restarts a container whose process exits, not one that hangs: the router's
+    # poll finds a hung worker (--worker-timeout) and moves its streams.
+    assert args["router"].worker_timeout <= 15 and args["router"].max_migrations >= 1
+
+
 # ---- what is published and mounted ---------------------------------------------------------------
 def test_only_the_router_publishes_ports(services: dict, args: dict) -> None:
     assert [name for name, s in services.items() if s.get("ports")] == ["router"]

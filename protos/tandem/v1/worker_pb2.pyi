@@ -18,18 +18,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class KVLocation(_message.Message):
-    __slots__ = ("worker_id", "address", "num_tokens", "lease_id", "lease_ttl_ms")
+    __slots__ = ("worker_id", "address", "num_tokens", "lease_id", "lease_ttl_ms", "instance_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     num_tokens: int
     lease_id: str
     lease_ttl_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_ids", "first_logprobs", "finish_reasons", "kv", "num_cached_tokens")
@@ -46,20 +48,28 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "kv", "first_token_ids", "first_logprobs")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv", "first_token_ids", "first_logprobs", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     kv: KVLocation
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    resume: _containers.RepeatedCompositeFieldContainer[SampleTokens]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., resume: _Optional[_Iterable[_Union[SampleTokens, _Mapping]]] = ...) -> None: ...
+
+class SampleTokens(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateOnWorkerRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params")
@@ -217,12 +227,14 @@ class RegisterRequest(_message.Message):
     def __init__(self, decode_worker_id: _Optional[str] = ..., layout: _Optional[_Union[PoolDescriptor, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("prefill_worker_id", "pool")
+    __slots__ = ("prefill_worker_id", "pool", "instance_id")
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     prefill_worker_id: str
     pool: PoolDescriptor
-    def __init__(self, prefill_worker_id: _Optional[str] = ..., pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -241,7 +253,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_leases", "block_size", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "dtype")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_leases", "block_size", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "dtype", "instance_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +266,7 @@ class Load(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -266,4 +279,5 @@ class Load(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     dtype: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., dtype: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...

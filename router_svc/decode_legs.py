@@ -1,0 +1,210 @@
+"""The decode side of one disaggregated request, across decode workers.
+
+    Prefill(prompt) ──first tokens + lease──▶ leg 1: decode worker A ──tokens──▶ client
+                                                  ✗ A dies, hangs or drops the request
+    Prefill(prompt) again (its blocks most likely cached) ──lease──▶ leg 2: decode worker B,
+        carrying each sample's tokens so far (DecodeRequest.resume) ──tokens──▶ client
+
+Worker B computes the KV of the tokens so far after the pulled prompt (as a preempted sequence
+resumes by recompute) and samples on at the same sample index and output positions, so greedy
+and seeded samples continue exactly as on A: the client sees a pause. One prefill of the prompt
+serves every sample (they fork on B as they did on A); the alternative, a prefill per sample of
+prompt + its outputs, would take n leases and a sampling position the prefill role does not
+have.
+
+This object owns the request's state across legs: every sample's output so far, which samples
+ended, how often it moved, and the current lease, which it releases unless a decode request
+carried it away (the decode worker releases it then, or it expires with a dead worker).
+
+Bounds: a leg that fails after it sent tokens moves the request (UNAVAILABLE: its worker died,
+hung or lost the lease's KV) at most `max_migrations` times, then the request fails
+UNAVAILABLE saying so; a leg that fails before its first token (UNAVAILABLE, or
+FAILED_PRECONDITION: a worker that refuses decode requests, never tried again for this request)
+is retried likewise, at most once per decode worker beyond the moves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+from router_svc.worker_stream import Metadata, SampleUpdate, StreamBroken, Update
+from router_svc.workers import Worker
+from tandem.convert import logprobs_from_proto
+from tandem.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from router_svc.orchestrator import Orchestrator
+
+log = logging.getLogger(__name__)
+
+
+class RouterError(Exception):
+    """A request failed at the router; `code` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def as_router_error(e: grpc.aio.AioRpcError, leg: str) -> RouterError:
+    code = e.code()
+    if code == grpc.StatusCode.CANCELLED:
+        code = grpc.StatusCode.UNAVAILABLE
+    return RouterError(code, f"{leg}: {e.details()}")
+
+
+async def until_done(call: AsyncIterator[Update], num_samples: int,
+                     done: set[int] | None = None) -> AsyncIterator[Update]:
+    """A worker stream's updates. The one that finishes the last sample is held until the
+    stream's end has been read, so a consumer that stops there never cancels a call that was
+    completing (the worker would see a cancel instead of its own clean end)."""
+    done = set(done or ())
+    held: Update | None = None
+    async for update in call:
+        if held is not None:
+            yield held
+            held = None
+        done.update(s.index for s in update.samples if s.finish_reason is not None)
+        if len(done) >= num_samples:
+            held = update
+        else:
+            yield update
+    if held is not None:
+        yield held
+
+
+@dataclass(eq=False)
+class _Lease:
+    """A prefill lease this router holds until a decode request carries it away."""
+
+    worker: Worker
+    kv: worker_pb2.KVLocation
+    handed_over: bool = False
+
+
+class DecodeLegs:
+    def __init__(self, orch: Orchestrator, rid: str, prompt: list[int], params,
+                 wire_params, deadline: float | None, md: Metadata) -> None:
+        self.orch = orch
+        self.rid = rid
+        self.prompt = prompt
+        self.params = params
+        self.wire_params = wire_params
+        self.deadline = deadline  # loop time
+        self.md = md
+        self.outputs: list[list[int]] = []  # per sample, every token the client has
+        self.done: set[int] = set()  # samples that ended
+        self.moves = 0  # legs that failed after sending tokens
+        self.retries = 0  # legs that failed before
+        self._lease: _Lease | None = None
+        self._first: worker_pb2.PrefillResponse | None = None
+
+    async def run(self) -> AsyncIterator[Update]:
+        """The first tokens (from the prefill), then every decode leg's until all samples
+        finish."""
+        try:
+            p, resp = await self.orch.prefill(self.rid, self.prompt, self.wire_params,
+                                              self.deadline, self.md)
+            self._first, self._lease = resp, _Lease(p, resp.kv)
+            want_lp = self.params.logprobs is not None
+            lps = logprobs_from_proto(resp.first_logprobs, self.params.n)
+            self.outputs = [[t] for t in resp.first_token_ids]
+            self.done = {i for i, r in enumerate(resp.finish_reasons) if r}
+            yield Update([SampleUpdate(i, [tok], [lps[i]] if want_lp else [None],
+                                       resp.finish_reasons[i] or None)
+                          for i, tok in enumerate(resp.first_token_ids)],
+                         len(self.prompt), resp.num_cached_tokens)
+            if len(self.done) == self.params.n:
+                return
+            refused: set[str] = set()  # workers that refused this request
+            while True:
+                d = self.orch.pick(self.orch.workers.pick_decode("decode", refused), "decode")
+                if self._lease is None:  # the last leg took it: a fresh one for this leg
+                    p, again = await self.orch.prefill(self.rid, self.prompt, self.wire_params,
+                                                       self.deadline, self.md)
+                    self._lease = _Lease(p, again.kv)
+                sent = False
+                try:
+                    async for update in self._leg(d):
+                        sent = True
+                        yield update
+                    return
+                except grpc.aio.AioRpcError as e:
+                    self._failed(d, e, sent, refused)
+        finally:
+            lease = self._lease
+            if lease is not None and not lease.handed_over:
+                self.orch.release_later(lease.worker, lease.kv.lease_id, self.md)
+
+    async def _leg(self, d: Worker) -> AsyncIterator[Update]:
+        """One decode request on worker d; the lease goes with it."""
+        first, lease = self._first, self._lease
+        legs = self.moves + self.retries
+        req = worker_pb2.DecodeRequest(
+            # A leg of its own on the worker: a worker that hung holds the last one until it
+            # hears the cancel, and may be the one this leg goes to.
+            request_id=self.rid if legs == 0 else f"{self.rid}.{legs}",
+            prompt_token_ids=self.prompt, params=self.wire_params, kv=lease.kv,
+            first_token_ids=first.first_token_ids, first_logprobs=first.first_logprobs)
+        if any(len(out) > 1 for out in self.outputs):
+            req.resume.extend(worker_pb2.SampleTokens(token_ids=out[1:])
+                              for out in self.outputs)
+
+        def sent() -> None:
+            """The request is on its way: the lease is the decode worker's to release. Until
+            then (a request refused here, say) it stays this router's."""
+            lease.handed_over = True
+            if self._lease is lease:
+                self._lease = None
+
+        call = d.stream.request(worker_pb2.StreamRequest(decode=req), self.md,
+                                self.orch.remaining(self.deadline), on_sent=sent)
+        d.in_flight += 1
+        try:
+            async with aclosing(call):
+                async for update in until_done(call, self.params.n, self.done):
+                    for s in update.samples:
+                        self.outputs[s.index] += s.token_ids
+                        if s.finish_reason is not None:
+                            self.done.add(s.index)
+                    update.num_cached_tokens = first.num_cached_tokens  # prefill side's
+                    yield update
+        finally:
+            d.in_flight -= 1
+
+    def _failed(self, d: Worker, e: grpc.aio.AioRpcError, sent: bool, refused: set[str]) -> None:
+        """After a leg failed: raise if the request cannot go on, else count the move."""
+        code = e.code()
+        if isinstance(e, StreamBroken):
+            self.orch.workers.mark_down(d)
+        movable = code == grpc.StatusCode.UNAVAILABLE or (
+            code == grpc.StatusCode.FAILED_PRECONDITION and not sent)
+        if not movable:
+            raise as_router_error(e, f"decode worker {d.address}") from None
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            refused.add(d.address)
+        limit = self.orch.max_migrations
+        if sent:
+            self.moves += 1
+            if self.moves > limit:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, (
+                    f"decode worker {d.address}: {e.details()} (not moved again: moved "
+                    f"{self.moves - 1} times, --max-migrations {limit})")) from None
+            self.orch.workers.metrics.migrations.inc()
+            made = sum(len(out) for out in self.outputs)
+            log.warning("decode worker %s failed %s mid-stream (%s): moving it with its %d "
+                        "tokens (move %d of at most %d)", d.address, self.rid, e.details(),
+                        made, self.moves, limit)
+        else:
+            self.retries += 1
+            if self.retries > limit + len(self.orch.workers.by_role("decode", False)):
+                raise as_router_error(e, f"decode worker {d.address}") from None
+            log.warning("decode worker %s failed %s before its first token: prefilling "
+                        "again for another", d.address, self.rid)

@@ -1,0 +1,202 @@
+"""The router's fault handling with fake workers (no processes): a decode leg that fails moves
+with every sample's tokens so far, at most --max-migrations times, then fails UNAVAILABLE saying
+so; a worker whose polls time out is lost (its stream abandoned, its unary calls given up),
+one that refuses polls is not; a new instance id counts a restart; gRPC health hears of every
+change of the workers' health."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from engine.sampling_params import SamplingParams
+from router_svc.decode_legs import DecodeLegs, RouterError
+from router_svc.worker_stream import SampleUpdate, StreamBroken, Update
+from router_svc.workers import FaultMetrics, Worker, WorkerSet, unless_lost
+from tandem.convert import params_to_proto
+from tandem.v1 import worker_pb2
+
+
+def _rpc_error(code: grpc.StatusCode, cls=grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+    return cls(code, grpc.aio.Metadata(), grpc.aio.Metadata(), f"fake {code.name}")
+
+
+class FakeStream:
+    """A decode worker's stream: each request gets `steps` tokens per sample, then fails (a
+    broken call) or ends."""
+
+    def __init__(self, steps: int, fail: bool) -> None:
+        self.steps, self.fail = steps, fail
+        self.sent: list[worker_pb2.DecodeRequest] = []
+
+    async def request(self, msg, md=None, timeout=None):
+        req = msg.decode
+        self.sent.append(req)
+        n = req.params.n
+        done = [len(s.token_ids) + 1 for s in req.resume] or [1] * n
+        for _ in range(self.steps):
+            yield Update([SampleUpdate(i, [100 + done[i] + i], [None], None)
+                          for i in range(n)], 3, 0)
+            done = [d + 1 for d in done]
+        if self.fail:
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, StreamBroken)
+        yield Update([SampleUpdate(i, [], [None], "length") for i in range(n)], 3, 0)
+
+
+class FakeOrchestrator:
+    def __init__(self, streams: list[FakeStream], max_migrations: int) -> None:
+        self.workers = WorkerSet([], [], [], metrics=FaultMetrics())
+        self.decode = [Worker(f"d{i}", "decode", None, None, s, healthy=True)
+                       for i, s in enumerate(streams)]
+        self.workers.workers = self.decode
+        self.max_migrations = max_migrations
+        self.prefills = 0
+        self.released: list[str] = []
+
+    async def prefill(self, rid, prompt, params, deadline, md):
+        self.prefills += 1
+        n = params.n
+        return None, worker_pb2.PrefillResponse(
+            first_token_ids=[10 + i for i in range(n)], finish_reasons=[""] * n,
+            kv=worker_pb2.KVLocation(lease_id=f"lease{self.prefills}"))
+
+    def pick(self, w, role):
+        if w is None:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"no healthy {role} worker")
+        return w
+
+    def remaining(self, deadline):
+        return None
+
+    def release_later(self, p, lease_id, md=None):
+        self.released.append(lease_id)
+
+
+async def _run(orch: FakeOrchestrator, n: int) -> tuple[list[list[int]], Exception | None]:
+    params = SamplingParams(n=n, max_tokens=100)
+    legs = DecodeLegs(orch, "r", [1, 2, 3], params, params_to_proto(params), None, None)
+    out: list[list[int]] = [[] for _ in range(n)]
+    try:
+        async for u in legs.run():
+            for s in u.samples:
+                out[s.index] += s.token_ids
+    except RouterError as e:
+        return out, e
+    return out, None
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_each_move_carries_every_samples_tokens_so_far(n):
+    streams = [FakeStream(3, fail=True), FakeStream(2, fail=True), FakeStream(4, fail=False)]
+    orch = FakeOrchestrator(streams, max_migrations=2)
+    out, error = asyncio.run(_run(orch, n))
+    assert error is None
+    # Leg 1 on d0, then (d0 down) d1, then d2: one token per step, positions continuing.
+    assert out == [[10 + i, *(100 + k + i for k in range(1, 10))] for i in range(n)]
+    (a,), (b,), (c,) = (s.sent for s in streams)
+    assert [r.request_id for r in (a, b, c)] == ["r", "r.1", "r.2"]
+    assert [len(r.resume) for r in (a, b, c)] == [0, n, n]
+    assert [list(s.token_ids) for s in c.resume] == [out[i][1:6] for i in range(n)]
+    assert [r.kv.lease_id for r in (a, b, c)] == ["lease1", "lease2", "lease3"]
+    assert orch.released == []  # every lease went with a decode request
+    assert [w.healthy for w in orch.decode] == [False, False, True]
+
+
+def test_moves_are_bounded_then_unavailable():
+    streams = [FakeStream(3, fail=True), FakeStream(2, fail=True), FakeStream(4, fail=False)]
+    orch = FakeOrchestrator(streams, max_migrations=1)
+    out, error = asyncio.run(_run(orch, 1))
+    assert error.code == grpc.StatusCode.UNAVAILABLE
+    assert "moved 1 times, --max-migrations 1" in error.message
+    assert len(out[0]) == 1 + 3 + 2 and not streams[2].sent  # no third leg, no prefill for it
+    assert orch.prefills == 2 and orch.released == []
+
+
+def test_no_decode_worker_left_fails_before_prefilling_again():
+    orch = FakeOrchestrator([FakeStream(1, fail=True)], max_migrations=3)
+    _, error = asyncio.run(_run(orch, 1))
+    assert error.code == grpc.StatusCode.UNAVAILABLE and "no healthy decode" in error.message
+    assert orch.prefills == 1
+
+
+class FakeStub:
+    def __init__(self) -> None:
+        self.answer: worker_pb2.Load | grpc.StatusCode = worker_pb2.Load(instance_id="a")
+
+    async def GetLoad(self, request, timeout=None):  # noqa: N802
+        if isinstance(self.answer, grpc.StatusCode):
+            raise _rpc_error(self.answer)
+        return self.answer
+
+
+class FakeWorkerStream:
+    def __init__(self) -> None:
+        self.abandoned: list[str] = []
+
+    def abandon(self, reason: str) -> None:
+        self.abandoned.append(reason)
+
+
+def test_a_worker_whose_polls_time_out_is_lost_one_that_refuses_is_not():
+    async def main():
+        ws = WorkerSet([], ["d0"], [], worker_timeout_s=0.0, metrics=FaultMetrics())
+        w = ws.workers[0]
+        w.stub, w.stream = FakeStub(), FakeWorkerStream()
+        changes: list[bool] = []
+
+        async def on_health():
+            changes.append(ws.all_healthy())
+
+        ws.on_health = on_health
+        await ws.poll_once()
+        assert w.healthy and w.instance_id == "a"
+        w.stub.answer = grpc.StatusCode.UNAVAILABLE  # refused: draining, or dead
+        await ws.poll_once()
+        assert not w.healthy and not w.lost.is_set() and not w.stream.abandoned
+        w.stub.answer = grpc.StatusCode.DEADLINE_EXCEEDED  # no answer at all: hung
+        await ws.poll_once()
+        assert w.lost.is_set() and len(w.stream.abandoned) == 1
+        await ws.poll_once()
+        assert len(w.stream.abandoned) == 1  # once per loss
+        w.stub.answer = worker_pb2.Load(instance_id="b")  # back, a new process
+        await ws.poll_once()
+        assert w.healthy and not w.lost.is_set()
+        assert ws.metrics.restarts.labels("d0")._value.get() == 1
+        assert ws.metrics.lost.labels("d0")._value.get() == 1
+        await asyncio.sleep(0)
+        assert changes == [True, False, True]
+
+    asyncio.run(main())
+
+
+class FakeCall:
+    def __init__(self) -> None:
+        self.result: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.cancelled = False
+
+    def __await__(self):
+        return self.result.__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.result.cancel()
+
+
+def test_a_unary_call_gives_up_when_its_worker_is_lost():
+    async def main():
+        w = Worker("p0", "prefill", None, None, None)
+        call = FakeCall()
+        task = asyncio.ensure_future(unless_lost(w, call))
+        await asyncio.sleep(0)
+        w.lost.set()
+        with pytest.raises(StreamBroken) as e:
+            await task
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and call.cancelled
+        w.lost = asyncio.Event()
+        call = FakeCall()
+        call.result.set_result("answer")
+        assert await unless_lost(w, call) == "answer" and not call.cancelled
+
+    asyncio.run(main())
