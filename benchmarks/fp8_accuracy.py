@@ -190,6 +190,12 @@ def main() -> None:
     k_cal, v_cal = calibrated_scales(base_engine, len(ids))
     base_greedy = greedy(base_engine, ids[:a.prompt_tokens], a.generate)
     del base_engine
+    device = torch.cuda.get_device_name() if a.device.startswith("cuda") else "CPU"
+    print(f"{Path(a.model).name} {dtype} on {device}; {len(ids)} tokens scored (chunks of "
+          f"{a.chunk}, last {a.decode_tail} one a step); greedy: {a.generate} tokens after "
+          f"{a.prompt_tokens}")
+    print(f"{'variant':<20}{'mean |dlogp|':>14}{'max |dlogp|':>13}{'top-1 agree':>13}"
+          f"{'greedy match':>14}", flush=True)
     rows = []
     for name in a.variants:
         kv, quant, calibrate = VARIANTS[name]
@@ -201,20 +207,14 @@ def main() -> None:
             engine.runner.kv_scales.set(k_cal, v_cal)
         acc = compare(base, score(engine, ids, a.chunk, a.decode_tail), ids)
         match = leading_match(base_greedy, greedy(engine, ids[:a.prompt_tokens], a.generate))
-        rows.append({"variant": name, **acc._asdict(), "greedy_match": match})
+        r = {"variant": name, **acc._asdict(), "greedy_match": match}
+        rows.append(r)
         del engine
-
-    device = torch.cuda.get_device_name() if a.device.startswith("cuda") else "CPU"
-    print(f"{Path(a.model).name} {dtype} on {device}; {len(ids)} tokens scored (chunks of "
-          f"{a.chunk}, last {a.decode_tail} one a step); greedy: {a.generate} tokens after "
-          f"{a.prompt_tokens}; {time.perf_counter() - t0:.0f} s")
-    print(f"{'variant':<20}{'mean |dlogp|':>14}{'max |dlogp|':>13}{'top-1 agree':>13}"
-          f"{'greedy match':>14}")
-    for r in rows:
         print(f"{r['variant']:<20}{r['mean_abs_dlogprob']:>14.4f}{r['max_abs_dlogprob']:>13.3f}"
-              f"{r['top1_agreement']:>13.1%}{r['greedy_match']:>9}/{a.generate:<4}")
+              f"{r['top1_agreement']:>13.1%}{r['greedy_match']:>9}/{a.generate:<4}", flush=True)
     print(f"KV scales calibrated on this text: K {k_cal.min():.4f}..{k_cal.max():.4f}, "
-          f"V {v_cal.min():.4f}..{v_cal.max():.4f} (1.0 is the default)")
+          f"V {v_cal.min():.4f}..{v_cal.max():.4f} (1.0 is the default); "
+          f"{time.perf_counter() - t0:.0f} s")
     if a.out:
         a.out.write_text(json.dumps({"model": a.model, "dtype": dtype, "device": device,
                                      "tokens": len(ids), "rows": rows}, indent=2))

@@ -243,3 +243,22 @@ def test_grpc_json_schema_and_bad_schema(cluster):
 
 def _auth():
     return (("authorization", f"Bearer {API_KEY}"),)
+
+
+def test_disaggregated_equals_offline_token_for_token(client, model, tiny_models):
+    """Seeded samples do not depend on the worker: the stack's answer (first token sampled
+    under the mask on the prefill worker, the matcher rebuilt from it on the decode worker) is
+    the offline engine's, for each of n = 3 samples."""
+    from engine.llm import LLM
+    from engine.sampling_params import ResponseFormat, SamplingParams
+
+    schema = SCHEMAS[3]
+    offline = LLM(str(tiny_models["llama"]), progress=False, num_blocks=256)
+    params = SamplingParams(n=3, max_tokens=300, temperature=1.0, seed=11,
+                            response_format=ResponseFormat("json_schema", json.dumps(schema)))
+    expected = [o.text for o in offline.generate(["same tokens:"], params)[0].outputs]
+    r = client.completions.create(model=model, prompt="same tokens:", n=3, max_tokens=300,
+                                  temperature=1.0, seed=11,
+                                  extra_body={"response_format": _fmt(schema)})
+    assert [c.text for c in r.choices] == expected
+    assert len(set(expected)) == 3
