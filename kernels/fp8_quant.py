@@ -80,7 +80,10 @@ def quant_fp8_ref(x: torch.Tensor, scale: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     if scale is None:
-        s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+        amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX)
+        # A tensor divisor: torch on CUDA turns division by a Python number into multiplication
+        # by its reciprocal, an ulp away from the correctly rounded quotient the kernel takes.
+        s = amax / torch.full_like(amax, FP8_MAX)
     else:
         s = scale.reshape(1, 1).expand(x.shape[0], 1).float()
     q = (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
