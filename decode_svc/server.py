@@ -240,10 +240,10 @@ class DecodeServicer(WorkerServicer):
         """Register with a prefill worker and map its pool in the engine core, on first use and
         again once the worker there restarted (a new instance has a new pool). A lease from an
         instance that is gone fails its request: its KV went with it."""
-        if self.peers.get(address) == instance_id:
-            return
+        if self.peers.get(address) == instance_id or (not instance_id and address in self.peers):
+            return  # mapped (a lease naming no instance is for the claim to judge)
         async with self._peer_locks.setdefault(address, asyncio.Lock()):
-            if self.peers.get(address) != instance_id:
+            if address not in self.peers or (instance_id and self.peers[address] != instance_id):
                 resp = await self._stub(address).Register(worker_pb2.RegisterRequest(
                     decode_worker_id=self.worker_id, layout=self.layout), timeout=30,
                     metadata=trace_metadata())
@@ -261,7 +261,7 @@ class DecodeServicer(WorkerServicer):
                 self.peers[address] = resp.instance_id
                 log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id,
                          desc.redacted())
-        if self.peers[address] != instance_id:
+        if instance_id and self.peers[address] != instance_id:
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {address} "
                               "restarted since it granted the lease")
 

@@ -31,9 +31,11 @@ class FakeStream:
         self.steps, self.fail = steps, fail
         self.sent: list[worker_pb2.DecodeRequest] = []
 
-    async def request(self, msg, md=None, timeout=None):
+    async def request(self, msg, md=None, timeout=None, on_sent=None):
         req = msg.decode
         self.sent.append(req)
+        if on_sent is not None:
+            on_sent()  # on its way: the lease is the worker's now
         n = req.params.n
         done = [len(s.token_ids) + 1 for s in req.resume] or [1] * n
         for _ in range(self.steps):
