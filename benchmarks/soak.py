@@ -145,8 +145,8 @@ class Soak:
             return "ok", "", texts
         async with self.http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code in (429, 503):
-                await r.aread()
-                return "clear", f"HTTP {r.status_code}", None
+                message = json.loads(await r.aread())["error"]["message"]
+                return "clear", f"HTTP {r.status_code}: {_brief(message)}", None
             if r.status_code != 200:
                 return "unexplained", f"HTTP {r.status_code}: {(await r.aread())[:300]!r}", None
             chunks = 0
@@ -174,7 +174,7 @@ class Soak:
                                                  f"reference"
         self.outcomes[outcome] += 1
         if outcome == "clear":
-            self.clear[detail.split(":")[0]] += 1
+            self.clear[detail] += 1
         elif outcome == "unexplained":
             self.unexplained.append(detail)
         return outcome
@@ -235,6 +235,8 @@ class Soak:
             proc = self.stack.procs[name]
             pid = proc.popen.pid
             at = time.monotonic() - t0
+            self.faults.append({"kind": kind, "worker": name, "at_s": round(at, 1)})
+            print(f"soak: {at:7.1f} s  {kind} {name}", flush=True)
             if kind == "kill":
                 os.kill(pid, signal.SIGKILL)
                 # Until the supervisor's restart of it is up (the router may not have
@@ -250,8 +252,6 @@ class Soak:
                 finally:
                     os.kill(pid, signal.SIGCONT)
                     self.stopped = None
-            self.faults.append({"kind": kind, "worker": name, "at_s": round(at, 1)})
-            print(f"soak: {at:7.1f} s  {kind} {name}", flush=True)
             await self.whole()
             await asyncio.sleep(a.fault_interval * self.rng.uniform(0.7, 1.3))
 
@@ -310,8 +310,8 @@ class Soak:
 
 
 def _brief(message: str) -> str:
-    """An error message without its addresses and ids, for counting by kind."""
-    return re.sub(r"\S+:\d+|req-\S+|\d+(\.\d+)?", "#", message)[:120]
+    """An error message without its addresses, ids and figures, for counting by kind."""
+    return re.sub(r"\S+:\d+|req-\S+|\d+(\.\d+)?", "#", message)[:100]
 
 
 def _metric(text: str, name: str) -> float:
@@ -340,7 +340,8 @@ def report(r: dict, a: argparse.Namespace) -> str:
                  f"{f['kind']} {f['worker']} @{f['at_s']} s" for f in r["faults"]),
              f"requests {r['requests']}: ok {o.get('ok', 0)}, cancelled {o.get('cancelled', 0)}"
              f", clear errors {o.get('clear', 0)}, unexplained {o.get('unexplained', 0)}"]
-    lines += [f"  clear: {n} x {what}" for what, n in sorted(r["clear_errors"].items())]
+    lines += [f"  clear: {n:5} x {what}" for what, n in
+              sorted(r["clear_errors"].items(), key=lambda kv: -kv[1])]
     lines += [f"  unexplained: {d}" for d in r["unexplained"][:20]]
     rt = r["router"]
     lines.append(f"router: {rt['request_migrations']:.0f} requests moved, "

@@ -60,7 +60,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port; -1: off")
     p.add_argument("--poll-interval", type=float, default=0.5,
                    help="seconds between polls of each worker's load and health")
-    p.add_argument("--worker-timeout", type=float, default=5.0,
+    p.add_argument("--worker-timeout", type=float, default=3.0,
                    help="seconds without an answered poll after which a worker counts as lost "
                         "(hung): the requests in flight on it are failed or moved at once")
     p.add_argument("--max-migrations", type=int, default=3,

@@ -11,8 +11,9 @@ Health: every worker's GetLoad is polled; a worker that fails a poll, or whose S
 breaks, is taken out until it answers again. One whose polls time out, unanswered for
 `worker_timeout_s` (hung: stopped, stuck, cut off), is lost: the calls in flight on it give up at
 once (UNAVAILABLE; the orchestrator moves or retries them) rather than when the connection's
-keepalive fires (15 s). A worker that refuses polls (draining, or dead) is not lost: its streams
-finish, or broke already.
+pings go unanswered (GRPC_OPTIONS: 5 s after a ping, which a busy stream sends soon, a quiet
+call at the next keepalive, up to 15 s). A worker that refuses polls (draining, or dead) is not
+lost: its streams finish, or broke already.
 A worker whose answers carry a new instance id restarted (counted).
 """
 
@@ -103,7 +104,7 @@ class FaultMetrics:
 class WorkerSet:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str], *,
                  poll_interval_s: float = 0.5, balance_slack: int = 4,
-                 block_size: int = 16, worker_timeout_s: float = 5.0,
+                 block_size: int = 16, worker_timeout_s: float = 3.0,
                  metrics: FaultMetrics | None = None) -> None:
         self.workers: list[Worker] = []
         for role, addrs in (("prefill", prefill), ("decode", decode), ("both", both)):

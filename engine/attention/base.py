@@ -73,12 +73,14 @@ class AttentionBackend(ABC):
         self.kv_scales = kv_scales
         self.k_caches = [pool[:, layer, 0] for layer in range(pool.shape[1])]
         self.v_caches = [pool[:, layer, 1] for layer in range(pool.shape[1])]
+        # Views made once (no per-step indexing); KVScales.set writes through them.
+        self._kv_scale_rows = [
+            (None, None) if kv_scales is None else (kv_scales.k[layer], kv_scales.v[layer])
+            for layer in range(pool.shape[1])]
 
     def kv_scale(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Layer's (k_scale, v_scale), fp32 [num_kv_heads] each, or (None, None)."""
-        if self.kv_scales is None:
-            return None, None
-        return self.kv_scales.k[layer], self.kv_scales.v[layer]
+        return self._kv_scale_rows[layer]
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
