@@ -212,7 +212,7 @@ def test_generate_and_up_take_the_fp8_flags(tiny_models, capsys):
                  "--quantization", "fp8", "--prompt-token-ids", "5,6,7", "--max-tokens", "4",
                  "--temperature", "0", "--ignore-eos", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["outputs"][0]["token_ids"]) == 4
-    stack = stack_from_args(build_parser("up").parse_args(
+    stack, _ = stack_from_args(build_parser("up").parse_args(
         ["up", "--device", "cpu", "--kv-cache-dtype", "fp8", "--quantization", "fp8"]))
     args = stack.worker_args
     assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
