@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from engine.model_source import resolve_model
+
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
 ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -141,6 +143,10 @@ class LocalStack:
             p.http_port = int(ports[1]) if len(ports) > 1 else 0
 
     def start(self) -> LocalStack:
+        # The checkpoint is resolved here first (a GGUF file's or a packaged model's directory is
+        # built on first use): once, not by every worker and the router at the same time, and a
+        # model that cannot be had fails before any process starts (ModelLoadError).
+        resolve_model(self.model)
         # Workers sharing a GPU size their KV pools from its free memory: start those in turn.
         cuda = [d for d in self.devices if d.startswith("cuda")]
         one_by_one = len(cuda) != len(set(cuda))
