@@ -41,7 +41,7 @@ def greedy(model: str) -> list[list[int]]:
             for o in LLM(model, progress=False).generate(PROMPTS, GREEDY)]
 
 
-@pytest.mark.parametrize("quant", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("quant", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1])
 def test_weights_are_the_dequantized_tensors_in_hugging_face_order(tiny_models, tmp_path,
                                                                    quant):
     path = write_gguf(tiny_models["llama"], tmp_path / "tiny.gguf", quant)

