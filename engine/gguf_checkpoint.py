@@ -164,13 +164,8 @@ def hf_config(meta: Metadata, arch: str, shapes: dict[str, list[int]],
     def a(key: str, default: Any = ...) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
-    hidden, heads = int(a("embedding_length")), int(a("attention.head_count"))
-    kv_heads = a("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # per layer; these architectures have one count
-        if len(set(kv_heads)) != 1:
-            raise ModelLoadError(f"model: {arch}.attention.head_count_kv differs per layer "
-                                 f"({kv_heads}); not supported")
-        kv_heads = kv_heads[0]
+    hidden = int(a("embedding_length"))
+    heads, kv_heads = _head_counts(meta, arch)
     head_dim = int(a("attention.key_length", 0) or a("rope.dimension_count", 0)
                    or hidden // heads)
     rope_dims = a("rope.dimension_count", head_dim)
@@ -190,7 +185,7 @@ def hf_config(meta: Metadata, arch: str, shapes: dict[str, list[int]],
         "intermediate_size": int(a("feed_forward_length")),
         "num_hidden_layers": int(a("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(kv_heads),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "rms_norm_eps": _f32(a("attention.layer_norm_rms_epsilon")),
         "rope_theta": theta,
@@ -201,6 +196,18 @@ def hf_config(meta: Metadata, arch: str, shapes: dict[str, list[int]],
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id", None),
         "eos_token_id": list(dict.fromkeys(int(t) for t in eos if t is not None)),
     }
+
+
+def _head_counts(meta: Metadata, arch: str) -> tuple[int, int]:
+    """(query heads, KV heads)."""
+    heads = int(meta.get(f"{arch}.attention.head_count"))
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per layer; these architectures have one count
+        if len(set(kv_heads)) != 1:
+            raise ModelLoadError(f"model: {arch}.attention.head_count_kv differs per layer "
+                                 f"({kv_heads}); not supported")
+        kv_heads = kv_heads[0]
+    return heads, int(kv_heads)
 
 
 def _f32(x: float) -> float:
@@ -275,9 +282,7 @@ def tensor_index(reader, arch: str, meta: Metadata) -> list[dict[str, Any]]:
     """Where each tensor lies in the file and how to read it; fails on a tensor the engine
     would not know or could not dequantize, naming it and its type."""
     gguf = _gguf()
-    heads = int(meta.get(f"{arch}.attention.head_count"))
-    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
-    kv_heads = int(kv_heads[0] if isinstance(kv_heads, list) else kv_heads)
+    heads, kv_heads = _head_counts(meta, arch)
     index, dequantizable = [], {}
     for t in reader.tensors:
         qtype = t.tensor_type
