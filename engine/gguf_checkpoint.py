@@ -62,7 +62,7 @@ LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-ROPE_FREQS = "rope_freqs.weight"  # llama3 rotary scaling, read into the config (_llama3_rope)
+ROPE_FREQS = "rope_freqs.weight"  # llama3 rotary scaling: read into the config, not loaded
 
 
 def _gguf():
@@ -226,7 +226,7 @@ def _rope_scaling(meta: Metadata, arch: str, rope_freqs: np.ndarray | None, head
         if kind not in (None, "none"):
             raise ModelLoadError(f"model: GGUF has both {ROPE_FREQS} and {arch}.rope.scaling."
                                  f"type {kind!r}; not supported")
-        return _llama3_rope(np.asarray(rope_freqs, dtype=np.float64), head_dim, theta)
+        return llama3_rope_scaling(np.asarray(rope_freqs, dtype=np.float64), head_dim, theta)
     if kind in (None, "none") or (kind == "linear" and float(factor) == 1.0):
         return None
     if kind == "linear":
@@ -235,7 +235,7 @@ def _rope_scaling(meta: Metadata, arch: str, rope_freqs: np.ndarray | None, head
                          "(supported: none, linear, and llama3 through rope_freqs)")
 
 
-def _llama3_rope(divisors: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
+def llama3_rope_scaling(divisors: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
     """Llama 3.1's rotary scaling, which llama.cpp stores as one divisor per frequency
     (rope_freqs): 1 for wavelengths under original/high_freq_factor, `factor` above
     original/low_freq_factor, and 1 / ((1 - s) / factor + s) between, where

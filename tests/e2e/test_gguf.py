@@ -18,7 +18,7 @@ from tiny_gguf import llama3_rope_freqs, write_gguf
 
 from engine.config import ModelConfig, RopeScaling
 from engine.errors import ModelLoadError
-from engine.gguf_checkpoint import _llama3_rope, read_tensors
+from engine.gguf_checkpoint import llama3_rope_scaling, read_tensors
 from engine.llm import LLM
 from engine.model_source import resolve_model
 from engine.models.layers import rope_inv_freq
@@ -88,13 +88,14 @@ def test_config_from_metadata_serves_the_original_checkpoint(tiny_models, tmp_pa
 def test_llama31_rotary_scaling_is_recovered_from_rope_freqs():
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    got = _llama3_rope(llama3_rope_freqs(rope, 128, 500000.0).astype(np.float64), 128, 500000.0)
+    divisors = llama3_rope_freqs(rope, 128, 500000.0).astype(np.float64)
+    got = llama3_rope_scaling(divisors, 128, 500000.0)
     assert got["original_max_position_embeddings"] == 8192 and got["factor"] == 8.0
     assert got["high_freq_factor"] == pytest.approx(4.0, rel=1e-4)
     torch.testing.assert_close(rope_inv_freq(128, 500000.0, RopeScaling(**got)),
                                rope_inv_freq(128, 500000.0, RopeScaling(**rope)))
     with pytest.raises(ModelLoadError, match=r"rope_freqs\.weight is not Llama 3"):
-        _llama3_rope(np.linspace(1, 8, 64), 128, 500000.0)
+        llama3_rope_scaling(np.linspace(1, 8, 64), 128, 500000.0)
 
 
 def test_tokenizer_and_chat_template_come_from_the_metadata(tiny_models, tmp_path):
