@@ -86,7 +86,9 @@ def _checkpoint_tensors(path: Path, dtype: torch.dtype, progress: bool
     """(file name, Hugging Face tensor name, tensor) for every tensor of the checkpoint."""
     gguf_file = gguf_checkpoint.weights_file(path)
     if gguf_file is not None:
-        for name, tensor in gguf_checkpoint.read_tensors(gguf_file, dtype):
+        tensors = gguf_checkpoint.read_tensors(path, dtype)
+        for name, tensor in tqdm(tensors, desc="Loading weights", unit=" tensors",
+                                 disable=not progress):
             yield gguf_file.name, name, tensor
         return
     files = sorted(path.glob("*.safetensors"))

@@ -35,6 +35,8 @@ from typing import IO, Any
 from engine.errors import InvalidArgument
 from engine.model_source import served_name
 
+from engine.model_source import resolve_model
+
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
 ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -173,6 +175,10 @@ class LocalStack:
                 time.sleep(0.05)
 
     def start(self) -> LocalStack:
+        # The checkpoint is resolved here first (a GGUF file's or a packaged model's directory is
+        # built on first use): once, not by every worker and the router at the same time, and a
+        # model that cannot be had fails before any process starts (ModelLoadError).
+        resolve_model(self.model)
         # Workers sharing a GPU size their KV pools from its free memory: start those in turn.
         cuda = [d for d in self.devices if d.startswith("cuda")]
         one_by_one = len(cuda) != len(set(cuda))

