@@ -198,6 +198,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    # Ranks (processes, one device each) the model is split over (engine/parallel.py).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -218,6 +220,9 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise InvalidArgument("quantization", f"must be one of {', '.join(QUANTIZATIONS)}, "
                                                   f"got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            raise InvalidArgument("tensor_parallel_size",
+                                  f"must be >= 1, got {self.tensor_parallel_size}")
         # Build the narrow configs now so that bad values fail at construction.
         self.cache_config()
 

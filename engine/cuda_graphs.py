@@ -47,7 +47,7 @@ class CudaGraphRunner:
         self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
-        vocab = model.lm_head.weight.shape[0]
+        vocab = model.config.vocab_size  # a tensor-parallel LM head holds a slice of it
         self.logits = torch.zeros(max_bs, vocab, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Per size: its rows of the logits buffer and its argmax (rewritten by every replay).

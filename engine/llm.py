@@ -83,6 +83,16 @@ class LLM:
             raise
         return [states[rid].result() for rid in order]
 
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (at TP 1 there is nothing to stop)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:

@@ -51,20 +51,24 @@ COMPILE_WAIT_S = 0.05
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, pool_factory: PoolFactory | None = None,
                  kv_puller: KVPuller | None = None, kv_dropper: KVDropper | None = None,
-                 progress: bool = True) -> None:
+                 progress: bool = True, tp_options: dict | None = None) -> None:
         keep_freed_memory()
         self.config = config
         self.model_dir = resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         cache = config.cache_config()
         sched = config.scheduler_config(self.model_config)
+        # Tensor parallelism: ranks 1.. in processes of their own, this one is rank 0.
+        self.tp_group = start_tp_group(config, self.model_dir, self.model_config, tp_options)
         self.runner = ModelRunner(
             self.model_config, cache, device=config.device, dtype=config.dtype,
             model_dir=self.model_dir, load_format=config.load_format, seed=config.seed,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=sched.max_model_len, max_num_seqs=sched.max_num_seqs,
             cuda_graphs=config.cuda_graphs, pool_factory=pool_factory, progress=progress,
-            kv_cache_dtype_name=config.kv_cache_dtype, quantization=config.quantization)
+            kv_cache_dtype_name=config.kv_cache_dtype, quantization=config.quantization,
+            tp=self.tp_group.state if self.tp_group is not None else None)
+        self.runner.peers = self.tp_group
         self.block_pool = BlockPool(self.runner.num_blocks, cache.block_size,
                                     cache.enable_prefix_caching)
         self.kv = KVCacheManager(self.block_pool)
@@ -237,6 +241,11 @@ class LLMEngine:
         for blocks in expired:
             self.block_pool.free(blocks)
         return len(expired)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do at TP 1)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.compiling)
@@ -439,6 +448,22 @@ class LLMEngine:
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+
+def start_tp_group(config: EngineConfig, model_dir, model_config: ModelConfig,
+                   options: dict | None):
+    """Ranks 1..N-1 of a tensor-parallel engine (engine/tp_group.py), or None at TP 1.
+    options: TPGroup's keywords (pool_transport, cpu_threads)."""
+    if config.tensor_parallel_size == 1:
+        return None
+    import torch  # noqa: PLC0415 - the engine core imports torch with the runner anyway
+
+    from engine.parallel import check_tp_size  # noqa: PLC0415
+    from engine.tp_group import TPGroup  # noqa: PLC0415
+
+    check_tp_size(model_config, config.tensor_parallel_size)
+    opts = {"cpu_threads": torch.get_num_threads(), **(options or {})}
+    return TPGroup(config, model_dir, **opts)
 
 
 def keep_freed_memory() -> None:

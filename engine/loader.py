@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -15,6 +17,7 @@ from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.models import model_class
 from engine.models.layers import CausalLM, default_weight_loader
+from engine.parallel import TPState, build_sharded_model
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,10 +32,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                tp: TPState | None = None) -> CausalLM:
     """Parameters are created directly on the device in the serving dtype (no host copy of an
-    8B model); rotary caches stay float32."""
+    8B model); rotary caches stay float32. With tp of size > 1: that rank's shard only
+    (engine/parallel.py)."""
     cls = model_class(cfg.architecture)
+    if tp is not None and tp.size > 1:
+        return build_sharded_model(cls, cfg, dtype, device, tp)
     with _default_dtype(dtype), torch.device(device):
         model = cls(cfg)
     for mod in model.modules():
@@ -50,7 +57,15 @@ def _hf_to_param(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, st
 
 def load_weights(model: CausalLM, path: Path, progress: bool = True) -> None:
     """Fill every parameter from the checkpoint in `path`: its *.safetensors files, or the GGUF
-    file it links (engine/gguf_checkpoint.py), dequantized to the model's dtype."""
+    file it links (engine/gguf_checkpoint.py), dequantized to the model's dtype. A tensor-
+    parallel shard's layers read only their rows or columns of each safetensors tensor."""
+    dtype = next(model.parameters()).dtype
+    _fill(model, _checkpoint_tensors(Path(path), dtype, progress), str(path))
+
+
+def _fill(model: CausalLM, tensors: Iterator[tuple[str, str, Any]], where: str) -> None:
+    """Every (source, Hugging Face name, tensor or LazyTensor) into its parameter; a missing
+    or misplaced tensor is an error that names it."""
     params = dict(model.named_parameters())
     # Every (parameter, shard) that must be filled, so that a missing tensor is named.
     expected: set[tuple[str, str | None]] = set()
@@ -62,8 +77,7 @@ def load_weights(model: CausalLM, path: Path, progress: bool = True) -> None:
     if tied:
         expected.discard(("lm_head.weight", None))
     loaded: set[tuple[str, str | None]] = set()
-    dtype = next(iter(params.values())).dtype
-    for source, hf_name, tensor in _checkpoint_tensors(Path(path), dtype, progress):
+    for source, hf_name, tensor in tensors:
         if "rotary_emb.inv_freq" in hf_name or (tied and hf_name == "lm_head.weight"):
             continue
         name, shard = _hf_to_param(hf_name, model.packed_modules)
@@ -72,13 +86,33 @@ def load_weights(model: CausalLM, path: Path, progress: bool = True) -> None:
             raise ModelLoadError(f"tensor {hf_name} in {source} has no place in "
                                  f"{model.config.architecture}")
         loader = getattr(param, "weight_loader", default_weight_loader)
+        if isinstance(tensor, LazyTensor) and not getattr(
+                getattr(loader, "__self__", None), "accepts_lazy", False):
+            tensor = tensor.full()
         loader(param, tensor, shard, name=hf_name)
         loaded.add((name, shard))
     missing = sorted(expected - loaded, key=str)
     if missing:
         names = [f"{n} ({s})" if s else n for n, s in missing]
-        raise ModelLoadError(f"model: tensors missing from {path}: {', '.join(names[:8])}"
+        raise ModelLoadError(f"model: tensors missing from {where}: {', '.join(names[:8])}"
                              + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+
+
+class LazyTensor:
+    """A safetensors tensor not read yet: `narrow` reads only the rows or columns asked for
+    (a tensor-parallel shard's), `full` the whole tensor."""
+
+    def __init__(self, st_slice: Any) -> None:
+        self._slice = st_slice
+        self.shape = torch.Size(st_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, size: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + size)
+        return self._slice[tuple(index)]
+
+    def full(self) -> torch.Tensor:
+        return self._slice[:]
 
 
 def _checkpoint_tensors(path: Path, dtype: torch.dtype, progress: bool
@@ -100,7 +134,7 @@ def _checkpoint_tensors(path: Path, dtype: torch.dtype, progress: bool
         try:
             with safe_open(f, framework="pt") as st:
                 for hf_name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    yield f.name, hf_name, st.get_tensor(hf_name)
+                    yield f.name, hf_name, LazyTensor(st.get_slice(hf_name))
         except SafetensorError as e:
             raise ModelLoadError(f"model: cannot read {f}: {e}") from e
         bar.update(f.stat().st_size)
@@ -109,10 +143,44 @@ def _checkpoint_tensors(path: Path, dtype: torch.dtype, progress: bool
 
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights for speed measurements: the values do not change the work done.
-    Small uniform values keep activations finite in bfloat16."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():
+    Small uniform values keep activations finite in bfloat16.
+
+    Each tensor of the checkpoint the config describes is drawn whole from a generator seeded
+    by its name and loaded like a real one: a tensor-parallel shard holds the same values as
+    the unsharded model, so TP N and TP 1 compute the same function on dummy weights too."""
+    p = next(model.parameters())
+    _fill(model, dummy_checkpoint(model.config, p.dtype, p.device, seed), "dummy weights")
+
+
+def dummy_checkpoint(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int
+                     ) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """("dummy", Hugging Face name, tensor) for every tensor of a checkpoint of `cfg`."""
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        shapes.update({
+            pre + "input_layernorm.weight": (h,), pre + "post_attention_layernorm.weight": (h,),
+            pre + "self_attn.q_proj.weight": (q, h), pre + "self_attn.k_proj.weight": (kv, h),
+            pre + "self_attn.v_proj.weight": (kv, h), pre + "self_attn.o_proj.weight": (h, q),
+            pre + "mlp.gate_proj.weight": (inter, h), pre + "mlp.up_proj.weight": (inter, h),
+            pre + "mlp.down_proj.weight": (h, inter)})
+        if cfg.qkv_bias:
+            shapes.update({pre + "self_attn.q_proj.bias": (q,),
+                           pre + "self_attn.k_proj.bias": (kv,),
+                           pre + "self_attn.v_proj.bias": (kv,)})
+        if cfg.qk_norm:
+            shapes.update({pre + "self_attn.q_norm.weight": (hd,),
+                           pre + "self_attn.k_norm.weight": (hd,)})
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for name, shape in shapes.items():
         if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        else:
-            p.data.uniform_(-0.02, 0.02, generator=gen)
+            yield "dummy", name, torch.ones(shape, dtype=dtype, device=device)
+            continue
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(
+            name.encode()))
+        yield "dummy", name, torch.empty(shape, dtype=dtype, device=device).uniform_(
+            -0.02, 0.02, generator=gen)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from engine.cuda_graphs import CudaGraphRunner
 from engine.errors import InvalidArgument
 from engine.loader import TORCH_DTYPES, build_model, init_dummy_weights, load_weights
 from engine.models.layers import CausalLM
+from engine.parallel import TPState, all_min, kv_heads_per_rank
 from engine.quantization import fp8, kv_cache
 from engine.quantization.checkpoint import fp8_scheme
 from engine.sampler import Sampler, SamplerOutput, SampleRow
@@ -56,8 +58,16 @@ class ModelRunner:
                  max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
                  max_num_seqs: int = 256, cuda_graphs: bool = True,
                  pool_factory: PoolFactory | None = None, progress: bool = True,
-                 kv_cache_dtype_name: str = "auto", quantization: str | None = None) -> None:
+                 kv_cache_dtype_name: str = "auto", quantization: str | None = None,
+                 tp: TPState | None = None) -> None:
         self.config = model_config
+        # Tensor parallelism (engine/parallel.py): this rank's heads; rank 0 hands every step's
+        # inputs to the other ranks through `peers` (engine/tp_group.py) before running it.
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        n = self.tp.size if self.tp else 1
+        self.num_heads = model_config.num_heads // n
+        self.num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, n)
+        self.peers = None
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if self.device.index is None:
@@ -67,7 +77,7 @@ class ModelRunner:
         self.kv_dtype = kv_cache.kv_cache_dtype(kv_cache_dtype_name, self.dtype)
         kv_cache.check_device(self.kv_dtype, self.device)
         self.kv_scales = (kv_cache.KVScales.ones(model_config.num_layers,
-                                                 model_config.num_kv_heads, self.device)
+                                                 self.num_kv_heads, self.device)
                           if self.kv_dtype == kv_cache.FP8_DTYPE else None)
         self.block_size = cache_config.block_size
         torch.manual_seed(seed)
@@ -81,6 +91,8 @@ class ModelRunner:
         graph_bs = min(max_num_seqs, MAX_GRAPH_BATCH) if use_graphs else 0
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
             cache_config, max_num_batched_tokens, max_model_len, max_num_seqs, graph_bs)
+        if self.tp is not None:  # block ids mean the same on every rank: one pool size
+            self.num_blocks = all_min(self.num_blocks, self.tp)
         self.pool = (pool_factory or default_pool_factory)(self.pool_shape(self.num_blocks),
                                                             self.kv_dtype, self.device)
         self.backend = self._make_backend(self.pool)
@@ -95,8 +107,11 @@ class ModelRunner:
         """Build the model on its device and fill its weights; with an FP8 scheme the
         projections become FP8 layers around the load (shells before an FP8 checkpoint's,
         quantized after a float one's)."""
-        model = build_model(self.config, self.dtype, self.device)
+        model = build_model(self.config, self.dtype, self.device, self.tp)
         scheme = fp8_scheme(model_dir if load_format != "dummy" else None, quantization)
+        if scheme is not None and self.tp is not None:
+            raise InvalidArgument("tensor_parallel_size", "FP8 weights are served at tensor-"
+                                  "parallel size 1 only")
         if scheme is not None:
             fp8.check_device(self.device, self.dtype)
             fp8.prepare(model, scheme)
@@ -111,12 +126,12 @@ class ModelRunner:
     # -- KV pool -----------------------------------------------------------------------------
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         c = self.config
-        return (num_blocks, c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim)
+        return (num_blocks, c.num_layers, 2, self.block_size, self.num_kv_heads, c.head_dim)
 
     @property
     def block_bytes(self) -> int:
         c = self.config
-        return (c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim
+        return (c.num_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim
                 * self.kv_dtype.itemsize)  # 1 byte an element in an FP8 pool
 
     def _make_backend(self, pool: torch.Tensor) -> AttentionBackend:
@@ -124,8 +139,8 @@ class ModelRunner:
         if pool.is_cuda:
             from engine.attention.triton_backend import TritonAttentionBackend  # noqa: PLC0415
 
-            return TritonAttentionBackend(pool, self.config.num_heads, scale, self.kv_scales)
-        return TorchAttentionBackend(pool, self.config.num_heads, scale, self.kv_scales)
+            return TritonAttentionBackend(pool, self.num_heads, scale, self.kv_scales)
+        return TorchAttentionBackend(pool, self.num_heads, scale, self.kv_scales)
 
     def _blocks_for_budget(self, cache: CacheConfig, max_tokens: int, max_model_len: int,
                            max_num_seqs: int, graph_bs: int) -> int:
@@ -217,32 +232,42 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, rows: list[SampleRow],
                 row_token_index: list[int]) -> SamplerOutput:
-        """Run one step. rows[i] samples from the logits of flattened token row_token_index[i]."""
-        if batch.copies:
-            src = torch.tensor([s for s, _ in batch.copies], device=self.device)
-            dst = torch.tensor([d for _, d in batch.copies], device=self.device)
+        """Run one step. rows[i] samples from the logits of flattened token row_token_index[i].
+        With tensor parallelism every rank runs the forward pass on the same inputs; rank 0
+        (here) samples from the gathered logits."""
+        inputs = self.step_inputs(batch, row_token_index)
+        if self.peers is not None:
+            self.peers.step(inputs)
+        logits, greedy = self.forward(inputs)
+        return self.sampler(logits, rows, greedy)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits (float32, one row per sampled row) and, from a CUDA graph, their
+        argmax. Every rank of a tensor-parallel group calls this with the same inputs."""
+        if inputs.copies:
+            src = torch.tensor([s for s, _ in inputs.copies], device=self.device)
+            dst = torch.tensor([d for _, d in inputs.copies], device=self.device)
             self.pool[dst] = self.pool[src]
-        ids, pos, meta, sample_index = self._inputs(batch, row_token_index)
+        ids, pos, meta, sample_index = self._device_inputs(inputs)
         if (self.graphs is not None and meta.num_decodes == meta.num_seqs
                 and self.graphs.can_run(meta.num_seqs, meta.block_tables.shape[1])):
             logits, greedy = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens,
                                              meta.block_tables)
-            if row_token_index != list(range(meta.num_seqs)):  # a fork samples a row n times
+            if inputs.row_token_index != list(range(meta.num_seqs)):  # a fork samples n times
                 logits, greedy = logits[sample_index], greedy[sample_index]
-            return self.sampler(logits, rows, greedy)
+            return logits, greedy
         with forward_context(self.backend, meta):
             hidden = self.model(ids, pos)
-        return self.sampler(self.model.compute_logits(hidden[sample_index]), rows)
+        return self.model.compute_logits(hidden[sample_index]), None
 
-    def _inputs(self, batch: ScheduledBatch, row_token_index: list[int]):
-        """The step's tensors, in two host-to-device copies (one int64, one int32) plus the
-        block table gathered from the mirror."""
+    def step_inputs(self, batch: ScheduledBatch, row_token_index: list[int]) -> StepInputs:
+        """The step as host lists (what rank 0 sends the other ranks)."""
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
-        qsl = [0]
         rows: list[int] = []
         mirror_row = self.block_tables.row
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -258,27 +283,57 @@ class ModelRunner:
                 positions.extend(range(start, end))
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
-            qsl.append(qsl[-1] + n)
             rows.append(mirror_row(seq))
-        t = len(token_ids)
-        b = len(seq_lens)
         width = max(len(s.block_ids) for s in batch.seqs)
+        return StepInputs(token_ids, positions, slots, seq_lens, list(batch.num_new_tokens),
+                          batch.num_decodes, row_token_index,
+                          self.block_tables.gather(rows, width), list(batch.copies))
+
+    def _inputs(self, batch: ScheduledBatch, row_token_index: list[int]):
+        return self._device_inputs(self.step_inputs(batch, row_token_index))
+
+    def _device_inputs(self, inputs: StepInputs):
+        """The step's tensors, in two host-to-device copies (one int64, one int32) plus the
+        block table."""
+        t = len(inputs.token_ids)
+        b = len(inputs.seq_lens)
+        qsl = [0]
+        for n in inputs.query_lens:
+            qsl.append(qsl[-1] + n)
         dev = self.device
-        longs = _to(token_ids + positions + slots + row_token_index, torch.long, dev)
-        ints = _to(qsl + seq_lens, torch.int32, dev)
-        table = self.block_tables.gather(rows, width)
+        longs = _to(inputs.token_ids + inputs.positions + inputs.slots
+                    + inputs.row_token_index, torch.long, dev)
+        ints = _to(qsl + inputs.seq_lens, torch.int32, dev)
+        table = inputs.block_table
         if dev.type == "cuda":
             table = table.pin_memory().to(dev, non_blocking=True)
         meta = AttentionMetadata(
             slot_mapping=longs[2 * t:3 * t], query_start_loc=ints[:b + 1],
-            seq_lens=ints[b + 1:], block_tables=table, num_decodes=batch.num_decodes,
-            max_query_len=max(batch.num_new_tokens), max_seq_len=max(seq_lens),
-            query_lens_cpu=batch.num_new_tokens, seq_lens_cpu=seq_lens)
+            seq_lens=ints[b + 1:], block_tables=table, num_decodes=inputs.num_decodes,
+            max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens),
+            query_lens_cpu=inputs.query_lens, seq_lens_cpu=inputs.seq_lens)
         return longs[:t], longs[t:2 * t], meta, longs[3 * t:]
 
     def release(self, seq_id: int) -> None:
         """A sequence finished: its block-table row is free again."""
         self.block_tables.release(seq_id)
+
+
+@dataclass
+class StepInputs:
+    """One step on the host: flattened tokens in the backend's order (decodes first), each
+    sequence's context length and new tokens, the rows that sample, the block table and the
+    copy-on-write copies. Plain lists and a CPU tensor: what rank 0 broadcasts."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]
+    query_lens: list[int]
+    num_decodes: int
+    row_token_index: list[int]
+    block_table: torch.Tensor  # int32 [B, width], on the CPU
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def kv_pool_blocks(free_bytes: int, reserved_bytes: int, memory_fraction: float,
