@@ -248,7 +248,14 @@ class DecodeServicer(WorkerServicer):
                     decode_worker_id=self.worker_id, layout=self.layout), timeout=30,
                     metadata=trace_metadata())
                 desc = descriptor_from_proto(resp.pool)
-                check_compatible(self.layout, desc)
+                # A tensor-parallel prefill worker: its ranks' pools, each checked.
+                descs = [desc, *(descriptor_from_proto(d) for d in resp.rank_pools)]
+                for d in descs:
+                    check_compatible(self.layout, d)
+                if len(descs) != max(1, desc.tensor_parallel_size):
+                    raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"prefill worker {address} described {len(descs)} pools "
+                                      f"for {desc.tensor_parallel_size} ranks")
                 # One address per pool: a peer presenting a pool mapped for another would
                 # answer claims for that pool's blocks itself.
                 known = self._pool_addresses.setdefault(desc.handle, address)
@@ -257,7 +264,8 @@ class DecodeServicer(WorkerServicer):
                     raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
                                       f"prefill worker {address} presents the KV pool of "
                                       "another prefill worker")
-                await self.engine.map_pool(address, desc, resp.instance_id)
+                await self.engine.map_pool(address, descs if len(descs) > 1 else desc,
+                                           resp.instance_id)
                 self.peers[address] = resp.instance_id
                 log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id,
                          desc.redacted())

@@ -60,14 +60,12 @@ class LLMEngine:
         sched = config.scheduler_config(self.model_config)
         # Tensor parallelism: ranks 1.. in processes of their own, this one is rank 0.
         self.tp_group = start_tp_group(config, self.model_dir, self.model_config, tp_options)
-        self.runner = ModelRunner(
-            self.model_config, cache, device=config.device, dtype=config.dtype,
-            model_dir=self.model_dir, load_format=config.load_format, seed=config.seed,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=sched.max_model_len, max_num_seqs=sched.max_num_seqs,
-            cuda_graphs=config.cuda_graphs, pool_factory=pool_factory, progress=progress,
-            kv_cache_dtype_name=config.kv_cache_dtype, quantization=config.quantization,
-            tp=self.tp_group.state if self.tp_group is not None else None)
+        try:
+            self.runner = self._runner(config, cache, sched, pool_factory, progress)
+        except BaseException:
+            if self.tp_group is not None:
+                self.tp_group.kill()
+            raise
         self.runner.peers = self.tp_group
         self.block_pool = BlockPool(self.runner.num_blocks, cache.block_size,
                                     cache.enable_prefix_caching)
@@ -90,6 +88,17 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.num_requests_added = 0
         self.last_step: StepStats | None = None
+
+    def _runner(self, config: EngineConfig, cache, sched, pool_factory, progress: bool
+                ) -> ModelRunner:
+        return ModelRunner(
+            self.model_config, cache, device=config.device, dtype=config.dtype,
+            model_dir=self.model_dir, load_format=config.load_format, seed=config.seed,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=sched.max_model_len, max_num_seqs=sched.max_num_seqs,
+            cuda_graphs=config.cuda_graphs, pool_factory=pool_factory, progress=progress,
+            kv_cache_dtype_name=config.kv_cache_dtype, quantization=config.quantization,
+            tp=self.tp_group.state if self.tp_group is not None else None)
 
     # -- requests ----------------------------------------------------------------------------
     def validate(self, request_id: str, prompt_token_ids: list[int],

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import datetime
 import logging
 import os
@@ -129,6 +130,11 @@ class TPGroup:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
+    def kill(self) -> None:
+        """Stop the other ranks at once (rank 0 failed while starting)."""
+        self.closed = True
+        self._kill()
+
     def _kill(self) -> None:
         for proc in self.procs:
             with contextlib.suppress(OSError):
@@ -152,7 +158,8 @@ class RankServer:
 
         model_config = ModelConfig.from_dir(model_dir)
         sched = config.scheduler_config(model_config)
-        self.kv = RankKV(spec.pool_transport)
+        self.kv = RankKV(spec.pool_transport, spec.rank, config.tensor_parallel_size,
+                         model_config.num_kv_heads)
         self.runner = ModelRunner(
             model_config, config.cache_config(), device=str(device), dtype=config.dtype,
             model_dir=model_dir, load_format=config.load_format, seed=config.seed,
@@ -189,14 +196,16 @@ class RankServer:
 
 class RankKV:
     """One rank's side of the KV handoff: its own pool (shared with peers on a prefill
-    worker) and the prefill ranks' pools it mapped (decode worker); kvtransfer/tp_pull.py
-    decides which heads come from which prefill rank."""
+    worker) and the pools of every rank of the prefill workers it mapped (decode worker);
+    kvtransfer/tp_pull.py decides which heads come from which prefill rank."""
 
-    def __init__(self, transport: str | None) -> None:
+    def __init__(self, transport: str | None, rank: int = 0, size: int = 1,
+                 model_kv_heads: int = 0) -> None:
         self.transport = transport
+        self.rank, self.size, self.model_kv_heads = rank, size, model_kv_heads
         self.pool: Any = None  # LocalPool, when shared
         self.local: torch.Tensor | None = None
-        # address -> (instance id, [RemotePool per prefill rank])
+        # address -> (instance id, [RemotePool of prefill rank p for p in 0..])
         self.peers: dict[str, tuple[str, list[Any]]] = {}
 
     def pool_factory(self, shape, dtype, device) -> torch.Tensor:
@@ -211,7 +220,11 @@ class RankKV:
     # -- commands (every rank runs its own part) -------------------------------------------
     def describe(self) -> Any:
         """This rank's pool descriptor (with its handle: a capability), or None."""
-        return self.pool.descriptor if self.pool is not None else None
+        if self.pool is None:
+            return None
+        return dataclasses.replace(self.pool.descriptor, model_kv_heads=self.model_kv_heads,
+                                   tensor_parallel_size=self.size,
+                                   tensor_parallel_rank=self.rank)
 
     def map(self, address: str, descriptors: list[Any], instance_id: str) -> None:
         """Map every rank's pool of the prefill worker at `address` (replacing an earlier
@@ -229,10 +242,10 @@ class RankKV:
                 with contextlib.suppress(Exception):
                     pool.close()
 
-    def pull(self, address: str, instance_id: str, rank: int, size: int,
-             src_block_ids: list[int], dst_block_ids: list[int]) -> Any:
-        """Rank `rank` of a group of `size`: copy its heads of the request's blocks from the
-        prefill ranks that hold them. Returns TransferStats."""
+    def pull(self, address: str, instance_id: str, src_block_ids: list[int],
+             dst_block_ids: list[int]) -> Any:
+        """Copy this rank's heads of a request's blocks from the prefill ranks that hold them.
+        Returns TransferStats."""
         from kvtransfer.tp_pull import pull_heads  # noqa: PLC0415
 
         instance, pools = self.peers.get(address, ("", None))
@@ -241,8 +254,8 @@ class RankKV:
         if instance != instance_id:
             raise RuntimeError(f"the prefill worker at {address} restarted: the lease's KV "
                                "went with it")
-        return pull_heads([p.tensor for p in pools], self.local, rank, size, src_block_ids,
-                          dst_block_ids)
+        return pull_heads([p.tensor for p in pools], self.local, self.model_kv_heads,
+                          self.rank, self.size, src_block_ids, dst_block_ids)
 
     def close(self) -> None:
         for _, pools in self.peers.values():

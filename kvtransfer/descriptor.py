@@ -59,6 +59,12 @@ class PoolDescriptor:
     handle: bytes = field(repr=False)
     device_index: int
     owner_pid: int
+    # Tensor parallelism (0 in all three: one rank, num_kv_heads is the model's): this pool
+    # holds rank tensor_parallel_rank's num_kv_heads of the model's model_kv_heads
+    # (engine.parallel.rank_heads).
+    model_kv_heads: int = 0
+    tensor_parallel_size: int = 0
+    tensor_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -121,6 +127,9 @@ class PoolDescriptor:
             "transport": self.transport,
             "device_index": self.device_index,
             "owner_pid": self.owner_pid,
+            "model_kv_heads": self.model_kv_heads,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "tensor_parallel_rank": self.tensor_parallel_rank,
         }
 
 
@@ -140,14 +149,31 @@ class PoolLayout(Protocol):
     def head_dim(self) -> int: ...
 
 
+def model_kv_heads(layout: PoolLayout) -> int:
+    """The model's KV heads (a tensor-parallel rank's pool holds some of them)."""
+    return getattr(layout, "model_kv_heads", 0) or layout.num_kv_heads
+
+
+def tp_size(layout: PoolLayout) -> int:
+    return getattr(layout, "tensor_parallel_size", 0) or 1
+
+
 def check_compatible(local: PoolLayout, remote: PoolLayout) -> None:
     """Raise LayoutMismatch naming the first of LAYOUT_FIELDS where the pools differ.
 
     Blocks of two pools that pass can be copied byte for byte: each is `block_bytes` with the
-    same [layers, K/V, tokens, heads, head_dim] layout.
+    same [layers, K/V, tokens, heads, head_dim] layout. Between tensor-parallel workers the
+    model's KV heads must agree and one TP size divide the other; each decode rank then copies
+    its heads from the prefill ranks holding them (kvtransfer/tp_pull.py).
     """
     for name in LAYOUT_FIELDS:
         mine, theirs = getattr(local, name), getattr(remote, name)
+        if name == "num_kv_heads":
+            mine, theirs = model_kv_heads(local), model_kv_heads(remote)
         if mine != theirs:
             raise LayoutMismatch(name, mine, theirs,
                                  LAYOUT_HINTS.get(name, "serve the same --model on both workers"))
+    a, b = tp_size(local), tp_size(remote)
+    if a % b and b % a:
+        raise LayoutMismatch("tensor_parallel_size", a, b,
+                             "use tensor-parallel sizes where one divides the other")

@@ -87,9 +87,10 @@ class PrefillServicer(WorkerServicer):
             await abort_for(context, e)
         log.info("decode worker %s registered (%s)", request.decode_worker_id,
                  mine.redacted())
-        return worker_pb2.RegisterResponse(prefill_worker_id=self.worker_id,
-                                           pool=descriptor_to_proto(mine),
-                                           instance_id=self.instance_id)
+        return worker_pb2.RegisterResponse(
+            prefill_worker_id=self.worker_id, pool=descriptor_to_proto(mine),
+            instance_id=self.instance_id,
+            rank_pools=[descriptor_to_proto(d) for d in self.engine.info.rank_pools])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ FLAG_NAMES = {
     "dtype": "--dtype", "device": "--device", "model": "--model", "prompt": "--prompt",
     "prompt_token_ids": "--prompt-token-ids", "max_num_seqs": "--max-num-seqs",
     "max_model_len": "--max-model-len", "kv_cache_dtype": "--kv-cache-dtype",
-    "quantization": "--quantization",
+    "quantization": "--quantization", "tensor_parallel_size": "--tensor-parallel-size",
 }
 
 
@@ -67,6 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fp8: quantize the weights to e4m3 at load (per channel); FP8 "
                         "checkpoints are recognised without it. CUDA needs compute "
                         "capability >= 8.9")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N devices, one process each (cuda:K at N: "
+                        "cuda:K .. cuda:K+N-1; on the CPU N processes)")
     g.add_argument("--enable-prefix-caching", action="store_true", default=True,
                    help="reuse KV blocks of shared prompt prefixes (the default)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
@@ -83,7 +86,8 @@ def engine_config(args: argparse.Namespace, role: str = "both"):
         memory_fraction=args.memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, cuda_graphs=not args.no_cuda_graphs,
-        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _generate_parser(sub) -> None:
@@ -115,7 +119,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg = engine_config(args)
     llm = LLM(cfg.model, **{k: v for k, v in cfg.__dict__.items() if k != "model"},
               progress=not args.json)
-    for out in llm.generate(args.prompts, params):
+    try:
+        outputs = llm.generate(args.prompts, params)
+    finally:
+        llm.shutdown()
+    for out in outputs:
         if args.json:
             print(json.dumps({
                 "prompt_token_ids": out.prompt_token_ids,

@@ -33,9 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from engine.errors import InvalidArgument
-from engine.model_source import served_name
-
-from engine.model_source import resolve_model
+from engine.model_source import resolve_model, served_name
 
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
 ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
@@ -282,7 +280,14 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: one GPU per worker when there are enough GPUs, else the CPU")
     p.add_argument("--gpus", default=None,
-                   help="comma-separated GPU indices to assign, one per worker (default: all)")
+                   help="comma-separated GPU indices to assign, one per worker and rank "
+                        "(default: all)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (GPUs, consecutive ones) of every worker")
+    p.add_argument("--prefill-tensor-parallel-size", type=int, default=None,
+                   help="ranks of each prefill worker (default: --tensor-parallel-size)")
+    p.add_argument("--decode-tensor-parallel-size", type=int, default=None,
+                   help="ranks of each decode worker (default: --tensor-parallel-size)")
     p.add_argument("--host", default="127.0.0.1", help="router address (workers stay local)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
@@ -312,15 +317,36 @@ def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def _devices(args: argparse.Namespace, n: int) -> tuple[list[str], str]:
+def _devices(args: argparse.Namespace, n: int, sizes: Sequence[int] | None = None
+             ) -> tuple[list[str], str]:
     """One device per worker: a GPU each when asked for (or, with auto, when enough exist);
-    and, when auto fell back to the CPU for want of GPUs, a note saying so."""
+    and, when auto fell back to the CPU for want of GPUs, a note saying so. A worker of
+    tensor-parallel size k (sizes[i]) takes k consecutive GPUs and is named by its first."""
+    sizes = list(sizes) if sizes is not None else [1] * n
     if args.device == "cpu":
         return ["cpu"] * n, ""
     import torch  # noqa: PLC0415 - only to count GPUs
 
     gpus = ([int(g) for g in args.gpus.split(",")] if args.gpus
             else list(range(torch.cuda.device_count())))
+    if sum(sizes) != n:
+        need = sum(sizes)
+        if args.device == "auto" and len(gpus) < need:
+            return ["cpu"] * n, (f"--device auto found {_plural(len(gpus), 'GPU')} for "
+                                 f"{_plural(need, 'rank')} of {_plural(n, 'worker')}: all run "
+                                 "on the CPU")
+        if len(gpus) < need:
+            raise InvalidArgument("--gpus" if args.gpus else "--device",
+                                  f"one GPU per rank needed: {need}, {_plural(len(gpus), 'GPU')}")
+        devices, at = [], 0
+        for k in sizes:
+            run = gpus[at:at + k]
+            if run != list(range(run[0], run[0] + k)):
+                raise InvalidArgument("--gpus", f"a worker of tensor-parallel size {k} needs "
+                                                f"consecutive GPUs, got {run}")
+            devices.append(f"cuda:{run[0]}")
+            at += k
+        return devices, ""
     if args.device == "auto" and len(gpus) < n:
         return ["cpu"] * n, (f"--device auto found {_plural(len(gpus), 'GPU')} for "
                              f"{_plural(n, 'worker')}, one each needed: all run on the CPU")
@@ -341,6 +367,15 @@ def stack_from_args(a: argparse.Namespace) -> tuple[LocalStack, str]:
     if (a.prefill_workers > 0) != (a.decode_workers > 0):
         raise InvalidArgument("--decode-workers" if a.prefill_workers else "--prefill-workers",
                               "prefill workers need decode workers and vice versa")
+    tp = {"prefill": a.prefill_tensor_parallel_size or a.tensor_parallel_size,
+          "decode": a.decode_tensor_parallel_size or a.tensor_parallel_size,
+          "both": a.tensor_parallel_size}
+    for role, size in tp.items():
+        if size < 1:
+            raise InvalidArgument(f"--{'' if role == 'both' else role + '-'}tensor-parallel-size",
+                                  f"must be >= 1, got {size}")
+    sizes = [tp[r] for r in roles]
+    role_args = {r: ["--tensor-parallel-size", str(k)] for r, k in tp.items() if k > 1}
     worker_args = ["--host", "127.0.0.1"]
     for flag in ("dtype", "load_format", "max_model_len", "num_blocks", "block_size",
                  "max_num_seqs", "max_num_batched_tokens", "memory_fraction", "kv_cache_dtype",
@@ -353,14 +388,17 @@ def stack_from_args(a: argparse.Namespace) -> tuple[LocalStack, str]:
     for flag in ("api_key", "dtype", "max_model_len", "served_model_name"):
         if getattr(a, flag):
             router_args += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
-    devices, note = _devices(a, len(roles))
-    return LocalStack(a.model, roles, devices,
-                      worker_args=worker_args + a.worker_arg,
+    devices, note = _devices(a, len(roles), sizes)
+    stack = LocalStack(a.model, roles, devices,
+                      worker_args=worker_args + a.worker_arg, role_args=role_args,
                       router_args=router_args + a.router_arg, log_dir=a.log_dir, echo=True,
                       # Interactive by default: readable log lines unless JSON was asked for.
                       env={"TANDEM_LOG_FORMAT": os.environ.get("TANDEM_LOG_FORMAT", "console")},
                       grace=a.grace, metrics=a.metrics_port_base >= 0,
-                      metrics_port_base=max(0, a.metrics_port_base)), note
+                      metrics_port_base=max(0, a.metrics_port_base))
+    # Every rank of a CPU worker is an engine process computing on these cores.
+    stack.cpu_threads = cpu_threads_each(sum(k for k, d in zip(sizes, devices) if d == "cpu"))
+    return stack, note
 
 
 def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str:

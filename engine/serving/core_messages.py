@@ -60,6 +60,8 @@ class CoreInfo:
     pid: int
     pool: Any = None  # kvtransfer.descriptor.PoolDescriptor
     limits: RequestLimits | None = None
+    # A tensor-parallel prefill core: the pools of its ranks 1 .. N-1 (`pool` is rank 0's).
+    rank_pools: tuple = ()
 
 
 @dataclass(frozen=True)

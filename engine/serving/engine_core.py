@@ -75,8 +75,25 @@ class EngineCore:
         # address -> (instance id, RemotePool): the pool of the prefill process there now
         self.peers: dict[str, tuple[str, Any]] = {}
         pool_factory = self._allocate_shared_pool if spec.role == "prefill" else None
-        self.engine = LLMEngine(spec.config, pool_factory=pool_factory, progress=False)
+        # Tensor parallelism: the other ranks share their own pools the same way (prefill).
+        tp_options = {"pool_transport": (spec.transport or "shm") if pool_factory else None}
+        if spec.cpu_threads is not None:
+            tp_options["cpu_threads"] = spec.cpu_threads
+        self.engine = LLMEngine(spec.config, pool_factory=pool_factory, progress=False,
+                                tp_options=tp_options)
         self.engine.lease_ttl_s = spec.lease_ttl_s
+        # Rank 0's side of a handoff that moves heads between tensor-parallel sizes: used for
+        # every peer when this worker has several ranks, or for a peer that has.
+        from engine.tp_group import RankKV  # noqa: PLC0415
+
+        cfg = self.engine.model_config
+        self.rank_kv = RankKV(tp_options["pool_transport"], 0,
+                              spec.config.tensor_parallel_size, cfg.num_kv_heads)
+        self.rank_kv.pool, self.rank_kv.local = self.pool, self.engine.runner.pool
+        self.rank_pools: tuple = ()  # a prefill worker's ranks 1.. descriptors
+        if self.pool is not None and self.engine.tp_group is not None:
+            self.rank_pools = tuple(self.engine.tp_group.call(
+                "describe", (), self.rank_kv.describe)[1:])
         if spec.role == "decode":
             self.engine.kv_puller, self.engine.kv_dropper = self._pull, self._drop
         self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
@@ -88,13 +105,19 @@ class EngineCore:
         engine = self.engine
         runner, cfg = engine.runner, engine.model_config
         # The pool's own dtype ("float8_e4m3fn" with --kv-cache-dtype fp8), as torch names it.
+        tp = self.spec.config.tensor_parallel_size
         layout = {"dtype": str(runner.kv_dtype).removeprefix("torch."),
                   "block_size": runner.block_size,
-                  "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
+                  "num_layers": cfg.num_layers, "num_kv_heads": runner.num_kv_heads,
                   "head_dim": cfg.head_dim, "num_blocks": runner.num_blocks}
+        if tp > 1:  # this rank's pool holds some of the model's heads
+            layout.update(model_kv_heads=cfg.num_kv_heads, tensor_parallel_size=tp,
+                          tensor_parallel_rank=0)
         limits = RequestLimits(cfg.vocab_size, engine.max_model_len, self.spec.config.max_n)
-        return CoreInfo(layout, os.getpid(),
-                        self.pool.descriptor if self.pool is not None else None, limits)
+        pool = None
+        if self.pool is not None:
+            pool = self.rank_kv.describe() if tp > 1 else self.pool.descriptor
+        return CoreInfo(layout, os.getpid(), pool, limits, self.rank_pools)
 
     # -- the loop ----------------------------------------------------------------------------
     def serve(self, commands: Connection) -> None:
@@ -129,6 +152,11 @@ class EngineCore:
             self.events.send(("step", plain, whole, stats, time.perf_counter(), snap))
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.engine.shutdown()  # the other tensor-parallel ranks, if any
+        with contextlib.suppress(Exception):
+            self.rank_kv.close()
+        self.pool = None if self.rank_kv.pool is self.pool else self.pool
         own = [self.pool] if self.pool is not None else []
         for pool in [*(p for _, p in self.peers.values()), *own]:
             with contextlib.suppress(Exception):
@@ -188,9 +216,23 @@ class EngineCore:
 
     def _do_map(self, address: str, descriptor: Any, instance_id: str = "") -> None:
         """Decode role: map a prefill worker's pool (once per address and instance: a worker
-        restarted on the address has a new pool, which replaces the old one's mapping)."""
+        restarted on the address has a new pool, which replaces the old one's mapping).
+        `descriptor`: one pool, or a tensor-parallel prefill worker's pools in rank order;
+        with tensor parallelism on either side every rank maps them all."""
         from kvtransfer.remote import open_remote_pool  # noqa: PLC0415
 
+        descs = list(descriptor) if isinstance(descriptor, (list, tuple)) else [descriptor]
+        group = self.engine.tp_group
+        if len(descs) > 1 or group is not None:
+            self.peers.pop(address, None)
+            if group is None:
+                self.rank_kv.map(address, descs, instance_id)
+            else:
+                group.call("map", (address, descs, instance_id),
+                           lambda: self.rank_kv.map(address, descs, instance_id))
+            return
+        self.rank_kv.peers.pop(address, None)
+        descriptor = descs[0]
         old = self.peers.get(address)
         if old is not None and old[0] == instance_id:
             return
@@ -212,6 +254,8 @@ class EngineCore:
 
         source: _Source = kv.source
         remote = source.remote
+        if remote.address in self.rank_kv.peers:
+            return self._pull_heads(kv, dst_block_ids)
         start_ns = time.time_ns()
         stats = error = None
         instance, pool = self.peers.get(remote.address, ("", None))
@@ -233,6 +277,35 @@ class EngineCore:
                 start_ns=start_ns, end_ns=time.time_ns(), num_blocks=len(kv.block_ids),
                 nbytes=stats.bytes if stats else 0, seconds=stats.seconds if stats else 0.0,
                 transport=pool.descriptor.transport if pool is not None else "",
+                error=f"{type(error).__name__}: {error}" if error is not None else None))
+
+    def _pull_heads(self, kv: RemoteKV, dst_block_ids: list[int]) -> None:
+        """Tensor parallelism on either side: every rank copies its heads from the prefill
+        ranks holding them (kvtransfer/tp_pull.py); the lease, one for every rank, is settled
+        once all ranks are done."""
+        source: _Source = kv.source
+        remote = source.remote
+        start_ns = time.time_ns()
+        stats: list[Any] = []
+        error = None
+        args = (remote.address, remote.instance_id, list(kv.block_ids), dst_block_ids)
+        try:
+            if time.monotonic() > remote.deadline:
+                raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
+            group = self.engine.tp_group
+            local = lambda: self.rank_kv.pull(*args)  # noqa: E731
+            stats = group.call("pull", args, local) if group is not None else [local()]
+        except Exception as e:
+            error = e
+            raise
+        finally:
+            pools = self.rank_kv.peers.get(remote.address, ("", []))[1]
+            self._settle(source, LeaseDone(
+                source.request_id, remote.address, remote.lease_id, pulled=True,
+                start_ns=start_ns, end_ns=time.time_ns(), num_blocks=len(kv.block_ids),
+                nbytes=sum(s.bytes for s in stats),
+                seconds=max((s.seconds for s in stats), default=0.0),
+                transport=pools[0].descriptor.transport if pools else "",
                 error=f"{type(error).__name__}: {error}" if error is not None else None))
 
     def _drop(self, kv: RemoteKV) -> None:

@@ -98,7 +98,9 @@ def descriptor_to_proto(d: PoolDescriptor, with_handle: bool = True) -> worker_p
         dtype=d.dtype, block_size=d.block_size, num_layers=d.num_layers,
         num_kv_heads=d.num_kv_heads, head_dim=d.head_dim, num_blocks=d.num_blocks,
         transport=d.transport, handle=d.handle if with_handle else b"",
-        device_index=d.device_index, owner_pid=d.owner_pid)
+        device_index=d.device_index, owner_pid=d.owner_pid, model_kv_heads=d.model_kv_heads,
+        tensor_parallel_size=d.tensor_parallel_size,
+        tensor_parallel_rank=d.tensor_parallel_rank)
 
 
 def descriptor_from_proto(p: worker_pb2.PoolDescriptor) -> PoolDescriptor:
@@ -106,4 +108,6 @@ def descriptor_from_proto(p: worker_pb2.PoolDescriptor) -> PoolDescriptor:
         dtype=p.dtype, block_size=p.block_size, num_layers=p.num_layers,
         num_kv_heads=p.num_kv_heads, head_dim=p.head_dim, num_blocks=p.num_blocks,
         transport=p.transport, handle=p.handle, device_index=p.device_index,
-        owner_pid=p.owner_pid)
+        owner_pid=p.owner_pid, model_kv_heads=p.model_kv_heads,
+        tensor_parallel_size=p.tensor_parallel_size,
+        tensor_parallel_rank=p.tensor_parallel_rank)

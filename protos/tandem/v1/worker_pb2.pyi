@@ -195,7 +195,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class PoolDescriptor(_message.Message):
-    __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks", "transport", "handle", "device_index", "owner_pid")
+    __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks", "transport", "handle", "device_index", "owner_pid", "model_kv_heads", "tensor_parallel_size", "tensor_parallel_rank")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,9 @@ class PoolDescriptor(_message.Message):
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     OWNER_PID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     block_size: int
     num_layers: int
@@ -216,7 +219,10 @@ class PoolDescriptor(_message.Message):
     handle: bytes
     device_index: int
     owner_pid: int
-    def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transport: _Optional[str] = ..., handle: _Optional[bytes] = ..., device_index: _Optional[int] = ..., owner_pid: _Optional[int] = ...) -> None: ...
+    model_kv_heads: int
+    tensor_parallel_size: int
+    tensor_parallel_rank: int
+    def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transport: _Optional[str] = ..., handle: _Optional[bytes] = ..., device_index: _Optional[int] = ..., owner_pid: _Optional[int] = ..., model_kv_heads: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("decode_worker_id", "layout")
@@ -227,14 +233,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, decode_worker_id: _Optional[str] = ..., layout: _Optional[_Union[PoolDescriptor, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("prefill_worker_id", "pool", "instance_id")
+    __slots__ = ("prefill_worker_id", "pool", "instance_id", "rank_pools")
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_POOLS_FIELD_NUMBER: _ClassVar[int]
     prefill_worker_id: str
     pool: PoolDescriptor
     instance_id: str
-    def __init__(self, prefill_worker_id: _Optional[str] = ..., pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    rank_pools: _containers.RepeatedCompositeFieldContainer[PoolDescriptor]
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., instance_id: _Optional[str] = ..., rank_pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
