@@ -144,3 +144,22 @@ async def wait_gone(pid: int, timeout: float = 20.0) -> None:
             return
         assert time.monotonic() < deadline, f"process {pid} still alive"
         await asyncio.sleep(0.05)
+
+
+def test_colocated_worker_at_tp2_equals_offline_tp1(tiny_models, tmp_path, offline):
+    """`tandem worker --role both --tensor-parallel-size 2` behind the router."""
+    c = Cluster(tmp_path, str(tiny_models["qwen2"]), prefill=0, decode=0, both=1,
+                worker_args=[*WORKER_ARGS, "--tensor-parallel-size", "2"],
+                router_args=["--http-port", "-1"]).start()
+    try:
+        async def main():
+            async with grpc.aio.insecure_channel(c.router.address) as ch:
+                stub = c.api(ch)
+                got = await asyncio.gather(*(generate(stub, p, GREEDY) for p in PROMPTS))
+                await c.wait_idle()
+                return got
+
+        assert asyncio.run(main()) == offline
+    finally:
+        codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes

@@ -5,12 +5,14 @@ own name, and `tandem up --device auto` says when it falls back to the CPU."""
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
 import pytest
 
 from engine.config import EngineConfig
+from engine.errors import InvalidArgument
 from engine.model_source import served_name
 from router_svc.cli import build_parser, engine_config
 from router_svc.launcher import _devices
@@ -77,3 +79,39 @@ def test_auto_device_says_when_it_falls_back_to_the_cpu():
     assert "found 1 GPU for 2 workers" in note and "CPU" in note
     assert _devices(_args(gpus="3"), 1) == (["cuda:3"], "")
     assert _devices(_args("cpu"), 1) == (["cpu"], "")  # asked for: nothing to explain
+
+
+def test_tensor_parallel_workers_take_consecutive_gpus():
+    assert _devices(_args("cuda", gpus="0,1,2"), 2, [2, 1]) == (["cuda:0", "cuda:2"], "")
+    assert _devices(_args("cuda", gpus="4,5,6,7"), 2, [2, 2]) == (["cuda:4", "cuda:6"], "")
+    with pytest.raises(InvalidArgument, match="consecutive"):
+        _devices(_args("cuda", gpus="0,2,3"), 2, [2, 1])
+    with pytest.raises(InvalidArgument, match="one GPU per rank"):
+        _devices(_args("cuda", gpus="0,1"), 2, [2, 1])
+    devices, note = _devices(_args(gpus="0,1"), 2, [2, 1])
+    assert devices == ["cpu", "cpu"] and "3 ranks" in note
+
+
+def test_up_passes_each_role_its_tensor_parallel_size():
+    from router_svc.launcher import stack_from_args
+
+    stack, _ = stack_from_args(build_parser("up").parse_args(
+        ["up", "--device", "cpu", "--prefill-tensor-parallel-size", "2"]))
+    assert stack.role_args == {"prefill": ["--tensor-parallel-size", "2"]}
+    assert stack.cpu_threads == max(1, len(os.sched_getaffinity(0)) // 3)  # 3 engine processes
+    stack, _ = stack_from_args(build_parser("up").parse_args(
+        ["up", "--device", "cpu", "--tensor-parallel-size", "2", "--decode-tensor-parallel-size",
+         "1", "--both-workers", "1"]))
+    assert stack.role_args == {"prefill": ["--tensor-parallel-size", "2"],
+                               "both": ["--tensor-parallel-size", "2"]}
+
+
+def test_worker_and_generate_take_the_tensor_parallel_size(capsys):
+    from router_svc.cli import main
+
+    for cmd in ("worker", "prefill", "decode", "generate"):
+        args = build_parser(cmd).parse_args([cmd, "--model", "m", "--tensor-parallel-size", "2"])
+        assert engine_config(args).tensor_parallel_size == 2
+    assert main(["generate", "--model", "tandem-demo", "--prompt-token-ids", "1,2",
+                 "--tensor-parallel-size", "0"]) == 2
+    assert "argument --tensor-parallel-size: must be >= 1" in capsys.readouterr().err
