@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 import torch
-from test_disagg_gpu import _generate_all
 
 from cluster import Cluster
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from tandem.convert import params_to_proto
+from tandem.v1 import api_pb2, api_pb2_grpc
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,6 +24,18 @@ pytestmark = [
 
 PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(4 + 37 * i)] for i in range(12)]
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
+
+
+async def _generate_all(address, prompts, params):
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = api_pb2_grpc.TandemStub(ch)
+
+        async def one(p):
+            req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=p),
+                                          params=params_to_proto(params))
+            return [t async for c in stub.Generate(req) for t in c.token_ids]
+
+        return await asyncio.gather(*(one(p) for p in prompts))
 
 
 def greedy(path, **kwargs) -> tuple[list[list[int]], bool]:
