@@ -24,6 +24,8 @@ columns; given a lazy safetensors slice (`engine.loader.LazyTensor`) it reads on
 
 from __future__ import annotations
 
+import datetime
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,10 +98,6 @@ def take(tensor: Any, dim: int, start: int, size: int) -> torch.Tensor:
     return tensor.narrow(dim, start, size)
 
 
-def _full_dim(tensor: Any, dim: int) -> int:
-    return tensor.shape[dim]
-
-
 # -- layers -----------------------------------------------------------------------------------
 class ColumnParallelMergedLinear(MergedLinear):
     """MergedLinear holding this rank's rows of each stacked projection:
@@ -114,7 +112,7 @@ class ColumnParallelMergedLinear(MergedLinear):
         self.full_sizes = full_sizes
 
     def _load(self, param: nn.Parameter, tensor: Any, shard: str | None, name: str = "") -> None:
-        if _full_dim(tensor, 0) != self.full_sizes[shard]:
+        if tensor.shape[0] != self.full_sizes[shard]:
             raise_shape(name, (self.full_sizes[shard], *tensor.shape[1:]), tensor.shape)
         start, size = self.slices[shard]
         super()._load(param, take(tensor, 0, start, size), shard, name)
@@ -135,7 +133,7 @@ class RowParallelLinear(nn.Module):
         self.weight.weight_loader = self._load
 
     def _load(self, param: nn.Parameter, tensor: Any, shard: str | None, name: str = "") -> None:
-        if _full_dim(tensor, 1) != self.in_features:
+        if tensor.shape[1] != self.in_features:
             raise_shape(name, (param.shape[0], self.in_features), tensor.shape)
         src = take(tensor, 1, self.start, param.shape[1])
         _check_shape(name, param.shape, src.shape)
@@ -163,7 +161,7 @@ class _VocabShard(nn.Module):
         self.weight.weight_loader = self._load
 
     def _load(self, param: nn.Parameter, tensor: Any, shard: str | None, name: str = "") -> None:
-        if _full_dim(tensor, 0) != self.vocab:
+        if tensor.shape[0] != self.vocab:
             raise_shape(name, (self.vocab, param.shape[1]), tensor.shape)
         param.data[self.rows:].zero_()
         if self.rows:
@@ -272,9 +270,6 @@ def init_tp(rank: int, size: int, store_port: int, device: torch.device,
             timeout_s: float = 600.0) -> TPState:
     """Join the group whose rank 0 serves a TCPStore on 127.0.0.1:store_port. NCCL carries the
     tensors on CUDA, gloo on the CPU; a gloo group always carries the host-side messages."""
-    import datetime  # noqa: PLC0415
-    import os  # noqa: PLC0415
-
     # Every rank of a group is on this host: gloo's and NCCL's own sockets stay on loopback.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
