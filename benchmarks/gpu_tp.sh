@@ -17,7 +17,11 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 R=$OUT/r
 mkdir -p "$R"
-export PYTHONPATH=$PWD:$PWD/protos:${PYTHONPATH:-}
+# Wheels the image lacks, when the checkout carries them (as for benchmarks/gpu_session.sh).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD:$PWD/protos:${PYTHONPATH:-}
 export TANDEM_CACHE_DIR=/tmp/tandem-cache
 export PYTHONSAFEPATH=1  # benchmarks/kernels.py never shadows the kernels package
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}

@@ -99,12 +99,13 @@ def _fill(model: CausalLM, tensors: Iterator[tuple[str, str, Any]], where: str) 
 
 
 class LazyTensor:
-    """A safetensors tensor not read yet: `narrow` reads only the rows or columns asked for
-    (a tensor-parallel shard's), `full` the whole tensor."""
+    """A safetensors tensor not read yet (valid while its file is open): `narrow` reads only the
+    rows or columns asked for (a tensor-parallel shard's), `full` the whole tensor."""
 
-    def __init__(self, st_slice: Any) -> None:
-        self._slice = st_slice
-        self.shape = torch.Size(st_slice.get_shape())
+    def __init__(self, st: Any, name: str) -> None:
+        self._st, self._name = st, name
+        self._slice = st.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
 
     def narrow(self, dim: int, start: int, size: int) -> torch.Tensor:
         index = [slice(None)] * len(self.shape)
@@ -112,7 +113,7 @@ class LazyTensor:
         return self._slice[tuple(index)]
 
     def full(self) -> torch.Tensor:
-        return self._slice[:]
+        return self._st.get_tensor(self._name)
 
 
 def _checkpoint_tensors(path: Path, dtype: torch.dtype, progress: bool
@@ -134,7 +135,7 @@ def _checkpoint_tensors(path: Path, dtype: torch.dtype, progress: bool
         try:
             with safe_open(f, framework="pt") as st:
                 for hf_name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    yield f.name, hf_name, LazyTensor(st.get_slice(hf_name))
+                    yield f.name, hf_name, LazyTensor(st, hf_name)
         except SafetensorError as e:
             raise ModelLoadError(f"model: cannot read {f}: {e}") from e
         bar.update(f.stat().st_size)

@@ -122,3 +122,25 @@ def test_shard_holds_its_heads_and_reads_only_them(tiny_models, monkeypatch, nam
 ])
 def test_kv_heads_per_rank(kv_heads, tp, expected):
     assert [rank_heads(kv_heads, tp, r) for r in range(tp)] == expected
+
+
+def test_dummy_weights_of_a_shard_are_the_unsharded_models_slices(tiny_models):
+    """--load-format dummy draws each tensor whole, so TP N computes what TP 1 does (the GPU
+    benchmarks compare TP 2 with TP 1 on dummy weights)."""
+    from engine.loader import init_dummy_weights
+
+    cfg = ModelConfig.from_dir(tiny_models["qwen2"])
+    whole = build_model(cfg, torch.float32, torch.device("cpu"))
+    init_dummy_weights(whole, seed=3)
+    shard = build_model(cfg, torch.float32, torch.device("cpu"), TPState(1, 2))
+    init_dummy_weights(shard, seed=3)
+    hd, hq = cfg.head_dim, cfg.num_heads // 2
+    q_whole = whole.model.layers[0].self_attn.qkv_proj.weight[:cfg.num_heads * hd]
+    q_shard = shard.model.layers[0].self_attn.qkv_proj.weight[:hq * hd]
+    assert torch.equal(q_shard, q_whole[hq * hd:])
+    bias_whole = whole.model.layers[0].self_attn.qkv_proj.bias[:cfg.num_heads * hd]
+    assert torch.equal(shard.model.layers[0].self_attn.qkv_proj.bias[:hq * hd],
+                       bias_whole[hq * hd:])
+    inter = cfg.intermediate_size // 2
+    assert torch.equal(shard.model.layers[1].mlp.down_proj.weight,
+                       whole.model.layers[1].mlp.down_proj.weight[:, inter:])
