@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,9 @@ from engine.sampler import Sampler, SamplerOutput, SampleRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.tp_group import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +71,7 @@ class ModelRunner:
         n = self.tp.size if self.tp else 1
         self.num_heads = model_config.num_heads // n
         self.num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, n)
-        self.peers = None
+        self.peers: TPGroup | None = None
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if self.device.index is None:

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner
 from engine.parallel import broadcast_object, gather_objects, init_tp
 
 log = logging.getLogger(__name__)
@@ -146,16 +147,12 @@ class RankServer:
     """Ranks 1..N-1: run the commands rank 0 broadcasts until it says stop."""
 
     def __init__(self, spec: RankSpec) -> None:
-        from engine.model_runner import ModelRunner  # noqa: PLC0415
-
         config = spec.config
         self.spec = spec
         device = torch.device(rank_device(config.device, spec.rank))
         self.tp = init_tp(spec.rank, config.tensor_parallel_size, spec.store_port, device,
                           RENDEZVOUS_TIMEOUT_S)
         model_dir = Path(spec.model_dir)
-        from engine.config import ModelConfig  # noqa: PLC0415
-
         model_config = ModelConfig.from_dir(model_dir)
         sched = config.scheduler_config(model_config)
         self.kv = RankKV(spec.pool_transport, spec.rank, config.tensor_parallel_size,
