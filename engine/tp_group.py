@@ -28,6 +28,8 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,8 +74,12 @@ class TPGroup:
     them every command. `close()` stops them (they also die with this process)."""
 
     def __init__(self, config: EngineConfig, model_dir: Path, *,
-                 pool_transport: str | None = None, cpu_threads: int | None = None) -> None:
+                 pool_transport: str | None = None, cpu_threads: int | None = None,
+                 on_rank_exit: Callable[[int, int], None] | None = None) -> None:
+        """on_rank_exit(rank, exit code): a rank ended before close() (killed, out of memory).
+        Without it the engine's next collective fails instead."""
         self.size = config.tensor_parallel_size
+
         timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
         # Port 0: the OS picks a free one, no race with other groups on this host.
         self._store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True,
@@ -95,6 +101,17 @@ class TPGroup:
             self._kill()
             raise
         self.closed = False
+        if on_rank_exit is not None:
+            for rank, proc in enumerate(self.procs, start=1):
+                threading.Thread(target=self._watch, args=(rank, proc, on_rank_exit),
+                                 name=f"tp-rank-{rank}-watch", daemon=True).start()
+
+    def _watch(self, rank: int, proc: subprocess.Popen,
+               on_rank_exit: Callable[[int, int], None]) -> None:
+        code = proc.wait()
+        if not self.closed:
+            log.error("tensor-parallel rank %d exited (code %d)", rank, code)
+            on_rank_exit(rank, code)
 
     def step(self, inputs: Any) -> None:
         """Ranks 1.. run this step's forward pass (rank 0 runs its own after this returns)."""

@@ -79,6 +79,9 @@ class EngineCore:
         tp_options = {"pool_transport": (spec.transport or "shm") if pool_factory else None}
         if spec.cpu_threads is not None:
             tp_options["cpu_threads"] = spec.cpu_threads
+        # A rank that dies takes the core with it (its worker exits 1 and is restarted): the
+        # engine cannot step without it, and its requests must not wait on a collective.
+        tp_options["on_rank_exit"] = _rank_exited
         self.engine = LLMEngine(spec.config, pool_factory=pool_factory, progress=False,
                                 tp_options=tp_options)
         self.engine.lease_ttl_s = spec.lease_ttl_s
@@ -343,6 +346,10 @@ class EngineCore:
         if snap != self._last_snapshot:
             self._last_snapshot = snap
             self.events.send(("snapshot", snap))
+
+
+def _rank_exited(rank: int, code: int) -> None:
+    os._exit(70)  # EX_SOFTWARE; the pools' names go with the resource tracker
 
 
 def run_core(spec: CoreSpec, commands: Connection, events: Connection) -> None:

@@ -7,6 +7,7 @@ count is every rank's)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from pathlib import Path
@@ -88,11 +89,13 @@ def test_cancel_mid_stream_leaves_every_pool_idle(cluster):
     asyncio.run(main())
 
 
-def test_decode_worker_killed_mid_stream_takes_its_ranks_and_frees_the_prefill_pool(
-        tiny_models, tmp_path):
-    """SIGKILL to a decode worker of two ranks (fed by a prefill worker of two ranks): its
-    requests fail UNAVAILABLE, its engine core and rank process die with it, and every pool of
-    the prefill worker is idle again."""
+@pytest.mark.parametrize("victim", ["worker", "rank 1"])
+def test_decode_worker_or_its_rank_killed_mid_stream_frees_the_prefill_pool(
+        tiny_models, tmp_path, victim):
+    """SIGKILL to a decode worker of two ranks (fed by a prefill worker of two ranks), or to its
+    rank 1 alone: its requests fail UNAVAILABLE, its engine core and rank process are gone (a
+    core without its rank exits, and the worker with it, exit code 1, for its supervisor to
+    restart it), and every pool of the prefill worker is idle again."""
     c = Cluster(tmp_path, str(tiny_models["qwen2"]), worker_args=WORKER_ARGS,
                 prefill_args=["--lease-ttl", "5", "--tensor-parallel-size", "2"],
                 decode_args=["--tensor-parallel-size", "2"],
@@ -112,7 +115,10 @@ def test_decode_worker_killed_mid_stream_takes_its_ranks_and_frees_the_prefill_p
                 core = c.engine_core("decode0")
                 ranks = children(core)
                 assert len(ranks) == 1, ranks  # rank 1 (rank 0 is the core itself)
-                c.kill("decode0", signal.SIGKILL)
+                if victim == "worker":
+                    c.kill("decode0", signal.SIGKILL)
+                else:
+                    os.kill(ranks[0], signal.SIGKILL)
                 for call in calls:
                     with pytest.raises(grpc.aio.AioRpcError) as e:
                         while (await call.read()) is not grpc.aio.EOF:
@@ -123,6 +129,8 @@ def test_decode_worker_killed_mid_stream_takes_its_ranks_and_frees_the_prefill_p
                     await wait_gone(pid)
 
         asyncio.run(main())
+        if victim != "worker":
+            assert c.procs["decode0"].popen.wait(30) == 1
     finally:
         c.stop()
 
