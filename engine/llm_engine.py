@@ -467,8 +467,8 @@ def start_tp_group(config: EngineConfig, model_dir, model_config: ModelConfig,
         return None
     import torch  # noqa: PLC0415 - the engine core imports torch with the runner anyway
 
-    from engine.parallel import check_tp_size  # noqa: PLC0415
-    from engine.tp_group import TPGroup  # noqa: PLC0415
+    from engine.parallel import check_tp_size  # noqa: PLC0415 - tensor parallelism only
+    from engine.tp_group import TPGroup  # noqa: PLC0415 - tensor parallelism only
 
     check_tp_size(model_config, config.tensor_parallel_size)
     opts = {"cpu_threads": torch.get_num_threads(), **(options or {})}

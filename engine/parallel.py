@@ -43,6 +43,12 @@ from engine.models.layers import (
     RotaryEmbedding,
     _check_shape,
 )
+from kvtransfer.tp_pull import kv_head_start, kv_heads_per_rank, rank_heads
+
+# kv_head_start, kv_heads_per_rank, rank_heads: the KV heads each rank holds, one rule for the
+# shards here and for the handoff between sizes (kvtransfer/tp_pull.py).
+__all__ = ["TPState", "build_sharded_model", "check_tp_size", "init_tp", "kv_head_start",
+           "kv_heads_per_rank", "rank_heads", "shard_model"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,7 @@ class TPState:
     cpu_group: Any = None  # gloo group for host-side messages (the step's inputs)
 
 
-# -- head partition ---------------------------------------------------------------------------
+# -- head partition (the rule itself lives with the handoff, kvtransfer/tp_pull.py) -----------
 def check_tp_size(cfg: ModelConfig, tp: int) -> None:
     """Raise InvalidArgument naming --tensor-parallel-size when the model cannot split N ways."""
     field = "tensor_parallel_size"
@@ -72,23 +78,6 @@ def check_tp_size(cfg: ModelConfig, tp: int) -> None:
     if cfg.intermediate_size % tp:
         raise InvalidArgument(field, f"{tp} does not divide the MLP width "
                                      f"{cfg.intermediate_size}")
-
-
-def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
-    return max(1, num_kv_heads // tp)
-
-
-def kv_head_start(num_kv_heads: int, tp: int, rank: int) -> int:
-    """The first (global) KV head rank `rank` holds."""
-    if tp <= num_kv_heads:
-        return rank * (num_kv_heads // tp)
-    return rank // (tp // num_kv_heads)
-
-
-def rank_heads(num_kv_heads: int, tp: int, rank: int) -> range:
-    """The global KV heads rank `rank` of a group of `tp` holds in its pool, in pool order."""
-    start = kv_head_start(num_kv_heads, tp, rank)
-    return range(start, start + kv_heads_per_rank(num_kv_heads, tp))
 
 
 # -- loading shards ---------------------------------------------------------------------------

@@ -223,7 +223,7 @@ class RankKV:
         self.peers: dict[str, tuple[str, list[Any]]] = {}
 
     def pool_factory(self, shape, dtype, device) -> torch.Tensor:
-        from kvtransfer.pool import allocate_pool  # noqa: PLC0415
+        from kvtransfer.pool import allocate_pool  # noqa: PLC0415 - prefill ranks only
 
         n, layers, _, bs, heads, dim = shape
         self.pool = allocate_pool(num_blocks=n, num_layers=layers, block_size=bs,
@@ -243,7 +243,7 @@ class RankKV:
     def map(self, address: str, descriptors: list[Any], instance_id: str) -> None:
         """Map every rank's pool of the prefill worker at `address` (replacing an earlier
         instance's mapping there)."""
-        from kvtransfer.remote import open_remote_pool  # noqa: PLC0415
+        from kvtransfer.remote import open_remote_pool  # noqa: PLC0415 - decode ranks only
 
         old = self.peers.get(address)
         if old is not None and old[0] == instance_id:
@@ -260,7 +260,7 @@ class RankKV:
              dst_block_ids: list[int]) -> Any:
         """Copy this rank's heads of a request's blocks from the prefill ranks that hold them.
         Returns TransferStats."""
-        from kvtransfer.tp_pull import pull_heads  # noqa: PLC0415
+        from kvtransfer.tp_pull import pull_heads  # noqa: PLC0415 - decode ranks only
 
         instance, pools = self.peers.get(address, ("", None))
         if pools is None:

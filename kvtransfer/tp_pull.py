@@ -1,7 +1,7 @@
 """The handoff between workers of different tensor-parallel sizes: each decode rank copies the
 KV heads it owns from whichever prefill ranks hold them.
 
-Heads per rank (engine.parallel.rank_heads): rank r of N holds a contiguous run of the model's
+Heads per rank (rank_heads below): rank r of N holds a contiguous run of the model's
 KV heads, or, when N exceeds their number, a replica of one. Model with 4 KV heads:
 
     prefill TP 2:   rank 0 [h0 h1]        rank 1 [h2 h3]
@@ -23,8 +23,27 @@ from typing import NamedTuple
 import torch
 
 from engine.errors import InvalidArgument
-from engine.parallel import rank_heads
 from kvtransfer.remote import TransferStats
+
+
+# -- which KV heads a rank holds (engine/parallel.py shards the model by the same rule) ----------
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+    return max(1, num_kv_heads // tp)
+
+
+def kv_head_start(num_kv_heads: int, tp: int, rank: int) -> int:
+    """The first of the model's KV heads that rank `rank` of `tp` holds: with tp <= heads each
+    rank holds heads/tp of them; with more ranks (tp a multiple of heads) each head is
+    replicated on tp/heads ranks."""
+    if tp <= num_kv_heads:
+        return rank * (num_kv_heads // tp)
+    return rank // (tp // num_kv_heads)
+
+
+def rank_heads(num_kv_heads: int, tp: int, rank: int) -> range:
+    """The model's KV heads rank `rank` of a group of `tp` holds in its pool, in pool order."""
+    start = kv_head_start(num_kv_heads, tp, rank)
+    return range(start, start + kv_heads_per_rank(num_kv_heads, tp))
 
 
 class HeadCopy(NamedTuple):

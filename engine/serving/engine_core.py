@@ -87,7 +87,7 @@ class EngineCore:
         self.engine.lease_ttl_s = spec.lease_ttl_s
         # Rank 0's side of a handoff that moves heads between tensor-parallel sizes: used for
         # every peer when this worker has several ranks, or for a peer that has.
-        from engine.tp_group import RankKV  # noqa: PLC0415
+        from engine.tp_group import RankKV  # noqa: PLC0415 - torch, in the core only
 
         cfg = self.engine.model_config
         self.rank_kv = RankKV(tp_options["pool_transport"], 0,
