@@ -76,7 +76,7 @@ from benchmarks.workloads import (  # noqa: E402
     describe,
     static_batch_kv,
 )
-from router_svc.launcher import LocalStack  # noqa: E402
+from cli.launcher import LocalStack  # noqa: E402
 
 STARTUP_TIMEOUT_S = 900  # an 8B model with dummy weights, profiling and CUDA graph capture
 ITL_STATS = ("max", "p99", "p90", "p50", "mean")
@@ -735,7 +735,7 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
 
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
-    from router_svc.cli import add_engine_args, engine_config
+    from runtime.engine_args import add_engine_args, engine_config
 
     device = resolve_devices(a.devices, 1)[0]
     cores = pin_plan(["client", "engine"])["engine"] if a.pin else None

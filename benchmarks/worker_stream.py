@@ -26,7 +26,7 @@ import grpc  # noqa: E402
 
 from benchmarks import procstat, serve  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from tandem.convert import params_to_proto  # noqa: E402
+from runtime.convert import params_to_proto  # noqa: E402
 from tandem.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
 
 

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.errors import InvalidArgument
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.serving.core_messages import RemoteSource, RequestLimits
-from engine.serving.telemetry import trace_metadata
 from kvtransfer.lease import prompt_digest
-from tandem.convert import logprobs_from_proto, params_from_proto
+from runtime.convert import logprobs_from_proto, params_from_proto
+from runtime.telemetry import trace_metadata
+from runtime.worker import WorkerError
+from tandem.errors import InvalidArgument
 from tandem.v1 import worker_pb2
-from tandem.worker_base import WorkerError
 
 # Pull only while the lease has this much time left: the prefill side reuses blocks of an
 # expired lease, and the request may wait for room here before its pull.

@@ -10,9 +10,9 @@ import grpc
 
 from engine.sequence import SeqOutput
 from engine.serving.async_engine import OutputSink
-from tandem.convert import logprobs_to_proto
+from runtime.convert import logprobs_to_proto
+from runtime.worker import WorkerError, status_of
 from tandem.v1 import worker_pb2
-from tandem.worker_base import WorkerError, status_of
 
 
 def update_message(outs: list[SeqOutput]) -> worker_pb2.RequestUpdate:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidArgument, ModelLoadError
+from tandem.errors import InvalidArgument, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

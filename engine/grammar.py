@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from engine.errors import InvalidArgument
 from engine.sampling_params import ResponseFormat
+from tandem.errors import InvalidArgument
 
 EXTRA = "structured"
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first

@@ -12,11 +12,11 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidArgument
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.sequence import FinishReason, SeqOutput
 from engine.tokenizer import Tokenizer
+from tandem.errors import InvalidArgument
 
 Prompt = str | list[int]
 

@@ -19,7 +19,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, cdiv
-from engine.errors import InvalidArgument
 from engine.grammar import GrammarCompiler, check_schema
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner, PoolFactory
@@ -37,6 +36,7 @@ from engine.sequence import (
     StepStats,
 )
 from kvtransfer.lease import LeaseTable
+from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

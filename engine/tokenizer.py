@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidArgument, ModelLoadError
+from tandem.errors import InvalidArgument, ModelLoadError
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 

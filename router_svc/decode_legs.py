@@ -35,7 +35,7 @@ import grpc
 
 from router_svc.worker_stream import Metadata, SampleUpdate, StreamBroken, Update
 from router_svc.workers import Worker
-from tandem.convert import logprobs_from_proto
+from runtime.convert import logprobs_from_proto
 from tandem.v1 import worker_pb2
 
 if TYPE_CHECKING:

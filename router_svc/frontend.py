@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from engine.config import ModelConfig
 from engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
-from engine.errors import InvalidArgument, Overloaded
 from engine.grammar import check_schema
 from engine.sampling_params import SamplingParams, TokenLogprobs
-from engine.serving.telemetry import Telemetry
 from engine.tokenizer import Tokenizer
 from router_svc.orchestrator import Orchestrator
+from runtime.telemetry import Telemetry
+from tandem.errors import InvalidArgument, Overloaded
 
 
 class ModelNotFound(LookupError):

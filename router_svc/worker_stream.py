@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.sampling_params import TokenLogprobs
-from tandem.convert import logprobs_from_proto
+from runtime.convert import logprobs_from_proto
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import InvalidArgument, TandemError
 from engine.sampling_params import SamplingParams
 from engine.sequence import SeqOutput
 from engine.serving.core_messages import (
@@ -40,6 +39,7 @@ from engine.serving.core_messages import (
     unpack_outputs,
 )
 from engine.serving.engine_core import run_core
+from tandem.errors import InvalidArgument, TandemError
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ Events (core → worker):
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,9 @@ class CoreSpec:
     # every core on the CPU. Engine cores that share a CPU each get their share (`tandem up`):
     # more threads than cores, spinning between parallel regions, stall every step for seconds.
     cpu_threads: int | None = None
+    # Run first in the core's process with the role (a module-level function: it is pickled by
+    # name): the service's logging setup, which the engine does not know.
+    process_setup: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -189,7 +189,7 @@ class EngineCore:
     def _do_map(self, address: str, descriptor: Any, instance_id: str = "") -> None:
         """Decode role: map a prefill worker's pool (once per address and instance: a worker
         restarted on the address has a new pool, which replaces the old one's mapping)."""
-        from kvtransfer.remote import open_remote_pool  # noqa: PLC0415
+        from kvtransfer.remote import open_remote_pool  # noqa: PLC0415 - torch, in the core only
 
         old = self.peers.get(address)
         if old is not None and old[0] == instance_id:
@@ -208,7 +208,7 @@ class EngineCore:
 
     # -- KV hooks (decode role) --------------------------------------------------------------
     def _pull(self, kv: RemoteKV, dst_block_ids: list[int]) -> None:
-        from kvtransfer.remote import pull_blocks  # noqa: PLC0415
+        from kvtransfer.remote import pull_blocks  # noqa: PLC0415 - torch, in the core only
 
         source: _Source = kv.source
         remote = source.remote
@@ -248,7 +248,7 @@ class EngineCore:
 
     # -- helpers -----------------------------------------------------------------------------
     def _allocate_shared_pool(self, shape, dtype, device):
-        from kvtransfer.pool import allocate_pool  # noqa: PLC0415
+        from kvtransfer.pool import allocate_pool  # noqa: PLC0415 - torch, in the core only
 
         n, layers, _, bs, heads, dim = shape
         pool = allocate_pool(num_blocks=n, num_layers=layers, block_size=bs, num_kv_heads=heads,
@@ -278,7 +278,8 @@ def run_core(spec: CoreSpec, commands: Connection, events: Connection) -> None:
         signal.signal(sig, signal.SIG_IGN)
     _die_with_parent()
     _name_native_thread(f"{spec.role}-core")
-    _configure_logging(spec.role)
+    if spec.process_setup is not None:
+        spec.process_setup(spec.role)  # the service's logging, before anything can log
     _widen_pipe(events)
     _set_compute_threads(spec.config.device, spec.cpu_threads)
     try:
@@ -293,14 +294,6 @@ def run_core(spec: CoreSpec, commands: Connection, events: Connection) -> None:
         pass  # the worker is gone
     finally:
         core.close()
-
-
-def _configure_logging(role: str) -> None:
-    from engine.serving.telemetry import TelemetrySettings, configure_logging  # noqa: PLC0415
-
-    settings = TelemetrySettings.from_env()
-    configure_logging(settings.service(role), json=settings.log_format == "json",
-                      level=settings.log_level)
 
 
 def _widen_pipe(conn: Connection, size: int = 1 << 20) -> None:

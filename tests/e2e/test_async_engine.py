@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from engine.config import EngineConfig
-from engine.errors import InvalidArgument, ModelLoadError
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.sequence import SeqOutput
 from engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
 from engine.serving.core_messages import CoreSpec, RemoteSource
+from tandem.errors import InvalidArgument, ModelLoadError
 
 PROMPTS = [[3 + i, 11, 29 + 2 * i, 7] * (1 + i) for i in range(8)]
 

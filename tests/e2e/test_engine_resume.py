@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidArgument
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import RemoteKV
+from tandem.errors import InvalidArgument
 
 PROMPT = [7, 19, 3, 88, 41, 5, 16, 230, 9, 77, 12, 54, 6, 140, 33, 2, 90, 61, 8]  # 1 block + 3
 

@@ -17,11 +17,11 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cli.supervisor import RestartPolicy, Supervisor
 from cluster import Cluster
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from router_svc.supervisor import RestartPolicy
-from tandem.convert import params_to_proto
+from runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
@@ -104,7 +104,7 @@ async def metric(c: Cluster, name: str) -> float:
 
 def test_killed_decode_worker_streams_move_and_it_is_restarted(tiny_models, tmp_path, expected):
     c = cluster(tiny_models, tmp_path)
-    supervisor = c.supervise(RestartPolicy(max_restarts=3, window_s=600))
+    supervisor = Supervisor(c, RestartPolicy(max_restarts=3, window_s=600)).start()
     try:
         async def main():
             async with grpc.aio.insecure_channel(c.router.address) as ch:
