@@ -43,7 +43,6 @@ async def drive(address: str, requests: list, tag: str) -> int:
             for u in resp.updates:
                 if u.error_code:
                     raise RuntimeError(f"{u.request_id}: {u.error_message}")
-                tokens += sum(len(c.token_ids) for c in u.tokens.chunks)
     return tokens
 
 

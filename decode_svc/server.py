@@ -33,7 +33,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
-from decode_svc.handoff import HeldLease, claim, decode_args
+from decode_svc.handoff import CORE, WORKER, HeldLease, claim, decode_args
 from decode_svc.outbox import Outbox, failure_message, relay
 from engine.sequence import SeqOutput
 from engine.serving.core_messages import LeaseDone
@@ -192,7 +192,7 @@ class DecodeServicer(WorkerServicer):
             remote = await claim(self._stub(lease.address), lease, args,
                                  request.kv.instance_id)
             finished: list[SeqOutput] = []
-            lease.handed = True  # from here the engine ends it (lease_done), exactly once
+            lease.owner = CORE  # from here the core ends it (LeaseDone), exactly once
             await self.engine.decode(request.request_id, args.prompt, args.params, remote,
                                      relay(out, args.params.logprobs is not None, finished))
             self.telemetry.decode_done(span, finished)
@@ -215,9 +215,9 @@ class DecodeServicer(WorkerServicer):
     def _end(self, lease: HeldLease) -> None:
         """The request ended, or was refused, before the engine core took its lease: release
         it, unless the prefill worker refused our claim (then it was never ours)."""
-        if lease.handed or self._held.pop(lease.lease_id, None) is not lease:
+        if lease.owner == CORE or self._held.pop(lease.lease_id, None) is not lease:
             return
-        if not lease.refused:
+        if lease.owner == WORKER:
             self._spawn_release(lease.address, lease.lease_id, lease.context)
 
     def lease_done(self, done: LeaseDone) -> None:

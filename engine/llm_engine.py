@@ -24,7 +24,7 @@ from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner, PoolFactory
 from engine.model_source import resolve_model
 from engine.sampler import SampleRow
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestLimits, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import (
     FinishReason,
@@ -73,6 +73,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             type(sched)(sched.max_num_batched_tokens, sched.max_num_seqs, max_len), self.kv)
         self.max_model_len = max_len
+        self.limits = RequestLimits(self.model_config.vocab_size, max_len, config.max_n)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         # Structured outputs; loads the tokenizer and xgrammar only when a grammar arrives.
         self.grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size,
@@ -95,22 +96,7 @@ class LLMEngine:
             raise InvalidArgument("request_id", "must be non-empty")
         if request_id in self.requests:
             raise InvalidArgument("request_id", f"{request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise InvalidArgument("prompt", "must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidArgument("prompt_token_ids", f"token id {bad} is outside [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidArgument(
-                "prompt", f"{len(prompt_token_ids)} tokens; this model serves at most "
-                f"{self.max_model_len} tokens in all, prompt included, so at most "
-                f"{self.max_model_len - 1}")
-        if params.n > self.config.max_n:
-            raise InvalidArgument("n", f"must be <= {self.config.max_n}, got {params.n}")
-        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise InvalidArgument("logit_bias", f"token id {bad} is outside [0, {vocab})")
+        self.limits.check(prompt_token_ids, params)
         if params.response_format is not None:
             check_schema(params.response_format)  # cheap: no tokenizer, no compile
 

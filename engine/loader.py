@@ -16,8 +16,6 @@ from engine.models import model_class
 from engine.models.layers import CausalLM, default_weight_loader
 from tandem.errors import ModelLoadError
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:

@@ -27,7 +27,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.block_table import BlockTableMirror
 from engine.config import CacheConfig, ModelConfig, cdiv
 from engine.cuda_graphs import CudaGraphRunner
-from engine.loader import TORCH_DTYPES, build_model, init_dummy_weights, load_weights
+from engine.loader import build_model, init_dummy_weights, load_weights
 from engine.models.layers import CausalLM
 from engine.quantization import fp8, kv_cache
 from engine.quantization.checkpoint import fp8_scheme
@@ -35,6 +35,7 @@ from engine.sampler import Sampler, SamplerOutput, SampleRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from kvtransfer.pool import TORCH_DTYPES
 from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)

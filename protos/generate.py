@@ -33,7 +33,7 @@ def generate(out: Path) -> list[Path]:
                       f"--pyi_out={out}", f"--grpc_python_out={out}", *protos])
     if rc != 0:
         sys.exit(f"protoc failed ({rc})")
-    return sorted(p for p in out.rglob("*_pb2*.py*"))
+    return sorted((out / "tandem").rglob("*_pb2*.py*"))
 
 
 def main() -> None:

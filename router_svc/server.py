@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engine.config import ModelConfig
 from engine.model_source import resolve_model, served_name
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, has_tokenizer
 from router_svc.frontend import Frontend
 from router_svc.grpc_api import TandemServicer
 from router_svc.orchestrator import Orchestrator
@@ -98,9 +98,7 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
                               "prefill and decode workers go together")
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
-    # Benchmark configs with dummy weights come without tokenizer files: token ids only.
-    has_tokenizer = any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
-    tokenizer = Tokenizer(model_dir) if has_tokenizer else None
+    tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
     workers = WorkerSet(prefill, decode, both, block_size=args.block_size,
                         poll_interval_s=args.poll_interval,
                         worker_timeout_s=args.worker_timeout,

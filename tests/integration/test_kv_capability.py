@@ -77,8 +77,6 @@ async def stream(ch, *requests: worker_pb2.StreamRequest):
             tokens.setdefault(rid, []).extend(msg.tokens.token_ids[pos:pos + n])
             pos += n
         for u in msg.updates:
-            tokens.setdefault(u.request_id, []).extend(
-                t for c in u.tokens.chunks for t in c.token_ids)
             if u.done:
                 ends.setdefault(u.request_id, []).append(u)
     assert await call.code() == grpc.StatusCode.OK
