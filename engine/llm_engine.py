@@ -96,7 +96,7 @@ class LLMEngine:
             raise InvalidArgument("request_id", "must be non-empty")
         if request_id in self.requests:
             raise InvalidArgument("request_id", f"{request_id!r} is already in use")
-        self.limits.check(prompt_token_ids, params)
+        self.limits.check(prompt_token_ids, params, ids_field="prompt_token_ids")
         if params.response_format is not None:
             check_schema(params.response_format)  # cheap: no tokenizer, no compile
 

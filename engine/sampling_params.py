@@ -152,11 +152,13 @@ class RequestLimits:
     max_model_len: int  # tokens in all, prompt included
     max_n: int  # samples per request
 
-    def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
-        """Raises InvalidArgument naming the first bad field."""
+    def check(self, prompt: Sequence[int], params: SamplingParams,
+              ids_field: str = "prompt") -> None:
+        """Raises InvalidArgument naming the first bad field (`ids_field`: what the caller calls
+        the prompt's token ids)."""
         if not prompt:
             raise InvalidArgument("prompt", "must not be empty")
-        self.check_ids("prompt", prompt)
+        self.check_ids(ids_field, prompt)
         if len(prompt) >= self.max_model_len:
             raise InvalidArgument(
                 "prompt", f"{len(prompt)} tokens; this model serves at most "
