@@ -442,10 +442,7 @@ def keep_freed_memory() -> None:
     """glibc: keep freed memory in the process (up to 512 MiB of it; blocks under 32 MiB from
     the heap, not from mmap). Process-wide, set once an engine exists. Every step allocates and
     frees the same temporaries; with glibc's defaults they go back to the OS and the next step
-    faults the pages in again: on the CPU, a decode worker took 227k minor page faults in one
-    64-request benchmark run at half speed, and the offline engine 6.3 million in a 256-request
-    one (1,068-1,160 tok/s; 1,721-1,784 with these settings, 50k-326k faults). Elsewhere than
-    glibc, nothing."""
+    faults the pages in again. Elsewhere than glibc, nothing."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
