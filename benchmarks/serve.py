@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("serve.py: give --target HOST:PORT or --launch colocated|disaggregated "
                          "(or --mode offline)")
     if a.launch and not a.model:
-        raise SystemExit("serve.py: --model is required with --launch and --mode offline")
+        raise SystemExit("serve.py: --model is required with --launch")
     if a.model:
         vocab, model_max = model_vocab(a.model)
         max_len = min(a.max_model_len, model_max)
