@@ -87,6 +87,12 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.num_requests_added = 0
         self.last_step: StepStats | None = None
+        # Of last_step.seconds, the time the model runner's execute took (0 with no batch).
+        self.last_execute_s = 0.0
+        # Observer, when set: called at the end of every step with the step's outputs, after
+        # last_step and last_execute_s are set, on the caller's thread and outside the step's
+        # timing. How benchmarks/offline.py reads per-step facts while LLM.generate runs.
+        self.on_step: Callable[[list[SeqOutput]], None] | None = None
 
     # -- requests ----------------------------------------------------------------------------
     def validate(self, request_id: str, prompt_token_ids: list[int],
@@ -233,6 +239,7 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         t0 = time.perf_counter()
+        self.last_execute_s = 0.0
         if len(self.leases):
             self.expire_leases()
         outputs = self._grammars_ready() if self.compiling else []
@@ -254,6 +261,8 @@ class LLMEngine:
         self.last_step = StepStats(len(batch.seqs), batch.num_tokens, batch.num_decodes,
                                    len(batch.preempted), time.perf_counter() - t0,
                                    num_sampled, num_prompt_tokens)
+        if self.on_step is not None:
+            self.on_step(outputs)
         return outputs
 
     def _run(self, batch: ScheduledBatch) -> tuple[list[SeqOutput], int, int]:
@@ -278,7 +287,9 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+        t = time.perf_counter()
         result = self.runner.execute(batch, rows, row_index)
+        self.last_execute_s = time.perf_counter() - t
         now = time.monotonic()
         num_prompt_tokens = 0
         for seq in samplers:
@@ -431,10 +442,7 @@ def keep_freed_memory() -> None:
     """glibc: keep freed memory in the process (up to 512 MiB of it; blocks under 32 MiB from
     the heap, not from mmap). Process-wide, set once an engine exists. Every step allocates and
     frees the same temporaries; with glibc's defaults they go back to the OS and the next step
-    faults the pages in again: on the CPU, a decode worker took 227k minor page faults in one
-    64-request benchmark run at half speed, and the offline engine 6.3 million in a 256-request
-    one (1,068-1,160 tok/s; 1,721-1,784 with these settings, 50k-326k faults). Elsewhere than
-    glibc, nothing."""
+    faults the pages in again. Elsewhere than glibc, nothing."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
