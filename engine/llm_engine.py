@@ -328,8 +328,12 @@ class LLMEngine:
         self.scheduler.insert_after(parent, children)
         return children
 
-    def _append(self, seq: Sequence, token: int, lp) -> SeqOutput:
-        if seq.grammar is not None and not seq.grammar.accept(token):
+    def _append(self, seq: Sequence, token: int, lp, sampled_here: bool = True) -> SeqOutput:
+        """`sampled_here`: the token was sampled under this sequence's grammar mask (its
+        matcher takes it during the next step's fill); else it is checked now."""
+        if seq.grammar is not None and sampled_here:
+            seq.grammar.defer(token)
+        elif seq.grammar is not None and not seq.grammar.accept(token):
             # Only a token sampled from a row with nothing allowed (or a first token from a
             # prefill worker that broke the grammar) gets here: end the sample without it.
             log.warning("%s#%d: token %d breaks its grammar; ending the sample",
@@ -402,11 +406,11 @@ class LLMEngine:
             # These went to the client already: record (grammar and stop checks included), do
             # not re-emit. The tokens after the prompt have no KV here yet: the next steps
             # compute them as a prompt chunk, then sample the next one.
-            self._append(s, tok, lp)
+            self._append(s, tok, lp, sampled_here=False)
             for t in more:
                 if s.is_finished:
                     break
-                self._append(s, t, None)
+                self._append(s, t, None, sampled_here=False)
             if s.is_finished:  # a sample that had finished before the move
                 outputs.append(self._output(s, [], []))
         return outputs
