@@ -25,6 +25,7 @@ xgrammar is an optional dependency (the `structured` extra), imported on first u
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,8 +34,11 @@ from typing import Any
 
 import torch
 
-from engine.errors import InvalidArgument
 from engine.sampling_params import ResponseFormat
+from engine.tokenizer import Tokenizer, has_tokenizer
+from tandem.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
 
 EXTRA = "structured"
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
@@ -69,26 +73,54 @@ def _check_schema_text(schema: str) -> None:
 
 
 class GrammarState:
-    """One sample's position in its grammar."""
+    """One sample's position in its grammar.
 
-    __slots__ = ("matcher",)
+    A token sampled under this grammar's own mask is taken with `defer`: the matcher advances
+    over it at the start of the next fill, which runs on the host while the device computes the
+    next step's logits, instead of between two steps while the device waits. Such a token is
+    allowed by construction; if the matcher still refuses it, the state is `broken` and its
+    next mask allows only the end of sequence. A token from elsewhere (a prefill worker's first
+    token, a moved request's outputs) is checked at once with `accept`."""
+
+    __slots__ = ("broken", "matcher", "pending")
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
+        self.pending: int | None = None
+        self.broken = False
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            token, self.pending = self.pending, None
+            if not self.matcher.accept_token(token):
+                log.error("a token sampled under its grammar's mask (%d) broke the grammar; "
+                          "ending the sample", token)
+                self.broken = True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row `row` of a CPU int32 bitmask."""
+        self.flush()
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
-        """Advance by one sampled token; False if the grammar does not allow it."""
+        """Advance by one token now; False if the grammar does not allow it."""
+        self.flush()
         return self.matcher.accept_token(token_id)
 
+    def defer(self, token_id: int) -> None:
+        """Advance by a token sampled under this grammar's mask, at the next fill."""
+        self.flush()
+        self.pending = token_id
+
     def fork(self) -> GrammarState:
-        return GrammarState(self.matcher.fork())
+        self.flush()
+        child = GrammarState(self.matcher.fork())
+        child.broken = self.broken
+        return child
 
     @property
     def terminated(self) -> bool:
+        self.flush()
         return self.matcher.is_terminated()
 
 
@@ -119,10 +151,8 @@ class GrammarCompiler:
         return self._compiler
 
     def _hf_tokenizer(self) -> Any:
-        from engine.tokenizer import Tokenizer  # noqa: PLC0415 - transformers, on first use
-
         d = self.model_dir
-        if d is None or not any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        if not has_tokenizer(d):
             raise InvalidArgument("response_format", "this model has no tokenizer, which "
                                   "structured outputs need")
         return Tokenizer(d).hf
@@ -200,13 +230,23 @@ def schema_grammar(schema: str | None) -> Any:
     return xgr.Grammar.from_ebnf(_strict_strings(ebnf))
 
 
-def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Each state's allowed tokens into its row of `bitmask`, the rows in parallel on xgrammar's
-    threads (half the cores): at 256 rows one at a time this is most of a decode step."""
+def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[int],
+                 eos_token_ids: list[int]) -> None:
+    """Each state's allowed tokens into its row of `bitmask` (the deferred tokens taken first),
+    the rows in parallel on xgrammar's threads (half the cores): at 256 rows one at a time this
+    is most of a decode step. A broken state's row allows only `eos_token_ids`."""
+    for s in states:
+        s.flush()
     if len(states) == 1:
-        states[0].fill(bitmask, rows[0])
-        return
-    _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, rows)
+        states[0].matcher.fill_next_token_bitmask(bitmask, rows[0])
+    else:
+        _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask,
+                                                       rows)
+    for s, row in zip(states, rows, strict=True):
+        if s.broken:
+            bitmask[row] = 0
+            for t in eos_token_ids:
+                bitmask[row, t // 32] |= 1 << (t % 32)
 
 
 @functools.cache

@@ -14,12 +14,10 @@ from tqdm.auto import tqdm
 
 from engine import gguf_checkpoint
 from engine.config import ModelConfig
-from engine.errors import ModelLoadError
 from engine.models import model_class
 from engine.models.layers import CausalLM, default_weight_loader
 from engine.parallel import TPState, build_sharded_model
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from tandem.errors import ModelLoadError
 
 
 @contextlib.contextmanager

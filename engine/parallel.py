@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import ModelConfig, cdiv
-from engine.errors import InvalidArgument
 from engine.models.layers import (
     MLP,
     Attention,
@@ -44,6 +43,7 @@ from engine.models.layers import (
     _check_shape,
 )
 from kvtransfer.tp_pull import kv_head_start, kv_heads_per_rank, rank_heads
+from tandem.errors import InvalidArgument
 
 # kv_head_start, kv_heads_per_rank, rank_heads: the KV heads each rank holds, one rule for the
 # shards here and for the handoff between sizes (kvtransfer/tp_pull.py).

@@ -121,7 +121,8 @@ class Sampler:
         words = (self.vocab_size + 31) // 32
         bitmask = torch.full((len(rows), words), -1, dtype=torch.int32,
                              pin_memory=self.device.type == "cuda")
-        fill_bitmask([rows[i].grammar for i in masked], bitmask, masked)  # type: ignore[misc]
+        fill_bitmask([rows[i].grammar for i in masked], bitmask, masked,  # type: ignore[misc]
+                     self.eos_token_ids)
         return bitmask, masked
 
     def _apply_bias(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

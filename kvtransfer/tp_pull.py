@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-from engine.errors import InvalidArgument
 from kvtransfer.remote import TransferStats
+from tandem.errors import InvalidArgument
 
 
 # -- which KV heads a rank holds (engine/parallel.py shards the model by the same rule) ----------

@@ -11,12 +11,13 @@ import sys
 
 import pytest
 
+from cli.main import build_parser
+from cli.up import _devices
 from engine.config import EngineConfig
-from engine.errors import InvalidArgument
 from engine.model_source import served_name
-from router_svc.cli import build_parser, engine_config
-from router_svc.launcher import _devices
 from router_svc.server import model_names
+from runtime.engine_args import engine_config
+from tandem.errors import InvalidArgument
 
 BAD_ARGUMENTS = [
     (["router", "--model", "tandem-demo"], "--prefill"),
@@ -31,7 +32,7 @@ BAD_ARGUMENTS = [
 
 @pytest.mark.parametrize(("argv", "flag"), BAD_ARGUMENTS)
 def test_bad_arguments_exit_2_naming_the_flag(argv, flag):
-    res = subprocess.run([sys.executable, "-m", "router_svc.cli", *argv], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "cli.main", *argv], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2, res.stderr
     assert f"argument {flag}:" in res.stderr, res.stderr
@@ -93,7 +94,7 @@ def test_tensor_parallel_workers_take_consecutive_gpus():
 
 
 def test_up_passes_each_role_its_tensor_parallel_size():
-    from router_svc.launcher import stack_from_args
+    from cli.up import stack_from_args
 
     stack, _ = stack_from_args(build_parser("up").parse_args(
         ["up", "--device", "cpu", "--prefill-tensor-parallel-size", "2"]))
@@ -107,7 +108,7 @@ def test_up_passes_each_role_its_tensor_parallel_size():
 
 
 def test_worker_and_generate_take_the_tensor_parallel_size(capsys):
-    from router_svc.cli import main
+    from cli.main import main
 
     for cmd in ("worker", "prefill", "decode", "generate"):
         args = build_parser(cmd).parse_args([cmd, "--model", "m", "--tensor-parallel-size", "2"])

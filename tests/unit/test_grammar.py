@@ -1,6 +1,7 @@
 """The grammar engine against the demo's byte-level tokenizer: the sampler masks only rows with a
 grammar, ids past the tokenizer's vocabulary (padding rows of the logits) are never allowed, EOS
-only when the grammar is complete, a fork continues independently, compiled grammars are cached
+only when the grammar is complete, a fork continues independently, a sampled token's matcher
+update waits for the next fill, compiled grammars are cached
 (LRU) per schema, and bad schemas or a missing xgrammar are named."""
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import pytest
 import torch
 
 from engine.demo import EOT_ID, VOCAB_SIZE, demo_model_dir
-from engine.errors import InvalidArgument
 from engine.grammar import GrammarCompiler, check_schema
 from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import ResponseFormat, SamplingParams
+from tandem.errors import InvalidArgument
 
 PADDED_VOCAB = VOCAB_SIZE + 50  # the model's logits wider than the tokenizer
 ENUM = ResponseFormat("json_schema", json.dumps({"enum": ["ab", "cd"]}))
@@ -45,6 +46,30 @@ def test_mask_follows_the_grammar_and_eos_only_at_the_end(compiler):
     assert s.accept(ord("b")) and s.accept(ord('"'))
     assert _allowed(s) == {EOT_ID}  # complete: only EOS, never a padding id
     assert s.accept(EOT_ID) and s.terminated
+
+
+def test_a_deferred_token_is_taken_at_the_next_fill(compiler):
+    """A token sampled under the mask advances the matcher when the next mask is filled (on the
+    host, while the device computes): the same masks as taking it at once; a fork first takes
+    it; a deferred token the grammar refuses leaves a row that allows only EOS."""
+    now, later = compiler.state(ENUM), compiler.state(ENUM)
+    for tok, expect in [(ord('"'), {ord("a"), ord("c")}), (ord("a"), {ord("b")})]:
+        assert now.accept(tok)
+        later.defer(tok)
+        assert later.pending == tok
+        assert _allowed(now) == _allowed(later) == expect
+        assert later.pending is None
+    later.defer(ord("b"))
+    fork = later.fork()
+    assert later.pending is None and _allowed(fork) == _allowed(later) == {ord('"')}
+    broken = compiler.state(ENUM)
+    broken.defer(ord("x"))  # outside the grammar: only a bad mask could have sampled it
+    sampler = Sampler(PADDED_VOCAB, torch.device("cpu"), [EOT_ID])
+    logits = torch.zeros(1, PADDED_VOCAB)
+    logits[0, ord('"')] = 50.0
+    greedy = SamplingParams(temperature=0)
+    assert sampler(logits, [SampleRow(greedy, 0, 1, grammar=broken)]).token_ids == [EOT_ID]
+    assert broken.broken
 
 
 def test_sampler_masks_only_grammar_rows(compiler):

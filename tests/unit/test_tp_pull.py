@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.errors import InvalidArgument, LayoutMismatch
+from tandem.errors import InvalidArgument, LayoutMismatch
 from engine.parallel import rank_heads
 from kvtransfer.descriptor import PoolDescriptor, check_compatible
 from kvtransfer.tp_pull import HeadCopy, head_plan, pull_heads

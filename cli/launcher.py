@@ -1,0 +1,242 @@
+"""Local stacks: workers and a router as OS processes on this machine.
+
+`LocalStack` is the one process manager that `tandem up`, the serving benchmarks and the
+integration tests share. Each process is started with the `tandem` CLI, picks a free port and
+writes it to a ready file; workers come up first, then the router in front of them. Stopping
+sends SIGTERM to the router first (it drains its streams), then to the workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from engine.model_source import resolve_model
+
+STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
+ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
+
+
+@dataclass
+class Proc:
+    name: str  # prefill0, decode1, both0, router
+    popen: subprocess.Popen
+    ready_file: Path
+    log: Path | None
+    address: str = ""  # 127.0.0.1:<gRPC port>, once ready
+    http_port: int = 0  # the router's
+    metrics_port: int = 0  # a worker's, when the stack was started with metrics=True
+    argv: tuple[str, ...] = ()  # the `tandem` command line it was started with
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""
+
+    @property
+    def metrics_url(self) -> str:
+        """Prometheus metrics: a worker's --metrics-port, the router's HTTP port."""
+        return f"http://127.0.0.1:{self.metrics_port or self.http_port}/metrics"
+
+
+def cpu_threads_each(num_engine_cores: int) -> int:
+    """torch threads for each of the engine cores that compute on this machine's CPUs: its
+    share of the cores this process may run on. Each core would otherwise start a thread per
+    CPU, and threads that spin between parallel regions on oversubscribed cores stalled every
+    step of a two-decode-worker stack on two cores for seconds (0.3 s became 5-17 s)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, num_engine_cores))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalStack:
+    """Workers (role and device each) and a router in front of them.
+
+    worker_args go to every worker and role_args[role] to that role's workers after them (the
+    last flag wins); router_args go to the router, ports included. Output goes to
+    `log_dir/<name>.log`, and with echo=True also to this process's stdout, prefixed by name.
+    With metrics=True every worker serves Prometheus metrics: worker i (in `roles` order) on
+    metrics_port_base + i, or on a free port when metrics_port_base is 0."""
+
+    proc_class: type[Proc] = Proc
+
+    def __init__(self, model: str, roles: Sequence[str], devices: Sequence[str], *,
+                 worker_args: Sequence[str] = (),
+                 role_args: Mapping[str, Sequence[str]] | None = None,
+                 router_args: Sequence[str] = (), log_dir: Path | str | None = None,
+                 echo: bool = False, env: Mapping[str, str] | None = None,
+                 grace: float = 5.0, metrics: bool = False,
+                 metrics_port_base: int = 0) -> None:
+        if len(roles) != len(devices):
+            raise ValueError(f"{len(roles)} workers but {len(devices)} devices")
+        self.model = model
+        self.roles = list(roles)
+        self.devices = list(devices)
+        self.worker_args = list(worker_args)
+        self.role_args = {r: list(a) for r, a in (role_args or {}).items()}
+        self.router_args = list(router_args)
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="tandem-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.echo = echo
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.grace = grace
+        self.metrics = metrics
+        self.metrics_port_base = metrics_port_base
+        self.procs: dict[str, Proc] = {}
+        self.supervisor: Any = None  # the Supervisor that started on this stack, if any
+        # Workers on the CPU divide its cores (an explicit --cpu-threads in worker_args wins).
+        self.cpu_threads = cpu_threads_each(self.devices.count("cpu"))
+
+    # -- processes ---------------------------------------------------------------------------
+    def spawn(self, name: str, argv: Sequence[str], metrics_port: int = 0,
+              append: bool = False) -> Proc:
+        """Start `tandem argv` as process `name`; `append`: add to its log (a restart)."""
+        ready = self.log_dir / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        log = self.log_dir / f"{name}.log"
+        cmd = [sys.executable, "-m", "cli.main", *argv, "--ready-file", str(ready)]
+        if metrics_port:
+            cmd += ["--metrics-port", str(metrics_port)]
+        # Own session: a terminal's Ctrl-C reaches the launcher, which stops everyone in order.
+        if self.echo:
+            popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1, env=self.env,
+                                     start_new_session=True)
+            threading.Thread(target=_pump, args=(name, popen.stdout, log, append),
+                             daemon=True).start()
+        else:
+            with open(log, "a" if append else "w") as f:
+                popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        proc = self.procs[name] = self.proc_class(name, popen, ready, log,
+                                                  metrics_port=metrics_port, argv=tuple(argv))
+        return proc
+
+    def restart(self, name: str) -> Proc:
+        """Start process `name` again as it was started, on the ports it had (the router's
+        worker list and the peers' stay valid). Returns at once; `read_ready` says when."""
+        old = self.procs[name]
+        return self.spawn(name, _pin_ports(old), old.metrics_port, append=True)
+
+    def read_ready(self, p: Proc) -> bool:
+        """Whether `p` wrote its ready file; if so, its ports are read into it."""
+        if not p.ready_file.exists():
+            return False
+        ports = p.ready_file.read_text().split()
+        p.address = f"127.0.0.1:{ports[0]}"
+        p.http_port = int(ports[1]) if len(ports) > 1 else 0
+        return True
+
+    def wait_ready(self, procs: Sequence[Proc], timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            while not self.read_ready(p):
+                if p.popen.poll() is not None:
+                    raise RuntimeError(f"{p.name} exited with {p.popen.returncode} while "
+                                       f"starting; log {p.log}:\n{_tail(p.log_text())}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{p.name} did not become ready in {timeout:.0f}s; log "
+                                       f"{p.log}:\n{_tail(p.log_text())}")
+                time.sleep(0.05)
+
+    def start(self) -> LocalStack:
+        # The checkpoint is resolved here first (a GGUF file's or a packaged model's directory is
+        # built on first use): once, not by every worker and the router at the same time, and a
+        # model that cannot be had fails before any process starts (ModelLoadError).
+        resolve_model(self.model)
+        # Workers sharing a GPU size their KV pools from its free memory: start those in turn.
+        cuda = [d for d in self.devices if d.startswith("cuda")]
+        one_by_one = len(cuda) != len(set(cuda))
+        counts: dict[str, int] = {}
+        workers: list[tuple[str, Proc]] = []
+        for role, device in zip(self.roles, self.devices):
+            i = counts[role] = counts.get(role, -1) + 1
+            argv = ["worker", "--role", role, "--device", device, "--model", self.model,
+                    "--port", "0", "--grace", str(self.grace)]
+            if device == "cpu":
+                argv += ["--cpu-threads", str(self.cpu_threads)]
+            argv += [*self.worker_args, *self.role_args.get(role, ())]
+            w = self.spawn(f"{role}{i}", argv, self._metrics_port(len(workers)))
+            workers.append((role, w))
+            if one_by_one:
+                self.wait_ready([w])
+        self.wait_ready([w for _, w in workers])
+        argv = ["router", "--model", self.model, "--grace", str(self.grace)]
+        for role, w in workers:
+            argv += [ROLE_FLAGS[role], w.address]
+        self.wait_ready([self.spawn("router", [*argv, *self.router_args])])
+        return self
+
+    def _metrics_port(self, index: int) -> int:
+        if not self.metrics:
+            return 0
+        return self.metrics_port_base + index if self.metrics_port_base else free_port()
+
+    @property
+    def router(self) -> Proc:
+        return self.procs["router"]
+
+    def workers(self, role: str | None = None) -> list[Proc]:
+        return [p for n, p in self.procs.items()
+                if n != "router" and (role is None or n.rstrip("0123456789") == role)]
+
+    def any_exited(self) -> Proc | None:
+        return next((p for p in self.procs.values() if p.popen.poll() is not None), None)
+
+    def stop(self, timeout: float | None = None) -> dict[str, int | None]:
+        """SIGTERM, router first, then the workers; their exit codes (None: had to be killed).
+        A supervisor stops first: nothing is restarted from here on."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        wait = self.grace + 15 if timeout is None else timeout
+        codes: dict[str, int | None] = {}
+        router = [p for n, p in self.procs.items() if n == "router"]
+        for group in (router, self.workers()):
+            for p in group:
+                if p.popen.poll() is None:
+                    p.popen.send_signal(signal.SIGTERM)
+            for p in group:
+                try:
+                    codes[p.name] = p.popen.wait(wait)
+                except subprocess.TimeoutExpired:
+                    p.popen.kill()
+                    p.popen.wait()
+                    codes[p.name] = None
+        return codes
+
+
+def _pin_ports(p: Proc) -> list[str]:
+    """p's command line with the ports it bound in place of any it was to pick (0)."""
+    argv = list(p.argv)
+    port = p.address.rsplit(":", 1)[1] if p.address else "0"
+    for flag, value in (("--port", port), ("--grpc-port", port),
+                        ("--http-port", str(p.http_port))):
+        if flag in argv and value != "0":
+            argv[len(argv) - 1 - argv[::-1].index(flag) + 1] = value  # argparse: last wins
+    return argv
+
+
+def _pump(name: str, stream: IO[str], log: Path, append: bool = False) -> None:
+    """A child's output, line by line: prefixed on our stdout and kept in its log file."""
+    with open(log, "a" if append else "w") as sink:
+        for line in stream:
+            sys.stdout.write(f"[{name}] {line}")
+            sys.stdout.flush()
+            sink.write(line)
+            sink.flush()
+
+
+def _tail(text: str, n: int = 40) -> str:
+    return "\n".join(text.splitlines()[-n:])
