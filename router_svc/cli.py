@@ -150,6 +150,7 @@ SERVICE_COMMANDS: dict[str, str] = {
     "decode": "decode_svc.server",
     "worker": "decode_svc.server",
     "health": "router_svc.healthcheck",
+    "certs": "router_svc.certs",
 }
 
 

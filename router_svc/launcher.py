@@ -33,9 +33,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from engine.errors import InvalidArgument
-from engine.model_source import served_name
-
-from engine.model_source import resolve_model
+from engine.model_source import resolve_model, served_name
+from engine.serving.security import ClusterTls
 
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
 ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
@@ -93,7 +92,7 @@ class LocalStack:
                  router_args: Sequence[str] = (), log_dir: Path | str | None = None,
                  echo: bool = False, env: Mapping[str, str] | None = None,
                  grace: float = 5.0, metrics: bool = False,
-                 metrics_port_base: int = 0) -> None:
+                 metrics_port_base: int = 0, cluster_ca: bool = False) -> None:
         if len(roles) != len(devices):
             raise ValueError(f"{len(roles)} workers but {len(devices)} devices")
         self.model = model
@@ -109,6 +108,10 @@ class LocalStack:
         self.grace = grace
         self.metrics = metrics
         self.metrics_port_base = metrics_port_base
+        # cluster_ca: start() makes a throwaway cluster CA (router_svc/certs.py) and every hop
+        # between the stack's processes is mutual TLS with it.
+        self.cluster_ca = cluster_ca
+        self.cluster_tls: ClusterTls | None = None
         self.procs: dict[str, Proc] = {}
         self.supervisor: Any = None  # router_svc.supervisor.Supervisor, when supervised
         # Workers on the CPU divide its cores (an explicit --cpu-threads in worker_args wins).
@@ -179,6 +182,11 @@ class LocalStack:
         # built on first use): once, not by every worker and the router at the same time, and a
         # model that cannot be had fails before any process starts (ModelLoadError).
         resolve_model(self.model)
+        if self.cluster_ca and self.cluster_tls is None:
+            from router_svc.certs import make_cluster_ca  # noqa: PLC0415 - cryptography
+
+            self.cluster_tls = make_cluster_ca(self.log_dir / "certs")
+        tls_argv = self.cluster_tls.argv() if self.cluster_tls else []
         # Workers sharing a GPU size their KV pools from its free memory: start those in turn.
         cuda = [d for d in self.devices if d.startswith("cuda")]
         one_by_one = len(cuda) != len(set(cuda))
@@ -190,13 +198,13 @@ class LocalStack:
                     "--port", "0", "--grace", str(self.grace)]
             if device == "cpu":
                 argv += ["--cpu-threads", str(self.cpu_threads)]
-            argv += [*self.worker_args, *self.role_args.get(role, ())]
+            argv += [*tls_argv, *self.worker_args, *self.role_args.get(role, ())]
             w = self.spawn(f"{role}{i}", argv, self._metrics_port(len(workers)))
             workers.append((role, w))
             if one_by_one:
                 self.wait_ready([w])
         self.wait_ready([w for _, w in workers])
-        argv = ["router", "--model", self.model, "--grace", str(self.grace)]
+        argv = ["router", "--model", self.model, "--grace", str(self.grace), *tls_argv]
         for role, w in workers:
             argv += [ROLE_FLAGS[role], w.address]
         self.wait_ready([self.spawn("router", [*argv, *self.router_args])])
@@ -286,7 +294,14 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--host", default="127.0.0.1", help="router address (workers stay local)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--api-key", default=None, help="require this bearer token on HTTP")
+    p.add_argument("--api-key-file", default=None,
+                   help="require a bearer token on the public ports: the keys in this file, "
+                        "one per line (or set $TANDEM_API_KEY); keys never go on a command line")
+    p.add_argument("--tls-cert", default=None, help="TLS on both public ports: certificate (PEM)")
+    p.add_argument("--tls-key", default=None, help="TLS on both public ports: private key (PEM)")
+    p.add_argument("--cluster-tls", action=argparse.BooleanOptionalAction, default=True,
+                   help="mutual TLS between router and workers with a throwaway CA made for "
+                        "this stack (default: on)")
     p.add_argument("--metrics-port-base", type=int, default=0,
                    help="worker i serves Prometheus /metrics on this port + i (0: free ports; "
                         "-1: off); the banner lists them")
@@ -350,7 +365,10 @@ def stack_from_args(a: argparse.Namespace) -> tuple[LocalStack, str]:
             worker_args += [f"--{flag.replace('_', '-')}", str(value)]
     router_args = ["--host", a.host, "--grpc-port", str(a.grpc_port), "--http-port",
                    str(a.http_port)]
-    for flag in ("api_key", "dtype", "max_model_len", "served_model_name"):
+    # The API key itself reaches the router through its environment ($TANDEM_API_KEY is
+    # inherited) or a file: never on a command line, where `ps` shows it.
+    for flag in ("api_key_file", "tls_cert", "tls_key", "dtype", "max_model_len",
+                 "served_model_name"):
         if getattr(a, flag):
             router_args += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
     devices, note = _devices(a, len(roles))
@@ -360,7 +378,8 @@ def stack_from_args(a: argparse.Namespace) -> tuple[LocalStack, str]:
                       # Interactive by default: readable log lines unless JSON was asked for.
                       env={"TANDEM_LOG_FORMAT": os.environ.get("TANDEM_LOG_FORMAT", "console")},
                       grace=a.grace, metrics=a.metrics_port_base >= 0,
-                      metrics_port_base=max(0, a.metrics_port_base)), note
+                      metrics_port_base=max(0, a.metrics_port_base),
+                      cluster_ca=a.cluster_tls), note
 
 
 def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str:
@@ -369,8 +388,11 @@ def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str
     grpc_port = stack.router.address.rsplit(":", 1)[1]
     name = args.served_model_name or served_name(args.model)
     lines = [f"\nTandem is up: model \"{name}\", {_plural(len(stack.workers()), 'worker')}.",
-             f"  OpenAI HTTP: http://{host}:{stack.router.http_port}/v1",
-             f"  gRPC:        {host}:{grpc_port}"]
+             f"  OpenAI HTTP: http{'s' if args.tls_cert else ''}://{host}:"
+             f"{stack.router.http_port}/v1",
+             f"  gRPC:        {host}:{grpc_port}{' (TLS)' if args.tls_cert else ''}"]
+    if stack.cluster_tls is not None:
+        lines.append(f"  Internal:    mutual TLS, cluster CA {stack.cluster_tls.ca}")
     for w, device in zip(stack.workers(), stack.devices):
         metrics = f", metrics {w.metrics_url}" if w.metrics_port else ""
         lines.append(f"  {w.name + ':':<13}{device}{metrics}")
