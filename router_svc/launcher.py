@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from engine.errors import InvalidArgument
 from engine.model_source import resolve_model, served_name
-from engine.serving.security import ClusterTls
+from engine.serving.security import ClusterTls, refuse_api_key_flag
 
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
 ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
@@ -294,6 +294,7 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--host", default="127.0.0.1", help="router address (workers stay local)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
+    refuse_api_key_flag(p)
     p.add_argument("--api-key-file", default=None,
                    help="require a bearer token on the public ports: the keys in this file, "
                         "one per line (or set $TANDEM_API_KEY); keys never go on a command line")

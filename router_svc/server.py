@@ -20,6 +20,7 @@ from engine.serving.security import (
     add_cluster_tls_args,
     bind,
     load_api_keys,
+    refuse_api_key_flag,
 )
 from engine.serving.telemetry import Telemetry
 from engine.tokenizer import Tokenizer
@@ -81,6 +82,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="reported by GetModelInfo until a worker has told its own (default: "
                         "the workers')")
     p.add_argument("--block-size", type=int, default=16)
+    refuse_api_key_flag(p)
     p.add_argument("--api-key-file", default=None,
                    help="require a bearer token on both public ports: any key in this file, "
                         "one per line, each its own tenant (default: $TANDEM_API_KEY_FILE; "

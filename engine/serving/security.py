@@ -174,7 +174,18 @@ def load_api_keys(environ: Mapping[str, str] | None = None,
     return ApiKeys(keys)
 
 
-TENANT_METADATA = "x-tandem-tenant"  # set by the interceptor for the servicer; never trusted
+class _RefuseApiKeyFlag(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("argument --api-key: keys are not taken on the command line (every user "
+                     f"of the machine sees it); set ${API_KEY_ENV} or use --api-key-file")
+
+
+def refuse_api_key_flag(p: argparse.ArgumentParser) -> None:
+    """An explicit --api-key that exits 2 (without it argparse would take it as an
+    abbreviation of --api-key-file)."""
+    p.add_argument("--api-key", action=_RefuseApiKeyFlag, help=argparse.SUPPRESS)
+
+
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
