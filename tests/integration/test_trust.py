@@ -251,17 +251,18 @@ def test_a_20_mb_prompt_is_refused_fast_while_others_are_served(cluster):
         other_result.append(sum(len(c.token_ids) for c in chunks))
         other_done.set()
 
+    big = json.dumps({"prompt": text, "max_tokens": 4}).encode()
+    # Under the body limit, still far too long for the model: refused by length, untokenized.
+    under_limit = json.dumps({"prompt": text[:7_000_000], "max_tokens": 4}).encode()
     t = threading.Thread(target=other_client)
     t.start()
     timings = {}
     t0 = time.perf_counter()
-    r = post(cluster, "/v1/completions", json.dumps({"prompt": text, "max_tokens": 4}).encode())
+    r = post(cluster, "/v1/completions", big)
     timings["http"] = time.perf_counter() - t0
     assert_openai_error(r, 413)
-    # Under the body limit, still far too long for the model: refused by length, untokenized.
     t0 = time.perf_counter()
-    r = post(cluster, "/v1/completions",
-             json.dumps({"prompt": text[:7_000_000], "max_tokens": 4}).encode())
+    r = post(cluster, "/v1/completions", under_limit)
     timings["http_7mb"] = time.perf_counter() - t0
     assert_openai_error(r, 400, "prompt")
 
