@@ -1,5 +1,5 @@
 """Trust boundaries of a whole stack, as an outside caller meets them: mutual TLS between router
-and workers (a throwaway cluster CA, as `tandem up` makes), API keys on both public ports,
+and workers (a throwaway cluster CA, as `tandem up` makes), TLS and API keys on both public ports,
 hostile input refused cheaply in OpenAI's error shape, and prefix-cache namespaces per key and
 per cache_salt. Router, prefill and decode as processes on 127.0.0.1 (shm transport)."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import threading
 import time
 import uuid
@@ -32,8 +33,11 @@ def cluster(tiny_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trust")
     keys = tmp / "api-keys"
     keys.write_text("# one tenant per line\n" + "\n".join(KEYS) + "\n")
+    public = make_cluster_ca(tmp / "public")  # any CA: a server certificate for 127.0.0.1
     c = Cluster(tmp, str(tiny_models["llama"]), worker_args=WORKER_ARGS, cluster_ca=True,
+                router_args=["--tls-cert", str(public.cert), "--tls-key", str(public.key)],
                 env={"TANDEM_API_KEY_FILE": str(keys)}).start()
+    c.public_ca = public.ca
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes
@@ -50,15 +54,26 @@ def auth(key: str = KEYS[0]) -> tuple[tuple[str, str], ...]:
 
 
 def url(cluster: Cluster, path: str) -> str:
-    return f"http://127.0.0.1:{cluster.router.http_port}{path}"
+    return f"https://127.0.0.1:{cluster.router.http_port}{path}"
+
+
+def https(cluster: Cluster) -> httpx.Client:
+    return httpx.Client(verify=ssl.create_default_context(cafile=str(cluster.public_ca)),
+                        timeout=60)
+
+
+def router_channel(cluster: Cluster) -> grpc.aio.Channel:
+    creds = grpc.ssl_channel_credentials(cluster.public_ca.read_bytes())
+    return grpc.aio.secure_channel(cluster.router.address, creds)
 
 
 def post(cluster: Cluster, path: str, body: dict | bytes, key: str = KEYS[0],
          **headers: str) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(url(cluster, path), content=content, timeout=60,
-                      headers={"authorization": f"Bearer {key}",
-                               "content-type": "application/json", **headers})
+    with https(cluster) as client:
+        return client.post(url(cluster, path), content=content,
+                           headers={"authorization": f"Bearer {key}",
+                                    "content-type": "application/json", **headers})
 
 
 def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -72,7 +87,7 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = None
 
 
 async def generate(cluster: Cluster, req: api_pb2.GenerateRequest, metadata=auth()):
-    async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+    async with router_channel(cluster) as ch:
         chunks = [c async for c in api_pb2_grpc.TandemStub(ch).Generate(
             req, metadata=metadata, timeout=60)]
     return chunks
@@ -90,7 +105,7 @@ def test_grpc_without_the_key_is_unauthenticated(cluster):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await generate(cluster, request([5, 6, 7]), metadata)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
-        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+        async with router_channel(cluster) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await api_pb2_grpc.TandemStub(ch).ListModels(api_pb2.ListModelsRequest())
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -98,8 +113,24 @@ def test_grpc_without_the_key_is_unauthenticated(cluster):
             chunks = await generate(cluster, request([5, 6, 7]), auth(key))
             assert sum(len(c.token_ids) for c in chunks) == 4
     asyncio.run(main())
-    r = httpx.post(url(cluster, "/v1/completions"), json={"prompt": [5], "max_tokens": 1})
+    with https(cluster) as client:
+        r = client.post(url(cluster, "/v1/completions"), json={"prompt": [5], "max_tokens": 1})
     assert_openai_error(r, 401)
+
+
+def test_both_public_ports_speak_tls_only(cluster):
+    with pytest.raises(httpx.HTTPError):  # plaintext HTTP to the TLS port
+        httpx.get(f"http://127.0.0.1:{cluster.router.http_port}/health", timeout=10)
+    with https(cluster) as client:
+        assert client.get(url(cluster, "/health")).status_code == 200
+
+    async def plaintext_grpc():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await api_pb2_grpc.TandemStub(ch).ListModels(api_pb2.ListModelsRequest(),
+                                                             metadata=auth(), timeout=5)
+            return e.value.code()
+    assert asyncio.run(plaintext_grpc()) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_the_key_is_on_no_command_line(cluster):
@@ -206,8 +237,10 @@ def test_hostile_chat_bodies_get_openai_errors(cluster, body, status, param):
 
 
 def test_framework_errors_are_in_openai_shape(cluster):
-    assert_openai_error(httpx.get(url(cluster, "/v1/nowhere"), headers=dict(auth())), 404)
-    assert_openai_error(httpx.delete(url(cluster, "/v1/completions"), headers=dict(auth())), 405)
+    with https(cluster) as client:
+        assert_openai_error(client.get(url(cluster, "/v1/nowhere"), headers=dict(auth())), 404)
+        assert_openai_error(client.delete(url(cluster, "/v1/completions"),
+                                          headers=dict(auth())), 405)
 
 
 def test_grpc_hostile_values_are_invalid_argument(cluster):
