@@ -17,6 +17,7 @@ import grpc
 import httpx
 import pytest
 
+import tandem.client as tc
 from cluster import Cluster
 from engine.sampling_params import SamplingParams
 from router_svc.certs import make_cluster_ca
@@ -343,3 +344,9 @@ def test_cached_tokens_reveal_nothing_across_keys_or_salts(cluster):
         return chunks[-1].usage.cached_prompt_tokens
     assert asyncio.run(over_grpc(KEYS[0], "alice")) == 48  # one namespace on both APIs
     assert asyncio.run(over_grpc(KEYS[1], "bob")) == 0
+    # The Python client: TLS, the key and the salt as its README section says.
+    with tc.Client(cluster.router.address, api_key=KEYS[1], root_certificates=cluster.public_ca,
+                   timeout=60) as client:
+        answer = client.generate(SHARED, tc.SamplingParams(max_tokens=1, temperature=0,
+                                                           cache_salt="bob"))
+    assert answer.usage.cached_prompt_tokens == 48
