@@ -394,6 +394,10 @@ def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str
              f"  gRPC:        {host}:{grpc_port}{' (TLS)' if args.tls_cert else ''}"]
     if stack.cluster_tls is not None:
         lines.append(f"  Internal:    mutual TLS, cluster CA {stack.cluster_tls.ca}")
+    keyed = bool(os.environ.get("TANDEM_API_KEY") or os.environ.get("TANDEM_API_KEY_FILE")
+                 or args.api_key_file)
+    lines.append("  API key:     required on both public ports" if keyed else
+                 "  API key:     none (any caller is served; set TANDEM_API_KEY to require one)")
     for w, device in zip(stack.workers(), stack.devices):
         metrics = f", metrics {w.metrics_url}" if w.metrics_port else ""
         lines.append(f"  {w.name + ':':<13}{device}{metrics}")
