@@ -288,7 +288,7 @@ class OpenAIApi:
             return e.response()
         return JSONResponse(self._model_card())
 
-    async def tokenize(self, body: TokenizeRequest, request: Request) -> Response:
+    async def tokenize(self, body: TokenizeRequest) -> Response:
         fe = self.frontend
         try:
             self._check_model(body.model)

@@ -170,7 +170,7 @@ def completion_prompt(fe: Frontend, prompt: Any) -> list[int]:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         refuse(len(prompt) != 1, "prompt", f"one prompt per request, got {len(prompt)}")
         prompt = prompt[0]
-    return fe.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    return fe.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
 
 def echo_text(fe: Frontend, given: Any, prompt: list[int]) -> str:
