@@ -19,6 +19,10 @@ MAX_SCHEMA_CHARS = 64 * 1024
 # field, rather than failing later in a proto conversion.
 MAX_UINT32 = 2**32 - 1
 MAX_CACHE_SALT_CHARS = 256
+# Lists a caller sizes: each entry costs work on every generated token.
+MAX_STOP_ENTRIES = 256  # stop strings, and stop token ids
+MAX_STOP_CHARS = 4096  # one stop string
+MAX_LOGIT_BIAS_ENTRIES = 1024
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
 _UINT32_FIELDS = ("n", "max_tokens", "top_k", "min_tokens", "logprobs")
@@ -54,6 +58,15 @@ def _check_types(p: SamplingParams) -> None:
                               f"{MAX_CACHE_SALT_CHARS} characters")
     if any(not isinstance(s, str) for s in p.stop):
         raise InvalidArgument("stop", "stop strings must be strings")
+    for name in ("stop", "stop_token_ids"):
+        if len(getattr(p, name)) > MAX_STOP_ENTRIES:
+            raise InvalidArgument(name, f"at most {MAX_STOP_ENTRIES} entries, got "
+                                  f"{len(getattr(p, name))}")
+    if any(len(s) > MAX_STOP_CHARS for s in p.stop):
+        raise InvalidArgument("stop", f"a stop string has at most {MAX_STOP_CHARS} characters")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got "
+                              f"{len(p.logit_bias)}")
 
 
 @dataclass(frozen=True)

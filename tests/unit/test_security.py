@@ -184,6 +184,9 @@ def test_the_body_limit_answers_413_without_reading_the_body():
     ({"logit_bias": {2**32: 1.0}}, "logit_bias"), ({"logit_bias": {1: math.nan}}, "logit_bias"),
     ({"max_tokens": True}, "max_tokens"), ({"temperature": "0.5"}, "temperature"),
     ({"ignore_eos": "yes"}, "ignore_eos"), ({"cache_salt": "x" * 257}, "cache_salt"),
+    ({"stop": ["s"] * 257}, "stop"), ({"stop": ["s" * 4097]}, "stop"),
+    ({"stop_token_ids": [1] * 257}, "stop_token_ids"),
+    ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),
 ])
 def test_sampling_params_refuse_values_outside_their_ranges(kw, field):
     with pytest.raises(InvalidArgument) as e:
