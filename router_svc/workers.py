@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter
 from engine.block_pool import hash_block
 from router_svc.worker_stream import StreamBroken, WorkerStream
 from runtime.lifecycle import GRPC_OPTIONS
+from runtime.security import ClusterTls, internal_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -105,11 +106,11 @@ class WorkerSet:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str], *,
                  poll_interval_s: float = 0.5, balance_slack: int = 4,
                  block_size: int = 16, worker_timeout_s: float = 3.0,
-                 metrics: FaultMetrics | None = None) -> None:
+                 metrics: FaultMetrics | None = None, tls: ClusterTls | None = None) -> None:
         self.workers: list[Worker] = []
         for role, addrs in (("prefill", prefill), ("decode", decode), ("both", both)):
             for a in addrs:
-                ch = grpc.aio.insecure_channel(a, options=GRPC_OPTIONS)
+                ch = internal_channel(a, tls, GRPC_OPTIONS)  # mutual TLS with a cluster CA
                 stub = worker_pb2_grpc.WorkerStub(ch)
                 self.workers.append(Worker(a, role, ch, stub, WorkerStream(stub, a)))
         self.poll_interval_s = poll_interval_s
