@@ -27,6 +27,7 @@ for TCP, lo in the tests), UCX_TLS (e.g. rc,cuda_copy,cuda_ipc or tcp,cuda_copy)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -220,10 +221,8 @@ class NixlEndpoint:
                 return
             self._peers.pop(name, None)
             if not self._closed:
-                try:
+                with contextlib.suppress(Exception):  # already gone: nothing left to drop
                     self.agent.remove_remote_agent(name)
-                except Exception:  # noqa: BLE001 - already gone: nothing left to drop
-                    pass
 
     # -- transfers ---------------------------------------------------------------------------
     def read(self, remote: NixlRemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
@@ -237,13 +236,13 @@ class NixlEndpoint:
                 handle = self.agent.make_prepped_xfer(
                     "READ", local_blocks, np.asarray(dst_block_ids, dtype=np.int32),
                     remote.blocks, np.asarray(src_block_ids, dtype=np.int32))
-            except Exception as e:  # noqa: BLE001 - NIXL's own errors (peer gone, no backend)
+            except Exception as e:  # NIXL's own errors (peer gone, no backend)
                 raise TransferFailed(f"NIXL cannot read {what}: {e}") from e
         try:
             with self._lock:
                 try:
                     state = self.agent.transfer(handle)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     raise TransferFailed(f"NIXL cannot read {what}: {e}") from e
             if state == "PROC":
                 state = self._wait(handle, deadline, cancel)

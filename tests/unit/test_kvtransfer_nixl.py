@@ -86,7 +86,7 @@ def test_handle_round_trips_and_garbage_is_refused_without_echoing_it() -> None:
     assert NixlHandle.unpack(h.pack()) == h
     assert "metadata" not in repr(h)
     for bad in (b"", b"TNX1", b"XXXX" + h.pack()[4:], h.pack()[:18]):
-        with pytest.raises(InvalidArgument, match="^handle: is not a nixl pool handle$"):
+        with pytest.raises(InvalidArgument, match=r"^handle: is not a nixl pool handle$"):
             NixlHandle.unpack(bad)
 
 
@@ -94,7 +94,7 @@ def test_descriptor_takes_nixl_pools_in_host_or_device_memory() -> None:
     kw = dict(dtype="float16", num_blocks=4, transport="nixl", handle=b"x", owner_pid=1, **SHAPE)
     assert PoolDescriptor(device_index=-1, **kw).device_index == -1
     assert PoolDescriptor(device_index=3, **kw).device_index == 3
-    with pytest.raises(InvalidArgument, match="^device_index"):
+    with pytest.raises(InvalidArgument, match=r"^device_index"):
         PoolDescriptor(device_index=-2, **kw)
 
 
@@ -159,7 +159,7 @@ def test_pull_refuses_bad_ids_and_layouts_by_name_before_any_transfer(endpoints)
                                ([-1], [0], "src_block_ids")):
             with pytest.raises(InvalidArgument, match=f"^{name}"):
                 remote.pull(local, src, dst)
-        with pytest.raises(InvalidArgument, match="^local"):
+        with pytest.raises(InvalidArgument, match=r"^local"):
             remote.pull(_local(4, torch.float32), [0], [0])
         assert reader.num_registered == 0  # refused before registering anything
         assert (local == -1).all()
