@@ -371,3 +371,21 @@ def test_a_peer_process_that_vanished_fails_the_pull_instead_of_hanging(endpoint
         child.wait()
         child.stdin.close()
         child.stdout.close()
+
+
+@needs_nixl
+def test_the_benchmarks_nixl_rows_move_the_right_bytes_on_the_cpu(monkeypatch) -> None:
+    """benchmarks/kv_transfer.py --nixl runs unattended on a GPU box; its producer process and
+    READ loop are the same code on host memory, checked here."""
+    import argparse
+    import random
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # the producer process imports it too
+    from kv_transfer import measure_nixl
+
+    shape = dict(num_blocks=32, **SHAPE)
+    rng = random.Random(1)
+    rows = measure_nixl(argparse.Namespace(warmup=1, repeats=2), "cpu", "cpu", shape,
+                        "bfloat16", rng.sample(range(32), 9), rng.sample(range(32), 9))
+    assert set(rows) == {"nixl READ (NixlRemotePool.pull)", "nixl READ, contiguous blocks"}
+    assert all(r["correct"] and r["gbps"] > 0 for r in rows.values()), rows
