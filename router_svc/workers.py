@@ -262,7 +262,10 @@ class WorkerSet:
         task.add_done_callback(self._health_tasks.discard)
 
     def all_healthy(self) -> bool:
-        return all(w.healthy for w in self.workers if not w.draining)
+        """Every worker up (draining ones aside), and at least one: a router that learns its
+        workers (router_svc.membership) may know none yet."""
+        current = [w for w in self.workers if not w.draining]
+        return bool(current) and all(w.healthy for w in current)
 
     # -- picking -----------------------------------------------------------------------------
     def prefix_hashes(self, prompt: list[int]) -> list[int]:

@@ -73,10 +73,13 @@ def test_the_validation_catches_a_misspelt_field() -> None:
 
 
 def test_router_addresses_lead_through_services_to_the_workers_grpc_ports() -> None:
+    """--prefill-dns/--decode-dns: the router routes to every pod a headless Service lists."""
     args = _container("tandem-router")["args"]
-    for flag, deployment in (("--prefill", "tandem-prefill"), ("--decode", "tandem-decode")):
+    for flag, deployment in (("--prefill-dns", "tandem-prefill"),
+                             ("--decode-dns", "tandem-decode")):
         host, port = _flag(args, flag).rsplit(":", 1)
         service = _get("Service", host)
+        assert service["spec"]["clusterIP"] == "None"  # DNS lists the pods, not a virtual IP
         (sp,) = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
         worker = _container(deployment)
         pod_labels = _get("Deployment", deployment)["spec"]["template"]["metadata"]["labels"]

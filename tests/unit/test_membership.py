@@ -76,6 +76,25 @@ def test_members_come_from_the_file_and_dns_and_an_unreadable_source_keeps_the_l
     ]
 
 
+def test_a_router_that_knows_no_worker_yet_is_not_healthy() -> None:
+    async def main() -> None:
+        ws = WorkerSet([], [], [])
+        assert not ws.all_healthy()
+        ws.set_members({"decode": {"127.0.0.1:2"}})
+        ws.workers[0].healthy = True
+        assert ws.all_healthy()
+        await ws.close()
+
+    asyncio.run(main())
+
+
+def test_dns_names_resolve_to_every_address_at_the_port() -> None:
+    from router_svc.membership import resolve
+
+    addresses = asyncio.run(resolve("localhost", 50061))  # /etc/hosts: loopback only
+    assert addresses and set(addresses) <= {"127.0.0.1:50061", "[::1]:50061"}
+
+
 def test_workers_join_drain_come_back_and_are_removed_once_idle() -> None:
     """Addresses on loopback ports nothing listens on: no poll is made here."""
 
@@ -108,6 +127,8 @@ def test_workers_join_drain_come_back_and_are_removed_once_idle() -> None:
         await ws._remove_drained()
         await ws._remove_drained()
         assert [w.address for w in ws.workers] == ["127.0.0.1:1"]
+        ws.workers[0].healthy = True
+        assert ws.all_healthy()
         await ws.close()
 
     asyncio.run(main())
