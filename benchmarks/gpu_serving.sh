@@ -14,7 +14,7 @@ mkdir -p "$R"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 fi
-export PYTHONPATH=/tmp/site:$PWD:$PWD/protos:${PYTHONPATH:-}
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 export TANDEM_CACHE_DIR=/tmp/tandem-cache
 export PYTHONSAFEPATH=1  # a script's directory (benchmarks/ has kernels.py) never shadows packages
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$R/gpus.txt"

@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH=/tmp/site:$PWD:$PWD/protos:${PYTHONPATH:-}
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 export TANDEM_CACHE_DIR=/tmp/tandem-cache
 export PYTHONSAFEPATH=1  # a script's directory (benchmarks/ has kernels.py) never shadows packages
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
@@ -32,7 +32,7 @@ for stage in "$@"; do
     correctness)
       run gpu_tests python3 -m pytest -q -x -p no:cacheprovider -m "gpu or gpu2" tests/gpu -rA
       TANDEM_TEST_DEVICE=cuda run parity_cuda python3 -m pytest -q -p no:cacheprovider tests/e2e/test_parity.py
-      run generate_8b python3 -m router_svc.cli generate --model benchmarks/configs/llama-3.1-8b \
+      run generate_8b python3 -m cli.main generate --model benchmarks/configs/llama-3.1-8b \
         --load-format dummy --device cuda --dtype bfloat16 --max-model-len 4096 \
         --prompt-token-ids 1,2,3,4,5,6,7,8 --prompt-token-ids 9,10,11 --max-tokens 16 --json ;;
     kernels) run kernels python3 benchmarks/kernels.py --out "$OUT/kernels.json" ;;

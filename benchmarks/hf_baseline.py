@@ -40,11 +40,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The repository first, even when PYTHONPATH already lists it: the script's own directory
 # (benchmarks/, which holds kernels.py) must not shadow the `kernels` package.
-for _p in (ROOT / "protos", ROOT):
-    sys.path.insert(0, str(_p))
+sys.path.insert(0, str(ROOT))
 
-from benchmarks.serve import _progress as _bar  # noqa: E402
-from benchmarks.serve import dist, environment, strip_private  # noqa: E402
+from benchmarks.common import dist, environment, strip_private  # noqa: E402
+from benchmarks.common import progress_bar as _bar  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     Request,
     add_workload_args,

@@ -26,9 +26,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from cli.launcher import LocalStack
 from engine.sampling_params import SamplingParams
-from router_svc.launcher import LocalStack
-from tandem.convert import params_to_proto
+from runtime.convert import params_to_proto
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from router_svc.launcher import LocalStack
+    from cli.launcher import LocalStack
 
 
 def engine_steps(metrics_url: str) -> int | None:

@@ -31,10 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The repository first, even when PYTHONPATH already lists it: the script's own directory
 # (benchmarks/, which holds kernels.py) must not shadow the `kernels` package.
-for _p in (ROOT / "protos", ROOT):
-    sys.path.insert(0, str(_p))
+sys.path.insert(0, str(ROOT))
 
-from benchmarks import serve  # noqa: E402
+from benchmarks import common, serve  # noqa: E402
 from benchmarks.workloads import add_workload_args, build_workload  # noqa: E402
 
 LAYOUT = re.compile(r"^(?:(\d+)P(\d+)D|(\d+)C)$", re.IGNORECASE)
@@ -58,7 +57,7 @@ def rates_for(a: argparse.Namespace, workload: str) -> list[float]:
     for item in a.rates_for or []:
         name, _, values = item.partition("=")
         if name == workload:
-            return [serve.parse_rate(v) for v in values.split(",") if v]
+            return [common.parse_rate(v) for v in values.split(",") if v]
     return a.rates
 
 
@@ -70,10 +69,10 @@ def run_layout(a: argparse.Namespace, name: str, passthrough: list[str]) -> dict
         devices = [f"cuda:{i}" for i in range(len(roles))]
     else:
         devices = ["cpu"] * len(roles)
-    vocab, model_max = serve.model_vocab(a.model)
+    vocab, model_max = common.model_vocab(a.model)
     path = a.out_dir / f"layout-{name}.json"
     result = {"layout": name, "roles": roles, "model": a.model, "dtype": a.dtype,
-              "engine_args": passthrough, "environment": serve.environment(), "workloads": {}}
+              "engine_args": passthrough, "environment": common.environment(), "workloads": {}}
     stack = serve.launch_stack(a.model, roles, devices, serve.common_worker_args(a, passthrough),
                                serve.router_args(a, passthrough, a.num_requests),
                                a.log_dir / name if a.log_dir else None)
@@ -93,18 +92,18 @@ def run_layout(a: argparse.Namespace, name: str, passthrough: list[str]) -> dict
         for w in a.workloads:
             a.workload = w
             requests = build_workload(a, vocab)
-            serve.check_lengths(requests, min(a.max_model_len, model_max))
+            common.check_lengths(requests, min(a.max_model_len, model_max))
             runs = serve.run_rates(opts, requests, rates_for(a, w), a.seed,
-                                   label=f"{name} {w} ", warmup=serve.warmup_requests(a, vocab),
+                                   label=f"{name} {w} ", warmup=common.warmup_requests(a, vocab),
                                    cooldown_s=a.cooldown)
             result["workloads"][w] = [r["summary"] for r in runs]
             result.setdefault("requests", {})[w] = [r["requests"] for r in runs]
             serve.print_online(runs, f"-- {name} {w} on {result['card']}")
-            path.write_text(json.dumps(serve.strip_private(result), indent=1))
+            path.write_text(json.dumps(common.strip_private(result), indent=1))
     finally:
         result["exit_codes"] = stack.stop()
         a.out_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(serve.strip_private(result), indent=1))
+        path.write_text(json.dumps(common.strip_private(result), indent=1))
     return result
 
 
@@ -141,12 +140,12 @@ def report(out_dir: Path, slo: tuple[float, float, str] | None = None) -> dict:
                              "goodput": s["goodput"], "slo_attainment": s["slo_attainment"],
                              "slo": s["slo"], "card": lay.get("card")})
     rows.sort(key=lambda r: (r["workload"], r["layout"], r["rate"]))
-    f = serve._f
+    f = common.fmt
     print(f"== prefill:decode layouts on {', '.join(cards)}; model {layouts[0].get('model')}")
     print(f"{'workload':<14}{'layout':<8}{'rate':>6}{'done':>9}{'req/s':>8}{'out tok/s':>11}"
           f"{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}{'goodput':>9}{'SLO':>6}")
     for r in rows:
-        print(f"{r['workload']:<14}{r['layout']:<8}{serve.fmt_rate(r['rate']):>6}"
+        print(f"{r['workload']:<14}{r['layout']:<8}{common.fmt_rate(r['rate']):>6}"
               f"{r['completed']:>5}/{r['num_requests']:<3}{f(r['request_throughput'], '.2f'):>8}"
               f"{f(r['output_throughput'], '.0f'):>11}{f(r['ttft_p50_ms'], '.0f'):>10}"
               f"{f(r['ttft_p99_ms'], '.0f'):>9}{f(r['itl_p50_ms']):>9}{f(r['itl_p99_ms']):>8}"
@@ -180,13 +179,13 @@ def report(out_dir: Path, slo: tuple[float, float, str] | None = None) -> dict:
         plots[w] = str(png) if why is None else why
         print(why or f"wrote {png}")
     out = {"cards": cards, "rows": rows, "best": best, "plots": plots}
-    (out_dir / "report.json").write_text(json.dumps(serve.strip_private(out), indent=1))
+    (out_dir / "report.json").write_text(json.dumps(common.strip_private(out), indent=1))
     print(f"wrote {out_dir / 'report.json'}")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv, passthrough = serve.split_passthrough(sys.argv[1:] if argv is None else list(argv))
+    argv, passthrough = common.split_passthrough(sys.argv[1:] if argv is None else list(argv))
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Engine flags after `--` go to every worker.")
@@ -196,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="cpu: every worker on the CPU (a smoke test); default cuda if GPUs")
     p.add_argument("--layouts", nargs="+", default=None,
                    help="e.g. 1P3D 2P2D 4C (default: every split of --gpus and --gpus colocated)")
-    p.add_argument("--rates", type=serve.parse_rate, nargs="+", default=[2.0, 4.0, 8.0])
+    p.add_argument("--rates", type=common.parse_rate, nargs="+", default=[2.0, 4.0, 8.0])
     p.add_argument("--rates-for", action="append", metavar="WORKLOAD=R,R,...",
                    help="rates for one workload (repeatable), instead of --rates")
     p.add_argument("--out-dir", type=Path, required=True)
@@ -205,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resummarize", action="store_true",
                    help="with --report-only: recompute goodput under --slo-ttft-ms, "
                         "--slo-itl-ms and --goodput-itl from the stored per-request figures")
-    serve.add_stack_args(p, devices=False)
+    common.add_stack_args(p, devices=False)
     add_workload_args(p, multiple=True)
     serve.add_load_args(p, single_run=False)
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -216,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not a.model:
         raise SystemExit("ratio.py: --model is required")
-    gpus = len(serve.cuda_names()) if a.device_type != "cpu" else 0
+    gpus = len(common.cuda_names()) if a.device_type != "cpu" else 0
     a.device_type = a.device_type or ("cuda" if gpus else "cpu")
     a.gpus = a.gpus or gpus or 2
     if a.device_type == "cuda" and a.gpus > gpus:

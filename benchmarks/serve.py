@@ -1,5 +1,5 @@
-"""Open-loop serving benchmark: a workload sent on a Poisson schedule through Tandem's public API,
-or the offline engine on the same workload in this process.
+"""Open-loop serving benchmark (the online load generator): a workload sent on a Poisson schedule
+through Tandem's public API, to a running router or to a stack this script launches and stops.
 
     # against a running router (gRPC; --api http for the OpenAI HTTP API)
     python benchmarks/serve.py --target 127.0.0.1:50051 --num-requests 500 --rate 4 8 16
@@ -8,18 +8,13 @@ or the offline engine on the same workload in this process.
         --load-format dummy --devices cuda:0 --workload sharegpt --num-requests 1000 --rate inf
     python benchmarks/serve.py --launch disaggregated --num-prefill 1 --num-decode 1 \\
         --devices cuda:0,cuda:1 --workload prompt-heavy --rate 2 4 8 ...
-    # the engine alone (LLM.generate, all requests at once), with KV-memory and step-time figures
+    # the engine alone on the same workload: the offline profiler (benchmarks/offline.py)
     python benchmarks/serve.py --mode offline --model benchmarks/configs/llama-3.1-8b \\
         --load-format dummy --devices cuda:0 --num-requests 1000
 Engine flags after `--` go to every launched worker and to the offline engine, e.g.
-`-- --max-num-seqs 256 --max-num-batched-tokens 4096`.
-
-Offline mode wraps the engine's step while LLM.generate runs and, after every step, records
-token times, the sequences running and KV slots allocated vs filled (paged waste, against what
-static batches of --static-batch-size would reserve for the same requests); on CUDA every
---gpu-time-every-th step runs under torch.profiler to split its wall time into GPU busy time
-(kernels and copies) and the rest (Python, scheduling, launches, host syncs). Its throughput
-excludes the probe's own time; its latencies do not (use --gpu-time-every 0 for clean ones).
+`-- --max-num-seqs 256 --max-num-batched-tokens 4096`. The stack is the process manager
+`tandem up` uses (cli/launcher.py), with logs to files and metrics on, so each run also reports
+the CPU time of every process and the engine steps each worker ran.
 
 Every request sends token ids with max_tokens = the workload's length, ignore_eos and greedy
 sampling, so every output is exactly as long as the workload says (checked). Per request:
@@ -40,30 +35,45 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import math
 import os
 import random
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 # The repository first, even when PYTHONPATH already lists it: the script's own directory
 # (benchmarks/, which holds kernels.py) must not shadow the `kernels` package.
-for _p in (ROOT / "protos", ROOT):
-    sys.path.insert(0, str(_p))
+sys.path.insert(0, str(ROOT))
 
+from benchmarks import offline  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    ITL_STATS,
+    add_output_args,
+    add_stack_args,
+    add_warmup_arg,
+    check_lengths,
+    cuda_names,
+    device_name,
+    dist,
+    environment,
+    fmt,
+    fmt_rate,
+    itl_stat,
+    model_vocab,
+    parse_rate,
+    progress_bar,
+    resolve_devices,
+    split_passthrough,
+    warmup_requests,
+    write_report,
+)
 from benchmarks.procstat import (  # noqa: E402
     engine_steps,
-    pin,
-    pin_plan,
     pin_stack,
     process_cpu_s,
     thread_deltas,
@@ -74,43 +84,8 @@ from benchmarks.workloads import (  # noqa: E402
     add_workload_args,
     build_workload,
     describe,
-    static_batch_kv,
 )
-from router_svc.launcher import LocalStack  # noqa: E402
-
-STARTUP_TIMEOUT_S = 900  # an 8B model with dummy weights, profiling and CUDA graph capture
-ITL_STATS = ("max", "p99", "p90", "p50", "mean")
-
-
-# -- statistics ----------------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default), None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo = math.floor(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def dist(values: list[float]) -> dict:
-    """mean, p50, p90, p99, max of a sample (None when empty)."""
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None, "n": 0}
-    return {"mean": sum(values) / len(values), "p50": percentile(values, 50),
-            "p90": percentile(values, 90), "p99": percentile(values, 99), "max": max(values),
-            "n": len(values)}
-
-
-def itl_stat(gaps: list[float], which: str) -> float:
-    if not gaps:
-        return 0.0
-    if which == "max":
-        return max(gaps)
-    if which == "mean":
-        return sum(gaps) / len(gaps)
-    return percentile(gaps, float(which[1:]))
+from cli.launcher import LocalStack  # noqa: E402
 
 
 # -- one request's record ------------------------------------------------------------------------
@@ -287,7 +262,7 @@ def send_all(opts: LoadOptions, requests: list[Request], offsets: list[float],
     """Every request at its offset from a common start: results in request order, and the CPU
     seconds the clients spent sending and reading."""
     indexed = [(i, r, off) for i, (r, off) in enumerate(zip(requests, offsets))]
-    bar = _progress(len(requests), label, opts.progress)
+    bar = progress_bar(len(requests), label, opts.progress)
     if opts.client_procs <= 1:
         c0 = time.process_time()
         results = asyncio.run(run_shard(opts, indexed, time.monotonic() + 0.05,
@@ -339,11 +314,6 @@ def send_all(opts: LoadOptions, requests: list[Request], offsets: list[float],
     if len(out) != len(requests):
         raise RuntimeError(f"client processes returned {len(out)} of {len(requests)} results")
     return sorted(out, key=lambda r: r.index), cpu_s
-
-
-def _progress(total: int, desc: str, enabled: bool) -> tqdm:
-    return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True, leave=False,
-                disable=not enabled)
 
 
 # -- one run: a workload at one rate -------------------------------------------------------------
@@ -465,65 +435,12 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else x * 1e3
 
 
-def fmt_rate(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"
-
-
-# -- launching the stack -------------------------------------------------------------------------
-_TORCH_NAMES = ("import torch\nfor i in range(torch.cuda.device_count()):\n"
-                "    print(f'{i}, {torch.cuda.get_device_name(i)}')")
-
-
-def cuda_names() -> dict[int, str]:
-    """GPU index -> name as the workers will see them, from nvidia-smi or else from torch in a
-    child process (this one stays without a CUDA context, which would take GPU memory)."""
-    cmds = [[sys.executable, "-c", _TORCH_NAMES]]
-    if not os.environ.get("CUDA_VISIBLE_DEVICES"):  # nvidia-smi ignores it
-        cmds.insert(0, ["nvidia-smi", "--query-gpu=index,name", "--format=csv,noheader"])
-    for cmd in cmds:
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                                 check=True).stdout
-        except (OSError, subprocess.SubprocessError):
-            continue
-        names = {}
-        for line in out.strip().splitlines():
-            idx, _, name = line.partition(",")
-            if idx.strip().isdigit():
-                names[int(idx)] = name.strip()
-        return names
-    return {}
-
-
-def device_name(device: str, names: dict[int, str] | None = None) -> str:
-    if not device.startswith("cuda"):
-        return "cpu"
-    names = cuda_names() if names is None else names
-    idx = int(device.partition(":")[2] or 0)
-    return names.get(idx, device)
-
-
-def resolve_devices(spec: str, n: int) -> list[str]:
-    """One device per worker. spec: comma-separated devices, one per worker in the order
-    prefill..., decode..., both...; a single device is shared by all; `auto`: cuda:0..n-1 when
-    there are n GPUs, else cpu."""
-    if spec == "auto":
-        count = len(cuda_names())
-        return [f"cuda:{i}" for i in range(n)] if count >= n else ["cpu"] * n
-    devs = [d.strip() for d in spec.split(",") if d.strip()]
-    if len(devs) == 1:
-        return devs * n
-    if len(devs) < n:
-        raise SystemExit(f"serve.py: {n} workers need {n} devices, --devices names {len(devs)}")
-    return devs[:n]
-
-
+# -- launching the stack --------------------------------------------------------------------------
 def launch_stack(model: str, roles: list[str], devices: list[str], worker_args: list[str],
                  router_args: list[str], log_dir: Path | None = None) -> LocalStack:
     """Workers (one OS process each, on the device given) and a router in front: the same
     process manager as `tandem up`, logs to files, this checkout on the children's path."""
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protos"),
-                                          os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return LocalStack(model, roles, devices, worker_args=worker_args,
                       router_args=["--grpc-port", "0", "--http-port", "0", *router_args],
                       log_dir=log_dir, env=env, metrics=True)
@@ -556,306 +473,7 @@ def router_args(a: argparse.Namespace, passthrough: list[str], num_requests: int
     return out
 
 
-# -- offline: the engine in this process ---------------------------------------------------------
-class StepProbe:
-    """Wraps one LLMEngine's step (and its runner's execute) while LLM.generate drives it, and
-    after every step records: token arrival times per request, the sequences running, and KV
-    slots allocated vs filled. Every `gpu_every`-th step runs under torch.profiler (CUDA
-    activity only) to measure the GPU's busy time (union of kernel and copy intervals) against
-    the step's wall time. Profiler set-up and parsing (`overhead_s`) and the probe's own
-    bookkeeping (`record_s`) happen outside the timed step; the caller takes both off the run's
-    duration."""
-
-    def __init__(self, engine, gpu_every: int) -> None:
-        self.engine = engine
-        self.block_size = engine.block_pool.block_size
-        self.gpu_every = gpu_every
-        self._step, self._execute = engine.step, engine.runner.execute
-        engine.step, engine.runner.execute = self.step, self.execute
-        self.first: dict[str, float] = {}
-        self.last: dict[str, float] = {}
-        self.done: dict[str, float] = {}
-        self.itls: list[float] = []
-        self.steps = 0
-        self.step_s = 0.0
-        self.execute_s = 0.0
-        self.overhead_s = 0.0  # profiler set-up and parsing
-        self.record_s = 0.0  # this probe's bookkeeping after each step
-        self.peak_running = 0
-        self.peak_used_blocks = 0
-        self.alloc_slot_steps = 0
-        self.filled_slot_steps = 0
-        self.step_waste: list[float] = []
-        # Per step kind (decode, mixed, prefill): steps, tokens, wall s; and the profiled
-        # steps' (wall s, GPU busy s).
-        self.kinds: dict[str, list] = {k: [0, 0, 0.0, []] for k in STEP_KINDS}
-        self.saturated = [0, 0.0]  # tokens sampled and seconds in steps with >= 200 running
-        self.gpu_error: str | None = None
-
-    def restore(self) -> None:
-        self.engine.step, self.engine.runner.execute = self._step, self._execute
-
-    def execute(self, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return self._execute(*args, **kwargs)
-        finally:
-            self.execute_s += time.perf_counter() - t
-
-    def step(self):
-        prof = None
-        if self.gpu_every and self.gpu_error is None and self.steps % self.gpu_every == 0:
-            t = time.perf_counter()
-            prof = _start_profiler(self)
-            self.overhead_s += time.perf_counter() - t
-        t0 = time.perf_counter()
-        outs = self._step()
-        t1 = time.perf_counter()
-        self.steps += 1
-        self.step_s += t1 - t0
-        last = self.engine.last_step
-        kind = self.kinds[step_kind(last)] if last is not None and last.num_seqs else None
-        if kind is not None:
-            kind[0] += 1
-            kind[1] += last.num_tokens
-            kind[2] += t1 - t0
-            if last.num_seqs >= SATURATED_SEQS:
-                self.saturated[0] += last.num_sampled
-                self.saturated[1] += t1 - t0
-        if prof is not None:
-            busy = _stop_profiler(self, prof)
-            if busy is not None and kind is not None:
-                kind[3].append((t1 - t0, busy))
-            self.overhead_s += time.perf_counter() - t1
-        t2 = time.perf_counter()
-        self._record(outs, t1)
-        self.record_s += time.perf_counter() - t2
-        return outs
-
-    def _record(self, outs, now: float) -> None:
-        for o in outs:
-            rid = o.request_id
-            if o.new_token_ids:
-                last = self.last.get(rid)
-                if last is None:
-                    self.first[rid] = now
-                else:
-                    self.itls.append(now - last)
-                self.last[rid] = now
-            if o.finish_reason is not None:
-                self.done[rid] = now
-        running = self.engine.scheduler.running
-        blocks = filled = 0
-        for s in running:
-            blocks += len(s.block_ids)
-            filled += s.num_computed_tokens
-        self.peak_running = max(self.peak_running, len(running))
-        self.peak_used_blocks = max(self.peak_used_blocks, self.engine.block_pool.num_used)
-        if blocks:
-            alloc = blocks * self.block_size
-            self.alloc_slot_steps += alloc
-            self.filled_slot_steps += filled
-            self.step_waste.append(1 - filled / alloc)
-
-    def step_account(self) -> dict:
-        """Per step kind: steps, tokens, mean wall time; over the profiled steps of that kind,
-        mean GPU-busy time and host time (wall minus busy: no kernel or copy running)."""
-        out: dict = {"gpu_sampled_every": self.gpu_every, "gpu_error": self.gpu_error}
-        for name, (steps, tokens, wall, prof) in self.kinds.items():
-            row = {"steps": steps, "tokens": tokens,
-                   "wall_ms_mean": wall / steps * 1e3 if steps else None,
-                   "profiled": len(prof), "gpu_busy_ms_mean": None, "host_ms_mean": None,
-                   "host_share": None}
-            if prof:
-                p_wall = sum(w for w, _ in prof)
-                p_busy = sum(b for _, b in prof)
-                row.update(gpu_busy_ms_mean=p_busy / len(prof) * 1e3,
-                           host_ms_mean=(p_wall - p_busy) / len(prof) * 1e3,
-                           host_share=1 - p_busy / p_wall)
-            out[name] = row
-        return out
-
-
-STEP_KINDS = ("decode", "mixed", "prefill")
-SATURATED_SEQS = 200  # the saturated phase: steps running at least this many sequences
-
-
-def step_kind(step) -> str:
-    """decode: every sequence advanced one token; prefill: none did; mixed: both kinds."""
-    if step.num_decodes == step.num_seqs:
-        return "decode"
-    return "prefill" if step.num_decodes == 0 else "mixed"
-
-
-def _start_profiler(probe: StepProbe):
-    try:
-        import torch
-        from torch.profiler import ProfilerActivity, profile
-
-        torch.cuda.synchronize()
-        prof = profile(activities=[ProfilerActivity.CUDA])
-        prof.__enter__()
-        return prof
-    except Exception as e:  # noqa: BLE001 - measuring must not break the run
-        probe.gpu_error = f"{type(e).__name__}: {e}"
-        return None
-
-
-def _stop_profiler(probe: StepProbe, prof) -> float | None:
-    """Seconds the GPU was busy (union of device-side intervals) during the profiled step."""
-    try:
-        import torch
-        from torch.autograd import DeviceType
-
-        torch.cuda.synchronize()
-        prof.__exit__(None, None, None)
-        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == DeviceType.CUDA)
-    except Exception as e:  # noqa: BLE001
-        probe.gpu_error = f"{type(e).__name__}: {e}"
-        return None
-    if not spans:
-        probe.gpu_error = "the profiler recorded no GPU activity"
-        return None
-    busy, (cur_lo, cur_hi) = 0.0, spans[0]
-    for lo, hi in spans[1:]:
-        if lo > cur_hi:
-            busy += cur_hi - cur_lo
-            cur_lo, cur_hi = lo, hi
-        else:
-            cur_hi = max(cur_hi, hi)
-    busy += cur_hi - cur_lo
-    return busy / 1e6  # microseconds -> seconds
-
-
-def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Request],
-                passthrough: list[str]) -> dict:
-    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # no log lines per profiled step
-    import torch
-
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-    from router_svc.cli import add_engine_args, engine_config
-
-    device = resolve_devices(a.devices, 1)[0]
-    cores = pin_plan(["client", "engine"])["engine"] if a.pin else None
-    if cores:
-        pin(os.getpid(), cores)
-    p = argparse.ArgumentParser(prog="serve.py --mode offline (engine flags after --)")
-    add_engine_args(p)  # the workers' defaults
-    ea = p.parse_args(["--model", a.model, "--device", device, "--dtype", a.dtype,
-                       "--load-format", a.load_format, "--max-model-len", str(a.max_model_len),
-                       *passthrough])
-    cfg = engine_config(ea)
-    card = None
-    if device.startswith("cuda"):
-        from benchmarks.floors import measure_card
-
-        card = measure_card(device)
-    t = time.perf_counter()
-    llm = LLM(cfg.model, **{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "model"},
-              progress=False)
-    startup_s = time.perf_counter() - t
-    if warmup:
-        llm.generate([r.prompt for r in warmup],
-                     [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0)
-                      for r in warmup])
-    gpu_every = a.gpu_time_every if device.startswith("cuda") else 0
-    engine = llm.engine
-    probe = StepProbe(engine, gpu_every)
-    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0)
-              for r in requests]
-    bar = _progress(len(requests), "offline", a.progress)
-    record = probe._record
-
-    def record_with_bar(outs, now):
-        record(outs, now)
-        n = sum(1 for o in outs if o.finish_reason is not None)
-        if n:
-            bar.update(n)
-
-    probe._record = record_with_bar
-    t0, c0 = time.perf_counter(), time.process_time()
-    try:
-        outs = llm.generate([r.prompt for r in requests], params)
-    finally:
-        t1, c1 = time.perf_counter(), time.process_time()
-        probe.restore()
-        bar.close()
-    duration = t1 - t0 - probe.overhead_s - probe.record_s
-    counts = [len(o.outputs[0].token_ids) for o in outs]
-    wrong = [i for i, (c, r) in enumerate(zip(counts, requests)) if c != r.max_tokens]
-    ids = [o.request_id for o in outs]
-    ttft = [(probe.first[i] - t0) * 1e3 for i in ids if i in probe.first]
-    e2e = [probe.done[i] - t0 for i in ids if i in probe.done]
-    tpot = [(probe.done[i] - probe.first[i]) / (c - 1) * 1e3
-            for i, c in zip(ids, counts) if c > 1 and i in probe.done]
-    out_tokens = sum(counts)
-    pool_slots = engine.block_pool.num_blocks * engine.block_pool.block_size
-    static = static_batch_kv(requests, a.static_batch_size)
-    kv = {
-        "block_size": engine.block_pool.block_size,
-        "pool_slots": pool_slots,
-        "max_num_seqs": engine.config.max_num_seqs,
-        "peak_running_seqs": probe.peak_running,
-        "peak_used_slots": probe.peak_used_blocks * engine.block_pool.block_size,
-        # allocated but unfilled: Σ_steps (blocks of running seqs × block size − tokens in
-        # them) / Σ_steps allocated
-        "paged_waste": (1 - probe.filled_slot_steps / probe.alloc_slot_steps
-                        if probe.alloc_slot_steps else None),
-        "paged_waste_mean_per_step": (sum(probe.step_waste) / len(probe.step_waste)
-                                      if probe.step_waste else None),
-        "preemptions": engine.scheduler.num_preemptions,
-        "static": static,
-        # rows that B × (P + O) reservations of this workload's average size fit in this pool
-        "static_rows_fitting_pool": int(pool_slots // static["mean_reserved_slots_per_row"]),
-    }
-    steps = {"steps": probe.steps, "step_s_total": probe.step_s,
-             "step_ms_mean": probe.step_s / max(1, probe.steps) * 1e3,
-             "execute_share": probe.execute_s / probe.step_s if probe.step_s else None,
-             "outside_execute_share": 1 - probe.execute_s / probe.step_s if probe.step_s else None,
-             "profiler_overhead_s": probe.overhead_s, "probe_bookkeeping_s": probe.record_s,
-             "excluded_from_duration_s": probe.overhead_s + probe.record_s,
-             "by_kind": probe.step_account(),
-             "saturated_output_throughput": (probe.saturated[0] / probe.saturated[1]
-                                             if probe.saturated[1] else None)}
-    floor = None
-    if card is not None:
-        from benchmarks.floors import describe_model, floors
-
-        model = describe_model(engine.runner.model,
-                               engine.runner.block_bytes // engine.block_pool.block_size)
-        floor = floors(card, model, [len(r.prompt) for r in requests], counts,
-                       [probe.first[i] - t0 for i in ids], duration)
-    return {
-        "mode": "offline", "device": device,
-        "card": torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda")
-        else "cpu",
-        "engine_config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "extra"},
-        "num_blocks": engine.block_pool.num_blocks,
-        "startup_s": startup_s,
-        "num_requests": len(requests), "completed": len(requests) - len(wrong),
-        "wrong_length": wrong[:10],
-        "duration_s": duration, "output_tokens": out_tokens,
-        "cpu_s": {"engine": c1 - c0},  # this process, all threads, probe included
-        "pinned": {"engine": cores} if a.pin else None,
-        "expected_output_tokens": sum(r.max_tokens for r in requests),
-        "request_throughput": len(requests) / duration,
-        "output_throughput": out_tokens / duration,
-        "total_token_throughput": (out_tokens + sum(len(r.prompt) for r in requests)) / duration,
-        "ttft_ms": dist(ttft), "tpot_ms": dist(tpot),
-        "itl_ms": dist([g * 1e3 for g in probe.itls]), "e2e_s": dist(e2e),
-        "kv": kv, "step_time": steps, "floors": floor,
-        "_samples": {"ttft_ms": ttft, "tpot_ms": tpot,
-                     "itl_ms": [g * 1e3 for g in probe.itls], "e2e_s": e2e},
-    }
-
-
 # -- reporting -----------------------------------------------------------------------------------
-def _f(x, spec: str = ".1f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
 def print_online(runs: list[dict], header: str) -> None:
     print(header)
     print(f"{'rate':>6}{'done':>7}{'dur s':>8}{'req/s':>8}{'out tok/s':>11}"
@@ -864,67 +482,18 @@ def print_online(runs: list[dict], header: str) -> None:
     for run in runs:
         s = run["summary"]
         print(f"{fmt_rate(s['rate']):>6}{s['completed']:>4}/{s['num_requests']:<3}"
-              f"{_f(s['duration_s']):>7}{_f(s['request_throughput'], '.2f'):>8}"
-              f"{_f(s['output_throughput'], '.0f'):>11}"
-              f"{_f(s['ttft_ms']['p50'], '.0f'):>10}{_f(s['ttft_ms']['p99'], '.0f'):>9}"
-              f"{_f(s['tpot_ms']['p50']):>10}{_f(s['tpot_ms']['p99']):>8}"
-              f"{_f(s['itl_ms']['p50']):>9}{_f(s['itl_ms']['p99']):>8}"
-              f"{_f(s['goodput'], '.2f'):>9}{_f(s['slo_attainment'], '.0%'):>6}")
+              f"{fmt(s['duration_s']):>7}{fmt(s['request_throughput'], '.2f'):>8}"
+              f"{fmt(s['output_throughput'], '.0f'):>11}"
+              f"{fmt(s['ttft_ms']['p50'], '.0f'):>10}{fmt(s['ttft_ms']['p99'], '.0f'):>9}"
+              f"{fmt(s['tpot_ms']['p50']):>10}{fmt(s['tpot_ms']['p99']):>8}"
+              f"{fmt(s['itl_ms']['p50']):>9}{fmt(s['itl_ms']['p99']):>8}"
+              f"{fmt(s['goodput'], '.2f'):>9}{fmt(s['slo_attainment'], '.0%'):>6}")
         for e in s["errors"][:3]:
             print(f"    error: {e}")
     if runs:
         slo = runs[0]["summary"]["slo"]
         print(f"(ms; goodput in req/s: TTFT <= {slo['ttft_ms']:g} ms and per-request "
               f"{slo['per_request_itl']} ITL <= {slo['itl_ms']:g} ms)")
-
-
-def print_offline(r: dict, header: str) -> None:
-    print(header)
-    print(f"{r['completed']}/{r['num_requests']} requests in {r['duration_s']:.2f} s: "
-          f"{r['request_throughput']:.2f} req/s, {r['output_throughput']:.0f} output tok/s, "
-          f"{r['total_token_throughput']:.0f} total tok/s; TTFT p50 {_f(r['ttft_ms']['p50'], '.0f')}"
-          f" ms, TPOT p50 {_f(r['tpot_ms']['p50'])} ms; saturated phase (>= {SATURATED_SEQS} "
-          f"running) {_f(r['step_time']['saturated_output_throughput'], '.0f')} output tok/s")
-    f = r.get("floors")
-    if f:
-        c = f["card"]
-        print(f"floors (card: {c['matmul_tflops']:.0f} TFLOP/s bf16 matmul, {c['copy_gbps']:.0f} "
-              f"GB/s copy, measured): compute {f['compute_floor_s']:.2f} s ({f['tflop']:.0f} "
-              f"TFLOP), bandwidth {f['bandwidth_floor_s']:.2f} s, critical path "
-              f"{f['critical_path_s']:.2f} s (request {f['critical_request']['index']}: first "
-              f"token at {f['critical_request']['earliest_first_token_s']:.2f} s at the earliest,"
-              f" {f['critical_request']['measured_first_token_s']:.2f} s measured; "
-              f"{f['critical_request']['output_tokens']} tokens at "
-              f"{f['batch1_step_floor_ms']:.2f} ms); bound by {f['bound_by']}: this run is "
-              f"{f['share_of_floor']:.0%} of its floor")
-    kv, st = r["kv"], r["kv"]["static"]
-    print(f"KV: peak {kv['peak_running_seqs']} sequences running (max_num_seqs "
-          f"{kv['max_num_seqs']}); slots allocated but unfilled {_f(kv['paged_waste'], '.1%')} "
-          f"(paged, {kv['block_size']}-token blocks) vs {st['reserved_waste']:.1%} reserved by "
-          f"static batches of {st['batch_size']} (B x (max prompt + max new)); "
-          f"{st['dynamic_cache_waste']:.1%} with a growing cache")
-    print(f"    pool {kv['pool_slots']} slots: fits {kv['static_rows_fitting_pool']} static rows "
-          f"of this workload's mean reservation; peak slots in use {kv['peak_used_slots']}; "
-          f"{kv['preemptions']} preemptions")
-    s = r["step_time"]
-    print(f"steps: {s['steps']}, mean {s['step_ms_mean']:.2f} ms; outside the model runner "
-          f"(scheduling, bookkeeping) {_f(s['outside_execute_share'], '.1%')}")
-    k = s["by_kind"]
-    if k["gpu_error"]:
-        print(f"    GPU time: unavailable ({k['gpu_error']})")
-    print(f"    {'step kind':>9}{'steps':>7}{'tokens':>9}{'wall ms':>9}{'GPU busy':>10}"
-          f"{'host ms':>9}{'host %':>8}  (GPU figures: every {k['gpu_sampled_every']}th step)")
-    for name in STEP_KINDS:
-        row = k[name]
-        print(f"    {name:>9}{row['steps']:>7}{row['tokens']:>9}{_f(row['wall_ms_mean'], '.2f'):>9}"
-              f"{_f(row['gpu_busy_ms_mean'], '.2f'):>10}{_f(row['host_ms_mean'], '.2f'):>9}"
-              f"{_f(row['host_share'], '.1%'):>8}")
-
-
-def plot(runs_for_plot: list[dict], path: Path, title: str) -> str | None:
-    from benchmarks.plotting import latency_cdfs
-
-    return latency_cdfs(runs_for_plot, path, title)
 
 
 def _plot_rows(label_prefix: str, runs: list[dict]) -> list[dict]:
@@ -937,31 +506,7 @@ def _plot_rows(label_prefix: str, runs: list[dict]) -> list[dict]:
     return rows
 
 
-def strip_private(obj):
-    if isinstance(obj, dict):
-        return {k: strip_private(v) for k, v in obj.items() if not k.startswith("_")}
-    if isinstance(obj, list):
-        return [strip_private(v) for v in obj]
-    if isinstance(obj, float) and (math.isinf(obj) or math.isnan(obj)):
-        return str(obj)
-    return obj
-
-
-def environment() -> dict:
-    env = {"python": sys.version.split()[0], "host_cpus": os.cpu_count()}
-    import importlib.metadata as md
-
-    for pkg in ("torch", "transformers", "grpcio", "triton"):
-        with contextlib.suppress(md.PackageNotFoundError):
-            env[pkg] = md.version(pkg)
-    return env
-
-
 # -- command line --------------------------------------------------------------------------------
-def parse_rate(s: str) -> float:
-    return float("inf") if s.lower() in ("inf", "infinity") else float(s)
-
-
 def add_load_args(p: argparse.ArgumentParser, single_run: bool = True) -> None:
     """single_run: also --rate and --api (ratio.py has its own rates and uses gRPC)."""
     g = p.add_argument_group("load")
@@ -974,8 +519,7 @@ def add_load_args(p: argparse.ArgumentParser, single_run: bool = True) -> None:
     g.add_argument("--slo-itl-ms", type=float, default=100.0)
     g.add_argument("--goodput-itl", choices=ITL_STATS, default="p90",
                    help="which of a request's own ITLs must be <= --slo-itl-ms")
-    g.add_argument("--warmup", type=int, default=4,
-                   help="requests (workload-shaped, at most 16 tokens out) sent first, unmeasured")
+    add_warmup_arg(g)
     g.add_argument("--channels", type=int, default=4, help="gRPC connections per client process")
     g.add_argument("--client-procs", type=int, default=None,
                    help="client processes sharing the requests (default: a quarter of the cores, "
@@ -984,29 +528,13 @@ def add_load_args(p: argparse.ArgumentParser, single_run: bool = True) -> None:
     g.add_argument("--cooldown", type=float, default=2.0, help="seconds between rates")
 
 
-def add_stack_args(p: argparse.ArgumentParser, devices: bool = True) -> None:
-    """devices: also --devices (ratio.py places workers itself)."""
-    g = p.add_argument_group("stack (--launch, --mode offline)")
-    g.add_argument("--model", default=None,
-                   help="checkpoint or config directory, or tandem-demo (for --target: only to "
-                        "read the vocabulary; GetModelInfo otherwise)")
-    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
-    g.add_argument("--max-model-len", type=int, default=4096)
-    if devices:
-        g.add_argument("--devices", default="auto",
-                       help="comma-separated, one per worker in the order prefill, decode, both "
-                            "(e.g. cuda:0,cuda:1); one device is shared by all; auto: cuda:0.. "
-                            "if there are enough GPUs, else cpu")
-    g.add_argument("--log-dir", type=Path, default=None, help="worker and router logs")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__,
         epilog="Engine flags after `--` go to every worker and to the offline engine.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["online", "offline"], default="online")
+    p.add_argument("--mode", choices=["online", "offline"], default="online",
+                   help="offline: the offline profiler (benchmarks/offline.py) instead")
     tgt = p.add_mutually_exclusive_group()
     tgt.add_argument("--target", default=None,
                      help="a running router: gRPC host:port (--api http: its HTTP host:port)")
@@ -1018,17 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_stack_args(p)
     add_workload_args(p)
     add_load_args(p)
-    g = p.add_argument_group("offline")
-    g.add_argument("--gpu-time-every", type=int, default=10,
-                   help="profile every Nth engine step's GPU busy time (0: off; CUDA only)")
-    g.add_argument("--static-batch-size", type=int, default=64,
-                   help="the static batch size the KV comparison assumes")
-    g = p.add_argument_group("output")
-    g.add_argument("--out", type=Path, default=None, help="JSON results")
-    g.add_argument("--plot", type=Path, default=None,
-                   help="PNG of latency CDFs (and goodput vs rate); default: --out with .png")
-    g.add_argument("--label", default="", help="a name for this configuration in the report")
-    g.add_argument("--no-progress", dest="progress", action="store_false")
+    offline.add_offline_args(p)
+    add_output_args(p)
     p.add_argument("--pin", action="store_true",
                    help="one physical core per process (Linux): this client on the first, then "
                         "each launched worker and the router; --mode offline takes the core the "
@@ -1036,23 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
-    if "--" in argv:
-        k = argv.index("--")
-        return argv[:k], argv[k + 1:]
-    return argv, []
-
-
 def default_client_procs() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 4))
-
-
-def model_vocab(model: str) -> tuple[int, int]:
-    from engine.config import ModelConfig
-    from engine.model_source import resolve_model
-
-    cfg = ModelConfig.from_dir(resolve_model(model))
-    return cfg.vocab_size, cfg.max_model_len
 
 
 def target_info(target: str) -> tuple[int, int, str]:
@@ -1073,36 +577,18 @@ def http_model_id(base: str) -> str:
     return httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-def check_lengths(requests: list[Request], max_model_len: int) -> None:
-    long = [i for i, r in enumerate(requests) if len(r.prompt) + r.max_tokens > max_model_len]
-    if long:
-        r = requests[long[0]]
-        raise SystemExit(f"serve.py: {len(long)} requests exceed max_model_len {max_model_len} "
-                         f"(e.g. #{long[0]}: {len(r.prompt)} + {r.max_tokens}); raise "
-                         "--max-model-len or shorten the workload")
-
-
-def warmup_requests(a: argparse.Namespace, vocab: int) -> list[Request]:
-    if not a.warmup:
-        return []
-    saved = a.num_requests
-    a.num_requests = a.warmup
-    try:
-        reqs = build_workload(a, vocab, seed=a.seed + 7919)
-    finally:
-        a.num_requests = saved
-    return [Request(r.prompt, min(r.max_tokens, 16)) for r in reqs]
-
-
 def main(argv: list[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else list(argv)
     argv, passthrough = split_passthrough(raw)
     a = build_parser().parse_args(argv)
-    if a.mode == "online" and not (a.target or a.launch):
+    command = " ".join(["benchmarks/serve.py", *raw])
+    if a.mode == "offline":
+        return offline.measure(a, passthrough, command, benchmark="serve")
+    if not (a.target or a.launch):
         raise SystemExit("serve.py: give --target HOST:PORT or --launch colocated|disaggregated "
                          "(or --mode offline)")
-    if (a.mode == "offline" or a.launch) and not a.model:
-        raise SystemExit("serve.py: --model is required with --launch and --mode offline")
+    if a.launch and not a.model:
+        raise SystemExit("serve.py: --model is required with --launch")
     if a.model:
         vocab, model_max = model_vocab(a.model)
         max_len = min(a.max_model_len, model_max)
@@ -1117,68 +603,51 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "serve", "label": a.label, "mode": a.mode, "model": a.model,
               "dtype": a.dtype, "load_format": a.load_format, "workload": a.workload,
               "workload_stats": describe(requests), "seed": a.seed,
-              "engine_args": passthrough, "environment": environment(),
-              "command": " ".join(["benchmarks/serve.py", *raw])}
+              "engine_args": passthrough, "environment": environment(), "command": command}
     title = (f"{a.label or Path(a.model or model_id).name} {a.mode} "
              f"{a.launch or ''} {a.workload} x{a.num_requests}")
-    if a.mode == "offline":
-        r = run_offline(a, requests, warm, passthrough)
-        report.update(r)
-        print_offline(r, f"== {title} on {r['card']} ({a.dtype})")
-        plot_rows = [{"label": "offline", "rate": None, **r["_samples"]}]
-    else:
-        stack = None
-        http_target = a.target
-        try:
-            if a.launch:
-                roles = launch_roles(a)
-                devices = resolve_devices(a.devices, len(roles))
-                stack = launch_stack(a.model, roles, devices, common_worker_args(a, passthrough),
-                                     router_args(a, passthrough, a.num_requests), a.log_dir)
-                print(f"starting {len(roles)} workers ({', '.join(roles)}) on "
-                      f"{', '.join(devices)}; logs in {stack.log_dir}", flush=True)
-                t = time.perf_counter()
-                stack.start()
-                if a.pin:
-                    report["pinned"] = pin_stack(stack)
-                report["startup_s"] = time.perf_counter() - t
-                report["workers"] = describe_workers(stack)
-                grpc_target = stack.router.address
-                http_target = f"127.0.0.1:{stack.router.http_port}"
-            else:
-                grpc_target = a.target
-            target = grpc_target if a.api == "grpc" else http_target
-            if a.api == "http":
-                model_id = http_model_id(target)
-            opts = LoadOptions(api=a.api, target=target, model_id=model_id, channels=a.channels,
-                               request_timeout=a.request_timeout, slo_ttft_ms=a.slo_ttft_ms,
-                               slo_itl_ms=a.slo_itl_ms, goodput_itl=a.goodput_itl,
-                               client_procs=a.client_procs or default_client_procs(),
-                               progress=a.progress)
-            runs = run_rates(opts, requests, a.rate, a.seed, warmup=warm, cooldown_s=a.cooldown,
-                             stack=stack)
-        finally:
-            if stack is not None:
-                codes = stack.stop()
-                report["exit_codes"] = codes
-        cards = sorted({w["card"] for w in report.get("workers", [])}) or ["(target)"]
-        report["card"] = ", ".join(cards)
-        report["api"] = a.api
-        report["launch"] = a.launch
-        report["runs"] = runs
-        print_online(runs, f"== {title} via {a.api} on {report['card']}")
-        plot_rows = _plot_rows("", runs)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(strip_private(report), indent=1))
-        print(f"wrote {a.out}")
-    png = a.plot or (a.out.with_suffix(".png") if a.out else None)
-    if png:
-        why = plot(plot_rows, png, f"{title} on {report['card']}")
-        print(why or f"wrote {png}")
-    bad = report.get("failed") or sum(r["summary"]["failed"] for r in report.get("runs", []))
-    bad = bad or len(report.get("wrong_length", []))
-    return 1 if bad else 0
+    stack = None
+    http_target = a.target
+    try:
+        if a.launch:
+            roles = launch_roles(a)
+            devices = resolve_devices(a.devices, len(roles))
+            stack = launch_stack(a.model, roles, devices, common_worker_args(a, passthrough),
+                                 router_args(a, passthrough, a.num_requests), a.log_dir)
+            print(f"starting {len(roles)} workers ({', '.join(roles)}) on "
+                  f"{', '.join(devices)}; logs in {stack.log_dir}", flush=True)
+            t = time.perf_counter()
+            stack.start()
+            if a.pin:
+                report["pinned"] = pin_stack(stack)
+            report["startup_s"] = time.perf_counter() - t
+            report["workers"] = describe_workers(stack)
+            grpc_target = stack.router.address
+            http_target = f"127.0.0.1:{stack.router.http_port}"
+        else:
+            grpc_target = a.target
+        target = grpc_target if a.api == "grpc" else http_target
+        if a.api == "http":
+            model_id = http_model_id(target)
+        opts = LoadOptions(api=a.api, target=target, model_id=model_id, channels=a.channels,
+                           request_timeout=a.request_timeout, slo_ttft_ms=a.slo_ttft_ms,
+                           slo_itl_ms=a.slo_itl_ms, goodput_itl=a.goodput_itl,
+                           client_procs=a.client_procs or default_client_procs(),
+                           progress=a.progress)
+        runs = run_rates(opts, requests, a.rate, a.seed, warmup=warm, cooldown_s=a.cooldown,
+                         stack=stack)
+    finally:
+        if stack is not None:
+            codes = stack.stop()
+            report["exit_codes"] = codes
+    cards = sorted({w["card"] for w in report.get("workers", [])}) or ["(target)"]
+    report["card"] = ", ".join(cards)
+    report["api"] = a.api
+    report["launch"] = a.launch
+    report["runs"] = runs
+    print_online(runs, f"== {title} via {a.api} on {report['card']}")
+    write_report(report, a, _plot_rows("", runs), title)
+    return 1 if sum(r["summary"]["failed"] for r in runs) else 0
 
 
 if __name__ == "__main__":

@@ -44,10 +44,10 @@ import grpc  # noqa: E402
 import httpx  # noqa: E402
 
 from benchmarks.procstat import engine_cores  # noqa: E402
+from cli.launcher import LocalStack  # noqa: E402
+from cli.supervisor import RestartPolicy, Supervisor  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from router_svc.launcher import LocalStack  # noqa: E402
-from router_svc.supervisor import RestartPolicy  # noqa: E402
-from tandem.convert import params_to_proto  # noqa: E402
+from runtime.convert import params_to_proto  # noqa: E402
 from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 KINDS = ("grpc", "http-stream", "http")
@@ -401,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                        log_dir=a.log_dir, grace=5.0)
     try:
         stack.start()
-        supervisor = stack.supervise(RestartPolicy(max_restarts=10, window_s=60),
-                                     say=lambda m: print(f"soak: supervisor: {m}", flush=True))
+        supervisor = Supervisor(stack, RestartPolicy(max_restarts=10, window_s=60),
+                                say=lambda m: print(f"soak: supervisor: {m}", flush=True)).start()
         r = asyncio.run(Soak(a, stack).run())
         r["restarts"] = {k: v for k, v in supervisor.restarts.items() if v}
         r["supervisor_failed"] = supervisor.failed

@@ -19,15 +19,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]),
-                str(Path(__file__).resolve().parents[1] / "protos")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc  # noqa: E402
+import grpc
 
-from benchmarks import procstat, serve  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from tandem.convert import params_to_proto  # noqa: E402
-from tandem.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from benchmarks import common, procstat, serve
+from benchmarks.workloads import build_workload
+from engine.sampling_params import SamplingParams
+from runtime.convert import params_to_proto
+from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 
 async def drive(address: str, requests: list, tag: str) -> int:
@@ -43,21 +43,20 @@ async def drive(address: str, requests: list, tag: str) -> int:
             for u in resp.updates:
                 if u.error_code:
                     raise RuntimeError(f"{u.request_id}: {u.error_message}")
-                tokens += sum(len(c.token_ids) for c in u.tokens.chunks)
     return tokens
 
 
 def main(argv: list[str] | None = None) -> int:
     a = serve.build_parser().parse_args(argv)
-    vocab, _ = serve.model_vocab(a.model)
-    requests = serve.build_workload(a, vocab)
-    stack = serve.launch_stack(a.model, ["both"], serve.resolve_devices(a.devices, 1),
+    vocab, _ = common.model_vocab(a.model)
+    requests = build_workload(a, vocab)
+    stack = serve.launch_stack(a.model, ["both"], common.resolve_devices(a.devices, 1),
                                serve.common_worker_args(a, []), ["--http-port", "-1"], a.log_dir)
     try:
         stack.start()
         worker = stack.workers()[0]
         pinned = procstat.pin_stack(stack) if a.pin else None
-        asyncio.run(drive(worker.address, serve.warmup_requests(a, vocab), "warmup"))
+        asyncio.run(drive(worker.address, common.warmup_requests(a, vocab), "warmup"))
         cpu0, c0, t0 = procstat.process_cpu_s(worker.popen.pid), time.process_time(), \
             time.perf_counter()
         steps0 = procstat.engine_steps(worker.metrics_url)

@@ -21,33 +21,36 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.errors import InvalidArgument
-from engine.sampling_params import SamplingParams, TokenLogprobs
-from engine.serving.core_messages import RemoteSource, RequestLimits
-from engine.serving.telemetry import trace_metadata
+from engine.sampling_params import RequestLimits, SamplingParams, TokenLogprobs
+from engine.sequence import RemoteKV
 from kvtransfer.lease import prompt_digest
-from tandem.convert import logprobs_from_proto, params_from_proto
+from runtime.convert import logprobs_from_proto, params_from_proto
+from runtime.telemetry import trace_metadata
+from runtime.worker import WorkerError
+from tandem.errors import InvalidArgument
 from tandem.v1 import worker_pb2
-from tandem.worker_base import WorkerError
 
 # Pull only while the lease has this much time left: the prefill side reuses blocks of an
 # expired lease, and the request may wait for room here before its pull.
 LEASE_MARGIN_S = 2.0
 
 
+WORKER, CORE, REFUSED = "worker", "core", "refused"
+
+
 @dataclass(eq=False)
 class HeldLease:
-    """A decode request's prefill lease as this worker holds it. Released exactly once: by the
-    worker when the request ends before reaching the engine core (`handed`), by the core's
-    lease_done after; never when the prefill worker refused our claim (`refused`: not ours)."""
+    """A decode request's prefill lease as this worker holds it, from the router's handover to
+    its one release. `owner` says who releases it: this worker (WORKER) when the request ends
+    before the engine core took it; the core (CORE), whose LeaseDone the worker turns into the
+    Release call; nobody (REFUSED) when the prefill worker refused our claim: it was never ours."""
 
     address: str
     lease_id: str  # the token: a capability, never logged
     # The request's context (its span, the request id for log lines): the KV-transfer span is
     # its child and the Release call joins its trace.
     context: contextvars.Context | None = None
-    handed: bool = False
-    refused: bool = False
+    owner: str = WORKER
 
 
 @dataclass(frozen=True)
@@ -73,19 +76,19 @@ def decode_args(req: worker_pb2.DecodeRequest, limits: RequestLimits) -> DecodeA
     if len(prompt) >= limits.max_model_len:
         raise InvalidArgument("prompt_token_ids", f"{len(prompt)} tokens; this model serves at "
                               f"most {limits.max_model_len - 1} before its first output")
-    _check_ids("prompt_token_ids", prompt, limits.vocab_size)
+    limits.check_ids("prompt_token_ids", prompt)
     params = params_from_proto(req.params)
     if params.n > limits.max_n:
         raise InvalidArgument("n", f"must be <= {limits.max_n}, got {params.n}")
     firsts = tuple(req.first_token_ids)
     if len(firsts) != params.n:
         raise InvalidArgument("first_token_ids", f"{len(firsts)} ids for n={params.n}")
-    _check_ids("first_token_ids", firsts, limits.vocab_size)
+    limits.check_ids("first_token_ids", firsts)
     resume = tuple(tuple(s.token_ids) for s in req.resume)
     if resume and len(resume) != params.n:
         raise InvalidArgument("resume", f"{len(resume)} samples for n={params.n}")
     for tokens in resume:
-        _check_ids("resume", tokens, limits.vocab_size)
+        limits.check_ids("resume", tokens)
         if len(prompt) + 1 + len(tokens) > limits.max_model_len:
             raise InvalidArgument("resume", f"{1 + len(tokens)} outputs after a prompt of "
                                   f"{len(prompt)} exceed max_model_len {limits.max_model_len}")
@@ -93,13 +96,7 @@ def decode_args(req: worker_pb2.DecodeRequest, limits: RequestLimits) -> DecodeA
                       resume)
 
 
-def _check_ids(field: str, ids: list[int] | tuple[int, ...], vocab: int) -> None:
-    if ids and max(ids) >= vocab:  # uint32 on the wire: never negative
-        bad = next(t for t in ids if t >= vocab)
-        raise InvalidArgument(field, f"token id {bad} is outside [0, {vocab})")
-
-
-async def claim(stub, lease: HeldLease, args: DecodeArgs, instance_id: str = "") -> RemoteSource:
+async def claim(stub, lease: HeldLease, args: DecodeArgs, instance_id: str = "") -> RemoteKV:
     """Present the lease's token to its prefill worker; what the engine core will pull. A
     refused token (unknown, expired, released or claimed before) fails the request with
     FAILED_PRECONDITION and marks the lease not ours to release."""
@@ -109,7 +106,7 @@ async def claim(stub, lease: HeldLease, args: DecodeArgs, instance_id: str = "")
                                      timeout=10, metadata=trace_metadata())
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-            lease.refused = True
+            lease.owner = REFUSED
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"prefill worker {lease.address} refused the lease: "
                               f"{e.details()}") from None
@@ -125,6 +122,6 @@ async def claim(stub, lease: HeldLease, args: DecodeArgs, instance_id: str = "")
     if deadline <= time.monotonic():
         raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
                           f"the lease has {resp.ttl_ms} ms left, too little to pull its KV")
-    return RemoteSource(lease.address, lease.lease_id, deadline, tuple(resp.block_ids),
+    return RemoteKV(lease.address, lease.lease_id, deadline, tuple(resp.block_ids),
                         args.first_token_ids, args.first_logprobs, args.resume_token_ids,
                         instance_id)

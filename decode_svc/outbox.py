@@ -1,6 +1,7 @@
 """The output side of a worker's Stream call: what a request's steps, end or failure become on
-the wire. New tokens go out in columns (TokenColumns: a few list appends per request and step);
-ends, failures and tokens that carry logprobs as whole RequestUpdates, read after the columns."""
+the wire. New tokens go out in columns (TokenColumns: a few list appends per request and step,
+their logprobs as one more column when the request asked for them); ends and failures as
+RequestUpdates, read after the columns."""
 
 from __future__ import annotations
 
@@ -10,30 +11,15 @@ import grpc
 
 from engine.sequence import SeqOutput
 from engine.serving.async_engine import OutputSink
-from tandem.convert import logprobs_to_proto
+from runtime.convert import logprobs_to_proto
+from runtime.worker import WorkerError, status_of
 from tandem.v1 import worker_pb2
-from tandem.worker_base import WorkerError, status_of
-
-
-def update_message(outs: list[SeqOutput]) -> worker_pb2.RequestUpdate:
-    """One step's outputs of one request with their logprobs, built in place."""
-    update = worker_pb2.RequestUpdate(request_id=outs[0].request_id)
-    tokens = update.tokens
-    tokens.num_prompt_tokens = outs[0].num_prompt_tokens
-    tokens.num_cached_tokens = outs[0].num_cached_tokens
-    for o in outs:
-        tokens.chunks.add(
-            sample_index=o.sample_index, token_ids=o.new_token_ids,
-            logprobs=[logprobs_to_proto(lp) for lp in o.new_logprobs],
-            finish_reason=o.finish_reason.value if o.finish_reason else "",
-            num_output_tokens=o.num_output_tokens)
-    return update
 
 
 class Outbox:
     """What one Stream call has yet to send: new tokens as columns (plain lists until the
-    write, so a request's step costs a few appends) and whole updates (ends, failures, tokens
-    with logprobs). The call writes everything gathered since its last write as one message."""
+    write, so a request's step costs a few appends) and updates (ends, failures). The call
+    writes everything gathered since its last write as one message."""
 
     def __init__(self) -> None:
         self._ready = asyncio.Event()
@@ -48,9 +34,11 @@ class Outbox:
         self._finish_reason: list[str] = []
         self._num_prompt_tokens: list[int] = []
         self._num_cached_tokens: list[int] = []
+        self._with_logprobs: list[bool] = []
+        self._logprobs: list = []  # common_pb2.TokenLogprobs, one per token of those entries
         self._updates: list[worker_pb2.RequestUpdate] = []
 
-    def tokens(self, outs: list[SeqOutput]) -> None:
+    def tokens(self, outs: list[SeqOutput], with_logprobs: bool = False) -> None:
         for o in outs:
             self._request_id.append(o.request_id)
             self._sample_index.append(o.sample_index)
@@ -59,6 +47,9 @@ class Outbox:
             self._finish_reason.append(o.finish_reason.value if o.finish_reason else "")
             self._num_prompt_tokens.append(o.num_prompt_tokens)
             self._num_cached_tokens.append(o.num_cached_tokens)
+            self._with_logprobs.append(with_logprobs)
+            if with_logprobs:
+                self._logprobs += [logprobs_to_proto(lp) for lp in o.new_logprobs]
         self._ready.set()
 
     def update(self, update: worker_pb2.RequestUpdate) -> None:
@@ -88,6 +79,8 @@ class Outbox:
         cols.finish_reason.extend(self._finish_reason)
         cols.num_prompt_tokens.extend(self._num_prompt_tokens)
         cols.num_cached_tokens.extend(self._num_cached_tokens)
+        cols.with_logprobs.extend(self._with_logprobs)
+        cols.logprobs.extend(self._logprobs)
         self._clear()
         return msg
 
@@ -108,8 +101,5 @@ def relay(outbox: Outbox, with_logprobs: bool, finished: list[SeqOutput]) -> Out
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE, o.error)
             if o.finish_reason is not None:
                 finished.append(o)
-        if with_logprobs:
-            outbox.update(update_message(outs))
-        else:
-            outbox.tokens(outs)
+        outbox.tokens(outs, with_logprobs)
     return sink

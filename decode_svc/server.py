@@ -33,21 +33,21 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
-from decode_svc.handoff import HeldLease, claim, decode_args
+from decode_svc.handoff import CORE, WORKER, HeldLease, claim, decode_args
 from decode_svc.outbox import Outbox, failure_message, relay
 from engine.sequence import SeqOutput
 from engine.serving.core_messages import LeaseDone
-from engine.serving.lifecycle import GRPC_OPTIONS
-from engine.serving.telemetry import span_name, trace_metadata
 from kvtransfer.descriptor import check_compatible
-from tandem.convert import descriptor_from_proto, params_from_proto
-from tandem.v1 import worker_pb2, worker_pb2_grpc
-from tandem.worker_base import (
+from runtime.convert import descriptor_from_proto, params_from_proto
+from runtime.lifecycle import GRPC_OPTIONS
+from runtime.telemetry import span_name, trace_metadata
+from runtime.worker import (
     WorkerError,
     WorkerServicer,
     add_worker_args,
     main_worker,
 )
+from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class DecodeServicer(WorkerServicer):
             remote = await claim(self._stub(lease.address), lease, args,
                                  request.kv.instance_id)
             finished: list[SeqOutput] = []
-            lease.handed = True  # from here the engine ends it (lease_done), exactly once
+            lease.owner = CORE  # from here the core ends it (LeaseDone), exactly once
             await self.engine.decode(request.request_id, args.prompt, args.params, remote,
                                      relay(out, args.params.logprobs is not None, finished))
             self.telemetry.decode_done(span, finished)
@@ -215,9 +215,9 @@ class DecodeServicer(WorkerServicer):
     def _end(self, lease: HeldLease) -> None:
         """The request ended, or was refused, before the engine core took its lease: release
         it, unless the prefill worker refused our claim (then it was never ours)."""
-        if lease.handed or self._held.pop(lease.lease_id, None) is not lease:
+        if lease.owner == CORE or self._held.pop(lease.lease_id, None) is not lease:
             return
-        if not lease.refused:
+        if lease.owner == WORKER:
             self._spawn_release(lease.address, lease.lease_id, lease.context)
 
     def lease_done(self, done: LeaseDone) -> None:
@@ -301,23 +301,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub, name: str) -> None:
-    if name == "decode":
-        p = sub.add_parser(name, help="run a decode worker")
-        p.set_defaults(role="decode")
-    else:
-        p = sub.add_parser(name, help="run a worker of any role (prefill, decode, both)")
-        p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
-        p.add_argument("--transport", choices=["shm", "cuda_ipc", "nixl"], default=None,
-                       help="role prefill: how decode workers reach this pool")
-        p.add_argument("--lease-ttl", type=float, default=30.0,
-                       help="role prefill: seconds blocks stay pinned for a decode worker")
+    p = sub.add_parser(name, help="run a decode worker")
+    p.set_defaults(role="decode")
     add_worker_args(p)
-    p.set_defaults(func=_dispatch)
-
-
-def _dispatch(args: argparse.Namespace) -> int:
-    if args.role == "prefill":
-        from prefill_svc.server import run as run_prefill  # noqa: PLC0415
-
-        return run_prefill(args)
-    return run(args)
+    p.set_defaults(func=run)

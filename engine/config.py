@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidArgument, ModelLoadError
+from tandem.errors import InvalidArgument, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_N = 16  # samples per request (n), the default limit of workers and router alike
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8: e4m3
 QUANTIZATIONS = ("fp8",)  # weights; an FP8 checkpoint is recognised without the flag
 
@@ -186,7 +187,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto | dummy
     seed: int = 0
     role: str = "both"  # both | prefill | decode
-    max_n: int = 16
+    max_n: int = MAX_N
     block_size: int = 16
     num_blocks: int | None = None
     memory_fraction: float = 0.9

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.demo import cache_root, cached_dir
-from engine.errors import ModelLoadError
+from tandem.errors import ModelLoadError
 
 if TYPE_CHECKING:
     import torch
@@ -243,7 +243,7 @@ def llama3_rope_scaling(divisors: np.ndarray, head_dim: int, theta: float) -> di
     wavelength bounds matter, so low_freq_factor is taken as 1 and the rest fitted to the ramp;
     the result must reproduce every divisor (else this is not llama3 scaling)."""
     from engine.config import RopeScaling  # noqa: PLC0415 - torch, for the check only
-    from engine.models.layers import rope_inv_freq  # noqa: PLC0415
+    from engine.models.layers import rope_inv_freq  # noqa: PLC0415 - torch, as above
 
     factor = float(divisors.max())
     base = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)

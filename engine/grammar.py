@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-from engine.errors import InvalidArgument
 from engine.sampling_params import ResponseFormat
+from engine.tokenizer import Tokenizer, has_tokenizer
+from tandem.errors import InvalidArgument
 
 EXTRA = "structured"
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
@@ -119,10 +120,8 @@ class GrammarCompiler:
         return self._compiler
 
     def _hf_tokenizer(self) -> Any:
-        from engine.tokenizer import Tokenizer  # noqa: PLC0415 - transformers, on first use
-
         d = self.model_dir
-        if d is None or not any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        if not has_tokenizer(d):
             raise InvalidArgument("response_format", "this model has no tokenizer, which "
                                   "structured outputs need")
         return Tokenizer(d).hf

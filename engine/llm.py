@@ -12,11 +12,11 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidArgument
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.sequence import FinishReason, SeqOutput
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, has_tokenizer
+from tandem.errors import InvalidArgument
 
 Prompt = str | list[int]
 
@@ -145,7 +145,4 @@ class _RequestState:
 
 def _maybe_tokenizer(engine: LLMEngine) -> Tokenizer | None:
     """Dummy-weight benchmark configs may come without tokenizer files."""
-    d = engine.model_dir
-    if any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        return Tokenizer(d)
-    return None
+    return Tokenizer(engine.model_dir) if has_tokenizer(engine.model_dir) else None

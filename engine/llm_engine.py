@@ -19,13 +19,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, cdiv
-from engine.errors import InvalidArgument
 from engine.grammar import GrammarCompiler, check_schema
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner, PoolFactory
 from engine.model_source import resolve_model
 from engine.sampler import SampleRow
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestLimits, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import (
     FinishReason,
@@ -37,6 +36,7 @@ from engine.sequence import (
     StepStats,
 )
 from kvtransfer.lease import LeaseTable
+from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             type(sched)(sched.max_num_batched_tokens, sched.max_num_seqs, max_len), self.kv)
         self.max_model_len = max_len
+        self.limits = RequestLimits(self.model_config.vocab_size, max_len, config.max_n)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         # Structured outputs; loads the tokenizer and xgrammar only when a grammar arrives.
         self.grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size,
@@ -86,6 +87,12 @@ class LLMEngine:
         self.requests: dict[str, list[Sequence]] = {}
         self.num_requests_added = 0
         self.last_step: StepStats | None = None
+        # Of last_step.seconds, the time the model runner's execute took (0 with no batch).
+        self.last_execute_s = 0.0
+        # Observer, when set: called at the end of every step with the step's outputs, after
+        # last_step and last_execute_s are set, on the caller's thread and outside the step's
+        # timing. How benchmarks/offline.py reads per-step facts while LLM.generate runs.
+        self.on_step: Callable[[list[SeqOutput]], None] | None = None
 
     # -- requests ----------------------------------------------------------------------------
     def validate(self, request_id: str, prompt_token_ids: list[int],
@@ -95,22 +102,7 @@ class LLMEngine:
             raise InvalidArgument("request_id", "must be non-empty")
         if request_id in self.requests:
             raise InvalidArgument("request_id", f"{request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise InvalidArgument("prompt", "must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidArgument("prompt_token_ids", f"token id {bad} is outside [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidArgument(
-                "prompt", f"{len(prompt_token_ids)} tokens; this model serves at most "
-                f"{self.max_model_len} tokens in all, prompt included, so at most "
-                f"{self.max_model_len - 1}")
-        if params.n > self.config.max_n:
-            raise InvalidArgument("n", f"must be <= {self.config.max_n}, got {params.n}")
-        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise InvalidArgument("logit_bias", f"token id {bad} is outside [0, {vocab})")
+        self.limits.check(prompt_token_ids, params, ids_field="prompt_token_ids")
         if params.response_format is not None:
             check_schema(params.response_format)  # cheap: no tokenizer, no compile
 
@@ -247,6 +239,7 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         t0 = time.perf_counter()
+        self.last_execute_s = 0.0
         if len(self.leases):
             self.expire_leases()
         outputs = self._grammars_ready() if self.compiling else []
@@ -268,6 +261,8 @@ class LLMEngine:
         self.last_step = StepStats(len(batch.seqs), batch.num_tokens, batch.num_decodes,
                                    len(batch.preempted), time.perf_counter() - t0,
                                    num_sampled, num_prompt_tokens)
+        if self.on_step is not None:
+            self.on_step(outputs)
         return outputs
 
     def _run(self, batch: ScheduledBatch) -> tuple[list[SeqOutput], int, int]:
@@ -292,7 +287,9 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+        t = time.perf_counter()
         result = self.runner.execute(batch, rows, row_index)
+        self.last_execute_s = time.perf_counter() - t
         now = time.monotonic()
         num_prompt_tokens = 0
         for seq in samplers:
@@ -445,10 +442,7 @@ def keep_freed_memory() -> None:
     """glibc: keep freed memory in the process (up to 512 MiB of it; blocks under 32 MiB from
     the heap, not from mmap). Process-wide, set once an engine exists. Every step allocates and
     frees the same temporaries; with glibc's defaults they go back to the OS and the next step
-    faults the pages in again: on the CPU, a decode worker took 227k minor page faults in one
-    64-request benchmark run at half speed, and the offline engine 6.3 million in a 256-request
-    one (1,068-1,160 tok/s; 1,721-1,784 with these settings, 50k-326k faults). Elsewhere than
-    glibc, nothing."""
+    faults the pages in again. Elsewhere than glibc, nothing."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

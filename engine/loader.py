@@ -12,11 +12,9 @@ from tqdm.auto import tqdm
 
 from engine import gguf_checkpoint
 from engine.config import ModelConfig
-from engine.errors import ModelLoadError
 from engine.models import model_class
 from engine.models.layers import CausalLM, default_weight_loader
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from tandem.errors import ModelLoadError
 
 
 @contextlib.contextmanager

@@ -27,8 +27,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.block_table import BlockTableMirror
 from engine.config import CacheConfig, ModelConfig, cdiv
 from engine.cuda_graphs import CudaGraphRunner
-from engine.errors import InvalidArgument
-from engine.loader import TORCH_DTYPES, build_model, init_dummy_weights, load_weights
+from engine.loader import build_model, init_dummy_weights, load_weights
 from engine.models.layers import CausalLM
 from engine.quantization import fp8, kv_cache
 from engine.quantization.checkpoint import fp8_scheme
@@ -36,6 +35,8 @@ from engine.sampler import Sampler, SamplerOutput, SampleRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from kvtransfer.pool import TORCH_DTYPES
+from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class ModelRunner:
     def _make_backend(self, pool: torch.Tensor) -> AttentionBackend:
         scale = self.config.head_dim ** -0.5
         if pool.is_cuda:
-            from engine.attention.triton_backend import TritonAttentionBackend  # noqa: PLC0415
+            from engine.attention.triton_backend import TritonAttentionBackend  # noqa: PLC0415 - Triton, CUDA only
 
             return TritonAttentionBackend(pool, self.config.num_heads, scale, self.kv_scales)
         return TorchAttentionBackend(pool, self.config.num_heads, scale, self.kv_scales)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from engine import gguf_checkpoint
 from engine.demo import DEMO_NAME, demo_model_dir
-from engine.errors import ModelLoadError
+from tandem.errors import ModelLoadError
 
 # Only what serving needs: configs, weights, tokenizer files (not *.bin / *.pth duplicates).
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*"]

@@ -4,9 +4,10 @@ KV block is allocated."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidArgument
+from tandem.errors import InvalidArgument
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias: [-100, 100]
@@ -139,3 +140,35 @@ class Logprob:
 class TokenLogprobs:
     sampled: Logprob
     top: tuple[Logprob, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request's ids and lengths must respect. `check` is the one place a request is
+    checked against the model: the router before routing it, the engine before a block is
+    allocated, a decode worker before its engine core sees it."""
+
+    vocab_size: int  # token ids are in [0, vocab_size)
+    max_model_len: int  # tokens in all, prompt included
+    max_n: int  # samples per request
+
+    def check(self, prompt: Sequence[int], params: SamplingParams,
+              ids_field: str = "prompt") -> None:
+        """Raises InvalidArgument naming the first bad field (`ids_field`: what the caller calls
+        the prompt's token ids)."""
+        if not prompt:
+            raise InvalidArgument("prompt", "must not be empty")
+        self.check_ids(ids_field, prompt)
+        if len(prompt) >= self.max_model_len:
+            raise InvalidArgument(
+                "prompt", f"{len(prompt)} tokens; this model serves at most "
+                f"{self.max_model_len} tokens in all, prompt included, so at most "
+                f"{self.max_model_len - 1}")
+        if params.n > self.max_n:
+            raise InvalidArgument("n", f"must be <= {self.max_n}, got {params.n}")
+        self.check_ids("logit_bias", [t for t, _ in params.logit_bias])
+
+    def check_ids(self, field: str, ids: Sequence[int]) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(field, f"token id {bad} is outside [0, {self.vocab_size})")

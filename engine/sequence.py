@@ -15,7 +15,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.block_pool import hash_block
 from engine.sampling_params import SamplingParams, TokenLogprobs
@@ -42,15 +42,22 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class RemoteKV:
-    """Decode role: where a request's prompt KV lives before it is pulled."""
+    """Decode role: where a request's prompt KV lives before it is pulled, as the prefill
+    worker answered the lease's claim (never as the request's caller said). The one shape of a
+    KV location inside a process; `KVLocation` is its wire form."""
 
-    source: Any  # opaque to the engine; the KV puller understands it
-    block_ids: tuple[int, ...]
+    address: str  # the prefill worker (its pool mapped first: MapPool)
+    lease_id: str  # the lease's token: a capability, never logged
+    deadline: float  # time.monotonic() (one clock host-wide) after which blocks may be reused
+    block_ids: tuple[int, ...]  # from the claim
     first_token_ids: tuple[int, ...]  # one per sample
     first_logprobs: tuple[TokenLogprobs | None, ...]
     # A request moved here mid-stream: per sample, its outputs after the first token (empty:
     # none). Their KV is recomputed after the pull, as a preempted sequence's is.
     resume_token_ids: tuple[tuple[int, ...], ...] = ()
+    # The prefill worker process that granted the lease: its pool is the one MapPool mapped
+    # for that instance; a lease of an earlier instance (restarted since) cannot be pulled.
+    instance_id: str = ""
 
 
 class Sequence:

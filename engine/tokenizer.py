@@ -13,7 +13,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidArgument, ModelLoadError
+from tandem.errors import InvalidArgument, ModelLoadError
+
+# A model directory has a tokenizer when it holds one of these (dummy-weight benchmark configs
+# come without: token ids only).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(model_dir: Path | None) -> bool:
+    return model_dir is not None and any((model_dir / f).exists() for f in TOKENIZER_FILES)
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 

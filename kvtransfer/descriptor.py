@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.errors import InvalidArgument, LayoutMismatch
+from tandem.errors import InvalidArgument, LayoutMismatch
 
 TRANSPORTS = ("shm", "cuda_ipc", "nixl")
 

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.errors import InvalidArgument
+from tandem.errors import InvalidArgument
 
 
 class LeaseTable:

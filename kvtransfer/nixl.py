@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.errors import InvalidArgument
 from kvtransfer.descriptor import PoolDescriptor
+from tandem.errors import InvalidArgument
 
 EXTRA = "nixl"
 INSTALL_HINT = f"pip install 'tandem[{EXTRA}]'"

@@ -32,8 +32,8 @@ from typing import Self
 
 import torch
 
-from engine.errors import InvalidArgument
 from kvtransfer.descriptor import PoolDescriptor
+from tandem.errors import InvalidArgument
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                torch.float8_e4m3fn: "float8_e4m3fn"}

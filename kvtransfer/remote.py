@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import InvalidArgument
 from kvtransfer.descriptor import PoolDescriptor
 from kvtransfer.pool import (
     SHM_DIR,
@@ -34,6 +33,7 @@ from kvtransfer.pool import (
     device_memory_tensor,
     on_device,
 )
+from tandem.errors import InvalidArgument
 
 # cudaIpcMemLazyEnablePeerAccess: map memory of another GPU by enabling peer access as needed.
 IPC_LAZY_ENABLE_PEER_ACCESS = 1

@@ -17,12 +17,12 @@ import time
 
 import grpc
 
-from engine.errors import LayoutMismatch
 from kvtransfer.descriptor import check_compatible
 from kvtransfer.lease import Claim, LeaseClaims, prompt_digest
-from tandem.convert import descriptor_to_proto, logprobs_to_proto, params_from_proto
+from runtime.convert import descriptor_to_proto, logprobs_to_proto, params_from_proto
+from runtime.worker import WorkerServicer, abort_for, add_worker_args, main_worker
+from tandem.errors import LayoutMismatch
 from tandem.v1 import worker_pb2
-from tandem.worker_base import WorkerServicer, abort_for, add_worker_args, main_worker
 
 log = logging.getLogger(__name__)
 

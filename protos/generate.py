@@ -1,6 +1,6 @@
-"""Regenerate the Python stubs of protos/tandem/v1/*.proto in place.
+"""Regenerate the Python stubs of protos/tandem/v1/*.proto into the `tandem.v1` package.
 
-    python protos/generate.py            # writes protos/tandem/v1/*_pb2*.py(i)
+    python protos/generate.py            # writes tandem/v1/*_pb2*.py(i) at the repository root
     python protos/generate.py --out DIR  # writes into DIR (the freshness test compares)
 
 Pinned to grpcio-tools 1.84.0 (protoc for protobuf 7.35): the stubs then import with every
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+PACKAGE_ROOT = ROOT.parent  # tandem/v1/ sits at the repository root, beside protos/
 TOOLS_VERSION = "1.84.0"
 
 
@@ -32,12 +33,12 @@ def generate(out: Path) -> list[Path]:
                       f"--pyi_out={out}", f"--grpc_python_out={out}", *protos])
     if rc != 0:
         sys.exit(f"protoc failed ({rc})")
-    return sorted(p for p in out.rglob("*_pb2*.py*"))
+    return sorted((out / "tandem").rglob("*_pb2*.py*"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ROOT)
+    ap.add_argument("--out", type=Path, default=PACKAGE_ROOT)
     args = ap.parse_args()
     for p in generate(args.out):
         print(p)

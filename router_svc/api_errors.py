@@ -24,9 +24,9 @@ from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from engine.errors import InvalidArgument, Overloaded
 from router_svc.frontend import ModelNotFound
 from router_svc.orchestrator import RouterError
+from tandem.errors import InvalidArgument, Overloaded
 
 DOMAIN = "tandem"
 RETRY_AFTER_S = 1

@@ -16,13 +16,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import InvalidArgument
 from engine.sampling_params import ResponseFormat
 from engine.tokenizer import Tokenizer
 from router_svc.chat_output import ChatOutputSpec
 from router_svc.reasoning import START as THINK_START
 from router_svc.reasoning import uses_reasoning
 from router_svc.tool_parsers import detect_family
+from tandem.errors import InvalidArgument
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 ANY_OBJECT = {"type": "object"}

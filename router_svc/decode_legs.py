@@ -35,7 +35,7 @@ import grpc
 
 from router_svc.worker_stream import Metadata, SampleUpdate, StreamBroken, Update
 from router_svc.workers import Worker
-from tandem.convert import logprobs_from_proto
+from runtime.convert import logprobs_from_proto
 from tandem.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -82,11 +82,11 @@ async def until_done(call: AsyncIterator[Update], num_samples: int,
 
 @dataclass(eq=False)
 class _Lease:
-    """A prefill lease this router holds until a decode request carries it away."""
+    """A prefill lease this router holds (DecodeLegs._lease) until a decode request carries it
+    away: then it is the decode worker's to release, and no longer this router's."""
 
     worker: Worker
     kv: worker_pb2.KVLocation
-    handed_over: bool = False
 
 
 class DecodeLegs:
@@ -140,7 +140,7 @@ class DecodeLegs:
                     self._failed(d, e, sent, refused)
         finally:
             lease = self._lease
-            if lease is not None and not lease.handed_over:
+            if lease is not None:  # never handed over: still ours
                 self.orch.release_later(lease.worker, lease.kv.lease_id, self.md)
 
     async def _leg(self, d: Worker) -> AsyncIterator[Update]:
@@ -160,7 +160,6 @@ class DecodeLegs:
         def sent() -> None:
             """The request is on its way: the lease is the decode worker's to release. Until
             then (a request refused here, say) it stays this router's."""
-            lease.handed_over = True
             if self._lease is lease:
                 self._lease = None
 

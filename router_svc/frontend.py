@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from engine.config import ModelConfig
+from engine.config import MAX_N, ModelConfig
 from engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
-from engine.errors import InvalidArgument, Overloaded
 from engine.grammar import check_schema
-from engine.sampling_params import SamplingParams, TokenLogprobs
-from engine.serving.telemetry import Telemetry
+from engine.sampling_params import RequestLimits, SamplingParams, TokenLogprobs
 from engine.tokenizer import Tokenizer
 from router_svc.orchestrator import Orchestrator
+from runtime.telemetry import Telemetry
+from tandem.errors import InvalidArgument, Overloaded
 
 
 class ModelNotFound(LookupError):
@@ -49,7 +49,7 @@ class ModelInfo:
     vocab_size: int
     dtype: str
     block_size: int
-    max_n: int = 16
+    max_n: int = MAX_N
     aliases: tuple[str, ...] = ()  # other names requests may use (the --model path)
 
 
@@ -86,23 +86,10 @@ class Frontend:
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         """Everything that can be refused before a worker sees the request."""
-        if not prompt:
-            raise InvalidArgument("prompt", "must not be empty")
-        vocab = self.model.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidArgument("prompt", f"token id {bad} is outside [0, {vocab})")
-        if len(prompt) >= self.model.max_model_len:
-            raise InvalidArgument("prompt", f"{len(prompt)} tokens; this model serves at most "
-                                            f"{self.model.max_model_len} tokens, prompt "
-                                            "included")
-        if params.n > self.model.max_n:
-            raise InvalidArgument("n", f"must be <= {self.model.max_n}, got {params.n}")
+        RequestLimits(self.model.vocab_size, self.model.max_model_len,
+                      self.model.max_n).check(prompt, params)
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop", "this model has no tokenizer to match stop strings")
-        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise InvalidArgument("logit_bias", f"token id {bad} is outside [0, {vocab})")
         if params.response_format is not None:
             if self.tokenizer is None:
                 raise InvalidArgument("response_format", "this model has no tokenizer, which "

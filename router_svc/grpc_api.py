@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from contextlib import aclosing
 
-from engine.errors import InvalidArgument, Overloaded
 from router_svc.api_errors import abort, failure_of, grpc_field
 from router_svc.frontend import Frontend, ModelNotFound
 from router_svc.orchestrator import RouterError
-from tandem.convert import logprobs_to_proto, params_from_proto
+from runtime.convert import logprobs_to_proto, params_from_proto
+from tandem.errors import InvalidArgument, Overloaded
 from tandem.v1 import api_pb2, api_pb2_grpc
 
 

@@ -43,7 +43,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute
 
-from engine.errors import InvalidArgument
 from engine.sampling_params import SamplingParams
 from router_svc import chat_request
 from router_svc import openai_requests as req
@@ -57,6 +56,7 @@ from router_svc.openai_requests import (
     TokenizeRequest,
 )
 from router_svc.workers import WorkerSet
+from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import InvalidArgument
+from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from engine.errors import InvalidArgument
 from engine.sampling_params import ResponseFormat, SamplingParams
 from router_svc import chat_request
 from router_svc.chat_output import ChatOutputSpec
 from router_svc.frontend import Frontend
+from tandem.errors import InvalidArgument
 
 
 class StreamOptions(BaseModel):

@@ -34,11 +34,11 @@ import grpc
 from opentelemetry.context import Context
 
 from engine.sampling_params import SamplingParams
-from engine.serving.telemetry import trace_metadata
 from router_svc.decode_legs import DecodeLegs, RouterError, as_router_error, until_done
 from router_svc.worker_stream import Metadata, SampleUpdate, StreamBroken, Update
 from router_svc.workers import Worker, WorkerSet, unless_lost
-from tandem.convert import params_to_proto
+from runtime.convert import params_to_proto
+from runtime.telemetry import trace_metadata
 from tandem.v1 import worker_pb2
 
 __all__ = ["Orchestrator", "RouterError", "SampleUpdate", "Update"]

@@ -10,18 +10,18 @@ import os
 from pathlib import Path
 
 from engine.config import ModelConfig
-from engine.errors import InvalidArgument
 from engine.model_source import resolve_model, served_name
-from engine.serving.lifecycle import Health, enable_reflection, make_server, serve_until_signal
-from engine.serving.telemetry import Telemetry
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, has_tokenizer
 from router_svc.frontend import Frontend
 from router_svc.grpc_api import TandemServicer
 from router_svc.membership import Membership, config_from_args
 from router_svc.orchestrator import Orchestrator
 from router_svc.workers import FaultMetrics, WorkerSet
+from runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
+from runtime.telemetry import Telemetry
+from runtime.worker import bind
+from tandem.errors import InvalidArgument
 from tandem.v1 import api_pb2, api_pb2_grpc
-from tandem.worker_base import bind
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +111,7 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
                               "prefill and decode workers go together")
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
-    # Benchmark configs with dummy weights come without tokenizer files: token ids only.
-    has_tokenizer = any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
-    tokenizer = Tokenizer(model_dir) if has_tokenizer else None
+    tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
     workers = WorkerSet(prefill, decode, both, block_size=args.block_size,
                         poll_interval_s=args.poll_interval,
                         worker_timeout_s=args.worker_timeout,
@@ -146,7 +144,7 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
         from starlette.responses import Response  # noqa: PLC0415
         from starlette.routing import Route  # noqa: PLC0415
 
-        from router_svc.http_api import HttpServer  # noqa: PLC0415
+        from router_svc.http_api import HttpServer  # noqa: PLC0415 - FastAPI, HTTP only
 
         async def metrics(_request) -> Response:
             body, content_type = telemetry.metrics.exposition()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.sampling_params import TokenLogprobs
-from tandem.convert import logprobs_from_proto
+from runtime.convert import logprobs_from_proto
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -62,14 +62,6 @@ class Update:
     num_cached_tokens: int
 
 
-def _with_logprobs(msg: worker_pb2.TokenChunks) -> Update:
-    """A request's step sent whole: it asked for logprobs."""
-    return Update([SampleUpdate(c.sample_index, list(c.token_ids),
-                                list(logprobs_from_proto(c.logprobs, len(c.token_ids))),
-                                c.finish_reason or None) for c in msg.chunks],
-                  msg.num_prompt_tokens, msg.num_cached_tokens)
-
-
 def _by_request(cols: worker_pb2.TokenColumns) -> list[tuple[str, Update]]:
     """A message's token columns as one Update per request and step, in order (a request
     appears again when the message carries more than one of its steps: each step lists every
@@ -80,17 +72,22 @@ def _by_request(cols: worker_pb2.TokenColumns) -> list[tuple[str, Update]]:
     current: dict[str, Update] = {}
     seen: dict[str, set[int]] = {}
     token_ids = list(cols.token_ids)
-    pos = 0
-    for rid, sample, n, reason, n_prompt, n_cached in zip(
+    pos = lp_pos = 0
+    for rid, sample, n, reason, n_prompt, n_cached, with_lp in zip(
             cols.request_id, cols.sample_index, cols.num_tokens, cols.finish_reason,
-            cols.num_prompt_tokens, cols.num_cached_tokens, strict=True):
+            cols.num_prompt_tokens, cols.num_cached_tokens, cols.with_logprobs, strict=True):
         update = current.get(rid)
         if update is None or sample in seen[rid]:  # a later step of this request
             update = current[rid] = Update([], n_prompt, n_cached)
             seen[rid] = set()
             out.append((rid, update))
         seen[rid].add(sample)
-        update.samples.append(SampleUpdate(sample, token_ids[pos:pos + n], [None] * n,
+        if with_lp:
+            logprobs = list(logprobs_from_proto(cols.logprobs[lp_pos:lp_pos + n], n))
+            lp_pos += n
+        else:
+            logprobs = [None] * n
+        update.samples.append(SampleUpdate(sample, token_ids[pos:pos + n], logprobs,
                                            reason or None))
         pos += n
     return out
@@ -133,8 +130,6 @@ class WorkerStream:
                     if isinstance(u, grpc.aio.AioRpcError):
                         done = True  # the call broke: nothing left to cancel
                         raise u
-                    if u.HasField("tokens"):
-                        yield _with_logprobs(u.tokens)
                     if u.done:
                         done = True
                         if u.error_code:

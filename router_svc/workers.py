@@ -31,8 +31,8 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from engine.block_pool import hash_block
-from engine.serving.lifecycle import GRPC_OPTIONS
 from router_svc.worker_stream import StreamBroken, WorkerStream
+from runtime.lifecycle import GRPC_OPTIONS
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from engine.errors import ModelLoadError
 from engine.models.layers import CausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mistral import MistralForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
+from tandem.errors import ModelLoadError
 
 MODELS: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -16,7 +16,7 @@ from torch import nn
 from engine import ops
 from engine.attention.base import Rope, get_forward_context
 from engine.config import ModelConfig, RopeScaling
-from engine.errors import ModelLoadError
+from tandem.errors import ModelLoadError
 
 
 def _check_shape(param_name: str, expected: torch.Size, got: torch.Size) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ModelLoadError
+from tandem.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ import re
 import torch
 from torch import nn
 
-from engine.errors import InvalidArgument, ModelLoadError
 from engine.models.layers import CausalLM, MergedLinear
 from engine.quantization.checkpoint import Fp8Scheme
 from engine.quantization.kv_cache import FP8_DTYPE, FP8_MAX
+from tandem.errors import InvalidArgument, ModelLoadError
 
 MIN_CAPABILITY = (8, 9)  # Ada, Hopper and later have FP8 tensor cores
 _MIN_AMAX = 1e-6  # kernels/fp8_quant.py MIN_AMAX

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from engine.config import KV_CACHE_DTYPES
-from engine.errors import InvalidArgument
+from tandem.errors import InvalidArgument
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

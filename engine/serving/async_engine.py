@@ -4,7 +4,7 @@ the event loop.
     asyncio loop (gRPC, HTTP)                       engine core process
     ─────────────────────────                       ───────────────────
     generate / decode / prefill / abort / release ─── commands ──▶  between steps
-    per-request sinks  ◀── one "step" message per step (outputs of all requests), read when
+    per-request sinks  ◀── one Step event per step (outputs of all requests), read when
                            the pipe is readable: no thread, no wake-up per request
 
 A request runs as one awaitable: each step's outputs of it go straight to its sink (a plain
@@ -28,18 +28,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import InvalidArgument, TandemError
 from engine.sampling_params import SamplingParams
-from engine.sequence import SeqOutput
+from engine.sequence import RemoteKV, SeqOutput
 from engine.serving.core_messages import (
+    Abort,
+    Aborted,
+    Add,
+    Call,
+    Command,
     CoreInfo,
     CoreSpec,
     EngineSnapshot,
+    Event,
+    Failed,
     LeaseDone,
-    RemoteSource,
+    MapPool,
+    Ready,
+    Release,
+    Reply,
+    SnapshotChanged,
+    Step,
+    Stop,
+    TakeSnapshot,
     unpack_outputs,
 )
 from engine.serving.engine_core import run_core
+from tandem.errors import InvalidArgument, TandemError
 
 log = logging.getLogger(__name__)
 
@@ -103,32 +117,32 @@ class AsyncEngine:
         self._proc.start()
         cmd_recv.close()
         evt_send.close()
-        kind, _, info, error = await asyncio.to_thread(self._first_message)
-        if kind != "ready":
+        first = await asyncio.to_thread(self._first_message)
+        if not isinstance(first, Ready):
             self._proc.join(STOP_TIMEOUT_S)
-            raise error
-        self.info = info
+            raise first.error
+        info = self.info = first.info
         n = info.layout["num_blocks"]
         self.snapshot = EngineSnapshot(num_free_blocks=n, num_blocks=n,
                                        block_size=info.layout["block_size"])
         self._loop.add_reader(self._events.fileno(), self._on_readable)
 
-    def _first_message(self) -> tuple:
+    def _first_message(self) -> Ready | Failed:
         while not self._events.poll(0.5):
             if not self._proc.is_alive():
-                return ("failed", 0, None, EngineDead(
+                return Failed(EngineDead(
                     f"the engine core exited while starting (exit code {self._proc.exitcode})"))
         try:
             return self._events.recv()
         except EOFError:
-            return ("failed", 0, None, EngineDead("the engine core exited while starting"))
+            return Failed(EngineDead("the engine core exited while starting"))
 
     async def shutdown(self) -> None:
         if self._proc is None:
             return
         if not self.dead:
             self._loop.remove_reader(self._events.fileno())
-            self._send(("stop", 0))
+            self._send(Call(Stop()))
         proc = self._proc
         await asyncio.to_thread(proc.join, STOP_TIMEOUT_S)
         if proc.is_alive():
@@ -145,21 +159,21 @@ class AsyncEngine:
         return self._loop
 
     # -- commands ----------------------------------------------------------------------------
-    async def call(self, name: str, *args: Any) -> Any:
-        """Run command `name` on the core between steps; its result or exception comes back."""
+    async def call(self, command: Command) -> Any:
+        """Run `command` on the core between steps; its result or exception comes back."""
         if self.dead:
             raise EngineDead("the engine core has exited")
         call_id = next(self._ids)
         fut = self._calls[call_id] = self.loop.create_future()
-        self._send((name, call_id, *args))
+        self._send(Call(command, call_id))
         return await fut
 
-    def post(self, name: str, *args: Any) -> None:
+    def post(self, command: Command) -> None:
         """Fire-and-forget onto the core."""
         if not self.dead:
-            self._send((name, 0, *args))
+            self._send(Call(command))
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: Call) -> None:
         with contextlib.suppress(OSError):  # the core is gone; its pipe's EOF reports it
             self._commands.send(msg)
 
@@ -171,7 +185,7 @@ class AsyncEngine:
         await self._run_request(request_id, prompt_token_ids, params, None, sink)
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     remote: RemoteSource, sink: OutputSink) -> None:
+                     remote: RemoteKV, sink: OutputSink) -> None:
         """Decode role: as generate, for a request whose prompt KV is on a prefill worker (whose
         pool `map_pool` mapped). Its lease ends in exactly one `on_lease_done`: from the core,
         after the pull or when the request ends before it; from here, if it never reached the
@@ -192,7 +206,7 @@ class AsyncEngine:
         return outs[-1]
 
     async def _run_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                           remote: RemoteSource | None, sink: OutputSink) -> None:
+                           remote: RemoteKV | None, sink: OutputSink) -> None:
         if request_id in self._requests or self.dead:
             if remote is not None:  # never reaches the core: its lease is done here
                 _hook(self.on_lease_done, LeaseDone(request_id, remote.address, remote.lease_id))
@@ -201,18 +215,18 @@ class AsyncEngine:
             raise InvalidArgument("request_id", f"{request_id!r} is already in use")
         req = self._requests[request_id] = _Request(sink, params.n, self.loop.create_future())
         try:
-            await self.call("add", request_id, prompt, params, remote)
+            await self.call(Add(request_id, prompt, params, remote))
             await req.done
         finally:
             del self._requests[request_id]
             if len(req.finished) < params.n:
-                self.post("abort", request_id)
+                self.post(Abort(request_id))
 
     async def abort(self, request_id: str) -> bool:
         """Drop a request: its blocks are freed between the core's next two steps and its
         awaitable raises RequestAborted (a stream that waits on it ends). False if the core
         did not hold it (unknown, finished, or refused)."""
-        aborted = await self.call("abort", request_id)
+        aborted = await self.call(Abort(request_id))
         # The core sends a step's outputs before a later reply: a request that finished first
         # is done by now; one that is not was dropped without a last output.
         req = self._requests.get(request_id)
@@ -221,16 +235,16 @@ class AsyncEngine:
         return aborted
 
     async def release(self, lease_id: str) -> bool:
-        return await self.call("release", lease_id)
+        return await self.call(Release(lease_id))
 
     async def map_pool(self, address: str, descriptor: Any, instance_id: str = "") -> None:
         """Decode role: map a prefill worker's pool in the core (once per address and worker
         instance)."""
-        await self.call("map", address, descriptor, instance_id)
+        await self.call(MapPool(address, descriptor, instance_id))
 
     async def refresh(self) -> EngineSnapshot:
         """A snapshot taken now, between two steps."""
-        self.snapshot = await self.call("snapshot")
+        self.snapshot = await self.call(TakeSnapshot())
         return self.snapshot
 
     def num_requests(self) -> int:
@@ -245,30 +259,29 @@ class AsyncEngine:
         except (EOFError, OSError):
             self._died()
 
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "step":
-            _, plain, whole, stats, end, self.snapshot = msg
-            outputs = unpack_outputs(plain, whole)
-            if outputs:
-                self._dispatch(outputs)
-            _hook(self.on_step, stats, whole, end)
-        elif kind == "reply":
-            _, call_id, result, error = msg
-            fut = self._calls.pop(call_id)
-            if not fut.done():
-                if error is not None:
-                    fut.set_exception(error)
-                else:
-                    fut.set_result(result)
-        elif kind == "snapshot":
-            self.snapshot = msg[1]
-        elif kind == "aborted":
-            _hook(self.on_abort, msg[1])
-        elif kind == "lease_done":
-            _hook(self.on_lease_done, msg[1])
-        else:
-            log.error("unknown message from the engine core: %r", kind)
+    def _handle(self, event: Event) -> None:
+        match event:
+            case Step(plain, whole, stats, end, snapshot):
+                self.snapshot = snapshot
+                outputs = unpack_outputs(plain, whole)
+                if outputs:
+                    self._dispatch(outputs)
+                _hook(self.on_step, stats, whole, end)
+            case Reply(call_id, result, error):
+                fut = self._calls.pop(call_id)
+                if not fut.done():
+                    if error is not None:
+                        fut.set_exception(error)
+                    else:
+                        fut.set_result(result)
+            case SnapshotChanged(snapshot):
+                self.snapshot = snapshot
+            case Aborted(num_samples):
+                _hook(self.on_abort, num_samples)
+            case LeaseDone():
+                _hook(self.on_lease_done, event)
+            case _:
+                log.error("unknown message from the engine core: %r", type(event).__name__)
 
     def _dispatch(self, outputs: list[SeqOutput]) -> None:
         grouped: dict[str, list[SeqOutput]] = defaultdict(list)
@@ -296,7 +309,7 @@ class AsyncEngine:
     def _release_handoffs(self, outs: list[SeqOutput]) -> None:
         for o in outs:
             if o.handoff is not None:
-                self.post("release", o.handoff.lease_id)
+                self.post(Release(o.handoff.lease_id))
 
     def _died(self) -> None:
         if self.dead:

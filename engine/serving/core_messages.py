@@ -1,29 +1,29 @@
 """What crosses the pipes between a worker (AsyncEngine) and its engine core (engine_core.py):
-the spec the core is built from, what it reports back (its layout, load snapshots, lease
-events), and a step's outputs packed for the pipe. Plain Python, no torch: the worker process
-imports this, never the engine.
+the spec the core is built from, one dataclass per command and per event, and a step's outputs
+packed for the pipe. Plain Python, no torch: the worker process imports this, never the engine.
 
-Commands (worker → core), each (name, call id, *args); call id 0 wants no reply:
-    add(request_id, prompt, params, RemoteSource | None), abort(request_id),
-    release(lease_id), map(address, PoolDescriptor, instance id), snapshot(), stop()
+Commands (worker → core), each sent as Call(command, call_id); call_id 0 wants no reply:
+    Add, Abort, Release, MapPool, TakeSnapshot, Stop
 Events (core → worker):
-    ready(CoreInfo) | failed(exception)        once, first
-    reply(call id, result, exception)
-    step(plain outputs, whole outputs, StepStats | None, perf_counter at its end, snapshot)
-    snapshot(EngineSnapshot)                   when it changed while idle
-    aborted(samples)                           samples ended by an abort
-    lease_done(LeaseDone)                      decode role
+    Ready | Failed                once, first
+    Reply                         a call's result or exception
+    Step                          one per engine step: its outputs (the packed tuples below),
+                                  StepStats, its end time, the load snapshot after it
+    SnapshotChanged               while idle, when the snapshot changed
+    Aborted                       samples ended by an abort
+    LeaseDone                     decode role: a prefill lease the core is done with
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.sampling_params import TokenLogprobs
-from engine.sequence import SeqOutput
+from engine.sampling_params import RequestLimits, SamplingParams
+from engine.sequence import RemoteKV, SeqOutput, StepStats
 
 
 @dataclass(frozen=True)
@@ -38,16 +38,9 @@ class CoreSpec:
     # every core on the CPU. Engine cores that share a CPU each get their share (`tandem up`):
     # more threads than cores, spinning between parallel regions, stall every step for seconds.
     cpu_threads: int | None = None
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What a request's ids and lengths must respect, for a worker to check them before the
-    engine sees them."""
-
-    vocab_size: int  # token ids are in [0, vocab_size)
-    max_model_len: int  # tokens in all, prompt included
-    max_n: int  # samples per request
+    # Run first in the core's process with the role (a module-level function: it is pickled by
+    # name): the service's logging setup, which the engine does not know.
+    process_setup: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,25 +79,6 @@ class EngineSnapshot:
 
 
 @dataclass(frozen=True)
-class RemoteSource:
-    """Decode role: where a request's prompt KV is, as the prefill worker answered its claim
-    (never as the worker's caller said)."""
-
-    address: str  # the prefill worker (its pool must be mapped: "map")
-    lease_id: str  # the lease's token: a capability, never logged
-    deadline: float  # time.monotonic() (one clock host-wide) after which blocks may be reused
-    block_ids: tuple[int, ...]  # from the claim
-    first_token_ids: tuple[int, ...]
-    first_logprobs: tuple[TokenLogprobs | None, ...]
-    # Per sample, outputs after the first that the client already has (a request moved here
-    # mid-stream; RemoteKV.resume_token_ids), else empty.
-    resume_token_ids: tuple[tuple[int, ...], ...] = ()
-    # The prefill worker process that granted the lease: its pool is the one "map" mapped
-    # for that instance; a request from an earlier instance (restarted since) cannot be pulled.
-    instance_id: str = ""
-
-
-@dataclass(frozen=True)
 class LeaseDone:
     """Decode role: the core is done with a prefill worker's lease (its KV pulled, the pull
     failed, or the request ended first): the worker releases it. Sent exactly once for every
@@ -121,6 +95,99 @@ class LeaseDone:
     seconds: float = 0.0
     transport: str = ""
     error: str | None = None  # why the pull failed
+
+
+# -- commands (worker -> core) --------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Add:
+    """Start a request; `remote`: where its prompt KV is (decode role), else it prefills here."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    remote: RemoteKV | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Drop a request (replies whether the core held it)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Prefill role: unpin a lease's blocks (replies whether it was live)."""
+
+    lease_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class MapPool:
+    """Decode role: map the pool of the prefill worker process `instance_id` at `address`."""
+
+    address: str
+    descriptor: Any  # kvtransfer.descriptor.PoolDescriptor
+    instance_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TakeSnapshot:
+    """Reply with an EngineSnapshot taken between two steps."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Leave the loop; the process exits."""
+
+
+Command = Add | Abort | Release | MapPool | TakeSnapshot | Stop
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    command: Command
+    call_id: int = 0  # 0: no reply
+
+
+# -- events (core -> worker) -----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Ready:
+    info: CoreInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    error: BaseException  # the core could not start (portable())
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    call_id: int
+    result: Any = None
+    error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    plain: list[PlainOutput]  # pack_outputs
+    whole: list[SeqOutput]
+    stats: StepStats | None  # None: the step failed as a whole
+    end: float  # time.perf_counter() on the core when the step ended
+    snapshot: EngineSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotChanged:
+    snapshot: EngineSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    num_samples: int
+
+
+Event = Ready | Failed | Reply | Step | SnapshotChanged | Aborted | LeaseDone
 
 
 # One output of a step as the pipe carries it when it is only new tokens: (request_id,

@@ -2,10 +2,11 @@
 
     worker process (gRPC, asyncio)                 engine core process
     ──────────────────────────────                 ───────────────────
-    AsyncEngine ── commands: add, abort, ──────▶   input thread ─▶ queue
-                   release, map, snapshot, stop    main thread: commands between steps,
-                ◀── events: reply, step outputs,   step(), one "step" message per step
-                    snapshot, aborted, lease done
+    AsyncEngine ── commands: Add, Abort, ───────▶   input thread ─▶ queue
+                   Release, MapPool, TakeSnapshot, main thread: commands between steps,
+                   Stop                            step(), one Step event per step
+                ◀── events: Reply, Step, Snapshot-
+                    Changed, Aborted, LeaseDone
 
 A worker's gRPC server and its engine loop used to share one interpreter lock: every message the
 server built or read stalled the engine's step, and the step's many short torch calls kept
@@ -34,19 +35,28 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.sampling_params import SamplingParams
 from engine.sequence import RemoteKV
 from engine.serving.core_messages import (
+    Abort,
+    Aborted,
+    Add,
+    Call,
     CoreInfo,
     CoreSpec,
     EngineSnapshot,
+    Failed,
     LeaseDone,
-    RemoteSource,
-    RequestLimits,
+    MapPool,
+    Ready,
+    Release,
+    Reply,
+    SnapshotChanged,
+    Step,
+    Stop,
+    TakeSnapshot,
     pack_outputs,
     portable,
 )
@@ -54,15 +64,6 @@ from engine.serving.core_messages import (
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # how often an idle core looks at lease deadlines
-
-
-@dataclass(eq=False)
-class _Source:
-    """RemoteKV.source on the core: the request's lease, released once."""
-
-    request_id: str
-    remote: RemoteSource
-    settled: bool = False
 
 
 class EngineCore:
@@ -79,10 +80,15 @@ class EngineCore:
         self.engine.lease_ttl_s = spec.lease_ttl_s
         if spec.role == "decode":
             self.engine.kv_puller, self.engine.kv_dropper = self._pull, self._drop
-        self.commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue[Call] = queue.SimpleQueue()
+        self.handlers = {Add: self._add, Abort: self._abort, Release: self._release,
+                         MapPool: self._map, TakeSnapshot: self._take_snapshot, Stop: self._stop}
         self.wake = threading.Event()
         self.stopping = False
         self._last_snapshot: EngineSnapshot | None = None
+        # Decode role: the leases this core owns, token -> request id, from Add until their
+        # one LeaseDone (pulled, failed, or the request ended first): settled by popping.
+        self.leases_held: dict[str, str] = {}
 
     def info(self) -> CoreInfo:
         engine = self.engine
@@ -92,9 +98,8 @@ class EngineCore:
                   "block_size": runner.block_size,
                   "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
                   "head_dim": cfg.head_dim, "num_blocks": runner.num_blocks}
-        limits = RequestLimits(cfg.vocab_size, engine.max_model_len, self.spec.config.max_n)
         return CoreInfo(layout, os.getpid(),
-                        self.pool.descriptor if self.pool is not None else None, limits)
+                        self.pool.descriptor if self.pool is not None else None, engine.limits)
 
     # -- the loop ----------------------------------------------------------------------------
     def serve(self, commands: Connection) -> None:
@@ -126,7 +131,7 @@ class EngineCore:
             snap = self._snapshot()
             self._last_snapshot = snap
             plain, whole = pack_outputs(outputs)
-            self.events.send(("step", plain, whole, stats, time.perf_counter(), snap))
+            self.events.send(Step(plain, whole, stats, time.perf_counter(), snap))
 
     def close(self) -> None:
         own = [self.pool] if self.pool is not None else []
@@ -139,117 +144,111 @@ class EngineCore:
         gone) stops the core."""
         while True:
             try:
-                msg = commands.recv()
+                call = commands.recv()
             except (EOFError, OSError):
-                msg = ("stop", 0)
-            self.commands.put(msg)
+                call = Call(Stop())
+            self.commands.put(call)
             self.wake.set()
-            if msg[0] == "stop":
+            if isinstance(call.command, Stop):
                 return
 
-    def _command(self, msg: tuple) -> None:
-        name, call_id, *args = msg
+    def _command(self, call: Call) -> None:
         try:
-            result = getattr(self, f"_do_{name}")(*args)
+            result = self.handlers[type(call.command)](call.command)
         except Exception as e:
-            if call_id:
-                self.events.send(("reply", call_id, None, portable(e)))
+            if call.call_id:
+                self.events.send(Reply(call.call_id, None, portable(e)))
             else:
-                log.exception("command %s failed", name)
+                log.exception("command %s failed", type(call.command).__name__)
             return
-        if call_id:
-            self.events.send(("reply", call_id, result, None))
+        if call.call_id:
+            self.events.send(Reply(call.call_id, result))
 
     # -- commands ----------------------------------------------------------------------------
-    def _do_add(self, request_id: str, prompt: list[int], params: SamplingParams,
-                remote: RemoteSource | None) -> None:
+    def _add(self, cmd: Add) -> None:
+        remote = cmd.remote
         if remote is None:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
             return
-        source = _Source(request_id, remote)
-        kv = RemoteKV(source, remote.block_ids, remote.first_token_ids, remote.first_logprobs,
-                      remote.resume_token_ids)
+        self.leases_held[remote.lease_id] = cmd.request_id
         try:
-            self.engine.add_remote_request(request_id, prompt, params, kv)
+            self.engine.add_remote_request(cmd.request_id, cmd.prompt, cmd.params, remote)
         except BaseException:
-            self._settle(source)  # refused: nobody will pull it
+            self._settle(remote)  # refused: nobody will pull it
             raise
 
-    def _do_abort(self, request_id: str) -> bool:
+    def _abort(self, cmd: Abort) -> bool:
         engine = self.engine
-        unfinished = sum(1 for s in engine.requests.get(request_id, ()) if not s.is_finished)
-        aborted = engine.abort(request_id)
+        unfinished = sum(1 for s in engine.requests.get(cmd.request_id, ()) if not s.is_finished)
+        aborted = engine.abort(cmd.request_id)
         if aborted and unfinished:
-            self.events.send(("aborted", unfinished))
+            self.events.send(Aborted(unfinished))
         return aborted
 
-    def _do_release(self, lease_id: str) -> bool:
-        return self.engine.release(lease_id)
+    def _release(self, cmd: Release) -> bool:
+        return self.engine.release(cmd.lease_id)
 
-    def _do_map(self, address: str, descriptor: Any, instance_id: str = "") -> None:
+    def _map(self, cmd: MapPool) -> None:
         """Decode role: map a prefill worker's pool (once per address and instance: a worker
         restarted on the address has a new pool, which replaces the old one's mapping)."""
-        from kvtransfer.remote import open_remote_pool  # noqa: PLC0415
+        from kvtransfer.remote import open_remote_pool  # noqa: PLC0415 - torch, in the core only
 
+        address, instance_id = cmd.address, cmd.instance_id
         old = self.peers.get(address)
         if old is not None and old[0] == instance_id:
             return
-        device = "cpu" if descriptor.transport == "shm" else self.engine.runner.device
-        self.peers[address] = (instance_id, open_remote_pool(descriptor, device))
+        device = "cpu" if cmd.descriptor.transport == "shm" else self.engine.runner.device
+        self.peers[address] = (instance_id, open_remote_pool(cmd.descriptor, device))
         if old is not None:
             with contextlib.suppress(Exception):
                 old[1].close()
 
-    def _do_snapshot(self) -> EngineSnapshot:
+    def _take_snapshot(self, _: TakeSnapshot) -> EngineSnapshot:
         return self._snapshot()
 
-    def _do_stop(self) -> None:
+    def _stop(self, _: Stop) -> None:
         self.stopping = True
 
     # -- KV hooks (decode role) --------------------------------------------------------------
     def _pull(self, kv: RemoteKV, dst_block_ids: list[int]) -> None:
-        from kvtransfer.remote import pull_blocks  # noqa: PLC0415
+        from kvtransfer.remote import pull_blocks  # noqa: PLC0415 - torch, in the core only
 
-        source: _Source = kv.source
-        remote = source.remote
         start_ns = time.time_ns()
         stats = error = None
-        instance, pool = self.peers.get(remote.address, ("", None))
+        instance, pool = self.peers.get(kv.address, ("", None))
         try:
             if pool is None:
-                raise RuntimeError(f"the KV pool of {remote.address} is not mapped")
-            if instance != remote.instance_id:
-                raise RuntimeError(f"the prefill worker at {remote.address} restarted: the "
+                raise RuntimeError(f"the KV pool of {kv.address} is not mapped")
+            if instance != kv.instance_id:
+                raise RuntimeError(f"the prefill worker at {kv.address} restarted: the "
                                    "lease's KV went with it")
-            if time.monotonic() > remote.deadline:
+            if time.monotonic() > kv.deadline:
                 raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
             stats = pull_blocks(pool, self.engine.runner.pool, kv.block_ids, dst_block_ids,
-                                deadline=remote.deadline)
+                                deadline=kv.deadline)
         except Exception as e:
             error = e
             raise
         finally:
-            self._settle(source, LeaseDone(
-                source.request_id, remote.address, remote.lease_id, pulled=True,
-                start_ns=start_ns, end_ns=time.time_ns(), num_blocks=len(kv.block_ids),
-                nbytes=stats.bytes if stats else 0, seconds=stats.seconds if stats else 0.0,
-                transport=pool.descriptor.transport if pool is not None else "",
-                error=f"{type(error).__name__}: {error}" if error is not None else None))
+            self._settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
+                         num_blocks=len(kv.block_ids),
+                         nbytes=stats.bytes if stats else 0,
+                         seconds=stats.seconds if stats else 0.0,
+                         transport=pool.descriptor.transport if pool is not None else "",
+                         error=f"{type(error).__name__}: {error}" if error is not None else None)
 
     def _drop(self, kv: RemoteKV) -> None:
-        self._settle(kv.source)
+        self._settle(kv)
 
-    def _settle(self, source: _Source, done: LeaseDone | None = None) -> None:
-        if source.settled:
-            return
-        source.settled = True
-        r = source.remote
-        self.events.send(("lease_done", done or LeaseDone(source.request_id, r.address,
-                                                          r.lease_id)))
+    def _settle(self, kv: RemoteKV, **pull: Any) -> None:
+        """The lease is done here: one LeaseDone (with the pull's figures, if one ran), once."""
+        request_id = self.leases_held.pop(kv.lease_id, None)
+        if request_id is not None:
+            self.events.send(LeaseDone(request_id, kv.address, kv.lease_id, **pull))
 
     # -- helpers -----------------------------------------------------------------------------
     def _allocate_shared_pool(self, shape, dtype, device):
-        from kvtransfer.pool import allocate_pool  # noqa: PLC0415
+        from kvtransfer.pool import allocate_pool  # noqa: PLC0415 - torch, in the core only
 
         n, layers, _, bs, heads, dim = shape
         pool = allocate_pool(num_blocks=n, num_layers=layers, block_size=bs, num_kv_heads=heads,
@@ -270,7 +269,7 @@ class EngineCore:
         snap = self._snapshot()
         if snap != self._last_snapshot:
             self._last_snapshot = snap
-            self.events.send(("snapshot", snap))
+            self.events.send(SnapshotChanged(snap))
 
 
 def run_core(spec: CoreSpec, commands: Connection, events: Connection) -> None:
@@ -279,29 +278,22 @@ def run_core(spec: CoreSpec, commands: Connection, events: Connection) -> None:
         signal.signal(sig, signal.SIG_IGN)
     _die_with_parent()
     _name_native_thread(f"{spec.role}-core")
-    _configure_logging(spec.role)
+    if spec.process_setup is not None:
+        spec.process_setup(spec.role)  # the service's logging, before anything can log
     _widen_pipe(events)
     _set_compute_threads(spec.config.device, spec.cpu_threads)
     try:
         core = EngineCore(spec, events)
     except BaseException as e:  # noqa: BLE001 - reported to the worker, which exits
-        events.send(("failed", 0, None, portable(e)))
+        events.send(Failed(portable(e)))
         return
     try:
-        events.send(("ready", 0, core.info(), None))
+        events.send(Ready(core.info()))
         core.serve(commands)
     except (BrokenPipeError, EOFError):
         pass  # the worker is gone
     finally:
         core.close()
-
-
-def _configure_logging(role: str) -> None:
-    from engine.serving.telemetry import TelemetrySettings, configure_logging  # noqa: PLC0415
-
-    settings = TelemetrySettings.from_env()
-    configure_logging(settings.service(role), json=settings.log_format == "json",
-                      level=settings.log_level)
 
 
 def _widen_pipe(conn: Connection, size: int = 1 << 20) -> None:

@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from engine.config import EngineConfig
-from engine.errors import InvalidArgument, ModelLoadError
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from engine.sequence import SeqOutput
+from engine.sequence import RemoteKV, SeqOutput
 from engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
-from engine.serving.core_messages import CoreSpec, RemoteSource
+from engine.serving.core_messages import CoreSpec
+from tandem.errors import InvalidArgument, ModelLoadError
 
 PROMPTS = [[3 + i, 11, 29 + 2 * i, 7] * (1 + i) for i in range(8)]
 
@@ -172,8 +172,8 @@ def test_every_decode_lease_ends_in_exactly_one_lease_done(model_dir):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = PROMPTS[2]
 
-    def source(lease: str, blocks: int) -> RemoteSource:
-        return RemoteSource("127.0.0.1:1", lease, time.monotonic() + 30, tuple(range(blocks)),
+    def source(lease: str, blocks: int) -> RemoteKV:
+        return RemoteKV("127.0.0.1:1", lease, time.monotonic() + 30, tuple(range(blocks)),
                             (5,), (None,))
 
     async def body(engine: AsyncEngine) -> None:
@@ -221,7 +221,7 @@ def test_a_decode_request_with_an_out_of_vocabulary_first_token_fails_alone(mode
         for e in started:
             await e.wait()
         vocab, bs = engine.info.limits.vocab_size, engine.info.layout["block_size"]
-        source = RemoteSource("127.0.0.1:1", "L", time.monotonic() + 30,
+        source = RemoteKV("127.0.0.1:1", "L", time.monotonic() + 30,
                               tuple(range(-(-len(PROMPTS[2]) // bs))), (vocab,), (None,))
         with pytest.raises(InvalidArgument, match="first_token_ids"):
             await engine.decode("bad", PROMPTS[2], params, source, print)

@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
-from engine.errors import InvalidArgument, ModelLoadError
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from tandem.errors import InvalidArgument, ModelLoadError
 
 
 @pytest.fixture(scope="module")

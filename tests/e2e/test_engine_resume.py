@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidArgument
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import RemoteKV
+from tandem.errors import InvalidArgument
 
 PROMPT = [7, 19, 3, 88, 41, 5, 16, 230, 9, 77, 12, 54, 6, 140, 33, 2, 90, 61, 8]  # 1 block + 3
 
@@ -67,7 +67,7 @@ def resume(prefill: LLMEngine, decode: LLMEngine, rid: str, params: SamplingPara
     # The first tokens travel from the first prefill (unseeded they could differ here).
     firsts = tuple(e[0] for e in expected)
     so_far = [e[:cut] for e in expected]
-    remote = RemoteKV("src", handoff.block_ids, firsts, (None,) * params.n,
+    remote = RemoteKV("src", "L", float("inf"), handoff.block_ids, firsts, (None,) * params.n,
                       tuple(tuple(s[1:]) for s in so_far))
     decode.add_remote_request(rid, PROMPT, params, remote)
     got = [list(s) for s in so_far]
@@ -96,7 +96,8 @@ def test_resume_is_checked_before_any_block(engines):
 
     def add(resume):
         decode.add_remote_request("bad", PROMPT, params,
-                                  RemoteKV("src", (0, 1), (1, 2), (None, None), resume))
+                                  RemoteKV("src", "L", float("inf"), (0, 1), (1, 2), (None, None),
+                                           resume))
 
     with pytest.raises(InvalidArgument, match="resume"):
         add(((3,),))  # one sample of two

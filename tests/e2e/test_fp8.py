@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 
 import engine.attention.torch_backend as torch_backend
 from benchmarks.fp8_accuracy import Accuracy, build, compare, score
-from engine.errors import InvalidArgument, ModelLoadError
 from engine.llm import LLM
 from engine.quantization.fp8 import Fp8Linear, quantize_weight
 from engine.sampling_params import SamplingParams
+from tandem.errors import InvalidArgument, ModelLoadError
 
 # The tiny Llama (2 layers, 2 KV heads) over 128 fixed random tokens, teacher-forced: prefill
 # chunks of 32 over the cached context, the last 16 tokens one a step (the decode path). Greedy
@@ -205,8 +205,8 @@ def test_unsupported_quantization_configs_are_named(tiny_models, tmp_path):
 
 # -- the flags -----------------------------------------------------------------------------------
 def test_generate_and_up_take_the_fp8_flags(tiny_models, capsys):
-    from router_svc.cli import build_parser, main
-    from router_svc.launcher import stack_from_args
+    from cli.main import build_parser, main
+    from cli.up import stack_from_args
 
     assert main(["generate", "--model", str(tiny_models["llama"]), "--kv-cache-dtype", "fp8",
                  "--quantization", "fp8", "--prompt-token-ids", "5,6,7", "--max-tokens", "4",

@@ -17,13 +17,13 @@ from safetensors.torch import load_file
 from tiny_gguf import llama3_rope_freqs, write_gguf
 
 from engine.config import ModelConfig, RopeScaling
-from engine.errors import ModelLoadError
 from engine.gguf_checkpoint import llama3_rope_scaling, read_tensors
 from engine.llm import LLM
 from engine.model_source import resolve_model
 from engine.models.layers import rope_inv_freq
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from tandem.errors import ModelLoadError
 
 Q = gguf.GGMLQuantizationType
 PROMPTS = [[1 + (7 * i + 3 * j) % 250 for j in range(3 + 6 * i)] for i in range(4)]

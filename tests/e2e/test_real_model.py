@@ -24,7 +24,7 @@ from engine.gguf_checkpoint import packaged_file
 from engine.llm import LLM
 from engine.model_source import resolve_model
 from engine.sampling_params import SamplingParams
-from tandem.convert import params_to_proto
+from runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 MODEL = "smollm2-135m-instruct"

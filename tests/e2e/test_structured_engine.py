@@ -10,9 +10,9 @@ import threading
 import jsonschema
 import pytest
 
-from engine.errors import InvalidArgument
 from engine.llm import LLM
 from engine.sampling_params import ResponseFormat, SamplingParams
+from tandem.errors import InvalidArgument
 
 SCHEMA = {"type": "object",
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},

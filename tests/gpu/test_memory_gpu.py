@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import InvalidArgument
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from tandem.errors import InvalidArgument
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -99,6 +99,33 @@ def test_serve_offline_reports_kv_waste_against_static_batches(tiny_models, tmp_
     assert all(kinds[k]["profiled"] == 0 for k in ("decode", "mixed", "prefill"))
 
 
+def test_offline_recorder_reads_steps_through_the_engine_observer(tiny_models, monkeypatch):
+    """offline.py's StepRecorder sees every step through LLMEngine.on_step (no wrapping): the
+    profiler (replaced here, as it needs CUDA) covers exactly every Nth step, from the first,
+    and the observer is gone afterwards."""
+    from benchmarks import offline
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    calls = []
+    monkeypatch.setattr(offline, "_start_profiler", lambda rec: calls.append(rec.steps) or "p")
+    monkeypatch.setattr(offline, "_stop_profiler", lambda rec, prof: 0.001)
+    llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32", progress=False)
+    finished = []
+    rec = offline.StepRecorder(llm.engine, 3, on_finished=finished.append)
+    rec.attach()
+    outs = llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8, ignore_eos=True,
+                                                           temperature=0))
+    rec.detach()
+    assert llm.engine.on_step is None
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert rec.steps == 8 and sum(finished) == 4 and len(rec.done) == 4
+    assert calls == [0, 3, 6]  # started before steps 0, 3 and 6
+    kinds = rec.step_account()
+    assert sum(kinds[k]["profiled"] for k in offline.STEP_KINDS) == 3
+    assert 0 < rec.execute_s < rec.step_s
+
+
 def test_hf_baseline_static_and_continuous_batching(tiny_models, tmp_path):
     out = tmp_path / "hf.json"
     run("hf_baseline.py", "--model", str(tiny_models["llama"]), "--device", "cpu", "--mode",

@@ -17,16 +17,18 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cli.supervisor import RestartPolicy, Supervisor
 from cluster import Cluster
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from router_svc.supervisor import RestartPolicy
-from tandem.convert import params_to_proto
+from runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
 PROMPTS = [[(11 * i + 5 * j) % 250 + 1 for j in range(6 + 7 * i)] for i in range(6)]
-LONG = 160  # tokens per sample: the streams are still running when the fault comes
+# Tokens per sample, every sample running to it (ignore_eos): whichever decode worker the fault
+# hits holds streams that are still running then, however slow the machine.
+LONG = 160
 JOBS = [
     (PROMPTS[0], SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)),
     (PROMPTS[1], SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)),
@@ -35,7 +37,7 @@ JOBS = [
     (PROMPTS[3], SamplingParams(n=2, temperature=0, max_tokens=LONG, ignore_eos=True)),
     (PROMPTS[4], SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=LONG,
                                 ignore_eos=True)),
-    (PROMPTS[5], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=LONG)),
+    (PROMPTS[5], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=LONG, ignore_eos=True)),
 ]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -104,7 +106,7 @@ async def metric(c: Cluster, name: str) -> float:
 
 def test_killed_decode_worker_streams_move_and_it_is_restarted(tiny_models, tmp_path, expected):
     c = cluster(tiny_models, tmp_path)
-    supervisor = c.supervise(RestartPolicy(max_restarts=3, window_s=600))
+    supervisor = Supervisor(c, RestartPolicy(max_restarts=3, window_s=600)).start()
     try:
         async def main():
             async with grpc.aio.insecure_channel(c.router.address) as ch:
@@ -181,7 +183,8 @@ def test_hung_decode_worker_is_found_and_its_streams_move(tiny_models, tmp_path,
         print(f"\nstreams on the SIGSTOPped decode worker moved after {moved_s:.2f} s")
         assert results == expected
         events = router_events(c)
+        # Found by the router's poll (--worker-timeout), not by the channel's pings: the time
+        # it took is a figure (benchmarks/hung_worker.py, BENCHMARKS.md), not asserted here.
         assert any("answered no poll" in e for e in events), events[-20:]
-        assert moved_s < 15, moved_s  # the bound
     finally:
         c.stop()

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from cluster import Cluster
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tandem.convert import params_to_proto
+from runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]

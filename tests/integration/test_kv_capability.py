@@ -15,7 +15,7 @@ import pytest
 from cluster import Cluster
 from engine.sampling_params import SamplingParams
 from kvtransfer.lease import prompt_digest
-from tandem.convert import params_to_proto
+from runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
@@ -77,8 +77,6 @@ async def stream(ch, *requests: worker_pb2.StreamRequest):
             tokens.setdefault(rid, []).extend(msg.tokens.token_ids[pos:pos + n])
             pos += n
         for u in msg.updates:
-            tokens.setdefault(u.request_id, []).extend(
-                t for c in u.tokens.chunks for t in c.token_ids)
             if u.done:
                 ends.setdefault(u.request_id, []).append(u)
     assert await call.code() == grpc.StatusCode.OK

@@ -15,7 +15,7 @@ from test_disaggregated import PROMPTS, WORKER_ARGS, generate
 from cluster import Cluster
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tandem.convert import params_to_proto
+from runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 

@@ -93,7 +93,7 @@ class Host:
 
 
 def _tandem(*args: str, ready: Path) -> list[str]:
-    return [sys.executable, "-m", "router_svc.cli", *args, "--ready-file", str(ready)]
+    return [sys.executable, "-m", "cli.main", *args, "--ready-file", str(ready)]
 
 
 def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path) -> None:
@@ -110,7 +110,7 @@ CLIENT = textwrap.dedent("""
     import asyncio, json, sys, time
     import grpc
     from engine.sampling_params import SamplingParams
-    from tandem.convert import params_to_proto
+    from runtime.convert import params_to_proto
     from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
     router, workers, prompts = sys.argv[1], sys.argv[2].split(","), json.loads(sys.argv[3])
 

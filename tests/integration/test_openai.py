@@ -17,11 +17,11 @@ import openai
 import pytest
 
 from cluster import Cluster
-from engine.errors import InvalidArgument, Overloaded
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from router_svc.http_api import api_error
 from router_svc.orchestrator import RouterError
+from tandem.errors import InvalidArgument, Overloaded
 
 API_KEY = "k"
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]

@@ -11,7 +11,7 @@ import pytest
 
 from cluster import Cluster
 from engine.sampling_params import SamplingParams
-from tandem.convert import params_to_proto
+from runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 WORKER_ARGS = ["--num-blocks", "512", "--max-num-batched-tokens", "256"]

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster import Cluster
 from engine.sampling_params import SamplingParams
-from tandem.convert import params_to_proto
+from runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 GRACE_S = 20

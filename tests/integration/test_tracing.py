@@ -25,12 +25,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from cluster import Cluster
 from engine.sampling_params import SamplingParams
-from engine.serving.metrics import Metrics
-from engine.serving.telemetry import Telemetry, Tracing
 from engine.tokenizer import Tokenizer
 from router_svc.frontend import Frontend, ModelInfo
 from router_svc.orchestrator import SampleUpdate, Update
-from tandem.convert import descriptor_from_proto, params_to_proto
+from runtime.convert import descriptor_from_proto, params_to_proto
+from runtime.metrics import Metrics
+from runtime.telemetry import Telemetry, Tracing
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]

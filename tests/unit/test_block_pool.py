@@ -1,15 +1,14 @@
-"""Block pool, KV manager and scheduler on exact block ids. Plain Python: no model, no torch."""
+"""Block pool and KV manager on exact block ids. Plain Python: no model, no torch.
+The scheduler's tests are in test_scheduler.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.block_pool import BlockPool, hash_block
-from engine.config import SchedulerConfig
 from engine.kv_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, Status
+from engine.sequence import Sequence
 
 BS = 4
 
@@ -150,123 +149,6 @@ def test_allocate_fails_cleanly_when_short(pool):
     assert a.block_ids == [] and pool.num_free == 8
     assert kv.allocate_slots(a, 32)
     kv.free(a)
-
-
-def make_scheduler(pool, budget=64, max_seqs=8, max_len=64):
-    return Scheduler(SchedulerConfig(budget, max_seqs, max_len), KVCacheManager(pool))
-
-
-def run_step(sched, batch, sample_token=7):
-    """What the engine does after a forward pass, minus the model."""
-    for s, n in zip(batch.seqs, batch.num_new_tokens):
-        s.num_computed_tokens += n
-        sched.kv.cache_full_blocks(s)
-        if s.num_computed_tokens == s.num_tokens:
-            s.token_ids.append(sample_token)
-
-
-def finish_all(sched):
-    for s in list(sched.running) + list(sched.waiting):
-        sched.kv.free(s)
-        s.status = Status.FINISHED
-    sched.remove_finished()
-
-
-def test_chunked_prefill_mixes_with_decodes(pool):
-    sched = make_scheduler(pool, budget=6)
-    a, b = seq(range(5), "a"), seq(range(10, 20), "b")
-    sched.add(a)
-    sched.add(b)
-    batch = sched.schedule()  # a whole (5), b gets the 1 token left
-    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [
-        ("b", 1), ("a", 5)]
-    run_step(sched, batch)
-    batch = sched.schedule()  # a decodes (1), b continues its chunk (5)
-    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [
-        ("a", 1), ("b", 5)]
-    assert a.block_ids == [0, 1] and b.block_ids == [2, 3]
-    run_step(sched, batch)
-    finish_all(sched)
-
-
-def test_max_num_seqs_caps_admission(pool):
-    sched = make_scheduler(pool, max_seqs=2)
-    for i in range(3):
-        sched.add(seq([i] * 3, f"r{i}"))
-    batch = sched.schedule()
-    assert [s.request_id for s in batch.seqs] == ["r0", "r1"]
-    assert [s.request_id for s in sched.waiting] == ["r2"]
-    finish_all(sched)
-
-
-def test_n_counts_all_samples_against_max_num_seqs(pool):
-    sched = make_scheduler(pool, max_seqs=4)
-    sched.add(seq([1] * 3, "a", n=3))
-    sched.add(seq([2] * 3, "b", n=2))
-    batch = sched.schedule()
-    assert [s.request_id for s in batch.seqs] == ["a"]
-    finish_all(sched)
-
-
-def test_preempts_newest_when_blocks_run_out(pool):
-    sched = make_scheduler(pool)
-    old, new = seq(range(16), "old"), seq(range(100, 116), "new")
-    sched.add(old)
-    sched.add(new)
-    run_step(sched, sched.schedule())  # 4 blocks each: pool full
-    assert pool.num_free == 0
-    old_blocks = list(old.block_ids)
-    batch = sched.schedule()  # old needs a 5th block for token 17: new is preempted
-    assert [s.request_id for s in batch.preempted] == ["new"]
-    assert [s.request_id for s in batch.seqs] == ["old"]
-    assert new.status is Status.WAITING and new.block_ids == [] and new.num_computed_tokens == 0
-    assert list(sched.waiting) == [new] and sched.num_preemptions == 1
-    assert old.block_ids[:4] == old_blocks and len(old.block_ids) == 5
-    run_step(sched, batch)
-    finish_all(sched)
-
-
-def test_preempted_sequence_resumes_from_prefix_cache(pool):
-    sched = make_scheduler(pool)
-    old, new = seq(range(16), "old"), seq(range(100, 116), "new")
-    sched.add(old)
-    sched.add(new)
-    run_step(sched, sched.schedule())
-    new_full_blocks = new.block_ids[:3]
-    batch = sched.schedule()
-    run_step(sched, batch)
-    # old finishes; new comes back and finds its 3 full blocks still cached.
-    sched.kv.free(old)
-    old.status = Status.FINISHED
-    sched.remove_finished()
-    batch = sched.schedule()
-    assert batch.seqs == [new]
-    # Its 4th block was reused for old's growth (evicted); the first 3 are hits.
-    assert new.block_ids[:3] == new_full_blocks and new.num_cached_tokens == 12
-    assert batch.num_new_tokens == [17 - 12]  # 16 prompt + 1 output, 12 from cache
-    finish_all(sched)
-
-
-def test_preempting_itself_when_alone_and_stuck():
-    pool = BlockPool(2, BS)
-    sched = make_scheduler(pool)
-    a = seq(range(8), "a")
-    sched.add(a)
-    run_step(sched, sched.schedule())
-    batch = sched.schedule()  # needs a third block that does not exist
-    assert batch.preempted == [a] and batch.seqs == []
-    finish_all(sched)
-    assert pool.is_idle()
-
-
-def test_watermark_never_blocks_a_request_alone():
-    pool = BlockPool(100, BS)
-    sched = make_scheduler(pool, budget=512, max_len=512)
-    big = seq(range(399), "big")  # 100 blocks: the whole pool, nothing left for a watermark
-    sched.add(big)
-    batch = sched.schedule()
-    assert batch.seqs == [big] and len(big.block_ids) == 100
-    finish_all(sched)
 
 
 def test_block_hashes_agree_across_processes():

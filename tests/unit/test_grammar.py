@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from engine.demo import EOT_ID, VOCAB_SIZE, demo_model_dir
-from engine.errors import InvalidArgument
 from engine.grammar import GrammarCompiler, check_schema
 from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import ResponseFormat, SamplingParams
+from tandem.errors import InvalidArgument
 
 PADDED_VOCAB = VOCAB_SIZE + 50  # the model's logits wider than the tokenizer
 ENUM = ResponseFormat("json_schema", json.dumps({"enum": ["ab", "cd"]}))

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from router_svc import healthcheck
+from cli import health as healthcheck
 
 WORKER = "tandem.v1.Worker"
 Status = health_pb2.HealthCheckResponse

@@ -132,7 +132,7 @@ def test_workers_get_a_gpu_each_and_prefill_serves_its_pool_over_nixl() -> None:
 
 def test_the_worker_and_router_flags_parse_with_the_cli() -> None:
     """Each container's args are a command line the `tandem` CLI accepts."""
-    from router_svc.cli import build_parser
+    from cli.main import build_parser
 
     parser = build_parser()
     for deployment in ("tandem-prefill", "tandem-decode", "tandem-router"):
@@ -155,7 +155,7 @@ def test_every_variable_a_command_line_uses_is_defined_in_the_container() -> Non
 
 
 def test_the_cli_check_would_catch_a_flag_the_cli_does_not_know() -> None:
-    from router_svc.cli import build_parser
+    from cli.main import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["prefill", "--model", "m", "--transport", "carrier-pigeon"])

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import InvalidArgument, LayoutMismatch
 from kvtransfer.descriptor import LAYOUT_FIELDS, PoolDescriptor, check_compatible
 from kvtransfer.lease import Claim, LeaseClaims, LeaseTable, prompt_digest
 from kvtransfer.pool import SHM_DIR, allocate_pool
 from kvtransfer.remote import open_remote_pool, pull_blocks
+from tandem.errors import InvalidArgument, LayoutMismatch
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = dict(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)

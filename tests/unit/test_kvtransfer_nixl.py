@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.errors import InvalidArgument
 from kvtransfer.descriptor import PoolDescriptor
 from kvtransfer.pool import allocate_pool
 from kvtransfer.remote import pull_blocks
+from tandem.errors import InvalidArgument
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # before any agent exists: loopback only
 
@@ -72,7 +72,7 @@ def endpoints():
         return ep
 
     yield make
-    for ep in made:
+    for ep in reversed(made):  # readers before the owners they read from
         ep.close()
 
 

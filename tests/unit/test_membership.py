@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 
-from engine.errors import InvalidArgument
 from router_svc.membership import (
     Membership,
     MembershipConfig,
@@ -15,6 +14,7 @@ from router_svc.membership import (
     parse_workers_file,
 )
 from router_svc.workers import WorkerSet
+from tandem.errors import InvalidArgument
 
 
 def test_workers_file_lines_are_role_and_address_with_comments_and_blanks() -> None:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STUBS = ROOT / "protos" / "tandem" / "v1"
+STUBS = ROOT / "tandem" / "v1"
 
 
 def test_committed_stubs_match_a_fresh_generation(tmp_path):

@@ -15,7 +15,7 @@ from engine.sampling_params import SamplingParams
 from router_svc.decode_legs import DecodeLegs, RouterError
 from router_svc.worker_stream import SampleUpdate, StreamBroken, Update
 from router_svc.workers import FaultMetrics, Worker, WorkerSet, unless_lost
-from tandem.convert import params_to_proto
+from runtime.convert import params_to_proto
 from tandem.v1 import worker_pb2
 
 

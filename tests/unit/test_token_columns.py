@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from decode_svc.outbox import Outbox, failure_message
 from engine.sequence import FinishReason, SeqOutput
 from router_svc.worker_stream import _by_request
+from runtime.worker import WorkerError
 from tandem.v1 import worker_pb2
-from tandem.worker_base import WorkerError
 
 
 def engine_steps(requests, rnd) -> list[list[list[SeqOutput]]]:

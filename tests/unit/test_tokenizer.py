@@ -16,8 +16,8 @@ import json
 import pytest
 
 from engine.demo import BOS_ID, END_OF_TEXT_ID, EOT_ID
-from engine.errors import InvalidArgument, ModelLoadError
 from engine.tokenizer import Tokenizer
+from tandem.errors import InvalidArgument, ModelLoadError
 from tiny_tokenizers import build_bytelevel_bpe_tokenizer, build_sentencepiece_tokenizer
 
 TEXTS = ["hello world", " leading space", "naïve café", "日本語", "😀👍🏽🇫🇷", "a\n\tb  c", ""]

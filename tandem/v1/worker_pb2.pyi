@@ -81,30 +81,6 @@ class GenerateOnWorkerRequest(_message.Message):
     params: _common_pb2.SamplingParams
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
-class TokenChunk(_message.Message):
-    __slots__ = ("sample_index", "token_ids", "logprobs", "finish_reason", "num_output_tokens")
-    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    sample_index: int
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    finish_reason: str
-    num_output_tokens: int
-    def __init__(self, sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
-
-class TokenChunks(_message.Message):
-    __slots__ = ("chunks", "num_prompt_tokens", "num_cached_tokens")
-    CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    chunks: _containers.RepeatedCompositeFieldContainer[TokenChunk]
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    def __init__(self, chunks: _Optional[_Iterable[_Union[TokenChunk, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
-
 class StreamRequest(_message.Message):
     __slots__ = ("generate", "decode", "cancel", "trace_context")
     class TraceContextEntry(_message.Message):
@@ -125,21 +101,19 @@ class StreamRequest(_message.Message):
     def __init__(self, generate: _Optional[_Union[GenerateOnWorkerRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RequestUpdate(_message.Message):
-    __slots__ = ("request_id", "tokens", "done", "error_code", "error_message")
+    __slots__ = ("request_id", "done", "error_code", "error_message")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    tokens: TokenChunks
     done: bool
     error_code: int
     error_message: str
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Union[TokenChunks, _Mapping]] = ..., done: _Optional[bool] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., done: _Optional[bool] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class TokenColumns(_message.Message):
-    __slots__ = ("request_id", "sample_index", "num_tokens", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens")
+    __slots__ = ("request_id", "sample_index", "num_tokens", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "with_logprobs", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +121,8 @@ class TokenColumns(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WITH_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: _containers.RepeatedScalarFieldContainer[str]
     sample_index: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -154,7 +130,9 @@ class TokenColumns(_message.Message):
     finish_reason: _containers.RepeatedScalarFieldContainer[str]
     num_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., sample_index: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Iterable[str]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    with_logprobs: _containers.RepeatedScalarFieldContainer[bool]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[_Iterable[str]] = ..., sample_index: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Iterable[str]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., with_logprobs: _Optional[_Iterable[bool]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
     __slots__ = ("updates", "tokens")

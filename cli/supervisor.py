@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router_svc.launcher import STARTUP_TIMEOUT_S, LocalStack, Proc
+from cli.launcher import STARTUP_TIMEOUT_S, LocalStack, Proc
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ class Supervisor:
             while not self._stop.wait(interval_s) and self.failed is None:
                 self.check()
 
+        self.stack.supervisor = self  # the stack stops it before stopping its processes
         self._thread = threading.Thread(target=loop, name="supervisor", daemon=True)
         self._thread.start()
         return self

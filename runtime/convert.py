@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.errors import InvalidArgument
 from engine.sampling_params import Logprob, ResponseFormat, SamplingParams, TokenLogprobs
 from kvtransfer.descriptor import PoolDescriptor
+from tandem.errors import InvalidArgument
 from tandem.v1 import common_pb2, worker_pb2
 
 

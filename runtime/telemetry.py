@@ -6,7 +6,7 @@
     configure_tracing(service)     OpenTelemetry exporting OTLP when OTEL_* asks for it (an
                                    endpoint, or OTEL_TRACES_EXPORTER), else a no-op tracer
     Metrics(role, model_name)      Prometheus collectors named like vLLM's, prefix `tandem:`
-                                   (engine/serving/metrics.py)
+                                   (runtime/metrics.py)
     Telemetry                      what servicers call: request spans, their attributes, the
                                    KV-transfer span; RouterRequest for the router's side
 
@@ -58,7 +58,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from engine.serving.metrics import Metrics
+from runtime.metrics import Metrics
 
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
@@ -166,6 +166,14 @@ def configure_logging(service: str, *, json: bool = True, level: str | int = "IN
     root.handlers[:] = [handler]
     root.setLevel(level)
     logging.captureWarnings(True)
+
+
+def configure_process_logging(role: str) -> None:
+    """The logging of a process serving `role` from the environment's settings: what a worker's
+    engine core runs first (CoreSpec.process_setup)."""
+    settings = TelemetrySettings.from_env()
+    configure_logging(settings.service(role), json=settings.log_format == "json",
+                      level=settings.log_level)
 
 
 def _add_service(service: str) -> Callable[[Any, str, dict[str, Any]], dict[str, Any]]:

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import grpc
 
-from engine.errors import InvalidArgument, LayoutMismatch, ModelLoadError, Overloaded
 from engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
 from engine.serving.core_messages import CoreSpec, LeaseDone
-from engine.serving.lifecycle import Health, enable_reflection, make_server, serve_until_signal
-from engine.serving.telemetry import Telemetry
+from runtime.engine_args import add_engine_args, engine_config
+from runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
+from runtime.telemetry import Telemetry, configure_process_logging
+from tandem.errors import InvalidArgument, LayoutMismatch, ModelLoadError, Overloaded
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -28,8 +29,6 @@ WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    from router_svc.cli import add_engine_args  # noqa: PLC0415
-
     add_engine_args(p)
     g = p.add_argument_group("service")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -136,8 +135,6 @@ async def run_worker(args: argparse.Namespace, role: str,
                      lease_ttl_s: float = 30.0) -> int:
     """engine core → servicer → health (+ reflection) → start → signal → drain → stop.
     Returns the exit code: 1 when the engine core died under the server."""
-    from router_svc.cli import engine_config  # noqa: PLC0415
-
     telemetry = telemetry or Telemetry(role)
     metrics = telemetry.metrics
     stop = asyncio.Event()
@@ -149,7 +146,7 @@ async def run_worker(args: argparse.Namespace, role: str,
         stop.set()
 
     spec = CoreSpec(engine_config(args, role=role), role, transport, lease_ttl_s,
-                    cpu_threads=args.cpu_threads)
+                    cpu_threads=args.cpu_threads, process_setup=configure_process_logging)
     engine = AsyncEngine(spec, on_step=metrics.on_step, on_abort=metrics.on_abort,
                          on_death=on_death)
     await engine.start()

