@@ -389,3 +389,20 @@ def test_the_benchmarks_nixl_rows_move_the_right_bytes_on_the_cpu(monkeypatch) -
                         "bfloat16", rng.sample(range(32), 9), rng.sample(range(32), 9))
     assert set(rows) == {"nixl READ (NixlRemotePool.pull)", "nixl READ, contiguous blocks"}
     assert all(r["correct"] and r["gbps"] > 0 for r in rows.values()), rows
+
+
+def test_a_prefill_worker_without_the_package_exits_naming_the_extra(tmp_path) -> None:
+    """`tandem prefill --transport nixl` where nixl cannot be imported (a package shadowing it
+    raises ImportError, in the worker and in its engine core alike): it exits non-zero and says
+    which extra to install."""
+    shadow = tmp_path / "shadow" / "nixl"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no NIXL here')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(shadow.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "prefill", "--model", "tandem-demo", "--device", "cpu",
+         "--transport", "nixl", "--port", "0", "--num-blocks", "16", "--cpu-threads", "1"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+    assert proc.returncode != 0
+    assert "tandem[nixl]" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
