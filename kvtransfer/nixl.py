@@ -28,6 +28,7 @@ for TCP, lo in the tests), UCX_TLS (e.g. rc,cuda_copy,cuda_ipc or tcp,cuda_copy)
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import struct
@@ -71,6 +72,11 @@ def load_nixl() -> Any:
     except ImportError as e:
         raise NixlUnavailable(f"the nixl transport needs the NIXL package, which cannot be "
                               f"imported ({e}): {INSTALL_HINT}") from e
+    # NIXL's Python logger prints plain text to stdout by a handler of its own; its records go
+    # through this process's logging instead (one JSON line per event, like every other).
+    nixl_log = logging.getLogger("nixl")
+    nixl_log.handlers.clear()
+    nixl_log.propagate = True
     return _api
 
 
