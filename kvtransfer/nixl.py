@@ -278,7 +278,9 @@ class NixlEndpoint:
     def _release(self, handle: Any) -> None:
         """Release a transfer handle; NIXL cancels it if still active. When it cannot (it
         refuses the release), wait until the transfer is no longer in flight, then release:
-        the caller frees the destination blocks after this returns."""
+        the caller frees the destination blocks after this returns. That wait has no deadline
+        on purpose (a late write into reused blocks would corrupt another request); UCX ends a
+        transfer whose peer is gone with an error of its own (its keepalive and timeouts)."""
         refused = 0
         while True:
             try:
@@ -287,7 +289,10 @@ class NixlEndpoint:
                 return
             except Exception:  # noqa: BLE001 - NIXL: "cannot cancel now", or a bad handle
                 refused += 1
-            state = self._state(handle)
+            try:
+                state = self._state(handle)
+            except Exception:  # noqa: BLE001 - a handle NIXL no longer knows is not in flight
+                state = "ERR"
             if state != "PROC" and refused > 1:
                 # Not in flight, and refused twice: NIXL keeps it (its agent re-releases such
                 # handles when it is destroyed); nothing writes into the blocks any more.
