@@ -48,7 +48,7 @@ def test_workers_file_adds_a_decode_worker_and_drains_the_removed_one(tiny_model
         _write(members, ["# the stack", f"prefill {p0.address}", f"decode {d0.address}"])
         router = c.spawn("router", ["router", "--model", model, "--grace", "10",
                                     "--workers-file", str(members), "--membership-interval",
-                                    "0.1", "--poll-interval", "0.1", "--grpc-port", "0",
+                                    "0.1", "--grpc-port", "0",
                                     "--http-port", "-1"])
         c.wait_ready([router])
         greedy = SamplingParams(temperature=0, max_tokens=10)
