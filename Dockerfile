@@ -41,8 +41,10 @@ COPY . .
 # The smoke test imports every service module (`tandem --help` builds all their parsers); no
 # GPU is needed to import torch, triton or cupy.
 # `structured`: xgrammar, for response_format and tool_choice required (it keeps this torch).
-RUN pip install ".[gpu,structured]" \
- && python -c "import torch, cupy, xgrammar; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
+# `nixl`: the nixl transport between hosts (deploy/k8s uses it); `import nixl` picks the CUDA 13
+# build that matches this torch.
+RUN pip install ".[gpu,structured,nixl]" \
+ && python -c "import torch, cupy, xgrammar, nixl._api; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
  && tandem --help > /dev/null
 
 # ---- runtime ------------------------------------------------------------------------------------

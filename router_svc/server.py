@@ -15,6 +15,7 @@ from engine.tokenizer import Tokenizer, has_tokenizer
 from router_svc.frontend import Frontend
 from router_svc.grpc_api import TandemServicer
 from router_svc.http_guard import DEFAULT_MAX_BODY_BYTES
+from router_svc.membership import Membership, config_from_args
 from router_svc.orchestrator import Orchestrator
 from router_svc.workers import FaultMetrics, WorkerSet
 from runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
@@ -64,6 +65,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", action="append", help="prefill worker address(es), host:port")
     p.add_argument("--decode", action="append", help="decode worker address(es)")
     p.add_argument("--workers", action="append", help="colocated (role both) worker address(es)")
+    p.add_argument("--workers-file", default=None,
+                   help="a file of 'ROLE HOST:PORT' lines, re-read every --membership-interval: "
+                        "workers added there join, workers removed drain")
+    p.add_argument("--prefill-dns", action="append",
+                   help="NAME:PORT: every address NAME resolves to is a prefill worker, "
+                        "re-resolved every --membership-interval (a headless Service)")
+    p.add_argument("--decode-dns", action="append", help="NAME:PORT: likewise, decode workers")
+    p.add_argument("--membership-interval", type=float, default=5.0,
+                   help="seconds between reads of --workers-file and the DNS names")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port; -1: off")
@@ -109,9 +119,12 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     tracing off, metrics unserved but for /metrics)."""
     telemetry = telemetry or Telemetry("router")
     prefill, decode, both = (_addresses(a) for a in (args.prefill, args.decode, args.workers))
-    if not (prefill or decode or both):
-        raise InvalidArgument("--prefill", "give --prefill and --decode, or --workers")
-    if bool(prefill) != bool(decode):
+    learnt = config_from_args(args.workers_file, args.prefill_dns, args.decode_dns,
+                              args.membership_interval)
+    if not (prefill or decode or both or learnt.enabled):
+        raise InvalidArgument("--prefill", "give --prefill and --decode, or --workers, or a "
+                                           "--workers-file or --prefill-dns and --decode-dns")
+    if not learnt.enabled and bool(prefill) != bool(decode):
         raise InvalidArgument("--prefill" if decode else "--decode",
                               "prefill and decode workers go together")
     if args.max_body_bytes < 1:
@@ -142,7 +155,12 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     health = Health(server, [API_SERVICE])
     if args.reflection:
         enable_reflection(server, [API_SERVICE])
+    membership = Membership(learnt, workers.set_members)
+    if learnt.enabled:
+        await membership.refresh()  # the workers known at start, polled by start()
     await workers.start()
+    if learnt.enabled:
+        await membership.start()
     # gRPC health says what HTTP /health says: NOT_SERVING while a worker is out.
     workers.on_health = lambda: health.depend(workers.all_healthy())
     await health.depend(workers.all_healthy())
@@ -175,6 +193,7 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
             os.replace(tmp, args.ready_file)
 
     async def stop() -> None:
+        await membership.close()
         await orchestrator.close()
         await workers.close()
 
