@@ -41,8 +41,10 @@ COPY . .
 # The smoke test imports every service module (`tandem --help` builds all their parsers); no
 # GPU is needed to import torch, triton or cupy.
 # `structured`: xgrammar, for response_format and tool_choice required (it keeps this torch).
-RUN pip install ".[gpu,structured]" \
- && python -c "import torch, cupy, xgrammar; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
+# `nixl`: the nixl transport between hosts (deploy/k8s uses it); `import nixl` picks the CUDA 13
+# build that matches this torch.
+RUN pip install ".[gpu,structured,nixl]" \
+ && python -c "import torch, cupy, xgrammar, nixl._api; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
  && tandem --help > /dev/null
 
 # ---- runtime ------------------------------------------------------------------------------------
@@ -58,9 +60,12 @@ RUN apt-get update \
 
 # A fixed, non-root user. Not 1000: Ubuntu 24.04 images already have `ubuntu` with that id.
 ARG TANDEM_UID=10001
+# /certs: the cluster's TLS files (docker-compose.yml's certs service writes them; a fresh
+# named volume takes this directory's owner, so the service can write there).
 RUN useradd --create-home --uid "${TANDEM_UID}" --user-group --shell /usr/sbin/nologin tandem \
- && mkdir -p /models \
- && chown tandem:tandem /models
+ && mkdir -p /models /certs \
+ && chown tandem:tandem /models /certs \
+ && chmod 700 /certs
 
 COPY --from=build /opt/tandem /opt/tandem
 

@@ -2,7 +2,7 @@
 # One GPU-box session: install the carried wheels, then run the named stages, each logging to
 # $OUT/<stage>.txt (and JSON where the script writes one). Usage on the device:
 #   bash benchmarks/gpu_session.sh correctness perf
-# Stages: correctness (GPU tests + CUDA parity), kernels, transfer, sweep, decode, sched,
+# Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl, sweep, decode, sched,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, pack.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +37,9 @@ for stage in "$@"; do
         --prompt-token-ids 1,2,3,4,5,6,7,8 --prompt-token-ids 9,10,11 --max-tokens 16 --json ;;
     kernels) run kernels python3 benchmarks/kernels.py --out "$OUT/kernels.json" ;;
     transfer) run kv_transfer python3 benchmarks/kv_transfer.py --ttft-model benchmarks/configs/llama-3.1-8b --out "$OUT/kv_transfer.json" ;;
+    # Needs nixl-cu13 and nixl (meta) wheels installed into /tmp/site (README: the GPU run).
+    transfer_nixl) run kv_transfer_nixl python3 benchmarks/kv_transfer.py --nixl \
+        --out "$OUT/kv_transfer_nixl.json" ;;
     sweep) run kv_sweep python3 benchmarks/kv_transfer.py --sweep --repeats 10 --out "$OUT/kv_sweep.json" ;;
     decode) run decode_step_8b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b \
         --batch 1 64 --context 1024 --out "$OUT/decode_step_8b.json"

@@ -24,7 +24,15 @@ everything runs on GPU 0 and the bound is a device-to-device copy.
 Times are CUDA-event medians on the decode side's stream. pull_blocks' own wall-clock seconds
 (id upload, launch, sync) are reported too.
 
+With --nixl (needs the nixl extra) a second producer process serves the same pattern from a
+pool registered with NIXL (transport "nixl", VRAM on the source GPU), and this process reads the
+same scattered blocks into a registered VRAM pool of its own with one NIXL READ (UCX picks the
+path: cuda_ipc over NVLink between GPUs of one host, unless UCX_TLS says otherwise), as a decode
+worker does with `--transport nixl`. Its rows are wall-clock medians from posting the READ to
+seeing it complete: the same thing pull_blocks' wall clock measures.
+
     python benchmarks/kv_transfer.py --out kv_transfer.json
+    python benchmarks/kv_transfer.py --nixl --out kv_transfer_nixl.json
     python benchmarks/kv_transfer.py --kv-cache-dtype auto fp8 --ttft-model \
         benchmarks/configs/llama-3.1-8b --out kv_transfer_fp8.json
 """
@@ -36,6 +44,7 @@ import contextlib
 import json
 import math
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
@@ -82,6 +91,8 @@ def parse_args() -> argparse.Namespace:
                         "weights) on the source GPU, e.g. benchmarks/configs/llama-3.1-8b")
     p.add_argument("--sweep", action="store_true",
                    help="also time the copy_blocks kernel alone under many tile configurations")
+    p.add_argument("--nixl", action="store_true",
+                   help="also move the blocks over NIXL (transport nixl), pool to pool")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     return p.parse_args()
 
@@ -194,10 +205,84 @@ def measure(args: argparse.Namespace, kv_cache_dtype: str) -> dict[str, Any]:
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()
+    if args.nixl:
+        results["methods"].update(measure_nixl(args, f"cuda:{src_dev}", f"cuda:{dst_dev}", shape,
+                                               dtype, src_ids, dst_ids))
+        bound = results["methods"]["one large peer copy (bound)"]["gbps"]
+        for m in results["methods"].values():
+            m["vs_large_copy"] = m["gbps"] / bound
+        results["ucx_tls"] = os.environ.get("UCX_TLS", "(UCX's choice)")
     if args.ttft_model:
         results["prefill"] = prefill_time(args, src_dev, kv_cache_dtype)
     report(results)
     return results
+
+
+def nixl_producer(conn: Connection, device: str, shape: dict[str, int], dtype: str) -> None:
+    """A prefill worker with `--transport nixl`: a pattern-filled pool registered with its NIXL
+    agent, served until told to stop."""
+    pool = allocate_pool(device=device, transport="nixl", dtype=TORCH_DTYPES[dtype], **shape)
+    fill_pattern(pool.tensor)
+    _sync(pool.tensor.device)
+    conn.send(pool.descriptor)
+    with contextlib.suppress(EOFError):
+        conn.recv()
+    pool.close()
+    with contextlib.suppress(OSError):
+        conn.send(True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, int],
+                 dtype: str, src_ids: list[int], dst_ids: list[int]) -> dict[str, dict[str, Any]]:
+    """NIXL READs of the same blocks from a producer process's registered pool on device `src`
+    into a pool on `dst` (wall clock: post to completion, as NixlRemotePool.pull waits)."""
+    from kvtransfer.nixl import NixlEndpoint
+
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=nixl_producer, args=(child_conn, src, shape, dtype))
+    proc.start()
+    child_conn.close()
+    dev = torch.device(dst)
+    n = len(src_ids)
+    endpoint = None
+    try:
+        desc: PoolDescriptor = conn.recv()
+        nbytes = n * desc.block_bytes
+        endpoint = NixlEndpoint()
+        remote = endpoint.connect(desc)
+        local = torch.zeros(desc.shape, dtype=TORCH_DTYPES[dtype], device=dev)
+        out = {}
+        cases = {"nixl READ (NixlRemotePool.pull)": (src_ids, dst_ids),
+                 "nixl READ, contiguous blocks": (list(range(n)), list(range(n)))}
+        for name, (s_ids, d_ids) in cases.items():
+            _bytes(local).zero_()
+            _sync(dev)
+            remote.pull(local, s_ids, d_ids)  # registers the local pool on first use
+            correct = blocks_match(local, d_ids, s_ids)
+            times = []
+            for i in range(args.warmup + args.repeats):
+                t0 = time.perf_counter()
+                remote.pull(local, s_ids, d_ids)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            out[name] = summary(times, nbytes, correct)
+        remote.close()
+        conn.send("stop")
+        conn.recv()
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+        conn.close()
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    return out
 
 
 def compare(runs: list[dict[str, Any]]) -> None:
@@ -371,7 +456,8 @@ def summary(times: list[float], nbytes: int, correct: bool) -> dict[str, Any]:
 def report(r: dict[str, Any]) -> None:
     c = r["config"]
     print(f"src GPU {r['src_device']}: {r['src_card']}   dst GPU {r['dst_device']}: {r['dst_card']}"
-          f"   peer access: {r['peer_access']}   torch {r['torch']}, cupy {r['cupy']}")
+          f"   peer access: {r['peer_access']}   torch {r['torch']}, cupy {r['cupy']}"
+          + (f"   nixl UCX_TLS: {r['ucx_tls']}" if "ucx_tls" in r else ""))
     print(f"pool: {c['num_layers']} layers x {c['num_kv_heads']} KV heads x {c['head_dim']} "
           f"head_dim, {c['dtype']}, {c['block_size']}-token blocks = "
           f"{c['block_bytes'] / 2**20:.2f} MiB/block; {c['prompt_tokens']} tokens = "

@@ -3,6 +3,8 @@ otherwise (NOT_SERVING, an unknown service, unreachable, too slow). It prints th
 
     tandem health --address 127.0.0.1:50061
     tandem health --address 127.0.0.1:50051 --service tandem.v1.Tandem --timeout 2
+    tandem health --address 127.0.0.1:50061 --cluster-ca ca.pem --cluster-cert node.pem \
+        --cluster-key node.key                       # a worker behind mutual TLS
 
 docker-compose.yml runs it as every Tandem container's health check. It needs nothing beyond
 grpcio and grpcio-health-checking; `python -m cli.health` runs it without loading the
@@ -39,9 +41,14 @@ class HealthResult(NamedTuple):
         return self.status == SERVING
 
 
-def check(address: str, service: str = "", timeout: float = 5.0) -> HealthResult:
-    """One Check call. `service` "" asks about the whole server."""
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+def check(address: str, service: str = "", timeout: float = 5.0,
+          credentials: grpc.ChannelCredentials | None = None) -> HealthResult:
+    """One Check call. `service` "" asks about the whole server; `credentials`: TLS (a worker
+    with a cluster CA takes only callers with a client certificate)."""
+    channel = (grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+               if credentials is not None
+               else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -62,6 +69,25 @@ def add_health_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--service", default="",
                    help="the service to ask about (default: '', the whole server)")
     p.add_argument("--timeout", type=seconds, default=5.0, help="seconds to wait for the answer")
+    p.add_argument("--tls-ca", default=None,
+                   help="TLS: the CA of the server's certificate (PEM), e.g. the router's "
+                        "public port with --tls-cert")
+    p.add_argument("--cluster-ca", default=None, help="mutual TLS: the cluster CA (PEM)")
+    p.add_argument("--cluster-cert", default=None, help="mutual TLS: a certificate it signed")
+    p.add_argument("--cluster-key", default=None, help="mutual TLS: that certificate's key")
+
+
+def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    def read(path: str | None) -> bytes | None:
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    if args.cluster_ca or args.cluster_cert or args.cluster_key:
+        return grpc.ssl_channel_credentials(read(args.cluster_ca), read(args.cluster_key),
+                                            read(args.cluster_cert))
+    return grpc.ssl_channel_credentials(read(args.tls_ca)) if args.tls_ca else None
 
 
 def add_parser(sub, name: str) -> None:
@@ -71,7 +97,7 @@ def add_parser(sub, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = check(args.address, args.service, args.timeout)
+    result = check(args.address, args.service, args.timeout, credentials(args))
     line = f"{args.address} {args.service or '(server)'}: {result.status}"
     print(f"{line}: {result.detail}" if result.detail else line, flush=True)
     return 0 if result.serving else 1

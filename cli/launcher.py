@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from engine.model_source import resolve_model
+from runtime.security import ClusterTls
 
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
 ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
@@ -78,7 +79,7 @@ class LocalStack:
                  router_args: Sequence[str] = (), log_dir: Path | str | None = None,
                  echo: bool = False, env: Mapping[str, str] | None = None,
                  grace: float = 5.0, metrics: bool = False,
-                 metrics_port_base: int = 0) -> None:
+                 metrics_port_base: int = 0, cluster_ca: bool = False) -> None:
         if len(roles) != len(devices):
             raise ValueError(f"{len(roles)} workers but {len(devices)} devices")
         self.model = model
@@ -94,6 +95,10 @@ class LocalStack:
         self.grace = grace
         self.metrics = metrics
         self.metrics_port_base = metrics_port_base
+        # cluster_ca: start() makes a throwaway cluster CA (cli/certs.py) and every hop
+        # between the stack's processes is mutual TLS with it.
+        self.cluster_ca = cluster_ca
+        self.cluster_tls: ClusterTls | None = None
         self.procs: dict[str, Proc] = {}
         self.supervisor: Any = None  # the Supervisor that started on this stack, if any
         # Workers on the CPU divide its cores (an explicit --cpu-threads in worker_args wins).
@@ -156,6 +161,11 @@ class LocalStack:
         # built on first use): once, not by every worker and the router at the same time, and a
         # model that cannot be had fails before any process starts (ModelLoadError).
         resolve_model(self.model)
+        if self.cluster_ca and self.cluster_tls is None:
+            from cli.certs import make_cluster_ca  # noqa: PLC0415 - cryptography
+
+            self.cluster_tls = make_cluster_ca(self.log_dir / "certs")
+        tls_argv = self.cluster_tls.argv() if self.cluster_tls else []
         # Workers sharing a GPU size their KV pools from its free memory: start those in turn.
         cuda = [d for d in self.devices if d.startswith("cuda")]
         one_by_one = len(cuda) != len(set(cuda))
@@ -167,13 +177,13 @@ class LocalStack:
                     "--port", "0", "--grace", str(self.grace)]
             if device == "cpu":
                 argv += ["--cpu-threads", str(self.cpu_threads)]
-            argv += [*self.worker_args, *self.role_args.get(role, ())]
+            argv += [*tls_argv, *self.worker_args, *self.role_args.get(role, ())]
             w = self.spawn(f"{role}{i}", argv, self._metrics_port(len(workers)))
             workers.append((role, w))
             if one_by_one:
                 self.wait_ready([w])
         self.wait_ready([w for _, w in workers])
-        argv = ["router", "--model", self.model, "--grace", str(self.grace)]
+        argv = ["router", "--model", self.model, "--grace", str(self.grace), *tls_argv]
         for role, w in workers:
             argv += [ROLE_FLAGS[role], w.address]
         self.wait_ready([self.spawn("router", [*argv, *self.router_args])])

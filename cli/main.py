@@ -42,6 +42,7 @@ SERVICE_COMMANDS: dict[str, str] = {
     "decode": "decode_svc.server",
     "worker": "cli.worker",
     "health": "cli.health",
+    "certs": "cli.certs",
 }
 
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from cli.launcher import LocalStack, cpu_threads_each
 from cli.supervisor import RestartPolicy, Supervisor
 from engine.model_source import served_name
+from runtime.security import refuse_api_key_flag
 from tandem.errors import InvalidArgument
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -52,7 +53,15 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--host", default="127.0.0.1", help="router address (workers stay local)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--api-key", default=None, help="require this bearer token on HTTP")
+    refuse_api_key_flag(p)
+    p.add_argument("--api-key-file", default=None,
+                   help="require a bearer token on the public ports: the keys in this file, "
+                        "one per line (or set $TANDEM_API_KEY); keys never go on a command line")
+    p.add_argument("--tls-cert", default=None, help="TLS on both public ports: certificate (PEM)")
+    p.add_argument("--tls-key", default=None, help="TLS on both public ports: private key (PEM)")
+    p.add_argument("--cluster-tls", action=argparse.BooleanOptionalAction, default=True,
+                   help="mutual TLS between router and workers with a throwaway CA made for "
+                        "this stack (default: on)")
     p.add_argument("--metrics-port-base", type=int, default=0,
                    help="worker i serves Prometheus /metrics on this port + i (0: free ports; "
                         "-1: off); the banner lists them")
@@ -146,7 +155,10 @@ def stack_from_args(a: argparse.Namespace) -> tuple[LocalStack, str]:
             worker_args += [f"--{flag.replace('_', '-')}", str(value)]
     router_args = ["--host", a.host, "--grpc-port", str(a.grpc_port), "--http-port",
                    str(a.http_port)]
-    for flag in ("api_key", "dtype", "max_model_len", "served_model_name"):
+    # The API key itself reaches the router through its environment ($TANDEM_API_KEY is
+    # inherited) or a file: never on a command line, where `ps` shows it.
+    for flag in ("api_key_file", "tls_cert", "tls_key", "dtype", "max_model_len",
+                 "served_model_name"):
         if getattr(a, flag):
             router_args += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
     devices, note = _devices(a, len(roles), sizes)
@@ -156,7 +168,8 @@ def stack_from_args(a: argparse.Namespace) -> tuple[LocalStack, str]:
                        # Interactive by default: readable log lines unless JSON was asked for.
                        env={"TANDEM_LOG_FORMAT": os.environ.get("TANDEM_LOG_FORMAT", "console")},
                        grace=a.grace, metrics=a.metrics_port_base >= 0,
-                       metrics_port_base=max(0, a.metrics_port_base))
+                       metrics_port_base=max(0, a.metrics_port_base),
+                       cluster_ca=a.cluster_tls)
     # Every rank of a CPU worker is an engine process computing on these cores.
     stack.cpu_threads = cpu_threads_each(sum(k for k, d in zip(sizes, devices) if d == "cpu"))
     return stack, note
@@ -168,8 +181,15 @@ def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str
     grpc_port = stack.router.address.rsplit(":", 1)[1]
     name = args.served_model_name or served_name(args.model)
     lines = [f"\nTandem is up: model \"{name}\", {_plural(len(stack.workers()), 'worker')}.",
-             f"  OpenAI HTTP: http://{host}:{stack.router.http_port}/v1",
-             f"  gRPC:        {host}:{grpc_port}"]
+             f"  OpenAI HTTP: http{'s' if args.tls_cert else ''}://{host}:"
+             f"{stack.router.http_port}/v1",
+             f"  gRPC:        {host}:{grpc_port}{' (TLS)' if args.tls_cert else ''}"]
+    if stack.cluster_tls is not None:
+        lines.append(f"  Internal:    mutual TLS, cluster CA {stack.cluster_tls.ca}")
+    keyed = bool(os.environ.get("TANDEM_API_KEY") or os.environ.get("TANDEM_API_KEY_FILE")
+                 or args.api_key_file)
+    lines.append("  API key:     required on both public ports" if keyed else
+                 "  API key:     none (any caller is served; set TANDEM_API_KEY to require one)")
     for w, device in zip(stack.workers(), stack.devices):
         metrics = f", metrics {w.metrics_url}" if w.metrics_port else ""
         lines.append(f"  {w.name + ':':<13}{device}{metrics}")

@@ -40,6 +40,7 @@ from engine.serving.core_messages import LeaseDone
 from kvtransfer.descriptor import check_compatible
 from runtime.convert import descriptor_from_proto, params_from_proto
 from runtime.lifecycle import GRPC_OPTIONS
+from runtime.security import internal_channel
 from runtime.telemetry import span_name, trace_metadata
 from runtime.worker import (
     WorkerError,
@@ -232,8 +233,8 @@ class DecodeServicer(WorkerServicer):
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address,
-                                                                      options=GRPC_OPTIONS)
+            ch = self._channels[address] = internal_channel(address, self.cluster_tls,
+                                                             GRPC_OPTIONS)
         return worker_pb2_grpc.WorkerStub(ch)
 
     async def _peer(self, address: str, instance_id: str) -> None:

@@ -14,6 +14,7 @@ block takes it out of the free queue again ("touch").
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -24,6 +25,14 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     hash the same everywhere, and the first block's missing parent is the constant -1 (which
     hash() never returns) rather than None (whose hash is its address before Python 3.12)."""
     return hash((-1 if parent_hash is None else parent_hash, *token_ids))
+
+
+def salt_root(salt: str) -> int | None:
+    """The parent hash of a salted prompt's first block (None: unsalted). Prompts with
+    different salts share no cached block: every hash in the chain depends on the root."""
+    if not salt:
+        return None
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest()) >> 1
 
 
 class BlockPool:

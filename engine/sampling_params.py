@@ -4,6 +4,7 @@ KV block is allocated."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -15,6 +16,58 @@ RESPONSE_FORMATS = ("json_object", "json_schema")
 # A schema's text at most: compiling is one thread for every request, so one caller's giant
 # schema must not hold up everyone else's grammars.
 MAX_SCHEMA_CHARS = 64 * 1024
+# The wire carries counts and token ids as uint32: anything larger is refused here, naming the
+# field, rather than failing later in a proto conversion.
+MAX_UINT32 = 2**32 - 1
+MAX_CACHE_SALT_CHARS = 256
+# Lists a caller sizes: each entry costs work on every generated token.
+MAX_STOP_ENTRIES = 256  # stop strings, and stop token ids
+MAX_STOP_CHARS = 4096  # one stop string
+MAX_LOGIT_BIAS_ENTRIES = 1024
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+_UINT32_FIELDS = ("n", "max_tokens", "top_k", "min_tokens", "logprobs")
+
+
+def _check_types(p: SamplingParams) -> None:
+    """Strict types and ranges before any other check: a bool is not a number, a NaN or an
+    infinity is not a value, and nothing exceeds what the wire carries."""
+    for name in _FLOAT_FIELDS:
+        v = getattr(p, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise InvalidArgument(name, f"must be a number, got {type(v).__name__}")
+        if not math.isfinite(v):
+            raise InvalidArgument(name, f"must be a finite number, got {v}")
+    for name in (*_UINT32_FIELDS, "seed"):
+        v = getattr(p, name)
+        if v is None and name in ("logprobs", "seed"):
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise InvalidArgument(name, f"must be an integer, got {type(v).__name__}")
+        if name != "seed" and not -MAX_UINT32 <= v <= MAX_UINT32:
+            raise InvalidArgument(name, f"must be at most {MAX_UINT32}, got {v}")
+    for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        if not isinstance(getattr(p, name), bool):
+            raise InvalidArgument(name, f"must be true or false, got "
+                                  f"{type(getattr(p, name)).__name__}")
+    for t in p.stop_token_ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_UINT32:
+            raise InvalidArgument("stop_token_ids", f"token ids must be in [0, {MAX_UINT32}], "
+                                  f"got {t!r}")
+    if not isinstance(p.cache_salt, str) or len(p.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument("cache_salt", f"must be a string of at most "
+                              f"{MAX_CACHE_SALT_CHARS} characters")
+    if any(not isinstance(s, str) for s in p.stop):
+        raise InvalidArgument("stop", "stop strings must be strings")
+    for name in ("stop", "stop_token_ids"):
+        if len(getattr(p, name)) > MAX_STOP_ENTRIES:
+            raise InvalidArgument(name, f"at most {MAX_STOP_ENTRIES} entries, got "
+                                  f"{len(getattr(p, name))}")
+    if any(len(s) > MAX_STOP_CHARS for s in p.stop):
+        raise InvalidArgument("stop", f"a stop string has at most {MAX_STOP_CHARS} characters")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got "
+                              f"{len(p.logit_bias)}")
 
 
 @dataclass(frozen=True)
@@ -67,12 +120,15 @@ class SamplingParams:
     response_format: ResponseFormat | None = None
     # Router side only: keep the stop string that ended the sample in its text.
     include_stop_str_in_output: bool = False
+    # Prefix-cache namespace: cached blocks are shared only between equal salts ("" is one).
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples (hashable, immutable).
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str)
                                                else self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_types(self)
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         if self.n < 1:
@@ -108,8 +164,10 @@ class SamplingParams:
             raise InvalidArgument("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], "
                                   f"got {self.min_tokens}")
         for tok, b in self.logit_bias:
-            if tok < 0:
-                raise InvalidArgument("logit_bias", f"token id {tok} is negative")
+            if not 0 <= tok <= MAX_UINT32:
+                raise InvalidArgument("logit_bias", f"token id {tok} is outside [0, {MAX_UINT32}]")
+            if not math.isfinite(b):
+                raise InvalidArgument("logit_bias", f"bias of token {tok} must be finite")
             if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                 raise InvalidArgument("logit_bias", f"bias {b} of token {tok} is outside "
                                       f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")

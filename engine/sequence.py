@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.block_pool import hash_block
+from engine.block_pool import hash_block, salt_root
 from engine.sampling_params import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class Sequence:
         hashes = self.block_hashes
         while len(hashes) < full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else salt_root(self.params.cache_salt)
             hashes.append(hash_block(parent, self.token_ids[i * block_size:(i + 1) * block_size]))
         return hashes[:full]
 

@@ -57,6 +57,11 @@ class Tokenizer:
         (padding): those ids decode to nothing."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def max_token_chars(self) -> int:
+        """The most characters one token of the vocabulary stands for (bounded above by its
+        longest vocabulary string): a text longer than n times this has more than n tokens."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; add_special_tokens adds what the checkpoint adds (usually BOS)."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
@@ -124,7 +129,7 @@ def _validate_messages(messages: Any) -> None:
         role = m.get("role")
         if role is None:
             raise InvalidArgument("messages", f"[{i}].role is missing")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise InvalidArgument("messages", f"[{i}].role {role!r} is not one of "
                                   f"{', '.join(sorted(CHAT_ROLES))}")
         if "content" not in m or m["content"] is None:

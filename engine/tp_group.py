@@ -40,10 +40,13 @@ import torch.distributed as dist
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import broadcast_object, gather_objects, init_tp
+from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
 RENDEZVOUS_TIMEOUT_S = 600.0  # the slowest rank's model load is inside it
+# Transports whose pools a rank maps as tensors (kvtransfer/tp_pull.py copies heads out of them).
+TP_TRANSPORTS = ("shm", "cuda_ipc")
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,10 @@ class TPGroup:
         """on_rank_exit(rank, exit code): a rank ended before close() (killed, out of memory).
         Without it the engine's next collective fails instead."""
         self.size = config.tensor_parallel_size
+        if pool_transport is not None and pool_transport not in TP_TRANSPORTS:
+            raise InvalidArgument("transport", f"a prefill worker at tensor-parallel size "
+                                  f"{self.size} shares its pools over "
+                                  f"{' or '.join(TP_TRANSPORTS)}, not {pool_transport}")
 
         timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
         # Port 0: the OS picks a free one, no race with other groups on this host.
@@ -248,6 +255,10 @@ class RankKV:
         old = self.peers.get(address)
         if old is not None and old[0] == instance_id:
             return
+        if any(d.transport not in TP_TRANSPORTS for d in descriptors):
+            raise InvalidArgument("transport", "a handoff between tensor-parallel workers moves "
+                                  f"heads over {' or '.join(TP_TRANSPORTS)}; a nixl pool is "
+                                  "pulled only between workers of one rank each")
         device = "cpu" if descriptors[0].transport == "shm" else self.local.device
         pools = [open_remote_pool(d, device) for d in descriptors]
         self.peers[address] = (instance_id, pools)

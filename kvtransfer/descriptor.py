@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from tandem.errors import InvalidArgument, LayoutMismatch
 
-TRANSPORTS = ("shm", "cuda_ipc")
+TRANSPORTS = ("shm", "cuda_ipc", "nixl")
 
 # Bytes per element of each dtype Tandem stores KV in: the model dtypes (engine.config.DTYPES)
 # and e4m3 (--kv-cache-dtype fp8; its scales are static, the same on every worker, so FP8
@@ -44,7 +44,8 @@ class PoolDescriptor:
 
     starting at the base of the shared allocation the handle names (offset 0, so no offset
     field). `handle` is the shared-memory segment name (UTF-8) for "shm", the 64-byte
-    cudaIpcMemHandle for "cuda_ipc". `device_index` is -1 for a CPU pool, else the CUDA device
+    cudaIpcMemHandle for "cuda_ipc", the owner's NIXL agent metadata and pool address for
+    "nixl" (kvtransfer.nixl.NixlHandle). `device_index` is -1 for a CPU pool, else the CUDA device
     the pool lives on as its owner numbers it. `owner_pid` is the owning process, for
     diagnostics and for refusing to map one's own pool over IPC.
     """
@@ -87,6 +88,10 @@ class PoolDescriptor:
             if self.device_index < 0:
                 raise InvalidArgument("device_index", f"a cuda_ipc pool lives on a CUDA device, "
                                                       f"got {self.device_index}")
+        elif self.transport == "nixl":
+            if self.device_index < -1:
+                raise InvalidArgument("device_index", f"a nixl pool is in host memory (-1) or on "
+                                                      f"a CUDA device, got {self.device_index}")
         elif self.device_index != -1:
             raise InvalidArgument("device_index", f"a shm pool is on the CPU (-1), "
                                                   f"got {self.device_index}")

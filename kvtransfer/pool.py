@@ -8,6 +8,8 @@ maps it from the descriptor alone.
 
 Transports:
 - "shm": a POSIX shared-memory segment named "tandem-kv-<pid>-<random>"; CPU only.
+- "nixl": a plain tensor (CPU or CUDA) registered with this process's NIXL agent
+  (kvtransfer/nixl.py); peers read it over UCX, on this host or another.
 - "cuda_ipc": one cudaMalloc'd allocation made with cupy, so its pointer is an allocation base:
   cudaIpcGetMemHandle exports whole allocations, and a tensor from torch's caching allocator
   may sit inside a larger segment. torch.cuda.memory_allocated() does not count it.
@@ -97,7 +99,7 @@ def allocate_pool(*, num_blocks: int, num_layers: int, block_size: int, num_kv_h
                   head_dim: int, dtype: torch.dtype, device: torch.device | str,
                   transport: str) -> LocalPool:
     """Allocate a zeroed KV pool that peers can map: transport "shm" on the CPU, "cuda_ipc" on
-    a CUDA device (needs cupy)."""
+    a CUDA device (needs cupy), "nixl" on either (needs the nixl extra)."""
     dims = {"num_blocks": num_blocks, "num_layers": num_layers, "block_size": block_size,
             "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     for name, value in dims.items():
@@ -120,8 +122,12 @@ def allocate_pool(*, num_blocks: int, num_layers: int, block_size: int, num_kv_h
                                                f"not on {device}")
         device_index = device.index if device.index is not None else torch.cuda.current_device()
         tensor, memory, handle = _allocate_cuda(nbytes, device_index)
+    elif transport == "nixl":
+        from kvtransfer.nixl import allocate_nixl_pool  # noqa: PLC0415 - optional extra
+
+        tensor, memory, handle, device_index, on_close = allocate_nixl_pool(nbytes, device)
     else:
-        raise InvalidArgument("transport", f"must be shm or cuda_ipc, got {transport!r}")
+        raise InvalidArgument("transport", f"must be shm, cuda_ipc or nixl, got {transport!r}")
     descriptor = PoolDescriptor(dtype=DTYPE_NAMES[dtype], transport=transport, handle=handle,
                                 device_index=device_index, owner_pid=os.getpid(), **dims)
     tensor.zero_()  # as bytes, whatever the KV dtype

@@ -62,11 +62,17 @@ class TransferStats:
 def open_remote_pool(desc: PoolDescriptor, device: torch.device | str) -> RemotePool:
     """Map a peer's pool: attach its shared-memory segment ("shm", device must be the CPU) or
     open its CUDA IPC handle on `device` ("cuda_ipc"; same GPU or a peer GPU of this host).
+    A "nixl" pool is not mapped: this returns a kvtransfer.nixl.NixlRemotePool, which
+    pull_blocks reads from over NIXL (any host, any device).
 
     Check the layout against your own pool first (`check_compatible`). Errors carry the
     descriptor's redacted fields, never its handle.
     """
     device = torch.device(device)
+    if desc.transport == "nixl":  # nothing to map: reads go through this process's NIXL agent
+        from kvtransfer.nixl import default_endpoint  # noqa: PLC0415 - optional extra
+
+        return default_endpoint().connect(desc)  # type: ignore[return-value]
     if desc.transport == "shm":
         if device.type != "cpu":
             raise InvalidArgument("transport", f"a shm pool is mapped on the CPU, not on {device}")
@@ -82,14 +88,23 @@ def open_remote_pool(desc: PoolDescriptor, device: torch.device | str) -> Remote
 
 
 def pull_blocks(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
-                dst_block_ids: Sequence[int]) -> TransferStats:
+                dst_block_ids: Sequence[int], deadline: float | None = None) -> TransferStats:
     """Copy blocks `src_block_ids[i]` of the remote pool into blocks `dst_block_ids[i]` of
     `local` (a pool tensor of the same layout, on the device the remote pool was opened on).
 
     CPU: one index_select + index_copy_. CUDA: one launch of kernels.copy_blocks on the current
     stream, then a wait for that stream: when this returns, the blocks are in place and the
     peer may reuse its blocks (release the lease).
+
+    nixl: one NIXL READ, waited for; past `deadline` (time.monotonic()) it is cancelled and
+    TimeoutError raised (the local copies above take no deadline: they cannot stall on a peer).
     """
+    if remote.descriptor.transport == "nixl":
+        n = len(src_block_ids)
+        start = time.perf_counter()
+        remote.pull(local, src_block_ids, dst_block_ids, deadline=deadline)  # type: ignore[attr-defined]
+        return TransferStats(num_blocks=n, bytes=n * remote.descriptor.block_bytes,
+                             seconds=time.perf_counter() - start if n else 0.0)
     src_pool = remote.tensor
     _check_pull(src_pool, local, src_block_ids, dst_block_ids)
     n = len(src_block_ids)

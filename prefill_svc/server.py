@@ -102,9 +102,10 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="run a prefill worker")
     add_worker_args(p)
-    p.add_argument("--transport", choices=["shm", "cuda_ipc"], default=None,
+    p.add_argument("--transport", choices=["shm", "cuda_ipc", "nixl"], default=None,
                    help="how decode workers reach this pool (default: shm on cpu, cuda_ipc on "
-                        "cuda)")
+                        "cuda; nixl: over NIXL/UCX, from other hosts too, needs the nixl "
+                        "extra)")
     p.add_argument("--lease-ttl", type=float, default=30.0,
                    help="seconds a finished prompt's blocks stay pinned for a decode worker")
     p.set_defaults(func=run)

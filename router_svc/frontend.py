@@ -3,8 +3,9 @@ workers' token stream into text deltas per sample, cut at stop strings, with run
 
 from __future__ import annotations
 
-import itertools
-import os
+import asyncio
+import dataclasses
+import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -62,8 +63,10 @@ class Frontend:
         self.max_requests = max_requests
         self.telemetry = telemetry or Telemetry("router")
         self.active = 0
-        self._ids = itertools.count()
-        self._prefix = f"{os.getpid():x}-{uuid.uuid4().hex[:8]}"
+        # A text longer than this has more tokens than the model takes: it is refused before
+        # the tokenizer runs (a 20 MB prompt took the tokenizer 24 s).
+        self.max_prompt_chars = (model.max_model_len * tokenizer.max_token_chars()
+                                 if tokenizer is not None else 0)
 
     @staticmethod
     def model_info(model_id: str, cfg: ModelConfig, dtype: str, block_size: int,
@@ -72,17 +75,42 @@ class Frontend:
         return ModelInfo(model_id, cfg.architecture, limit, cfg.vocab_size, dtype, block_size,
                          aliases=aliases)
 
-    def new_request_id(self) -> str:
-        return f"req-{self._prefix}-{next(self._ids)}"
+    @staticmethod
+    def new_request_id() -> str:
+        """Random (122 bits): a request id says nothing of other requests."""
+        return f"req-{uuid.uuid4().hex}"
 
     def check_model(self, name: str | None) -> None:
         if name and name != self.model.id and name not in self.model.aliases:
             raise ModelNotFound(f"model {name!r} is not served here (serving {self.model.id!r})")
 
+    @staticmethod
+    def for_tenant(params: SamplingParams, tenant: str) -> SamplingParams:
+        """`params` with the cache namespace of the caller's tenant (its API key) and its own
+        cache_salt: prompts share cached blocks only within one namespace. Without API keys and
+        salt: the one shared namespace."""
+        if not tenant and not params.cache_salt:
+            return params
+        ns = hashlib.sha256(f"{tenant}\0{params.cache_salt}".encode()).hexdigest()[:32]
+        return dataclasses.replace(params, cache_salt=ns)
+
+    def check_chars(self, chars: int, field: str = "prompt") -> None:
+        """Refuse a text that cannot fit the model, by its length alone (no tokenizer run)."""
+        if self.tokenizer is not None and chars > self.max_prompt_chars:
+            raise InvalidArgument(field, f"{chars} characters; this model serves at most "
+                                  f"{self.model.max_model_len} tokens, which is at most "
+                                  f"{self.max_prompt_chars} characters")
+
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidArgument("prompt", "this model has no tokenizer; send token ids")
+        self.check_chars(len(text))
         return self.tokenizer.encode(text)
+
+    async def run_off_loop(self, fn, *args):
+        """fn(*args) in a worker thread: tokenizing and chat templates never hold up the
+        event loop that serves every other client."""
+        return await asyncio.to_thread(fn, *args)
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         """Everything that can be refused before a worker sees the request."""

@@ -9,8 +9,11 @@ from router_svc.api_errors import abort, failure_of, grpc_field
 from router_svc.frontend import Frontend, ModelNotFound
 from router_svc.orchestrator import RouterError
 from runtime.convert import logprobs_to_proto, params_from_proto
+from runtime.security import tenant_of
 from tandem.errors import InvalidArgument, Overloaded
 from tandem.v1 import api_pb2, api_pb2_grpc
+
+MAX_REQUEST_ID_CHARS = 128
 
 
 class TandemServicer(api_pb2_grpc.TandemServicer):
@@ -21,11 +24,15 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
         fe = self.frontend
         try:
             fe.check_model(request.model)
-            params = params_from_proto(request.params)
+            if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+                raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
+            params = fe.for_tenant(params_from_proto(request.params), tenant_of(context))
             if request.WhichOneof("prompt") == "text":
-                prompt = fe.encode(request.text)
+                fe.check_chars(len(request.text))  # before the tokenizer, which is slow on MBs
+                prompt = await fe.run_off_loop(fe.encode, request.text)
             else:
                 prompt = list(request.token_ids.ids)
+            fe.validate(prompt, params)
             rid = request.request_id or fe.new_request_id()
             # aclosing: a cancelled call closes the request's legs at once.
             steps = fe.stream(rid, prompt, params, context.time_remaining())
@@ -63,9 +70,12 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                 raise InvalidArgument("input", "this model has no tokenizer")
             if request.WhichOneof("input") == "chat":
                 msgs = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-                ids = tok.apply_chat_template(msgs)
+                self.frontend.check_chars(sum(len(m["content"]) for m in msgs), "chat")
+                ids = await self.frontend.run_off_loop(tok.apply_chat_template, msgs)
             else:
-                ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+                self.frontend.check_chars(len(request.text), "text")
+                ids = await self.frontend.run_off_loop(
+                    tok.encode, request.text, request.add_special_tokens)
         except InvalidArgument as e:
             await abort(context, failure_of(e))
         return api_pb2.TokenizeResponse(token_ids=ids)

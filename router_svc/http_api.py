@@ -29,18 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
+import dataclasses
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from http import HTTPStatus
 from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute
 
 from engine.sampling_params import SamplingParams
@@ -48,6 +49,7 @@ from router_svc import chat_request
 from router_svc import openai_requests as req
 from router_svc.api_errors import failure_of
 from router_svc.frontend import Frontend, ModelNotFound
+from router_svc.http_guard import DEFAULT_MAX_BODY_BYTES, BodyGuard
 from router_svc.openai_objects import ChatShaper, CompletionShaper, Shaper, Step
 from router_svc.openai_requests import (
     ChatCompletionRequest,
@@ -56,6 +58,7 @@ from router_svc.openai_requests import (
     TokenizeRequest,
 )
 from router_svc.workers import WorkerSet
+from runtime.security import ApiKeys, PublicTls
 from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -123,24 +126,49 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 class ApiKeyAuth:
-    """ASGI middleware: every /v1 path needs `Authorization: Bearer <key>`. Runs before the body
-    is read, so an unauthenticated caller learns nothing about validation. Both sides are hashed
-    to equal length first so compare_digest leaks nothing, not even the key's length."""
+    """ASGI middleware: every /v1 path needs `Authorization: Bearer <key>` (security.ApiKeys:
+    constant-time compare). Runs before the body is read, so an unauthenticated caller learns
+    nothing about validation. The caller's tenant goes to the request's state."""
 
-    def __init__(self, app: Callable, api_key: str) -> None:
+    def __init__(self, app: Callable, keys: ApiKeys) -> None:
         self.app = app
-        self._want = hashlib.sha256(f"Bearer {api_key}".encode()).digest()
+        self.keys = keys
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
         if path.startswith("/v1") or path in ("/tokenize", "/detokenize"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(hashlib.sha256(given).digest(), self._want):
+            tenant = self.keys.tenant(dict(scope["headers"]).get(b"authorization", b""))
+            if tenant is None:
                 resp = ApiError(401, "missing or incorrect API key", code="invalid_api_key",
                                 headers={"WWW-Authenticate": "Bearer"}).response()
                 await resp(scope, receive, send)
                 return
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
+
+
+def _tenant(request: Request) -> str:
+    return getattr(request.state, "tenant", "")
+
+
+def _error_response(status: int, message: str, param: str | None = None,
+                    code: str | None = None) -> JSONResponse:
+    return ApiError(status, message, param=param, code=code).response()
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """The framework's own errors (unknown route, wrong method, a body it cannot parse) in
+    OpenAI's shape instead of {"detail": ...}."""
+    assert isinstance(exc, StarletteHTTPException)
+    type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return ApiError(exc.status_code, str(exc.detail), type_,
+                    code=HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_"),
+                    headers=getattr(exc, "headers", None)).response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error in the HTTP API", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
 
 # -- request -> engine -------------------------------------------------------------------------
@@ -214,11 +242,14 @@ class OpenAIApi:
             _refuse(body.suffix, "suffix", "is not supported")
             _refuse(body.best_of is not None and body.best_of != body.n, "best_of",
                     "is only supported equal to n")
-            prompt = req.completion_prompt(fe, body.prompt)
+            fe.check_chars(req.prompt_chars(body.prompt))  # before the tokenizer runs
+            prompt = await fe.run_off_loop(req.completion_prompt, fe, body.prompt)
             max_tokens = body.max_tokens if body.max_tokens is not None else \
                 req.remaining(fe, prompt)
-            params = req.sampling_params(body, max_tokens, body.logprobs,
-                                         req.request_format(body))
+            params = fe.for_tenant(req.sampling_params(body, max_tokens, body.logprobs,
+                                                       req.request_format(body)),
+                                   _tenant(request))
+            fe.validate(prompt, params)  # n and the rest before anything is sized by them
             echo = req.echo_text(fe, body.prompt, prompt) if body.echo else ""
         except (InvalidArgument, ApiError) as e:
             return api_error(e).response()
@@ -235,7 +266,10 @@ class OpenAIApi:
         try:
             self._check_model(body.model)
             _refuse_unknown(body)
-            plan = req.chat_plan(fe, body, names)
+            fe.check_chars(req.messages_chars(body.messages), "messages")
+            plan = await fe.run_off_loop(req.chat_plan, fe, body, names)
+            plan = dataclasses.replace(plan, params=fe.for_tenant(plan.params, _tenant(request)))
+            fe.validate(plan.prompt, plan.params)
         except (InvalidArgument, ApiError) as e:
             return api_error(e, names).response()
         shaper = ChatShaper(fe.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", fe.model.id,
@@ -262,12 +296,15 @@ class OpenAIApi:
             _refuse((body.prompt is None) == (body.messages is None), "prompt",
                     "give a prompt or messages")
             if body.messages is not None:
-                ids = fe.tokenizer.apply_chat_template(
-                    chat_request.template_messages(req.chat_messages(body.messages)),
-                    body.add_generation_prompt, tools=body.tools,
-                    **chat_request.template_kwargs(body.chat_template_kwargs))
+                fe.check_chars(req.messages_chars(body.messages), "messages")
+                msgs = chat_request.template_messages(req.chat_messages(body.messages))
+                kwargs = chat_request.template_kwargs(body.chat_template_kwargs)
+                ids = await fe.run_off_loop(lambda: fe.tokenizer.apply_chat_template(
+                    msgs, body.add_generation_prompt, tools=body.tools, **kwargs))
             else:
-                ids = fe.tokenizer.encode(body.prompt or "", body.add_special_tokens)
+                fe.check_chars(len(body.prompt or ""))
+                ids = await fe.run_off_loop(fe.tokenizer.encode, body.prompt or "",
+                                            body.add_special_tokens)
         except (InvalidArgument, ApiError) as e:
             return api_error(e).response()
         out: dict[str, Any] = {"count": len(ids), "max_model_len": fe.model.max_model_len,
@@ -358,15 +395,21 @@ class OpenAIApi:
             await gen.aclose()  # type: ignore[attr-defined]
 
 
-def build_app(frontend: Frontend, workers: WorkerSet, api_key: str | None = None,
-              routes: Sequence[BaseRoute] = ()) -> FastAPI:
+def build_app(frontend: Frontend, workers: WorkerSet, api_keys: ApiKeys | None = None,
+              routes: Sequence[BaseRoute] = (),
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.include_router(OpenAIApi(frontend, workers).routes())
     app.router.routes.extend(routes)
     app.add_exception_handler(RequestValidationError, _validation_error)
-    if api_key:
-        app.add_middleware(ApiKeyAuth, api_key=api_key)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    # Added last runs first: the key is checked before a byte of the body is read, then the
+    # body is bounded and checked before the framework parses it.
+    app.add_middleware(BodyGuard, max_bytes=max_body_bytes, respond=_error_response)
+    if api_keys:
+        app.add_middleware(ApiKeyAuth, keys=api_keys)
     return app
 
 
@@ -383,13 +426,15 @@ class HttpServer:
     more on it (or pass `routes`) before start()."""
 
     def __init__(self, frontend: Frontend, workers: WorkerSet, host: str, port: int,
-                 api_key: str | None = None, *, routes: Sequence[BaseRoute] = (),
-                 grace_s: float = 5.0) -> None:
-        self.app = build_app(frontend, workers, api_key, routes)
+                 api_keys: ApiKeys | None = None, *, routes: Sequence[BaseRoute] = (),
+                 grace_s: float = 5.0, tls: PublicTls | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.app = build_app(frontend, workers, api_keys, routes, max_body_bytes)
+        ssl = {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)} if tls else {}
         self._server = _Server(uvicorn.Config(
             self.app, host=host, port=port, lifespan="off", access_log=False,
             log_config=None,  # leave the process's logging as the router set it up
-            timeout_graceful_shutdown=grace_s))  # then cancel streams still open
+            timeout_graceful_shutdown=grace_s, **ssl))  # then cancel streams still open
         self._task: asyncio.Task | None = None
 
     async def start(self) -> int:

@@ -21,7 +21,10 @@ from router_svc.frontend import Frontend
 from tandem.errors import InvalidArgument
 
 
+# Strict types throughout: "yes" is not a bool and true is not a number (pydantic would coerce).
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
@@ -34,7 +37,7 @@ class _SamplingFields(BaseModel):
     """Fields both endpoints share. Any other field is refused by name (see _refuse_unknown)
     unless it is one of HARMLESS_FIELDS."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     n: int = 1
@@ -58,6 +61,7 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of a json_schema
+    cache_salt: str | None = None  # vLLM's: a prefix-cache namespace of the caller's choosing
 
 
 class CompletionRequest(_SamplingFields):
@@ -86,7 +90,7 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | None = None
@@ -99,7 +103,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int]
@@ -153,7 +157,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
                           logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
                           min_tokens=req.min_tokens, logit_bias=_logit_bias(req.logit_bias),
                           include_stop_str_in_output=req.include_stop_str_in_output,
-                          response_format=response_format, **kw)
+                          response_format=response_format, cache_salt=req.cache_salt or "",
+                          **kw)
 
 
 def remaining(fe: Frontend, prompt: list[int]) -> int:
@@ -165,7 +170,7 @@ def completion_prompt(fe: Frontend, prompt: Any) -> list[int]:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         refuse(len(prompt) != 1, "prompt", f"one prompt per request, got {len(prompt)}")
         prompt = prompt[0]
-    return fe.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    return fe.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
 
 def echo_text(fe: Frontend, given: Any, prompt: list[int]) -> str:
@@ -176,6 +181,31 @@ def echo_text(fe: Frontend, given: Any, prompt: list[int]) -> str:
         return given
     refuse(fe.tokenizer is None, "echo", "this model has no tokenizer to write the prompt")
     return fe.tokenizer.decode(prompt)
+
+
+def prompt_chars(prompt: Any) -> int:
+    """Characters of a completion prompt's text (0 for token ids)."""
+    if isinstance(prompt, list):
+        return sum(len(p) for p in prompt if isinstance(p, str))
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
+def messages_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the messages' text content, and checks each message's shape: an object
+    whose role is a string and whose content is a string, a list of parts, or absent."""
+    total = 0
+    for i, m in enumerate(messages):
+        refuse(not isinstance(m.get("role"), str), "messages", f"[{i}].role must be a string")
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content
+                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+        else:
+            refuse(content is not None, "messages",
+                   f"[{i}].content must be a string or a list of parts")
+    return total
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

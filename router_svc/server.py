@@ -14,11 +14,21 @@ from engine.model_source import resolve_model, served_name
 from engine.tokenizer import Tokenizer, has_tokenizer
 from router_svc.frontend import Frontend
 from router_svc.grpc_api import TandemServicer
+from router_svc.http_guard import DEFAULT_MAX_BODY_BYTES
+from router_svc.membership import Membership, config_from_args
 from router_svc.orchestrator import Orchestrator
 from router_svc.workers import FaultMetrics, WorkerSet
 from runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
+from runtime.security import (
+    ApiKeyInterceptor,
+    ClusterTls,
+    PublicTls,
+    add_cluster_tls_args,
+    bind,
+    load_api_keys,
+    refuse_api_key_flag,
+)
 from runtime.telemetry import Telemetry
-from runtime.worker import bind
 from tandem.errors import InvalidArgument
 from tandem.v1 import api_pb2, api_pb2_grpc
 
@@ -55,6 +65,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", action="append", help="prefill worker address(es), host:port")
     p.add_argument("--decode", action="append", help="decode worker address(es)")
     p.add_argument("--workers", action="append", help="colocated (role both) worker address(es)")
+    p.add_argument("--workers-file", default=None,
+                   help="a file of 'ROLE HOST:PORT' lines, re-read every --membership-interval: "
+                        "workers added there join, workers removed drain")
+    p.add_argument("--prefill-dns", action="append",
+                   help="NAME:PORT: every address NAME resolves to is a prefill worker, "
+                        "re-resolved every --membership-interval (a headless Service)")
+    p.add_argument("--decode-dns", action="append", help="NAME:PORT: likewise, decode workers")
+    p.add_argument("--membership-interval", type=float, default=5.0,
+                   help="seconds between reads of --workers-file and the DNS names")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000, help="0 picks a free port; -1: off")
@@ -73,8 +92,16 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="reported by GetModelInfo until a worker has told its own (default: "
                         "the workers')")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
-                   help="require this bearer token on HTTP (default: $TANDEM_API_KEY)")
+    refuse_api_key_flag(p)
+    p.add_argument("--api-key-file", default=None,
+                   help="require a bearer token on both public ports: any key in this file, "
+                        "one per line, each its own tenant (default: $TANDEM_API_KEY_FILE; "
+                        "$TANDEM_API_KEY adds one key). Never a key on the command line")
+    p.add_argument("--tls-cert", default=None, help="serve both public ports over TLS with "
+                   "this certificate (PEM; with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="the private key of --tls-cert (PEM)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest HTTP request body; a larger one is answered 413 unread")
     p.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                    help="gRPC server reflection on the public port, for grpcurl and other "
                         "tools (default: on; --no-reflection turns it off)")
@@ -83,6 +110,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-file", default=None)
     p.add_argument("--trace-content", action="store_true",
                    help="record prompt and output text in traces (off: never recorded)")
+    add_cluster_tls_args(p)
 
 
 async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = None,
@@ -91,31 +119,48 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     tracing off, metrics unserved but for /metrics)."""
     telemetry = telemetry or Telemetry("router")
     prefill, decode, both = (_addresses(a) for a in (args.prefill, args.decode, args.workers))
-    if not (prefill or decode or both):
-        raise InvalidArgument("--prefill", "give --prefill and --decode, or --workers")
-    if bool(prefill) != bool(decode):
+    learnt = config_from_args(args.workers_file, args.prefill_dns, args.decode_dns,
+                              args.membership_interval)
+    if not (prefill or decode or both or learnt.enabled):
+        raise InvalidArgument("--prefill", "give --prefill and --decode, or --workers, or a "
+                                           "--workers-file or --prefill-dns and --decode-dns")
+    if not learnt.enabled and bool(prefill) != bool(decode):
         raise InvalidArgument("--prefill" if decode else "--decode",
                               "prefill and decode workers go together")
+    if args.max_body_bytes < 1:
+        raise InvalidArgument("--max-body-bytes", f"must be >= 1, got {args.max_body_bytes}")
+    cluster_tls = ClusterTls.from_args(args)
+    public_tls = PublicTls.from_args(args)
+    api_keys = load_api_keys(key_file=args.api_key_file)
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
     workers = WorkerSet(prefill, decode, both, block_size=args.block_size,
                         poll_interval_s=args.poll_interval,
                         worker_timeout_s=args.worker_timeout,
-                        metrics=FaultMetrics(telemetry.metrics.registry))
+                        metrics=FaultMetrics(telemetry.metrics.registry), tls=cluster_tls)
     orchestrator = Orchestrator(workers, max_migrations=args.max_migrations)
     served, aliases = model_names(args)
     info = Frontend.model_info(served, cfg, args.dtype or "", args.block_size,
                                args.max_model_len, aliases)
     frontend = Frontend(tokenizer, orchestrator, info, args.max_requests, telemetry)
 
-    server = make_server(telemetry.tracing.server_interceptors())
-    grpc_port = bind(server, args.host, args.grpc_port)
+    interceptors = list(telemetry.tracing.server_interceptors())
+    if api_keys:
+        interceptors.insert(0, ApiKeyInterceptor(api_keys))  # refused before anything runs
+    server = make_server(interceptors)
+    grpc_port = bind(server, args.host, args.grpc_port,
+                     public_tls.server_credentials() if public_tls else None)
     api_pb2_grpc.add_TandemServicer_to_server(TandemServicer(frontend), server)
     health = Health(server, [API_SERVICE])
     if args.reflection:
         enable_reflection(server, [API_SERVICE])
+    membership = Membership(learnt, workers.set_members)
+    if learnt.enabled:
+        await membership.refresh()  # the workers known at start, polled by start()
     await workers.start()
+    if learnt.enabled:
+        await membership.start()
     # gRPC health says what HTTP /health says: NOT_SERVING while a worker is out.
     workers.on_health = lambda: health.depend(workers.all_healthy())
     await health.depend(workers.all_healthy())
@@ -132,9 +177,10 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
             body, content_type = telemetry.metrics.exposition()
             return Response(body, media_type=content_type)
 
-        http = HttpServer(frontend, workers, args.host, args.http_port, args.api_key,
+        http = HttpServer(frontend, workers, args.host, args.http_port, api_keys,
                           routes=[Route("/metrics", metrics, methods=["GET"])],
-                          grace_s=args.grace)
+                          grace_s=args.grace, tls=public_tls,
+                          max_body_bytes=args.max_body_bytes)
         http_port = await http.start()
 
     def ready() -> None:
@@ -147,6 +193,7 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
             os.replace(tmp, args.ready_file)
 
     async def stop() -> None:
+        await membership.close()
         await orchestrator.close()
         await workers.close()
 

@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter
 from engine.block_pool import hash_block
 from router_svc.worker_stream import StreamBroken, WorkerStream
 from runtime.lifecycle import GRPC_OPTIONS
+from runtime.security import ClusterTls, internal_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class Worker:
     # Set when the worker is lost (no poll answered for worker_timeout_s): calls in flight on
     # it give up. A fresh one once it answers again.
     lost: asyncio.Event = field(default_factory=asyncio.Event)
+    dynamic: bool = False  # learnt from a membership source (router_svc.membership)
+    draining: bool = False  # gone from its source: no new requests; removed once idle
+    idle_polls: int = 0  # poll rounds it has been draining with nothing in flight
 
     @property
     def free_blocks(self) -> int:
@@ -105,13 +109,12 @@ class WorkerSet:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str], *,
                  poll_interval_s: float = 0.5, balance_slack: int = 4,
                  block_size: int = 16, worker_timeout_s: float = 3.0,
-                 metrics: FaultMetrics | None = None) -> None:
+                 metrics: FaultMetrics | None = None, tls: ClusterTls | None = None) -> None:
         self.workers: list[Worker] = []
+        self.tls = tls  # mutual TLS with a cluster CA on every worker channel, when set
         for role, addrs in (("prefill", prefill), ("decode", decode), ("both", both)):
             for a in addrs:
-                ch = grpc.aio.insecure_channel(a, options=GRPC_OPTIONS)
-                stub = worker_pb2_grpc.WorkerStub(ch)
-                self.workers.append(Worker(a, role, ch, stub, WorkerStream(stub, a)))
+                self.workers.append(self._connect(a, role))
         self.poll_interval_s = poll_interval_s
         self.worker_timeout_s = worker_timeout_s
         self.metrics = metrics or FaultMetrics()
@@ -132,7 +135,53 @@ class WorkerSet:
         return any(w.role == "prefill" for w in self.workers)
 
     def by_role(self, role: str, healthy_only: bool = True) -> list[Worker]:
-        return [w for w in self.workers if w.role == role and (w.healthy or not healthy_only)]
+        return [w for w in self.workers if w.role == role and not w.draining
+                and (w.healthy or not healthy_only)]
+
+    def _connect(self, address: str, role: str, dynamic: bool = False) -> Worker:
+        ch = internal_channel(address, self.tls, GRPC_OPTIONS)
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        return Worker(address, role, ch, stub, WorkerStream(stub, address), dynamic=dynamic)
+
+    # -- membership (router_svc.membership) --------------------------------------------------
+    def set_members(self, members: dict[str, set[str]]) -> None:
+        """The learnt workers are now `members` (role -> addresses): add the new ones (polled
+        from the next round; routed to once they answer), drain the ones gone (no new
+        requests; removed once nothing of this router's is in flight there). Workers given by
+        flags are never drained. A drained worker that comes back is routed to again."""
+        fixed = {(w.role, w.address) for w in self.workers if not w.dynamic}
+        wanted = {(role, a) for role, addrs in members.items() for a in addrs} - fixed
+        for w in self.workers:
+            if not w.dynamic:
+                continue
+            gone = (w.role, w.address) not in wanted
+            if gone and not w.draining:
+                log.info("worker %s (%s) left the membership: draining its %d requests",
+                         w.address, w.role, w.in_flight)
+            elif not gone and w.draining:
+                log.info("worker %s (%s) is back in the membership", w.address, w.role)
+            w.draining = gone
+        have = {(w.role, w.address) for w in self.workers}
+        for role, address in sorted(wanted - have):
+            log.info("worker %s (%s) joined the membership", address, role)
+            self.workers.append(self._connect(address, role, dynamic=True))
+        self._health_changed_soon()
+
+    async def _remove_drained(self) -> None:
+        """Close and forget draining workers idle for two poll rounds in a row (a request that
+        picked one just before it was drained counts in_flight only after an await)."""
+        for w in self.workers:
+            w.idle_polls = w.idle_polls + 1 if w.draining and w.in_flight == 0 else 0
+        for w in [w for w in self.workers if w.idle_polls >= 2]:
+            self.workers.remove(w)
+            log.info("worker %s (%s) drained and removed", w.address, w.role)
+            await w.stream.close()
+            await w.channel.close()
+
+    def _health_changed_soon(self) -> None:
+        with contextlib.suppress(RuntimeError):  # no loop yet: start() publishes health
+            asyncio.get_running_loop()
+            self._health_changed()
 
     # -- health ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -149,6 +198,7 @@ class WorkerSet:
             await w.channel.close()
 
     async def poll_once(self) -> None:
+        await self._remove_drained()
         await asyncio.gather(*(self._poll(w) for w in self.workers))
         self._health_changed()
 
@@ -213,7 +263,10 @@ class WorkerSet:
         task.add_done_callback(self._health_tasks.discard)
 
     def all_healthy(self) -> bool:
-        return all(w.healthy for w in self.workers)
+        """Every worker up (draining ones aside), and at least one: a router that learns its
+        workers (router_svc.membership) may know none yet."""
+        current = [w for w in self.workers if not w.draining]
+        return bool(current) and all(w.healthy for w in current)
 
     # -- picking -----------------------------------------------------------------------------
     def prefix_hashes(self, prompt: list[int]) -> list[int]:

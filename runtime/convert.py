@@ -28,6 +28,7 @@ def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted(p.logit_bias.items())),
         include_stop_str_in_output=p.include_stop_str_in_output,
         response_format=_format_from_proto(p),
+        cache_salt=p.cache_salt,
     )
     for name in ("temperature", "top_p", "repetition_penalty", "seed", "logprobs",
                  "skip_special_tokens"):
@@ -50,6 +51,7 @@ def params_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     p.min_tokens = s.min_tokens
     p.logit_bias.update(dict(s.logit_bias))
     p.include_stop_str_in_output = s.include_stop_str_in_output
+    p.cache_salt = s.cache_salt
     fmt = s.response_format
     if fmt is not None and fmt.type == "json_object":
         p.json_object = True

@@ -19,6 +19,8 @@ from engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
 from engine.serving.core_messages import CoreSpec, LeaseDone
 from runtime.engine_args import add_engine_args, engine_config
 from runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
+from runtime.security import ClusterTls, add_cluster_tls_args
+from runtime.security import bind as bind_port
 from runtime.telemetry import Telemetry, configure_process_logging
 from tandem.errors import InvalidArgument, LayoutMismatch, ModelLoadError, Overloaded
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -31,7 +33,9 @@ WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     g = p.add_argument_group("service")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default loopback: only this machine's "
+                        "processes reach the worker)")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
     g.add_argument("--worker-id", default=None, help="default: ROLE@HOST:PORT")
     g.add_argument("--grace", type=float, default=30.0,
@@ -44,6 +48,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-threads", type=_at_least_one, default=None,
                    help="torch CPU threads of the engine core (default: every core on the "
                         "CPU, 1 on a GPU); engine cores sharing a machine need their share")
+    add_cluster_tls_args(p)
 
 
 def _at_least_one(text: str) -> int:
@@ -87,6 +92,8 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> No
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     role = "both"
+    # Mutual TLS toward peers (decode -> prefill), as run_worker sets it; None: plaintext.
+    cluster_tls: ClusterTls | None = None
 
     def __init__(self, engine: AsyncEngine, worker_id: str) -> None:
         self.engine = engine
@@ -122,11 +129,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         the server's graceful stop."""
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    return bound
+def bind(server: grpc.aio.Server, host: str, port: int,
+         credentials: grpc.ServerCredentials | None = None) -> int:
+    return bind_port(server, host, port, credentials)
 
 
 async def run_worker(args: argparse.Namespace, role: str,
@@ -145,6 +150,7 @@ async def run_worker(args: argparse.Namespace, role: str,
         died = True
         stop.set()
 
+    tls = ClusterTls.from_args(args)  # bad flags fail before the engine loads
     spec = CoreSpec(engine_config(args, role=role), role, transport, lease_ttl_s,
                     cpu_threads=args.cpu_threads, process_setup=configure_process_logging)
     engine = AsyncEngine(spec, on_step=metrics.on_step, on_abort=metrics.on_abort,
@@ -154,12 +160,14 @@ async def run_worker(args: argparse.Namespace, role: str,
         metrics.bind_engine(lambda: engine.snapshot)
         metrics.watch_engine_core(engine.info.pid)
         server = make_server(telemetry.tracing.server_interceptors())
-        port = bind(server, args.host, args.port)
+        # With a cluster CA, a caller without a client certificate it signed is refused.
+        port = bind(server, args.host, args.port, tls.server_credentials() if tls else None)
         host = args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()
         address = f"{host}:{port}"
         worker_id = args.worker_id or f"{role}@{address}"
         servicer = make_servicer(engine, worker_id, address)
         servicer.telemetry = telemetry
+        servicer.cluster_tls = tls
         engine.on_lease_done = servicer.lease_done
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
         health = Health(server, [WORKER_SERVICE])

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 
 from cli.launcher import LocalStack, Proc, free_port
+from runtime.security import internal_channel
 from tandem.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 __all__ = ["Cluster", "ClusterProc", "Proc", "free_port"]
@@ -39,13 +40,14 @@ class Cluster(LocalStack):
     def __init__(self, tmp: Path, model: str, prefill: int = 1, decode: int = 1, both: int = 0,
                  worker_args: Sequence[str] = (), prefill_args: Sequence[str] = (),
                  decode_args: Sequence[str] = (), router_args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, metrics: bool = False) -> None:
+                 env: dict[str, str] | None = None, metrics: bool = False,
+                 cluster_ca: bool = False) -> None:
         roles = ["prefill"] * prefill + ["decode"] * decode + ["both"] * both
         super().__init__(
             model, roles, ["cpu"] * len(roles), worker_args=worker_args,
             role_args={"prefill": prefill_args, "decode": decode_args},
             router_args=["--grpc-port", "0", "--http-port", "0", *router_args],
-            log_dir=tmp, env=env, metrics=metrics)
+            log_dir=tmp, env=env, metrics=metrics, cluster_ca=cluster_ca)
 
     def start(self) -> Cluster:
         super().start()
@@ -55,7 +57,7 @@ class Cluster(LocalStack):
         return api_pb2_grpc.TandemStub(channel)
 
     async def load(self, proc: Proc) -> worker_pb2.Load:
-        async with grpc.aio.insecure_channel(proc.address) as ch:
+        async with internal_channel(proc.address, self.cluster_tls, ()) as ch:
             return await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
                                                                 timeout=5)
 

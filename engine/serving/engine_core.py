@@ -272,7 +272,8 @@ class EngineCore:
                                    "lease's KV went with it")
             if time.monotonic() > kv.deadline:
                 raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
-            stats = pull_blocks(pool, self.engine.runner.pool, kv.block_ids, dst_block_ids)
+            stats = pull_blocks(pool, self.engine.runner.pool, kv.block_ids, dst_block_ids,
+                                deadline=kv.deadline)
         except Exception as e:
             error = e
             raise

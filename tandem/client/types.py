@@ -30,13 +30,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N per token (0: the sampled token's only)
     skip_special_tokens: bool | None = None
+    cache_salt: str = ""  # prefix-cache namespace: cached prompts are shared only within one
 
     def to_proto(self) -> common_pb2.SamplingParams:
         p = common_pb2.SamplingParams(
             n=self.n, max_tokens=self.max_tokens, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos)
+            ignore_eos=self.ignore_eos, cache_salt=self.cache_salt)
         for name in ("temperature", "top_p", "repetition_penalty", "seed", "logprobs",
                      "skip_special_tokens"):
             value = getattr(self, name)

@@ -12,11 +12,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.v1 import api_pb2, api_pb2_grpc
@@ -25,7 +27,7 @@ STARTUP_S = 120
 
 
 @contextlib.contextmanager
-def tandem_up(tmp_path: Path, *args: str) -> Iterator[str]:
+def tandem_up(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """Run `tandem up ARGS` on free ports; yield its banner once printed; Ctrl-C it at the end
     and insist that it exits 0."""
     log_path = tmp_path / "up.log"
@@ -33,7 +35,7 @@ def tandem_up(tmp_path: Path, *args: str) -> Iterator[str]:
         up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--http-port", "0",
                                "--grpc-port", "0", "--num-blocks", "128", *args],
                               stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         try:
             deadline = time.monotonic() + STARTUP_S
             while (m := re.search(r"^Tandem is up.*?^Ctrl-C stops everything\.$",
@@ -53,10 +55,12 @@ def get(url: str) -> str:
         return r.read().decode()
 
 
-def complete(base: str, model: str) -> dict:
+def complete(base: str, model: str, key: str | None = None) -> dict:
     body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 2}).encode()
-    req = urllib.request.Request(f"{base}/completions", body,
-                                 {"content-type": "application/json"})
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(f"{base}/completions", body, headers)
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
@@ -73,6 +77,11 @@ def test_disaggregated_banner_names_metrics_and_dtype(tiny_models, tmp_path):
     with tandem_up(tmp_path, "--model", model, "--gpus", "0") as banner:
         assert banner.startswith('Tandem is up: model "llama", 2 workers.'), banner
         assert "Note: --device auto found 1 GPU for 2 workers" in banner, banner
+        # A throwaway cluster CA: router and workers talk mutual TLS (tests/integration/
+        # test_trust.py shows a worker refusing callers without its certificate).
+        ca = re.search(r"^  Internal: +mutual TLS, cluster CA (\S+)$", banner, re.M)
+        assert ca and Path(ca.group(1)).is_file(), banner
+        assert "API key:     none" in banner, banner
         workers = dict(re.findall(r"^  (prefill0|decode0): +cpu, metrics (\S+)$", banner, re.M))
         assert set(workers) == {"prefill0", "decode0"}, banner
         base = re.search(r"OpenAI HTTP: (\S+)", banner).group(1)
@@ -100,13 +109,26 @@ def test_disaggregated_banner_names_metrics_and_dtype(tiny_models, tmp_path):
 
 
 def test_one_colocated_worker_with_a_served_name(tiny_models, tmp_path):
+    """Also: an API key from the environment guards the stack and reaches no command line."""
     model = str(tiny_models["llama"])
+    key = "up-key-" + "7" * 24
     with tandem_up(tmp_path, "--model", model, "--served-model-name", "tiny", "--device", "cpu",
                    "--prefill-workers", "0", "--decode-workers", "0", "--both-workers", "1",
-                   "--metrics-port-base", "-1") as banner:
+                   "--metrics-port-base", "-1", env={"TANDEM_API_KEY": key}) as banner:
         assert banner.startswith('Tandem is up: model "tiny", 1 worker.'), banner
         assert re.search(r"^  both0: +cpu$", banner, re.M), banner  # no metrics port: -1
         assert "Note:" not in banner  # the CPU was asked for
         base = re.search(r"OpenAI HTTP: (\S+)", banner).group(1)
-        assert [m["id"] for m in json.loads(get(f"{base}/models"))["data"]] == ["tiny"]
-        assert complete(base, model)["model"] == "tiny"
+        assert "API key:     required" in banner, banner
+        with pytest.raises(urllib.error.HTTPError) as e:
+            complete(base, model)
+        assert e.value.code == 401
+        assert complete(base, model, key)["model"] == "tiny"
+        assert not any(key.encode() in _cmdline(p) for p in Path("/proc").glob("[0-9]*"))
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:  # a process that ended meanwhile
+        return b""

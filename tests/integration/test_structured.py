@@ -58,7 +58,7 @@ TOOL_SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("structured"), str(tiny_models["llama"]),
-                worker_args=WORKER_ARGS, router_args=["--api-key", API_KEY]).start()
+                worker_args=WORKER_ARGS, env={"TANDEM_API_KEY": API_KEY}).start()
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes

@@ -284,9 +284,11 @@ def test_start_order_waits_for_health(services: dict) -> None:
         assert isinstance(deps, dict), f"{name}: long syntax, with a condition"
         return {dep: spec["condition"] for dep, spec in deps.items()}
 
-    assert waits_for("router") == {"prefill": "service_healthy", "decode": "service_healthy"}
-    assert waits_for("decode") == {"prefill": "service_healthy"}
-    assert waits_for("prefill") == {}
+    certs = {"certs": "service_completed_successfully"}  # the cluster's TLS files first
+    assert waits_for("router") == {**certs, "prefill": "service_healthy",
+                                   "decode": "service_healthy"}
+    assert waits_for("decode") == {**certs, "prefill": "service_healthy"}
+    assert waits_for("prefill") == certs
     for name in TANDEM:
         assert services[name]["restart"] in ("unless-stopped", "always", "on-failure"), name
 
@@ -328,7 +330,27 @@ def test_observe_override_publishes_the_uis_on_loopback_only(services: dict) -> 
 def test_the_model_directory_is_mounted_read_only(services: dict) -> None:
     for name in TANDEM:
         volumes = services[name]["volumes"]
-        assert volumes == ["./models:/models:ro"], name  # ${TANDEM_MODELS:-./models}
+        # ${TANDEM_MODELS:-./models}; the cluster's certificates, read-only too
+        assert volumes == ["./models:/models:ro", "tandem-certs:/certs:ro"], name
+
+
+def test_every_internal_hop_is_mutual_tls(services: dict, args: dict) -> None:
+    """The certs service writes a CA and a node certificate naming every service; each Tandem
+    service serves and calls with them, and its health check presents them (a worker refuses
+    a caller without one)."""
+    certs = services["certs"]
+    cmd = certs["command"]
+    assert cmd[0] == "certs" and certs["restart"] == "no"
+    hosts = cmd[cmd.index("--hosts") + 1].split(",")
+    assert set(TANDEM) <= set(hosts)
+    assert certs["volumes"] == ["tandem-certs:/certs"]
+    for name in TANDEM:
+        a = args[name]
+        assert (a.cluster_ca, a.cluster_cert, a.cluster_key) == (
+            "/certs/ca.pem", "/certs/node.pem", "/certs/node.key"), name
+        if name != "router":  # the router's public port is checked as clients see it
+            test = services[name]["healthcheck"]["test"]
+            assert "--cluster-cert" in test and "/certs/node.pem" in test, name
 
 
 def test_mounted_config_files_exist(services: dict) -> None:

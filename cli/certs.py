@@ -1,0 +1,104 @@
+"""A throwaway cluster CA: `tandem up` makes one per stack, and `tandem certs` writes one for a
+deployment (docker-compose runs it as a one-shot service before the others start).
+
+    <dir>/ca.pem      the cluster CA's certificate (every process trusts it, and only it)
+    <dir>/node.pem    a certificate the CA signed, for server and client authentication, with
+    <dir>/node.key    the given host names and loopback as subject alternative names
+
+The CA's private key is never written: once the node certificate is signed it is dropped, so
+nothing can sign another certificate this cluster would accept. Key files are mode 0600.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import ipaddress
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from runtime.security import ClusterTls
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+def _san(host: str):
+    from cryptography import x509  # noqa: PLC0415
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def make_cluster_ca(out_dir: Path | str, hosts: Sequence[str] = (),
+                    days: int = 30) -> ClusterTls:
+    """Write ca.pem, node.pem and node.key (P-256 keys) under out_dir; their ClusterTls."""
+    from cryptography import x509  # noqa: PLC0415
+    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415
+    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: PLC0415
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.UTC)
+    start, end = now - dt.timedelta(minutes=5), now + dt.timedelta(days=days)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tandem cluster CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(start).not_valid_after(end)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False,
+                                       key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, key_cert_sign=True, crl_sign=True,
+                                       encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    names = list(dict.fromkeys([*LOOPBACK, *(h for h in hosts if h)]))
+    node = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tandem node")]))
+            .issuer_name(ca_name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(end)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName([_san(h) for h in names]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+
+    pem = serialization.Encoding.PEM
+    (out / "ca.pem").write_bytes(ca.public_bytes(pem))
+    (out / "node.pem").write_bytes(node.public_bytes(pem))
+    key_path = out / "node.key"
+    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return ClusterTls(out / "ca.pem", out / "node.pem", key_path)
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser(name, help="write a throwaway cluster CA and node certificate")
+    p.add_argument("--out", required=True, help="directory for ca.pem, node.pem, node.key")
+    p.add_argument("--hosts", default="",
+                   help="comma-separated host names the services are reached by (loopback "
+                        "is always included), e.g. router,prefill,decode")
+    p.add_argument("--days", type=int, default=30, help="validity in days")
+    p.add_argument("--keep", action="store_true",
+                   help="leave certificates already in --out as they are")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if args.keep and all((out / f).exists() for f in ("ca.pem", "node.pem", "node.key")):
+        print(f"tandem certs: keeping the certificates in {out}")
+        return 0
+    make_cluster_ca(out, [h.strip() for h in args.hosts.split(",")], args.days)
+    print(f"tandem certs: wrote ca.pem, node.pem, node.key to {out}")
+    return 0

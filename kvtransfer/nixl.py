@@ -1,0 +1,429 @@
+"""The "nixl" transport: KV blocks between hosts over NVIDIA NIXL (UCX underneath: RDMA,
+NVLink/cuda_ipc, TCP, shared memory; UCX picks what the two ends share).
+
+Each worker process has one NIXL agent (`default_endpoint()`, an `NixlEndpoint`). A prefill
+worker registers its pool (DRAM or VRAM) with it and hands out, as the descriptor's handle, the
+agent's metadata and the pool's base address (`NixlHandle`); the handle travels over the
+existing gRPC Register call, never over a side channel of NIXL's own (no listener thread). A
+decode worker loads that metadata once (`connect` -> NixlRemotePool), registers its own pool on
+first use, and moves each request's KV with one NIXL READ:
+
+    prefill pool (remote, registered)         decode pool (local, registered)
+    [ 0 | 1 | 2 | 3 | 4 | 5 | ... ]           [ 0 | 1 | 2 | 3 | 4 | 5 | ... ]
+          ^       ^   ^                         ^       ^           ^
+    one descriptor per block (all layers, K and V: block_bytes, contiguous), prepared once
+    per pool on each side; a pull is one READ of the lease's blocks by index.
+
+A pull returns only when the transfer is over: done (the blocks are in place and the lease may
+be released), or failed, timed out or cancelled, and then only once NIXL no longer writes into
+the destination blocks (an active transfer is cancelled; one that cannot be is waited for), so
+the caller may free them. Every transfer handle is released exactly once.
+
+NIXL is an optional dependency (the `nixl` extra), imported on first use.
+
+UCX is configured by its environment variables: UCX_NET_DEVICES (e.g. mlx5_0:1 for RDMA, eth0
+for TCP, lo in the tests), UCX_TLS (e.g. rc,cuda_copy,cuda_ipc or tcp,cuda_copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtransfer.descriptor import PoolDescriptor
+from tandem.errors import InvalidArgument
+
+EXTRA = "nixl"
+INSTALL_HINT = f"pip install 'tandem[{EXTRA}]'"
+
+# Waiting for a transfer: poll at once, then back off up to this (seconds). Spinning is what
+# keeps a ~1 ms GPU transfer from paying a scheduler tick; the cap keeps an idle wait cheap.
+MAX_POLL_S = 1e-3
+
+
+class NixlUnavailable(RuntimeError):
+    """The nixl package is not installed (or cannot load)."""
+
+
+class TransferFailed(RuntimeError):
+    """NIXL reported an error for a transfer (the peer is gone, unreachable, or refused)."""
+
+
+class PullCancelled(RuntimeError):
+    """A pull was cancelled by its caller before it completed."""
+
+
+def load_nixl() -> Any:
+    """The nixl._api module, or NixlUnavailable naming the extra to install."""
+    try:
+        from nixl import _api  # noqa: PLC0415 - optional dependency, loaded on first use
+    except ImportError as e:
+        raise NixlUnavailable(f"the nixl transport needs the NIXL package, which cannot be "
+                              f"imported ({e}): {INSTALL_HINT}") from e
+    # NIXL's Python logger prints plain text to stdout by a handler of its own; its records go
+    # through this process's logging instead (one JSON line per event, like every other).
+    nixl_log = logging.getLogger("nixl")
+    nixl_log.handlers.clear()
+    nixl_log.propagate = True
+    return _api
+
+
+@dataclass(frozen=True)
+class NixlHandle:
+    """What a PoolDescriptor's handle holds for the nixl transport: the owner's agent name, the
+    pool's base address in the owner's address space, and the agent's metadata (its
+    connection info and the memory it registered; a capability: never logged)."""
+
+    agent: str
+    base: int
+    metadata: bytes = field(repr=False)
+
+    MAGIC = b"TNX1"
+    _HEAD = struct.Struct("<4sQH")  # magic, base address, agent name length
+
+    def pack(self) -> bytes:
+        name = self.agent.encode()
+        return self._HEAD.pack(self.MAGIC, self.base, len(name)) + name + self.metadata
+
+    @classmethod
+    def unpack(cls, data: bytes) -> NixlHandle:
+        head = cls._HEAD.size
+        if len(data) < head:
+            raise InvalidArgument("handle", "is not a nixl pool handle")  # bytes withheld
+        magic, base, n = cls._HEAD.unpack_from(data)
+        if magic != cls.MAGIC or len(data) < head + n + 1:
+            raise InvalidArgument("handle", "is not a nixl pool handle")
+        return cls(data[head:head + n].decode(), base, data[head + n:])
+
+
+def _block_rows(base: int, block_bytes: int, num_blocks: int, device_id: int) -> np.ndarray:
+    """NIXL descriptors (address, length, device id), one per block."""
+    rows = np.empty((num_blocks, 3), dtype=np.int64)
+    rows[:, 0] = base + np.arange(num_blocks, dtype=np.int64) * block_bytes
+    rows[:, 1] = block_bytes
+    rows[:, 2] = device_id
+    return rows
+
+
+def _mem(tensor: torch.Tensor) -> tuple[str, int]:
+    """NIXL memory type and device id of a tensor."""
+    if tensor.is_cuda:
+        return "VRAM", tensor.device.index if tensor.device.index is not None else 0
+    return "DRAM", 0
+
+
+@dataclass(eq=False)
+class _Region:
+    """A pool tensor registered with the agent, and its blocks prepared as local descriptors."""
+
+    tensor: torch.Tensor
+    reg: Any                # nixlRegDList, for deregister_memory
+    blocks: Any = None      # as a pull's destination: one prepared descriptor per block
+
+
+class NixlEndpoint:
+    """One NIXL agent (UCX backend) and what it has registered and loaded. Thread-safe: calls
+    into the agent are serialized by one lock (NIXL's progress thread moves the data)."""
+
+    def __init__(self, name: str | None = None, agent: Any = None) -> None:
+        self.name = name or f"tandem-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+        if agent is None:
+            api = load_nixl()
+            agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self.agent = agent
+        self._lock = threading.RLock()
+        self._regions: dict[tuple[int, int, str], _Region] = {}
+        self._peers: dict[str, int] = {}  # remote agent name -> open NixlRemotePools
+        self.leaked_handles = 0  # transfer handles NIXL refused to release (see _release)
+        self._closed = False
+
+    # -- local memory ------------------------------------------------------------------------
+    def register(self, pool: torch.Tensor) -> _Region:
+        """Register a contiguous pool tensor's memory (idempotent). The endpoint keeps the
+        tensor alive until `deregister`."""
+        if not pool.is_contiguous():
+            raise InvalidArgument("pool", "must be a contiguous tensor")
+        key = (pool.data_ptr(), pool.numel() * pool.element_size(), str(pool.device))
+        with self._lock:
+            self._check_open()
+            region = self._regions.get(key)
+            if region is None:
+                mem, dev = _mem(pool)
+                reg = self.agent.register_memory([(pool.data_ptr(), key[1], dev, "")], mem)
+                region = self._regions[key] = _Region(pool, reg)
+            return region
+
+    def _local_blocks(self, pool: torch.Tensor) -> Any:
+        """`pool` (block-major) registered, with one local descriptor per block prepared."""
+        with self._lock:
+            region = self.register(pool)
+            if region.blocks is None:
+                mem, dev = _mem(pool)
+                block_bytes = pool[0].numel() * pool.element_size()
+                rows = _block_rows(pool.data_ptr(), block_bytes, pool.shape[0], dev)
+                region.blocks = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, mem)
+            return region.blocks
+
+    def deregister(self, pool: torch.Tensor) -> None:
+        """Undo `register` (idempotent). Peers reading it from now on get an error."""
+        key = (pool.data_ptr(), pool.numel() * pool.element_size(), str(pool.device))
+        with self._lock:
+            region = self._regions.pop(key, None)
+            if region is not None and not self._closed:
+                if region.blocks is not None:
+                    self.agent.release_dlist_handle(region.blocks)
+                self.agent.deregister_memory(region.reg)
+
+    def export(self, pool: torch.Tensor) -> bytes:
+        """Register `pool` and return the handle a peer needs to read it (a capability)."""
+        self.register(pool)
+        with self._lock:
+            metadata = self.agent.get_agent_metadata()
+        return NixlHandle(self.name, pool.data_ptr(), metadata).pack()
+
+    # -- peers -------------------------------------------------------------------------------
+    def connect(self, desc: PoolDescriptor) -> NixlRemotePool:
+        """Load a peer's agent metadata and prepare one remote descriptor per block of its
+        pool. Errors name the descriptor's redacted fields, never its handle."""
+        if desc.transport != "nixl":
+            raise InvalidArgument("transport", f"expected a nixl pool, got {desc.transport!r}")
+        handle = NixlHandle.unpack(desc.handle)
+        mem = "DRAM" if desc.device_index < 0 else "VRAM"
+        dev = max(desc.device_index, 0)
+        with self._lock:
+            self._check_open()
+            try:
+                name = self.agent.add_remote_agent(handle.metadata)
+            except Exception as e:  # noqa: BLE001 - its text may quote the metadata
+                raise TransferFailed(f"cannot load the NIXL metadata of pool "
+                                     f"{desc.redacted()}: {type(e).__name__}") from None
+            name = name.decode() if isinstance(name, bytes) else name
+            self._peers[name] = self._peers.get(name, 0) + 1
+            try:
+                rows = _block_rows(handle.base, desc.block_bytes, desc.num_blocks, dev)
+                blocks = self.agent.prep_xfer_dlist(name, rows, mem)
+            except BaseException:
+                self._drop_peer(name)
+                raise
+        return NixlRemotePool(self, desc, name, blocks)
+
+    def _drop_peer(self, name: str) -> None:
+        with self._lock:
+            left = self._peers.get(name, 0) - 1
+            if left > 0:
+                self._peers[name] = left
+                return
+            self._peers.pop(name, None)
+            if not self._closed:
+                with contextlib.suppress(Exception):  # already gone: nothing left to drop
+                    self.agent.remove_remote_agent(name)
+
+    # -- transfers ---------------------------------------------------------------------------
+    def read(self, remote: NixlRemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
+             dst_block_ids: Sequence[int], deadline: float | None,
+             cancel: threading.Event | None) -> None:
+        local_blocks = self._local_blocks(local)
+        what = f"{len(src_block_ids)} blocks from {remote.peer}"
+        with self._lock:
+            self._check_open()
+            try:
+                handle = self.agent.make_prepped_xfer(
+                    "READ", local_blocks, np.asarray(dst_block_ids, dtype=np.int32),
+                    remote.blocks, np.asarray(src_block_ids, dtype=np.int32))
+            except Exception as e:  # NIXL's own errors (peer gone, no backend)
+                raise TransferFailed(f"NIXL cannot read {what}: {e}") from e
+        try:
+            with self._lock:
+                try:
+                    state = self.agent.transfer(handle)
+                except Exception as e:
+                    raise TransferFailed(f"NIXL cannot read {what}: {e}") from e
+            if state == "PROC":
+                state = self._wait(handle, deadline, cancel)
+            if state != "DONE":
+                raise TransferFailed(f"NIXL failed to read {what}")
+        finally:
+            self._release(handle)
+
+    def _state(self, handle: Any) -> str:
+        with self._lock:
+            return self.agent.check_xfer_state(handle)
+
+    def _wait(self, handle: Any, deadline: float | None, cancel: threading.Event | None) -> str:
+        delay = 0.0
+        while (state := self._state(handle)) == "PROC":
+            if cancel is not None and cancel.is_set():
+                raise PullCancelled("the KV pull was cancelled")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("the KV pull did not complete before the lease's deadline")
+            delay = min(max(delay * 2, 1e-5), MAX_POLL_S)
+            if cancel is not None:
+                cancel.wait(delay)
+            else:
+                time.sleep(delay)
+        return state
+
+    def _release(self, handle: Any) -> None:
+        """Release a transfer handle; NIXL cancels it if still active. When it cannot (it
+        refuses the release), wait until the transfer is no longer in flight, then release:
+        the caller frees the destination blocks after this returns. That wait has no deadline
+        on purpose (a late write into reused blocks would corrupt another request); UCX ends a
+        transfer whose peer is gone with an error of its own (its keepalive and timeouts)."""
+        refused = 0
+        while True:
+            try:
+                with self._lock:
+                    self.agent.release_xfer_handle(handle)
+                return
+            except Exception:  # noqa: BLE001 - NIXL: "cannot cancel now", or a bad handle
+                refused += 1
+            try:
+                state = self._state(handle)
+            except Exception:  # noqa: BLE001 - a handle NIXL no longer knows is not in flight
+                state = "ERR"
+            if state != "PROC" and refused > 1:
+                # Not in flight, and refused twice: NIXL keeps it (its agent re-releases such
+                # handles when it is destroyed); nothing writes into the blocks any more.
+                self.leaked_handles += 1
+                return
+            time.sleep(MAX_POLL_S if state == "PROC" else 0)
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the NIXL endpoint is closed")
+
+    @property
+    def num_registered(self) -> int:
+        return len(self._regions)
+
+    @property
+    def num_peers(self) -> int:
+        return len(self._peers)
+
+    def close(self) -> None:
+        """Deregister everything and drop every peer (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            for region in list(self._regions.values()):
+                self.deregister(region.tensor)
+            for name in list(self._peers):
+                self._peers[name] = 1
+                self._drop_peer(name)
+            self._closed = True
+
+
+class NixlRemotePool:
+    """A peer's pool reached over NIXL: the peer's agent loaded and its blocks prepared as
+    remote descriptors. Nothing is mapped here; `pull` reads blocks into a local pool.
+    close() releases what connect() made (idempotent)."""
+
+    def __init__(self, endpoint: NixlEndpoint, descriptor: PoolDescriptor, peer: str,
+                 blocks: Any) -> None:
+        self.endpoint = endpoint
+        self.descriptor = descriptor
+        self.peer = peer
+        self.blocks = blocks
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def pull(self, local: torch.Tensor, src_block_ids: Sequence[int],
+             dst_block_ids: Sequence[int], *, deadline: float | None = None,
+             cancel: threading.Event | None = None) -> None:
+        """Read blocks `src_block_ids[i]` of the peer's pool into blocks `dst_block_ids[i]` of
+        `local` (same layout; registered with this endpoint on first use). One READ; returns
+        when it is done. Raises TransferFailed, TimeoutError (past `deadline`, a
+        time.monotonic() value) or PullCancelled (`cancel` set), each only once nothing writes
+        into the destination blocks any more."""
+        if self._closed:
+            raise RuntimeError("NixlRemotePool is closed")
+        _check_ids(self.descriptor, local, src_block_ids, dst_block_ids)
+        if src_block_ids:
+            self.endpoint.read(self, local, src_block_ids, dst_block_ids, deadline, cancel)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self.endpoint._lock:
+            if not self.endpoint._closed:
+                self.endpoint.agent.release_dlist_handle(self.blocks)
+            self.endpoint._drop_peer(self.peer)
+
+    def __enter__(self) -> NixlRemotePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"NixlRemotePool({self.descriptor.redacted()}, {state})"
+
+
+def _check_ids(desc: PoolDescriptor, local: torch.Tensor, src_ids: Sequence[int],
+               dst_ids: Sequence[int]) -> None:
+    # Out-of-range ids would make NIXL read or write outside the registered pools: check here.
+    dtype_bytes = local.element_size()
+    if (tuple(local.shape[1:]) != desc.shape[1:]
+            or local[0].numel() * dtype_bytes != desc.block_bytes):
+        raise InvalidArgument("local", f"pool {local.dtype} {tuple(local.shape)} cannot take "
+                                       f"blocks of {desc.dtype} {desc.shape}")
+    if len(src_ids) != len(dst_ids):
+        raise InvalidArgument("dst_block_ids", f"{len(dst_ids)} ids for {len(src_ids)} "
+                                               "source blocks")
+    for name, ids, limit in (("src_block_ids", src_ids, desc.num_blocks),
+                             ("dst_block_ids", dst_ids, local.shape[0])):
+        if ids and (min(ids) < 0 or max(ids) >= limit):
+            raise InvalidArgument(name, f"ids must be in [0, {limit}), got {min(ids)}..{max(ids)}")
+    if len(set(dst_ids)) != len(dst_ids):
+        raise InvalidArgument("dst_block_ids", "ids must be distinct")
+
+
+# -- the process's endpoint --------------------------------------------------------------------
+_default: NixlEndpoint | None = None
+_default_lock = threading.Lock()
+
+
+def default_endpoint() -> NixlEndpoint:
+    """This process's endpoint, made on first use (one NIXL agent per process)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default._closed:
+            _default = NixlEndpoint()
+        return _default
+
+
+def allocate_nixl_pool(nbytes: int, device: torch.device,
+                       endpoint: NixlEndpoint | None = None,
+                       ) -> tuple[torch.Tensor, weakref.finalize, bytes, int, Any]:
+    """A zeroed uint8 pool of `nbytes` on `device` (CPU: DRAM, CUDA: VRAM) registered with
+    `endpoint` (default: the process's): (tensor, finalizer observing its memory, handle,
+    device index for the descriptor, on_close which deregisters it)."""
+    endpoint = endpoint or default_endpoint()
+    tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    handle = endpoint.export(tensor)
+    device_index = -1 if device.type == "cpu" else tensor.device.index
+    memory = weakref.finalize(tensor, lambda: None)  # views hold it as their base
+    memory.atexit = False
+
+    def on_close() -> None:
+        endpoint.deregister(tensor)
+
+    return tensor, memory, handle, device_index, on_close
