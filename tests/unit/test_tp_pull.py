@@ -78,3 +78,19 @@ def test_layouts_compare_the_models_heads_and_tp_sizes():
     with pytest.raises(LayoutMismatch, match="tensor_parallel_size"):
         check_compatible(desc(num_kv_heads=2, model_kv_heads=6, tensor_parallel_size=3),
                          desc(num_kv_heads=3, model_kv_heads=6, tensor_parallel_size=2))
+
+
+def test_tensor_parallel_handoffs_refuse_nixl_pools(tmp_path):
+    """Heads move between tensor-parallel workers over shm or cuda_ipc; a nixl pool is refused
+    by name, before any rank starts or any pool is mapped."""
+    from engine.config import EngineConfig
+    from engine.tp_group import RankKV, TPGroup
+
+    with pytest.raises(InvalidArgument, match="transport"):
+        TPGroup(EngineConfig(model="m", tensor_parallel_size=2), tmp_path,
+                pool_transport="nixl")
+    kv = RankKV(None, 0, 2, 2)
+    kv.local = torch.zeros(4, LAYERS, 2, BS, 1, DIM)
+    with pytest.raises(InvalidArgument, match="transport"):
+        kv.map("127.0.0.1:1", [desc(transport="nixl", handle=b"x", device_index=-1)], "i")
+    assert not kv.peers
