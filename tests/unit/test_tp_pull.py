@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.errors import InvalidArgument, LayoutMismatch
 from engine.parallel import rank_heads
 from kvtransfer.descriptor import PoolDescriptor, check_compatible
 from kvtransfer.tp_pull import HeadCopy, head_plan, pull_heads
+from tandem.errors import InvalidArgument, LayoutMismatch
 
 LAYERS, BS, DIM, BLOCKS = 2, 4, 8, 10
 
