@@ -92,7 +92,11 @@ class ModelRunner:
 
         self.block_tables = BlockTableMirror(2 * max_num_seqs + 16,
                                              cdiv(max_model_len, self.block_size))
-        use_graphs = cuda_graphs and self.device.type == "cuda"
+        # Tensor parallel steps run eagerly: capturing the decode step with its NCCL all-reduces
+        # hung on two H100s (every rank's step, the eager path, is checked there and here).
+        use_graphs = cuda_graphs and self.device.type == "cuda" and self.tp is None
+        if cuda_graphs and self.device.type == "cuda" and self.tp is not None:
+            log.warning("tensor parallel: CUDA graphs are off, decode steps run eagerly")
         graph_bs = min(max_num_seqs, MAX_GRAPH_BATCH) if use_graphs else 0
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
             cache_config, max_num_batched_tokens, max_model_len, max_num_seqs, graph_bs)
