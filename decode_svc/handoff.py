@@ -24,7 +24,7 @@ import grpc
 from engine.errors import InvalidArgument
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.serving.core_messages import RemoteSource, RequestLimits
-from engine.serving.telemetry import trace_metadata
+from engine.serving.request_trace import client_call
 from kvtransfer.lease import prompt_digest
 from tandem.convert import logprobs_from_proto, params_from_proto
 from tandem.v1 import worker_pb2
@@ -105,8 +105,9 @@ async def claim(stub, lease: HeldLease, args: DecodeArgs, instance_id: str = "")
     FAILED_PRECONDITION and marks the lease not ours to release."""
     sent = time.monotonic()
     try:
-        resp = await stub.ClaimLease(worker_pb2.ClaimLeaseRequest(lease_id=lease.lease_id),
-                                     timeout=10, metadata=trace_metadata())
+        with client_call("/tandem.v1.Worker/ClaimLease", lease.address) as call:
+            resp = await stub.ClaimLease(worker_pb2.ClaimLeaseRequest(lease_id=lease.lease_id),
+                                         timeout=10, metadata=call.metadata)
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
             lease.refused = True

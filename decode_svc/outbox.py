@@ -10,6 +10,7 @@ import grpc
 
 from engine.sequence import SeqOutput
 from engine.serving.async_engine import OutputSink
+from engine.serving.request_trace import Progress
 from tandem.convert import logprobs_to_proto
 from tandem.v1 import worker_pb2
 from tandem.worker_base import WorkerError, status_of
@@ -99,15 +100,15 @@ def failure_message(request_id: str, exc: BaseException) -> worker_pb2.RequestUp
                                     error_code=code.value[0], error_message=message)
 
 
-def relay(outbox: Outbox, with_logprobs: bool, finished: list[SeqOutput]) -> OutputSink:
-    """A request's sink: each step's outputs into the call's outbox; the finished ones kept for
-    its span. An engine-side failure (a KV pull that failed) fails the request."""
+def relay(outbox: Outbox, with_logprobs: bool, progress: Progress) -> OutputSink:
+    """A request's sink: each step's outputs into the call's outbox, and into the request's
+    progress for its span (tokens so far, the finished samples). An engine-side failure (a KV
+    pull that failed) fails the request."""
     def sink(outs: list[SeqOutput]) -> None:
         for o in outs:
             if o.error is not None:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE, o.error)
-            if o.finish_reason is not None:
-                finished.append(o)
+            progress.seen(o)
         if with_logprobs:
             outbox.update(update_message(outs))
         else:

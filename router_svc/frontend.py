@@ -15,6 +15,7 @@ from engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
 from engine.errors import InvalidArgument, Overloaded
 from engine.grammar import check_schema
 from engine.sampling_params import SamplingParams, TokenLogprobs
+from engine.serving.request_trace import ApiCall
 from engine.serving.telemetry import Telemetry
 from engine.tokenizer import Tokenizer
 from router_svc.orchestrator import Orchestrator
@@ -61,6 +62,8 @@ class Frontend:
         self.model = model
         self.max_requests = max_requests
         self.telemetry = telemetry or Telemetry("router")
+        if self.telemetry.tracing.enabled:  # the calls to workers: CLIENT spans of this tracer
+            orchestrator.tracer = self.telemetry.tracer
         self.active = 0
         self._ids = itertools.count()
         self._prefix = f"{os.getpid():x}-{uuid.uuid4().hex[:8]}"
@@ -109,19 +112,35 @@ class Frontend:
                                       "structured outputs need")
             check_schema(params.response_format)
 
+    def refused(self, request_id: str, error: BaseException, api: ApiCall | None = None,
+                operation: str | None = None) -> None:
+        """Trace and log a request the API refused before it reached stream() (its parameters
+        did not parse): one span, ended with the refusal's error.type, and one log line."""
+        self.telemetry.router_request(request_id, None, None, self.model.id,
+                                      operation or _operation(request_id),
+                                      api=api).end(1, 0, 0, error)
+
     async def stream(self, request_id: str, prompt: list[int], params: SamplingParams,
-                     timeout: float | None = None, operation: str | None = None
-                     ) -> AsyncIterator[tuple[list[Delta], Usage]]:
+                     timeout: float | None = None, operation: str | None = None,
+                     api: ApiCall | None = None) -> AsyncIterator[tuple[list[Delta], Usage]]:
         """Deltas per engine step until every sample finished. Leaving early cancels the
         request on its workers. `operation`: the GenAI operation name for its trace (default:
-        chat for an OpenAI chat completion id, else text_completion)."""
-        self.validate(prompt, params)
-        if self.active >= self.max_requests:
-            raise Overloaded(f"{self.active} requests in flight (limit {self.max_requests})")
-        self.active += 1
+        chat for an OpenAI chat completion id, else text_completion); `api`: what the API
+        knows for the trace (streaming or not, its address, the chat messages, the caller's
+        trace context). A refused request is traced too."""
         record = self.telemetry.router_request(
             request_id, prompt, params, self.model.id, operation or _operation(request_id),
-            self.tokenizer.decode if self.tokenizer else None)
+            self.tokenizer.decode if self.tokenizer else None, api)
+        try:
+            self.validate(prompt, params)
+            if self.active >= self.max_requests:
+                raise Overloaded(f"{self.active} requests in flight (limit "
+                                 f"{self.max_requests})")
+        except BaseException as e:
+            record.end(params.n, 0, 0, e)
+            raise
+        self.active += 1
+        record.admit()
         usage = Usage(prompt_tokens=len(prompt))
         error: BaseException | None = None
         try:
@@ -141,6 +160,7 @@ class Frontend:
                             continue  # past its stop string: the worker may still be generating
                         usage.completion_tokens += len(s.token_ids)
                         new_tokens += len(s.token_ids)
+                        record.sample_tokens_add(s.index, len(s.token_ids))
                         det = dets[s.index]
                         step = det.push(s.token_ids)
                         d = Delta(s.index, s.token_ids, step.text_delta, s.logprobs)

@@ -3,10 +3,14 @@ google.rpc.Status details (api_errors.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import aclosing
 
+import grpc
+
 from engine.errors import InvalidArgument, Overloaded
-from router_svc.api_errors import abort, failure_of, grpc_field
+from engine.serving.request_trace import ApiCall
+from router_svc.api_errors import abort, end_call, failure_of, grpc_field
 from router_svc.frontend import Frontend, ModelNotFound
 from router_svc.orchestrator import RouterError
 from tandem.convert import logprobs_to_proto, params_from_proto
@@ -14,11 +18,16 @@ from tandem.v1 import api_pb2, api_pb2_grpc
 
 
 class TandemServicer(api_pb2_grpc.TandemServicer):
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, address: tuple[str, int] | None = None) -> None:
         self.frontend = frontend
+        self.address = address  # where this API listens: server.address / server.port in traces
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
         fe = self.frontend
+        rid = request.request_id or fe.new_request_id()
+        host, port = self.address or (None, None)
+        api = ApiCall(stream=True, server_address=host, server_port=port)
+        steps = None
         try:
             fe.check_model(request.model)
             params = params_from_proto(request.params)
@@ -26,9 +35,8 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                 prompt = fe.encode(request.text)
             else:
                 prompt = list(request.token_ids.ids)
-            rid = request.request_id or fe.new_request_id()
             # aclosing: a cancelled call closes the request's legs at once.
-            steps = fe.stream(rid, prompt, params, context.time_remaining())
+            steps = fe.stream(rid, prompt, params, context.time_remaining(), api=api)
             async with aclosing(steps):
                 async for deltas, usage in steps:
                     u = api_pb2.Usage(prompt_tokens=usage.prompt_tokens,
@@ -42,9 +50,15 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                             finish_reason=d.finish_reason or "",
                             stop_reason=d.stop_reason or "", usage=u)
         except (InvalidArgument, ModelNotFound, Overloaded, RouterError) as e:
+            if steps is None:  # refused before the Frontend saw it: traced here
+                fe.refused(rid, e, api)
             f = failure_of(e)
             prompt_field = request.WhichOneof("prompt") or "prompt"
-            await abort(context, f, grpc_field(f.field, prompt_field) if f.field else None)
+            end_call(context, f, grpc_field(f.field, prompt_field) if f.field else None)
+        except asyncio.CancelledError:
+            # The caller cancelled: the call's server span says so (CANCELLED, not OK).
+            context.set_code(grpc.StatusCode.CANCELLED)
+            raise
 
     async def ListModels(self, request, context):  # noqa: N802
         return api_pb2.ListModelsResponse(models=[self._info()])
