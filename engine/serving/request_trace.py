@@ -95,20 +95,34 @@ def outcome(exc: BaseException | None) -> Outcome:
         return Outcome(CANCELLED, "CANCELLED", "the caller cancelled the request")
     if isinstance(exc, TimeoutError):
         return Outcome(FAILED, "DEADLINE_EXCEEDED", "deadline exceeded")
-    name = status_name(exc)
-    if name is None:
-        from engine.errors import InvalidArgument, Overloaded  # noqa: PLC0415
-
-        if isinstance(exc, InvalidArgument):
-            name = "INVALID_ARGUMENT"
-        elif isinstance(exc, Overloaded):
-            name = "RESOURCE_EXHAUSTED"
-    message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    name = status_name(exc) or _engine_status(exc)
+    details = getattr(exc, "details", None)  # grpc.aio.AioRpcError: its str is a page long
+    message = (details() if callable(details) else None) or str(exc) or type(exc).__name__
     if name is None:
         return Outcome(FAILED, f"{type(exc).__module__}.{type(exc).__qualname__}", message)
     if name == "CANCELLED":
         return Outcome(CANCELLED, name, message)
     return Outcome(REFUSED if name in _REFUSALS else FAILED, name, message)
+
+
+def _engine_status(exc: BaseException) -> str | None:
+    """The engine's errors, named by the gRPC status a worker answers them with
+    (tandem.worker_base.status_of: one table for callers and traces)."""
+    from engine.errors import (  # noqa: PLC0415 - engine.serving.async_engine imports much
+        InvalidArgument,
+        LayoutMismatch,
+        ModelLoadError,
+        Overloaded,
+    )
+    from engine.serving.async_engine import EngineDead, RequestAborted  # noqa: PLC0415
+
+    for kind, name in ((EngineDead, "UNAVAILABLE"), (RequestAborted, "ABORTED"),
+                       (InvalidArgument, "INVALID_ARGUMENT"),
+                       (LayoutMismatch, "FAILED_PRECONDITION"),
+                       (Overloaded, "RESOURCE_EXHAUSTED"), (ModelLoadError, "NOT_FOUND")):
+        if isinstance(exc, kind):
+            return name
+    return None
 
 
 def end_span(span: Span, o: Outcome, **event_attrs: Any) -> None:
