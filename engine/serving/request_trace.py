@@ -228,9 +228,9 @@ def phase_spans(tracer: trace.Tracer, parent: Span, timing: RequestTiming | None
 
         prefill role:  queue [arrival, scheduled]  prefill_compute [scheduled, first token]
         decode role:   kv_wait [arrival, scheduled] (waiting for free blocks; the KV pull
-                       has its own span, kv_transfer)  generate [scheduled, finished]
+                       has its own span, kv_transfer)  decode_steps [scheduled, finished]
         both:          queue  prefill_compute [scheduled, first token]
-                       generate [first token, finished]
+                       decode_steps [first token, finished]
     """
     if timing is None or not parent.is_recording():
         return
@@ -241,12 +241,12 @@ def phase_spans(tracer: trace.Tracer, parent: Span, timing: RequestTiming | None
     phases.append((wait, t.arrival, t.scheduled if t.scheduled is not None else t.finished, {}))
     if t.scheduled is not None:
         if role == "decode":
-            phases.append(("generate", t.scheduled, t.finished, attrs))
+            phases.append(("decode_steps", t.scheduled, t.finished, attrs))
         else:
             chunks = {"tandem.prefill.chunks": t.num_prefill_chunks}
             phases.append(("prefill_compute", t.scheduled, t.first_token, chunks))
             if role == "both" and t.first_token is not None:
-                phases.append(("generate", t.first_token, t.finished, attrs))
+                phases.append(("decode_steps", t.first_token, t.finished, attrs))
     for name, start, end, extra in phases:
         if end is None or end < start:
             continue

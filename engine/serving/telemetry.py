@@ -445,7 +445,8 @@ class RouterRequest:
         self.ended = False
         self.reasons: dict[int, str] = {}
         self.sample_tokens: dict[int, int] = {}
-        self.texts: dict[int, list[str]] | None = {} if decode is not None else None
+        capture = tel.capture_content
+        self.texts: dict[int, list[str]] | None = {} if capture else None
         attrs: dict[str, Any] = {
             GEN_AI_OPERATION_NAME: operation, GEN_AI_PROVIDER_NAME: PROVIDER,
             GEN_AI_REQUEST_MODEL: model, GEN_AI_RESPONSE_MODEL: model,
@@ -457,10 +458,11 @@ class RouterRequest:
                 attrs[SERVER_PORT] = api.server_port
         if params is not None:
             attrs.update(_request_attrs(params))
-        if decode is not None and prompt is not None:
-            messages = input_messages(api.messages) if api.messages is not None else [
-                {"role": "user", "parts": [{"type": "text", "content": decode(prompt)}]}]
-            attrs[GEN_AI_INPUT_MESSAGES] = json.dumps(messages)
+        if capture and api.messages is not None:  # chat: one entry per message, its role
+            attrs[GEN_AI_INPUT_MESSAGES] = json.dumps(input_messages(api.messages))
+        elif capture and decode is not None and prompt is not None:  # a text prompt
+            attrs[GEN_AI_INPUT_MESSAGES] = json.dumps(
+                [{"role": "user", "parts": [{"type": "text", "content": decode(prompt)}]}])
         parent_ctx = api.parent
         parent = trace.get_current_span(parent_ctx).get_span_context()
         self.span = tel.tracer.start_span(

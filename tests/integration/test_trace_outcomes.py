@@ -3,7 +3,7 @@ processes (router, prefill, decode) to a real OTLP/gRPC receiver on 127.0.0.1:
 
     finished    (gRPC, n=2)  every span OK; CLIENT spans for each call between services, the
                              callee's SERVER span under each; queue / prefill_compute / kv_wait
-                             / kv_transfer / generate child spans; per-sample events
+                             / kv_transfer / decode_steps child spans; per-sample events
     cancelled   gRPC and HTTP: the router's span and the decode worker's span end ERROR with
                              error.type CANCELLED, finish reason abort and the tokens so far
     refused     gRPC and HTTP: a GenAI span with error.type INVALID_ARGUMENT and the message in
@@ -135,7 +135,7 @@ def test_finished_request_has_client_spans_phases_and_sample_events(cluster, rec
     rid = chunks[0].request_id
 
     def complete(t: Spans) -> bool:
-        return (len(t.named("generate", "tandem-decode")) == 1
+        return (len(t.named("decode_steps", "tandem-decode")) == 1
                 and len(t.named("tandem.v1.Worker/Release", "tandem-decode")) == 1
                 and len(t.named("/tandem.v1.Worker/Release", "tandem-prefill")) == 1
                 and len(t.named("decode_leg")) == 1 and not t.orphans())
@@ -179,7 +179,8 @@ def test_finished_request_has_client_spans_phases_and_sample_events(cluster, rec
     assert t.parent(queue) is prefill and t.parent(compute) is prefill
     assert queue.end_time_unix_nano <= compute.start_time_unix_nano + 1000  # µs rounding
     assert attrs(compute)["tandem.prefill.chunks"] >= 1
-    kv_wait, kv, gen = (t.one(n, "tandem-decode") for n in ("kv_wait", "kv_transfer", "generate"))
+    kv_wait, kv, gen = (t.one(n, "tandem-decode") for n in ("kv_wait", "kv_transfer",
+                                                             "decode_steps"))
     assert all(t.parent(s) is decode for s in (kv_wait, kv, gen))
     assert kv_wait.end_time_unix_nano <= kv.start_time_unix_nano + 1000
     assert attrs(gen)["tandem.output_tokens"] == 5  # the first token came from prefill
