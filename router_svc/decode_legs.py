@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
+from opentelemetry import trace
 from opentelemetry.context import Context
 
 from engine.serving.request_trace import client_call
@@ -207,6 +208,7 @@ class DecodeLegs:
                     f"{self.moves - 1} times, --max-migrations {limit})")) from None
             self.orch.workers.metrics.migrations.inc()
             made = sum(len(out) for out in self.outputs)
+            self._event("migrated", d, e, made)
             log.warning("decode worker %s failed %s mid-stream (%s): moving it with its %d "
                         "tokens (move %d of at most %d)", d.address, self.rid, e.details(),
                         made, self.moves, limit)
@@ -216,3 +218,11 @@ class DecodeLegs:
                 raise as_router_error(e, f"decode worker {d.address}") from None
             log.warning("decode worker %s failed %s before its first token: prefilling "
                         "again for another", d.address, self.rid)
+            self._event("decode_retried", d, e, sum(len(out) for out in self.outputs))
+
+    def _event(self, name: str, d: Worker, e: grpc.aio.AioRpcError, tokens: int) -> None:
+        """On the request's span: a leg failed and the request goes on elsewhere."""
+        trace.get_current_span(self.ctx).add_event(name, {
+            "tandem.worker": d.address, "error.type": e.code().name,
+            "tandem.moves": self.moves, "tandem.retries": self.retries,
+            "tandem.tokens_so_far": tokens})

@@ -3,8 +3,10 @@ workers' token stream into text deltas per sample, cut at stop strings, with run
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -128,6 +130,7 @@ class Frontend:
         chat for an OpenAI chat completion id, else text_completion); `api`: what the API
         knows for the trace (streaming or not, its address, the chat messages, the caller's
         trace context). A refused request is traced too."""
+        started = time.monotonic()
         record = self.telemetry.router_request(
             request_id, prompt, params, self.model.id, operation or _operation(request_id),
             self.tokenizer.decode if self.tokenizer else None, api)
@@ -183,6 +186,10 @@ class Frontend:
                         return
         except BaseException as e:  # recorded (client gone, worker error), then re-raised
             error = e
+            if isinstance(e, asyncio.CancelledError) and timeout is not None and \
+                    time.monotonic() >= started + timeout:
+                # gRPC cancels a call whose deadline passed: a deadline, not a caller leaving.
+                error = TimeoutError("deadline exceeded")
             raise
         finally:
             self.active -= 1

@@ -92,7 +92,6 @@ from engine.serving.request_trace import (
     input_messages,
     outcome,
     phase_spans,
-    status_name,
     timing_attrs,
 )
 
@@ -539,8 +538,8 @@ class RouterRequest:
                 [{"role": "assistant", "parts": [{"type": "text", "content": "".join(t)}],
                   "finish_reason": self.reasons[i]} for i, t in sorted(self.texts.items())])
         self.span.set_attributes(attrs)
-        if o.kind == FAILED and error is not None and status_name(error) is None:
-            self.span.record_exception(error)  # a bug: its stack trace helps
+        if o.kind == FAILED and error is not None and "." in (o.error_type or ""):
+            self.span.record_exception(error)  # a bug (named by its class): its stack helps
         end_span(self.span, o)
         fields = _short({k: v for k, v in attrs.items() if "messages" not in k})
         if o.error_type is not None:

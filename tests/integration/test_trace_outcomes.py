@@ -193,6 +193,15 @@ def test_finished_request_has_client_spans_phases_and_sample_events(cluster, rec
                                     "decode0": "decode finished"})
     assert {line["trace_id"] for line in logs.values()} == {root.trace_id.hex()}
 
+    # The one-time pool registration, in the trace of the request that came first, named so.
+    (reg,) = [s for svc, s in receiver.snapshot() if s.name == "kv_pool_registration"]
+    first = Spans(receiver.snapshot(), reg.trace_id)
+    assert first.parent(reg).name == "decode"
+    assert "once" in attrs(reg)["tandem.kv.registration"]
+    call = first.one("tandem.v1.Worker/Register", "tandem-decode")
+    assert first.parent(call) is reg and call.kind == CLIENT
+    assert first.parent(first.one("/tandem.v1.Worker/Register", "tandem-prefill")) is call
+
 
 def _cancel_after_tokens(cluster: Cluster, tokens: int = 3) -> str:
     """A long gRPC request, cancelled by its caller once `tokens` tokens arrived."""

@@ -252,3 +252,71 @@ def test_worker_span_finished_has_phases(traced):
     assert steps.end_time - steps.start_time == pytest.approx(1e9, abs=1e6)
     assert parent.attributes["tandem.time_to_first_token_seconds"] == pytest.approx(1.0)
     assert "error.type" not in parent.attributes
+
+
+def test_a_cancel_after_the_deadline_is_a_deadline(traced):
+    exporter, provider = traced
+    started = asyncio.Event()
+
+    class Stuck:
+        async def run(self, request_id, prompt, params, timeout=None, trace_ctx=None):
+            started.set()
+            await asyncio.Event().wait()  # never answers
+            yield
+
+    fe = Frontend(None, Stuck(), ModelInfo("m", "llama", 1024, 512, "float32", 16),
+                  telemetry=telemetry(provider))
+
+    async def main():
+        async def consume():
+            async for _ in fe.stream("r-late", [1, 2], SamplingParams(max_tokens=2),
+                                     timeout=1e-9):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await started.wait()
+        task.cancel()  # as gRPC cancels a call whose deadline passed
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["error.type"] == "DEADLINE_EXCEEDED"
+    assert [e.name for e in span.events] == ["admitted", "failed"]
+
+
+def test_moved_decode_legs_are_client_spans_and_events(traced):
+    from test_router_faults import FakeOrchestrator, FakeStream, _run
+
+    from router_svc.decode_legs import DecodeLegs
+    from tandem.convert import params_to_proto
+
+    exporter, provider = traced
+    tracer = provider.get_tracer("test")
+    streams = [FakeStream(3, fail=True), FakeStream(2, fail=True), FakeStream(4, fail=False)]
+    orch = FakeOrchestrator(streams, max_migrations=2)
+    orch.tracer = tracer
+    params = SamplingParams(max_tokens=100)
+
+    async def main():
+        root = tracer.start_span("chat m")
+        from opentelemetry import trace
+
+        legs = DecodeLegs(orch, "r", [1, 2, 3], params, params_to_proto(params), None,
+                          trace.set_span_in_context(root))
+        async for _ in legs.run():
+            pass
+        root.end()
+
+    asyncio.run(main())
+    assert _run  # the fake stack is test_router_faults'
+    spans = exporter.get_finished_spans()
+    legs = [s for s in spans if s.name == "decode_leg"]
+    root = next(s for s in spans if s.name == "chat m")
+    assert [s.attributes.get("error.type") for s in legs] == ["UNAVAILABLE", "UNAVAILABLE",
+                                                               None]
+    assert [s.attributes["tandem.request_id"] for s in legs] == ["r", "r.1", "r.2"]
+    assert all(s.parent.span_id == root.context.span_id for s in legs)
+    moves = [e for e in root.events if e.name == "migrated"]
+    assert [e.attributes["tandem.moves"] for e in moves] == [1, 2]
+    assert [e.attributes["tandem.tokens_so_far"] for e in moves] == [4, 6]
