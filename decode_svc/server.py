@@ -132,7 +132,10 @@ class DecodeServicer(WorkerServicer):
                 try:
                     start(msg)
                 except WorkerError as e:  # refused: its only update says why
-                    out.update(failure_message(getattr(msg, msg.WhichOneof("kind")).request_id, e))
+                    rid = getattr(msg, msg.WhichOneof("kind")).request_id
+                    self.telemetry.refused(span_name(self.role), rid, e,
+                                           propagate.extract(dict(msg.trace_context)))
+                    out.update(failure_message(rid, e))
             # The router closed its side: end once what it sent is done.
             await asyncio.gather(*tasks.values(), return_exceptions=True)
             out.close()

@@ -3,10 +3,7 @@ google.rpc.Status details (api_errors.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from contextlib import aclosing
-
-import grpc
 
 from engine.errors import InvalidArgument, Overloaded
 from engine.serving.request_trace import ApiCall
@@ -55,10 +52,6 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
             f = failure_of(e)
             prompt_field = request.WhichOneof("prompt") or "prompt"
             end_call(context, f, grpc_field(f.field, prompt_field) if f.field else None)
-        except asyncio.CancelledError:
-            # The caller cancelled: the call's server span says so (CANCELLED, not OK).
-            context.set_code(grpc.StatusCode.CANCELLED)
-            raise
 
     async def ListModels(self, request, context):  # noqa: N802
         return api_pb2.ListModelsResponse(models=[self._info()])

@@ -88,6 +88,7 @@ from engine.serving.request_trace import (
     FINISHED,
     ApiCall,
     WorkerSpan,
+    cancel_status_interceptors,
     end_span,
     input_messages,
     outcome,
@@ -270,8 +271,10 @@ def configure_tracing(service: str, settings: TelemetrySettings | None = None) -
     traced = filters.negate(filters.any_of(filters.health_check(), filters.method_name("GetLoad"),
                                            filters.method_name("Stream"),
                                            filters.service_prefix("grpc.reflection")))
+    outer, inner = cancel_status_interceptors(traced)
     return Tracing(provider.get_tracer("tandem"), provider,
-                   [aio_server_interceptor(tracer_provider=provider, filter_=traced)])
+                   [outer, aio_server_interceptor(tracer_provider=provider, filter_=traced),
+                    inner])
 
 
 def trace_metadata(ctx: otel_context.Context | None = None) -> tuple[tuple[str, str], ...] | None:
@@ -349,6 +352,15 @@ class Telemetry:
                 o, fields = record.end(error)
                 (log.info if o.kind in (FINISHED, CANCELLED) else log.warning)(
                     f"{name} {o.kind}", **_short(fields))
+
+    def refused(self, name: str, request_id: str, error: BaseException,
+                parent: otel_context.Context | None = None) -> None:
+        """A request this worker refused before it started (draining, a replayed lease, a
+        request id in use): a SERVER span in the caller's trace (`parent`) saying why, and one
+        log line."""
+        with use_context(parent), \
+                self.request_span(name, request_id, SpanKind.SERVER) as record:
+            record.cause = error
 
     def prefill_done(self, record: WorkerSpan, out: SeqOutput) -> None:
         t = out.timing

@@ -362,3 +362,36 @@ def test_failed_request_is_an_error_on_router_and_decode(cluster, receiver):
                                                "prefill0": "prefill finished",
                                                "decode0": "decode failed"})
     assert logs["router"]["error_type"] == "ABORTED"
+
+
+def test_a_request_a_worker_refuses_is_a_span_in_the_callers_trace(cluster, receiver):
+    """A decode request without a lease, straight on the decode worker's Stream call."""
+    trace_id, parent = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+
+    async def main():
+        async def requests():
+            yield worker_pb2.StreamRequest(
+                decode=worker_pb2.DecodeRequest(request_id="no-lease", prompt_token_ids=[1, 2]),
+                trace_context={"traceparent": f"00-{trace_id}-{parent}-01"})
+
+        async with grpc.aio.insecure_channel(cluster.workers("decode")[0].address) as ch:
+            return [u for m in await _collect(worker_pb2_grpc.WorkerStub(ch).Stream(requests()))
+                    for u in m.updates]
+
+    (update,) = asyncio.run(main())
+    assert update.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    deadline = time.monotonic() + 20
+    while True:
+        found = [s for svc, s in receiver.snapshot() if svc == "tandem-decode"
+                 and s.trace_id.hex() == trace_id]
+        if found or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    (span,) = found
+    assert span.name == "decode" and span.kind == SERVER and span.parent_span_id.hex() == parent
+    assert has_error(span, "INVALID_ARGUMENT") and "lease" in span.status.message
+    wait_logs(cluster, "no-lease", {"decode0": "decode refused"})
+
+
+async def _collect(call) -> list:
+    return [m async for m in call]
