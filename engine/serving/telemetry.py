@@ -10,24 +10,36 @@
     Telemetry                      what servicers call: request spans, their attributes, the
                                    KV-transfer span; RouterRequest for the router's side
 
-One request's trace across three processes:
+One request's trace across three processes (README "Observing it" shows a real one):
 
-    router   "text_completion <model>"      GenAI attributes, usage, finish reasons, TTFT
-      ├ /tandem.v1.Worker/Prefill           the prefill worker's gRPC server span
-      │   └ prefill                         queue time, chunks, cached tokens
-      └ decode                              the decode worker's span (kind SERVER): queue time,
-          │                                 time to first token, per output token
-          ├ /tandem.v1.Worker/ClaimLease    (on the prefill worker) the lease's block ids
-          ├ kv_transfer                     blocks, bytes, GB/s (measured on the engine core)
-          └ /tandem.v1.Worker/Release       (on the prefill worker)
+    router   "chat <model>"                 GenAI attributes, usage, finish reasons, TTFT;
+      │                                     events: admitted, first_token, sample_finished,
+      │                                     migrated, and how it ended
+      ├ tandem.v1.Worker/Prefill (CLIENT)   the router's call
+      │   └ /tandem.v1.Worker/Prefill       the prefill worker's gRPC server span
+      │       └ prefill                     queue time, chunks, cached tokens
+      │           ├ queue                   waiting for an engine step
+      │           └ prefill_compute         the prompt's chunks, to the first token
+      └ decode_leg (CLIENT)                 one per decode worker the request went to
+          └ decode                          the decode worker's span (kind SERVER): queue time,
+              │                             time to first token, per output token
+              ├ kv_pool_registration        the first request of a (decode, prefill) pair only
+              ├ tandem.v1.Worker/ClaimLease (CLIENT) → its server span on the prefill worker
+              ├ kv_wait                     waiting for free blocks
+              ├ kv_transfer                 blocks, bytes, GB/s (measured on the engine core)
+              ├ decode_steps                generation
+              └ tandem.v1.Worker/Release (CLIENT)    → its server span on the prefill worker
+
+Every span ends saying how the request ended (engine/serving/request_trace.py): status ERROR and
+error.type for a cancel, a refusal or a failure, with the finish reasons and tokens so far.
 
 The context travels as W3C traceparent: in each unary call's gRPC metadata, where
 opentelemetry-instrumentation-grpc's aio server interceptor extracts it and makes the server
 span, and in each request message on a worker's Stream call (one call carries many requests),
-where the decode servicer extracts it for that request's span. Callers inject it with the
-propagate API (trace_metadata). Not the instrumentation's client interceptors: they end a
-server stream's span only when their wrapper generator runs out, which a consumer that stops
-early leaves to garbage collection.
+where the decode servicer extracts it for that request's span. Callers make a CLIENT span per
+call and send its context (request_trace.client_call). Not the instrumentation's client
+interceptors: they end a server stream's span only when their wrapper generator runs out, which
+a consumer that stops early leaves to garbage collection.
 
 Never recorded, in spans or logs: token ids, lease tokens and IPC handles (a shm segment's
 name, CUDA handle bytes: capabilities all), and prompt or output text unless content capture is asked for
