@@ -11,7 +11,9 @@ processes (router, prefill, decode) to a real OTLP/gRPC receiver on 127.0.0.1:
     failed      the decode worker aborts the request mid-stream: error.type ABORTED on the router
                              and the decode worker
 
-and one log line per service with the request's trace id. Every pool is idle after each."""
+and one log line per service with the request's trace id; a request a worker refuses is a span in
+the caller's trace; a colocated worker's request is traced the same way (its phases, its cancel).
+Every pool is idle after each."""
 
 from __future__ import annotations
 
@@ -395,3 +397,45 @@ def test_a_request_a_worker_refuses_is_a_span_in_the_callers_trace(cluster, rece
 
 async def _collect(call) -> list:
     return [m async for m in call]
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_models, tmp_path_factory, receiver):
+    c = Cluster(tmp_path_factory.mktemp("colocated"), str(tiny_models["llama"]), prefill=0,
+                decode=0, both=1, worker_args=WORKER_ARGS,
+                env=receiver.env(schedule_delay_ms=50)).start()
+    yield c
+    asyncio.run(c.wait_idle())
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+def test_colocated_worker_traces_phases_and_cancels(colocated, receiver):
+    async def main():
+        async with grpc.aio.insecure_channel(colocated.router.address) as ch:
+            chunks = [r async for r in colocated.api(ch).Generate(api_pb2.GenerateRequest(
+                text="one worker", params=params_to_proto(SamplingParams(
+                    temperature=0, max_tokens=5, ignore_eos=True))))]
+            return chunks[-1].request_id
+
+    rid = asyncio.run(main())
+    t = wait_trace(receiver, rid, lambda t: bool(t.named("decode_steps", "tandem-both")))
+    leg = t.one("generate_leg", "tandem-router")
+    assert leg.kind == CLIENT and t.parent(leg) is router_span(receiver, rid)
+    gen = t.one("generate", "tandem-both")
+    assert gen.kind == SERVER and t.parent(gen) is leg and gen.status.code != ERROR
+    assert attrs(gen)["tandem.finish_reasons"] == ["length"]
+    assert attrs(gen)["tandem.output_tokens"] == 5
+    phases = {n: t.one(n, "tandem-both") for n in ("queue", "prefill_compute", "decode_steps")}
+    assert all(t.parent(s) is gen for s in phases.values())
+    assert phases["prefill_compute"].end_time_unix_nano <= \
+        phases["decode_steps"].start_time_unix_nano + 1000
+
+    rid = _cancel_after_tokens(colocated)
+    t = wait_trace(receiver, rid, lambda t: bool(t.named("generate", "tandem-both")))
+    gen = t.one("generate", "tandem-both")
+    assert has_error(gen, "CANCELLED") and attrs(gen)["tandem.finish_reasons"] == ["abort"]
+    assert attrs(gen)["tandem.output_tokens"] >= 3
+    assert has_error(t.one("generate_leg", "tandem-router"), "CANCELLED")
+    assert has_error(router_span(receiver, rid), "CANCELLED")
+    wait_logs(colocated, rid, {"router": "request cancelled", "both0": "generate cancelled"})
