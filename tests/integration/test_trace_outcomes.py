@@ -54,9 +54,11 @@ def cluster(tiny_models, tmp_path_factory, receiver):
 
 
 @pytest.fixture(autouse=True)
-def idle_after(cluster):
+def idle_after(request, cluster):
     yield
     asyncio.run(cluster.wait_idle())
+    if "colocated" in request.fixturenames:
+        asyncio.run(request.getfixturevalue("colocated").wait_idle())
 
 
 class Spans:
@@ -405,7 +407,6 @@ def colocated(tiny_models, tmp_path_factory, receiver):
                 decode=0, both=1, worker_args=WORKER_ARGS,
                 env=receiver.env(schedule_delay_ms=50)).start()
     yield c
-    asyncio.run(c.wait_idle())
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes
 
