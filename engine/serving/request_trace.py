@@ -194,9 +194,18 @@ def client_call(method: str, address: str, parent: Any = None,
         span.end()
 
 
-def mono_to_ns(t: float) -> int:
-    """A time.monotonic() stamp as the wall-clock nanoseconds spans take."""
-    return time.time_ns() - int((time.monotonic() - t) * 1e9)
+def mono_to_ns(t: float, offset_ns: int | None = None) -> int:
+    """A time.monotonic() stamp as the wall-clock nanoseconds spans take. Stamps that are
+    compared (one phase's end, the next one's start) share one `offset_ns` (clock_offset_ns()),
+    else each conversion reads the two clocks anew and they may cross by a few microseconds."""
+    if offset_ns is None:
+        offset_ns = clock_offset_ns()
+    return int(t * 1e9) + offset_ns
+
+
+def clock_offset_ns() -> int:
+    """Wall clock minus monotonic clock, in nanoseconds, now."""
+    return time.time_ns() - time.monotonic_ns()
 
 
 @dataclass
@@ -248,12 +257,13 @@ def phase_spans(tracer: trace.Tracer, parent: Span, timing: RequestTiming | None
             phases.append(("prefill_compute", t.scheduled, t.first_token, chunks))
             if role == "both" and t.first_token is not None:
                 phases.append(("decode_steps", t.first_token, t.finished, attrs))
+    offset = clock_offset_ns()
     for name, start, end, extra in phases:
         if end is None or end < start:
             continue
         s = tracer.start_span(name, context=ctx,
-                              start_time=mono_to_ns(start), attributes=extra)
-        s.end(end_time=mono_to_ns(end))
+                              start_time=mono_to_ns(start, offset), attributes=extra)
+        s.end(end_time=mono_to_ns(end, offset))
 
 
 class WorkerSpan:

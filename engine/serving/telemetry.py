@@ -363,7 +363,7 @@ class Telemetry:
             finally:
                 o, fields = record.end(error)
                 (log.info if o.kind in (FINISHED, CANCELLED) else log.warning)(
-                    f"{name} {o.kind}", **_short(fields))
+                    f"{name} done", outcome=o.kind, **_short(fields))
 
     def refused(self, name: str, request_id: str, error: BaseException,
                 parent: otel_context.Context | None = None) -> None:
@@ -570,7 +570,8 @@ class RouterRequest:
             fields.update(error_type=o.error_type, error=o.message)
         with self.activate():
             (log.info if o.kind in (FINISHED, CANCELLED) else log.warning)(
-                f"request {o.kind}", e2e_seconds=round(now - self.start, 6), **fields)
+                "request done", outcome=o.kind, e2e_seconds=round(now - self.start, 6),
+                **fields)
         self.span.end()
 
 

@@ -106,13 +106,18 @@ def wait_trace(receiver: Receiver, request_id: str, done, timeout: float = 20) -
 
 def wait_logs(cluster: Cluster, request_id: str, events: dict[str, str],
               timeout: float = 20) -> dict[str, dict]:
-    """Each process's one line for the request whose event is events[process]."""
+    """Each process's one line for the request: events[process] is "<span> <outcome>", the line
+    {"event": "<span> done", "outcome": "<outcome>"}."""
     deadline = time.monotonic() + timeout
     while True:
         found = {}
         for name, proc in cluster.procs.items():
+            if name not in events:
+                continue
+            span, outcome = events[name].rsplit(" ", 1)
             lines = [line for line in proc.json_logs() if line.get("request_id") == request_id
-                     and line.get("event") == events.get(name)]
+                     and line.get("event") == f"{span} done"
+                     and line.get("outcome") == outcome]
             if len(lines) == 1:
                 found[name] = lines[0]
         if found.keys() == events.keys():
@@ -181,12 +186,14 @@ def test_finished_request_has_client_spans_phases_and_sample_events(cluster, rec
     prefill = t.one("prefill", "tandem-prefill")
     queue, compute = t.one("queue", "tandem-prefill"), t.one("prefill_compute", "tandem-prefill")
     assert t.parent(queue) is prefill and t.parent(compute) is prefill
-    assert queue.end_time_unix_nano <= compute.start_time_unix_nano + 1000  # µs rounding
+    assert queue.end_time_unix_nano <= compute.start_time_unix_nano
     assert attrs(compute)["tandem.prefill.chunks"] >= 1
     kv_wait, kv, gen = (t.one(n, "tandem-decode") for n in ("kv_wait", "kv_transfer",
                                                              "decode_steps"))
     assert all(t.parent(s) is decode for s in (kv_wait, kv, gen))
-    assert kv_wait.end_time_unix_nano <= kv.start_time_unix_nano + 1000
+    # kv_transfer is stamped with the engine core's wall clock, kv_wait converted from its
+    # monotonic one: the order, within a millisecond.
+    assert kv_wait.end_time_unix_nano <= kv.start_time_unix_nano + 1_000_000
     assert attrs(gen)["tandem.output_tokens"] == 5  # the first token came from prefill
     da = attrs(decode)
     assert da["tandem.finish_reasons"] == ["length", "length"]
@@ -430,7 +437,7 @@ def test_colocated_worker_traces_phases_and_cancels(colocated, receiver):
     phases = {n: t.one(n, "tandem-both") for n in ("queue", "prefill_compute", "decode_steps")}
     assert all(t.parent(s) is gen for s in phases.values())
     assert phases["prefill_compute"].end_time_unix_nano <= \
-        phases["decode_steps"].start_time_unix_nano + 1000
+        phases["decode_steps"].start_time_unix_nano
 
     rid = _cancel_after_tokens(colocated)
     t = wait_trace(receiver, rid, lambda t: bool(t.named("generate", "tandem-both")))
