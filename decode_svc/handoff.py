@@ -25,7 +25,7 @@ from engine.sampling_params import RequestLimits, SamplingParams, TokenLogprobs
 from engine.sequence import RemoteKV
 from kvtransfer.lease import prompt_digest
 from runtime.convert import logprobs_from_proto, params_from_proto
-from runtime.telemetry import trace_metadata
+from runtime.request_trace import client_call
 from runtime.worker import WorkerError
 from tandem.errors import InvalidArgument
 from tandem.v1 import worker_pb2
@@ -102,8 +102,9 @@ async def claim(stub, lease: HeldLease, args: DecodeArgs, instance_id: str = "")
     FAILED_PRECONDITION and marks the lease not ours to release."""
     sent = time.monotonic()
     try:
-        resp = await stub.ClaimLease(worker_pb2.ClaimLeaseRequest(lease_id=lease.lease_id),
-                                     timeout=10, metadata=trace_metadata())
+        with client_call("/tandem.v1.Worker/ClaimLease", lease.address) as call:
+            resp = await stub.ClaimLease(worker_pb2.ClaimLeaseRequest(lease_id=lease.lease_id),
+                                         timeout=10, metadata=call.metadata)
     except grpc.aio.AioRpcError as e:
         if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
             lease.owner = REFUSED

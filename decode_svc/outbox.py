@@ -12,6 +12,7 @@ import grpc
 from engine.sequence import SeqOutput
 from engine.serving.async_engine import OutputSink
 from runtime.convert import logprobs_to_proto
+from runtime.request_trace import Progress
 from runtime.worker import WorkerError, status_of
 from tandem.v1 import worker_pb2
 
@@ -92,14 +93,14 @@ def failure_message(request_id: str, exc: BaseException) -> worker_pb2.RequestUp
                                     error_code=code.value[0], error_message=message)
 
 
-def relay(outbox: Outbox, with_logprobs: bool, finished: list[SeqOutput]) -> OutputSink:
-    """A request's sink: each step's outputs into the call's outbox; the finished ones kept for
-    its span. An engine-side failure (a KV pull that failed) fails the request."""
+def relay(outbox: Outbox, with_logprobs: bool, progress: Progress) -> OutputSink:
+    """A request's sink: each step's outputs into the call's outbox, and into the request's
+    progress for its span (tokens so far, the finished samples). An engine-side failure (a KV
+    pull that failed) fails the request."""
     def sink(outs: list[SeqOutput]) -> None:
         for o in outs:
             if o.error is not None:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE, o.error)
-            if o.finish_reason is not None:
-                finished.append(o)
+            progress.seen(o)
         outbox.tokens(outs, with_logprobs)
     return sink

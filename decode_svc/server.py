@@ -35,13 +35,13 @@ from opentelemetry.trace import SpanKind
 
 from decode_svc.handoff import CORE, WORKER, HeldLease, claim, decode_args
 from decode_svc.outbox import Outbox, failure_message, relay
-from engine.sequence import SeqOutput
 from engine.serving.core_messages import LeaseDone
 from kvtransfer.descriptor import check_compatible
 from runtime.convert import descriptor_from_proto, params_from_proto
 from runtime.lifecycle import GRPC_OPTIONS
+from runtime.request_trace import client_call
 from runtime.security import internal_channel
-from runtime.telemetry import span_name, trace_metadata
+from runtime.telemetry import span_name
 from runtime.worker import (
     WorkerError,
     WorkerServicer,
@@ -133,7 +133,10 @@ class DecodeServicer(WorkerServicer):
                 try:
                     start(msg)
                 except WorkerError as e:  # refused: its only update says why
-                    out.update(failure_message(getattr(msg, msg.WhichOneof("kind")).request_id, e))
+                    rid = getattr(msg, msg.WhichOneof("kind")).request_id
+                    self.telemetry.refused(span_name(self.role), rid, e,
+                                           propagate.extract(dict(msg.trace_context)))
+                    out.update(failure_message(rid, e))
             # The router closed its side: end once what it sent is done.
             await asyncio.gather(*tasks.values(), return_exceptions=True)
             out.close()
@@ -170,18 +173,17 @@ class DecodeServicer(WorkerServicer):
             out.close()
 
     async def _generate(self, request: worker_pb2.GenerateOnWorkerRequest, out: Outbox) -> None:
+        params = params_from_proto(request.params)
         with self.telemetry.request_span(span_name(self.role), request.request_id,
-                                         SpanKind.SERVER) as span:
-            params = params_from_proto(request.params)
-            finished: list[SeqOutput] = []
+                                         SpanKind.SERVER, params.n) as record:
             await self.engine.generate(request.request_id, list(request.prompt_token_ids),
-                                       params, relay(out, params.logprobs is not None, finished))
-            self.telemetry.decode_done(span, finished)
+                                       params, relay(out, params.logprobs is not None,
+                                                     record.progress))
 
     async def _decode(self, request: worker_pb2.DecodeRequest, lease: HeldLease,
                       out: Outbox) -> None:
         with self.telemetry.request_span(span_name(self.role), request.request_id,
-                                         SpanKind.SERVER) as span:
+                                         SpanKind.SERVER, max(request.params.n, 1)) as record:
             # The KV-transfer span is a child of this one, the Release call joins its trace.
             lease.context = contextvars.copy_context()
             args = decode_args(request, self.limits)  # before anything is claimed or allocated
@@ -192,11 +194,10 @@ class DecodeServicer(WorkerServicer):
                                   f"prefill worker {lease.address}: {e.details()}") from None
             remote = await claim(self._stub(lease.address), lease, args,
                                  request.kv.instance_id)
-            finished: list[SeqOutput] = []
             lease.owner = CORE  # from here the core ends it (LeaseDone), exactly once
             await self.engine.decode(request.request_id, args.prompt, args.params, remote,
-                                     relay(out, args.params.logprobs is not None, finished))
-            self.telemetry.decode_done(span, finished)
+                                     relay(out, args.params.logprobs is not None,
+                                           record.progress))
 
     # -- leases ------------------------------------------------------------------------------
     def _hold(self, kv: worker_pb2.KVLocation) -> HeldLease:
@@ -245,34 +246,43 @@ class DecodeServicer(WorkerServicer):
             return  # mapped (a lease naming no instance is for the claim to judge)
         async with self._peer_locks.setdefault(address, asyncio.Lock()):
             if address not in self.peers or (instance_id and self.peers[address] != instance_id):
-                resp = await self._stub(address).Register(worker_pb2.RegisterRequest(
-                    decode_worker_id=self.worker_id, layout=self.layout), timeout=30,
-                    metadata=trace_metadata())
-                desc = descriptor_from_proto(resp.pool)
-                # A tensor-parallel prefill worker: its ranks' pools, each checked.
-                descs = [desc, *(descriptor_from_proto(d) for d in resp.rank_pools)]
-                for d in descs:
-                    check_compatible(self.layout, d)
-                if len(descs) != max(1, desc.tensor_parallel_size):
-                    raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
-                                      f"prefill worker {address} described {len(descs)} pools "
-                                      f"for {desc.tensor_parallel_size} ranks")
-                # One address per pool: a peer presenting a pool mapped for another would
-                # answer claims for that pool's blocks itself.
-                known = self._pool_addresses.setdefault(desc.handle, address)
-                if known != address:
-                    log.warning("refused %s: it presents the pool of %s", address, known)
-                    raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
-                                      f"prefill worker {address} presents the KV pool of "
-                                      "another prefill worker")
-                await self.engine.map_pool(address, descs if len(descs) > 1 else desc,
-                                           resp.instance_id)
-                self.peers[address] = resp.instance_id
-                log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id,
-                         desc.redacted())
+                with self.telemetry.tracer.start_as_current_span(
+                        "kv_pool_registration", attributes={
+                            "tandem.kv.source": address,
+                            # Charged to the request that happened to come first.
+                            "tandem.kv.registration": "once per prefill worker instance"}):
+                    await self._register(address)
         if instance_id and self.peers[address] != instance_id:
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {address} "
                               "restarted since it granted the lease")
+
+    async def _register(self, address: str) -> None:
+        """Ask the prefill worker at `address` for its pool's descriptor and map it."""
+        with client_call("/tandem.v1.Worker/Register", address) as call:
+            resp = await self._stub(address).Register(worker_pb2.RegisterRequest(
+                decode_worker_id=self.worker_id, layout=self.layout), timeout=30,
+                metadata=call.metadata)
+        desc = descriptor_from_proto(resp.pool)
+        # A tensor-parallel prefill worker: its ranks' pools, each checked.
+        descs = [desc, *(descriptor_from_proto(d) for d in resp.rank_pools)]
+        for d in descs:
+            check_compatible(self.layout, d)
+        if len(descs) != max(1, desc.tensor_parallel_size):
+            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"prefill worker {address} described {len(descs)} pools "
+                              f"for {desc.tensor_parallel_size} ranks")
+        # One address per pool: a peer presenting a pool mapped for another would
+        # answer claims for that pool's blocks itself.
+        known = self._pool_addresses.setdefault(desc.handle, address)
+        if known != address:
+            log.warning("refused %s: it presents the pool of %s", address, known)
+            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"prefill worker {address} presents the KV pool of "
+                              "another prefill worker")
+        await self.engine.map_pool(address, descs if len(descs) > 1 else desc,
+                                   resp.instance_id)
+        self.peers[address] = resp.instance_id
+        log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id, desc.redacted())
 
     def _spawn_release(self, address: str, lease_id: str,
                        context: contextvars.Context | None) -> None:
@@ -284,9 +294,9 @@ class DecodeServicer(WorkerServicer):
 
     async def _release(self, address: str, lease_id: str) -> None:
         try:
-            resp = await self._stub(address).Release(
-                worker_pb2.ReleaseRequest(lease_id=lease_id), timeout=10,
-                metadata=trace_metadata())
+            with client_call("/tandem.v1.Worker/Release", address) as call:
+                resp = await self._stub(address).Release(
+                    worker_pb2.ReleaseRequest(lease_id=lease_id), timeout=10, metadata=call.metadata)
             if not resp.released:
                 log.warning("lease at %s had already ended when released", address)
         except grpc.aio.AioRpcError as e:

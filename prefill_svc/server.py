@@ -37,17 +37,18 @@ class PrefillServicer(WorkerServicer):
         self.claims = LeaseClaims()  # which lease token may read which blocks, once
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
-        with self.telemetry.request_span("prefill", request.request_id) as span:
+        with self.telemetry.request_span("prefill", request.request_id) as record:
             try:
                 params = params_from_proto(request.params)
                 out = await self.engine.prefill(request.request_id,
                                                 list(request.prompt_token_ids), params)
             except Exception as e:  # noqa: BLE001 - mapped to a status
+                record.cause = e  # the abort below raises an AbortError in its place
                 await abort_for(context, e)
             if out.handoff is None:
-                await abort_for(context, RuntimeError(out.error or
-                                                      f"prefill ended: {out.finish_reason}"))
-            self.telemetry.prefill_done(span, out)
+                record.cause = RuntimeError(out.error or f"prefill ended: {out.finish_reason}")
+                await abort_for(context, record.cause)
+            self.telemetry.prefill_done(record, out)
         h = out.handoff
         self.claims.offer(h.lease_id, Claim(h.block_ids, h.num_tokens,
                                             prompt_digest(request.prompt_token_ids),

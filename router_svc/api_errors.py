@@ -109,6 +109,20 @@ def grpc_status(f: Failure, field_path: str | None = None) -> grpc.Status:
     return rpc_status.to_status(status)
 
 
+def end_call(context: grpc.aio.ServicerContext, f: Failure,
+             field_path: str | None = None) -> None:
+    """Set `f`'s status and details for the handler to return with: what abort sends, without
+    the AbortError that tracing would record as an exception (twice, with the message only in
+    its stack trace)."""
+    status = grpc_status(f, field_path)
+    md = tuple(status.trailing_metadata)
+    if f.retry_after_s is not None:  # for callers that read plain metadata
+        md += (("retry-after", str(f.retry_after_s)),)
+    context.set_trailing_metadata(md)
+    context.set_code(status.code)
+    context.set_details(status.details)
+
+
 async def abort(context: grpc.aio.ServicerContext, f: Failure,
                 field_path: str | None = None) -> None:
     """End the call with `f`'s status and details (raises, as context.abort does)."""

@@ -32,10 +32,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.context import Context
 
-from router_svc.worker_stream import Metadata, SampleUpdate, StreamBroken, Update
+from router_svc.worker_stream import SampleUpdate, StreamBroken, Update
 from router_svc.workers import Worker
 from runtime.convert import logprobs_from_proto
+from runtime.request_trace import client_call
 from tandem.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -91,14 +94,14 @@ class _Lease:
 
 class DecodeLegs:
     def __init__(self, orch: Orchestrator, rid: str, prompt: list[int], params,
-                 wire_params, deadline: float | None, md: Metadata) -> None:
+                 wire_params, deadline: float | None, ctx: Context | None) -> None:
         self.orch = orch
         self.rid = rid
         self.prompt = prompt
         self.params = params
         self.wire_params = wire_params
         self.deadline = deadline  # loop time
-        self.md = md
+        self.ctx = ctx  # the request's trace context: each call's CLIENT span is its child
         self.outputs: list[list[int]] = []  # per sample, every token the client has
         self.done: set[int] = set()  # samples that ended
         self.moves = 0  # legs that failed after sending tokens
@@ -111,7 +114,7 @@ class DecodeLegs:
         finish."""
         try:
             p, resp = await self.orch.prefill(self.rid, self.prompt, self.wire_params,
-                                              self.deadline, self.md)
+                                              self.deadline, self.ctx)
             self._first, self._lease = resp, _Lease(p, resp.kv)
             want_lp = self.params.logprobs is not None
             lps = logprobs_from_proto(resp.first_logprobs, self.params.n)
@@ -128,7 +131,7 @@ class DecodeLegs:
                 d = self.orch.pick(self.orch.workers.pick_decode("decode", refused), "decode")
                 if self._lease is None:  # the last leg took it: a fresh one for this leg
                     p, again = await self.orch.prefill(self.rid, self.prompt, self.wire_params,
-                                                       self.deadline, self.md)
+                                                       self.deadline, self.ctx)
                     self._lease = _Lease(p, again.kv)
                 sent = False
                 try:
@@ -141,7 +144,7 @@ class DecodeLegs:
         finally:
             lease = self._lease
             if lease is not None:  # never handed over: still ours
-                self.orch.release_later(lease.worker, lease.kv.lease_id, self.md)
+                self.orch.release_later(lease.worker, lease.kv.lease_id, self.ctx)
 
     async def _leg(self, d: Worker) -> AsyncIterator[Update]:
         """One decode request on worker d; the lease goes with it."""
@@ -163,20 +166,26 @@ class DecodeLegs:
             if self._lease is lease:
                 self._lease = None
 
-        call = d.stream.request(worker_pb2.StreamRequest(decode=req), self.md,
-                                self.orch.remaining(self.deadline), on_sent=sent)
-        d.in_flight += 1
-        try:
-            async with aclosing(call):
-                async for update in until_done(call, self.params.n, self.done):
-                    for s in update.samples:
-                        self.outputs[s.index] += s.token_ids
-                        if s.finish_reason is not None:
-                            self.done.add(s.index)
-                    update.num_cached_tokens = first.num_cached_tokens  # prefill side's
-                    yield update
-        finally:
-            d.in_flight -= 1
+        with client_call("/tandem.v1.Worker/Stream", d.address, self.ctx,
+                         getattr(self.orch, "tracer", None),
+                         name="decode_leg", **{"tandem.worker.role": "decode",
+                                               "tandem.leg": legs,
+                                               "tandem.request_id": req.request_id}) as traced:
+            call = d.stream.request(worker_pb2.StreamRequest(decode=req), traced.metadata,
+                                    self.orch.remaining(self.deadline), on_sent=sent)
+            d.in_flight += 1
+            try:
+                async with aclosing(call):
+                    async for update in until_done(call, self.params.n, self.done):
+                        for s in update.samples:
+                            self.outputs[s.index] += s.token_ids
+                            if s.finish_reason is not None:
+                                self.done.add(s.index)
+                        update.num_cached_tokens = first.num_cached_tokens  # prefill side's
+                        traced.complete = len(self.done) >= self.params.n
+                        yield update
+            finally:
+                d.in_flight -= 1
 
     def _failed(self, d: Worker, e: grpc.aio.AioRpcError, sent: bool, refused: set[str]) -> None:
         """After a leg failed: raise if the request cannot go on, else count the move."""
@@ -198,6 +207,7 @@ class DecodeLegs:
                     f"{self.moves - 1} times, --max-migrations {limit})")) from None
             self.orch.workers.metrics.migrations.inc()
             made = sum(len(out) for out in self.outputs)
+            self._event("migrated", d, e, made)
             log.warning("decode worker %s failed %s mid-stream (%s): moving it with its %d "
                         "tokens (move %d of at most %d)", d.address, self.rid, e.details(),
                         made, self.moves, limit)
@@ -207,3 +217,11 @@ class DecodeLegs:
                 raise as_router_error(e, f"decode worker {d.address}") from None
             log.warning("decode worker %s failed %s before its first token: prefilling "
                         "again for another", d.address, self.rid)
+            self._event("decode_retried", d, e, sum(len(out) for out in self.outputs))
+
+    def _event(self, name: str, d: Worker, e: grpc.aio.AioRpcError, tokens: int) -> None:
+        """On the request's span: a leg failed and the request goes on elsewhere."""
+        trace.get_current_span(self.ctx).add_event(name, {
+            "tandem.worker": d.address, "error.type": e.code().name,
+            "tandem.moves": self.moves, "tandem.retries": self.retries,
+            "tandem.tokens_so_far": tokens})

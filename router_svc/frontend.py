@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -17,6 +18,7 @@ from engine.grammar import check_schema
 from engine.sampling_params import RequestLimits, SamplingParams, TokenLogprobs
 from engine.tokenizer import Tokenizer
 from router_svc.orchestrator import Orchestrator
+from runtime.request_trace import ApiCall
 from runtime.telemetry import Telemetry
 from tandem.errors import InvalidArgument, Overloaded
 
@@ -62,6 +64,8 @@ class Frontend:
         self.model = model
         self.max_requests = max_requests
         self.telemetry = telemetry or Telemetry("router")
+        if self.telemetry.tracing.enabled:  # the calls to workers: CLIENT spans of this tracer
+            orchestrator.tracer = self.telemetry.tracer
         self.active = 0
         # A text longer than this has more tokens than the model takes: it is refused before
         # the tokenizer runs (a 20 MB prompt took the tokenizer 24 s).
@@ -124,19 +128,36 @@ class Frontend:
                                       "structured outputs need")
             check_schema(params.response_format)
 
+    def refused(self, request_id: str, error: BaseException, api: ApiCall | None = None,
+                operation: str | None = None) -> None:
+        """Trace and log a request the API refused before it reached stream() (its parameters
+        did not parse): one span, ended with the refusal's error.type, and one log line."""
+        self.telemetry.router_request(request_id, None, None, self.model.id,
+                                      operation or _operation(request_id),
+                                      api=api).end(1, 0, 0, error)
+
     async def stream(self, request_id: str, prompt: list[int], params: SamplingParams,
-                     timeout: float | None = None, operation: str | None = None
-                     ) -> AsyncIterator[tuple[list[Delta], Usage]]:
+                     timeout: float | None = None, operation: str | None = None,
+                     api: ApiCall | None = None) -> AsyncIterator[tuple[list[Delta], Usage]]:
         """Deltas per engine step until every sample finished. Leaving early cancels the
         request on its workers. `operation`: the GenAI operation name for its trace (default:
-        chat for an OpenAI chat completion id, else text_completion)."""
-        self.validate(prompt, params)
-        if self.active >= self.max_requests:
-            raise Overloaded(f"{self.active} requests in flight (limit {self.max_requests})")
-        self.active += 1
+        chat for an OpenAI chat completion id, else text_completion); `api`: what the API
+        knows for the trace (streaming or not, its address, the chat messages, the caller's
+        trace context). A refused request is traced too."""
+        started = time.monotonic()
         record = self.telemetry.router_request(
             request_id, prompt, params, self.model.id, operation or _operation(request_id),
-            self.tokenizer.decode if self.tokenizer else None)
+            self.tokenizer.decode if self.tokenizer else None, api)
+        try:
+            self.validate(prompt, params)
+            if self.active >= self.max_requests:
+                raise Overloaded(f"{self.active} requests in flight (limit "
+                                 f"{self.max_requests})")
+        except BaseException as e:
+            record.end(0, 0, 0, e)  # refused: no sample ever started (n may be absurd)
+            raise
+        self.active += 1
+        record.admit()
         usage = Usage(prompt_tokens=len(prompt))
         error: BaseException | None = None
         try:
@@ -156,6 +177,7 @@ class Frontend:
                             continue  # past its stop string: the worker may still be generating
                         usage.completion_tokens += len(s.token_ids)
                         new_tokens += len(s.token_ids)
+                        record.sample_tokens_add(s.index, len(s.token_ids))
                         det = dets[s.index]
                         step = det.push(s.token_ids)
                         d = Delta(s.index, s.token_ids, step.text_delta, s.logprobs)
@@ -178,6 +200,10 @@ class Frontend:
                         return
         except BaseException as e:  # recorded (client gone, worker error), then re-raised
             error = e
+            if isinstance(e, asyncio.CancelledError) and timeout is not None and \
+                    time.monotonic() >= started + timeout:
+                # gRPC cancels a call whose deadline passed: a deadline, not a caller leaving.
+                error = TimeoutError("deadline exceeded")
             raise
         finally:
             self.active -= 1

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from contextlib import aclosing
 
-from router_svc.api_errors import abort, failure_of, grpc_field
+from router_svc.api_errors import abort, end_call, failure_of, grpc_field
 from router_svc.frontend import Frontend, ModelNotFound
 from router_svc.orchestrator import RouterError
 from runtime.convert import logprobs_to_proto, params_from_proto
+from runtime.request_trace import ApiCall
 from runtime.security import tenant_of
 from tandem.errors import InvalidArgument, Overloaded
 from tandem.v1 import api_pb2, api_pb2_grpc
@@ -17,11 +18,16 @@ MAX_REQUEST_ID_CHARS = 128
 
 
 class TandemServicer(api_pb2_grpc.TandemServicer):
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, address: tuple[str, int] | None = None) -> None:
         self.frontend = frontend
+        self.address = address  # where this API listens: server.address / server.port in traces
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
         fe = self.frontend
+        rid = request.request_id or fe.new_request_id()
+        host, port = self.address or (None, None)
+        api = ApiCall(stream=True, server_address=host, server_port=port)
+        steps = None
         try:
             fe.check_model(request.model)
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
@@ -32,10 +38,8 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                 prompt = await fe.run_off_loop(fe.encode, request.text)
             else:
                 prompt = list(request.token_ids.ids)
-            fe.validate(prompt, params)
-            rid = request.request_id or fe.new_request_id()
             # aclosing: a cancelled call closes the request's legs at once.
-            steps = fe.stream(rid, prompt, params, context.time_remaining())
+            steps = fe.stream(rid, prompt, params, context.time_remaining(), api=api)
             async with aclosing(steps):
                 async for deltas, usage in steps:
                     u = api_pb2.Usage(prompt_tokens=usage.prompt_tokens,
@@ -49,9 +53,11 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                             finish_reason=d.finish_reason or "",
                             stop_reason=d.stop_reason or "", usage=u)
         except (InvalidArgument, ModelNotFound, Overloaded, RouterError) as e:
+            if steps is None:  # refused before the Frontend saw it: traced here
+                fe.refused(rid, e, api)
             f = failure_of(e)
             prompt_field = request.WhichOneof("prompt") or "prompt"
-            await abort(context, f, grpc_field(f.field, prompt_field) if f.field else None)
+            end_call(context, f, grpc_field(f.field, prompt_field) if f.field else None)
 
     async def ListModels(self, request, context):  # noqa: N802
         return api_pb2.ListModelsResponse(models=[self._info()])

@@ -41,6 +41,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import propagate
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute
 
@@ -58,6 +59,7 @@ from router_svc.openai_requests import (
     TokenizeRequest,
 )
 from router_svc.workers import WorkerSet
+from runtime.request_trace import ApiCall
 from runtime.security import ApiKeys, PublicTls
 from tandem.errors import InvalidArgument
 
@@ -74,6 +76,17 @@ def _refuse(cond: object, param: str, message: str) -> None:
 def _refuse_unknown(body: req.CompletionRequest | req.ChatCompletionRequest) -> None:
     name = req.unknown_field(body)
     _refuse(name is not None, name or "", "is not supported by this server")
+
+
+def _api_call(request: Request, stream: bool | None,
+              messages: list[dict[str, Any]] | None = None) -> ApiCall:
+    """What the trace records of an HTTP request: streaming or not, the address the client
+    used (its Host header), the chat messages (recorded only with --trace-content), and the
+    caller's W3C traceparent, continued when it sent one."""
+    return ApiCall(stream=bool(stream), server_address=request.url.hostname,
+                   server_port=request.url.port,
+                   messages=tuple(messages) if messages is not None else None,
+                   parent=propagate.extract(request.headers))
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -112,8 +125,24 @@ def api_error(e: Exception, names: dict[str, str] | None = None) -> ApiError:
     return ApiError(status, message, type_, param=param, code=f.reason.lower(), headers=headers)
 
 
-async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
-    """FastAPI's request-body errors in OpenAI's shape, the first error's field as param."""
+def _validation_error(frontend: Frontend) -> Callable[[Request, Exception],
+                                                      Awaitable[JSONResponse]]:
+    """FastAPI's request-body errors in OpenAI's shape; a generation request refused so is
+    traced and logged as one."""
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        error = _body_error(exc)
+        path = request.url.path
+        if path in ("/v1/completions", "/v1/chat/completions"):
+            chat = path.endswith("chat/completions")
+            frontend.refused(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", error,
+                             _api_call(request, None), "chat" if chat else "text_completion")
+        return error.response()
+
+    return handle
+
+
+def _body_error(exc: Exception) -> ApiError:
+    """A request-body error in OpenAI's shape, the first error's field as param."""
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first = errors[0] if errors else {}
@@ -122,7 +151,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     where = ".".join(loc)
     msg = first.get("msg", "invalid request body")
     return ApiError(400, f"{where}: {msg}" if where else msg, param=param,
-                    code="invalid_value").response()
+                    code="invalid_value")
 
 
 class ApiKeyAuth:
@@ -252,11 +281,15 @@ class OpenAIApi:
             fe.validate(prompt, params)  # n and the rest before anything is sized by them
             echo = req.echo_text(fe, body.prompt, prompt) if body.echo else ""
         except (InvalidArgument, ApiError) as e:
-            return api_error(e).response()
+            error = api_error(e)
+            fe.refused(f"cmpl-{uuid.uuid4().hex}", error, _api_call(request, body.stream),
+                       "text_completion")
+            return error.response()
         shaper = CompletionShaper(fe.tokenizer, f"cmpl-{uuid.uuid4().hex}", fe.model.id,
                                    params.n, body.logprobs is not None, body.stream,
                                    self._include_usage(body), echo=echo)
-        return await self._respond(request, body.stream, shaper, prompt, params, {})
+        return await self._respond(request, body.stream, shaper, prompt, params, {},
+                                   _api_call(request, body.stream))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         fe = self.frontend
@@ -271,12 +304,14 @@ class OpenAIApi:
             plan = dataclasses.replace(plan, params=fe.for_tenant(plan.params, _tenant(request)))
             fe.validate(plan.prompt, plan.params)
         except (InvalidArgument, ApiError) as e:
-            return api_error(e, names).response()
+            error = api_error(e, names)
+            fe.refused(f"chatcmpl-{uuid.uuid4().hex}", error, _api_call(request, body.stream))
+            return error.response()
         shaper = ChatShaper(fe.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", fe.model.id,
                              plan.params.n, body.logprobs, body.stream,
                              self._include_usage(body), output=plan.output)
         return await self._respond(request, body.stream, shaper, plan.prompt, plan.params,
-                                   names)
+                                   names, _api_call(request, body.stream, body.messages))
 
     async def list_models(self) -> dict:
         return {"object": "list", "data": [self._model_card()]}
@@ -347,10 +382,11 @@ class OpenAIApi:
         return bool(body.stream_options and body.stream_options.include_usage)
 
     async def _respond(self, request: Request, stream: bool, shaper: Shaper, prompt: list[int],
-                       params: SamplingParams, names: dict[str, str]) -> Response:
+                       params: SamplingParams, names: dict[str, str],
+                       api: ApiCall | None = None) -> Response:
         """Run the request. The status code is settled by the first step: validation,
         admission and the choice of workers all happen before it."""
-        gen = self.frontend.stream(shaper.id, prompt, params)
+        gen = self.frontend.stream(shaper.id, prompt, params, api=api)
         try:
             if not stream:
                 await _unless_disconnected(request, self._collect(gen, shaper))
@@ -402,7 +438,7 @@ def build_app(frontend: Frontend, workers: WorkerSet, api_keys: ApiKeys | None =
                   openapi_url=None)
     app.include_router(OpenAIApi(frontend, workers).routes())
     app.router.routes.extend(routes)
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RequestValidationError, _validation_error(frontend))
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     # Added last runs first: the key is checked before a byte of the body is read, then the

@@ -31,19 +31,23 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import grpc
+from opentelemetry import trace
 from opentelemetry.context import Context
 
 from engine.sampling_params import SamplingParams
 from router_svc.decode_legs import DecodeLegs, RouterError, as_router_error, until_done
-from router_svc.worker_stream import Metadata, SampleUpdate, StreamBroken, Update
+from router_svc.worker_stream import SampleUpdate, StreamBroken, Update
 from router_svc.workers import Worker, WorkerSet, unless_lost
 from runtime.convert import params_to_proto
-from runtime.telemetry import trace_metadata
+from runtime.request_trace import client_call
 from tandem.v1 import worker_pb2
 
 __all__ = ["Orchestrator", "RouterError", "SampleUpdate", "Update"]
 
 log = logging.getLogger(__name__)
+
+
+STREAM = "/tandem.v1.Worker/Stream"  # streamed legs: one request each on the worker's call
 
 
 def _retryable(e: grpc.aio.AioRpcError) -> bool:
@@ -56,6 +60,8 @@ class Orchestrator:
         self.max_migrations = max_migrations
         self._background: set[asyncio.Task] = set()
         self._active: set[str] = set()  # request ids in flight
+        # CLIENT spans of the calls to workers (the Frontend gives it its own).
+        self.tracer: trace.Tracer = trace.get_tracer("tandem")
 
     async def run(self, request_id: str, prompt: list[int], params: SamplingParams,
                   timeout: float | None = None, trace_ctx: Context | None = None
@@ -66,14 +72,13 @@ class Orchestrator:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"request_id {request_id!r} is in use")
         self._active.add(request_id)
-        md = trace_metadata(trace_ctx)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         if self.workers.disaggregated:
             wire_params = params_to_proto(params)
             stream = DecodeLegs(self, request_id, prompt, params, wire_params, deadline,
-                                md).run()
+                                trace_ctx).run()
         else:
-            stream = self._colocated(request_id, prompt, params, deadline, md)
+            stream = self._colocated(request_id, prompt, params, deadline, trace_ctx)
         try:
             async with aclosing(stream):
                 async for u in stream:
@@ -83,22 +88,28 @@ class Orchestrator:
 
     # -- colocated ---------------------------------------------------------------------------
     async def _colocated(self, rid: str, prompt: list[int], params: SamplingParams,
-                         deadline: float | None, md: Metadata) -> AsyncIterator[Update]:
+                         deadline: float | None, ctx: Context | None) -> AsyncIterator[Update]:
         req = worker_pb2.GenerateOnWorkerRequest(request_id=rid, prompt_token_ids=prompt,
                                                  params=params_to_proto(params))
         tried: set[str] = set()
         while True:
             w = self.pick(self.workers.pick_decode("both", tried), "colocated")
             tried.add(w.address)
-            call = w.stream.request(worker_pb2.StreamRequest(generate=req), md,
-                                    self.remaining(deadline))
             sent = False
+            ended: set[int] = set()
             w.in_flight += 1
             try:
-                async with aclosing(call):
-                    async for update in until_done(call, params.n):
-                        sent = True
-                        yield update
+                with client_call(STREAM, w.address, ctx, self.tracer, name="generate_leg",
+                                 **{"tandem.worker.role": "both"}) as traced:
+                    call = w.stream.request(worker_pb2.StreamRequest(generate=req),
+                                            traced.metadata, self.remaining(deadline))
+                    async with aclosing(call):
+                        async for update in until_done(call, params.n):
+                            sent = True
+                            ended.update(s.index for s in update.samples
+                                         if s.finish_reason is not None)
+                            traced.complete = len(ended) >= params.n
+                            yield update
                 return
             except grpc.aio.AioRpcError as e:
                 if isinstance(e, StreamBroken) or (not sent and _retryable(e)):
@@ -111,7 +122,7 @@ class Orchestrator:
 
     # -- what the legs share -----------------------------------------------------------------
     async def prefill(self, rid: str, prompt: list[int], params, deadline: float | None,
-                      md: Metadata) -> tuple[Worker, worker_pb2.PrefillResponse]:
+                      ctx: Context | None) -> tuple[Worker, worker_pb2.PrefillResponse]:
         """A prefill on a healthy prefill worker: the first tokens and the lease, now this
         caller's. A worker that fails it UNAVAILABLE (or stops answering) is taken out and
         another tried."""
@@ -121,9 +132,13 @@ class Orchestrator:
             p = self.pick(self.workers.pick_prefill(prompt, tried), "prefill")
             tried.add(p.address)
             p.in_flight += 1
-            call = p.stub.Prefill(req, timeout=self.remaining(deadline), metadata=md)
             try:
-                return p, await unless_lost(p, call)
+                with client_call("/tandem.v1.Worker/Prefill", p.address, ctx,
+                                 self.tracer) as traced:
+                    call = p.stub.Prefill(req, timeout=self.remaining(deadline),
+                                          metadata=traced.metadata)
+                    resp = await unless_lost(p, call)
+                return p, resp
             except grpc.aio.AioRpcError as e:
                 if _retryable(e):
                     self.workers.mark_down(p)
@@ -147,11 +162,13 @@ class Orchestrator:
             raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         return left
 
-    def release_later(self, p: Worker, lease_id: str, md: Metadata = None) -> None:
+    def release_later(self, p: Worker, lease_id: str, ctx: Context | None = None) -> None:
         async def release() -> None:
-            with contextlib.suppress(grpc.aio.AioRpcError):
+            with contextlib.suppress(grpc.aio.AioRpcError), \
+                    client_call("/tandem.v1.Worker/Release", p.address, ctx,
+                                self.tracer) as traced:
                 await p.stub.Release(worker_pb2.ReleaseRequest(lease_id=lease_id), timeout=10,
-                                     metadata=md)
+                                     metadata=traced.metadata)
 
         task = asyncio.ensure_future(release())
         self._background.add(task)

@@ -151,7 +151,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     server = make_server(interceptors)
     grpc_port = bind(server, args.host, args.grpc_port,
                      public_tls.server_credentials() if public_tls else None)
-    api_pb2_grpc.add_TandemServicer_to_server(TandemServicer(frontend), server)
+    api_pb2_grpc.add_TandemServicer_to_server(TandemServicer(frontend, (args.host, grpc_port)),
+                                              server)
     health = Health(server, [API_SERVICE])
     if args.reflection:
         enable_reflection(server, [API_SERVICE])

@@ -10,24 +10,36 @@
     Telemetry                      what servicers call: request spans, their attributes, the
                                    KV-transfer span; RouterRequest for the router's side
 
-One request's trace across three processes:
+One request's trace across three processes (README "Observing it" shows a real one):
 
-    router   "text_completion <model>"      GenAI attributes, usage, finish reasons, TTFT
-      ├ /tandem.v1.Worker/Prefill           the prefill worker's gRPC server span
-      │   └ prefill                         queue time, chunks, cached tokens
-      └ decode                              the decode worker's span (kind SERVER): queue time,
-          │                                 time to first token, per output token
-          ├ /tandem.v1.Worker/ClaimLease    (on the prefill worker) the lease's block ids
-          ├ kv_transfer                     blocks, bytes, GB/s (measured on the engine core)
-          └ /tandem.v1.Worker/Release       (on the prefill worker)
+    router   "chat <model>"                 GenAI attributes, usage, finish reasons, TTFT;
+      │                                     events: admitted, first_token, sample_finished,
+      │                                     migrated, and how it ended
+      ├ tandem.v1.Worker/Prefill (CLIENT)   the router's call
+      │   └ /tandem.v1.Worker/Prefill       the prefill worker's gRPC server span
+      │       └ prefill                     queue time, chunks, cached tokens
+      │           ├ queue                   waiting for an engine step
+      │           └ prefill_compute         the prompt's chunks, to the first token
+      └ decode_leg (CLIENT)                 one per decode worker the request went to
+          └ decode                          the decode worker's span (kind SERVER): queue time,
+              │                             time to first token, per output token
+              ├ kv_pool_registration        the first request of a (decode, prefill) pair only
+              ├ tandem.v1.Worker/ClaimLease (CLIENT) → its server span on the prefill worker
+              ├ kv_wait                     waiting for free blocks
+              ├ kv_transfer                 blocks, bytes, GB/s (measured on the engine core)
+              ├ decode_steps                generation
+              └ tandem.v1.Worker/Release (CLIENT)    → its server span on the prefill worker
+
+Every span ends saying how the request ended (runtime/request_trace.py): status ERROR and
+error.type for a cancel, a refusal or a failure, with the finish reasons and tokens so far.
 
 The context travels as W3C traceparent: in each unary call's gRPC metadata, where
 opentelemetry-instrumentation-grpc's aio server interceptor extracts it and makes the server
 span, and in each request message on a worker's Stream call (one call carries many requests),
-where the decode servicer extracts it for that request's span. Callers inject it with the
-propagate API (trace_metadata). Not the instrumentation's client interceptors: they end a
-server stream's span only when their wrapper generator runs out, which a consumer that stops
-early leaves to garbage collection.
+where the decode servicer extracts it for that request's span. Callers make a CLIENT span per
+call and send its context (request_trace.client_call). Not the instrumentation's client
+interceptors: they end a server stream's span only when their wrapper generator runs out, which
+a consumer that stops early leaves to garbage collection.
 
 Never recorded, in spans or logs: token ids, lease tokens and IPC handles (a shm segment's
 name, CUDA handle bytes: capabilities all), and prompt or output text unless content capture is asked for
@@ -41,7 +53,6 @@ Prometheus scrapes.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import json
@@ -56,9 +67,46 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import (
+    GEN_AI_INPUT_MESSAGES,
+    GEN_AI_OPERATION_NAME,
+    GEN_AI_OUTPUT_MESSAGES,
+    GEN_AI_OUTPUT_TYPE,
+    GEN_AI_PROVIDER_NAME,
+    GEN_AI_REQUEST_CHOICE_COUNT,
+    GEN_AI_REQUEST_FREQUENCY_PENALTY,
+    GEN_AI_REQUEST_MAX_TOKENS,
+    GEN_AI_REQUEST_MODEL,
+    GEN_AI_REQUEST_PRESENCE_PENALTY,
+    GEN_AI_REQUEST_SEED,
+    GEN_AI_REQUEST_STOP_SEQUENCES,
+    GEN_AI_REQUEST_STREAM,
+    GEN_AI_REQUEST_TEMPERATURE,
+    GEN_AI_REQUEST_TOP_K,
+    GEN_AI_REQUEST_TOP_P,
+    GEN_AI_RESPONSE_FINISH_REASONS,
+    GEN_AI_RESPONSE_ID,
+    GEN_AI_RESPONSE_MODEL,
+    GEN_AI_USAGE_INPUT_TOKENS,
+    GEN_AI_USAGE_OUTPUT_TOKENS,
+)
+from opentelemetry.semconv.attributes.server_attributes import SERVER_ADDRESS, SERVER_PORT
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from runtime.metrics import Metrics
+from runtime.request_trace import (
+    CANCELLED,
+    FAILED,
+    FINISHED,
+    ApiCall,
+    WorkerSpan,
+    cancel_status_interceptors,
+    end_span,
+    input_messages,
+    outcome,
+    phase_spans,
+    timing_attrs,
+)
 
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
@@ -243,8 +291,10 @@ def configure_tracing(service: str, settings: TelemetrySettings | None = None) -
     traced = filters.negate(filters.any_of(filters.health_check(), filters.method_name("GetLoad"),
                                            filters.method_name("Stream"),
                                            filters.service_prefix("grpc.reflection")))
+    outer, inner = cancel_status_interceptors(traced)
     return Tracing(provider.get_tracer("tandem"), provider,
-                   [aio_server_interceptor(tracer_provider=provider, filter_=traced)])
+                   [outer, aio_server_interceptor(tracer_provider=provider, filter_=traced),
+                    inner])
 
 
 def trace_metadata(ctx: otel_context.Context | None = None) -> tuple[tuple[str, str], ...] | None:
@@ -300,50 +350,48 @@ class Telemetry:
 
     # -- workers -------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def request_span(self, name: str, request_id: str,
-                     kind: SpanKind = SpanKind.INTERNAL) -> Iterator[Span]:
+    def request_span(self, name: str, request_id: str, kind: SpanKind = SpanKind.INTERNAL,
+                     num_samples: int = 1) -> Iterator[WorkerSpan]:
         """A worker's span for one request, current for the handler's task (so the calls it
         makes and the lines it logs carry it), with request_id bound for its log lines. SERVER
-        where no gRPC server span stands above it (a request on a Stream call)."""
+        where no gRPC server span stands above it (a request on a Stream call). However the
+        request ends (finished, cancelled, refused, failed) the span says so, with what was
+        done so far, and one log line reports it (runtime/request_trace.py)."""
         with structlog.contextvars.bound_contextvars(request_id=request_id), \
                 self.tracer.start_as_current_span(
-                    name, kind=kind, attributes={"tandem.request_id": request_id}) as span:
-            yield span
+                    name, kind=kind, attributes={"tandem.request_id": request_id},
+                    record_exception=False, set_status_on_exception=False) as span:
+            record = WorkerSpan(self.tracer, span, name, self.role, num_samples)
+            error: BaseException | None = None
+            try:
+                yield record
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                o, fields = record.end(error)
+                (log.info if o.kind in (FINISHED, CANCELLED) else log.warning)(
+                    f"{name} done", outcome=o.kind, **_short(fields))
 
-    def prefill_done(self, span: Span, out: SeqOutput) -> None:
+    def refused(self, name: str, request_id: str, error: BaseException,
+                parent: otel_context.Context | None = None) -> None:
+        """A request this worker refused before it started (draining, a replayed lease, a
+        request id in use): a SERVER span in the caller's trace (`parent`) saying why, and one
+        log line."""
+        with use_context(parent), \
+                self.request_span(name, request_id, SpanKind.SERVER) as record:
+            record.cause = error
+
+    def prefill_done(self, record: WorkerSpan, out: SeqOutput) -> None:
         t = out.timing
         attrs: dict[str, Any] = {"tandem.prompt_tokens": out.num_prompt_tokens,
                                  "tandem.cached_tokens": out.num_cached_tokens}
         if t is not None:
-            attrs.update(_timing_attrs(t.queue_s, t.first_token_s, None))
+            attrs.update(timing_attrs(t.queue_s, t.first_token_s, None))
             attrs["tandem.prefill.chunks"] = t.num_prefill_chunks
             attrs["tandem.preemptions"] = t.num_preemptions
-        span.set_attributes(attrs)
-        log.info("prefill done", **_short(attrs))
-
-    def decode_done(self, span: Span, finished: list[SeqOutput]) -> None:
-        """Attributes of a decode (or colocated) request whose samples all finished."""
-        if not finished:
-            return
-        first = min(finished, key=lambda o: o.sample_index)
-        handed_over = 1 if self.role == "decode" else 0  # the first token came from prefill
-        generated = sum(o.num_output_tokens - handed_over for o in finished)
-        t = first.timing
-        tpot = None
-        mine = first.num_output_tokens - handed_over
-        if t is not None and t.first_token is not None and mine > 1:
-            tpot = (t.finished - t.first_token) / (mine - 1)
-        attrs: dict[str, Any] = {
-            "tandem.prompt_tokens": first.num_prompt_tokens,
-            "tandem.output_tokens": generated,
-            "tandem.finish_reasons": [o.finish_reason.value for o in
-                                      sorted(finished, key=lambda o: o.sample_index)
-                                      if o.finish_reason is not None]}
-        if t is not None:
-            attrs.update(_timing_attrs(t.queue_s, t.first_token_s, tpot))
-            attrs["tandem.preemptions"] = t.num_preemptions
-        span.set_attributes(attrs)
-        log.info(f"{span_name(self.role)} done", **_short(attrs))
+            phase_spans(self.tracer, record.span, t, self.role)
+        record.set_attributes(attrs)
 
     def kv_transfer(self, parent: contextvars.Context | None, pull: LeaseDone) -> None:
         """Decode worker: one request's KV pull (done on the engine core), as a child of its
@@ -372,23 +420,19 @@ class Telemetry:
         span.end(end_time=pull.end_ns)
 
     # -- router --------------------------------------------------------------------------------
-    def router_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       model: str, operation: str,
-                       decode: Callable[[list[int]], str] | None = None) -> RouterRequest:
+    def router_request(self, request_id: str, prompt: list[int] | None,
+                       params: SamplingParams | None, model: str, operation: str,
+                       decode: Callable[[list[int]], str] | None = None,
+                       api: ApiCall | None = None) -> RouterRequest:
+        """The router's record of one request, made before it is validated (a refused request
+        is traced and logged too). `prompt` / `params` None: refused before they were read."""
         return RouterRequest(self, request_id, prompt, params, model, operation,
-                             decode if self.capture_content else None)
+                             decode if self.capture_content else None, api or ApiCall())
 
 
 def span_name(role: str) -> str:
     """The worker span of a streamed request: decode (disaggregated) or generate (colocated)."""
     return "decode" if role == "decode" else "generate"
-
-
-def _timing_attrs(queue_s: float | None, ttft_s: float | None,
-                  tpot_s: float | None) -> dict[str, float]:
-    out = {"tandem.queue_time_seconds": queue_s, "tandem.time_to_first_token_seconds": ttft_s,
-           "tandem.time_per_output_token_seconds": tpot_s}
-    return {k: v for k, v in out.items() if v is not None}
 
 
 def _short(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -405,39 +449,63 @@ class RouterRequest:
     another task (the HTTP API runs its first step in one task and streams from another). The
     orchestrator passes `context` explicitly, in the metadata of each call to a worker
     (trace_metadata).
+
+    Attributes: the GenAI conventions' "Inference" span as they stand now (Development status,
+    github.com/open-telemetry/semantic-conventions-genai, docs/gen-ai/gen-ai-spans.md; the names
+    as opentelemetry-semantic-conventions 0.66b2 spells them): required
+    gen_ai.operation.name and gen_ai.provider.name; conditionally required gen_ai.request.model,
+    error.type, gen_ai.request.choice.count (n != 1), gen_ai.request.seed, gen_ai.output.type,
+    gen_ai.request.stream, gen_ai.request.top_k, server.port (with server.address); recommended
+    gen_ai.request.max_tokens / temperature / top_p / stop_sequences / frequency_penalty /
+    presence_penalty, gen_ai.response.time_to_first_chunk,
+    gen_ai.response.id / model / finish_reasons, gen_ai.usage.*, server.address; opt-in
+    gen_ai.input.messages / gen_ai.output.messages (--trace-content only), one entry per message
+    with its role. Metrics count admitted requests only, as before refusals were traced.
     """
 
-    def __init__(self, tel: Telemetry, request_id: str, prompt: list[int],
-                 params: SamplingParams, model: str, operation: str,
-                 decode: Callable[[list[int]], str] | None) -> None:
+    def __init__(self, tel: Telemetry, request_id: str, prompt: list[int] | None,
+                 params: SamplingParams | None, model: str, operation: str,
+                 decode: Callable[[list[int]], str] | None, api: ApiCall) -> None:
         self.tel, self.metrics = tel, tel.metrics
         self.request_id = request_id
-        self.num_prompt_tokens = len(prompt)
+        self.num_prompt_tokens = len(prompt or ())
+        self.num_samples = params.n if params is not None else 1
         self.start = time.monotonic()
         self.first_token: float | None = None
+        self.admitted = False
+        self.ended = False
         self.reasons: dict[int, str] = {}
-        self.texts: dict[int, list[str]] | None = {} if decode is not None else None
+        self.sample_tokens: dict[int, int] = {}
+        capture = tel.capture_content
+        self.texts: dict[int, list[str]] | None = {} if capture else None
         attrs: dict[str, Any] = {
-            "gen_ai.operation.name": operation, "gen_ai.request.model": model,
-            "gen_ai.response.model": model, "gen_ai.response.id": request_id,
-            "gen_ai.request.max_tokens": params.max_tokens,
-            "gen_ai.request.temperature": params.temperature,
-            "gen_ai.request.top_p": params.top_p, "tandem.request_id": request_id}
-        if params.top_k:
-            attrs["gen_ai.request.top_k"] = params.top_k
-        if params.n != 1:
-            attrs["gen_ai.request.choice.count"] = params.n
-        if params.seed is not None:
-            attrs["gen_ai.request.seed"] = params.seed
-        if decode is not None:
-            attrs["gen_ai.input.messages"] = json.dumps(
+            GEN_AI_OPERATION_NAME: operation, GEN_AI_PROVIDER_NAME: PROVIDER,
+            GEN_AI_REQUEST_MODEL: model, GEN_AI_RESPONSE_MODEL: model,
+            GEN_AI_RESPONSE_ID: request_id, GEN_AI_REQUEST_STREAM: api.stream,
+            "tandem.request_id": request_id}
+        if api.server_address:
+            attrs[SERVER_ADDRESS] = api.server_address
+            if api.server_port is not None:
+                attrs[SERVER_PORT] = api.server_port
+        if params is not None:
+            attrs.update(_request_attrs(params))
+        if capture and api.messages is not None:  # chat: one entry per message, its role
+            attrs[GEN_AI_INPUT_MESSAGES] = json.dumps(input_messages(api.messages))
+        elif capture and decode is not None and prompt is not None:  # a text prompt
+            attrs[GEN_AI_INPUT_MESSAGES] = json.dumps(
                 [{"role": "user", "parts": [{"type": "text", "content": decode(prompt)}]}])
-        parent = trace.get_current_span().get_span_context()
+        parent_ctx = api.parent
+        parent = trace.get_current_span(parent_ctx).get_span_context()
         self.span = tel.tracer.start_span(
-            f"{operation} {model}", kind=SpanKind.INTERNAL if parent.is_valid else SpanKind.SERVER,
-            attributes=attrs)
-        self.context = trace.set_span_in_context(self.span)
+            f"{operation} {model}", context=parent_ctx,
+            kind=SpanKind.INTERNAL if parent.is_valid else SpanKind.SERVER, attributes=attrs)
+        self.context = trace.set_span_in_context(self.span, parent_ctx)
+
+    def admit(self) -> None:
+        """Validated and admitted: counted in the metrics from here."""
+        self.admitted = True
         self.metrics.waiting.inc()
+        self.span.add_event("admitted")
 
     def activate(self) -> contextlib.AbstractContextManager[None]:
         """This request's span and request_id current, for a synchronous block."""
@@ -450,9 +518,14 @@ class RouterRequest:
         """Called per update from the workers with the number of new tokens."""
         if self.first_token is None and n:
             self.first_token = time.monotonic()
-            self.metrics.ttft.observe(self.first_token - self.start)
-            self.metrics.waiting.dec()
-            self.metrics.running.inc()
+            self.span.add_event("first_token")
+            if self.admitted:
+                self.metrics.ttft.observe(self.first_token - self.start)
+                self.metrics.waiting.dec()
+                self.metrics.running.inc()
+
+    def sample_tokens_add(self, index: int, n: int) -> None:
+        self.sample_tokens[index] = self.sample_tokens.get(index, 0) + n
 
     def text(self, index: int, text: str) -> None:
         if self.texts is not None and text:
@@ -460,39 +533,74 @@ class RouterRequest:
 
     def sample_finished(self, index: int, reason: str) -> None:
         self.reasons[index] = reason
+        if self.num_samples > 1:
+            self.span.add_event("sample_finished", {
+                "tandem.sample.index": index, "tandem.sample.finish_reason": reason,
+                "tandem.sample.output_tokens": self.sample_tokens.get(index, 0)})
 
     def end(self, num_samples: int, completion_tokens: int, cached_tokens: int,
             error: BaseException | None = None) -> None:
-        """Once, when the request's stream ends for whatever reason."""
+        """Once, when the request's stream ends for whatever reason (a refusal included)."""
+        if self.ended:
+            return
+        self.ended = True
         now = time.monotonic()
-        m = self.metrics
-        (m.running if self.first_token is not None else m.waiting).dec()
-        gone = isinstance(error, GeneratorExit | asyncio.CancelledError)  # caller left
-        unfinished = "abort" if error is None or gone else "error"
+        o = outcome(error)
+        unfinished = "abort" if o.kind in (FINISHED, CANCELLED) else "error"
         for i in range(num_samples):
             self.reasons.setdefault(i, unfinished)
-        m.prompt_tokens.inc(self.num_prompt_tokens)
-        m.generation_tokens.inc(completion_tokens)
-        m.e2e.observe(now - self.start)
-        for reason in self.reasons.values():
-            m.success(reason)
         reasons = [self.reasons[i] for i in sorted(self.reasons)]
+        if self.admitted:
+            m = self.metrics
+            (m.running if self.first_token is not None else m.waiting).dec()
+            m.prompt_tokens.inc(self.num_prompt_tokens)
+            m.generation_tokens.inc(completion_tokens)
+            m.e2e.observe(now - self.start)
+            for reason in self.reasons.values():
+                m.success(reason)
         attrs: dict[str, Any] = {
-            "gen_ai.usage.input_tokens": self.num_prompt_tokens,
-            "gen_ai.usage.output_tokens": completion_tokens,
+            GEN_AI_USAGE_INPUT_TOKENS: self.num_prompt_tokens,
+            GEN_AI_USAGE_OUTPUT_TOKENS: completion_tokens,
             "gen_ai.usage.cache_read.input_tokens": cached_tokens,
-            "gen_ai.response.finish_reasons": reasons}
+            GEN_AI_RESPONSE_FINISH_REASONS: reasons}
         if self.first_token is not None:
             attrs["gen_ai.response.time_to_first_chunk"] = self.first_token - self.start
         if self.texts is not None:
-            attrs["gen_ai.output.messages"] = json.dumps(
+            attrs[GEN_AI_OUTPUT_MESSAGES] = json.dumps(
                 [{"role": "assistant", "parts": [{"type": "text", "content": "".join(t)}],
                   "finish_reason": self.reasons[i]} for i, t in sorted(self.texts.items())])
         self.span.set_attributes(attrs)
-        if error is not None and not gone:
-            self.span.record_exception(error)
-            self.span.set_status(Status(StatusCode.ERROR, str(error)))
+        if o.kind == FAILED and error is not None and "." in (o.error_type or ""):
+            self.span.record_exception(error)  # a bug (named by its class): its stack helps
+        end_span(self.span, o)
+        fields = _short({k: v for k, v in attrs.items() if "messages" not in k})
+        if o.error_type is not None:
+            fields.update(error_type=o.error_type, error=o.message)
         with self.activate():
-            log.info("request done", e2e_seconds=round(now - self.start, 6),
-                     **_short({k: v for k, v in attrs.items() if "messages" not in k}))
+            (log.info if o.kind in (FINISHED, CANCELLED) else log.warning)(
+                "request done", outcome=o.kind, e2e_seconds=round(now - self.start, 6),
+                **fields)
         self.span.end()
+
+
+PROVIDER = "tandem"  # gen_ai.provider.name: no well-known value names a self-hosted server
+
+
+def _request_attrs(params: SamplingParams) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
+        GEN_AI_REQUEST_TEMPERATURE: params.temperature, GEN_AI_REQUEST_TOP_P: params.top_p,
+        GEN_AI_OUTPUT_TYPE: "json" if params.response_format is not None else "text"}
+    if params.top_k:
+        attrs[GEN_AI_REQUEST_TOP_K] = params.top_k
+    if params.n != 1:
+        attrs[GEN_AI_REQUEST_CHOICE_COUNT] = params.n
+    if params.seed is not None:
+        attrs[GEN_AI_REQUEST_SEED] = params.seed
+    if params.stop:
+        attrs[GEN_AI_REQUEST_STOP_SEQUENCES] = list(params.stop)
+    if params.frequency_penalty:
+        attrs[GEN_AI_REQUEST_FREQUENCY_PENALTY] = params.frequency_penalty
+    if params.presence_penalty:
+        attrs[GEN_AI_REQUEST_PRESENCE_PENALTY] = params.presence_penalty
+    return attrs

@@ -179,14 +179,16 @@ def test_each_request_is_one_trace_across_three_processes(cluster, receiver):
         assert kv.parent_span_id == decode.span_id
         for span in (decode, kv, prefill):
             assert t.router in t.ancestors(span), (rid, span.name)
-        # The prefill span sits under its gRPC server span, a child of the router's span (the
-        # context crossed in the call's metadata); the decode span, a request on the decode
-        # worker's Stream call, is the router span's child itself (it crossed in the message)
-        # and the long-lived Stream call has no span of its own.
-        assert [s.name for s in t.ancestors(decode)][:1] == [t.router.name]
+        # The prefill span sits under its gRPC server span, a child of the router's CLIENT span
+        # for the call (the context crossed in the call's metadata); the decode span, a request
+        # on the decode worker's Stream call, is the child of the router's CLIENT span for that
+        # leg (it crossed in the message) and the long-lived Stream call has no span of its own.
+        assert [s.name for s in t.ancestors(decode)][:2] == ["decode_leg", t.router.name]
         assert decode.kind == trace_pb2.Span.SPAN_KIND_SERVER
-        assert [s.name for s in t.ancestors(prefill)][:2] == ["/tandem.v1.Worker/Prefill",
-                                                              t.router.name]
+        assert t.ancestors(decode)[0].kind == trace_pb2.Span.SPAN_KIND_CLIENT
+        assert [s.name for s in t.ancestors(prefill)][:3] == [
+            "/tandem.v1.Worker/Prefill", "tandem.v1.Worker/Prefill", t.router.name]
+        assert t.ancestors(prefill)[1].kind == trace_pb2.Span.SPAN_KIND_CLIENT
         assert not t.named("/tandem.v1.Worker/Stream", "tandem-decode")
 
         ra = attrs(t.router)

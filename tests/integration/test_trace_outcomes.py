@@ -1,0 +1,449 @@
+"""Every request leaves one trace that says how it ended, whatever the end, exported by three
+processes (router, prefill, decode) to a real OTLP/gRPC receiver on 127.0.0.1:
+
+    finished    (gRPC, n=2)  every span OK; CLIENT spans for each call between services, the
+                             callee's SERVER span under each; queue / prefill_compute / kv_wait
+                             / kv_transfer / decode_steps child spans; per-sample events
+    cancelled   gRPC and HTTP: the router's span and the decode worker's span end ERROR with
+                             error.type CANCELLED, finish reason abort and the tokens so far
+    refused     gRPC and HTTP: a GenAI span with error.type INVALID_ARGUMENT and the message in
+                             its status, no exception events, no worker span
+    failed      the decode worker aborts the request mid-stream: error.type ABORTED on the router
+                             and the decode worker
+
+and one log line per service with the request's trace id; a request a worker refuses is a span in
+the caller's trace; a colocated worker's request is traced the same way (its phases, its cancel).
+Every pool is idle after each."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+import httpx
+import pytest
+from opentelemetry.proto.trace.v1 import trace_pb2
+from test_tracing import WORKER_ARGS, Receiver, attrs
+
+from cluster import Cluster
+from engine.sampling_params import SamplingParams
+from runtime.convert import params_to_proto
+from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
+
+ERROR = trace_pb2.Status.STATUS_CODE_ERROR
+CLIENT, SERVER = trace_pb2.Span.SPAN_KIND_CLIENT, trace_pb2.Span.SPAN_KIND_SERVER
+LONG = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)  # seconds of decoding
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    r = Receiver()
+    yield r
+    r.server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, tmp_path_factory, receiver):
+    c = Cluster(tmp_path_factory.mktemp("outcomes"), str(tiny_models["llama"]),
+                worker_args=WORKER_ARGS, env=receiver.env(schedule_delay_ms=50)).start()
+    yield c
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+@pytest.fixture(autouse=True)
+def idle_after(request, cluster):
+    yield
+    asyncio.run(cluster.wait_idle())
+    if "colocated" in request.fixturenames:
+        asyncio.run(request.getfixturevalue("colocated").wait_idle())
+
+
+class Spans:
+    """The exported spans of one trace: by service and name, with their ancestry."""
+
+    def __init__(self, spans: list[tuple[str, object]], trace_id: bytes) -> None:
+        self.all = [(svc, s) for svc, s in spans if s.trace_id == trace_id]
+        self.by_id = {s.span_id: s for _, s in self.all}
+
+    def named(self, name: str, service: str | None = None) -> list:
+        return [s for svc, s in self.all if s.name == name and service in (None, svc)]
+
+    def one(self, name: str, service: str | None = None):
+        found = self.named(name, service)
+        assert len(found) == 1, (name, service, [(svc, s.name) for svc, s in self.all])
+        return found[0]
+
+    def parent(self, span):
+        return self.by_id[span.parent_span_id]
+
+    def orphans(self) -> list:
+        return [s.name for _, s in self.all if s.parent_span_id
+                and s.parent_span_id not in self.by_id]
+
+
+def router_span(receiver: Receiver, request_id: str):
+    found = [s for _, s in receiver.snapshot() if attrs(s).get("gen_ai.response.id") == request_id]
+    return found[0] if found else None
+
+
+def wait_trace(receiver: Receiver, request_id: str, done, timeout: float = 20) -> Spans:
+    """The request's trace once `done(spans)` holds (the exporters batch: wait, not sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        root = router_span(receiver, request_id)
+        if root is not None:
+            spans = Spans(receiver.snapshot(), root.trace_id)
+            if done(spans):
+                return spans
+        if time.monotonic() > deadline:
+            raise AssertionError(f"trace of {request_id} incomplete: "
+                                 f"{[(svc, s.name) for svc, s in receiver.snapshot()]}")
+        time.sleep(0.05)
+
+
+def wait_logs(cluster: Cluster, request_id: str, events: dict[str, str],
+              timeout: float = 20) -> dict[str, dict]:
+    """Each process's one line for the request: events[process] is "<span> <outcome>", the line
+    {"event": "<span> done", "outcome": "<outcome>"}."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = {}
+        for name, proc in cluster.procs.items():
+            if name not in events:
+                continue
+            span, outcome = events[name].rsplit(" ", 1)
+            lines = [line for line in proc.json_logs() if line.get("request_id") == request_id
+                     and line.get("event") == f"{span} done"
+                     and line.get("outcome") == outcome]
+            if len(lines) == 1:
+                found[name] = lines[0]
+        if found.keys() == events.keys():
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"log lines for {request_id}: found {sorted(found)}, want "
+                                 f"{events}")
+        time.sleep(0.05)
+
+
+def has_error(span, error_type: str) -> bool:
+    return span.status.code == ERROR and attrs(span).get("error.type") == error_type
+
+
+def test_finished_request_has_client_spans_phases_and_sample_events(cluster, receiver):
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True, n=2)
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            return [r async for r in cluster.api(ch).Generate(api_pb2.GenerateRequest(
+                text="tell the whole story", params=params_to_proto(params)))]
+
+    chunks = asyncio.run(main())
+    rid = chunks[0].request_id
+
+    def complete(t: Spans) -> bool:
+        return (len(t.named("decode_steps", "tandem-decode")) == 1
+                and len(t.named("tandem.v1.Worker/Release", "tandem-decode")) == 1
+                and len(t.named("/tandem.v1.Worker/Release", "tandem-prefill")) == 1
+                and len(t.named("decode_leg")) == 1 and not t.orphans())
+
+    t = wait_trace(receiver, rid, complete)
+    root = router_span(receiver, rid)
+    ra = attrs(root)
+    assert root.status.code != ERROR and "error.type" not in ra
+    assert ra["gen_ai.provider.name"] == "tandem" and ra["gen_ai.request.stream"] is True
+    assert ra["server.address"] == "127.0.0.1"
+    assert ra["server.port"] == int(cluster.router.address.rsplit(":", 1)[1])
+    assert ra["gen_ai.request.choice.count"] == 2 and ra["gen_ai.output.type"] == "text"
+    assert ra["gen_ai.response.finish_reasons"] == ["length", "length"]
+    events = [e for e in root.events if e.name == "sample_finished"]
+    assert sorted(attrs(e)["tandem.sample.index"] for e in events) == [0, 1]
+    assert all(attrs(e)["tandem.sample.output_tokens"] == 6 for e in events)
+    assert [e.name for e in root.events][:2] == ["admitted", "first_token"]
+
+    # Every hop is a CLIENT span with the callee's SERVER span under it.
+    prefill_call = t.one("tandem.v1.Worker/Prefill", "tandem-router")
+    assert prefill_call.kind == CLIENT and t.parent(prefill_call) is root
+    assert attrs(prefill_call)["rpc.grpc.status_code"] == 0
+    assert t.parent(t.one("/tandem.v1.Worker/Prefill", "tandem-prefill")) is prefill_call
+    leg = t.one("decode_leg", "tandem-router")
+    assert leg.kind == CLIENT and t.parent(leg) is root and leg.status.code != ERROR
+    decode = t.one("decode", "tandem-decode")
+    assert decode.kind == SERVER and t.parent(decode) is leg
+    for method in ("ClaimLease", "Release"):
+        call = t.one(f"tandem.v1.Worker/{method}", "tandem-decode")
+        assert call.kind == CLIENT and t.parent(call) is decode
+        assert attrs(call)["server.port"] == int(
+            cluster.workers("prefill")[0].address.rsplit(":", 1)[1])
+        assert t.parent(t.one(f"/tandem.v1.Worker/{method}", "tandem-prefill")) is call
+    # Time between the prefill's end and the decode's start is the router's, in its spans.
+    assert prefill_call.end_time_unix_nano <= leg.start_time_unix_nano \
+        <= decode.start_time_unix_nano
+
+    # Where the time went, on each worker.
+    prefill = t.one("prefill", "tandem-prefill")
+    queue, compute = t.one("queue", "tandem-prefill"), t.one("prefill_compute", "tandem-prefill")
+    assert t.parent(queue) is prefill and t.parent(compute) is prefill
+    assert queue.end_time_unix_nano <= compute.start_time_unix_nano
+    assert attrs(compute)["tandem.prefill.chunks"] >= 1
+    kv_wait, kv, gen = (t.one(n, "tandem-decode") for n in ("kv_wait", "kv_transfer",
+                                                             "decode_steps"))
+    assert all(t.parent(s) is decode for s in (kv_wait, kv, gen))
+    # kv_transfer is stamped with the engine core's wall clock, kv_wait converted from its
+    # monotonic one: the order, within a millisecond.
+    assert kv_wait.end_time_unix_nano <= kv.start_time_unix_nano + 1_000_000
+    assert attrs(gen)["tandem.output_tokens"] == 5  # the first token came from prefill
+    da = attrs(decode)
+    assert da["tandem.finish_reasons"] == ["length", "length"]
+    assert da["tandem.output_tokens"] == 10 and "error.type" not in da
+    assert len([e for e in decode.events if e.name == "sample_finished"]) == 2
+
+    logs = wait_logs(cluster, rid, {"router": "request finished", "prefill0": "prefill finished",
+                                    "decode0": "decode finished"})
+    assert {line["trace_id"] for line in logs.values()} == {root.trace_id.hex()}
+
+    # The one-time pool registration, in the trace of the request that came first, named so.
+    (reg,) = [s for svc, s in receiver.snapshot() if s.name == "kv_pool_registration"]
+    first = Spans(receiver.snapshot(), reg.trace_id)
+    assert first.parent(reg).name == "decode"
+    assert "once" in attrs(reg)["tandem.kv.registration"]
+    call = first.one("tandem.v1.Worker/Register", "tandem-decode")
+    assert first.parent(call) is reg and call.kind == CLIENT
+    assert first.parent(first.one("/tandem.v1.Worker/Register", "tandem-prefill")) is call
+
+
+def _cancel_after_tokens(cluster: Cluster, tokens: int = 3) -> str:
+    """A long gRPC request, cancelled by its caller once `tokens` tokens arrived."""
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            call = cluster.api(ch).Generate(api_pb2.GenerateRequest(
+                text="cancel me", params=params_to_proto(LONG)))
+            seen = 0
+            async for r in call:
+                seen += len(r.token_ids)
+                if seen >= tokens:
+                    call.cancel()
+                    return r.request_id
+        raise AssertionError("the request ended before it was cancelled")
+
+    return asyncio.run(main())
+
+
+def _assert_cancelled_on_decode(t: Spans) -> None:
+    decode = t.one("decode", "tandem-decode")
+    assert has_error(decode, "CANCELLED")
+    da = attrs(decode)
+    assert da["tandem.finish_reasons"] == ["abort"] and da["tandem.output_tokens"] >= 1
+    (event,) = [e for e in decode.events if e.name == "cancelled"]
+    assert attrs(event)["tandem.finish_reasons"] == ["abort"]
+
+
+def test_grpc_cancel_is_cancelled_on_every_service(cluster, receiver):
+    rid = _cancel_after_tokens(cluster)
+    t = wait_trace(receiver, rid, lambda t: bool(t.named("decode", "tandem-decode"))
+                   and bool(t.named("/tandem.v1.Tandem/Generate")))
+    root = router_span(receiver, rid)
+    assert has_error(root, "CANCELLED")
+    assert attrs(root)["gen_ai.response.finish_reasons"] == ["abort"]
+    assert attrs(root)["gen_ai.usage.output_tokens"] >= 3
+    server = t.one("/tandem.v1.Tandem/Generate", "tandem-router")
+    assert attrs(server)["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert has_error(t.one("decode_leg", "tandem-router"), "CANCELLED")
+    _assert_cancelled_on_decode(t)
+    assert not t.orphans()
+    logs = wait_logs(cluster, rid, {"router": "request cancelled",
+                                    "prefill0": "prefill finished",
+                                    "decode0": "decode cancelled"})
+    assert logs["decode0"]["error_type"] == "CANCELLED"
+    assert {line["trace_id"] for line in logs.values()} == {root.trace_id.hex()}
+
+
+def test_http_client_drop_is_cancelled_like_grpc(cluster, receiver):
+    url = f"http://127.0.0.1:{cluster.router.http_port}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "drop me"}], "max_tokens": 900,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as h, h.stream("POST", url, json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        rid = None
+        for line in lines:
+            if line.startswith("data: "):
+                chunk = json.loads(line.removeprefix("data: "))
+                rid = chunk["id"]
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    break
+    # The connection is closed here, mid-stream.
+    t = wait_trace(receiver, rid, lambda t: bool(t.named("decode", "tandem-decode"))
+                   and router_span(receiver, rid) is not None)
+    root = router_span(receiver, rid)
+    assert root.kind == SERVER and has_error(root, "CANCELLED")
+    assert attrs(root)["gen_ai.request.stream"] is True
+    assert attrs(root)["gen_ai.operation.name"] == "chat"
+    _assert_cancelled_on_decode(t)
+    wait_logs(cluster, rid, {"router": "request cancelled", "prefill0": "prefill finished",
+                             "decode0": "decode cancelled"})
+
+
+def test_http_traceparent_is_continued(cluster, receiver):
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    r = httpx.post(f"http://127.0.0.1:{cluster.router.http_port}/v1/completions",
+                   json={"prompt": "continue my trace", "max_tokens": 2, "temperature": 0},
+                   headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}, timeout=30)
+    assert r.status_code == 200
+    rid = r.json()["id"]
+    wait_trace(receiver, rid, lambda t: bool(t.named("decode", "tandem-decode")))
+    root = router_span(receiver, rid)
+    assert root.trace_id.hex() == trace_id and root.parent_span_id.hex() == "00f067aa0ba902b7"
+    assert attrs(root)["gen_ai.request.stream"] is False
+
+
+def test_refused_requests_are_traced_and_logged(cluster, receiver):
+    wire = params_to_proto(SamplingParams(max_tokens=4))
+    wire.temperature = -1.0
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            call = cluster.api(ch).Generate(api_pb2.GenerateRequest(
+                text="refuse me", request_id="refused-grpc", params=wire))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in call:
+                    pass
+            return e.value.code()
+
+    assert asyncio.run(main()) == grpc.StatusCode.INVALID_ARGUMENT
+    t = wait_trace(receiver, "refused-grpc",
+                   lambda t: bool(t.named("/tandem.v1.Tandem/Generate")))
+    root = router_span(receiver, "refused-grpc")
+    assert has_error(root, "INVALID_ARGUMENT") and "temperature" in root.status.message
+    server = t.one("/tandem.v1.Tandem/Generate", "tandem-router")
+    assert attrs(server)["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert not [e for _, s in t.all for e in s.events if e.name == "exception"]
+    assert {svc for svc, _ in t.all} == {"tandem-router"}  # no worker saw it
+    line = wait_logs(cluster, "refused-grpc", {"router": "request refused"})["router"]
+    assert line["error_type"] == "INVALID_ARGUMENT" and line["trace_id"] == root.trace_id.hex()
+
+    # HTTP: a parameter the API refuses before the Frontend, and a body that does not parse.
+    base = f"http://127.0.0.1:{cluster.router.http_port}"
+    for body in ({"prompt": "x", "suffix": "y"}, {"prompt": "x", "max_tokens": "many"}):
+        before = {s.span_id for _, s in receiver.snapshot()}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400
+
+        def refused(before=before):
+            return [s for _, s in receiver.snapshot() if s.span_id not in before
+                    and attrs(s).get("gen_ai.operation.name") == "text_completion"]
+
+        deadline = time.monotonic() + 20
+        while not refused() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (span,) = refused()
+        assert has_error(span, "INVALID_ARGUMENT") and span.kind == SERVER
+        assert attrs(span)["server.port"] == cluster.router.http_port
+
+
+def test_failed_request_is_an_error_on_router_and_decode(cluster, receiver):
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch, \
+                grpc.aio.insecure_channel(cluster.workers("decode")[0].address) as wch:
+            call = cluster.api(ch).Generate(api_pb2.GenerateRequest(
+                text="fail me", request_id="failed-grpc", params=params_to_proto(LONG)))
+            seen = 0
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for r in call:
+                    seen += len(r.token_ids)
+                    if seen == 3:  # decoding: the decode worker drops it
+                        aborted = await worker_pb2_grpc.WorkerStub(wch).Abort(
+                            worker_pb2.AbortRequest(request_id="failed-grpc"))
+                        assert aborted.aborted
+            return e.value.code()
+
+    assert asyncio.run(main()) == grpc.StatusCode.ABORTED
+    t = wait_trace(receiver, "failed-grpc", lambda t: bool(t.named("decode", "tandem-decode")))
+    root = router_span(receiver, "failed-grpc")
+    assert has_error(root, "ABORTED")
+    assert attrs(root)["gen_ai.response.finish_reasons"] == ["error"]
+    decode = t.one("decode", "tandem-decode")
+    assert has_error(decode, "ABORTED")
+    assert attrs(decode)["tandem.finish_reasons"] == ["error"]
+    assert attrs(decode)["tandem.output_tokens"] >= 1
+    assert has_error(t.one("decode_leg", "tandem-router"), "ABORTED")
+    logs = wait_logs(cluster, "failed-grpc", {"router": "request failed",
+                                               "prefill0": "prefill finished",
+                                               "decode0": "decode failed"})
+    assert logs["router"]["error_type"] == "ABORTED"
+
+
+def test_a_request_a_worker_refuses_is_a_span_in_the_callers_trace(cluster, receiver):
+    """A decode request without a lease, straight on the decode worker's Stream call."""
+    trace_id, parent = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+
+    async def main():
+        async def requests():
+            yield worker_pb2.StreamRequest(
+                decode=worker_pb2.DecodeRequest(request_id="no-lease", prompt_token_ids=[1, 2]),
+                trace_context={"traceparent": f"00-{trace_id}-{parent}-01"})
+
+        async with grpc.aio.insecure_channel(cluster.workers("decode")[0].address) as ch:
+            return [u for m in await _collect(worker_pb2_grpc.WorkerStub(ch).Stream(requests()))
+                    for u in m.updates]
+
+    (update,) = asyncio.run(main())
+    assert update.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    deadline = time.monotonic() + 20
+    while True:
+        found = [s for svc, s in receiver.snapshot() if svc == "tandem-decode"
+                 and s.trace_id.hex() == trace_id]
+        if found or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    (span,) = found
+    assert span.name == "decode" and span.kind == SERVER and span.parent_span_id.hex() == parent
+    assert has_error(span, "INVALID_ARGUMENT") and "lease" in span.status.message
+    wait_logs(cluster, "no-lease", {"decode0": "decode refused"})
+
+
+async def _collect(call) -> list:
+    return [m async for m in call]
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_models, tmp_path_factory, receiver):
+    c = Cluster(tmp_path_factory.mktemp("colocated"), str(tiny_models["llama"]), prefill=0,
+                decode=0, both=1, worker_args=WORKER_ARGS,
+                env=receiver.env(schedule_delay_ms=50)).start()
+    yield c
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+def test_colocated_worker_traces_phases_and_cancels(colocated, receiver):
+    async def main():
+        async with grpc.aio.insecure_channel(colocated.router.address) as ch:
+            chunks = [r async for r in colocated.api(ch).Generate(api_pb2.GenerateRequest(
+                text="one worker", params=params_to_proto(SamplingParams(
+                    temperature=0, max_tokens=5, ignore_eos=True))))]
+            return chunks[-1].request_id
+
+    rid = asyncio.run(main())
+    t = wait_trace(receiver, rid, lambda t: bool(t.named("decode_steps", "tandem-both")))
+    leg = t.one("generate_leg", "tandem-router")
+    assert leg.kind == CLIENT and t.parent(leg) is router_span(receiver, rid)
+    gen = t.one("generate", "tandem-both")
+    assert gen.kind == SERVER and t.parent(gen) is leg and gen.status.code != ERROR
+    assert attrs(gen)["tandem.finish_reasons"] == ["length"]
+    assert attrs(gen)["tandem.output_tokens"] == 5
+    phases = {n: t.one(n, "tandem-both") for n in ("queue", "prefill_compute", "decode_steps")}
+    assert all(t.parent(s) is gen for s in phases.values())
+    assert phases["prefill_compute"].end_time_unix_nano <= \
+        phases["decode_steps"].start_time_unix_nano
+
+    rid = _cancel_after_tokens(colocated)
+    t = wait_trace(receiver, rid, lambda t: bool(t.named("generate", "tandem-both")))
+    gen = t.one("generate", "tandem-both")
+    assert has_error(gen, "CANCELLED") and attrs(gen)["tandem.finish_reasons"] == ["abort"]
+    assert attrs(gen)["tandem.output_tokens"] >= 3
+    assert has_error(t.one("generate_leg", "tandem-router"), "CANCELLED")
+    assert has_error(router_span(receiver, rid), "CANCELLED")
+    wait_logs(colocated, rid, {"router": "request cancelled", "both0": "generate cancelled"})
