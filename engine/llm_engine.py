@@ -301,7 +301,7 @@ class LLMEngine:
                     seq.token_ids[:seq.num_prompt_tokens] if penalties else None,
                     seq.output_token_ids if penalties else None, seq.grammar))
                 row_index.append(offset - 1)
-        now = time.monotonic()
+        now = started = time.monotonic()
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
@@ -320,6 +320,8 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 seq.num_prefill_chunks += 1
+                seq.prefill_chunks.append((started, now, min(n, seq.num_prompt_tokens
+                                                            - seq.num_computed_tokens)))
             seq.num_computed_tokens += n
             if seq.num_computed_tokens // bs > seq.num_cached_blocks:  # a block just filled
                 self.kv.cache_full_blocks(seq)

@@ -81,6 +81,8 @@ class Sequence:
         self.first_token_time: float | None = None  # first token sampled on this worker
         self.finish_time: float | None = None
         self.num_prefill_chunks = 0  # forward passes that computed prompt tokens
+        # Each of those passes: (start, end) time.monotonic() and the prompt tokens it computed.
+        self.prefill_chunks: list[tuple[float, float, int]] = []
         self.logprobs: list[TokenLogprobs | None] = []
         self.remote: RemoteKV | None = None
         self.num_preemptions = 0
@@ -134,6 +136,7 @@ class Sequence:
         child.first_scheduled_time = self.first_scheduled_time
         child.first_token_time = self.first_token_time
         child.num_prefill_chunks = self.num_prefill_chunks
+        child.prefill_chunks = list(self.prefill_chunks)
         child.pending_forks = 0
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
@@ -142,7 +145,7 @@ class Sequence:
         assert self.finish_time is not None, "timing() is for finished sequences"
         return RequestTiming(self.arrival_time, self.first_scheduled_time,
                              self.first_token_time, self.finish_time, self.num_prefill_chunks,
-                             self.num_preemptions)
+                             self.num_preemptions, tuple(self.prefill_chunks))
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}#{self.sample_index}, tokens={self.num_tokens}, "
@@ -182,6 +185,8 @@ class RequestTiming:
     finished: float
     num_prefill_chunks: int
     num_preemptions: int
+    # Each forward pass that computed prompt tokens: (start, end, prompt tokens computed).
+    prefill_chunks: tuple[tuple[float, float, int], ...] = ()
 
     @property
     def queue_s(self) -> float | None:

@@ -231,7 +231,8 @@ def phase_spans(tracer: trace.Tracer, parent: Span, timing: RequestTiming | None
                 role: str, **attrs: Any) -> None:
     """Where a finished request's time went on this worker, as child spans of `parent`:
 
-        prefill role:  queue [arrival, scheduled]  prefill_compute [scheduled, first token]
+        prefill role:  queue [arrival, scheduled]  prefill_compute [scheduled, first token],
+                       in it one prefill_chunk per forward pass that computed prompt tokens
         decode role:   kv_wait [arrival, scheduled] (waiting for free blocks; the KV pull
                        has its own span, kv_transfer)  decode_steps [scheduled, finished]
         both:          queue  prefill_compute [scheduled, first token]
@@ -258,6 +259,14 @@ def phase_spans(tracer: trace.Tracer, parent: Span, timing: RequestTiming | None
             continue
         s = tracer.start_span(name, context=ctx,
                               start_time=mono_to_ns(start, offset), attributes=extra)
+        if name == "prefill_compute":
+            inner = trace.set_span_in_context(s)
+            for i, (c_start, c_end, tokens) in enumerate(t.prefill_chunks):
+                c = tracer.start_span("prefill_chunk", context=inner,
+                                      start_time=mono_to_ns(c_start, offset),
+                                      attributes={"tandem.prefill.chunk": i,
+                                                  "tandem.prefill.chunk_tokens": tokens})
+                c.end(end_time=mono_to_ns(c_end, offset))
         s.end(end_time=mono_to_ns(end, offset))
 
 

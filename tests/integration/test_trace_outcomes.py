@@ -187,7 +187,11 @@ def test_finished_request_has_client_spans_phases_and_sample_events(cluster, rec
     queue, compute = t.one("queue", "tandem-prefill"), t.one("prefill_compute", "tandem-prefill")
     assert t.parent(queue) is prefill and t.parent(compute) is prefill
     assert queue.end_time_unix_nano <= compute.start_time_unix_nano
-    assert attrs(compute)["tandem.prefill.chunks"] >= 1
+    chunks = t.named("prefill_chunk", "tandem-prefill")
+    assert len(chunks) == attrs(compute)["tandem.prefill.chunks"] >= 1
+    assert all(t.parent(c) is compute for c in chunks)
+    assert sum(attrs(c)["tandem.prefill.chunk_tokens"] for c in chunks) == \
+        attrs(prefill)["tandem.prompt_tokens"] - attrs(prefill)["tandem.cached_tokens"]
     kv_wait, kv, gen = (t.one(n, "tandem-decode") for n in ("kv_wait", "kv_transfer",
                                                              "decode_steps"))
     assert all(t.parent(s) is decode for s in (kv_wait, kv, gen))

@@ -239,11 +239,16 @@ def test_worker_span_finished_has_phases(traced):
     exporter, provider = traced
     tel = telemetry(provider, role="both")
     timing = RequestTiming(arrival=10.0, scheduled=10.5, first_token=11.0, finished=12.0,
-                           num_prefill_chunks=2, num_preemptions=0)
+                           num_prefill_chunks=2, num_preemptions=0,
+                           prefill_chunks=((10.5, 10.7, 64), (10.7, 11.0, 30)))
     with tel.request_span("generate", "r", SpanKind.SERVER) as record:
         record.progress.seen(_out(0, 3, FinishReason.LENGTH, timing))
-    spans = {s.name: s for s in exporter.get_finished_spans()}
+    chunks = [s for s in exporter.get_finished_spans() if s.name == "prefill_chunk"]
+    spans = {s.name: s for s in exporter.get_finished_spans() if s.name != "prefill_chunk"}
     assert set(spans) == {"generate", "queue", "prefill_compute", "decode_steps"}
+    assert [c.attributes["tandem.prefill.chunk_tokens"] for c in chunks] == [64, 30]
+    assert {c.parent.span_id for c in chunks} == {spans["prefill_compute"].context.span_id}
+    assert chunks[1].end_time - chunks[1].start_time == pytest.approx(0.3e9, abs=1e6)
     parent, queue, compute, steps = (spans[n] for n in ("generate", "queue", "prefill_compute",
                                                         "decode_steps"))
     assert {s.parent.span_id for s in (queue, compute, steps)} == {parent.context.span_id}
