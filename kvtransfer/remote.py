@@ -138,6 +138,13 @@ def _check_pull(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int],
     if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
         raise InvalidArgument("local", f"pool {dst.dtype} {tuple(dst.shape)} cannot take blocks "
                                        f"of {src.dtype} {tuple(src.shape)}")
+    check_block_ids(src, dst, src_ids, dst_ids)
+
+
+def check_block_ids(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int],
+                    dst_ids: Sequence[int]) -> None:
+    """Both pools on one device, ids paired one to one, in range, destinations distinct: what
+    any copy between two pools needs before a launch (whole blocks here, heads in tp_pull)."""
     if src.device != dst.device:
         raise InvalidArgument("local", f"remote pool is mapped on {src.device}, local pool is on "
                                        f"{dst.device}")

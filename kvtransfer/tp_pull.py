@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvtransfer.remote import TransferStats
+from kvtransfer.remote import TransferStats, check_block_ids
 from tandem.errors import InvalidArgument
 
 
@@ -116,15 +116,4 @@ def _check(src: torch.Tensor, dst: torch.Tensor, c: HeadCopy, src_ids: Sequence[
     if c.src_head + c.count > src.shape[4] or c.dst_head + c.count > dst.shape[4]:
         raise InvalidArgument("num_kv_heads", f"heads {c} outside pools of {src.shape[4]} and "
                                               f"{dst.shape[4]} heads")
-    if src.device != dst.device:
-        raise InvalidArgument("local", f"remote pool is mapped on {src.device}, local pool is on "
-                                       f"{dst.device}")
-    if len(src_ids) != len(dst_ids):
-        raise InvalidArgument("dst_block_ids", f"{len(dst_ids)} ids for {len(src_ids)} "
-                                               "source blocks")
-    for field, ids, limit in (("src_block_ids", src_ids, src.shape[0]),
-                              ("dst_block_ids", dst_ids, dst.shape[0])):
-        if ids and (min(ids) < 0 or max(ids) >= limit):
-            raise InvalidArgument(field, f"ids must be in [0, {limit}), got {min(ids)}..{max(ids)}")
-    if len(set(dst_ids)) != len(dst_ids):
-        raise InvalidArgument("dst_block_ids", "ids must be distinct")
+    check_block_ids(src, dst, src_ids, dst_ids)

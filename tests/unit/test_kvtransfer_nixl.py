@@ -210,6 +210,9 @@ class Gated:
         self.gate = threading.Event()
         self.refuse = refuse_release_while_gated
         self.refused = threading.Event()
+        # Releases per transfer made, by the order it was made: handles are held here, so an
+        # id is never reused for another transfer while the test runs.
+        self.made: list = []
         self.released: dict[int, int] = {}
 
     def __getattr__(self, name):
@@ -227,12 +230,18 @@ class Gated:
             time.sleep(0.001)
         return state
 
+    def make_prepped_xfer(self, *args, **kwargs):
+        handle = self.agent.make_prepped_xfer(*args, **kwargs)
+        self.made.append(handle)
+        return handle
+
     def release_xfer_handle(self, handle):
         if self.refuse and not self.gate.is_set():
             self.refused.set()
             raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
         self.agent.release_xfer_handle(handle)
-        self.released[id(handle)] = self.released.get(id(handle), 0) + 1
+        k = next(i for i, h in enumerate(self.made) if h is handle)
+        self.released[k] = self.released.get(k, 0) + 1
 
 
 @needs_nixl
@@ -363,6 +372,7 @@ def test_a_peer_process_that_vanished_fails_the_pull_instead_of_hanging(endpoint
         with pytest.raises((TransferFailed, TimeoutError)):
             remote.pull(local, [5], [2], deadline=time.monotonic() + 20)
         assert set(gated.released.values()) == {1}  # each transfer made released once
+        assert len(gated.released) == len(gated.made)
         remote.close()
         assert reader.num_peers == 0
     finally:
