@@ -21,7 +21,7 @@ mkdir -p "$R"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
-export PYTHONPATH=/tmp/site:$PWD:$PWD/protos:${PYTHONPATH:-}
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 export TANDEM_CACHE_DIR=/tmp/tandem-cache
 export PYTHONSAFEPATH=1  # benchmarks/kernels.py never shadows the kernels package
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
@@ -43,7 +43,7 @@ step() {  # step NAME CMD...: run within the deadline, log, record exit code and
 SERVE="python3 benchmarks/serve.py --launch colocated --dtype bfloat16 --load-format dummy --devices cuda:0 --workload sharegpt --num-requests 1000 --rate inf --no-progress"
 for part in $PARTS; do
   case $part in
-    tests) step tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_tensor_parallel_gpu.py ;;
+    tests) step tests python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 -m gpu tests/gpu/test_tensor_parallel_gpu.py ;;
     parity) step parity python3 benchmarks/tensor_parallel.py parity --model $B8 --out "$R/parity.json" ;;
     step) step step python3 benchmarks/tensor_parallel.py step --model $B8 --batch 1 64 --context 1024 --out "$R/step.json" ;;
     serve)

@@ -53,6 +53,7 @@ class CudaGraphRunner:
         # Per size: its rows of the logits buffer and its argmax (rewritten by every replay).
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = None
+        self.replays = 0  # steps run from a graph (tests check the graphs ran)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -81,6 +82,16 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
+    def release(self) -> None:
+        """Free every captured graph. With tensor parallelism this must come before the process
+        group is destroyed: a graph that captured NCCL collectives holds the communicator, and
+        destroying it first hangs (pytorch/pytorch#115388)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.max_bs and max_blocks <= self.block_tables.shape[1]
 
@@ -100,5 +111,6 @@ class CudaGraphRunner:
             self.slot_mapping[b:bs].fill_(-1)
             self.seq_lens[b:bs].zero_()
         self.graphs[bs].replay()
+        self.replays += 1
         logits, greedy = self.outputs[bs]
         return logits[:b], greedy[:b]

@@ -246,7 +246,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do at TP 1)."""
         if self.tp_group is not None:
-            self.tp_group.close()
+            self.tp_group.close(before_destroy=self.runner.close)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.compiling)

@@ -92,11 +92,9 @@ class ModelRunner:
 
         self.block_tables = BlockTableMirror(2 * max_num_seqs + 16,
                                              cdiv(max_model_len, self.block_size))
-        # Tensor parallel steps run eagerly: capturing the decode step with its NCCL all-reduces
-        # hung on two H100s (every rank's step, the eager path, is checked there and here).
-        use_graphs = cuda_graphs and self.device.type == "cuda" and self.tp is None
-        if cuda_graphs and self.device.type == "cuda" and self.tp is not None:
-            log.warning("tensor parallel: CUDA graphs are off, decode steps run eagerly")
+        # With tensor parallelism every rank captures the same ladder (its all-reduces inside)
+        # and replays the same size each step: rank 0 decides from inputs every rank receives.
+        use_graphs = cuda_graphs and self.device.type == "cuda"
         graph_bs = min(max_num_seqs, MAX_GRAPH_BATCH) if use_graphs else 0
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
             cache_config, max_num_batched_tokens, max_model_len, max_num_seqs, graph_bs)
@@ -259,8 +257,7 @@ class ModelRunner:
             dst = torch.tensor([d for _, d in inputs.copies], device=self.device)
             self.pool[dst] = self.pool[src]
         ids, pos, meta, sample_index = self._device_inputs(inputs)
-        if (self.graphs is not None and meta.num_decodes == meta.num_seqs
-                and self.graphs.can_run(meta.num_seqs, meta.block_tables.shape[1])):
+        if inputs.use_graph:
             logits, greedy = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens,
                                              meta.block_tables)
             if inputs.row_token_index != list(range(meta.num_seqs)):  # a fork samples n times
@@ -294,9 +291,12 @@ class ModelRunner:
             seq_lens.append(end)
             rows.append(mirror_row(seq))
         width = max(len(s.block_ids) for s in batch.seqs)
+        # Rank 0 decides for every tensor-parallel rank: all must run the same collectives.
+        use_graph = (self.graphs is not None and batch.num_decodes == len(batch.seqs)
+                     and self.graphs.can_run(len(batch.seqs), width))
         return StepInputs(token_ids, positions, slots, seq_lens, list(batch.num_new_tokens),
                           batch.num_decodes, row_token_index,
-                          self.block_tables.gather(rows, width), list(batch.copies))
+                          self.block_tables.gather(rows, width), list(batch.copies), use_graph)
 
     def _inputs(self, batch: ScheduledBatch, row_token_index: list[int]):
         return self._device_inputs(self.step_inputs(batch, row_token_index))
@@ -323,6 +323,12 @@ class ModelRunner:
             query_lens_cpu=inputs.query_lens, seq_lens_cpu=inputs.seq_lens)
         return longs[:t], longs[t:2 * t], meta, longs[3 * t:]
 
+    def close(self) -> None:
+        """Release the CUDA graphs (before a tensor-parallel group is destroyed)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def release(self, seq_id: int) -> None:
         """A sequence finished: its block-table row is free again."""
         self.block_tables.release(seq_id)
@@ -343,6 +349,7 @@ class StepInputs:
     row_token_index: list[int]
     block_table: torch.Tensor  # int32 [B, width], on the CPU
     copies: list[tuple[int, int]] = field(default_factory=list)
+    use_graph: bool = False  # a pure decode step that a captured CUDA graph replays
 
 
 def kv_pool_blocks(free_bytes: int, reserved_bytes: int, memory_fraction: float,

@@ -140,12 +140,16 @@ class TPGroup:
                 raise RankCommandError(f"rank {rank}: {r}")
         return results
 
-    def close(self) -> None:
+    def close(self, before_destroy: Callable[[], None] | None = None) -> None:
+        """Stop the other ranks and leave the group; `before_destroy` runs first (rank 0
+        releases its CUDA graphs there, as the ranks do before they leave)."""
         if self.closed:
             return
         self.closed = True
         with contextlib.suppress(Exception):
             broadcast_object(("stop", ()), self.state)
+        if before_destroy is not None:
+            before_destroy()
         for proc in self.procs:
             try:
                 proc.wait(timeout=30)
@@ -210,6 +214,7 @@ class RankServer:
             gather_objects(result, self.tp)
 
     def close(self) -> None:
+        self.runner.close()  # graphs holding the communicator first, or destroying it hangs
         self.kv.close()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
