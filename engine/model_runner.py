@@ -96,6 +96,7 @@ class ModelRunner:
         # and replays the same size each step: rank 0 decides from inputs every rank receives.
         use_graphs = cuda_graphs and self.device.type == "cuda"
         graph_bs = min(max_num_seqs, MAX_GRAPH_BATCH) if use_graphs else 0
+        self.graphs: CudaGraphRunner | None = None  # captured once the pool exists
         self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
             cache_config, max_num_batched_tokens, max_model_len, max_num_seqs, graph_bs)
         if self.tp is not None:  # block ids mean the same on every rank: one pool size
@@ -103,7 +104,6 @@ class ModelRunner:
         self.pool = (pool_factory or default_pool_factory)(self.pool_shape(self.num_blocks),
                                                             self.kv_dtype, self.device)
         self.backend = self._make_backend(self.pool)
-        self.graphs: CudaGraphRunner | None = None
         if use_graphs:
             self.graphs = CudaGraphRunner(self.model, self.backend, graph_bs,
                                           cdiv(max_model_len, self.block_size), self.device)

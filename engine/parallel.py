@@ -24,8 +24,10 @@ columns; given a lazy safetensors slice (`engine.loader.LazyTensor`) it reads on
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,6 +273,19 @@ def init_tp(rank: int, size: int, store_port: int, device: torch.device,
     group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else group
     return TPState(rank, size, group, cpu_group)
+
+
+def leave_group(timeout_s: float) -> bool:
+    """Destroy this process's group; False if that did not finish within timeout_s (a peer
+    that died mid-teardown: the process then exits without it)."""
+    def destroy() -> None:
+        with contextlib.suppress(Exception):  # already destroyed, or a peer gone
+            dist.destroy_process_group()
+
+    t = threading.Thread(target=destroy, name="tp-leave", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return not t.is_alive()
 
 
 def broadcast_object(obj: Any, tp: TPState) -> Any:

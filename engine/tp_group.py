@@ -39,12 +39,13 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
-from engine.parallel import broadcast_object, gather_objects, init_tp
+from engine.parallel import broadcast_object, gather_objects, init_tp, leave_group
 from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
 RENDEZVOUS_TIMEOUT_S = 600.0  # the slowest rank's model load is inside it
+LEAVE_TIMEOUT_S = 30.0  # for the group's teardown, then for the other ranks to exit
 # Transports whose pools a rank maps as tensors (kvtransfer/tp_pull.py copies heads out of them).
 TP_TRANSPORTS = ("shm", "cuda_ipc")
 
@@ -150,14 +151,15 @@ class TPGroup:
             broadcast_object(("stop", ()), self.state)
         if before_destroy is not None:
             before_destroy()
+        # Every rank leaves the group at the same time (NCCL's teardown waits for its peers),
+        # and only then does rank 0 wait for the processes.
+        leave_group(LEAVE_TIMEOUT_S)
         for proc in self.procs:
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=LEAVE_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
 
     def kill(self) -> None:
         """Stop the other ranks at once (rank 0 failed while starting)."""
@@ -216,8 +218,7 @@ class RankServer:
     def close(self) -> None:
         self.runner.close()  # graphs holding the communicator first, or destroying it hangs
         self.kv.close()
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        leave_group(LEAVE_TIMEOUT_S)
 
 
 class RankKV:

@@ -48,12 +48,8 @@ from tandem.errors import InvalidArgument
 EXTRA = "nixl"
 INSTALL_HINT = f"pip install 'tandem[{EXTRA}]'"
 
-# Waiting for a transfer: poll at once, then back off, at most FAST_POLL_S apart for the first
-# FAST_POLL_FOR_S (a GPU-to-GPU pull of a long prompt takes about a millisecond: doubling up to
-# 1 ms would find it done up to 0.6 ms late, measured on two H100s), then up to MAX_POLL_S, which
-# keeps a long wait (DRAM over TCP, a slow peer) cheap.
-FAST_POLL_S = 5e-5
-FAST_POLL_FOR_S = 0.02
+# Waiting for a transfer: poll at once, then back off up to this (seconds). Spinning is what
+# keeps a ~1 ms GPU transfer from paying a scheduler tick; the cap keeps an idle wait cheap.
 MAX_POLL_S = 1e-3
 
 
@@ -267,14 +263,12 @@ class NixlEndpoint:
 
     def _wait(self, handle: Any, deadline: float | None, cancel: threading.Event | None) -> str:
         delay = 0.0
-        fast_until = time.monotonic() + FAST_POLL_FOR_S
         while (state := self._state(handle)) == "PROC":
-            now = time.monotonic()
             if cancel is not None and cancel.is_set():
                 raise PullCancelled("the KV pull was cancelled")
-            if deadline is not None and now >= deadline:
+            if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError("the KV pull did not complete before the lease's deadline")
-            delay = min(max(delay * 2, 1e-5), FAST_POLL_S if now < fast_until else MAX_POLL_S)
+            delay = min(max(delay * 2, 1e-5), MAX_POLL_S)
             if cancel is not None:
                 cancel.wait(delay)
             else:
