@@ -256,11 +256,13 @@ class EngineCore:
         self.stopping = True
 
     # -- KV hooks (decode role) --------------------------------------------------------------
-    def _pull(self, kv: RemoteKV, dst_block_ids: list[int]) -> None:
+    def _pull(self, kv: RemoteKV, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Copy blocks src_block_ids of the lease (those of the prompt this worker's prefix
+        cache does not hold: possibly none) into dst_block_ids, then settle the lease."""
         from kvtransfer.remote import pull_blocks  # noqa: PLC0415 - torch, in the core only
 
         if kv.address in self.rank_kv.peers:
-            return self._pull_heads(kv, dst_block_ids)
+            return self._pull_heads(kv, src_block_ids, dst_block_ids)
         start_ns = time.time_ns()
         stats = error = None
         instance, pool = self.peers.get(kv.address, ("", None))
@@ -272,27 +274,28 @@ class EngineCore:
                                    "lease's KV went with it")
             if time.monotonic() > kv.deadline:
                 raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
-            stats = pull_blocks(pool, self.engine.runner.pool, kv.block_ids, dst_block_ids,
+            stats = pull_blocks(pool, self.engine.runner.pool, src_block_ids, dst_block_ids,
                                 deadline=kv.deadline)
         except Exception as e:
             error = e
             raise
         finally:
             self._settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
-                         num_blocks=len(kv.block_ids),
+                         num_blocks=len(src_block_ids),
                          nbytes=stats.bytes if stats else 0,
                          seconds=stats.seconds if stats else 0.0,
                          transport=pool.descriptor.transport if pool is not None else "",
                          error=f"{type(error).__name__}: {error}" if error is not None else None)
 
-    def _pull_heads(self, kv: RemoteKV, dst_block_ids: list[int]) -> None:
+    def _pull_heads(self, kv: RemoteKV, src_block_ids: list[int],
+                    dst_block_ids: list[int]) -> None:
         """Tensor parallelism on either side: every rank copies its heads from the prefill
         ranks holding them (kvtransfer/tp_pull.py); the lease, one for every rank, is settled
         once all ranks are done."""
         start_ns = time.time_ns()
         stats: list[Any] = []
         error = None
-        args = (kv.address, kv.instance_id, list(kv.block_ids), dst_block_ids)
+        args = (kv.address, kv.instance_id, src_block_ids, dst_block_ids)
         try:
             if time.monotonic() > kv.deadline:
                 raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
@@ -305,7 +308,7 @@ class EngineCore:
         finally:
             pools = self.rank_kv.peers.get(kv.address, ("", []))[1]
             self._settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
-                         num_blocks=len(kv.block_ids), nbytes=sum(s.bytes for s in stats),
+                         num_blocks=len(src_block_ids), nbytes=sum(s.bytes for s in stats),
                          seconds=max((s.seconds for s in stats), default=0.0),
                          transport=pools[0].descriptor.transport if pools else "",
                          error=f"{type(error).__name__}: {error}" if error is not None else None)
