@@ -90,6 +90,7 @@ class LLMEngine:
         self.kv_dropper = kv_dropper
         self.requests: dict[str, list[Sequence]] = {}
         self.num_requests_added = 0
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, all told
         self.last_step: StepStats | None = None
         # Of last_step.seconds, the time the model runner's execute took (0 with no batch).
         self.last_execute_s = 0.0
@@ -322,8 +323,9 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 seq.num_prefill_chunks += 1
-                seq.prefill_chunks.append((started, now, min(n, seq.num_prompt_tokens
-                                                            - seq.num_computed_tokens)))
+                k = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                seq.prefill_chunks.append((started, now, k))
+                self.num_prompt_tokens_computed += k
             seq.num_computed_tokens += n
             if seq.num_computed_tokens // bs > seq.num_cached_blocks:  # a block just filled
                 self.kv.cache_full_blocks(seq)

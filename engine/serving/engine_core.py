@@ -48,6 +48,7 @@ from engine.serving.core_messages import (
     CoreSpec,
     EngineSnapshot,
     Failed,
+    KVEvents,
     LeaseDone,
     MapPool,
     Ready,
@@ -100,6 +101,9 @@ class EngineCore:
                 "describe", (), self.rank_kv.describe)[1:])
         if spec.role == "decode":
             self.engine.kv_puller, self.engine.kv_dropper = self._pull, self._drop
+        # The router routes on what this worker's prefix cache holds: record its changes.
+        self.engine.block_pool.kv_events = {}
+        self.kv_blocks_pulled = self.kv_bytes_pulled = 0
         self.commands: queue.SimpleQueue[Call] = queue.SimpleQueue()
         self.handlers = {Add: self._add, Abort: self._abort, Release: self._release,
                          MapPool: self._map, TakeSnapshot: self._take_snapshot, Stop: self._stop}
@@ -144,6 +148,9 @@ class EngineCore:
             if not engine.has_work():
                 if len(engine.leases):
                     engine.expire_leases(time.monotonic())
+                kv = self._kv_events()
+                if kv is not None:
+                    self.events.send(kv)
                 self._send_snapshot_if_changed()
                 self.wake.wait(IDLE_WAIT_S)
                 continue
@@ -157,7 +164,8 @@ class EngineCore:
             snap = self._snapshot()
             self._last_snapshot = snap
             plain, whole = pack_outputs(outputs)
-            self.events.send(Step(plain, whole, stats, time.perf_counter(), snap))
+            self.events.send(Step(plain, whole, stats, time.perf_counter(), snap,
+                                  self._kv_events()))
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -319,6 +327,9 @@ class EngineCore:
     def _settle(self, kv: RemoteKV, **pull: Any) -> None:
         """The lease is done here: one LeaseDone (with the pull's figures, if one ran), once."""
         request_id = self.leases_held.pop(kv.lease_id, None)
+        if pull.get("error") is None:
+            self.kv_blocks_pulled += pull.get("num_blocks", 0)
+            self.kv_bytes_pulled += pull.get("nbytes", 0)
         if request_id is not None:
             self.events.send(LeaseDone(request_id, kv.address, kv.lease_id, **pull))
 
@@ -339,7 +350,12 @@ class EngineCore:
         return EngineSnapshot(e.num_running(), e.num_waiting(), pool.num_free, pool.num_blocks,
                               len(e.leases), len(e.requests), e.num_requests_added,
                               pool.block_size, pool.prefix_queries, pool.prefix_hits,
-                              e.scheduler.num_preemptions)
+                              e.scheduler.num_preemptions, e.num_prompt_tokens_computed,
+                              self.kv_blocks_pulled, self.kv_bytes_pulled)
+
+    def _kv_events(self) -> KVEvents | None:
+        stored, removed = self.engine.block_pool.take_events()
+        return KVEvents(stored, removed) if stored or removed else None
 
     def _send_snapshot_if_changed(self) -> None:
         snap = self._snapshot()
