@@ -50,7 +50,7 @@ class KVEventHub:
             else:
                 q.put_nowait(msg)
 
-    async def watch(self) -> AsyncIterator[worker_pb2.KVEvents]:
+    async def watch(self) -> AsyncIterator[worker_pb2.WatchKVResponse]:
         """The whole cached set (first message reset = true), then every change until the
         caller leaves. Raises SubscriberLagged when the caller fell too far behind."""
         q: asyncio.Queue = asyncio.Queue()
@@ -80,8 +80,8 @@ class KVEventHub:
         for q in self._subscribers:
             q.put_nowait(None)
 
-    def _message(self, stored: list[int], removed: list[int]) -> worker_pb2.KVEvents:
-        return worker_pb2.KVEvents(stored=stored, removed=removed, block_size=self.block_size,
+    def _message(self, stored: list[int], removed: list[int]) -> worker_pb2.WatchKVResponse:
+        return worker_pb2.WatchKVResponse(stored=stored, removed=removed, block_size=self.block_size,
                                    instance_id=self.instance_id)
 
     @property

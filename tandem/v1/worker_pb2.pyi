@@ -238,7 +238,7 @@ class WatchKVRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class KVEvents(_message.Message):
+class WatchKVResponse(_message.Message):
     __slots__ = ("reset", "stored", "removed", "block_size", "instance_id")
     RESET_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]

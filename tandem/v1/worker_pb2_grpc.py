@@ -72,7 +72,7 @@ class WorkerStub:
         self.WatchKV = channel.unary_stream(
                 '/tandem.v1.Worker/WatchKV',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.WatchKVRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_worker__pb2.KVEvents.FromString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.WatchKVResponse.FromString,
                 _registered_method=True)
 
 
@@ -190,7 +190,7 @@ def add_WorkerServicer_to_server(servicer, server):
             'WatchKV': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchKV,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.WatchKVRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_worker__pb2.KVEvents.SerializeToString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.WatchKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -408,7 +408,7 @@ class Worker:
             target,
             '/tandem.v1.Worker/WatchKV',
             tandem_dot_v1_dot_worker__pb2.WatchKVRequest.SerializeToString,
-            tandem_dot_v1_dot_worker__pb2.KVEvents.FromString,
+            tandem_dot_v1_dot_worker__pb2.WatchKVResponse.FromString,
             options,
             channel_credentials,
             insecure,
