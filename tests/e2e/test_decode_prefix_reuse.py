@@ -165,3 +165,18 @@ def test_shared_blocks_survive_preemption(model):
     for link in (roomy, small):
         link.assert_idle()
         link.close()
+
+
+def test_a_prompt_wholly_cached_pulls_nothing(model):
+    """A prompt of whole blocks that the decode engine computed itself (here: an earlier point
+    of the conversation, asked again): no block moves, the lease is still released once, and
+    the tokens equal a decode engine's without reuse."""
+    on, off = Link(model), Link(model, reuse=False)
+    (p1, o1), = on.turns("conv", [FIRST], GREEDY)
+    again = (p1 + o1)[:3 * BS]  # turn 1 computed 59 tokens here: 3 full blocks
+    assert on.run("again", again, GREEDY) == off.run("again", again, GREEDY)
+    assert on.pulls[-1] == ([], [])
+    assert len(off.pulls[-1][0]) == 3
+    for link in (on, off):
+        link.assert_idle()
+        link.close()
