@@ -10,6 +10,10 @@ Plain Python, no torch. Every operation is O(1) per block.
 A block is in the free queue exactly when its reference count is 0. A free block may still hold
 a cached prefix (it has a hash); allocating it evicts that entry. A prefix hit on a free cached
 block takes it out of the free queue again ("touch").
+
+KV events (a serving worker's, for the router): with `kv_events` set to a dict, every hash
+published to the cache and every hash evicted from it is recorded there (hash -> True stored,
+False evicted; only the last change of a hash counts) until `take_events` collects them.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class BlockPool:
         # Counters for metrics: lookups and hits in blocks.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Changes of the cached set since take_events (None: not recorded).
+        self.kv_events: dict[int, bool] | None = None
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -124,6 +130,8 @@ class BlockPool:
             return
         self.cached[block_hash] = block
         self.block_hash[block] = block_hash
+        if self.kv_events is not None:
+            self.kv_events[block_hash] = True
 
     def _evict(self, block: int) -> None:
         h = self.block_hash[block]
@@ -131,6 +139,18 @@ class BlockPool:
             self.block_hash[block] = None
             if self.cached.get(h) == block:
                 del self.cached[h]
+                if self.kv_events is not None:
+                    self.kv_events[h] = False
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        """The hashes stored and the hashes evicted since the last call, each hash in one of
+        the two lists at most (its last change); the record starts empty again."""
+        events = self.kv_events
+        if not events:
+            return [], []
+        self.kv_events = {}
+        stored = [h for h, now_cached in events.items() if now_cached]
+        return stored, [h for h, now_cached in events.items() if not now_cached]
 
     def reset_prefix_cache(self) -> None:
         for b in range(self.num_blocks):

@@ -75,12 +75,32 @@ class KVCacheManager:
         self.pool.incref(child.block_ids)
         return child
 
-    def allocate_blocks(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
-        """Decode role: fresh blocks for a prompt whose KV arrives from elsewhere."""
-        need = cdiv(num_tokens, self.block_size)
-        if need + reserve > self.pool.num_free:
+    def pulled_prefix_hits(self, seq: Sequence) -> list[int]:
+        """Decode role: cached blocks holding a prefix of a prompt whose KV arrives from a
+        prefill worker. Every full prompt block may hit (the first token came with the
+        handoff: nothing here needs the prompt's last logits); the partial last block never
+        does."""
+        if not self.pool.enable_prefix_caching:
+            return []
+        hashes = seq.full_block_hashes(self.block_size, seq.num_prompt_tokens)
+        return self.pool.lookup(hashes)
+
+    def allocate_for_pull(self, seq: Sequence, hits: list[int], reserve: int = 0) -> bool:
+        """Decode role: the prompt's blocks, the first len(hits) of them shared from this
+        pool's prefix cache (a reference taken on each), the rest fresh for the pull to fill:
+
+            prompt blocks:  [ hit | hit | hit | new | new ]   (last one partial or full)
+                              └ kept here ──────┘└ pulled ──┘
+
+        Returns False, changing nothing, when the pool is short."""
+        need = cdiv(seq.num_prompt_tokens, self.block_size) - len(hits)
+        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
+        if need + revived + reserve > self.pool.num_free:
             return False
-        seq.block_ids = self.pool.allocate(need)
+        self.pool.incref(hits)
+        seq.block_ids = [*hits, *self.pool.allocate(need)]
+        seq.num_cached_blocks = len(hits)
+        seq.num_cached_tokens = len(hits) * self.block_size
         return True
 
     def free(self, seq: Sequence) -> None:

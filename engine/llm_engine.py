@@ -6,7 +6,8 @@ Roles share this one engine:
   prefill  a request ends after its first token(s): its blocks stay pinned under a lease and
            the output carries a Handoff (block ids, first tokens) for a decode worker;
   decode   `add_remote_request` admits a request whose prompt KV lives on a prefill worker; the
-           engine allocates blocks, calls `kv_puller` to copy the KV in, and decodes.
+           engine keeps the prompt's full blocks its own prefix cache holds, allocates blocks
+           for the rest, calls `kv_puller` to copy only those in, and decodes.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
-# Copies a request's prompt KV from its source into local blocks; raises if it cannot.
-KVPuller = Callable[[RemoteKV, list[int]], None]
+# Copies blocks src[i] of a request's prompt KV at its source into local blocks dst[i] (the
+# prompt's blocks this worker does not hold already; possibly none); raises if it cannot.
+KVPuller = Callable[[RemoteKV, list[int], list[int]], None]
 # Told when a request whose KV was never pulled ends (so its source can be released).
 KVDropper = Callable[[RemoteKV], None]
 # With nothing else to run, how long a step waits for a grammar being compiled.
@@ -88,6 +90,7 @@ class LLMEngine:
         self.kv_dropper = kv_dropper
         self.requests: dict[str, list[Sequence]] = {}
         self.num_requests_added = 0
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, all told
         self.last_step: StepStats | None = None
         # Of last_step.seconds, the time the model runner's execute took (0 with no batch).
         self.last_execute_s = 0.0
@@ -320,8 +323,9 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 seq.num_prefill_chunks += 1
-                seq.prefill_chunks.append((started, now, min(n, seq.num_prompt_tokens
-                                                            - seq.num_computed_tokens)))
+                k = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                seq.prefill_chunks.append((started, now, k))
+                self.num_prompt_tokens_computed += k
             seq.num_computed_tokens += n
             if seq.num_computed_tokens // bs > seq.num_cached_blocks:  # a block just filled
                 self.kv.cache_full_blocks(seq)
@@ -400,8 +404,10 @@ class LLMEngine:
         for seq in seqs:
             remote, seq.remote = seq.remote, None
             seq.first_scheduled_time = time.monotonic()  # admitted: queue time ends here
+            # The leading blocks came from this worker's prefix cache (allocate_for_pull).
+            kept = seq.num_cached_blocks
             try:
-                self.kv_puller(remote, seq.block_ids)
+                self.kv_puller(remote, list(remote.block_ids[kept:]), seq.block_ids[kept:])
             except Exception as e:  # noqa: BLE001 - any transport failure fails this request
                 log.warning("KV pull failed for %s: %s", seq.request_id, e)
                 outputs += self.fail([seq.request_id], f"KV transfer failed: {e}")

@@ -7,8 +7,9 @@ Each step, oldest first:
   2. if nothing was preempted, waiting sequences are admitted in arrival order (FCFS) while
      budget, sequence slots and blocks last, keeping a watermark of free blocks (1% of the pool)
      for the running sequences to grow into; a prompt may start with a partial chunk.
-Decode role: a waiting sequence whose KV lives on a prefill worker is admitted with fresh blocks
-and listed in `pulls`; the engine copies its KV in before the step runs.
+Decode role: a waiting sequence whose KV lives on a prefill worker is admitted with the full
+prompt blocks this worker's prefix cache holds and fresh blocks for the rest, and listed in
+`pulls`; the engine copies the rest in before the step runs.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class Scheduler:
             if num_seqs + seq.num_samples > self.config.max_num_seqs:
                 break
             if seq.remote is not None:
-                if not self.kv.allocate_blocks(seq, seq.num_prompt_tokens, reserve):
+                hits = self.kv.pulled_prefix_hits(seq)
+                if not self.kv.allocate_for_pull(seq, hits, reserve):
                     break
                 batch.pulls.append(seq)
             else:

@@ -128,7 +128,8 @@ class DecodeLegs:
                 return
             refused: set[str] = set()  # workers that refused this request
             while True:
-                d = self.orch.pick(self.orch.workers.pick_decode("decode", refused), "decode")
+                d = self.orch.pick(self.orch.workers.pick_decode(
+                    "decode", refused, self.prompt, self.params.cache_salt), "decode")
                 if self._lease is None:  # the last leg took it: a fresh one for this leg
                     p, again = await self.orch.prefill(self.rid, self.prompt, self.wire_params,
                                                        self.deadline, self.ctx)

@@ -93,7 +93,8 @@ class Orchestrator:
                                                  params=params_to_proto(params))
         tried: set[str] = set()
         while True:
-            w = self.pick(self.workers.pick_decode("both", tried), "colocated")
+            w = self.pick(self.workers.pick_decode("both", tried, prompt,
+                                                              params.cache_salt), "colocated")
             tried.add(w.address)
             sent = False
             ended: set[int] = set()
@@ -129,7 +130,7 @@ class Orchestrator:
         tried: set[str] = set()
         req = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params)
         while True:
-            p = self.pick(self.workers.pick_prefill(prompt, tried), "prefill")
+            p = self.pick(self.workers.pick_prefill(prompt, tried, params.cache_salt), "prefill")
             tried.add(p.address)
             p.in_flight += 1
             try:

@@ -15,6 +15,7 @@ from engine.tokenizer import Tokenizer, has_tokenizer
 from router_svc.frontend import Frontend
 from router_svc.grpc_api import TandemServicer
 from router_svc.http_guard import DEFAULT_MAX_BODY_BYTES
+from router_svc.kv_index import DEFAULT_MAX_BLOCKS
 from router_svc.membership import Membership, config_from_args
 from router_svc.orchestrator import Orchestrator
 from router_svc.workers import FaultMetrics, WorkerSet
@@ -92,6 +93,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="reported by GetModelInfo until a worker has told its own (default: "
                         "the workers')")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-index-max-blocks", type=int, default=DEFAULT_MAX_BLOCKS,
+                   help="block hashes the router keeps of what its workers cache, for routing "
+                        "(about 78 bytes each: 78 MB for the default 1M); past it the oldest "
+                        "are forgotten")
     refuse_api_key_flag(p)
     p.add_argument("--api-key-file", default=None,
                    help="require a bearer token on both public ports: any key in this file, "
@@ -138,7 +143,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     workers = WorkerSet(prefill, decode, both, block_size=args.block_size,
                         poll_interval_s=args.poll_interval,
                         worker_timeout_s=args.worker_timeout,
-                        metrics=FaultMetrics(telemetry.metrics.registry), tls=cluster_tls)
+                        metrics=FaultMetrics(telemetry.metrics.registry), tls=cluster_tls,
+                        kv_index_max_blocks=args.kv_index_max_blocks)
     orchestrator = Orchestrator(workers, max_migrations=args.max_migrations)
     served, aliases = model_names(args)
     info = Frontend.model_info(served, cfg, args.dtype or "", args.block_size,

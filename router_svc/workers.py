@@ -1,11 +1,17 @@
 """The router's view of its workers: channels, health, load, and the two picking policies.
 
-Prefill: prefix-cache affinity. The router remembers which prefill worker last ran each block
-prefix (chained block hashes, as the workers' prefix caches key them); a prompt goes to the
-worker holding its longest remembered prefix, unless that worker is busier than the least
-loaded one by more than `balance_slack` requests, then to the least loaded.
+What each worker's prefix cache holds, the router learns from the worker itself: every worker
+streams the block hashes it caches and evicts (WatchKV, on the channel the router already has
+to it), into one map (router_svc/kv_index.py). A prompt's chained block hashes, over the whole
+prompt, then tell how many of its leading blocks each worker holds.
 
-Decode (and colocated): the worker with the most free KV blocks per request in flight.
+Prefill: among the workers no busier than the least loaded one plus `balance_slack` requests,
+the one holding the longest prefix of the prompt; ties to the least loaded.
+
+Decode (and colocated): among the workers no busier than the least loaded plus
+`balance_slack`, the one holding the longest prefix of the prompt (a conversation's earlier
+turns, pulled or generated there: only the rest is pulled); ties to the most free KV blocks per
+request in flight.
 
 Health: every worker's GetLoad is polled; a worker that fails a poll, or whose Stream call
 breaks, is taken out until it answers again. One whose polls time out, unanswered for
@@ -23,23 +29,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
-from engine.block_pool import hash_block
+from engine.block_pool import hash_block, salt_root
+from router_svc.kv_index import DEFAULT_MAX_BLOCKS, KVIndex
 from router_svc.worker_stream import StreamBroken, WorkerStream
 from runtime.lifecycle import GRPC_OPTIONS
 from runtime.security import ClusterTls, internal_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-AFFINITY_BLOCKS = 8  # prefix blocks remembered per routed prompt
-AFFINITY_ENTRIES = 65536  # LRU bound on remembered prefixes
 
 
 @dataclass
@@ -60,6 +63,8 @@ class Worker:
     dynamic: bool = False  # learnt from a membership source (router_svc.membership)
     draining: bool = False  # gone from its source: no new requests; removed once idle
     idle_polls: int = 0  # poll rounds it has been draining with nothing in flight
+    slot: int = -1  # its bit in the KV index, while its events are watched (WorkerSet sets it)
+    watch: asyncio.Task | None = None  # the WatchKV call feeding the KV index
 
     @property
     def free_blocks(self) -> int:
@@ -109,9 +114,13 @@ class WorkerSet:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str], *,
                  poll_interval_s: float = 0.5, balance_slack: int = 4,
                  block_size: int = 16, worker_timeout_s: float = 3.0,
-                 metrics: FaultMetrics | None = None, tls: ClusterTls | None = None) -> None:
+                 metrics: FaultMetrics | None = None, tls: ClusterTls | None = None,
+                 kv_index_max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         self.workers: list[Worker] = []
         self.tls = tls  # mutual TLS with a cluster CA on every worker channel, when set
+        self.kv_index = KVIndex(kv_index_max_blocks)
+        self._free_slots: list[int] = []
+        self._next_slot = 0
         for role, addrs in (("prefill", prefill), ("decode", decode), ("both", both)):
             for a in addrs:
                 self.workers.append(self._connect(a, role))
@@ -126,7 +135,6 @@ class WorkerSet:
         self.balance_slack = balance_slack
         self.block_size = block_size
         self.dtype = ""  # the workers' model dtype, once one has answered a poll
-        self._affinity: OrderedDict[int, str] = OrderedDict()
         self._poller: asyncio.Task | None = None
         self._changed = asyncio.Event()
 
@@ -141,7 +149,41 @@ class WorkerSet:
     def _connect(self, address: str, role: str, dynamic: bool = False) -> Worker:
         ch = internal_channel(address, self.tls, GRPC_OPTIONS)
         stub = worker_pb2_grpc.WorkerStub(ch)
-        return Worker(address, role, ch, stub, WorkerStream(stub, address), dynamic=dynamic)
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            slot, self._next_slot = self._next_slot, self._next_slot + 1
+        return Worker(address, role, ch, stub, WorkerStream(stub, address), dynamic=dynamic,
+                      slot=slot)
+
+    # -- KV events (what each worker caches) -------------------------------------------------
+    def _watch_kv(self, w: Worker) -> None:
+        """Follow w's KV events unless already following them (started from each answered
+        poll, so a call that ended is made again once the worker answers)."""
+        if w.watch is None or w.watch.done():
+            w.watch = asyncio.create_task(self._follow_kv(w), name=f"watch-kv {w.address}")
+
+    async def _follow_kv(self, w: Worker) -> None:
+        index = self.kv_index
+        try:
+            async for msg in w.stub.WatchKV(worker_pb2.WatchKVRequest()):
+                if msg.reset:
+                    index.clear(w.slot)
+                index.apply(w.slot, msg.stored, msg.removed)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                log.info("KV events of worker %s (%s) stopped: %s", w.address, w.role,
+                         e.code().name)
+        finally:
+            index.clear(w.slot)  # what it said no longer holds once nobody listens
+
+    async def _stop_watch(self, w: Worker) -> None:
+        task, w.watch = w.watch, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.kv_index.clear(w.slot)
 
     # -- membership (router_svc.membership) --------------------------------------------------
     def set_members(self, members: dict[str, set[str]]) -> None:
@@ -175,6 +217,8 @@ class WorkerSet:
         for w in [w for w in self.workers if w.idle_polls >= 2]:
             self.workers.remove(w)
             log.info("worker %s (%s) drained and removed", w.address, w.role)
+            await self._stop_watch(w)
+            self._free_slots.append(w.slot)
             await w.stream.close()
             await w.channel.close()
 
@@ -194,6 +238,7 @@ class WorkerSet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
         for w in self.workers:
+            await self._stop_watch(w)
             await w.stream.close()
             await w.channel.close()
 
@@ -235,6 +280,7 @@ class WorkerSet:
         w.last_seen = time.monotonic()
         if w.load.block_size:
             self.block_size = w.load.block_size
+        self._watch_kv(w)
         if w.load.dtype:
             self.dtype = w.load.dtype
 
@@ -246,6 +292,8 @@ class WorkerSet:
         self.metrics.lost.labels(w.address).inc()
         w.lost.set()
         w.stream.abandon(f"worker {w.address} answered no poll for {silent:.1f} s")
+        if w.watch is not None:  # its cache may be gone with it: route as if it held nothing
+            w.watch.cancel()
 
     def mark_down(self, w: Worker) -> None:
         if w.healthy:
@@ -269,39 +317,42 @@ class WorkerSet:
         return bool(current) and all(w.healthy for w in current)
 
     # -- picking -----------------------------------------------------------------------------
-    def prefix_hashes(self, prompt: list[int]) -> list[int]:
+    def prefix_hashes(self, prompt: list[int], cache_salt: str = "") -> list[int]:
+        """The chained hashes of every full block of the prompt, as the workers key them."""
         bs = self.block_size
         hashes: list[int] = []
-        for i in range(min(len(prompt) // bs, AFFINITY_BLOCKS)):
-            hashes.append(hash_block(hashes[-1] if hashes else None, prompt[i * bs:(i + 1) * bs]))
+        parent = salt_root(cache_salt)
+        for i in range(len(prompt) // bs):
+            parent = hash_block(parent, prompt[i * bs:(i + 1) * bs])
+            hashes.append(parent)
         return hashes
 
-    def pick_prefill(self, prompt: list[int], exclude: set[str] = frozenset()) -> Worker | None:
+    def cached_blocks(self, candidates: list[Worker], hashes: list[int]) -> dict[str, int]:
+        """address -> how many leading blocks of the prompt (hashes) the worker caches."""
+        by_slot = self.kv_index.match(hashes, [w.slot for w in candidates if w.slot >= 0])
+        return {w.address: by_slot.get(w.slot, 0) for w in candidates}
+
+    def _near_least_loaded(self, candidates: list[Worker]) -> list[Worker]:
+        least = min(w.score_load() for w in candidates)
+        return [w for w in candidates if w.score_load() - least <= self.balance_slack]
+
+    def pick_prefill(self, prompt: list[int], exclude: set[str] = frozenset(),
+                     cache_salt: str = "") -> Worker | None:
         candidates = [w for w in self.by_role("prefill") if w.address not in exclude]
         if not candidates:
             return None
-        least = min(candidates, key=Worker.score_load)
-        hashes = self.prefix_hashes(prompt)
-        chosen = least
-        by_addr = {w.address: w for w in candidates}
-        for h in reversed(hashes):  # longest remembered prefix first
-            addr = self._affinity.get(h)
-            if addr in by_addr:
-                w = by_addr[addr]
-                if w.score_load() - least.score_load() <= self.balance_slack:
-                    chosen = w
-                break
-        for h in hashes:
-            self._affinity[h] = chosen.address
-            self._affinity.move_to_end(h)
-        while len(self._affinity) > AFFINITY_ENTRIES:
-            self._affinity.popitem(last=False)
-        return chosen
+        near = self._near_least_loaded(candidates)
+        hits = self.cached_blocks(near, self.prefix_hashes(prompt, cache_salt))
+        return max(near, key=lambda w: (hits[w.address], -w.score_load()))
 
-    def pick_decode(self, role: str = "decode", exclude: set[str] = frozenset()) -> Worker | None:
+    def pick_decode(self, role: str = "decode", exclude: set[str] = frozenset(),
+                    prompt: list[int] | None = None, cache_salt: str = "") -> Worker | None:
         candidates = [w for w in self.by_role(role) if w.address not in exclude]
         if not candidates:
             return None
-        return max(candidates, key=lambda w: (w.free_blocks / (1 + w.in_flight +
-                                                               w.load.num_running),
-                                              -w.in_flight))
+        near = self._near_least_loaded(candidates)
+        hashes = self.prefix_hashes(prompt, cache_salt) if prompt else []
+        hits = self.cached_blocks(near, hashes)
+        return max(near, key=lambda w: (hits[w.address],
+                                        w.free_blocks / (1 + w.in_flight + w.load.num_running),
+                                        -w.in_flight))

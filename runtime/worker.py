@@ -18,6 +18,7 @@ import grpc
 from engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
 from engine.serving.core_messages import CoreSpec, LeaseDone
 from runtime.engine_args import add_engine_args, engine_config
+from runtime.kv_events import KVEventHub, SubscriberLagged
 from runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
 from runtime.security import ClusterTls, add_cluster_tls_args
 from runtime.security import bind as bind_port
@@ -101,6 +102,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # This process, among the ones that served as worker_id: a restart gets a new one.
         self.instance_id = secrets.token_hex(8)
         self.telemetry = Telemetry(self.role)  # run_worker sets the process's
+        # What the prefix cache holds, for routers (WatchKV); fed by the engine core's events.
+        self.kv_events = KVEventHub(engine.snapshot.block_size, self.instance_id)
+        engine.on_kv_events = self.kv_events.publish
 
     async def Abort(self, request, context):  # noqa: N802 - gRPC method name
         return worker_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
@@ -113,7 +117,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_blocks=s.num_blocks, num_leases=s.num_leases, block_size=s.block_size,
             num_requests=s.num_requests_added, prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits, dtype=self.engine.spec.config.dtype,
-            instance_id=self.instance_id)
+            instance_id=self.instance_id, prompt_tokens_computed=s.prompt_tokens_computed,
+            kv_blocks_pulled=s.kv_blocks_pulled, kv_bytes_pulled=s.kv_bytes_pulled)
+
+    async def WatchKV(self, request, context):  # noqa: N802
+        try:
+            async for msg in self.kv_events.watch():
+                yield msg
+        except SubscriberLagged:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "fell too far behind the prefix-cache events: subscribe again")
 
     def lease_done(self, done: LeaseDone) -> None:
         """Hook, decode role: the engine core is done with a prefill worker's lease."""
@@ -186,7 +199,8 @@ async def run_worker(args: argparse.Namespace, role: str,
         await servicer.on_start()
         metrics.serve(args.host, args.metrics_port)
         await serve_until_signal(server, health, grace_s=args.grace, on_stop=servicer.on_stop,
-                                 ready=ready, stop_event=stop, drain_also=[servicer.drain])
+                                 ready=ready, stop_event=stop, drain_also=[servicer.drain,
+                                                         servicer.kv_events.close])
     finally:
         await engine.shutdown()
     return 1 if died else 0

@@ -41,6 +41,7 @@ from engine.serving.core_messages import (
     EngineSnapshot,
     Event,
     Failed,
+    KVEvents,
     LeaseDone,
     MapPool,
     Ready,
@@ -94,6 +95,8 @@ class AsyncEngine:
         self.on_abort = on_abort
         self.on_lease_done = on_lease_done
         self.on_death = on_death
+        # Prefix-cache changes (KVEvents), on the loop, in the core's order.
+        self.on_kv_events: Callable[[KVEvents], None] | None = None
         self.info: CoreInfo | None = None
         self.snapshot = EngineSnapshot()
         self.dead = False
@@ -261,12 +264,16 @@ class AsyncEngine:
 
     def _handle(self, event: Event) -> None:
         match event:
-            case Step(plain, whole, stats, end, snapshot):
+            case Step(plain, whole, stats, end, snapshot, kv):
                 self.snapshot = snapshot
+                if kv is not None:
+                    _hook(self.on_kv_events, kv)
                 outputs = unpack_outputs(plain, whole)
                 if outputs:
                     self._dispatch(outputs)
                 _hook(self.on_step, stats, whole, end)
+            case KVEvents():
+                _hook(self.on_kv_events, event)
             case Reply(call_id, result, error):
                 fut = self._calls.pop(call_id)
                 if not fut.done():

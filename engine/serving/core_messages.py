@@ -8,8 +8,10 @@ Events (core → worker):
     Ready | Failed                once, first
     Reply                         a call's result or exception
     Step                          one per engine step: its outputs (the packed tuples below),
-                                  StepStats, its end time, the load snapshot after it
+                                  StepStats, its end time, the load snapshot after it, and
+                                  the prefix-cache changes it made (KVEvents), if any
     SnapshotChanged               while idle, when the snapshot changed
+    KVEvents                      while idle, prefix-cache changes made outside a step
     Aborted                       samples ended by an abort
     LeaseDone                     decode role: a prefill lease the core is done with
 """
@@ -72,6 +74,9 @@ class EngineSnapshot:
     prefix_queries: int = 0  # blocks looked up in the prefix cache
     prefix_hits: int = 0
     num_preemptions: int = 0
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model
+    kv_blocks_pulled: int = 0  # decode role: blocks copied in from prefill workers
+    kv_bytes_pulled: int = 0
 
     @property
     def idle(self) -> bool:
@@ -177,6 +182,16 @@ class Step:
     stats: StepStats | None  # None: the step failed as a whole
     end: float  # time.perf_counter() on the core when the step ended
     snapshot: EngineSnapshot
+    kv_events: KVEvents | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvents:
+    """Block hashes the prefix cache stored and evicted (BlockPool.take_events), in the order
+    the worker must apply them: a hash appears in one list at most."""
+
+    stored: list[int]
+    removed: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +204,7 @@ class Aborted:
     num_samples: int
 
 
-Event = Ready | Failed | Reply | Step | SnapshotChanged | Aborted | LeaseDone
+Event = Ready | Failed | Reply | Step | SnapshotChanged | KVEvents | Aborted | LeaseDone
 
 
 # One output of a step as the pipe carries it when it is only new tokens: (request_id,

@@ -48,6 +48,7 @@ from engine.serving.core_messages import (
     CoreSpec,
     EngineSnapshot,
     Failed,
+    KVEvents,
     LeaseDone,
     MapPool,
     Ready,
@@ -100,6 +101,9 @@ class EngineCore:
                 "describe", (), self.rank_kv.describe)[1:])
         if spec.role == "decode":
             self.engine.kv_puller, self.engine.kv_dropper = self._pull, self._drop
+        # The router routes on what this worker's prefix cache holds: record its changes.
+        self.engine.block_pool.kv_events = {}
+        self.kv_blocks_pulled = self.kv_bytes_pulled = 0
         self.commands: queue.SimpleQueue[Call] = queue.SimpleQueue()
         self.handlers = {Add: self._add, Abort: self._abort, Release: self._release,
                          MapPool: self._map, TakeSnapshot: self._take_snapshot, Stop: self._stop}
@@ -144,6 +148,9 @@ class EngineCore:
             if not engine.has_work():
                 if len(engine.leases):
                     engine.expire_leases(time.monotonic())
+                kv = self._kv_events()
+                if kv is not None:
+                    self.events.send(kv)
                 self._send_snapshot_if_changed()
                 self.wake.wait(IDLE_WAIT_S)
                 continue
@@ -157,7 +164,8 @@ class EngineCore:
             snap = self._snapshot()
             self._last_snapshot = snap
             plain, whole = pack_outputs(outputs)
-            self.events.send(Step(plain, whole, stats, time.perf_counter(), snap))
+            self.events.send(Step(plain, whole, stats, time.perf_counter(), snap,
+                                  self._kv_events()))
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -256,11 +264,13 @@ class EngineCore:
         self.stopping = True
 
     # -- KV hooks (decode role) --------------------------------------------------------------
-    def _pull(self, kv: RemoteKV, dst_block_ids: list[int]) -> None:
+    def _pull(self, kv: RemoteKV, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Copy blocks src_block_ids of the lease (those of the prompt this worker's prefix
+        cache does not hold: possibly none) into dst_block_ids, then settle the lease."""
         from kvtransfer.remote import pull_blocks  # noqa: PLC0415 - torch, in the core only
 
         if kv.address in self.rank_kv.peers:
-            return self._pull_heads(kv, dst_block_ids)
+            return self._pull_heads(kv, src_block_ids, dst_block_ids)
         start_ns = time.time_ns()
         stats = error = None
         instance, pool = self.peers.get(kv.address, ("", None))
@@ -272,27 +282,28 @@ class EngineCore:
                                    "lease's KV went with it")
             if time.monotonic() > kv.deadline:
                 raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
-            stats = pull_blocks(pool, self.engine.runner.pool, kv.block_ids, dst_block_ids,
+            stats = pull_blocks(pool, self.engine.runner.pool, src_block_ids, dst_block_ids,
                                 deadline=kv.deadline)
         except Exception as e:
             error = e
             raise
         finally:
             self._settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
-                         num_blocks=len(kv.block_ids),
+                         num_blocks=len(src_block_ids),
                          nbytes=stats.bytes if stats else 0,
                          seconds=stats.seconds if stats else 0.0,
                          transport=pool.descriptor.transport if pool is not None else "",
                          error=f"{type(error).__name__}: {error}" if error is not None else None)
 
-    def _pull_heads(self, kv: RemoteKV, dst_block_ids: list[int]) -> None:
+    def _pull_heads(self, kv: RemoteKV, src_block_ids: list[int],
+                    dst_block_ids: list[int]) -> None:
         """Tensor parallelism on either side: every rank copies its heads from the prefill
         ranks holding them (kvtransfer/tp_pull.py); the lease, one for every rank, is settled
         once all ranks are done."""
         start_ns = time.time_ns()
         stats: list[Any] = []
         error = None
-        args = (kv.address, kv.instance_id, list(kv.block_ids), dst_block_ids)
+        args = (kv.address, kv.instance_id, src_block_ids, dst_block_ids)
         try:
             if time.monotonic() > kv.deadline:
                 raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
@@ -305,7 +316,7 @@ class EngineCore:
         finally:
             pools = self.rank_kv.peers.get(kv.address, ("", []))[1]
             self._settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
-                         num_blocks=len(kv.block_ids), nbytes=sum(s.bytes for s in stats),
+                         num_blocks=len(src_block_ids), nbytes=sum(s.bytes for s in stats),
                          seconds=max((s.seconds for s in stats), default=0.0),
                          transport=pools[0].descriptor.transport if pools else "",
                          error=f"{type(error).__name__}: {error}" if error is not None else None)
@@ -316,6 +327,9 @@ class EngineCore:
     def _settle(self, kv: RemoteKV, **pull: Any) -> None:
         """The lease is done here: one LeaseDone (with the pull's figures, if one ran), once."""
         request_id = self.leases_held.pop(kv.lease_id, None)
+        if pull.get("error") is None:
+            self.kv_blocks_pulled += pull.get("num_blocks", 0)
+            self.kv_bytes_pulled += pull.get("nbytes", 0)
         if request_id is not None:
             self.events.send(LeaseDone(request_id, kv.address, kv.lease_id, **pull))
 
@@ -336,7 +350,12 @@ class EngineCore:
         return EngineSnapshot(e.num_running(), e.num_waiting(), pool.num_free, pool.num_blocks,
                               len(e.leases), len(e.requests), e.num_requests_added,
                               pool.block_size, pool.prefix_queries, pool.prefix_hits,
-                              e.scheduler.num_preemptions)
+                              e.scheduler.num_preemptions, e.num_prompt_tokens_computed,
+                              self.kv_blocks_pulled, self.kv_bytes_pulled)
+
+    def _kv_events(self) -> KVEvents | None:
+        stored, removed = self.engine.block_pool.take_events()
+        return KVEvents(stored, removed) if stored or removed else None
 
     def _send_snapshot_if_changed(self) -> None:
         snap = self._snapshot()

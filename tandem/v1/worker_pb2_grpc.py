@@ -69,6 +69,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.Load.FromString,
                 _registered_method=True)
+        self.WatchKV = channel.unary_stream(
+                '/tandem.v1.Worker/WatchKV',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.WatchKVRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.WatchKVResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -132,6 +137,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKV(self, request, context):
+        """Any role: the prefix-cache blocks this worker holds, as chained block hashes (the ones its
+        engine keys its prefix cache by): first every block cached now (reset = true on the first
+        message, the set following over as many messages as it takes), then, after each engine
+        step that changed the cache, the hashes it stored and evicted. The router routes on them.
+        A subscriber that falls too far behind has its call ended (RESOURCE_EXHAUSTED) and
+        subscribes again, starting from a fresh set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +186,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.Load.SerializeToString,
+            ),
+            'WatchKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKV,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.WatchKVRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.WatchKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -360,6 +382,33 @@ class Worker:
             '/tandem.v1.Worker/GetLoad',
             tandem_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.Load.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.Worker/WatchKV',
+            tandem_dot_v1_dot_worker__pb2.WatchKVRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.WatchKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

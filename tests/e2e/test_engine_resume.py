@@ -41,9 +41,9 @@ def engines(tiny_models):
     decode = LLMEngine(EngineConfig(model, role="decode", max_model_len=256,
                                     max_num_batched_tokens=8), progress=False)
 
-    def pull(remote: RemoteKV, dst: list[int]) -> None:
-        src = torch.tensor(remote.block_ids)
-        decode.runner.pool[torch.tensor(dst)] = prefill.runner.pool[src]
+    def pull(remote: RemoteKV, src: list[int], dst: list[int]) -> None:
+        decode.runner.pool[torch.tensor(dst, dtype=torch.long)] = \
+            prefill.runner.pool[torch.tensor(src, dtype=torch.long)]
 
     decode.kv_puller = pull
     yield offline, prefill, decode

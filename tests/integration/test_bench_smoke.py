@@ -189,3 +189,20 @@ def test_structured_benchmark_counts_every_token(tiny_models, tmp_path):
     assert r["card"] == "cpu" and r["requests"] == 3 and set(r["median"]) == {
         "unconstrained", "json_schema"}
     assert r["ratio"] > 0
+
+
+def test_multiturn_moves_only_new_blocks_with_reuse(tiny_models, tmp_path):
+    """benchmarks/multiturn.py, reuse off then on: turn 2 pulls its whole prompt without reuse
+    and only its new blocks with it; the outputs agree."""
+    out = tmp_path / "multiturn.json"
+    run("multiturn.py", "--model", str(tiny_models["llama"]), "--num-prefill", "1",
+        "--num-decode", "1", "--num-conversations", "2", "--turns", "2", "--first-tokens", "40",
+        "--new-tokens", "20", "--output-tokens", "12", "--rate", "100", "--out", str(out),
+        "--", "--num-blocks", "128", timeout=300)
+    report = json.loads(out.read_text())
+    off, on = report["runs"]["off"], report["runs"]["on"]
+    assert off[0]["kv_blocks"] == on[0]["kv_blocks"] == 3  # 40 tokens: 3 blocks, both
+    assert off[1]["kv_blocks"] == 5  # 72 tokens: the whole prompt again
+    assert on[1]["kv_blocks"] == 5 - (40 + 12 - 1) // 16  # less what turn 1 computed there
+    assert on[1]["computed"] == off[1]["computed"] == 72 - 32  # prefill reuses turn 1's blocks
+    assert report["identical_outputs"] == [4, 4]

@@ -71,6 +71,39 @@ def test_greedy_equals_colocated_tp1(cluster, offline):
     assert asyncio.run(main()) == offline
 
 
+def test_second_turn_pulls_only_its_new_blocks(cluster, tiny_models):
+    """Decode-side prefix reuse across tensor-parallel sizes: a conversation's next turn keeps
+    the blocks the decode worker cached (on every rank: one block pool allocates for all) and
+    pulls only the rest, head by head; its greedy output equals the colocated engine's."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    first = PROMPTS[7]
+    new = [(5 * j + 3) % 250 + 1 for j in range(20)]
+
+    async def main():
+        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
+            stub = cluster.api(ch)
+            out1 = await generate(stub, first, params)
+            second = first + out1 + new
+            (decode,) = cluster.workers("decode")
+            before = (await cluster.load(decode)).kv_blocks_pulled
+            out2 = await generate(stub, second, params)
+            pulled = (await cluster.load(decode)).kv_blocks_pulled - before
+            await cluster.wait_idle()
+            return second, out2, pulled, len(out1)
+
+    second, out2, pulled, n1 = asyncio.run(main())
+    kept = (len(first) + n1 - 1) // 16  # what turn 1 computed on the decode worker
+    assert pulled == -(-len(second) // 16) - kept
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with LLM(str(tiny_models["qwen2"]), progress=False, num_blocks=128) as llm:
+        (expected,) = llm.generate([second], params)
+    torch.set_num_threads(threads)
+    assert out2 == expected.outputs[0].token_ids
+
+
 def test_cancel_mid_stream_leaves_every_pool_idle(cluster):
     params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
 

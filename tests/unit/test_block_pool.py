@@ -161,3 +161,29 @@ def test_block_hashes_agree_across_processes():
                            check=True).stdout for _ in range(2)}
     h = hash_block(None, [1, 2, 3, 4])
     assert runs == {f"{h} {hash_block(h, [5, 6, 7, 8])}\n"}
+
+
+def test_kv_events_record_stores_and_evictions():
+    pool = BlockPool(num_blocks=3, block_size=BS)
+    assert pool.take_events() == ([], [])  # not recording
+    pool.kv_events = {}
+    a = pool.allocate(2)
+    pool.cache_block(a[0], 100)
+    pool.cache_block(a[1], 101)
+    pool.cache_block(a[1], 101)  # already cached: no second event
+    assert pool.take_events() == ([100, 101], [])
+    pool.free(a)  # freed blocks stay cached: nothing changes
+    assert pool.take_events() == ([], [])
+    b = pool.allocate(3)  # the free uncached block first, then the two cached (tail first)
+    assert pool.take_events() == ([], [101, 100])
+    pool.cache_block(b[0], 100)  # the same prefix computed again
+    assert pool.take_events() == ([100], [])
+    pool.free(b)
+    c = pool.allocate(3)
+    pool.cache_block(c[2], 100)  # evicted, then stored again in one record: stored
+    stored, removed = pool.take_events()
+    assert stored == [100] and removed == []
+    pool.free(c)
+    pool.reset_prefix_cache()
+    assert pool.take_events() == ([], [100])
+    assert pool.is_idle()

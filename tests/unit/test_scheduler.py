@@ -141,3 +141,52 @@ def test_watermark_never_blocks_a_request_alone():
     batch = sched.schedule()
     assert batch.seqs == [big] and len(big.block_ids) == 100
     finish_all(sched)
+
+
+def remote_seq(tokens, rid):
+    s = seq(tokens, rid)
+    s.remote = object()  # the scheduler only asks whether the KV lives elsewhere
+    return s
+
+
+def test_pull_admission_keeps_cached_full_blocks(pool):
+    """Decode role: a prompt whose full blocks this pool caches is admitted with those blocks
+    (a reference taken each) and fresh ones for the rest; only the rest is pulled. Exact ids."""
+    sched = make_scheduler(pool)
+    a = remote_seq(range(10), "a")  # blocks [0..3] [4..7] [8 9]
+    sched.add(a)
+    batch = sched.schedule()
+    assert batch.pulls == [a] and a.block_ids == [0, 1, 2] and a.num_cached_blocks == 0
+    a.num_computed_tokens = a.num_prompt_tokens  # pulled
+    sched.kv.cache_full_blocks(a)
+    # The next turn repeats a's prompt and adds 6 tokens: blocks 0 and 1 are kept, the
+    # block holding tokens 8..11 is new (a's block 2 is partial, never cached).
+    b = remote_seq([*range(10), 50, 51, 52, 53, 54, 55], "b")
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.pulls == [b]
+    assert b.block_ids[:2] == [0, 1] and b.num_cached_blocks == 2
+    assert b.num_cached_tokens == 2 * BS and len(b.block_ids) == 4
+    assert pool.ref_counts[0] == pool.ref_counts[1] == 2
+    finish_all(sched)  # each shared block dropped once per holder: the pool goes idle
+
+
+def test_pull_admission_revives_free_cached_blocks_and_counts_them():
+    """A cached block that is free (its request ended) counts against the free blocks when
+    revived: with room for the rest but not for the revival, admission waits."""
+    pool = BlockPool(num_blocks=4, block_size=BS)
+    sched = make_scheduler(pool)
+    a = remote_seq(range(8), "a")
+    sched.add(a)
+    sched.schedule()
+    a.num_computed_tokens = 8
+    sched.kv.cache_full_blocks(a)
+    finish_all(sched)  # blocks 0, 1 free but cached
+    other = seq(range(100, 108), "x")  # takes the 2 uncached free blocks
+    sched.add(other)
+    sched.schedule()
+    b = remote_seq([*range(8), 9, 9, 9, 9, 9, 9, 9, 9], "b")  # needs 0, 1 + 2 new: 4 > 2 free
+    sched.add(b)
+    assert sched.schedule().pulls == []
+    finish_all(sched)
+    assert pool.is_idle()

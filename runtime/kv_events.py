@@ -1,0 +1,89 @@
+"""A worker's prefix-cache events for its routers (the WatchKV call).
+
+    engine core ── KVEvents after each step that changed the cache ──▶ KVEventHub (worker)
+                                                                         │ keeps the set of
+                                                                         │ cached hashes
+    router ◀── WatchKV: the whole set (reset), then every change ────────┘
+
+The hub mirrors the set the engine's prefix cache holds (one int per cached block), so a router
+that subscribes late, or again after its call broke, starts from the truth rather than from the
+changes it missed. A subscriber whose queue backs up past `max_pending` messages (a stalled
+router) is cut off: its call ends RESOURCE_EXHAUSTED and it subscribes again, rather than the
+worker holding an unbounded backlog for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from engine.serving.core_messages import KVEvents
+from tandem.v1 import worker_pb2
+
+SNAPSHOT_CHUNK = 65536  # hashes per message of the initial set (512 KiB on the wire)
+
+
+class SubscriberLagged(Exception):
+    """A subscriber fell `max_pending` messages behind and was cut off."""
+
+
+class KVEventHub:
+    def __init__(self, block_size: int, instance_id: str, max_pending: int = 4096) -> None:
+        self.block_size = block_size
+        self.instance_id = instance_id
+        self.max_pending = max_pending
+        self.cached: set[int] = set()
+        self._subscribers: list[asyncio.Queue] = []
+        self._closed = False
+
+    def publish(self, events: KVEvents) -> None:
+        """The engine core's changes, in its order (AsyncEngine.on_kv_events)."""
+        self.cached.difference_update(events.removed)
+        self.cached.update(events.stored)
+        if not self._subscribers:
+            return
+        msg = self._message(events.stored, events.removed)
+        for q in list(self._subscribers):
+            if q.qsize() >= self.max_pending:
+                self._subscribers.remove(q)
+                q.put_nowait(SubscriberLagged())
+            else:
+                q.put_nowait(msg)
+
+    async def watch(self) -> AsyncIterator[worker_pb2.WatchKVResponse]:
+        """The whole cached set (first message reset = true), then every change until the
+        caller leaves. Raises SubscriberLagged when the caller fell too far behind."""
+        q: asyncio.Queue = asyncio.Queue()
+        # Taken with no await in between: no change can fall between the set and the queue.
+        snapshot = list(self.cached)
+        self._subscribers.append(q)
+        try:
+            for i in range(0, max(1, len(snapshot)), SNAPSHOT_CHUNK):
+                msg = self._message(snapshot[i:i + SNAPSHOT_CHUNK], [])
+                msg.reset = i == 0
+                yield msg
+            while not self._closed:
+                item = await q.get()
+                if item is None:  # closed: the worker is shutting down
+                    return
+                if isinstance(item, SubscriberLagged):
+                    raise item
+                yield item
+        finally:
+            if q in self._subscribers:
+                self._subscribers.remove(q)
+
+    async def close(self) -> None:
+        """Shutting down: every WatchKV call ends now (they would hold the server's graceful
+        stop for its whole grace period)."""
+        self._closed = True
+        for q in self._subscribers:
+            q.put_nowait(None)
+
+    def _message(self, stored: list[int], removed: list[int]) -> worker_pb2.WatchKVResponse:
+        return worker_pb2.WatchKVResponse(stored=stored, removed=removed, block_size=self.block_size,
+                                   instance_id=self.instance_id)
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)
