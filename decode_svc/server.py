@@ -190,6 +190,12 @@ class DecodeServicer(WorkerServicer):
             try:
                 await self._peer(lease.address, request.kv.instance_id)
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # Pools that cannot pair (the reason names the flag): for the operator to
+                    # fix, not for the router to retry elsewhere as if this worker were down.
+                    raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"prefill worker {lease.address} refused this decode "
+                                      f"worker's KV pool: {e.details()}") from None
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE,
                                   f"prefill worker {lease.address}: {e.details()}") from None
             remote = await claim(self._stub(lease.address), lease, args,

@@ -126,10 +126,17 @@ class DecodeLegs:
                          len(self.prompt), resp.num_cached_tokens)
             if len(self.done) == self.params.n:
                 return
-            refused: set[str] = set()  # workers that refused this request
+            refused: dict[str, str] = {}  # workers that refused this request, and why
             while True:
-                d = self.orch.pick(self.orch.workers.pick_decode(
-                    "decode", refused, self.prompt, self.params.cache_salt), "decode")
+                d = self.orch.workers.pick_decode("decode", set(refused), self.prompt,
+                                                  self.params.cache_salt)
+                if d is None and refused:
+                    # Every decode worker refused it (a KV pool the prefill worker's does not
+                    # match, say): their reasons, which name the flag to change, not "none".
+                    raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, "no decode worker "
+                                      "took the request: " + "; ".join(
+                                          f"{a}: {why}" for a, why in refused.items()))
+                d = self.orch.pick(d, "decode")
                 if self._lease is None:  # the last leg took it: a fresh one for this leg
                     p, again = await self.orch.prefill(self.rid, self.prompt, self.wire_params,
                                                        self.deadline, self.ctx)
@@ -188,7 +195,8 @@ class DecodeLegs:
             finally:
                 d.in_flight -= 1
 
-    def _failed(self, d: Worker, e: grpc.aio.AioRpcError, sent: bool, refused: set[str]) -> None:
+    def _failed(self, d: Worker, e: grpc.aio.AioRpcError, sent: bool,
+                refused: dict[str, str]) -> None:
         """After a leg failed: raise if the request cannot go on, else count the move."""
         code = e.code()
         if isinstance(e, StreamBroken):
@@ -198,7 +206,7 @@ class DecodeLegs:
         if not movable:
             raise as_router_error(e, f"decode worker {d.address}") from None
         if code == grpc.StatusCode.FAILED_PRECONDITION:
-            refused.add(d.address)
+            refused[d.address] = e.details()
         limit = self.orch.max_migrations
         if sent:
             self.moves += 1

@@ -75,8 +75,8 @@ def test_registration_with_another_cache_dtype_names_the_flag(fp8_cluster):
 
 def test_a_stack_with_mixed_cache_dtypes_fails_requests_naming_the_flag(tiny_models, tmp_path):
     """Prefill in fp8, decode in the model dtype: the decode worker's registration is refused,
-    the request fails at once (the router takes the refusing decode worker out), the prefill
-    worker logs the refusal naming the flag, and both pools end idle."""
+    the request fails at once with the refusal, naming the flag, the prefill worker logs it,
+    and both pools end idle."""
     c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=ENGINE_ARGS,
                 prefill_args=["--kv-cache-dtype", "fp8"],
                 router_args=["--http-port", "-1"]).start()
@@ -89,7 +89,9 @@ def test_a_stack_with_mixed_cache_dtypes_fails_requests_naming_the_flag(tiny_mod
             return e.value
 
         err = asyncio.run(main())
-        assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
+        # The caller learns why, naming the flag (not just "no healthy decode worker").
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+        assert "--kv-cache-dtype" in err.details() and "dtype" in err.details(), err.details()
         log = c.workers("prefill")[0].log_text()
         assert "refused registration" in log and "--kv-cache-dtype" in log, log[-2000:]
     finally:
