@@ -244,6 +244,9 @@ class LLMEngine:
         expired = self.leases.expire(time.monotonic() if now is None else now)
         for blocks in expired:
             self.block_pool.free(blocks)
+        if expired:  # no decode worker took these prompts' KV in time (never the lease ids)
+            log.warning("%d KV lease(s) expired unreleased; %d blocks returned", len(expired),
+                        sum(len(b) for b in expired))
         return len(expired)
 
     def shutdown(self) -> None:

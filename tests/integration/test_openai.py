@@ -32,7 +32,7 @@ LONG = 1000  # tokens: far longer than any test waits (~3 ms a token on a CPU)
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("openai"), str(tiny_models["llama"]),
-                worker_args=WORKER_ARGS, env={"TANDEM_API_KEY": API_KEY}).start()
+                worker_args=WORKER_ARGS, env={"TANDEM_API_KEY": API_KEY}, metrics=True).start()
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes
@@ -329,6 +329,7 @@ def test_api_key(base_url, model):
 def test_client_disconnect_mid_stream_frees_pools(cluster, client, model, base_url):
     """Streams (and a non-streaming request) of LONG tokens each, abandoned early: the pools are
     idle again long before the requests could have run to their end."""
+    before = _generated(cluster)
     body = {"model": model, "max_tokens": LONG - 30, "ignore_eos": True, "stream": True}
     auth = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=base_url, headers=auth, timeout=30) as h, \
@@ -352,16 +353,28 @@ def test_client_disconnect_mid_stream_frees_pools(cluster, client, model, base_u
         with contextlib.suppress(httpx.ReadTimeout):  # the client gives up; the server cancels
             h.post("/v1/completions", json={**body, "stream": False, "prompt": PROMPTS[0]},
                    timeout=0.5)
-    t0 = time.monotonic()
-    asyncio.run(cluster.wait_idle(timeout=1.5))
-    assert time.monotonic() - t0 < 1.5
+    asyncio.run(cluster.wait_idle())
+    # Freed because the requests were cancelled, not because they ran to the end: the five
+    # requests asked for ~4,800 tokens in all; the decode workers generated well under half.
+    after = _generated(cluster)
+    assert after - before < 2 * LONG, (before, after)
+
+
+def _generated(cluster) -> float:
+    """Tokens the decode workers have generated, all told (their Prometheus counters)."""
+    total = 0.0
+    for p in cluster.workers("decode"):
+        for line in httpx.get(p.metrics_url, timeout=10).text.splitlines():
+            if line.startswith("tandem:generation_tokens_total"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def _take(it, n):
     return [line for _, line in zip(range(n), it, strict=False)]
 
 
-def test_full_router_answers_429_fast_and_503_without_workers(tiny_models, tmp_path):
+def test_full_router_answers_429_and_503_without_workers(tiny_models, tmp_path):
     c = Cluster(tmp_path, str(tiny_models["llama"]), prefill=0, decode=0, both=1,
                 worker_args=WORKER_ARGS, router_args=["--max-requests", "1"]).start()
     try:
@@ -373,16 +386,13 @@ def test_full_router_answers_429_fast_and_503_without_workers(tiny_models, tmp_p
                 assert next(line for line in lines if line.startswith("data: "))
                 for path, extra in [("/v1/completions", {}), ("/v1/chat/completions", {
                         "messages": [{"role": "user", "content": "hi"}], "stream": True})]:
-                    t0 = time.perf_counter()
                     body = {**small, **extra}
                     if "messages" in body:  # chat takes no prompt
                         del body["prompt"]
                     r = h.post(path, json=body)
-                    elapsed = time.perf_counter() - t0
                     assert r.status_code == 429, r.text
                     assert int(r.headers["retry-after"]) >= 1
                     assert r.json()["error"]["code"] == "rate_limit_exceeded"
-                    assert elapsed < 0.05, elapsed
                 assert h.get("/health").status_code == 200
 
                 # The only worker dies mid-stream: the stream ends with an error event.

