@@ -93,7 +93,13 @@ def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
         with open(path, "rb") as f:
             return f.read()
 
-    if args.cluster_ca or args.cluster_cert or args.cluster_key:
+    given = {"--cluster-ca": args.cluster_ca, "--cluster-cert": args.cluster_cert,
+             "--cluster-key": args.cluster_key}
+    if any(given.values()):
+        missing = [flag for flag, path in given.items() if not path]
+        if missing:  # grpc would abort the process on a certificate without its key
+            raise ValueError(f"{', '.join(missing)} missing: --cluster-ca, --cluster-cert and "
+                             "--cluster-key go together")
         return grpc.ssl_channel_credentials(read(args.cluster_ca), read(args.cluster_key),
                                             read(args.cluster_cert))
     return grpc.ssl_channel_credentials(read(args.tls_ca)) if args.tls_ca else None
@@ -106,8 +112,12 @@ def add_parser(sub, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = check(args.address, args.service, args.timeout, credentials(args),
-                   args.cluster_server_name)
+    try:
+        creds = credentials(args)
+    except (ValueError, OSError) as e:
+        print(f"tandem health: {e}", file=sys.stderr, flush=True)
+        return 2
+    result = check(args.address, args.service, args.timeout, creds, args.cluster_server_name)
     line = f"{args.address} {args.service or '(server)'}: {result.status}"
     print(f"{line}: {result.detail}" if result.detail else line, flush=True)
     return 0 if result.serving else 1
