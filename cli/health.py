@@ -5,6 +5,8 @@ otherwise (NOT_SERVING, an unknown service, unreachable, too slow). It prints th
     tandem health --address 127.0.0.1:50051 --service tandem.v1.Tandem --timeout 2
     tandem health --address 127.0.0.1:50061 --cluster-ca ca.pem --cluster-cert node.pem \
         --cluster-key node.key                       # a worker behind mutual TLS
+    tandem health --address "$POD_IP:50061" --cluster-ca ... --cluster-server-name tandem-cluster
+                                                     # one reached by an IP its cert lacks
 
 docker-compose.yml runs it as every Tandem container's health check. It needs nothing beyond
 grpcio and grpcio-health-checking; `python -m cli.health` runs it without loading the
@@ -42,10 +44,14 @@ class HealthResult(NamedTuple):
 
 
 def check(address: str, service: str = "", timeout: float = 5.0,
-          credentials: grpc.ChannelCredentials | None = None) -> HealthResult:
+          credentials: grpc.ChannelCredentials | None = None,
+          server_name: str | None = None) -> HealthResult:
     """One Check call. `service` "" asks about the whole server; `credentials`: TLS (a worker
-    with a cluster CA takes only callers with a client certificate)."""
-    channel = (grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    with a cluster CA takes only callers with a client certificate); `server_name`: the name
+    the server's certificate must carry, when not the address's host."""
+    options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", server_name)]
+                                 if server_name else [])
+    channel = (grpc.secure_channel(address, credentials, options=options)
                if credentials is not None
                else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
     with channel:
@@ -75,6 +81,9 @@ def add_health_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-ca", default=None, help="mutual TLS: the cluster CA (PEM)")
     p.add_argument("--cluster-cert", default=None, help="mutual TLS: a certificate it signed")
     p.add_argument("--cluster-key", default=None, help="mutual TLS: that certificate's key")
+    p.add_argument("--cluster-server-name", default=None,
+                   help="TLS: the name the server's certificate must carry, when not the "
+                        "address's host (a pod's IP, say)")
 
 
 def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
@@ -84,7 +93,13 @@ def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
         with open(path, "rb") as f:
             return f.read()
 
-    if args.cluster_ca or args.cluster_cert or args.cluster_key:
+    given = {"--cluster-ca": args.cluster_ca, "--cluster-cert": args.cluster_cert,
+             "--cluster-key": args.cluster_key}
+    if any(given.values()):
+        missing = [flag for flag, path in given.items() if not path]
+        if missing:  # grpc would abort the process on a certificate without its key
+            raise ValueError(f"{', '.join(missing)} missing: --cluster-ca, --cluster-cert and "
+                             "--cluster-key go together")
         return grpc.ssl_channel_credentials(read(args.cluster_ca), read(args.cluster_key),
                                             read(args.cluster_cert))
     return grpc.ssl_channel_credentials(read(args.tls_ca)) if args.tls_ca else None
@@ -97,7 +112,12 @@ def add_parser(sub, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = check(args.address, args.service, args.timeout, credentials(args))
+    try:
+        creds = credentials(args)
+    except (ValueError, OSError) as e:
+        print(f"tandem health: {e}", file=sys.stderr, flush=True)
+        return 2
+    result = check(args.address, args.service, args.timeout, creds, args.cluster_server_name)
     line = f"{args.address} {args.service or '(server)'}: {result.status}"
     print(f"{line}: {result.detail}" if result.detail else line, flush=True)
     return 0 if result.serving else 1

@@ -40,11 +40,19 @@ OPEN_GRPC_SERVICES = ("grpc.health.v1.Health",)
 @dataclass(frozen=True)
 class ClusterTls:
     """The cluster CA and this process's certificate and key (PEM files). The certificate
-    serves as the server's and as the client's on calls to peers."""
+    serves as the server's and as the client's on calls to peers.
+
+    `server_name`: the name a peer's certificate must carry on this process's calls, whatever
+    address it dials. None: the dialed host itself (a name or IP in the certificate), right
+    where peers are reached by stable names (docker-compose's router, prefill, decode). On
+    Kubernetes peers are pod IPs, known only when the pods start, so no certificate made
+    beforehand can name them: every process then checks one agreed name instead
+    (`--cluster-server-name`). Trust still rests on the cluster CA signing the certificate."""
 
     ca: Path
     cert: Path
     key: Path
+    server_name: str | None = None
 
     def __post_init__(self) -> None:
         for flag, path in (("--cluster-ca", self.ca), ("--cluster-cert", self.cert),
@@ -55,18 +63,27 @@ class ClusterTls:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterTls | None:
         given = {f: getattr(args, f, None) for f in ("cluster_ca", "cluster_cert", "cluster_key")}
+        server_name = getattr(args, "cluster_server_name", None)
         if not any(given.values()):
+            if server_name:
+                raise InvalidArgument("--cluster-server-name", "needs --cluster-ca, "
+                                      "--cluster-cert and --cluster-key")
             return None
         missing = next((f for f, v in given.items() if not v), None)
         if missing is not None:
             raise InvalidArgument(f"--{missing.replace('_', '-')}",
                                   "--cluster-ca, --cluster-cert and --cluster-key go together")
         return cls(Path(given["cluster_ca"]), Path(given["cluster_cert"]),
-                   Path(given["cluster_key"]))
+                   Path(given["cluster_key"]), server_name or None)
 
     def argv(self) -> list[str]:
+        name = ["--cluster-server-name", self.server_name] if self.server_name else []
         return ["--cluster-ca", str(self.ca), "--cluster-cert", str(self.cert),
-                "--cluster-key", str(self.key)]
+                "--cluster-key", str(self.key), *name]
+
+    def channel_options(self) -> list[tuple[str, object]]:
+        """What a channel to a peer needs beyond the credentials: the name to check."""
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Refuses, in the handshake, a client without a certificate the cluster CA signed."""
@@ -87,6 +104,9 @@ def add_cluster_tls_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cluster-cert", default=None,
                    help="this process's certificate, signed by the cluster CA (PEM)")
     g.add_argument("--cluster-key", default=None, help="its private key (PEM)")
+    g.add_argument("--cluster-server-name", default=None,
+                   help="check this name in a peer's certificate instead of the address "
+                        "dialed (peers reached by IP, as pods on Kubernetes are)")
 
 
 def internal_channel(address: str, tls: ClusterTls | None,
@@ -94,7 +114,8 @@ def internal_channel(address: str, tls: ClusterTls | None,
     """A channel to another process of the cluster: mutual TLS when the cluster has a CA."""
     if tls is None:
         return grpc.aio.insecure_channel(address, options=list(options))
-    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=list(options))
+    return grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                   options=[*options, *tls.channel_options()])
 
 
 def bind(server: grpc.aio.Server, host: str, port: int,

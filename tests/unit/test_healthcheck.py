@@ -110,3 +110,15 @@ def test_timeout_must_be_positive(timeout: str, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         healthcheck.main(["--address", "127.0.0.1:1", "--timeout", timeout])
     assert e.value.code == 2 and "--timeout" in capsys.readouterr().err
+
+
+def test_cluster_flags_go_together_and_an_unreadable_file_is_an_error(tmp_path, capsys) -> None:
+    """A probe that lost one of its flags says which, exit 2, instead of grpc aborting it."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not read")
+    assert healthcheck.main(["--address", "127.0.0.1:1", "--cluster-ca", str(ca),
+                             "--cluster-cert", str(ca)]) == 2
+    assert "--cluster-key missing" in capsys.readouterr().err
+    assert healthcheck.main(["--address", "127.0.0.1:1", "--cluster-ca", str(tmp_path / "no"),
+                             "--cluster-cert", str(ca), "--cluster-key", str(ca)]) == 2
+    assert "No such file" in capsys.readouterr().err

@@ -2,13 +2,16 @@
 kubernetes-validate, strict: unknown fields are errors), and the pieces are wired together:
 the router's worker addresses name Services whose ports lead to the workers' gRPC ports,
 probes and scrape annotations name ports the containers serve, workers get a GPU each, and
-prefill serves its pool over NIXL."""
+prefill serves its pool over NIXL, and every hop between router and workers is mutual TLS with
+the certificates of one Secret, which the workers' probes present too."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import re
-from pathlib import Path
+import shlex
+from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
@@ -16,7 +19,8 @@ import yaml
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is in the dev extra: pip install -e '.[dev]'")
 
-K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.37.0"
 
 
@@ -52,6 +56,28 @@ def _container_port(c: dict, port: int | str) -> int:
         if port in (p["containerPort"], p.get("name")):
             return p["containerPort"]
     raise AssertionError(f"{c['name']} declares no port {port!r}")
+
+
+def _probe_argv(probe: dict) -> list[str] | None:
+    """An exec probe's `tandem health` arguments (after `tandem`; $POD_IP left as written), or
+    None for a probe the kubelet makes itself."""
+    if "exec" not in probe:
+        return None
+    command = probe["exec"]["command"]
+    assert command[:2] == ["sh", "-c"] and len(command) == 3, command
+    words = shlex.split(command[2])
+    assert words[:3] == ["exec", "tandem", "health"], words
+    return words[2:]
+
+
+def _probe_port(c: dict, probe: dict) -> int:
+    argv = _probe_argv(probe)
+    if argv is not None:
+        from cli.main import build_parser
+
+        return int(build_parser("health").parse_args(argv).address.rsplit(":", 1)[1])
+    (how,) = {"grpc", "tcpSocket", "httpGet"} & probe.keys()
+    return _container_port(c, probe[how]["port"])
 
 
 def test_the_kustomization_lists_every_manifest_in_the_folder() -> None:
@@ -106,9 +132,16 @@ def test_probes_and_scrape_annotations_name_ports_the_container_serves(deploymen
     grpc_port = int(_flag(args, "--port" if "--port" in args else "--grpc-port"))
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = c[kind]
-        (how,) = {"grpc", "tcpSocket", "httpGet"} & probe.keys()
-        assert _container_port(c, probe[how]["port"]) == grpc_port, (kind, probe)
-    assert "grpc" in c["readinessProbe"]  # grpc.health.v1, not just an open port
+        assert _probe_port(c, probe) == grpc_port, (kind, probe)
+        argv = _probe_argv(probe)
+        if argv is not None:
+            # `tandem health` answers within the kubelet's limit, so its exit code is what counts.
+            timeout = float(argv[argv.index("--timeout") + 1])
+            assert timeout < probe["timeoutSeconds"], (kind, probe)
+            # The kubelet runs it without $(VAR) expansion of env from fields: sh expands it.
+            assert f'"$POD_IP:{grpc_port}"' in probe["exec"]["command"][2]
+    # grpc.health.v1, not just an open port
+    assert "grpc" in c["readinessProbe"] or _probe_argv(c["readinessProbe"]) is not None
     annotations = d["spec"]["template"]["metadata"]["annotations"]
     metrics = int(annotations["prometheus.io/port"])
     served = int(_flag(args, "--metrics-port" if "--metrics-port" in args else "--http-port"))
@@ -159,3 +192,208 @@ def test_the_cli_check_would_catch_a_flag_the_cli_does_not_know() -> None:
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["prefill", "--model", "m", "--transport", "carrier-pigeon"])
+
+
+# -- mutual TLS between router and workers -------------------------------------------------------
+SECRET = "tandem-cluster-tls"
+SERVER_NAME = "tandem-cluster"
+# Each flag and the file (a key of the Secret) it names.
+CLUSTER_FILES = {"--cluster-ca": "ca.pem", "--cluster-cert": "node.pem", "--cluster-key": "node.key"}
+SERVICES = ("tandem-prefill", "tandem-decode", "tandem-router")
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+def _mtls_problems(deployment: dict) -> list[str]:
+    """What is missing for the pod to speak mutual TLS with the cluster Secret: the three
+    certificate flags on its command line, each naming a file the Secret provides under a
+    read-only mount of it, the agreed server name, and (workers, whose gRPC port asks callers
+    for a certificate) the same on every probe. Empty when all is there."""
+    pod = deployment["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    problems = []
+    volumes = {v["name"]: v["secret"] for v in pod.get("volumes", [])
+               if v.get("secret", {}).get("secretName") == SECRET}
+    mounts = {m["mountPath"].rstrip("/"): m for m in c.get("volumeMounts", [])
+              if m["name"] in volumes}
+    if not mounts:
+        problems.append(f"no volume of Secret {SECRET} is mounted")
+    for path, m in mounts.items():
+        if not m.get("readOnly"):
+            problems.append(f"{path} is not mounted read-only")
+        secret = volumes[m["name"]]
+        if secret.get("optional"):
+            problems.append(f"{SECRET} is optional: a pod would start without its certificates")
+        if secret.get("defaultMode", 0o644) & 0o007:
+            problems.append(f"{SECRET}'s files are readable by every user of the container")
+
+    def check(argv: list[str], where: str) -> None:
+        for flag, file in CLUSTER_FILES.items():
+            if flag not in argv:
+                problems.append(f"{where}: no {flag}")
+                continue
+            path = PurePosixPath(argv[argv.index(flag) + 1])
+            mount = mounts.get(str(path.parent))
+            if mount is None:
+                problems.append(f"{where}: {flag} {path} is not under a mount of {SECRET}")
+                continue
+            items = volumes[mount["name"]].get("items")
+            provided = {i["path"] for i in items} if items else set(CLUSTER_FILES.values())
+            if path.name != file or path.name not in provided:
+                problems.append(f"{where}: {flag} {path} is not the Secret's {file}")
+        name = argv[argv.index("--cluster-server-name") + 1] \
+            if "--cluster-server-name" in argv else None
+        if name != SERVER_NAME:
+            problems.append(f"{where}: --cluster-server-name is {name!r}, not {SERVER_NAME!r}")
+
+    check(c["args"], c["name"])
+    if c["args"][0] in ("prefill", "decode", "worker"):
+        for kind in PROBES:
+            argv = _probe_argv(c[kind])
+            if argv is None:
+                problems.append(f"{kind} presents no client certificate")
+            else:
+                check(argv, kind)
+    return problems
+
+
+@pytest.mark.parametrize("deployment", SERVICES)
+def test_every_router_and_worker_speaks_mutual_tls_with_the_secret(deployment) -> None:
+    assert _mtls_problems(_get("Deployment", deployment)) == []
+
+
+def _without_flag(argv: list[str], flag: str) -> None:
+    i = argv.index(flag)
+    del argv[i:i + 2]
+
+
+def _probe_without(flag: str):
+    def mutate(c: dict) -> None:
+        words = shlex.split(c["readinessProbe"]["exec"]["command"][2])
+        _without_flag(words, flag)
+        c["readinessProbe"]["exec"]["command"][2] = shlex.join(words)
+    return mutate
+
+
+def _mutations():
+    """(deployment, what, change to its container, pod spec) that must each break mTLS."""
+    for d in SERVICES:
+        for flag in (*CLUSTER_FILES, "--cluster-server-name"):
+            yield d, f"args without {flag}", lambda c, p, f=flag: _without_flag(c["args"], f)
+        yield d, "no mount", lambda c, p: c.__setitem__(
+            "volumeMounts", [m for m in c["volumeMounts"] if m["name"] != "cluster-tls"])
+        yield d, "writable mount", lambda c, p: [m.__setitem__("readOnly", False)
+                                                 for m in c["volumeMounts"]]
+        yield d, "another Secret", lambda c, p: [v["secret"].__setitem__("secretName", "x")
+                                                 for v in p["volumes"] if "secret" in v]
+        yield d, "optional Secret", lambda c, p: [v["secret"].__setitem__("optional", True)
+                                                  for v in p["volumes"] if "secret" in v]
+        yield d, "world-readable key", lambda c, p: [
+            v["secret"].__setitem__("defaultMode", 0o444) for v in p["volumes"] if "secret" in v]
+        yield d, "key outside the mount", lambda c, p: c["args"].__setitem__(
+            c["args"].index("--cluster-key") + 1, "/etc/node.key")
+        yield d, "key file not the Secret's", lambda c, p: c["args"].__setitem__(
+            c["args"].index("--cluster-key") + 1, "/certs/tls.key")
+    for d in ("tandem-prefill", "tandem-decode"):
+        for flag in (*CLUSTER_FILES, "--cluster-server-name"):
+            yield d, f"probe without {flag}", lambda c, p, f=flag: _probe_without(f)(c)
+        yield d, "kubelet's gRPC probe", lambda c, p: c.__setitem__(
+            "livenessProbe", {"grpc": {"port": c["ports"][0]["containerPort"]}})
+
+
+@pytest.mark.parametrize("deployment,what,mutate", list(_mutations()),
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_the_mtls_check_catches_each_missing_piece(deployment, what, mutate) -> None:
+    d = copy.deepcopy(_get("Deployment", deployment))
+    pod = d["spec"]["template"]["spec"]
+    mutate(pod["containers"][0], pod)
+    assert _mtls_problems(d), what
+
+
+def _documented(text: str) -> tuple[str, str, list[str]]:
+    """The `tandem certs` hosts, the Secret's name and its --from-file names a text documents."""
+    text = text.replace("\n#", "\n").replace("\\\n", " ")  # comments, continued lines
+    hosts = re.search(r"tandem certs --out (\S+) --hosts (\S+)", text)
+    secret = re.search(r"create secret generic (\S+)((?: +--from-file=\S+)+)", text)
+    assert hosts and secret, "no `tandem certs` and `kubectl create secret` commands"
+    files = [PurePosixPath(f).name for f in re.findall(r"--from-file=(\S+)", secret.group(2))]
+    return hosts.group(2), secret.group(1), files
+
+
+def _k8s_readme() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme.split("## Deploying on Kubernetes", 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.mark.parametrize("where", ["kustomization.yaml", "README.md"])
+def test_the_documented_secret_is_the_one_the_pods_mount(where) -> None:
+    text = (K8S / where).read_text() if where != "README.md" else _k8s_readme()
+    hosts, secret, files = _documented(text)
+    assert secret == SECRET
+    assert sorted(files) == sorted(CLUSTER_FILES.values())
+    assert SERVER_NAME in hosts.split(",")
+    for d in SERVICES:
+        pod = _get("Deployment", d)["spec"]["template"]["spec"]
+        assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == {SECRET}
+
+
+def test_no_key_material_is_committed() -> None:
+    assert not [d for d in DOCS if d["kind"] == "Secret"]
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert "secretGenerator" not in kustomization  # it would need files CI does not have
+    for f in K8S.rglob("*"):
+        if f.is_file():
+            assert "PRIVATE KEY" not in f.read_text(), f
+
+
+def test_the_documented_certificate_passes_every_probe_and_the_routers_calls(tmp_path) -> None:
+    """With a certificate made as the README says, on loopback: each worker's probe command
+    (certificate paths under tmp_path, $POD_IP 127.0.0.1) gets SERVING from a server that asks
+    for client certificates, as a worker does; the router's TLS flags reach it too; a caller
+    without a certificate does not."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from cli import health as healthcheck
+    from cli.certs import make_cluster_ca
+    from cli.main import build_parser
+    from runtime.security import ClusterTls, internal_channel
+
+    hosts, _, _ = _documented(_k8s_readme())
+    made = make_cluster_ca(tmp_path, hosts.split(","))
+
+    def local(argv: list[str], address: str) -> list[str]:
+        argv = [a.replace("/certs/", f"{tmp_path}/") for a in argv]
+        argv[argv.index("--address") + 1] = address
+        return argv
+
+    async def main():
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_secure_port("127.0.0.1:0", made.server_credentials())
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        try:
+            codes = []
+            for d in ("tandem-prefill", "tandem-decode"):
+                c = _container(d)
+                for kind in PROBES:
+                    argv = _probe_argv(c[kind])
+                    assert argv[argv.index("--address") + 1].startswith("$POD_IP:")
+                    codes.append(await asyncio.to_thread(
+                        healthcheck.main, local(argv[1:], address)))
+            # TLS trusting the CA, but no client certificate: refused in the handshake.
+            bare = ["--address", address, "--tls-ca", str(made.ca),
+                    "--cluster-server-name", SERVER_NAME]
+            codes.append(await asyncio.to_thread(healthcheck.main, bare))
+            router = build_parser("router").parse_args(
+                [a.replace("/certs/", f"{tmp_path}/") for a in _container("tandem-router")["args"]])
+            async with internal_channel(address, ClusterTls.from_args(router), ()) as ch:
+                reply = await health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5)
+            return codes, reply.status
+        finally:
+            await server.stop(None)
+
+    codes, status = asyncio.run(main())
+    assert codes == [0] * 6 + [1]
+    assert status == health_pb2.HealthCheckResponse.SERVING

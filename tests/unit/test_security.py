@@ -110,6 +110,58 @@ def test_tls_flags_go_together_and_name_the_missing_one(tmp_path):
     assert e.value.field == "--tls-key"
 
 
+
+def test_a_cluster_server_name_is_what_a_peer_certificate_must_carry(tmp_path):
+    """Kubernetes dials pods by IPs no certificate names: with --cluster-server-name every
+    internal call (and `tandem health`) checks that name instead of the dialed host. The server
+    here listens on 127.0.0.1, which the certificate also names, so a call that succeeds with
+    the right name and fails with a wrong one shows the name, not the address, was checked."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from cli import health as healthcheck
+    from runtime.security import internal_channel
+
+    made = make_cluster_ca(tmp_path, ["tandem-cluster"])
+    ns = argparse.Namespace(cluster_ca=str(made.ca), cluster_cert=str(made.cert),
+                            cluster_key=str(made.key), cluster_server_name="tandem-cluster")
+    tls = ClusterTls.from_args(ns)
+    assert tls.server_name == "tandem-cluster"
+    assert tls.argv()[-2:] == ["--cluster-server-name", "tandem-cluster"]
+    wrong = ClusterTls(tls.ca, tls.cert, tls.key, "tandem-elsewhere")
+
+    async def main():
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_secure_port("127.0.0.1:0", tls.server_credentials())
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        try:
+            codes = []
+            for t in (tls, wrong):
+                async with internal_channel(address, t, ()) as ch:
+                    try:
+                        await health_pb2_grpc.HealthStub(ch).Check(
+                            health_pb2.HealthCheckRequest(), timeout=5)
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.RpcError as e:
+                        codes.append(e.code())
+            probes = []
+            for name in ("tandem-cluster", "tandem-elsewhere"):
+                argv = ["--address", address, "--timeout", "5", *tls.argv()[:6],
+                        "--cluster-server-name", name]
+                probes.append(await asyncio.to_thread(healthcheck.main, argv))
+            return codes, probes
+        finally:
+            await server.stop(None)
+
+    codes, probes = asyncio.run(main())
+    assert codes == [grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE]
+    assert probes == [0, 1]
+    ns = argparse.Namespace(cluster_server_name="tandem-cluster")
+    with pytest.raises(InvalidArgument) as e:
+        ClusterTls.from_args(ns)  # a name without the certificates is a mistake, not a no-op
+    assert e.value.field == "--cluster-server-name"
+
 # -- the HTTP body -------------------------------------------------------------------------------
 @pytest.mark.parametrize("body,param,needle", [
     (b'{"temperature": NaN}', "temperature", "finite"),
