@@ -17,6 +17,7 @@ from engine.config import ModelConfig
 from engine.models import model_class
 from engine.models.layers import CausalLM, default_weight_loader
 from engine.parallel import TPState, build_sharded_model
+from engine.quantization.kv_cache import CheckpointKVScales
 from tandem.errors import ModelLoadError
 
 
@@ -53,17 +54,25 @@ def _hf_to_param(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, st
     return name, None
 
 
-def load_weights(model: CausalLM, path: Path, progress: bool = True) -> None:
+def load_weights(model: CausalLM, path: Path, progress: bool = True,
+                 kv_scales: CheckpointKVScales | None = None) -> None:
     """Fill every parameter from the checkpoint in `path`: its *.safetensors files, or the GGUF
     file it links (engine/gguf_checkpoint.py), dequantized to the model's dtype. A tensor-
-    parallel shard's layers read only their rows or columns of each safetensors tensor."""
+    parallel shard's layers read only their rows or columns of each safetensors tensor.
+
+    The checkpoint's KV-cache scales (engine/quantization/kv_cache.py) go to `kv_scales`;
+    without one they are ignored, as for a KV cache that is not FP8."""
     dtype = next(model.parameters()).dtype
-    _fill(model, _checkpoint_tensors(Path(path), dtype, progress), str(path))
+    _fill(model, _checkpoint_tensors(Path(path), dtype, progress), str(path), kv_scales)
 
 
-def _fill(model: CausalLM, tensors: Iterator[tuple[str, str, Any]], where: str) -> None:
-    """Every (source, Hugging Face name, tensor or LazyTensor) into its parameter; a missing
-    or misplaced tensor is an error that names it."""
+def _fill(model: CausalLM, tensors: Iterator[tuple[str, str, Any]], where: str,
+          kv_scales: CheckpointKVScales | None = None) -> None:
+    """Every (source, Hugging Face name, tensor or LazyTensor) into its parameter, and the KV-
+    cache scales into `kv_scales`; a missing or misplaced tensor is an error that names it."""
+    cfg = model.config
+    if kv_scales is None:
+        kv_scales = CheckpointKVScales(None, cfg.num_layers, cfg.num_kv_heads)
     params = dict(model.named_parameters())
     # Every (parameter, shard) that must be filled, so that a missing tensor is named.
     expected: set[tuple[str, str | None]] = set()
@@ -77,6 +86,9 @@ def _fill(model: CausalLM, tensors: Iterator[tuple[str, str, Any]], where: str) 
     loaded: set[tuple[str, str | None]] = set()
     for source, hf_name, tensor in tensors:
         if "rotary_emb.inv_freq" in hf_name or (tied and hf_name == "lm_head.weight"):
+            continue
+        if kv_scales.take(hf_name, tensor.full if isinstance(tensor, LazyTensor)
+                          else lambda t=tensor: t, source):
             continue
         name, shard = _hf_to_param(hf_name, model.packed_modules)
         param = params.get(name)
@@ -94,6 +106,7 @@ def _fill(model: CausalLM, tensors: Iterator[tuple[str, str, Any]], where: str) 
         names = [f"{n} ({s})" if s else n for n, s in missing]
         raise ModelLoadError(f"model: tensors missing from {where}: {', '.join(names[:8])}"
                              + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+    kv_scales.finish(where)
 
 
 class LazyTensor:

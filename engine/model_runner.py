@@ -31,7 +31,7 @@ from engine.config import CacheConfig, ModelConfig, cdiv
 from engine.cuda_graphs import CudaGraphRunner
 from engine.loader import build_model, init_dummy_weights, load_weights
 from engine.models.layers import CausalLM
-from engine.parallel import TPState, all_min, kv_heads_per_rank
+from engine.parallel import TPState, all_min, kv_heads_per_rank, rank_heads
 from engine.quantization import fp8, kv_cache
 from engine.quantization.checkpoint import fp8_scheme
 from engine.sampler import Sampler, SamplerOutput, SampleRow
@@ -111,9 +111,10 @@ class ModelRunner:
 
     def _load_model(self, model_dir: Path | None, load_format: str, seed: int,
                     quantization: str | None, progress: bool) -> CausalLM:
-        """Build the model on its device and fill its weights; with an FP8 scheme the
-        projections become FP8 layers around the load (shells before an FP8 checkpoint's,
-        quantized after a float one's)."""
+        """Build the model on its device and fill its weights, and an FP8 cache's scales from
+        the checkpoint's calibrated ones where it has them; with an FP8 scheme the projections
+        become FP8 layers around the load (shells before an FP8 checkpoint's, quantized after a
+        float one's)."""
         model = build_model(self.config, self.dtype, self.device, self.tp)
         scheme = fp8_scheme(model_dir if load_format != "dummy" else None, quantization)
         if scheme is not None and self.tp is not None:
@@ -125,7 +126,14 @@ class ModelRunner:
         if load_format == "dummy":
             init_dummy_weights(model, seed)
         else:
-            load_weights(model, model_dir, progress=progress)
+            # A calibrated FP8 checkpoint's KV-cache scales: this rank's heads' into kv_scales
+            # (before the pool exists, so before any KV is written), or ignored without an FP8
+            # cache.
+            n = self.tp.size if self.tp else 1
+            heads = rank_heads(self.config.num_kv_heads, n, self.tp.rank if self.tp else 0)
+            kv = kv_cache.CheckpointKVScales(self.kv_scales, self.config.num_layers,
+                                             self.config.num_kv_heads, heads)
+            load_weights(model, model_dir, progress=progress, kv_scales=kv)
         if scheme is not None:
             fp8.finish(model, scheme)
         return model
