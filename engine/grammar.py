@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -93,13 +92,10 @@ class GrammarState:
     def flush(self) -> None:
         if self.pending is not None:
             token, self.pending = self.pending, None
-            self._accepted(token, self.matcher.accept_token(token))
-
-    def _accepted(self, token: int, ok: bool) -> None:
-        if not ok:
-            log.error("a token sampled under its grammar's mask (%d) broke the grammar; "
-                      "ending the sample", token)
-            self.broken = True
+            if not self.matcher.accept_token(token):
+                log.error("a token sampled under its grammar's mask (%d) broke the grammar; "
+                          "ending the sample", token)
+                self.broken = True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into row `row` of a CPU int32 bitmask."""
@@ -239,7 +235,8 @@ def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[i
     """Each state's allowed tokens into its row of `bitmask` (the deferred tokens taken first),
     the rows in parallel on xgrammar's threads (half the cores): at 256 rows one at a time this
     is most of a decode step. A broken state's row allows only `eos_token_ids`."""
-    flush_all(states)
+    for s in states:
+        s.flush()
     if len(states) == 1:
         states[0].matcher.fill_next_token_bitmask(bitmask, rows[0])
     else:
@@ -250,42 +247,6 @@ def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[i
             bitmask[row] = 0
             for t in eos_token_ids:
                 bitmask[row, t // 32] |= 1 << (t % 32)
-
-
-# Fewer deferred tokens than this are taken on the calling thread: handing them to the pool
-# would cost more than it saves.
-PARALLEL_ACCEPT_MIN = 32
-
-
-def flush_all(states: list[GrammarState]) -> None:
-    """Take every state's deferred token, in parallel chunks when there are many (each accept
-    walks the matcher's stack: ~30 µs, so 256 rows one after another cost ~8 ms a step on an H100
-    host; xgrammar releases the GIL inside)."""
-    pending = [s for s in states if s.pending is not None]
-    if len(pending) < PARALLEL_ACCEPT_MIN:
-        for s in pending:
-            s.flush()
-        return
-    pool, workers = _accept_pool()
-    size = -(-len(pending) // workers)
-    chunks = [pending[i:i + size] for i in range(0, len(pending), size)]
-    accept = xgrammar().BatchGrammarMatcher.batch_accept_token
-    results = pool.map(lambda c: accept([s.matcher for s in c], [s.pending for s in c]), chunks)
-    for chunk, oks in zip(chunks, results, strict=True):
-        for s, ok in zip(chunk, oks, strict=True):
-            token, s.pending = s.pending, None
-            s._accepted(token, ok)
-
-
-@functools.cache
-def _accept_pool() -> tuple[ThreadPoolExecutor, int]:
-    workers = _batch_threads()
-    return ThreadPoolExecutor(workers, thread_name_prefix="grammar-accept"), workers
-
-
-def _batch_threads() -> int:
-    """xgrammar's own choice for its batch fill: half the cores."""
-    return max(1, (os.cpu_count() or 2) // 2)
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.demo import EOT_ID, VOCAB_SIZE, demo_model_dir
-from engine.grammar import PARALLEL_ACCEPT_MIN, GrammarCompiler, check_schema, fill_bitmask
+from engine.grammar import GrammarCompiler, check_schema
 from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import ResponseFormat, SamplingParams
 from tandem.errors import InvalidArgument
@@ -70,29 +70,6 @@ def test_a_deferred_token_is_taken_at_the_next_fill(compiler):
     greedy = SamplingParams(temperature=0)
     assert sampler(logits, [SampleRow(greedy, 0, 1, grammar=broken)]).token_ids == [EOT_ID]
     assert broken.broken
-
-
-def test_many_deferred_tokens_are_taken_in_parallel_as_one_by_one(compiler):
-    """Past PARALLEL_ACCEPT_MIN rows the deferred tokens are taken on the accept pool's threads:
-    the same masks as taking each at once, and a refused token breaks only its own row."""
-    n = 2 * PARALLEL_ACCEPT_MIN + 3
-    paths = [[ord('"'), ord("a" if i % 2 else "c"), ord("b" if i % 2 else "d")] for i in range(n)]
-    now = [compiler.state(ENUM) for _ in range(n)]
-    later = [compiler.state(ENUM) for _ in range(n)]
-    width = (PADDED_VOCAB + 31) // 32
-    for step in range(3):
-        for i in range(n):
-            tok = ord("x") if (i == 5 and step == 1) else paths[i][step]
-            if not now[i].broken:
-                now[i].accept(tok) or setattr(now[i], "broken", True)
-            later[i].defer(tok)
-        expected = torch.full((n, width), -1, dtype=torch.int32)
-        fill_bitmask(now, expected, list(range(n)), [EOT_ID])
-        got = torch.full((n, width), -1, dtype=torch.int32)
-        fill_bitmask(later, got, list(range(n)), [EOT_ID])
-        assert all(s.pending is None for s in later)
-        assert torch.equal(got, expected), step
-    assert [s.broken for s in later] == [i == 5 for i in range(n)]
 
 
 def test_sampler_masks_only_grammar_rows(compiler):
