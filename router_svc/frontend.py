@@ -18,6 +18,7 @@ from engine.grammar import check_schema
 from engine.sampling_params import RequestLimits, SamplingParams, TokenLogprobs
 from engine.tokenizer import Tokenizer
 from router_svc.orchestrator import Orchestrator
+from router_svc.request_record import router_request
 from runtime.request_trace import ApiCall
 from runtime.telemetry import Telemetry
 from tandem.errors import InvalidArgument, Overloaded
@@ -132,9 +133,8 @@ class Frontend:
                 operation: str | None = None) -> None:
         """Trace and log a request the API refused before it reached stream() (its parameters
         did not parse): one span, ended with the refusal's error.type, and one log line."""
-        self.telemetry.router_request(request_id, None, None, self.model.id,
-                                      operation or _operation(request_id),
-                                      api=api).end(1, 0, 0, error)
+        router_request(self.telemetry, request_id, None, None, self.model.id,
+                       operation or _operation(request_id), api=api).end(1, 0, 0, error)
 
     async def stream(self, request_id: str, prompt: list[int], params: SamplingParams,
                      timeout: float | None = None, operation: str | None = None,
@@ -145,8 +145,9 @@ class Frontend:
         knows for the trace (streaming or not, its address, the chat messages, the caller's
         trace context). A refused request is traced too."""
         started = time.monotonic()
-        record = self.telemetry.router_request(
-            request_id, prompt, params, self.model.id, operation or _operation(request_id),
+        record = router_request(
+            self.telemetry, request_id, prompt, params, self.model.id,
+            operation or _operation(request_id),
             self.tokenizer.decode if self.tokenizer else None, api)
         try:
             self.validate(prompt, params)
