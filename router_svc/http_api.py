@@ -34,7 +34,6 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from http import HTTPStatus
 from typing import Any, TypeVar
 
 import uvicorn
@@ -48,9 +47,18 @@ from starlette.routing import BaseRoute
 from engine.sampling_params import SamplingParams
 from router_svc import chat_request
 from router_svc import openai_requests as req
-from router_svc.api_errors import failure_of
 from router_svc.frontend import Frontend, ModelNotFound
-from router_svc.http_guard import DEFAULT_MAX_BODY_BYTES, BodyGuard
+from router_svc.http_errors import (
+    ApiError,
+    api_error,
+    body_error,
+    error_response,
+    http_error,
+    internal_error,
+    refuse,
+    refuse_unknown,
+)
+from router_svc.http_guard import DEFAULT_MAX_BODY_BYTES, ApiKeyAuth, BodyGuard
 from router_svc.openai_objects import ChatShaper, CompletionShaper, Shaper, Step
 from router_svc.openai_requests import (
     ChatCompletionRequest,
@@ -68,16 +76,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _refuse(cond: object, param: str, message: str) -> None:
-    if cond:
-        raise ApiError(400, f"{param}: {message}", param=param, code="unsupported_value")
-
-
-def _refuse_unknown(body: req.CompletionRequest | req.ChatCompletionRequest) -> None:
-    name = req.unknown_field(body)
-    _refuse(name is not None, name or "", "is not supported by this server")
-
-
 def _api_call(request: Request, stream: bool | None,
               messages: list[dict[str, Any]] | None = None) -> ApiCall:
     """What the trace records of an HTTP request: streaming or not, the address the client
@@ -89,48 +87,12 @@ def _api_call(request: Request, stream: bool | None,
                    parent=propagate.extract(request.headers))
 
 
-# -- errors ------------------------------------------------------------------------------------
-class ApiError(Exception):
-    """An answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param = status, message, type_, param
-        self.code, self.headers = code, headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def api_error(e: Exception, names: dict[str, str] | None = None) -> ApiError:
-    """The HTTP answer to an error the Frontend or the router raised, mapped as the gRPC API
-    maps it (api_errors.failure_of). `names` maps engine field names to the OpenAI parameter
-    names this endpoint uses (e.g. chat: logprobs->top_logprobs)."""
-    if isinstance(e, ApiError):
-        return e
-    f = failure_of(e)
-    if f is None:
-        log.exception("unexpected error in the HTTP API", exc_info=e)
-        return ApiError(500, f"internal error: {type(e).__name__}", "server_error")
-    status, type_ = f.http_status
-    param = (names or {}).get(f.field, f.field) if f.field else None
-    message = f"{param}: {f.message}" if param and status == 400 else f.message
-    headers = {"Retry-After": str(f.retry_after_s)} if f.retry_after_s is not None else None
-    return ApiError(status, message, type_, param=param, code=f.reason.lower(), headers=headers)
-
-
 def _validation_error(frontend: Frontend) -> Callable[[Request, Exception],
                                                       Awaitable[JSONResponse]]:
     """FastAPI's request-body errors in OpenAI's shape; a generation request refused so is
     traced and logged as one."""
     async def handle(request: Request, exc: Exception) -> JSONResponse:
-        error = _body_error(exc)
+        error = body_error(exc)
         path = request.url.path
         if path in ("/v1/completions", "/v1/chat/completions"):
             chat = path.endswith("chat/completions")
@@ -141,63 +103,8 @@ def _validation_error(frontend: Frontend) -> Callable[[Request, Exception],
     return handle
 
 
-def _body_error(exc: Exception) -> ApiError:
-    """A request-body error in OpenAI's shape, the first error's field as param."""
-    assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = loc[0] if loc and not loc[0].isdigit() else None
-    where = ".".join(loc)
-    msg = first.get("msg", "invalid request body")
-    return ApiError(400, f"{where}: {msg}" if where else msg, param=param,
-                    code="invalid_value")
-
-
-class ApiKeyAuth:
-    """ASGI middleware: every /v1 path needs `Authorization: Bearer <key>` (security.ApiKeys:
-    constant-time compare). Runs before the body is read, so an unauthenticated caller learns
-    nothing about validation. The caller's tenant goes to the request's state."""
-
-    def __init__(self, app: Callable, keys: ApiKeys) -> None:
-        self.app = app
-        self.keys = keys
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        path = scope["path"] if scope["type"] == "http" else ""
-        if path.startswith("/v1") or path in ("/tokenize", "/detokenize"):
-            tenant = self.keys.tenant(dict(scope["headers"]).get(b"authorization", b""))
-            if tenant is None:
-                resp = ApiError(401, "missing or incorrect API key", code="invalid_api_key",
-                                headers={"WWW-Authenticate": "Bearer"}).response()
-                await resp(scope, receive, send)
-                return
-            scope.setdefault("state", {})["tenant"] = tenant
-        await self.app(scope, receive, send)
-
-
 def _tenant(request: Request) -> str:
     return getattr(request.state, "tenant", "")
-
-
-def _error_response(status: int, message: str, param: str | None = None,
-                    code: str | None = None) -> JSONResponse:
-    return ApiError(status, message, param=param, code=code).response()
-
-
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
-    """The framework's own errors (unknown route, wrong method, a body it cannot parse) in
-    OpenAI's shape instead of {"detail": ...}."""
-    assert isinstance(exc, StarletteHTTPException)
-    type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return ApiError(exc.status_code, str(exc.detail), type_,
-                    code=HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_"),
-                    headers=getattr(exc, "headers", None)).response()
-
-
-async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unexpected error in the HTTP API", exc_info=exc)
-    return ApiError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
 
 # -- request -> engine -------------------------------------------------------------------------
@@ -265,11 +172,11 @@ class OpenAIApi:
         fe = self.frontend
         try:
             self._check_model(body.model)
-            _refuse_unknown(body)
-            _refuse(body.echo and body.logprobs is not None, "echo",
+            refuse_unknown(body)
+            refuse(body.echo and body.logprobs is not None, "echo",
                     "is not supported together with logprobs")
-            _refuse(body.suffix, "suffix", "is not supported")
-            _refuse(body.best_of is not None and body.best_of != body.n, "best_of",
+            refuse(body.suffix, "suffix", "is not supported")
+            refuse(body.best_of is not None and body.best_of != body.n, "best_of",
                     "is only supported equal to n")
             fe.check_chars(req.prompt_chars(body.prompt))  # before the tokenizer runs
             prompt = await fe.run_off_loop(req.completion_prompt, fe, body.prompt)
@@ -298,7 +205,7 @@ class OpenAIApi:
         names = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_name}
         try:
             self._check_model(body.model)
-            _refuse_unknown(body)
+            refuse_unknown(body)
             fe.check_chars(req.messages_chars(body.messages), "messages")
             plan = await fe.run_off_loop(req.chat_plan, fe, body, names)
             plan = dataclasses.replace(plan, params=fe.for_tenant(plan.params, _tenant(request)))
@@ -327,8 +234,8 @@ class OpenAIApi:
         fe = self.frontend
         try:
             self._check_model(body.model)
-            _refuse(fe.tokenizer is None, "prompt", "this model has no tokenizer")
-            _refuse((body.prompt is None) == (body.messages is None), "prompt",
+            refuse(fe.tokenizer is None, "prompt", "this model has no tokenizer")
+            refuse((body.prompt is None) == (body.messages is None), "prompt",
                     "give a prompt or messages")
             if body.messages is not None:
                 fe.check_chars(req.messages_chars(body.messages), "messages")
@@ -352,10 +259,10 @@ class OpenAIApi:
         fe = self.frontend
         try:
             self._check_model(body.model)
-            _refuse(fe.tokenizer is None, "tokens", "this model has no tokenizer")
+            refuse(fe.tokenizer is None, "tokens", "this model has no tokenizer")
             vocab = fe.model.vocab_size
             bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-            _refuse(bad is not None, "tokens", f"token id {bad} is outside [0, {vocab})")
+            refuse(bad is not None, "tokens", f"token id {bad} is outside [0, {vocab})")
         except ApiError as e:
             return e.response()
         return JSONResponse({"prompt": fe.tokenizer.decode(body.tokens)})
@@ -439,11 +346,11 @@ def build_app(frontend: Frontend, workers: WorkerSet, api_keys: ApiKeys | None =
     app.include_router(OpenAIApi(frontend, workers).routes())
     app.router.routes.extend(routes)
     app.add_exception_handler(RequestValidationError, _validation_error(frontend))
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)
     # Added last runs first: the key is checked before a byte of the body is read, then the
     # body is bounded and checked before the framework parses it.
-    app.add_middleware(BodyGuard, max_bytes=max_body_bytes, respond=_error_response)
+    app.add_middleware(BodyGuard, max_bytes=max_body_bytes, respond=error_response)
     if api_keys:
         app.add_middleware(ApiKeyAuth, keys=api_keys)
     return app

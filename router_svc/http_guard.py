@@ -9,6 +9,9 @@ input is cheap to refuse and every refusal is in OpenAI's error shape:
     a string with a lone surrogate        → 400 naming the field (it cannot be encoded)
 
 A body that passes is handed on unchanged. Paths: every POST.
+
+Before that, with API keys set, ApiKeyAuth answers 401 to a /v1 (or tokenize) request without
+a valid `Authorization: Bearer <key>`, before a byte of the body is read.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ import json
 import math
 from collections.abc import Callable
 from typing import Any
+
+from router_svc.http_errors import ApiError
+from runtime.security import ApiKeys
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 MAX_JSON_DEPTH = 64
@@ -148,3 +154,25 @@ class BodyGuard:
             chunks.append(chunk)
             if not msg.get("more_body"):
                 return b"".join(chunks)
+
+
+class ApiKeyAuth:
+    """ASGI middleware: every /v1 path needs `Authorization: Bearer <key>` (security.ApiKeys:
+    constant-time compare). Runs before the body is read, so an unauthenticated caller learns
+    nothing about validation. The caller's tenant goes to the request's state."""
+
+    def __init__(self, app: Callable, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path.startswith("/v1") or path in ("/tokenize", "/detokenize"):
+            tenant = self.keys.tenant(dict(scope["headers"]).get(b"authorization", b""))
+            if tenant is None:
+                resp = ApiError(401, "missing or incorrect API key", code="invalid_api_key",
+                                headers={"WWW-Authenticate": "Bearer"}).response()
+                await resp(scope, receive, send)
+                return
+            scope.setdefault("state", {})["tenant"] = tenant
+        await self.app(scope, receive, send)

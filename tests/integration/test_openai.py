@@ -19,7 +19,7 @@ import pytest
 from cluster import Cluster
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from router_svc.http_api import api_error
+from router_svc.http_errors import api_error
 from router_svc.orchestrator import RouterError
 from tandem.errors import InvalidArgument, Overloaded
 
