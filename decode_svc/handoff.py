@@ -121,7 +121,9 @@ async def claim(stub, lease: HeldLease, args: DecodeArgs, instance_id: str = "")
         raise InvalidArgument("prompt_token_ids", "not the prompt the lease was prefilled for")
     deadline = sent + resp.ttl_ms / 1000 - LEASE_MARGIN_S
     if deadline <= time.monotonic():
-        raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+        # Nothing wrong with this worker or the request: a fresh lease (a new prefill, its
+        # blocks most likely cached) will do. ABORTED tells the router to retry so.
+        raise WorkerError(grpc.StatusCode.ABORTED,
                           f"the lease has {resp.ttl_ms} ms left, too little to pull its KV")
     return RemoteKV(lease.address, lease.lease_id, deadline, tuple(resp.block_ids),
                         args.first_token_ids, args.first_logprobs, args.resume_token_ids,

@@ -19,8 +19,9 @@ carried it away (the decode worker releases it then, or it expires with a dead w
 Bounds: a leg that fails after it sent tokens moves the request (UNAVAILABLE: its worker died,
 hung or lost the lease's KV) at most `max_migrations` times, then the request fails
 UNAVAILABLE saying so; a leg that fails before its first token (UNAVAILABLE, or
-FAILED_PRECONDITION: a worker that refuses decode requests, never tried again for this request)
-is retried likewise, at most once per decode worker beyond the moves.
+FAILED_PRECONDITION: a worker that refuses decode requests, never tried again for this request;
+ABORTED: a lease that ran too short to pull, retried with a fresh one on any decode worker) is
+retried likewise, at most once per decode worker beyond the moves.
 """
 
 from __future__ import annotations
@@ -201,8 +202,11 @@ class DecodeLegs:
         code = e.code()
         if isinstance(e, StreamBroken):
             self.orch.workers.mark_down(d)
+        # ABORTED: the leg's lease ran too short to pull (a busy worker, a short --lease-ttl);
+        # any decode worker, this one too, may take the request with a fresh lease.
         movable = code == grpc.StatusCode.UNAVAILABLE or (
-            code == grpc.StatusCode.FAILED_PRECONDITION and not sent)
+            code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
+            and not sent)
         if not movable:
             raise as_router_error(e, f"decode worker {d.address}") from None
         if code == grpc.StatusCode.FAILED_PRECONDITION:

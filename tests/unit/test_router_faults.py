@@ -25,10 +25,11 @@ def _rpc_error(code: grpc.StatusCode, cls=grpc.aio.AioRpcError) -> grpc.aio.AioR
 
 class FakeStream:
     """A decode worker's stream: each request gets `steps` tokens per sample, then fails (a
-    broken call) or ends."""
+    broken call) or ends; the first `refuse` requests are refused with that status at once."""
 
-    def __init__(self, steps: int, fail: bool) -> None:
-        self.steps, self.fail = steps, fail
+    def __init__(self, steps: int, fail: bool,
+                 refuse: list[grpc.StatusCode] | None = None) -> None:
+        self.steps, self.fail, self.refuse = steps, fail, list(refuse or [])
         self.sent: list[worker_pb2.DecodeRequest] = []
 
     async def request(self, msg, md=None, timeout=None, on_sent=None):
@@ -36,6 +37,8 @@ class FakeStream:
         self.sent.append(req)
         if on_sent is not None:
             on_sent()  # on its way: the lease is the worker's now
+        if self.refuse:
+            raise _rpc_error(self.refuse.pop(0))
         n = req.params.n
         done = [len(s.token_ids) + 1 for s in req.resume] or [1] * n
         for _ in range(self.steps):
@@ -114,6 +117,30 @@ def test_moves_are_bounded_then_unavailable():
     assert "moved 1 times, --max-migrations 1" in error.message
     assert len(out[0]) == 1 + 3 + 2 and not streams[2].sent  # no third leg, no prefill for it
     assert orch.prefills == 2 and orch.released == []
+
+
+def test_a_lease_too_short_to_pull_is_retried_with_a_fresh_one_on_the_same_worker():
+    """ABORTED (the lease ran too short: a busy decode worker) is no refusal of the worker:
+    the request is prefilled again and the same, only, decode worker takes the fresh lease."""
+    orch = FakeOrchestrator([FakeStream(2, fail=False, refuse=[grpc.StatusCode.ABORTED])],
+                            max_migrations=1)
+    out, error = asyncio.run(_run(orch, 1))
+    assert error is None and len(out[0]) == 1 + 2
+    assert [r.kv.lease_id for r in orch.decode[0].stream.sent] == ["lease1", "lease2"]
+    assert orch.prefills == 2 and orch.decode[0].healthy
+
+
+def test_every_decode_worker_refusing_names_their_reasons():
+    """FAILED_PRECONDITION is a refusal: each worker is tried once, then the request fails with
+    every reason (they name the flag to change), not "no healthy decode worker"."""
+    streams = [FakeStream(1, fail=False, refuse=[grpc.StatusCode.FAILED_PRECONDITION] * 3)
+               for _ in range(2)]
+    orch = FakeOrchestrator(streams, max_migrations=3)
+    _, error = asyncio.run(_run(orch, 1))
+    assert error.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "d0: fake FAILED_PRECONDITION" in error.message
+    assert "d1: fake FAILED_PRECONDITION" in error.message
+    assert [len(s.sent) for s in streams] == [1, 1]
 
 
 def test_no_decode_worker_left_fails_before_prefilling_again():
