@@ -414,6 +414,11 @@ def cancel_status_interceptors(filter_: Any = None) -> tuple[Any, Any]:
         return make(stream(behavior), request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer)
 
+    def traced(handler: Any, details: Any) -> bool:
+        """A server-streaming call the filter (if any) lets through."""
+        return handler is not None and handler.response_streaming and (
+            filter_ is None or filter_(details))
+
     def cancelled(spans: list[Span]) -> None:
         for span in spans:
             span.set_attribute(RPC_GRPC_STATUS_CODE, _GRPC_CODES["CANCELLED"])
@@ -421,8 +426,7 @@ def cancel_status_interceptors(filter_: Any = None) -> tuple[Any, Any]:
     class Outer(grpc.aio.ServerInterceptor):
         async def intercept_service(self, continuation, details):
             handler = await continuation(details)
-            if handler is None or not handler.response_streaming or (
-                    filter_ is not None and not filter_(details)):
+            if not traced(handler, details):
                 return handler
 
             def stream(behavior):
@@ -445,8 +449,7 @@ def cancel_status_interceptors(filter_: Any = None) -> tuple[Any, Any]:
     class Inner(grpc.aio.ServerInterceptor):
         async def intercept_service(self, continuation, details):
             handler = await continuation(details)
-            if handler is None or not handler.response_streaming or (
-                    filter_ is not None and not filter_(details)):
+            if not traced(handler, details):
                 return handler
 
             def stream(behavior):

@@ -174,26 +174,22 @@ def test_a_bad_scale_fails_naming_the_tensor(tiny_models, tmp_path, name, value)
         LLM(str(ckpt), progress=False, kv_cache_dtype="fp8")
 
 
-def test_partial_or_misshapen_scales_are_named(tiny_models, tmp_path):
-    scales = spelled("per-head")
-    del scales["model.layers.1.self_attn.v_scale"]
-    ckpt = with_scales(tiny_models["llama"], tmp_path / "partial", scales)
-    with pytest.raises(ModelLoadError, match=r"missing: model\.layers\.1\.self_attn\.v_scale$"):
-        LLM(str(ckpt), progress=False, kv_cache_dtype="fp8")
+def _without_layer1_v(scales: dict) -> dict:
+    return {k: v for k, v in scales.items() if k != "model.layers.1.self_attn.v_scale"}
 
-    wide = {**spelled("per-head"), "model.layers.0.self_attn.k_scale": torch.ones(3)}
-    ckpt = with_scales(tiny_models["llama"], tmp_path / "wide", wide)
-    with pytest.raises(ModelLoadError, match=r"layers\.0\.self_attn\.k_scale .* 3 elements"):
-        LLM(str(ckpt), progress=False, kv_cache_dtype="fp8")
 
-    both = {**spelled("per-head"), "model.layers.0.self_attn.kv_scale": torch.tensor(0.1)}
-    ckpt = with_scales(tiny_models["llama"], tmp_path / "both", both)
-    with pytest.raises(ModelLoadError, match=r"given twice.*kv_scale|kv_scale.*given twice"):
-        LLM(str(ckpt), progress=False, kv_cache_dtype="fp8")
-
-    beyond = {**spelled("per-head"), "model.layers.2.self_attn.k_scale": torch.tensor(0.1)}
-    ckpt = with_scales(tiny_models["llama"], tmp_path / "beyond", beyond)
-    with pytest.raises(ModelLoadError, match=r"layers\.2\.self_attn\.k_scale .*has no place"):
+@pytest.mark.parametrize(("case", "change", "error"), [
+    ("partial", _without_layer1_v, r"missing: model\.layers\.1\.self_attn\.v_scale$"),
+    ("wide", lambda s: {**s, "model.layers.0.self_attn.k_scale": torch.ones(3)},
+     r"layers\.0\.self_attn\.k_scale .* 3 elements"),
+    ("both", lambda s: {**s, "model.layers.0.self_attn.kv_scale": torch.tensor(0.1)},
+     r"given twice.*kv_scale|kv_scale.*given twice"),
+    ("beyond", lambda s: {**s, "model.layers.2.self_attn.k_scale": torch.tensor(0.1)},
+     r"layers\.2\.self_attn\.k_scale .*has no place"),
+])
+def test_partial_or_misshapen_scales_are_named(tiny_models, tmp_path, case, change, error):
+    ckpt = with_scales(tiny_models["llama"], tmp_path / case, change(spelled("per-head")))
+    with pytest.raises(ModelLoadError, match=error):
         LLM(str(ckpt), progress=False, kv_cache_dtype="fp8")
 
 

@@ -25,7 +25,7 @@ import grpc
 import httpx
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
-from test_tracing import WORKER_ARGS, Receiver, attrs
+from test_tracing import WORKER_ARGS, Receiver, attrs, otlp_receiver, traced_cluster
 
 from cluster import Cluster
 from engine.sampling_params import SamplingParams
@@ -37,20 +37,12 @@ CLIENT, SERVER = trace_pb2.Span.SPAN_KIND_CLIENT, trace_pb2.Span.SPAN_KIND_SERVE
 LONG = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)  # seconds of decoding
 
 
-@pytest.fixture(scope="module")
-def receiver():
-    r = Receiver()
-    yield r
-    r.server.stop(0)
+receiver = pytest.fixture(scope="module")(otlp_receiver)
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory, receiver):
-    c = Cluster(tmp_path_factory.mktemp("outcomes"), str(tiny_models["llama"]),
-                worker_args=WORKER_ARGS, env=receiver.env(schedule_delay_ms=50)).start()
-    yield c
-    codes = c.stop()
-    assert all(code == 0 for code in codes.values()), codes
+    yield from traced_cluster(tiny_models, tmp_path_factory, receiver, "outcomes")
 
 
 @pytest.fixture(autouse=True)

@@ -121,20 +121,29 @@ def wait_traces(receiver: Receiver, request_ids: list[str], timeout: float = 15)
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def receiver():
+def otlp_receiver():
+    """Body of a module's `receiver` fixture: an OTLP receiver on loopback, stopped at the end."""
     r = Receiver()
     yield r
     r.server.stop(0)
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_models, tmp_path_factory, receiver):
-    c = Cluster(tmp_path_factory.mktemp("tracing"), str(tiny_models["llama"]),
+receiver = pytest.fixture(scope="module")(otlp_receiver)
+
+
+def traced_cluster(tiny_models, tmp_path_factory, receiver, name: str):
+    """Body of a module's `cluster` fixture: prefill + decode + router exporting their spans to
+    `receiver`; every process exits 0 at the end."""
+    c = Cluster(tmp_path_factory.mktemp(name), str(tiny_models["llama"]),
                 worker_args=WORKER_ARGS, env=receiver.env(schedule_delay_ms=50)).start()
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, tmp_path_factory, receiver):
+    yield from traced_cluster(tiny_models, tmp_path_factory, receiver, "tracing")
 
 
 def prompt_text(i: int) -> str:
