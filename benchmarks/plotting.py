@@ -67,18 +67,28 @@ def latency_cdfs(runs: list[dict], path: Path, title: str) -> str | None:
 
 def goodput_vs_rate(series: dict[str, list[tuple[float, float]]], path: Path, title: str,
                     ylabel: str = "goodput (req/s)") -> str | None:
-    """One line per layout: (offered rate, goodput) points."""
+    """One line per layout: (offered rate, goodput) points; one bar per layout when every
+    layout ran at one and the same rate."""
     plt = _pyplot()
     if plt is None:
         return "matplotlib is not installed: no plot written"
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    for label, points in series.items():
-        points = sorted(points)
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
-    ax.set_xlabel("offered rate (req/s)")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    rates = {p[0] for points in series.values() for p in points}
+    if len(rates) == 1 and all(len(points) == 1 for points in series.values()):
+        labels = list(series)
+        ax.bar(range(len(labels)), [series[k][0][1] for k in labels])
+        ax.set_xticks(range(len(labels)), labels, rotation=20, fontsize=8)
+        ax.set_xlabel(f"layout, at {rates.pop():g} req/s offered")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, axis="y")
+    else:
+        for label, points in series.items():
+            points = sorted(points)
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

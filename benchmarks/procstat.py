@@ -14,16 +14,50 @@ if TYPE_CHECKING:
     from cli.launcher import LocalStack
 
 
-def engine_steps(metrics_url: str) -> int | None:
-    """Engine steps that ran the model so far: the count of a worker's
-    tandem:iteration_tokens_total histogram; None if it serves no metrics."""
+def metric_totals(metrics_url: str, names: tuple[str, ...]) -> dict[str, float] | None:
+    """The sum over label sets of each named sample (e.g. a histogram's `_count`) a worker's
+    /metrics shows now; None if it serves no metrics."""
     try:
         text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
     except OSError:
         return None
-    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("tandem:iteration_tokens_total_count")]
-    return int(sum(counts)) if counts else None
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def engine_steps(metrics_url: str) -> int | None:
+    """Engine steps that ran the model so far: the count of a worker's
+    tandem:iteration_tokens_total histogram; None if it serves no metrics."""
+    t = metric_totals(metrics_url, ("tandem:iteration_tokens_total_count",))
+    return None if t is None else int(t["tandem:iteration_tokens_total_count"])
+
+
+KV_PULL = ("tandem:kv_transfer_seconds_sum", "tandem:kv_transfer_seconds_count",
+           "tandem:kv_transfer_bytes_sum")
+
+
+def kv_pulls(metrics_url: str) -> dict[str, float] | None:
+    """A decode worker's KV pulls so far (seconds and bytes summed, and their number)."""
+    return metric_totals(metrics_url, KV_PULL)
+
+
+def kv_pull_summary(before: dict, after: dict) -> dict | None:
+    """Pulls between two scrapes of every worker ({name: kv_pulls(...)}): how many, their mean
+    time and size; None when none was pulled."""
+    d = dict.fromkeys(KV_PULL, 0.0)
+    for name, a in after.items():
+        if a is not None and before.get(name) is not None:
+            for k in KV_PULL:
+                d[k] += a[k] - before[name][k]
+    n = d["tandem:kv_transfer_seconds_count"]
+    if not n:
+        return None
+    return {"pulls": int(n), "mean_ms": d["tandem:kv_transfer_seconds_sum"] / n * 1e3,
+            "mean_mib": d["tandem:kv_transfer_bytes_sum"] / n / 2**20}
 
 
 def engine_cores(pid: int) -> list[int]:

@@ -26,7 +26,9 @@ import math
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 # The repository first, even when PYTHONPATH already lists it: the script's own directory
@@ -36,7 +38,46 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import common, serve  # noqa: E402
 from benchmarks.workloads import add_workload_args, build_workload  # noqa: E402
 
-LAYOUT = re.compile(r"^(?:(\d+)P(\d+)D|(\d+)C)$", re.IGNORECASE)
+if TYPE_CHECKING:
+    from cli.launcher import LocalStack
+
+LAYOUT = re.compile(r"^(?:(\d+)P(?:tp(\d+)_)?(\d+)D(?:tp(\d+))?|(\d+)C(?:tp(\d+))?)$",
+                    re.IGNORECASE)
+
+
+@dataclass
+class Layout:
+    """Workers by role in the order prefill, decode, colocated; each role's tensor-parallel
+    size. Worker k takes the next tp[role] GPUs, named by the first."""
+
+    name: str
+    roles: list[str]
+    tp: dict[str, int]
+
+    @property
+    def gpus(self) -> int:
+        return sum(self.tp[r] for r in self.roles)
+
+    def devices(self, device_type: str) -> list[str]:
+        if device_type != "cuda":
+            return ["cpu"] * len(self.roles)
+        out, at = [], 0
+        for r in self.roles:
+            out.append(f"cuda:{at}")
+            at += self.tp[r]
+        return out
+
+    def role_args(self) -> dict[str, list[str]]:
+        return {r: ["--tensor-parallel-size", str(k)] for r, k in self.tp.items() if k > 1}
+
+    def label(self) -> str:
+        """1P(TP2):2D, 4C, ..."""
+        def part(n: int, tag: str, role: str) -> str:
+            return f"{n}{tag}" + (f"(TP{self.tp[role]})" if self.tp[role] > 1 else "")
+        if self.roles[0] == "both":
+            return part(len(self.roles), "C", "both")
+        return (f"{part(self.roles.count('prefill'), 'P', 'prefill')}:"
+                f"{part(self.roles.count('decode'), 'D', 'decode')}")
 
 
 def derived_layouts(gpus: int) -> list[str]:
@@ -44,13 +85,18 @@ def derived_layouts(gpus: int) -> list[str]:
     return [f"{p}P{gpus - p}D" for p in range(1, gpus)] + [f"{gpus}C"]
 
 
-def layout_roles(name: str) -> list[str]:
+def parse_layout(name: str) -> Layout:
+    """<p>P<d>D or <n>C, each role optionally at a tensor-parallel size: 1Ptp2_2D (one prefill
+    worker at TP 2, two decode at TP 1), 2P1Dtp2, 2Ctp2."""
     m = LAYOUT.match(name)
     if not m:
-        raise SystemExit(f"ratio.py: bad layout {name!r}: use <p>P<d>D or <n>C")
-    if m.group(3):
-        return ["both"] * int(m.group(3))
-    return ["prefill"] * int(m.group(1)) + ["decode"] * int(m.group(2))
+        raise SystemExit(f"ratio.py: bad layout {name!r}: use <p>P<d>D or <n>C, a role at "
+                         "tensor-parallel size k as <p>Ptp<k>_<d>D, <p>P<d>Dtp<k>, <n>Ctp<k>")
+    p, p_tp, d, d_tp, c, c_tp = m.groups()
+    if c:
+        return Layout(name, ["both"] * int(c), {"both": int(c_tp or 1)})
+    return Layout(name, ["prefill"] * int(p) + ["decode"] * int(d),
+                  {"prefill": int(p_tp or 1), "decode": int(d_tp or 1)})
 
 
 def rates_for(a: argparse.Namespace, workload: str) -> list[float]:
@@ -61,23 +107,28 @@ def rates_for(a: argparse.Namespace, workload: str) -> list[float]:
     return a.rates
 
 
-def run_layout(a: argparse.Namespace, name: str, passthrough: list[str]) -> dict:
-    roles = layout_roles(name)
-    if a.device_type == "cuda":
-        if len(roles) > a.gpus:
-            raise SystemExit(f"ratio.py: layout {name} needs {len(roles)} GPUs, --gpus is {a.gpus}")
-        devices = [f"cuda:{i}" for i in range(len(roles))]
-    else:
-        devices = ["cpu"] * len(roles)
-    vocab, model_max = common.model_vocab(a.model)
-    path = a.out_dir / f"layout-{name}.json"
-    result = {"layout": name, "roles": roles, "model": a.model, "dtype": a.dtype,
-              "engine_args": passthrough, "environment": common.environment(), "workloads": {}}
-    stack = serve.launch_stack(a.model, roles, devices, serve.common_worker_args(a, passthrough),
+def start_layout(a: argparse.Namespace, name: str, passthrough: list[str]
+                 ) -> tuple[Layout, LocalStack]:
+    """The layout's workers and router, started."""
+    lay = parse_layout(name)
+    if a.device_type == "cuda" and lay.gpus > a.gpus:
+        raise SystemExit(f"ratio.py: layout {name} needs {lay.gpus} GPUs, --gpus is {a.gpus}")
+    devices = lay.devices(a.device_type)
+    stack = serve.launch_stack(a.model, lay.roles, devices, serve.common_worker_args(a, passthrough),
                                serve.router_args(a, passthrough, a.num_requests),
-                               a.log_dir / name if a.log_dir else None)
-    print(f"== {name}: starting {', '.join(f'{r}@{d}' for r, d in zip(roles, devices))} "
-          f"(logs in {stack.log_dir})", flush=True)
+                               a.log_dir / name if a.log_dir else None, role_args=lay.role_args())
+    print(f"== {lay.label()}: starting {', '.join(f'{r}@{d}' for r, d in zip(lay.roles, devices))}"
+          f" (logs in {stack.log_dir})", flush=True)
+    return lay, stack
+
+
+def run_layout(a: argparse.Namespace, name: str, passthrough: list[str]) -> dict:
+    vocab, model_max = common.model_vocab(a.model)
+    lay, stack = start_layout(a, name, passthrough)
+    result = {"layout": name, "label": lay.label(), "roles": lay.roles, "tp": lay.tp,
+              "model": a.model, "dtype": a.dtype, "engine_args": passthrough,
+              "environment": common.environment(), "workloads": {}}
+    path = a.out_dir / f"layout-{name}.json"
     t = time.perf_counter()
     try:
         stack.start()
@@ -95,16 +146,71 @@ def run_layout(a: argparse.Namespace, name: str, passthrough: list[str]) -> dict
             common.check_lengths(requests, min(a.max_model_len, model_max))
             runs = serve.run_rates(opts, requests, rates_for(a, w), a.seed,
                                    label=f"{name} {w} ", warmup=common.warmup_requests(a, vocab),
-                                   cooldown_s=a.cooldown)
+                                   cooldown_s=a.cooldown, stack=stack)
             result["workloads"][w] = [r["summary"] for r in runs]
             result.setdefault("requests", {})[w] = [r["requests"] for r in runs]
-            serve.print_online(runs, f"-- {name} {w} on {result['card']}")
+            serve.print_online(runs, f"-- {lay.label()} {w} on {result['card']}")
             path.write_text(json.dumps(common.strip_private(result), indent=1))
     finally:
         result["exit_codes"] = stack.stop()
         a.out_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(common.strip_private(result), indent=1))
     return result
+
+
+def greedy_tokens(address: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy continuation through the router's gRPC API, all sent at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from engine.sampling_params import SamplingParams
+    from runtime.convert import params_to_proto
+    from tandem.v1 import api_pb2, api_pb2_grpc
+
+    params = params_to_proto(SamplingParams(temperature=0, max_tokens=max_tokens,
+                                            ignore_eos=True))
+    with grpc.insecure_channel(address) as ch:
+        stub = api_pb2_grpc.TandemStub(ch)
+
+        def one(prompt: list[int]) -> list[int]:
+            req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompt), params=params)
+            return [t for chunk in stub.Generate(req, timeout=600) for t in chunk.token_ids]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(one, prompts))
+
+
+def parity(a: argparse.Namespace, passthrough: list[str]) -> int:
+    """The fixed prompt set of benchmarks/tensor_parallel.py, greedy, through every layout in
+    turn; each layout's tokens against the first's (the reference, e.g. 1C). 1 if any differ."""
+    from benchmarks.tensor_parallel import NEW_TOKENS, agreement, prompts
+
+    vocab, _ = common.model_vocab(a.model)
+    prompt_set = prompts(vocab)
+    out = {"model": a.model, "dtype": a.dtype, "engine_args": passthrough, "layouts": {}}
+    for name in a.layouts:
+        lay, stack = start_layout(a, name, passthrough)
+        try:
+            stack.start()
+            card = ", ".join(sorted({w["card"] for w in serve.describe_workers(stack)}))
+            tokens = greedy_tokens(stack.router.address, prompt_set, NEW_TOKENS)
+        finally:
+            stack.stop()
+        out["layouts"][name] = {"label": lay.label(), "card": card, "tokens": tokens}
+    ref_name = a.layouts[0]
+    ref = out["layouts"][ref_name]["tokens"]
+    print(f"== greedy parity, {len(prompt_set)} prompts x {NEW_TOKENS} tokens, {a.dtype}, "
+          f"against {out['layouts'][ref_name]['label']} on {out['layouts'][ref_name]['card']}")
+    print(f"{'layout':<16}{'identical prompts':>19}{'before 1st diff':>17}{'positions equal':>17}")
+    differ = 0
+    for name, r in out["layouts"].items():
+        same, prefix, equal = agreement(ref, r["tokens"])
+        r.update(identical=same, before_first_difference=prefix, positions_equal=equal)
+        differ += same != len(ref)
+        print(f"{r['label']:<16}{same:>12}/{len(ref):<6}{prefix:>17.1%}{equal:>17.1%}")
+    (a.out_dir / "parity.json").write_text(json.dumps(out, indent=1))
+    return 1 if differ else 0
 
 
 def _rate(x) -> float:
@@ -131,29 +237,36 @@ def report(out_dir: Path, slo: tuple[float, float, str] | None = None) -> dict:
     for lay in layouts:
         for w, summaries in lay["workloads"].items():
             for s in summaries:
-                rows.append({"layout": lay["layout"], "workload": w, "rate": _rate(s["rate"]),
+                pulls = s.get("kv_pulls") or {}
+                rows.append({"layout": lay.get("label", lay["layout"]), "workload": w,
+                             "rate": _rate(s["rate"]),
                              "completed": s["completed"], "num_requests": s["num_requests"],
                              "request_throughput": s["request_throughput"],
                              "output_throughput": s["output_throughput"],
                              "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
                              "itl_p50_ms": s["itl_ms"]["p50"], "itl_p99_ms": s["itl_ms"]["p99"],
                              "goodput": s["goodput"], "slo_attainment": s["slo_attainment"],
-                             "slo": s["slo"], "card": lay.get("card")})
+                             "slo": s["slo"], "card": lay.get("card"),
+                             "kv_pull_ms": pulls.get("mean_ms"),
+                             "kv_pull_mib": pulls.get("mean_mib")})
     rows.sort(key=lambda r: (r["workload"], r["layout"], r["rate"]))
     f = common.fmt
     print(f"== prefill:decode layouts on {', '.join(cards)}; model {layouts[0].get('model')}")
-    print(f"{'workload':<14}{'layout':<8}{'rate':>6}{'done':>9}{'req/s':>8}{'out tok/s':>11}"
-          f"{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}{'goodput':>9}{'SLO':>6}")
+    print(f"{'workload':<14}{'layout':<16}{'rate':>6}{'done':>9}{'req/s':>8}{'out tok/s':>11}"
+          f"{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}{'goodput':>9}{'SLO':>6}"
+          f"{'KV ms':>8}{'KV MiB':>8}")
     for r in rows:
-        print(f"{r['workload']:<14}{r['layout']:<8}{common.fmt_rate(r['rate']):>6}"
+        print(f"{r['workload']:<14}{r['layout']:<16}{common.fmt_rate(r['rate']):>6}"
               f"{r['completed']:>5}/{r['num_requests']:<3}{f(r['request_throughput'], '.2f'):>8}"
               f"{f(r['output_throughput'], '.0f'):>11}{f(r['ttft_p50_ms'], '.0f'):>10}"
               f"{f(r['ttft_p99_ms'], '.0f'):>9}{f(r['itl_p50_ms']):>9}{f(r['itl_p99_ms']):>8}"
-              f"{f(r['goodput'], '.2f'):>9}{f(r['slo_attainment'], '.0%'):>6}")
+              f"{f(r['goodput'], '.2f'):>9}{f(r['slo_attainment'], '.0%'):>6}"
+              f"{f(r['kv_pull_ms']):>8}{f(r['kv_pull_mib']):>8}")
     slo = rows[0]["slo"] if rows else {}
     if slo:
         print(f"(ms; goodput in req/s: TTFT <= {slo['ttft_ms']:g} ms and per-request "
-              f"{slo['per_request_itl']} ITL <= {slo['itl_ms']:g} ms)")
+              f"{slo['per_request_itl']} ITL <= {slo['itl_ms']:g} ms; KV: mean time and size of "
+              "one request's pull by its decode worker)")
     best = {}
     plots = {}
     from benchmarks.plotting import goodput_vs_rate
@@ -199,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates-for", action="append", metavar="WORKLOAD=R,R,...",
                    help="rates for one workload (repeatable), instead of --rates")
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--parity", action="store_true",
+                   help="greedy parity of a fixed prompt set across --layouts against the first "
+                        "(no load runs)")
     p.add_argument("--report-only", action="store_true",
                    help="no runs: table, best layouts and plots from --out-dir")
     p.add_argument("--resummarize", action="store_true",
@@ -221,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.device_type == "cuda" and a.gpus > gpus:
         raise SystemExit(f"ratio.py: --gpus {a.gpus}, but nvidia-smi lists {gpus}")
     a.out_dir.mkdir(parents=True, exist_ok=True)
+    if a.parity:
+        if not a.layouts or len(a.layouts) < 2:
+            raise SystemExit("ratio.py: --parity needs --layouts REFERENCE LAYOUT ...")
+        return parity(a, passthrough)
     failed = 0
     for name in a.layouts or derived_layouts(a.gpus):
         try:

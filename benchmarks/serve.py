@@ -74,6 +74,8 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.procstat import (  # noqa: E402
     engine_steps,
+    kv_pull_summary,
+    kv_pulls,
     pin_stack,
     process_cpu_s,
     thread_deltas,
@@ -390,6 +392,9 @@ def run_rates(opts: LoadOptions, requests: list[Request], rates: list[float], se
         return {name: engine_steps(p.metrics_url) for name, p in procs.items()
                 if p.metrics_port}
 
+    def pulls() -> dict[str, dict | None]:
+        return {name: kv_pulls(p.metrics_url) for name, p in procs.items() if p.metrics_port}
+
     if warmup:
         w, _ = send_all(opts, warmup, [0.0] * len(warmup), f"{label}warmup")
         bad = [r.error for r in w if r.error]
@@ -400,7 +405,7 @@ def run_rates(opts: LoadOptions, requests: list[Request], rates: list[float], se
         if k:
             time.sleep(cooldown_s)
         offsets = arrival_offsets(len(requests), rate, seed + 1000 * k)
-        before, steps_before, threads_before = cpu(), steps(), threads()
+        before, steps_before, threads_before, pulls_before = cpu(), steps(), threads(), pulls()
         results, client_cpu_s = send_all(opts, requests, offsets, f"{label}rate {fmt_rate(rate)}")
         after, steps_after, threads_after = cpu(), steps(), threads()
         s = summarize(results, opts)
@@ -412,6 +417,7 @@ def run_rates(opts: LoadOptions, requests: list[Request], rates: list[float], se
                         for name in threads_after}
         s["engine_steps"] = {name: steps_after[name] - steps_before[name] for name in steps_before
                              if steps_before[name] is not None and steps_after[name] is not None}
+        s["kv_pulls"] = kv_pull_summary(pulls_before, pulls())
         ok = [r for r in results if r.ok]
         runs.append({
             "summary": s,
@@ -437,11 +443,13 @@ def _ms(x: float | None) -> float | None:
 
 # -- launching the stack --------------------------------------------------------------------------
 def launch_stack(model: str, roles: list[str], devices: list[str], worker_args: list[str],
-                 router_args: list[str], log_dir: Path | None = None) -> LocalStack:
+                 router_args: list[str], log_dir: Path | None = None,
+                 role_args: dict[str, list[str]] | None = None) -> LocalStack:
     """Workers (one OS process each, on the device given) and a router in front: the same
-    process manager as `tandem up`, logs to files, this checkout on the children's path."""
+    process manager as `tandem up`, logs to files, this checkout on the children's path.
+    role_args[role] go to that role's workers after worker_args."""
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return LocalStack(model, roles, devices, worker_args=worker_args,
+    return LocalStack(model, roles, devices, worker_args=worker_args, role_args=role_args,
                       router_args=["--grpc-port", "0", "--http-port", "0", *router_args],
                       log_dir=log_dir, env=env, metrics=True)
 

@@ -146,10 +146,19 @@ def test_hf_baseline_static_and_continuous_batching(tiny_models, tmp_path):
 def test_ratio_layouts_and_report(tmp_path):
     assert ratio.derived_layouts(4) == ["1P3D", "2P2D", "3P1D", "4C"]
     assert ratio.derived_layouts(2) == ["1P1D", "2C"]
-    assert ratio.layout_roles("1P2D") == ["prefill", "decode", "decode"]
-    assert ratio.layout_roles("2c") == ["both", "both"]
-    with pytest.raises(SystemExit):
-        ratio.layout_roles("2X")
+    lay = ratio.parse_layout("1P2D")
+    assert lay.roles == ["prefill", "decode", "decode"] and lay.gpus == 3
+    assert ratio.parse_layout("2c").roles == ["both", "both"]
+    het = ratio.parse_layout("1Ptp2_2D")
+    assert (het.gpus, het.devices("cuda"), het.label()) == (
+        4, ["cuda:0", "cuda:2", "cuda:3"], "1P(TP2):2D")
+    assert het.role_args() == {"prefill": ["--tensor-parallel-size", "2"]}
+    het = ratio.parse_layout("2P1Dtp2")
+    assert (het.devices("cuda"), het.label()) == (["cuda:0", "cuda:1", "cuda:2"], "2P:1D(TP2)")
+    assert ratio.parse_layout("2Ctp2").devices("cuda") == ["cuda:0", "cuda:2"]
+    for bad in ("2X", "1Ptp22D", "tp2C"):
+        with pytest.raises(SystemExit):
+            ratio.parse_layout(bad)
 
     def run_(rate, duration, ttft):
         rows = [{"ok": True, "ttft_ms": ttft, "itl_p90_ms": 1.0} for _ in range(4)]
