@@ -68,12 +68,12 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from runtime.cancel_interceptors import cancel_status_interceptors
 from runtime.metrics import Metrics
 from runtime.request_trace import (
     CANCELLED,
     FINISHED,
     WorkerSpan,
-    cancel_status_interceptors,
     phase_spans,
     timing_attrs,
 )
