@@ -91,10 +91,9 @@ from kernels import (  # noqa: E402  (TRITON_INTERPRET must be set first)
     store_kv,
 )
 from kernels._common import num_sms  # noqa: E402
-from kernels.paged_decode_attention import (  # noqa: E402
+from kernels.paged_decode_attention import LOG2E, _attend  # noqa: E402
+from kernels.paged_decode_launch import (  # noqa: E402
     DEFAULT_SPLIT_POLICY,
-    LOG2E,
-    _attend,
     decode_config,
     decode_num_splits,
     decode_split_len,

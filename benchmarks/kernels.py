@@ -73,7 +73,7 @@ from kernels import (  # noqa: E402  (TRITON_INTERPRET must be set first)
     paged_prefill_attention,
 )
 from kernels._common import num_sms  # noqa: E402
-from kernels.paged_decode_attention import (  # noqa: E402
+from kernels.paged_decode_launch import (  # noqa: E402
     DecodeConfig,
     decode_config,
     decode_num_splits,

@@ -6,13 +6,8 @@ to run the kernels on CPU tensors (slowly: small shapes only).
 
 from kernels.copy_blocks import copy_blocks, copy_blocks_ref
 from kernels.fp8_quant import quant_fp8, quant_fp8_ref
-from kernels.paged_decode_attention import (
-    SplitPolicy,
-    decode_num_splits,
-    decode_workspace_numel,
-    paged_decode_attention,
-    paged_decode_attention_ref,
-)
+from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
+from kernels.paged_decode_launch import SplitPolicy, decode_num_splits, decode_workspace_numel
 from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.rms_norm import RMSNormResidual, rms_norm, rms_norm_ref
 from kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref

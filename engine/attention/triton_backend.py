@@ -27,7 +27,7 @@ from kernels import (
     store_kv,
 )
 from kernels._common import num_sms
-from kernels.paged_decode_attention import DEFAULT_SPLIT_POLICY, decode_config
+from kernels.paged_decode_launch import DEFAULT_SPLIT_POLICY, decode_config
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -18,7 +18,7 @@ from kernels import (
     store_kv_ref,
 )
 from kernels._common import FP8_DTYPE, FP8_MAX, quantize_fp8_ref
-from kernels.paged_decode_attention import DecodeConfig, SplitPolicy
+from kernels.paged_decode_launch import DecodeConfig, SplitPolicy
 
 FP8 = FP8_DTYPE
 

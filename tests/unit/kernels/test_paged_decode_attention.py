@@ -11,7 +11,7 @@ from kernels import (
     paged_decode_attention_ref,
 )
 from kernels._common import INTERPRET
-from kernels.paged_decode_attention import DecodeConfig, decode_split_len
+from kernels.paged_decode_launch import DecodeConfig, decode_split_len
 
 # Splits of one tile are allowed, so that short contexts exercise the split path.
 ANY_SPLIT = SplitPolicy(min_split_tiles=1)

@@ -1,0 +1,109 @@
+"""How a paged decode attention launch (kernels/paged_decode_attention.py) is shaped, on the
+host: tile sizes (`decode_config`), how many split programs the grid gets per (sequence, KV
+head) (`decode_num_splits`, under a `SplitPolicy`), how long each sequence's splits are, as the
+kernel computes them (`decode_split_len`), and the fp32 workspace a split launch writes its
+partials to (`decode_workspace_numel`, `split_workspace`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from kernels._common import check, check_same_device
+
+MAX_SPLITS = 64
+
+
+class DecodeConfig(NamedTuple):
+    block_n: int  # KV tokens per inner iteration
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(head_dim: int) -> DecodeConfig:
+    """Tile sizes: a 64-token K and V tile of D=128 bf16 is 2 x 16 KiB per pipeline stage."""
+    if head_dim <= 128:
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
+    return DecodeConfig(block_n=32, num_warps=4, num_stages=3)
+
+
+class SplitPolicy(NamedTuple):
+    """How split-KV cuts contexts. Each split is a program that reads its range of KV tokens,
+    and the last one of a (sequence, KV head) also merges; more splits spread the reads over
+    more SMs, longer ones amortise each program's prologue and the merge."""
+
+    programs_per_sm: int = 2  # split until the grid has about this many programs per SM
+    min_split_tiles: int = 4  # no split shorter than this many BLOCK_N tiles (host and kernel)
+
+
+DEFAULT_SPLIT_POLICY = SplitPolicy()
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                      block_n: int = 64, policy: SplitPolicy = DEFAULT_SPLIT_POLICY) -> int:
+    """How many split programs the grid gets per (sequence, KV head): the launch's NUM_SPLITS.
+
+    Without a split there are num_seqs * num_kv_heads programs. From programs_per_sm per SM
+    on, the card is busy and splitting only adds merge work: 1. Below that, split until there
+    are about that many programs, but no more than a max_seq_len context can fill with splits
+    of min_split_tiles tiles. (The kernel applies the same minimum to each sequence's own
+    length: see decode_split_len.)
+    """
+    programs = num_seqs * num_kv_heads
+    target = policy.programs_per_sm * num_sms
+    if programs >= target:
+        return 1
+    want = math.ceil(target / max(programs, 1))
+    by_len = math.ceil(max_seq_len / (policy.min_split_tiles * block_n))
+    return max(1, min(want, by_len, MAX_SPLITS))
+
+
+def decode_split_len(seq_len: int, num_splits: int, block_n: int, min_split_tiles: int) -> int:
+    """Tokens per split of one sequence, as the split kernel computes it: whole tiles, at least
+    min_split_tiles of them. The sequence has max(1, ceil(seq_len / split_len)) active splits."""
+    tiles = _cdiv(_cdiv(seq_len, num_splits), block_n)
+    return max(tiles, min_split_tiles) * block_n
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def decode_workspace_numel(num_seqs: int, num_q_heads: int, head_dim: int,
+                           num_splits: int) -> int:
+    """fp32 elements of scratch a launch with num_splits > 1 needs: partial outputs
+    [S, Hq, splits, D] + log-sum-exps [S, Hq, splits]. Its contents never matter."""
+    return num_seqs * num_q_heads * num_splits * (head_dim + 1)
+
+
+class SplitWorkspace(NamedTuple):
+    part: torch.Tensor  # fp32 [S, Hq, splits, D]: each active split's normalised output
+    lse: torch.Tensor  # fp32 [S, Hq, splits]: its log-sum-exp (base 2)
+    counters: torch.Tensor  # int32 [S * Hkv]: splits arrived, all 0 between launches
+
+
+def split_workspace(q: torch.Tensor, num_kv_heads: int, num_splits: int,
+                    workspace: torch.Tensor | None, counters: torch.Tensor | None
+                    ) -> SplitWorkspace:
+    """A split launch's scratch for q [S, Hq, D]: `workspace` and `counters` checked (each
+    allocated when None) and the workspace viewed as partial outputs and log-sum-exps."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    need = decode_workspace_numel(num_seqs, num_q_heads, head_dim, num_splits)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+    check(workspace.dtype == torch.float32 and workspace.is_contiguous()
+          and workspace.numel() >= need,
+          f"workspace must be contiguous fp32 with >= {need} elements")
+    if counters is None:
+        counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=q.device)
+    check(counters.dtype == torch.int32 and counters.is_contiguous()
+          and counters.numel() >= num_seqs * num_kv_heads,
+          f"counters must be contiguous int32 with >= {num_seqs * num_kv_heads} elements")
+    check_same_device(q=q, workspace=workspace, counters=counters)
+    n_part = num_seqs * num_q_heads * num_splits * head_dim
+    part = workspace[:n_part].view(num_seqs, num_q_heads, num_splits, head_dim)
+    lse = workspace[n_part:need].view(num_seqs, num_q_heads, num_splits)
+    return SplitWorkspace(part, lse, counters)
