@@ -5,8 +5,8 @@ Each worker process has one NIXL agent (`default_endpoint()`, an `NixlEndpoint`)
 worker registers its pool (DRAM or VRAM) with it and hands out, as the descriptor's handle, the
 agent's metadata and the pool's base address (`NixlHandle`); the handle travels over the
 existing gRPC Register call, never over a side channel of NIXL's own (no listener thread). A
-decode worker loads that metadata once (`connect` -> NixlRemotePool), registers its own pool on
-first use, and moves each request's KV with one NIXL READ:
+decode worker loads that metadata once (`connect` -> NixlRemotePool, in nixl_remote.py),
+registers its own pool on first use, and moves each request's KV with one NIXL READ:
 
     prefill pool (remote, registered)         decode pool (local, registered)
     [ 0 | 1 | 2 | 3 | 4 | 5 | ... ]           [ 0 | 1 | 2 | 3 | 4 | 5 | ... ]
@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from kvtransfer.descriptor import PoolDescriptor
+from kvtransfer.nixl_remote import NixlRemotePool
 from tandem.errors import InvalidArgument
 
 EXTRA = "nixl"
@@ -219,6 +220,13 @@ class NixlEndpoint:
                 raise
         return NixlRemotePool(self, desc, name, blocks)
 
+    def disconnect(self, remote: NixlRemotePool) -> None:
+        """Release what `connect` made for `remote` (its close() calls this, once)."""
+        with self._lock:
+            if not self._closed:
+                self.agent.release_dlist_handle(remote.blocks)
+            self._drop_peer(remote.peer)
+
     def _drop_peer(self, name: str) -> None:
         with self._lock:
             left = self._peers.get(name, 0) - 1
@@ -324,76 +332,6 @@ class NixlEndpoint:
                 self._peers[name] = 1
                 self._drop_peer(name)
             self._closed = True
-
-
-class NixlRemotePool:
-    """A peer's pool reached over NIXL: the peer's agent loaded and its blocks prepared as
-    remote descriptors. Nothing is mapped here; `pull` reads blocks into a local pool.
-    close() releases what connect() made (idempotent)."""
-
-    def __init__(self, endpoint: NixlEndpoint, descriptor: PoolDescriptor, peer: str,
-                 blocks: Any) -> None:
-        self.endpoint = endpoint
-        self.descriptor = descriptor
-        self.peer = peer
-        self.blocks = blocks
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def pull(self, local: torch.Tensor, src_block_ids: Sequence[int],
-             dst_block_ids: Sequence[int], *, deadline: float | None = None,
-             cancel: threading.Event | None = None) -> None:
-        """Read blocks `src_block_ids[i]` of the peer's pool into blocks `dst_block_ids[i]` of
-        `local` (same layout; registered with this endpoint on first use). One READ; returns
-        when it is done. Raises TransferFailed, TimeoutError (past `deadline`, a
-        time.monotonic() value) or PullCancelled (`cancel` set), each only once nothing writes
-        into the destination blocks any more."""
-        if self._closed:
-            raise RuntimeError("NixlRemotePool is closed")
-        _check_ids(self.descriptor, local, src_block_ids, dst_block_ids)
-        if src_block_ids:
-            self.endpoint.read(self, local, src_block_ids, dst_block_ids, deadline, cancel)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with self.endpoint._lock:
-            if not self.endpoint._closed:
-                self.endpoint.agent.release_dlist_handle(self.blocks)
-            self.endpoint._drop_peer(self.peer)
-
-    def __enter__(self) -> NixlRemotePool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        return f"NixlRemotePool({self.descriptor.redacted()}, {state})"
-
-
-def _check_ids(desc: PoolDescriptor, local: torch.Tensor, src_ids: Sequence[int],
-               dst_ids: Sequence[int]) -> None:
-    # Out-of-range ids would make NIXL read or write outside the registered pools: check here.
-    dtype_bytes = local.element_size()
-    if (tuple(local.shape[1:]) != desc.shape[1:]
-            or local[0].numel() * dtype_bytes != desc.block_bytes):
-        raise InvalidArgument("local", f"pool {local.dtype} {tuple(local.shape)} cannot take "
-                                       f"blocks of {desc.dtype} {desc.shape}")
-    if len(src_ids) != len(dst_ids):
-        raise InvalidArgument("dst_block_ids", f"{len(dst_ids)} ids for {len(src_ids)} "
-                                               "source blocks")
-    for name, ids, limit in (("src_block_ids", src_ids, desc.num_blocks),
-                             ("dst_block_ids", dst_ids, local.shape[0])):
-        if ids and (min(ids) < 0 or max(ids) >= limit):
-            raise InvalidArgument(name, f"ids must be in [0, {limit}), got {min(ids)}..{max(ids)}")
-    if len(set(dst_ids)) != len(dst_ids):
-        raise InvalidArgument("dst_block_ids", "ids must be distinct")
 
 
 # -- the process's endpoint --------------------------------------------------------------------

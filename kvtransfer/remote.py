@@ -62,7 +62,7 @@ class TransferStats:
 def open_remote_pool(desc: PoolDescriptor, device: torch.device | str) -> RemotePool:
     """Map a peer's pool: attach its shared-memory segment ("shm", device must be the CPU) or
     open its CUDA IPC handle on `device` ("cuda_ipc"; same GPU or a peer GPU of this host).
-    A "nixl" pool is not mapped: this returns a kvtransfer.nixl.NixlRemotePool, which
+    A "nixl" pool is not mapped: this returns a kvtransfer.nixl_remote.NixlRemotePool, which
     pull_blocks reads from over NIXL (any host, any device).
 
     Check the layout against your own pool first (`check_compatible`). Errors carry the

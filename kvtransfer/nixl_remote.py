@@ -1,0 +1,85 @@
+"""A peer's pool over the nixl transport, as a decode worker holds it (`NixlRemotePool`, made by
+kvtransfer/nixl.py's `NixlEndpoint.connect`): the ids of a pull checked against both pools, then
+one READ through the endpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvtransfer.descriptor import PoolDescriptor
+from tandem.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from kvtransfer.nixl import NixlEndpoint
+
+
+class NixlRemotePool:
+    """A peer's pool reached over NIXL: the peer's agent loaded and its blocks prepared as
+    remote descriptors. Nothing is mapped here; `pull` reads blocks into a local pool.
+    close() releases what connect() made (idempotent)."""
+
+    def __init__(self, endpoint: NixlEndpoint, descriptor: PoolDescriptor, peer: str,
+                 blocks: Any) -> None:
+        self.endpoint = endpoint
+        self.descriptor = descriptor
+        self.peer = peer
+        self.blocks = blocks
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def pull(self, local: torch.Tensor, src_block_ids: Sequence[int],
+             dst_block_ids: Sequence[int], *, deadline: float | None = None,
+             cancel: threading.Event | None = None) -> None:
+        """Read blocks `src_block_ids[i]` of the peer's pool into blocks `dst_block_ids[i]` of
+        `local` (same layout; registered with this endpoint on first use). One READ; returns
+        when it is done. Raises TransferFailed, TimeoutError (past `deadline`, a
+        time.monotonic() value) or PullCancelled (`cancel` set), each only once nothing writes
+        into the destination blocks any more."""
+        if self._closed:
+            raise RuntimeError("NixlRemotePool is closed")
+        _check_ids(self.descriptor, local, src_block_ids, dst_block_ids)
+        if src_block_ids:
+            self.endpoint.read(self, local, src_block_ids, dst_block_ids, deadline, cancel)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.endpoint.disconnect(self)
+
+    def __enter__(self) -> NixlRemotePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"NixlRemotePool({self.descriptor.redacted()}, {state})"
+
+
+def _check_ids(desc: PoolDescriptor, local: torch.Tensor, src_ids: Sequence[int],
+               dst_ids: Sequence[int]) -> None:
+    # Out-of-range ids would make NIXL read or write outside the registered pools: check here.
+    dtype_bytes = local.element_size()
+    if (tuple(local.shape[1:]) != desc.shape[1:]
+            or local[0].numel() * dtype_bytes != desc.block_bytes):
+        raise InvalidArgument("local", f"pool {local.dtype} {tuple(local.shape)} cannot take "
+                                       f"blocks of {desc.dtype} {desc.shape}")
+    if len(src_ids) != len(dst_ids):
+        raise InvalidArgument("dst_block_ids", f"{len(dst_ids)} ids for {len(src_ids)} "
+                                               "source blocks")
+    for name, ids, limit in (("src_block_ids", src_ids, desc.num_blocks),
+                             ("dst_block_ids", dst_ids, local.shape[0])):
+        if ids and (min(ids) < 0 or max(ids) >= limit):
+            raise InvalidArgument(name, f"ids must be in [0, {limit}), got {min(ids)}..{max(ids)}")
+    if len(set(dst_ids)) != len(dst_ids):
+        raise InvalidArgument("dst_block_ids", "ids must be distinct")
