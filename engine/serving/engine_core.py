@@ -15,7 +15,7 @@ Here each has an interpreter of its own; per step the core pays one pickled mess
 
 The core owns everything that touches the model or the KV pool: the LLMEngine, its pool (a
 prefill worker's, allocated here for peers to map), the peers' pools a decode worker maps, the
-KV pulls, and the leases. It never builds a span or a metric: what the worker records comes to
+KV pulls, and the leases (a decode worker's: kv_pulls.py). It never builds a span or a metric: what the worker records comes to
 it as events (step statistics, a pull's figures with its lease).
 
 The messages both sides share are in core_messages.py.
@@ -38,7 +38,6 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.sequence import RemoteKV
 from engine.serving.core_messages import (
     Abort,
     Aborted,
@@ -49,7 +48,6 @@ from engine.serving.core_messages import (
     EngineSnapshot,
     Failed,
     KVEvents,
-    LeaseDone,
     MapPool,
     Ready,
     Release,
@@ -61,6 +59,7 @@ from engine.serving.core_messages import (
     pack_outputs,
     portable,
 )
+from engine.serving.kv_pulls import KVPulls
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +73,6 @@ class EngineCore:
         self.spec = spec
         self.events = events
         self.pool: Any = None  # this core's pool, when peers map it (prefill)
-        # address -> (instance id, RemotePool): the pool of the prefill process there now
-        self.peers: dict[str, tuple[str, Any]] = {}
         pool_factory = self._allocate_shared_pool if spec.role == "prefill" else None
         # Tensor parallelism: the other ranks share their own pools the same way (prefill).
         tp_options = {"pool_transport": (spec.transport or "shm") if pool_factory else None}
@@ -99,20 +96,18 @@ class EngineCore:
         if self.pool is not None and self.engine.tp_group is not None:
             self.rank_pools = tuple(self.engine.tp_group.call(
                 "describe", (), self.rank_kv.describe)[1:])
+        # Decode role: the prefill pools, the pulls from them, and the leases they settle.
+        self.kv = KVPulls(self.engine, self.rank_kv, events)
         if spec.role == "decode":
-            self.engine.kv_puller, self.engine.kv_dropper = self._pull, self._drop
+            self.engine.kv_puller, self.engine.kv_dropper = self.kv.pull, self.kv.drop
         # The router routes on what this worker's prefix cache holds: record its changes.
         self.engine.block_pool.kv_events = {}
-        self.kv_blocks_pulled = self.kv_bytes_pulled = 0
         self.commands: queue.SimpleQueue[Call] = queue.SimpleQueue()
         self.handlers = {Add: self._add, Abort: self._abort, Release: self._release,
-                         MapPool: self._map, TakeSnapshot: self._take_snapshot, Stop: self._stop}
+                         MapPool: self.kv.map, TakeSnapshot: self._take_snapshot, Stop: self._stop}
         self.wake = threading.Event()
         self.stopping = False
         self._last_snapshot: EngineSnapshot | None = None
-        # Decode role: the leases this core owns, token -> request id, from Add until their
-        # one LeaseDone (pulled, failed, or the request ended first): settled by popping.
-        self.leases_held: dict[str, str] = {}
 
     def info(self) -> CoreInfo:
         engine = self.engine
@@ -173,10 +168,10 @@ class EngineCore:
         with contextlib.suppress(Exception):
             self.rank_kv.close()
         self.pool = None if self.rank_kv.pool is self.pool else self.pool
-        own = [self.pool] if self.pool is not None else []
-        for pool in [*(p for _, p in self.peers.values()), *own]:
+        self.kv.close()
+        if self.pool is not None:
             with contextlib.suppress(Exception):
-                pool.close()
+                self.pool.close()
 
     def _read(self, commands: Connection) -> None:
         """Input thread: commands into the queue as they come; the pipe closing (the worker is
@@ -209,11 +204,11 @@ class EngineCore:
         if remote is None:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
             return
-        self.leases_held[remote.lease_id] = cmd.request_id
+        self.kv.hold(remote, cmd.request_id)
         try:
             self.engine.add_remote_request(cmd.request_id, cmd.prompt, cmd.params, remote)
         except BaseException:
-            self._settle(remote)  # refused: nobody will pull it
+            self.kv.settle(remote)  # refused: nobody will pull it
             raise
 
     def _abort(self, cmd: Abort) -> bool:
@@ -227,111 +222,11 @@ class EngineCore:
     def _release(self, cmd: Release) -> bool:
         return self.engine.release(cmd.lease_id)
 
-    def _map(self, cmd: MapPool) -> None:
-        """Decode role: map a prefill worker's pool (once per address and instance: a worker
-        restarted on the address has a new pool, which replaces the old one's mapping).
-        `descriptor`: one pool, or a tensor-parallel prefill worker's pools in rank order;
-        with tensor parallelism on either side every rank maps them all."""
-        from kvtransfer.remote import open_remote_pool  # noqa: PLC0415 - torch, in the core only
-
-        address, instance_id = cmd.address, cmd.instance_id
-        descriptor = cmd.descriptor
-        descs = list(descriptor) if isinstance(descriptor, (list, tuple)) else [descriptor]
-        group = self.engine.tp_group
-        if len(descs) > 1 or group is not None:
-            self.peers.pop(address, None)
-            if group is None:
-                self.rank_kv.map(address, descs, instance_id)
-            else:
-                group.call("map", (address, descs, instance_id),
-                           lambda: self.rank_kv.map(address, descs, instance_id))
-            return
-        self.rank_kv.peers.pop(address, None)
-        descriptor = descs[0]
-        old = self.peers.get(address)
-        if old is not None and old[0] == instance_id:
-            return
-        device = "cpu" if descriptor.transport == "shm" else self.engine.runner.device
-        self.peers[address] = (instance_id, open_remote_pool(descriptor, device))
-        if old is not None:
-            with contextlib.suppress(Exception):
-                old[1].close()
-
     def _take_snapshot(self, _: TakeSnapshot) -> EngineSnapshot:
         return self._snapshot()
 
     def _stop(self, _: Stop) -> None:
         self.stopping = True
-
-    # -- KV hooks (decode role) --------------------------------------------------------------
-    def _pull(self, kv: RemoteKV, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
-        """Copy blocks src_block_ids of the lease (those of the prompt this worker's prefix
-        cache does not hold: possibly none) into dst_block_ids, then settle the lease."""
-        from kvtransfer.remote import pull_blocks  # noqa: PLC0415 - torch, in the core only
-
-        if kv.address in self.rank_kv.peers:
-            return self._pull_heads(kv, src_block_ids, dst_block_ids)
-        start_ns = time.time_ns()
-        stats = error = None
-        instance, pool = self.peers.get(kv.address, ("", None))
-        try:
-            if pool is None:
-                raise RuntimeError(f"the KV pool of {kv.address} is not mapped")
-            if instance != kv.instance_id:
-                raise RuntimeError(f"the prefill worker at {kv.address} restarted: the "
-                                   "lease's KV went with it")
-            if time.monotonic() > kv.deadline:
-                raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
-            stats = pull_blocks(pool, self.engine.runner.pool, src_block_ids, dst_block_ids,
-                                deadline=kv.deadline)
-        except Exception as e:
-            error = e
-            raise
-        finally:
-            self._settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
-                         num_blocks=len(src_block_ids),
-                         nbytes=stats.bytes if stats else 0,
-                         seconds=stats.seconds if stats else 0.0,
-                         transport=pool.descriptor.transport if pool is not None else "",
-                         error=f"{type(error).__name__}: {error}" if error is not None else None)
-
-    def _pull_heads(self, kv: RemoteKV, src_block_ids: list[int],
-                    dst_block_ids: list[int]) -> None:
-        """Tensor parallelism on either side: every rank copies its heads from the prefill
-        ranks holding them (kvtransfer/tp_pull.py); the lease, one for every rank, is settled
-        once all ranks are done."""
-        start_ns = time.time_ns()
-        stats: list[Any] = []
-        error = None
-        args = (kv.address, kv.instance_id, src_block_ids, dst_block_ids)
-        try:
-            if time.monotonic() > kv.deadline:
-                raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
-            group = self.engine.tp_group
-            local = lambda: self.rank_kv.pull(*args)  # noqa: E731
-            stats = group.call("pull", args, local) if group is not None else [local()]
-        except Exception as e:
-            error = e
-            raise
-        finally:
-            pools = self.rank_kv.peers.get(kv.address, ("", []))[1]
-            self._settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
-                         num_blocks=len(src_block_ids), nbytes=sum(s.bytes for s in stats),
-                         seconds=max((s.seconds for s in stats), default=0.0),
-                         transport=pools[0].descriptor.transport if pools else "",
-                         error=f"{type(error).__name__}: {error}" if error is not None else None)
-
-    def _drop(self, kv: RemoteKV) -> None:
-        self._settle(kv)
-
-    def _settle(self, kv: RemoteKV, **pull: Any) -> None:
-        """The lease is done here: one LeaseDone (with the pull's figures, if one ran), once."""
-        request_id = self.leases_held.pop(kv.lease_id, None)
-        if pull.get("error") is None:
-            self.kv_blocks_pulled += pull.get("num_blocks", 0)
-            self.kv_bytes_pulled += pull.get("nbytes", 0)
-        if request_id is not None:
-            self.events.send(LeaseDone(request_id, kv.address, kv.lease_id, **pull))
 
     # -- helpers -----------------------------------------------------------------------------
     def _allocate_shared_pool(self, shape, dtype, device):
@@ -351,7 +246,7 @@ class EngineCore:
                               len(e.leases), len(e.requests), e.num_requests_added,
                               pool.block_size, pool.prefix_queries, pool.prefix_hits,
                               e.scheduler.num_preemptions, e.num_prompt_tokens_computed,
-                              self.kv_blocks_pulled, self.kv_bytes_pulled)
+                              self.kv.blocks_pulled, self.kv.bytes_pulled)
 
     def _kv_events(self) -> KVEvents | None:
         stored, removed = self.engine.block_pool.take_events()

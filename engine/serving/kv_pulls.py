@@ -1,0 +1,142 @@
+"""The decode engine core's side of a handoff: the prefill pools it maps, the KV pulls from
+them, and the leases it holds until their one LeaseDone.
+
+    Add (with a lease) ─▶ hold ─▶ the engine admits the request ─▶ pull (or drop: it ended first)
+                                                                     └─▶ settle: one LeaseDone,
+                                                                         with the pull's figures
+
+The engine calls `pull` and `drop` (LLMEngine's kv_puller and kv_dropper); the worker turns each
+LeaseDone into a Release on the prefill worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.sequence import RemoteKV
+from engine.serving.core_messages import LeaseDone, MapPool
+
+
+class KVPulls:
+    def __init__(self, engine: Any, rank_kv: Any, events: Connection) -> None:
+        self.engine = engine  # its runner's pool and device, its tensor-parallel group
+        # Rank 0's side of a handoff that moves heads between tensor-parallel sizes.
+        self.rank_kv = rank_kv
+        self.events = events
+        # address -> (instance id, RemotePool): the pool of the prefill process there now
+        self.peers: dict[str, tuple[str, Any]] = {}
+        # The leases this core owns, token -> request id, from Add until their one LeaseDone
+        # (pulled, failed, or the request ended first): settled by popping.
+        self.leases_held: dict[str, str] = {}
+        self.blocks_pulled = self.bytes_pulled = 0
+
+    def hold(self, kv: RemoteKV, request_id: str) -> None:
+        self.leases_held[kv.lease_id] = request_id
+
+    def map(self, cmd: MapPool) -> None:
+        """Map a prefill worker's pool (once per address and instance: a worker restarted on
+        the address has a new pool, which replaces the old one's mapping). `descriptor`: one
+        pool, or a tensor-parallel prefill worker's pools in rank order; with tensor
+        parallelism on either side every rank maps them all."""
+        from kvtransfer.remote import open_remote_pool  # noqa: PLC0415 - torch, in the core only
+
+        address, instance_id = cmd.address, cmd.instance_id
+        descriptor = cmd.descriptor
+        descs = list(descriptor) if isinstance(descriptor, (list, tuple)) else [descriptor]
+        group = self.engine.tp_group
+        if len(descs) > 1 or group is not None:
+            self.peers.pop(address, None)
+            if group is None:
+                self.rank_kv.map(address, descs, instance_id)
+            else:
+                group.call("map", (address, descs, instance_id),
+                           lambda: self.rank_kv.map(address, descs, instance_id))
+            return
+        self.rank_kv.peers.pop(address, None)
+        descriptor = descs[0]
+        old = self.peers.get(address)
+        if old is not None and old[0] == instance_id:
+            return
+        device = "cpu" if descriptor.transport == "shm" else self.engine.runner.device
+        self.peers[address] = (instance_id, open_remote_pool(descriptor, device))
+        if old is not None:
+            with contextlib.suppress(Exception):
+                old[1].close()
+
+    def pull(self, kv: RemoteKV, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Copy blocks src_block_ids of the lease (those of the prompt this worker's prefix
+        cache does not hold: possibly none) into dst_block_ids, then settle the lease."""
+        from kvtransfer.remote import pull_blocks  # noqa: PLC0415 - torch, in the core only
+
+        if kv.address in self.rank_kv.peers:
+            return self._pull_heads(kv, src_block_ids, dst_block_ids)
+        start_ns = time.time_ns()
+        stats = error = None
+        instance, pool = self.peers.get(kv.address, ("", None))
+        try:
+            if pool is None:
+                raise RuntimeError(f"the KV pool of {kv.address} is not mapped")
+            if instance != kv.instance_id:
+                raise RuntimeError(f"the prefill worker at {kv.address} restarted: the "
+                                   "lease's KV went with it")
+            if time.monotonic() > kv.deadline:
+                raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
+            stats = pull_blocks(pool, self.engine.runner.pool, src_block_ids, dst_block_ids,
+                                deadline=kv.deadline)
+        except Exception as e:
+            error = e
+            raise
+        finally:
+            self.settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
+                        num_blocks=len(src_block_ids),
+                        nbytes=stats.bytes if stats else 0,
+                        seconds=stats.seconds if stats else 0.0,
+                        transport=pool.descriptor.transport if pool is not None else "",
+                        error=f"{type(error).__name__}: {error}" if error is not None else None)
+
+    def _pull_heads(self, kv: RemoteKV, src_block_ids: list[int],
+                    dst_block_ids: list[int]) -> None:
+        """Tensor parallelism on either side: every rank copies its heads from the prefill
+        ranks holding them (kvtransfer/tp_pull.py); the lease, one for every rank, is settled
+        once all ranks are done."""
+        start_ns = time.time_ns()
+        stats: list[Any] = []
+        error = None
+        args = (kv.address, kv.instance_id, src_block_ids, dst_block_ids)
+        try:
+            if time.monotonic() > kv.deadline:
+                raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
+            group = self.engine.tp_group
+            local = lambda: self.rank_kv.pull(*args)  # noqa: E731
+            stats = group.call("pull", args, local) if group is not None else [local()]
+        except Exception as e:
+            error = e
+            raise
+        finally:
+            pools = self.rank_kv.peers.get(kv.address, ("", []))[1]
+            self.settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
+                        num_blocks=len(src_block_ids), nbytes=sum(s.bytes for s in stats),
+                        seconds=max((s.seconds for s in stats), default=0.0),
+                        transport=pools[0].descriptor.transport if pools else "",
+                        error=f"{type(error).__name__}: {error}" if error is not None else None)
+
+    def drop(self, kv: RemoteKV) -> None:
+        self.settle(kv)
+
+    def settle(self, kv: RemoteKV, **pull: Any) -> None:
+        """The lease is done here: one LeaseDone (with the pull's figures, if one ran), once."""
+        request_id = self.leases_held.pop(kv.lease_id, None)
+        if pull.get("error") is None:
+            self.blocks_pulled += pull.get("num_blocks", 0)
+            self.bytes_pulled += pull.get("nbytes", 0)
+        if request_id is not None:
+            self.events.send(LeaseDone(request_id, kv.address, kv.lease_id, **pull))
+
+    def close(self) -> None:
+        """Unmap the peers' pools (those rank_kv maps are its own to close)."""
+        for _, pool in self.peers.values():
+            with contextlib.suppress(Exception):
+                pool.close()
