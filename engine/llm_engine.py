@@ -8,6 +8,8 @@ Roles share this one engine:
   decode   `add_remote_request` admits a request whose prompt KV lives on a prefill worker; the
            engine keeps the prompt's full blocks its own prefix cache holds, allocates blocks
            for the rest, calls `kv_puller` to copy only those in, and decodes.
+The prefill and decode halves of that handoff are engine/kv_handoff.py's (a mixin); this file
+holds the loop and what every role shares.
 """
 
 from __future__ import annotations
@@ -19,38 +21,26 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from engine.block_pool import BlockPool
-from engine.config import EngineConfig, ModelConfig, cdiv
+from engine.config import EngineConfig, ModelConfig
 from engine.grammar import GrammarCompiler, check_schema
+from engine.kv_handoff import KVDropper, KVHandoff, KVPuller
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner, PoolFactory
 from engine.model_source import resolve_model
 from engine.sampler import SampleRow
 from engine.sampling_params import RequestLimits, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import (
-    FinishReason,
-    Handoff,
-    RemoteKV,
-    SeqOutput,
-    Sequence,
-    Status,
-    StepStats,
-)
+from engine.sequence import FinishReason, SeqOutput, Sequence, Status, StepStats
 from kvtransfer.lease import LeaseTable
 from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
-# Copies blocks src[i] of a request's prompt KV at its source into local blocks dst[i] (the
-# prompt's blocks this worker does not hold already; possibly none); raises if it cannot.
-KVPuller = Callable[[RemoteKV, list[int], list[int]], None]
-# Told when a request whose KV was never pulled ends (so its source can be released).
-KVDropper = Callable[[RemoteKV], None]
 # With nothing else to run, how long a step waits for a grammar being compiled.
 COMPILE_WAIT_S = 0.05
 
 
-class LLMEngine:
+class LLMEngine(KVHandoff):
     def __init__(self, config: EngineConfig, *, pool_factory: PoolFactory | None = None,
                  kv_puller: KVPuller | None = None, kv_dropper: KVDropper | None = None,
                  progress: bool = True, tp_options: dict | None = None) -> None:
@@ -164,43 +154,6 @@ class LLMEngine:
         self._admit(seq)
         self.num_requests_added += 1
 
-    def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
-                           params: SamplingParams, remote: RemoteKV) -> None:
-        """Decode role: the prompt's KV and first token(s) come from a prefill worker."""
-        self.validate(request_id, prompt_token_ids, params)
-        if len(remote.first_token_ids) != params.n:
-            raise InvalidArgument("first_token_ids", f"expected {params.n}, got "
-                                  f"{len(remote.first_token_ids)}")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in remote.first_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidArgument("first_token_ids", f"token id {bad} is outside [0, {vocab})")
-        if len(remote.block_ids) != cdiv(len(prompt_token_ids), self.block_pool.block_size):
-            raise InvalidArgument("kv.block_ids", f"{len(remote.block_ids)} blocks do not hold "
-                                  f"{len(prompt_token_ids)} tokens")
-        if remote.resume_token_ids:
-            self._validate_resume(prompt_token_ids, params, remote.resume_token_ids)
-        seq = Sequence(request_id, prompt_token_ids, params)
-        seq.remote = remote
-        self.requests[request_id] = [seq]
-        self._admit(seq)
-        self.num_requests_added += 1
-
-    def _validate_resume(self, prompt: list[int], params: SamplingParams,
-                         resume: tuple[tuple[int, ...], ...]) -> None:
-        if len(resume) != params.n:
-            raise InvalidArgument("resume", f"expected {params.n} samples, got {len(resume)}")
-        vocab = self.model_config.vocab_size
-        for tokens in resume:
-            bad = next((t for t in tokens if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidArgument("resume", f"token id {bad} is outside [0, {vocab})")
-            # The first token and these: no more than the request may have.
-            if 1 + len(tokens) > params.max_tokens or \
-                    len(prompt) + 1 + len(tokens) > self.max_model_len:
-                raise InvalidArgument("resume", f"{1 + len(tokens)} output tokens exceed "
-                                      "max_tokens or the model's length")
-
     def abort(self, request_id: str) -> bool:
         seqs = self.requests.pop(request_id, None)
         if seqs is None:
@@ -231,23 +184,6 @@ class LLMEngine:
             if seq.sample_index == sample_index and not seq.is_finished:
                 self._finish(seq, FinishReason.STOP)
         self.scheduler.remove_finished()
-
-    def release(self, lease_id: str) -> bool:
-        """Prefill role: the decode side has its copy. Unknown or late releases are ignored."""
-        blocks = self.leases.release(lease_id)
-        if blocks is None:
-            return False
-        self.block_pool.free(blocks)
-        return True
-
-    def expire_leases(self, now: float | None = None) -> int:
-        expired = self.leases.expire(time.monotonic() if now is None else now)
-        for blocks in expired:
-            self.block_pool.free(blocks)
-        if expired:  # no decode worker took these prompts' KV in time (never the lease ids)
-            log.warning("%d KV lease(s) expired unreleased; %d blocks returned", len(expired),
-                        sum(len(b) for b in expired))
-        return len(expired)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do at TP 1)."""
@@ -381,68 +317,6 @@ class LLMEngine:
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
-
-    def _handoff(self, seq: Sequence, tokens: list[int], lps: list) -> SeqOutput:
-        """Prefill role: pin the prompt's blocks under a lease and end the request here."""
-        now = time.monotonic()
-        lease = self.leases.grant(seq.block_ids, self.lease_ttl_s, now)
-        reasons = []
-        for tok in tokens:
-            seq.token_ids.append(tok)  # as the decode side will see it
-            reasons.append(self._stop_reason(seq, tok))
-            seq.token_ids.pop()
-        handoff = Handoff(tuple(seq.block_ids), seq.num_tokens, tuple(tokens), tuple(lps),
-                          lease, self.lease_ttl_s, tuple(reasons), seq.num_cached_tokens,
-                          now + self.lease_ttl_s)
-        seq.block_ids = []  # now owned by the lease
-        seq.pending_forks = 0
-        self._finish(seq, FinishReason.HANDOFF)
-        out = self._output(seq, [], [])
-        out.handoff = handoff
-        return out
-
-    def _pull(self, seqs: list[Sequence]) -> list[SeqOutput]:
-        """Decode role: copy admitted requests' KV in, then they decode from the next step."""
-        outputs = []
-        for seq in seqs:
-            remote, seq.remote = seq.remote, None
-            seq.first_scheduled_time = time.monotonic()  # admitted: queue time ends here
-            # The leading blocks came from this worker's prefix cache (allocate_for_pull).
-            kept = seq.num_cached_blocks
-            try:
-                self.kv_puller(remote, list(remote.block_ids[kept:]), seq.block_ids[kept:])
-            except Exception as e:  # noqa: BLE001 - any transport failure fails this request
-                log.warning("KV pull failed for %s: %s", seq.request_id, e)
-                outputs += self.fail([seq.request_id], f"KV transfer failed: {e}")
-                continue
-            try:
-                outputs += self._start_decoding(seq, remote)
-            except Exception:  # this request's own state: it fails alone
-                log.exception("request %s failed after its KV pull", seq.request_id)
-                outputs += self.fail([seq.request_id], "internal error after the KV pull")
-        return outputs
-
-    def _start_decoding(self, seq: Sequence, remote: RemoteKV) -> list[SeqOutput]:
-        """A pulled request's prompt is computed; its first token(s) came with the handoff, and
-        after a move from another decode worker each sample's outputs since."""
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.kv.cache_full_blocks(seq)
-        firsts, lps = remote.first_token_ids, remote.first_logprobs
-        resume = remote.resume_token_ids or ((),) * len(firsts)
-        children = self._fork(seq, list(firsts[1:]), list(lps[1:]))
-        outputs = []
-        for s, tok, lp, more in zip([seq, *children], firsts, lps, resume):
-            # These went to the client already: record (grammar and stop checks included), do
-            # not re-emit. The tokens after the prompt have no KV here yet: the next steps
-            # compute them as a prompt chunk, then sample the next one.
-            self._append(s, tok, lp, sampled_here=False)
-            for t in more:
-                if s.is_finished:
-                    break
-                self._append(s, t, None, sampled_here=False)
-            if s.is_finished:  # a sample that had finished before the move
-                outputs.append(self._output(s, [], []))
-        return outputs
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.remote is not None:
