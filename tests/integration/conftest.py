@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import pytest
 from traces import Receiver
 
+from engine.llm import LLM
+
 
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[Receiver]:
@@ -14,3 +16,9 @@ def receiver() -> Iterator[Receiver]:
     r = Receiver()
     yield r
     r.server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_models) -> LLM:
+    """The offline engine on the tiny llama (the reference a stack's greedy output must match)."""
+    return LLM(str(tiny_models["llama"]), progress=False, num_blocks=256)

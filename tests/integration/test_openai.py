@@ -14,7 +14,6 @@ import openai
 import pytest
 
 from cluster import WORKER_ARGS, Cluster, serve
-from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 API_KEY = "k"
@@ -45,11 +44,6 @@ def client(base_url):
     with openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0,
                        timeout=60) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_models):
-    return LLM(str(tiny_models["llama"]), progress=False, num_blocks=256)
 
 
 @pytest.fixture(autouse=True)
