@@ -46,7 +46,8 @@ for stage in "$@"; do
       run decode_step_1b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.2-1b \
         --batch 1 64 256 --context 1024 --out "$OUT/decode_step_1b.json" ;;
     sched) run scheduler_overhead python3 benchmarks/scheduler_overhead.py ;;
-    kernels_gpu) run kernels_gpu python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_kernels_gpu.py ;;
+    kernels_gpu) run kernels_gpu python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_paged_attention_gpu.py \
+        tests/gpu/test_small_kernels_gpu.py tests/gpu/test_attention_backend_gpu.py ;;
     decode8b) run decode_step_8b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b \
         --batch 1 64 --context 1024 --out "$OUT/decode_step_8b.json" ;;
     decode_ops) run decode_ops timeout 120 python3 benchmarks/decode_ops.py --batches 1 64 --context 1024 \

@@ -9,7 +9,7 @@ import contextlib
 import json
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -18,7 +18,10 @@ from cli.launcher import LocalStack, Proc, free_port
 from runtime.security import internal_channel
 from tandem.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-__all__ = ["Cluster", "ClusterProc", "Proc", "free_port"]
+__all__ = ["WORKER_ARGS", "Cluster", "ClusterProc", "Proc", "free_port", "serve"]
+
+# The tiny models' workers: a 256-block pool, 64-token steps (a long prompt prefills in chunks).
+WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
 
 
 class ClusterProc(Proc):
@@ -91,3 +94,12 @@ class Cluster(LocalStack):
 
     def stop(self, timeout: float = 30.0) -> dict[str, int | None]:
         return super().stop(timeout)
+
+
+def serve(cluster: Cluster) -> Iterator[Cluster]:
+    """Body of a module's cluster fixture (`yield from serve(Cluster(...))`): the stack started,
+    and at the end stopped, every process exiting 0."""
+    cluster.start()
+    yield cluster
+    codes = cluster.stop()
+    assert all(code == 0 for code in codes.values()), codes

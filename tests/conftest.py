@@ -4,6 +4,7 @@ variable must be set before any kernel module is imported."""
 from __future__ import annotations
 
 import os
+import secrets
 
 import torch
 
@@ -21,3 +22,12 @@ def tiny_models(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("tiny")
     return {name: build_tiny(name, root / name) for name in ARCHS}
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh torch seed per test (tests print it in their failure messages); set
+    TANDEM_TEST_SEED to replay one."""
+    value = int(os.environ.get("TANDEM_TEST_SEED") or secrets.randbits(31))
+    torch.manual_seed(value)
+    return value

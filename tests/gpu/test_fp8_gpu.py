@@ -8,16 +8,11 @@ Run on a CUDA box:  pytest -m gpu tests/gpu/test_fp8_gpu.py -v
 
 from __future__ import annotations
 
-import os
-import secrets
-
 import pytest
 import torch
+from gpu_kernels import BF16, DEV, ON_GPU, rel_err
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = ON_GPU
 needs_fp8_mma = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
     reason="FP8 matmuls need compute capability >= 8.9")
@@ -38,21 +33,6 @@ if torch.cuda.is_available():
         rotary_store_kv_ref,
     )
     from kernels._common import FP8_DTYPE, quantize_fp8_ref
-
-DEV = torch.device("cuda")
-BF16 = torch.bfloat16
-
-
-@pytest.fixture
-def seed() -> int:
-    value = int(os.environ.get("TANDEM_TEST_SEED") or secrets.randbits(31))
-    torch.manual_seed(value)
-    return value
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
 
 # -- kernels at 8B shapes ------------------------------------------------------------------------
 def _fp8_pool(seq_lens, block_size=16, hkv=8, d=128):
@@ -84,7 +64,7 @@ def test_fp8_decode_attention_8b_shapes(seed, seq_lens):
     kc, vc = pool[:, 1, 0], pool[:, 1, 1]
     out = paged_decode_attention(q, kc, vc, tables, lens, 128 ** -0.5, k_scale=ks, v_scale=vs)
     ref = paged_decode_attention_ref(q, kc, vc, tables, lens, 128 ** -0.5, ks, vs)
-    assert _rel(out, ref) < 1e-2, f"seed={seed}"
+    assert rel_err(out, ref) < 1e-2, f"seed={seed}"
 
 
 def test_fp8_prefill_attention_8b_shapes(seed):
@@ -100,7 +80,7 @@ def test_fp8_prefill_attention_8b_shapes(seed):
                                   k_scale=ks, v_scale=vs)
     ref = paged_prefill_attention_ref(q, kc, vc, qsl, lens, tables, 128 ** -0.5,
                                       k_scale=ks, v_scale=vs)
-    assert _rel(out, ref) < 1e-2, f"seed={seed}"
+    assert rel_err(out, ref) < 1e-2, f"seed={seed}"
 
 
 def test_fp8_rotary_store_kv_8b_shapes(seed):
@@ -121,7 +101,7 @@ def test_fp8_rotary_store_kv_8b_shapes(seed):
     a, b = (p.view(torch.uint8) for p in pools)
     # The rotation's fp32 arithmetic may differ by an ulp, moving a rare element one e4m3 step.
     assert (a != b).float().mean().item() < 1e-3, f"seed={seed}"
-    assert _rel(pools[0].float(), pools[1].float()) < 1e-2, f"seed={seed}"
+    assert rel_err(pools[0].float(), pools[1].float()) < 1e-2, f"seed={seed}"
 
 
 def test_quant_fp8_kernel_matches_reference(seed):
@@ -148,8 +128,8 @@ def test_scaled_mm_linear_matches_reference_math(seed, m, static):
     ref = fp8_linear(x.cpu(), wq.cpu(), ws.cpu(), bias.cpu(), None if in_scale is None
                      else in_scale.cpu())
     assert out.dtype == BF16 and out.shape == (m, n)
-    assert _rel(out.cpu(), ref) < 1e-2, f"seed={seed}"
-    assert _rel(out, x @ w.t() + bias) < 6e-2, f"seed={seed}"  # against unquantized bf16
+    assert rel_err(out.cpu(), ref) < 1e-2, f"seed={seed}"
+    assert rel_err(out, x @ w.t() + bias) < 6e-2, f"seed={seed}"  # against unquantized bf16
 
 
 @needs_fp8_mma

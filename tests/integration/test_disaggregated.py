@@ -12,7 +12,6 @@ import grpc
 import pytest
 
 from cluster import Cluster
-from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
@@ -29,11 +28,6 @@ def cluster(tiny_models, tmp_path_factory):
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_models):
-    return LLM(str(tiny_models["llama"]), progress=False, num_blocks=256)
 
 
 @pytest.fixture(autouse=True)

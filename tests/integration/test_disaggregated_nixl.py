@@ -24,7 +24,6 @@ from test_disaggregated import (  # the same tests, collected here against the n
 )
 
 from cluster import Cluster
-from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -54,11 +53,6 @@ def cluster(tiny_models, tmp_path_factory):
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_models):
-    return LLM(str(tiny_models["llama"]), progress=False, num_blocks=256)
 
 
 @pytest.fixture(autouse=True)

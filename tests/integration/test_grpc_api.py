@@ -12,7 +12,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster import Cluster
-from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
@@ -27,11 +26,6 @@ def cluster(tiny_models, tmp_path_factory):
                 ).start()
     yield c
     assert all(code == 0 for code in c.stop().values())
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_models):
-    return LLM(str(tiny_models["llama"]), progress=False, num_blocks=256)
 
 
 @pytest.fixture(autouse=True)

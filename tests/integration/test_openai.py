@@ -1,41 +1,31 @@
 """The OpenAI-compatible HTTP API against real processes (router, prefill and decode workers on
 127.0.0.1), through the official `openai` client: the objects clients parse, the offline engine's
 greedy text, errors that name the parameter, and every pool idle after each test, abandoned
-streams included."""
+streams included. A full router and one without workers: test_openai_overload.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import time
 from pathlib import Path
 
-import grpc
 import httpx
 import openai
 import pytest
 
-from cluster import Cluster
-from engine.llm import LLM
+from cluster import WORKER_ARGS, Cluster, serve
 from engine.sampling_params import SamplingParams
-from router_svc.http_errors import api_error
-from router_svc.orchestrator import RouterError
-from tandem.errors import InvalidArgument, Overloaded
 
 API_KEY = "k"
-WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
 PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(4 + 9 * i)] for i in range(4)]
 LONG = 1000  # tokens: far longer than any test waits (~3 ms a token on a CPU)
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("openai"), str(tiny_models["llama"]),
-                worker_args=WORKER_ARGS, env={"TANDEM_API_KEY": API_KEY}, metrics=True).start()
-    yield c
-    codes = c.stop()
-    assert all(code == 0 for code in codes.values()), codes
+    yield from serve(Cluster(tmp_path_factory.mktemp("openai"), str(tiny_models["llama"]),
+                             worker_args=WORKER_ARGS, env={"TANDEM_API_KEY": API_KEY},
+                             metrics=True))
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +44,6 @@ def client(base_url):
     with openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0,
                        timeout=60) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_models):
-    return LLM(str(tiny_models["llama"]), progress=False, num_blocks=256)
 
 
 @pytest.fixture(autouse=True)
@@ -372,56 +357,3 @@ def _generated(cluster) -> float:
 
 def _take(it, n):
     return [line for _, line in zip(range(n), it, strict=False)]
-
-
-def test_full_router_answers_429_and_503_without_workers(tiny_models, tmp_path):
-    c = Cluster(tmp_path, str(tiny_models["llama"]), prefill=0, decode=0, both=1,
-                worker_args=WORKER_ARGS, router_args=["--max-requests", "1"]).start()
-    try:
-        small = {"model": c.model, "prompt": "hi", "max_tokens": 2}
-        with httpx.Client(base_url=f"http://127.0.0.1:{c.router.http_port}", timeout=30) as h:
-            with h.stream("POST", "/v1/completions", json={
-                    **small, "max_tokens": LONG - 10, "ignore_eos": True, "stream": True}) as long:
-                lines = long.iter_lines()
-                assert next(line for line in lines if line.startswith("data: "))
-                for path, extra in [("/v1/completions", {}), ("/v1/chat/completions", {
-                        "messages": [{"role": "user", "content": "hi"}], "stream": True})]:
-                    body = {**small, **extra}
-                    if "messages" in body:  # chat takes no prompt
-                        del body["prompt"]
-                    r = h.post(path, json=body)
-                    assert r.status_code == 429, r.text
-                    assert int(r.headers["retry-after"]) >= 1
-                    assert r.json()["error"]["code"] == "rate_limit_exceeded"
-                assert h.get("/health").status_code == 200
-
-                # The only worker dies mid-stream: the stream ends with an error event.
-                c.kill("both0")
-                data = [line[6:] for line in lines if line.startswith("data: ")]
-                err = json.loads(data[-1])["error"]
-                assert err["type"] == "service_unavailable" and err["code"] == "unavailable"
-            deadline = time.monotonic() + 5
-            while h.get("/health").status_code != 503:
-                assert time.monotonic() < deadline, "health still 200 without a worker"
-                time.sleep(0.05)
-            r = h.post("/v1/completions", json=small)
-            assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
-    finally:
-        codes = c.stop()
-    assert codes["router"] == 0, codes
-
-
-@pytest.mark.parametrize(("error", "status", "param"), [
-    (InvalidArgument("logprobs", "must be in [0, 20]"), 400, "top_logprobs"),  # chat's name
-    (Overloaded("full"), 429, None),
-    (RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker"), 503, None),
-    (RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"), 504, None),
-    (RouterError(grpc.StatusCode.INVALID_ARGUMENT, "bad"), 400, None),
-])
-def test_error_status_mapping(error, status, param):
-    """The statuses no scenario above reaches (HTTP requests carry no deadline)."""
-    e = api_error(error, {"logprobs": "top_logprobs"})
-    assert (e.status, e.param) == (status, param)
-    assert set(e.body()["error"]) == {"message", "type", "param", "code"}
-    if status == 429:
-        assert int(e.headers["Retry-After"]) >= 1

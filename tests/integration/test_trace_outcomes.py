@@ -12,8 +12,8 @@ processes (router, prefill, decode) to a real OTLP/gRPC receiver on 127.0.0.1:
                              and the decode worker
 
 and one log line per service with the request's trace id; a request a worker refuses is a span in
-the caller's trace; a colocated worker's request is traced the same way (its phases, its cancel).
-Every pool is idle after each."""
+the caller's trace. Every pool is idle after each. A colocated worker's requests:
+test_trace_colocated.py."""
 
 from __future__ import annotations
 
@@ -24,104 +24,36 @@ import time
 import grpc
 import httpx
 import pytest
-from opentelemetry.proto.trace.v1 import trace_pb2
-from test_tracing import WORKER_ARGS, Receiver, attrs, otlp_receiver, traced_cluster
+from traces import (
+    CLIENT,
+    ERROR,
+    LONG,
+    SERVER,
+    Spans,
+    attrs,
+    cancel_after_tokens,
+    has_error,
+    traced_cluster,
+    wait_logs,
+    wait_trace,
+)
 
-from cluster import Cluster
+from cluster import serve
 from engine.sampling_params import SamplingParams
 from runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
-ERROR = trace_pb2.Status.STATUS_CODE_ERROR
-CLIENT, SERVER = trace_pb2.Span.SPAN_KIND_CLIENT, trace_pb2.Span.SPAN_KIND_SERVER
-LONG = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)  # seconds of decoding
-
-
-receiver = pytest.fixture(scope="module")(otlp_receiver)
-
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory, receiver):
-    yield from traced_cluster(tiny_models, tmp_path_factory, receiver, "outcomes")
+    yield from serve(traced_cluster(tmp_path_factory.mktemp("outcomes"), str(tiny_models["llama"]),
+                                    receiver))
 
 
 @pytest.fixture(autouse=True)
-def idle_after(request, cluster):
+def idle_after(cluster):
     yield
     asyncio.run(cluster.wait_idle())
-    if "colocated" in request.fixturenames:
-        asyncio.run(request.getfixturevalue("colocated").wait_idle())
-
-
-class Spans:
-    """The exported spans of one trace: by service and name, with their ancestry."""
-
-    def __init__(self, spans: list[tuple[str, object]], trace_id: bytes) -> None:
-        self.all = [(svc, s) for svc, s in spans if s.trace_id == trace_id]
-        self.by_id = {s.span_id: s for _, s in self.all}
-
-    def named(self, name: str, service: str | None = None) -> list:
-        return [s for svc, s in self.all if s.name == name and service in (None, svc)]
-
-    def one(self, name: str, service: str | None = None):
-        found = self.named(name, service)
-        assert len(found) == 1, (name, service, [(svc, s.name) for svc, s in self.all])
-        return found[0]
-
-    def parent(self, span):
-        return self.by_id[span.parent_span_id]
-
-    def orphans(self) -> list:
-        return [s.name for _, s in self.all if s.parent_span_id
-                and s.parent_span_id not in self.by_id]
-
-
-def router_span(receiver: Receiver, request_id: str):
-    found = [s for _, s in receiver.snapshot() if attrs(s).get("gen_ai.response.id") == request_id]
-    return found[0] if found else None
-
-
-def wait_trace(receiver: Receiver, request_id: str, done, timeout: float = 20) -> Spans:
-    """The request's trace once `done(spans)` holds (the exporters batch: wait, not sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        root = router_span(receiver, request_id)
-        if root is not None:
-            spans = Spans(receiver.snapshot(), root.trace_id)
-            if done(spans):
-                return spans
-        if time.monotonic() > deadline:
-            raise AssertionError(f"trace of {request_id} incomplete: "
-                                 f"{[(svc, s.name) for svc, s in receiver.snapshot()]}")
-        time.sleep(0.05)
-
-
-def wait_logs(cluster: Cluster, request_id: str, events: dict[str, str],
-              timeout: float = 20) -> dict[str, dict]:
-    """Each process's one line for the request: events[process] is "<span> <outcome>", the line
-    {"event": "<span> done", "outcome": "<outcome>"}."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = {}
-        for name, proc in cluster.procs.items():
-            if name not in events:
-                continue
-            span, outcome = events[name].rsplit(" ", 1)
-            lines = [line for line in proc.json_logs() if line.get("request_id") == request_id
-                     and line.get("event") == f"{span} done"
-                     and line.get("outcome") == outcome]
-            if len(lines) == 1:
-                found[name] = lines[0]
-        if found.keys() == events.keys():
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"log lines for {request_id}: found {sorted(found)}, want "
-                                 f"{events}")
-        time.sleep(0.05)
-
-
-def has_error(span, error_type: str) -> bool:
-    return span.status.code == ERROR and attrs(span).get("error.type") == error_type
 
 
 def test_finished_request_has_client_spans_phases_and_sample_events(cluster, receiver):
@@ -142,7 +74,7 @@ def test_finished_request_has_client_spans_phases_and_sample_events(cluster, rec
                 and len(t.named("decode_leg")) == 1 and not t.orphans())
 
     t = wait_trace(receiver, rid, complete)
-    root = router_span(receiver, rid)
+    root = t.root
     ra = attrs(root)
     assert root.status.code != ERROR and "error.type" not in ra
     assert ra["gen_ai.provider.name"] == "tandem" and ra["gen_ai.request.stream"] is True
@@ -210,23 +142,6 @@ def test_finished_request_has_client_spans_phases_and_sample_events(cluster, rec
     assert first.parent(first.one("/tandem.v1.Worker/Register", "tandem-prefill")) is call
 
 
-def _cancel_after_tokens(cluster: Cluster, tokens: int = 3) -> str:
-    """A long gRPC request, cancelled by its caller once `tokens` tokens arrived."""
-    async def main():
-        async with grpc.aio.insecure_channel(cluster.router.address) as ch:
-            call = cluster.api(ch).Generate(api_pb2.GenerateRequest(
-                text="cancel me", params=params_to_proto(LONG)))
-            seen = 0
-            async for r in call:
-                seen += len(r.token_ids)
-                if seen >= tokens:
-                    call.cancel()
-                    return r.request_id
-        raise AssertionError("the request ended before it was cancelled")
-
-    return asyncio.run(main())
-
-
 def _assert_cancelled_on_decode(t: Spans) -> None:
     decode = t.one("decode", "tandem-decode")
     assert has_error(decode, "CANCELLED")
@@ -237,10 +152,10 @@ def _assert_cancelled_on_decode(t: Spans) -> None:
 
 
 def test_grpc_cancel_is_cancelled_on_every_service(cluster, receiver):
-    rid = _cancel_after_tokens(cluster)
+    rid = cancel_after_tokens(cluster)
     t = wait_trace(receiver, rid, lambda t: bool(t.named("decode", "tandem-decode"))
                    and bool(t.named("/tandem.v1.Tandem/Generate")))
-    root = router_span(receiver, rid)
+    root = t.root
     assert has_error(root, "CANCELLED")
     assert attrs(root)["gen_ai.response.finish_reasons"] == ["abort"]
     assert attrs(root)["gen_ai.usage.output_tokens"] >= 3
@@ -271,9 +186,8 @@ def test_http_client_drop_is_cancelled_like_grpc(cluster, receiver):
                 if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                     break
     # The connection is closed here, mid-stream.
-    t = wait_trace(receiver, rid, lambda t: bool(t.named("decode", "tandem-decode"))
-                   and router_span(receiver, rid) is not None)
-    root = router_span(receiver, rid)
+    t = wait_trace(receiver, rid, lambda t: bool(t.named("decode", "tandem-decode")))
+    root = t.root
     assert root.kind == SERVER and has_error(root, "CANCELLED")
     assert attrs(root)["gen_ai.request.stream"] is True
     assert attrs(root)["gen_ai.operation.name"] == "chat"
@@ -289,8 +203,7 @@ def test_http_traceparent_is_continued(cluster, receiver):
                    headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}, timeout=30)
     assert r.status_code == 200
     rid = r.json()["id"]
-    wait_trace(receiver, rid, lambda t: bool(t.named("decode", "tandem-decode")))
-    root = router_span(receiver, rid)
+    root = wait_trace(receiver, rid, lambda t: bool(t.named("decode", "tandem-decode"))).root
     assert root.trace_id.hex() == trace_id and root.parent_span_id.hex() == "00f067aa0ba902b7"
     assert attrs(root)["gen_ai.request.stream"] is False
 
@@ -311,7 +224,7 @@ def test_refused_requests_are_traced_and_logged(cluster, receiver):
     assert asyncio.run(main()) == grpc.StatusCode.INVALID_ARGUMENT
     t = wait_trace(receiver, "refused-grpc",
                    lambda t: bool(t.named("/tandem.v1.Tandem/Generate")))
-    root = router_span(receiver, "refused-grpc")
+    root = t.root
     assert has_error(root, "INVALID_ARGUMENT") and "temperature" in root.status.message
     server = t.one("/tandem.v1.Tandem/Generate", "tandem-router")
     assert attrs(server)["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -357,7 +270,7 @@ def test_failed_request_is_an_error_on_router_and_decode(cluster, receiver):
 
     assert asyncio.run(main()) == grpc.StatusCode.ABORTED
     t = wait_trace(receiver, "failed-grpc", lambda t: bool(t.named("decode", "tandem-decode")))
-    root = router_span(receiver, "failed-grpc")
+    root = t.root
     assert has_error(root, "ABORTED")
     assert attrs(root)["gen_ai.response.finish_reasons"] == ["error"]
     decode = t.one("decode", "tandem-decode")
@@ -402,44 +315,3 @@ def test_a_request_a_worker_refuses_is_a_span_in_the_callers_trace(cluster, rece
 
 async def _collect(call) -> list:
     return [m async for m in call]
-
-
-@pytest.fixture(scope="module")
-def colocated(tiny_models, tmp_path_factory, receiver):
-    c = Cluster(tmp_path_factory.mktemp("colocated"), str(tiny_models["llama"]), prefill=0,
-                decode=0, both=1, worker_args=WORKER_ARGS,
-                env=receiver.env(schedule_delay_ms=50)).start()
-    yield c
-    codes = c.stop()
-    assert all(code == 0 for code in codes.values()), codes
-
-
-def test_colocated_worker_traces_phases_and_cancels(colocated, receiver):
-    async def main():
-        async with grpc.aio.insecure_channel(colocated.router.address) as ch:
-            chunks = [r async for r in colocated.api(ch).Generate(api_pb2.GenerateRequest(
-                text="one worker", params=params_to_proto(SamplingParams(
-                    temperature=0, max_tokens=5, ignore_eos=True))))]
-            return chunks[-1].request_id
-
-    rid = asyncio.run(main())
-    t = wait_trace(receiver, rid, lambda t: bool(t.named("decode_steps", "tandem-both")))
-    leg = t.one("generate_leg", "tandem-router")
-    assert leg.kind == CLIENT and t.parent(leg) is router_span(receiver, rid)
-    gen = t.one("generate", "tandem-both")
-    assert gen.kind == SERVER and t.parent(gen) is leg and gen.status.code != ERROR
-    assert attrs(gen)["tandem.finish_reasons"] == ["length"]
-    assert attrs(gen)["tandem.output_tokens"] == 5
-    phases = {n: t.one(n, "tandem-both") for n in ("queue", "prefill_compute", "decode_steps")}
-    assert all(t.parent(s) is gen for s in phases.values())
-    assert phases["prefill_compute"].end_time_unix_nano <= \
-        phases["decode_steps"].start_time_unix_nano
-
-    rid = _cancel_after_tokens(colocated)
-    t = wait_trace(receiver, rid, lambda t: bool(t.named("generate", "tandem-both")))
-    gen = t.one("generate", "tandem-both")
-    assert has_error(gen, "CANCELLED") and attrs(gen)["tandem.finish_reasons"] == ["abort"]
-    assert attrs(gen)["tandem.output_tokens"] >= 3
-    assert has_error(t.one("generate_leg", "tandem-router"), "CANCELLED")
-    assert has_error(router_span(receiver, rid), "CANCELLED")
-    wait_logs(colocated, rid, {"router": "request cancelled", "both0": "generate cancelled"})

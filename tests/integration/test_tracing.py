@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from traces import Receiver, Spans, attrs, traced_cluster, wait_trace, wait_traces
 
-from cluster import Cluster
+from cluster import WORKER_ARGS, Cluster, serve
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router_svc.frontend import Frontend, ModelInfo
@@ -33,117 +30,24 @@ from runtime.metrics import Metrics
 from runtime.telemetry import Telemetry, Tracing
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
-WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
 SECRET = "zebra-quartz-"  # prompt text that must never reach a span or a log line
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 64 * 4  # layers x (K, V) x block x kv heads x head dim x fp32
 
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace receiver: keeps every span with its service.name."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, object]] = []
-        self.raw: list[bytes] = []
-        self.lock = threading.Lock()
-        self.server = grpc.server(futures.ThreadPoolExecutor(4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-
-    def Export(self, request, context):  # noqa: N802 - gRPC method name
-        with self.lock:
-            self.raw.append(request.SerializeToString())
-            for rs in request.resource_spans:
-                service = attrs(rs.resource)["service.name"]
-                for ss in rs.scope_spans:
-                    self.spans.extend((service, s) for s in ss.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def env(self, schedule_delay_ms: int) -> dict[str, str]:
-        return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.port}",
-                "OTEL_BSP_SCHEDULE_DELAY": str(schedule_delay_ms)}
-
-    def snapshot(self) -> list[tuple[str, object]]:
-        with self.lock:
-            return list(self.spans)
-
-
-def _value(v: AnyValue):
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    return getattr(v, kind)
-
-
-def attrs(obj) -> dict:
-    return {a.key: _value(a.value) for a in obj.attributes}
-
-
-class Trace:
-    """The spans of one request, found by its id."""
-
-    def __init__(self, spans: list[tuple[str, object]], request_id: str) -> None:
-        root = [s for _, s in spans if attrs(s).get("gen_ai.response.id") == request_id]
-        self.router = root[0] if root else None
-        tid = self.router.trace_id if self.router else None
-        self.spans = {s.span_id: (svc, s) for svc, s in spans if s.trace_id == tid}
-        self.services = {svc for svc, _ in self.spans.values()}
-
-    def named(self, name: str, service: str):
-        return [s for svc, s in self.spans.values() if s.name == name and svc == service]
-
-    def ancestors(self, span) -> list:
-        out = []
-        while span.parent_span_id:
-            span = self.spans[span.parent_span_id][1]
-            out.append(span)
-        return out
-
-    def complete(self) -> bool:
-        return (self.router is not None and len(self.named("decode", "tandem-decode")) == 1
-                and len(self.named("kv_transfer", "tandem-decode")) == 1
-                and len(self.named("prefill", "tandem-prefill")) == 1
-                and all(s.parent_span_id in self.spans for _, s in self.spans.values()
-                        if s.parent_span_id and s is not self.router))
-
-
-def wait_traces(receiver: Receiver, request_ids: list[str], timeout: float = 15) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        spans = receiver.snapshot()
-        traces = {rid: Trace(spans, rid) for rid in request_ids}
-        if all(t.complete() for t in traces.values()):
-            return traces
-        if time.monotonic() > deadline:
-            missing = [rid for rid, t in traces.items() if not t.complete()]
-            raise AssertionError(f"incomplete traces for {missing}: "
-                                 f"{[(svc, s.name) for svc, s in spans]}")
-        time.sleep(0.1)
-
-
-def otlp_receiver():
-    """Body of a module's `receiver` fixture: an OTLP receiver on loopback, stopped at the end."""
-    r = Receiver()
-    yield r
-    r.server.stop(0)
-
-
-receiver = pytest.fixture(scope="module")(otlp_receiver)
-
-
-def traced_cluster(tiny_models, tmp_path_factory, receiver, name: str):
-    """Body of a module's `cluster` fixture: prefill + decode + router exporting their spans to
-    `receiver`; every process exits 0 at the end."""
-    c = Cluster(tmp_path_factory.mktemp(name), str(tiny_models["llama"]),
-                worker_args=WORKER_ARGS, env=receiver.env(schedule_delay_ms=50)).start()
-    yield c
-    codes = c.stop()
-    assert all(code == 0 for code in codes.values()), codes
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory, receiver):
-    yield from traced_cluster(tiny_models, tmp_path_factory, receiver, "tracing")
+    yield from serve(traced_cluster(tmp_path_factory.mktemp("tracing"), str(tiny_models["llama"]),
+                                    receiver))
+
+
+def complete(t: Spans) -> bool:
+    """The request's decode, KV transfer and prefill spans exported, and every span's parent
+    (the request's own span's caller aside)."""
+    return (len(t.named("decode", "tandem-decode")) == 1
+            and len(t.named("kv_transfer", "tandem-decode")) == 1
+            and len(t.named("prefill", "tandem-prefill")) == 1
+            and all(s.parent_span_id in t.by_id for _, s in t.all
+                    if s.parent_span_id and s is not t.root))
 
 
 def prompt_text(i: int) -> str:
@@ -176,9 +80,9 @@ def test_each_request_is_one_trace_across_three_processes(cluster, receiver):
                    timeout=30)
     assert r.status_code == 200
     chat_id = json.loads(r.text.split("\n")[0].removeprefix("data: "))["id"]
-    traces = wait_traces(receiver, [rid for rid, _, _ in results] + [chat_id])
+    traces = wait_traces(receiver, [rid for rid, _, _ in results] + [chat_id], complete)
 
-    assert len({t.router.trace_id for t in traces.values()}) == len(traces)
+    assert len({t.root.trace_id for t in traces.values()}) == len(traces)
     for rid, usage, reasons in [*results, (chat_id, None, ["length"])]:
         t = traces[rid]
         assert t.services == {"tandem-router", "tandem-prefill", "tandem-decode"}
@@ -187,23 +91,23 @@ def test_each_request_is_one_trace_across_three_processes(cluster, receiver):
                                         t.named("prefill", "tandem-prefill"))
         assert kv.parent_span_id == decode.span_id
         for span in (decode, kv, prefill):
-            assert t.router in t.ancestors(span), (rid, span.name)
+            assert t.root in t.ancestors(span), (rid, span.name)
         # The prefill span sits under its gRPC server span, a child of the router's CLIENT span
         # for the call (the context crossed in the call's metadata); the decode span, a request
         # on the decode worker's Stream call, is the child of the router's CLIENT span for that
         # leg (it crossed in the message) and the long-lived Stream call has no span of its own.
-        assert [s.name for s in t.ancestors(decode)][:2] == ["decode_leg", t.router.name]
+        assert [s.name for s in t.ancestors(decode)][:2] == ["decode_leg", t.root.name]
         assert decode.kind == trace_pb2.Span.SPAN_KIND_SERVER
         assert t.ancestors(decode)[0].kind == trace_pb2.Span.SPAN_KIND_CLIENT
         assert [s.name for s in t.ancestors(prefill)][:3] == [
-            "/tandem.v1.Worker/Prefill", "tandem.v1.Worker/Prefill", t.router.name]
+            "/tandem.v1.Worker/Prefill", "tandem.v1.Worker/Prefill", t.root.name]
         assert t.ancestors(prefill)[1].kind == trace_pb2.Span.SPAN_KIND_CLIENT
         assert not t.named("/tandem.v1.Worker/Stream", "tandem-decode")
 
-        ra = attrs(t.router)
+        ra = attrs(t.root)
         model = Path(cluster.model).name  # served under its directory's name
         op = "chat" if rid == chat_id else "text_completion"
-        assert t.router.name == f"{op} {model}"
+        assert t.root.name == f"{op} {model}"
         assert ra["gen_ai.operation.name"] == op and ra["gen_ai.request.model"] == model
         assert ra["gen_ai.request.max_tokens"] == (7 if rid == chat_id else 12)
         assert ra["gen_ai.request.temperature"] == (0.0 if rid == chat_id else 0.5)
@@ -212,7 +116,7 @@ def test_each_request_is_one_trace_across_three_processes(cluster, receiver):
             assert ra["gen_ai.usage.input_tokens"] == usage.prompt_tokens
             assert ra["gen_ai.usage.output_tokens"] == usage.completion_tokens == 12
         assert 0 < ra["gen_ai.response.time_to_first_chunk"] < (
-            t.router.end_time_unix_nano - t.router.start_time_unix_nano) / 1e9
+            t.root.end_time_unix_nano - t.root.start_time_unix_nano) / 1e9
 
         pa = attrs(prefill)
         prompt_tokens = ra["gen_ai.usage.input_tokens"]
@@ -248,7 +152,7 @@ def test_log_lines_carry_the_trace_and_nothing_secret(cluster, receiver):
                                           for i in range(3)))
 
     rids = [rid for rid, _, _ in asyncio.run(main())]
-    traces = wait_traces(receiver, rids)
+    traces = wait_traces(receiver, rids, complete)
 
     # The pool's handle, as a decode worker is given it: a shm segment name.
     async def shm_name():
@@ -267,9 +171,9 @@ def test_log_lines_carry_the_trace_and_nothing_secret(cluster, receiver):
         for rid in rids:
             mine = [line for line in lines if line.get("request_id") == rid]
             assert mine, (proc.name, rid)
-            trace_id = traces[rid].router.trace_id.hex()
+            trace_id = traces[rid].root.trace_id.hex()
             assert {line.get("trace_id") for line in mine} == {trace_id}, (proc.name, mine)
-            spans = {s.span_id.hex() for svc, s in traces[rid].spans.values() if svc == service}
+            spans = {s.span_id.hex() for svc, s in traces[rid].all if svc == service}
             assert all(line["span_id"] in spans for line in mine)
         text = proc.log_text()
         assert SECRET not in text and handle not in text, proc.name
@@ -296,7 +200,7 @@ def test_spans_buffered_at_sigterm_are_flushed(tiny_models, tmp_path):
         finally:
             codes = c.stop()
         assert codes == {"prefill0": 0, "decode0": 0, "router": 0}
-        assert wait_traces(receiver, [rid], timeout=1)[rid].complete()
+        wait_trace(receiver, rid, complete, timeout=1)
     finally:
         receiver.server.stop(0)
 

@@ -7,9 +7,9 @@ import argparse
 import asyncio
 import socket
 
-import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
+from health_server import health_server
 
 from cli import health as healthcheck
 
@@ -28,22 +28,15 @@ def _tandem_health(argv: list[str]) -> int:
 async def _serve(statuses: dict[str, int], probes: list[list[str]]) -> list[int]:
     """Serve health with `statuses` set, run each probe (argv after `tandem health`, with
     {addr} replaced by the server's address) in a thread, and return their exit codes."""
-    server = grpc.aio.server()
-    servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
+    async with health_server() as (address, servicer):
         for name, status in statuses.items():
             await servicer.set(name, status)
         codes = []
         for argv in probes:
-            argv = [a.replace("{addr}", f"127.0.0.1:{port}") for a in argv]
+            argv = [a.replace("{addr}", address) for a in argv]
             # The client is synchronous: run it off the loop that serves it.
             codes.append(await asyncio.to_thread(_tandem_health, argv))
         return codes
-    finally:
-        await server.stop(None)
 
 
 def _free_port() -> int:
@@ -86,18 +79,11 @@ def test_unreachable_exits_1_within_the_timeout(capsys) -> None:
 
 def test_check_returns_a_typed_result() -> None:
     async def probe() -> tuple[healthcheck.HealthResult, healthcheck.HealthResult]:
-        server = grpc.aio.server()
-        servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
+        async with health_server() as (address, servicer):
             await servicer.set(WORKER, Status.NOT_SERVING)
-            serving = await asyncio.to_thread(healthcheck.check, f"127.0.0.1:{port}")
-            worker = await asyncio.to_thread(healthcheck.check, f"127.0.0.1:{port}", WORKER)
+            serving = await asyncio.to_thread(healthcheck.check, address)
+            worker = await asyncio.to_thread(healthcheck.check, address, WORKER)
             return serving, worker
-        finally:
-            await server.stop(None)
 
     serving, worker = asyncio.run(probe())
     # grpc's HealthServicer reports the whole server ("") SERVING until told otherwise.

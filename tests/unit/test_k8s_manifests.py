@@ -350,8 +350,8 @@ def test_the_documented_certificate_passes_every_probe_and_the_routers_calls(tmp
     (certificate paths under tmp_path, $POD_IP 127.0.0.1) gets SERVING from a server that asks
     for client certificates, as a worker does; the router's TLS flags reach it too; a caller
     without a certificate does not."""
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from health_server import health_server
 
     from cli import health as healthcheck
     from cli.certs import make_cluster_ca
@@ -367,12 +367,7 @@ def test_the_documented_certificate_passes_every_probe_and_the_routers_calls(tmp
         return argv
 
     async def main():
-        server = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-        port = server.add_secure_port("127.0.0.1:0", made.server_credentials())
-        await server.start()
-        address = f"127.0.0.1:{port}"
-        try:
+        async with health_server(made) as (address, _):
             codes = []
             for d in ("tandem-prefill", "tandem-decode"):
                 c = _container(d)
@@ -391,8 +386,6 @@ def test_the_documented_certificate_passes_every_probe_and_the_routers_calls(tmp
                 reply = await health_pb2_grpc.HealthStub(ch).Check(
                     health_pb2.HealthCheckRequest(), timeout=5)
             return codes, reply.status
-        finally:
-            await server.stop(None)
 
     codes, status = asyncio.run(main())
     assert codes == [0] * 6 + [1]

@@ -116,7 +116,8 @@ def test_a_cluster_server_name_is_what_a_peer_certificate_must_carry(tmp_path):
     internal call (and `tandem health`) checks that name instead of the dialed host. The server
     here listens on 127.0.0.1, which the certificate also names, so a call that succeeds with
     the right name and fails with a wrong one shows the name, not the address, was checked."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from health_server import health_server
 
     from cli import health as healthcheck
     from runtime.security import internal_channel
@@ -130,12 +131,7 @@ def test_a_cluster_server_name_is_what_a_peer_certificate_must_carry(tmp_path):
     wrong = ClusterTls(tls.ca, tls.cert, tls.key, "tandem-elsewhere")
 
     async def main():
-        server = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-        port = server.add_secure_port("127.0.0.1:0", tls.server_credentials())
-        await server.start()
-        address = f"127.0.0.1:{port}"
-        try:
+        async with health_server(tls) as (address, _):
             codes = []
             for t in (tls, wrong):
                 async with internal_channel(address, t, ()) as ch:
@@ -151,8 +147,6 @@ def test_a_cluster_server_name_is_what_a_peer_certificate_must_carry(tmp_path):
                         "--cluster-server-name", name]
                 probes.append(await asyncio.to_thread(healthcheck.main, argv))
             return codes, probes
-        finally:
-            await server.stop(None)
 
     codes, probes = asyncio.run(main())
     assert codes == [grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE]

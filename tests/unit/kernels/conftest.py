@@ -1,23 +1,12 @@
-"""Fixtures for the kernel tests: a fresh seed per test (printed in failure messages; set
-TANDEM_TEST_SEED to replay one) and the device the kernels run on (CPU under
-TRITON_INTERPRET=1, else CUDA)."""
+"""Fixtures for the kernel tests: the device the kernels run on (CPU under TRITON_INTERPRET=1,
+else CUDA) and a paged context to attend over. The per-test `seed` is tests/conftest.py's."""
 
 from __future__ import annotations
-
-import os
-import secrets
 
 import pytest
 import torch
 
 from kernels._common import INTERPRET
-
-
-@pytest.fixture
-def seed() -> int:
-    value = int(os.environ.get("TANDEM_TEST_SEED") or secrets.randbits(31))
-    torch.manual_seed(value)
-    return value
 
 
 @pytest.fixture
