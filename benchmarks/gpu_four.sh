@@ -7,6 +7,7 @@
 #   serve32    Qwen2.5-32B-shaped bf16, one colocated worker at TP 2 (GPUs 0, 1): the
 #              1,000-request workload; beside it on GPUs 2, 3: `multi` if asked
 #   multi      benchmarks/multiturn.py, Llama-3.1-8B bf16, 1P:1D over CUDA IPC, reuse off and on
+#   kernels    the Triton kernel tests of tests/gpu on GPU 0
 #   parity8    Llama-3.1-8B float32: greedy tokens of a fixed prompt set through each
 #              heterogeneous layout against one colocated worker at TP 1
 # Usage: OUT=/tmp/out LIMIT=560 bash benchmarks/gpu_four.sh ratio8 | ratio32 | serve32 multi parity8
@@ -42,7 +43,7 @@ RATIO="python3 benchmarks/ratio.py --dtype bfloat16 --load-format dummy --gpus 4
 SERVE="python3 benchmarks/serve.py --launch colocated --dtype bfloat16 --load-format dummy --devices cuda:0 --workload sharegpt --num-requests 1000 --rate inf --no-progress"
 multi() {
   CUDA_VISIBLE_DEVICES=2,3 step multi python3 benchmarks/multiturn.py --device cuda \
-    --transport cuda_ipc --model $B8 --dtype bfloat16 --load-format dummy --num-prefill 1 \
+    --transport cuda_ipc --model $B8 --dtype ${MULTI_DTYPE:-bfloat16} --load-format dummy --num-prefill 1 \
     --num-decode 1 --num-conversations ${MULTI_CONVS:-100} --turns 6 --first-tokens 1024 \
     --new-tokens 128 --output-tokens 128 --rate ${MULTI_RATE:-20} --out "$R/multi.json" \
     --log-dir "$R/logs_multi"
@@ -66,11 +67,14 @@ for part in $PARTS; do
     parity8) step parity8 python3 benchmarks/ratio.py --parity --model $B8 --dtype float32 \
         --load-format dummy --gpus 4 --layouts 1C 1Ptp2_2D 2P1Dtp2 2Ctp2 --out-dir "$R/parity8" \
         --log-dir "$R/parity8/logs" -- --max-num-seqs 16 ;;
+    kernels) CUDA_VISIBLE_DEVICES=0 step kernels python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/gpu/test_paged_attention_gpu.py tests/gpu/test_small_kernels_gpu.py \
+        tests/gpu/test_attention_backend_gpu.py tests/gpu/test_fp8_gpu.py ;;
     *) echo "unknown part $part" >> "$OUT/summary.txt" ;;
   esac
 done
 tar czf "$OUT/results.tgz" -C "$OUT" r
 cat "$OUT/summary.txt"
-for f in ratio8_report ratio32_report serve32_tp2 multi parity8; do
+for f in kernels ratio8 ratio8_report ratio32_report serve32_tp2 multi parity8; do
   [ -f "$R/$f.txt" ] && { echo "== $f"; tail -n 30 "$R/$f.txt"; }
 done
