@@ -7,7 +7,7 @@
 #   step        Llama-3.1-8B bf16: decode step at batch 1 and 64, TP 1 vs TP 2, NCCL share
 #   serve       Llama-3.1-8B bf16: 1,000 ShareGPT-like requests, one colocated worker at TP 1
 #               (GPU 0) and at TP 2 (GPUs 0, 1)
-#   pool32      Qwen2.5-32B-shaped bf16: the KV pool at TP 1 (does not fit) and per rank at TP 2
+#   pool32      Qwen2.5-32B-shaped bf16: the KV pool at TP 1 (small: ~47k tokens on 80 GB) and per rank at TP 2
 #   serve32     Qwen2.5-32B-shaped bf16 at TP 2: the 1,000-request workload
 # Usage: OUT=/tmp/out LIMIT=560 bash benchmarks/gpu_tp.sh [part ...]   (default: all parts)
 # Each part's output is in $OUT/r/<part>.txt (tables at the end), JSON beside it; a summary with

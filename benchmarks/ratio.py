@@ -204,7 +204,7 @@ def parity(a: argparse.Namespace, passthrough: list[str]) -> int:
           f"against {out['layouts'][ref_name]['label']} on {out['layouts'][ref_name]['card']}")
     print(f"{'layout':<16}{'identical prompts':>19}{'before 1st diff':>17}{'positions equal':>17}")
     differ = 0
-    for name, r in out["layouts"].items():
+    for r in out["layouts"].values():
         same, prefix, equal = agreement(ref, r["tokens"])
         r.update(identical=same, before_first_difference=prefix, positions_equal=equal)
         differ += same != len(ref)
@@ -288,7 +288,7 @@ def report(out_dir: Path, slo: tuple[float, float, str] | None = None) -> dict:
         png = out_dir / f"goodput-{w}.png"
         series = {lay: [(x["rate"], x["goodput"]) for x in rs if not math.isinf(x["rate"])]
                   for lay, rs in per.items()}
-        why = goodput_vs_rate(series, png, f"{w}: goodput vs rate ({', '.join(cards)})")
+        why = goodput_vs_rate(series, png, f"{w}: goodput by layout ({', '.join(cards)})")
         plots[w] = str(png) if why is None else why
         print(why or f"wrote {png}")
     out = {"cards": cards, "rows": rows, "best": best, "plots": plots}
