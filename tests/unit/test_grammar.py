@@ -1,7 +1,8 @@
 """The grammar engine against the demo's byte-level tokenizer: the sampler masks only rows with a
 grammar, ids past the tokenizer's vocabulary (padding rows of the logits) are never allowed, EOS
 only when the grammar is complete, a fork continues independently, a sampled token's matcher
-update waits for the next fill, compiled grammars are cached
+update waits for the next fill (many rows filled together as if each token were taken at once),
+compiled grammars are cached
 (LRU) per schema, and bad schemas or a missing xgrammar are named."""
 
 from __future__ import annotations
@@ -11,15 +12,21 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.demo import EOT_ID, VOCAB_SIZE, demo_model_dir
-from engine.grammar import GrammarCompiler, check_schema
+from engine.grammar import GrammarCompiler, bitmask_width, check_schema, fill_bitmask
 from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import ResponseFormat, SamplingParams
 from tandem.errors import InvalidArgument
 
 PADDED_VOCAB = VOCAB_SIZE + 50  # the model's logits wider than the tokenizer
 ENUM = ResponseFormat("json_schema", json.dumps({"enum": ["ab", "cd"]}))
+OBJECT = ResponseFormat("json_schema", json.dumps({
+    "type": "object", "properties": {"a": {"type": "string", "maxLength": 3},
+                                     "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}))
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +35,17 @@ def compiler():
 
 
 def _allowed(state) -> set[int]:
-    mask = torch.full((1, (PADDED_VOCAB + 31) // 32), -1, dtype=torch.int32)
+    mask = _mask(1)
     state.fill(mask, 0)
-    bits = (mask[0, :, None] >> torch.arange(32)) & 1
+    return _row(mask, 0)
+
+
+def _mask(rows: int) -> torch.Tensor:
+    return torch.full((rows, bitmask_width(PADDED_VOCAB)), -1, dtype=torch.int32)
+
+
+def _row(mask: torch.Tensor, row: int) -> set[int]:
+    bits = (mask[row, :, None] >> torch.arange(32)) & 1
     return set(torch.nonzero(bits.flatten()[:PADDED_VOCAB]).flatten().tolist())
 
 
@@ -70,6 +85,59 @@ def test_a_deferred_token_is_taken_at_the_next_fill(compiler):
     greedy = SamplingParams(temperature=0)
     assert sampler(logits, [SampleRow(greedy, 0, 1, grammar=broken)]).token_ids == [EOT_ID]
     assert broken.broken
+
+
+def test_a_refused_deferred_token_breaks_only_its_row(compiler):
+    """Rows filled together (xgrammar's batch fill, rows of the step's bitmask not in order):
+    the one whose deferred token the grammar refuses allows only EOS from then on; the others
+    advance, and the rows of the bitmask without a grammar are left alone."""
+    states = [compiler.state(ENUM) for _ in range(4)]
+    for s, tok in zip(states, [ord('"'), ord("x"), ord('"'), ord('"')], strict=True):
+        s.defer(tok)
+    mask, rows = _mask(6), [5, 0, 3, 2]
+    fill_bitmask(states, mask, rows, [EOT_ID])
+    assert [s.broken for s in states] == [False, True, False, False]
+    assert [_row(mask, r) for r in rows] == [{ord("a"), ord("c")}, {EOT_ID},
+                                             {ord("a"), ord("c")}, {ord("a"), ord("c")}]
+    assert _row(mask, 1) == _row(mask, 4) == set(range(PADDED_VOCAB))
+    for s, tok in zip(states, [ord("a"), EOT_ID, ord("a"), ord("c")], strict=True):
+        s.defer(tok)  # the broken row sampled the only token its mask allowed
+    fill_bitmask(states, mask, rows, [EOT_ID])
+    assert [s.broken for s in states] == [False, True, False, False]
+    assert [_row(mask, r) for r in rows] == [{ord("b")}, {EOT_ID}, {ord("b")}, {ord("d")}]
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), num_rows=st.integers(2, 5))
+def test_filling_deferred_rows_together_equals_taking_each_token_at_once(compiler, data,
+                                                                          num_rows):
+    """Random walks, one a row, mostly through the allowed tokens and now and then any id:
+    deferring each token and filling the rows together gives, row for row and step for step,
+    the mask and the broken flag of taking each token at once, one matcher at a time."""
+    compiled = compiler.compile(OBJECT)
+    deferred = [GrammarCompiler.state_of(compiled) for _ in range(num_rows)]
+    at_once = [GrammarCompiler.state_of(compiled) for _ in range(num_rows)]
+    broken = [False] * num_rows
+    rows = data.draw(st.permutations(range(num_rows + 2)))[:num_rows]
+    mask = _mask(num_rows + 2)
+    live = list(range(num_rows))
+    for _ in range(data.draw(st.integers(1, 16))):
+        if not live:
+            break
+        fill_bitmask([deferred[i] for i in live], mask, [rows[i] for i in live], [EOT_ID])
+        for i in list(live):
+            allowed = _row(mask, rows[i])
+            assert allowed == ({EOT_ID} if broken[i] else _allowed(at_once[i]))
+            assert deferred[i].broken == broken[i]
+            any_id = data.draw(st.integers(0, 9)) == 0
+            tok = data.draw(st.integers(0, PADDED_VOCAB - 1) if any_id
+                            else st.sampled_from(sorted(allowed)))
+            if tok == EOT_ID:  # the sample ends here
+                live.remove(i)
+                continue
+            deferred[i].defer(tok)
+            if not broken[i]:
+                broken[i] = not at_once[i].accept(tok)
 
 
 def test_sampler_masks_only_grammar_rows(compiler):
