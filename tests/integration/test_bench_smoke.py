@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -228,3 +229,24 @@ def test_multiturn_moves_only_new_blocks_with_reuse(tiny_models, tmp_path):
     assert on[1]["kv_blocks"] == 5 - (40 + 12 - 1) // 16  # less what turn 1 computed there
     assert on[1]["computed"] == off[1]["computed"] == 72 - 32  # prefill reuses turn 1's blocks
     assert report["identical_outputs"] == [4, 4]
+
+
+def test_cold_start_benchmark_runs_every_pass(tiny_models, tmp_path):
+    """benchmarks/cold_start.py on the CPU: four passes of prefill-only requests, each timed,
+    and the Triton cache counted (empty here: the CPU runs no compiled kernels)."""
+    out = tmp_path / "cold.json"
+    cache = tmp_path / "triton"
+    cache.mkdir()
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cold_start.py"),
+                           "--model", str(tiny_models["llama"]), "--device", "cpu",
+                           "--dtype", "float32", "--load-format", "auto", "--max-model-len",
+                           "256", "--long", "100", "--count", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "TRITON_CACHE_DIR": str(cache)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert [p["pass"][0] for p in r["passes"]] == ["A", "B", "C", "D"]
+    assert r["passes"][0]["lengths"] == r["passes"][1]["lengths"]
+    assert not set(r["passes"][0]["lengths"]) & set(r["passes"][2]["lengths"])
+    assert all(len(p["ms"]) == 2 and min(p["ms"]) > 0 for p in r["passes"])
+    assert r["card"] == "cpu" and r["passes"][0]["new_cache_entries"] == 0
