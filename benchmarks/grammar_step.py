@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.structured import SCHEMA
+from benchmarks.structured import SCHEMAS
 from engine.grammar import GrammarCompiler, GrammarState, bitmask_width, fill_bitmask, xgrammar
 from engine.model_source import resolve_model
 from engine.sampling_params import ResponseFormat
@@ -133,6 +133,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--schema", choices=list(SCHEMAS), default="bounded",
+                    help="structured.py's records with (bounded) or without length-bounded strings")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -140,7 +142,7 @@ def main() -> None:
     tok = Tokenizer(tok_dir)
     vocab = tok.vocab_size
     compiler = GrammarCompiler(tok_dir, vocab, list(tok.eos_token_ids))
-    compiled = compiler.compile(ResponseFormat("json_schema", json.dumps(SCHEMA)))
+    compiled = compiler.compile(ResponseFormat("json_schema", json.dumps(SCHEMAS[args.schema])))
     machine = f"{cpu_name()}, {os.cpu_count()} CPUs"
     results: dict[int, dict[str, list[tuple[float, ...]]]] = {}
     for n in args.rows:
@@ -154,7 +156,8 @@ def main() -> None:
                 f"{v} {results[n][v][-1][2]:8.0f}" for v in args.variants) + "  µs/step",
                 flush=True)
 
-    print(f"\n{machine}; tokenizer {tok_dir.name} ({vocab} tokens); {args.steps} steps, median "
+    print(f"\n{machine}; tokenizer {tok_dir.name} ({vocab} tokens); {args.schema} schema; "
+          f"{args.steps} steps, median "
           f"of {args.rounds} rounds; µs per step")
     print(f"{'rows':>5s} {'variant':8s} {'accept':>9s} {'fill':>9s} {'step':>9s} {'vs serial':>9s}")
     summary: dict[str, dict[str, dict[str, float]]] = {}
@@ -172,7 +175,7 @@ def main() -> None:
             print(f"{n:5d} {v:8s} {split} {m['step_us']:9.0f} {rel}")
     if args.out:
         args.out.write_text(json.dumps({"machine": machine, "tokenizer": tok_dir.name,
-                                        "vocab": vocab, "steps": args.steps,
+                                        "vocab": vocab, "schema": args.schema, "steps": args.steps,
                                         "rounds": args.rounds, "median": summary,
                                         "runs": {str(k): v for k, v in results.items()}},
                                        indent=2))

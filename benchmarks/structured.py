@@ -46,6 +46,11 @@ RECORD = {"type": "object", "properties": {
 SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "items": RECORD,
                                                        "minItems": 64}},
           "required": ["records"], "additionalProperties": False}
+# The same records with no length bound on their strings: xgrammar writes "maxLength" as a
+# counted repetition, whose masks it cannot precompute; an unbounded string is one cached rule.
+UNBOUNDED = json.loads(json.dumps(SCHEMA).replace(', "maxLength": 24', "")
+                       .replace(', "maxLength": 12', ""))
+SCHEMAS = {"bounded": SCHEMA, "unbounded": UNBOUNDED}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja")
 
@@ -75,6 +80,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--schema", choices=list(SCHEMAS), default="bounded",
+                    help="bounded: records whose strings have a maxLength; unbounded: without")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -94,7 +101,7 @@ def main() -> None:
         n = args.num_requests
         prompts = [[(97 * i + 13 * j) % (vocab - 1) + 1 for j in range(args.prompt_len)]
                    for i in range(n)]
-        fmt = ResponseFormat("json_schema", json.dumps(SCHEMA))
+        fmt = ResponseFormat("json_schema", json.dumps(SCHEMAS[args.schema]))
         kinds = {
             "unconstrained": [SamplingParams(temperature=1.0, max_tokens=args.max_tokens,
                                              ignore_eos=True)] * n,
@@ -114,7 +121,7 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in rates.items()}
     ratio = med["json_schema"] / med["unconstrained"]
     print(f"\n{card}, {args.model.name}, {n} concurrent requests, {args.max_tokens} tokens each,"
-          f" tokenizer vocab {vocab}")
+          f" tokenizer vocab {vocab}, {args.schema} schema")
     print(f"{'kind':14s} {'median tok/s':>13s}")
     for k, v in med.items():
         print(f"{k:14s} {v:13.0f}")
@@ -123,6 +130,7 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps({"card": card, "model": args.model.name, "requests": n,
                                         "max_tokens": args.max_tokens, "tokenizer_vocab": vocab,
+                                        "schema": args.schema,
                                         "tok_s": rates, "median": med, "ratio": ratio}, indent=2))
 
 
