@@ -201,14 +201,16 @@ def test_structured_benchmark_counts_every_token(tiny_models, tmp_path):
     assert r["ratio"] > 0
 
 
-def test_grammar_step_benchmark_replays_every_variant(tiny_models, tmp_path):
+@pytest.mark.parametrize("schema", ["bounded", "unbounded"])
+def test_grammar_step_benchmark_replays_every_variant(tiny_models, tmp_path, schema):
     """benchmarks/grammar_step.py with the demo's tokenizer: every variant replays the same
-    walks through the grammar (none breaks it) and the JSON names the machine."""
+    walks through the grammar (none breaks it) and the JSON names the machine and schema."""
     out = tmp_path / "grammar_step.json"
     run("grammar_step.py", "--tokenizer", str(tiny_models["llama"]), "--rows", "2", "3",
-        "--steps", "6", "--rounds", "2", "--out", str(out))
+        "--steps", "6", "--rounds", "2", "--schema", schema, "--out", str(out))
     r = json.loads(out.read_text())
     assert r["machine"] and r["steps"] == 6 and set(r["median"]) == {"2", "3"}
+    assert r["schema"] == schema
     for by_variant in r["median"].values():
         assert set(by_variant) == {"serial", "batched", "engine"}
         assert all(m["step_us"] > 0 for m in by_variant.values())
