@@ -13,34 +13,10 @@
 # Usage: OUT=/tmp/out LIMIT=560 bash benchmarks/gpu_four.sh ratio8 | ratio32 | serve32 multi parity8
 # Output: $OUT/results.tgz (each part's log and JSON), $OUT/summary.txt; tables printed last.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}
-R=$OUT/r
-mkdir -p "$R"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-export TANDEM_CACHE_DIR=/tmp/tandem-cache
-export PYTHONSAFEPATH=1  # benchmarks/kernels.py never shadows the kernels package
-nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$R/gpus.txt" 2>&1
-nvidia-smi topo -m >> "$R/gpus.txt" 2>&1
-B8=benchmarks/configs/llama-3.1-8b
-Q32=benchmarks/configs/qwen2.5-32b
-LIMIT=${LIMIT:-560}
-DEADLINE=$(( $(date +%s) + LIMIT ))
+source "$(dirname "$0")/gpu_env.sh"
 PARTS=${*:-ratio8}
 
-step() {  # step NAME CMD...: run within the deadline, log, record exit code and seconds
-  local name=$1; shift
-  local t0=$(date +%s) left=$(( DEADLINE - $(date +%s) ))
-  if [ $left -lt 20 ]; then echo "$name skipped (no time left)" >> "$OUT/summary.txt"; return; fi
-  timeout --kill-after=10 $left "$@" > "$R/$name.txt" 2>&1
-  echo "$name rc=$? $(( $(date +%s) - t0 ))s" >> "$OUT/summary.txt"
-}
-
 RATIO="python3 benchmarks/ratio.py --dtype bfloat16 --load-format dummy --gpus 4 --slo-ttft-ms 1000 --slo-itl-ms 50 --no-progress --workloads prompt-heavy decode-heavy"
-SERVE="python3 benchmarks/serve.py --launch colocated --dtype bfloat16 --load-format dummy --devices cuda:0 --workload sharegpt --num-requests 1000 --rate inf --no-progress"
 multi() {
   CUDA_VISIBLE_DEVICES=2,3 step multi python3 benchmarks/multiturn.py --device cuda \
     --transport cuda_ipc --model $B8 --dtype ${MULTI_DTYPE:-bfloat16} --load-format dummy --num-prefill 1 \

@@ -5,17 +5,9 @@
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl, sweep, decode, sched,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, pack.
 set -uo pipefail
-cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-export TANDEM_CACHE_DIR=/tmp/tandem-cache
-export PYTHONSAFEPATH=1  # a script's directory (benchmarks/ has kernels.py) never shadows packages
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpus.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpus.txt"
+R=$OUT  # each stage's log straight in $OUT
+source "$(dirname "$0")/gpu_env.sh"
 
 run() {  # run NAME CMD...: log, time, never stop the session
   local name=$1; shift

@@ -13,34 +13,10 @@
 # Each part's output is in $OUT/r/<part>.txt (tables at the end), JSON beside it; a summary with
 # each part's exit code and seconds in $OUT/summary.txt.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}
-R=$OUT/r
-mkdir -p "$R"
-# Wheels the image lacks, when the checkout carries them (as for benchmarks/gpu_session.sh).
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
-export TANDEM_CACHE_DIR=/tmp/tandem-cache
-export PYTHONSAFEPATH=1  # benchmarks/kernels.py never shadows the kernels package
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
-nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$R/gpus.txt" 2>&1
-B8=benchmarks/configs/llama-3.1-8b
-Q32=benchmarks/configs/qwen2.5-32b
-LIMIT=${LIMIT:-560}
-DEADLINE=$(( $(date +%s) + LIMIT ))
+source "$(dirname "$0")/gpu_env.sh"
 PARTS=${*:-tests parity step serve pool32 serve32}
 
-step() {  # step NAME CMD...: run within the deadline, log, record exit code and seconds
-  local name=$1; shift
-  local t0=$(date +%s) left=$(( DEADLINE - $(date +%s) ))
-  if [ $left -lt 20 ]; then echo "$name skipped (no time left)" >> "$OUT/summary.txt"; return; fi
-  timeout --kill-after=10 $left "$@" > "$R/$name.txt" 2>&1
-  echo "$name rc=$? $(( $(date +%s) - t0 ))s" >> "$OUT/summary.txt"
-}
-
-SERVE="python3 benchmarks/serve.py --launch colocated --dtype bfloat16 --load-format dummy --devices cuda:0 --workload sharegpt --num-requests 1000 --rate inf --no-progress"
 for part in $PARTS; do
   case $part in
     tests) step tests python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 -m gpu tests/gpu/test_tensor_parallel_gpu.py ;;
