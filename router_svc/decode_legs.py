@@ -17,8 +17,9 @@ ended, how often it moved, and the current lease, which it releases unless a dec
 carried it away (the decode worker releases it then, or it expires with a dead worker).
 
 Bounds: a leg that fails after it sent tokens moves the request (UNAVAILABLE: its worker died,
-hung or lost the lease's KV) at most `max_migrations` times, then the request fails
-UNAVAILABLE saying so; a leg that fails before its first token (UNAVAILABLE, or
+hung or lost the lease's KV; INTERNAL: gRPC failed inside the worker or its connection) at most
+`max_migrations` times, then the request fails UNAVAILABLE saying so; a leg that fails before
+its first token (UNAVAILABLE, INTERNAL, or
 FAILED_PRECONDITION: a worker that refuses decode requests, never tried again for this request;
 ABORTED: a lease that ran too short to pull, retried with a fresh one on any decode worker) is
 retried likewise, at most once per decode worker beyond the moves.
@@ -204,7 +205,10 @@ class DecodeLegs:
             self.orch.workers.mark_down(d)
         # ABORTED: the leg's lease ran too short to pull (a busy worker, a short --lease-ttl);
         # any decode worker, this one too, may take the request with a fresh lease.
-        movable = code == grpc.StatusCode.UNAVAILABLE or (
+        # INTERNAL: the worker or the connection to it failed inside gRPC (a stream cut by a
+        # worker restarting on the same port reads so), not the request's fault: moved like
+        # UNAVAILABLE, within the same bounds.
+        movable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL) or (
             code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
             and not sent)
         if not movable:

@@ -18,12 +18,15 @@ from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
 PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(4 + 9 * i)] for i in range(16)]
+# Long enough that a decode worker on a loaded machine claims its lease in time, short enough
+# that a test waits for one to expire.
+LEASE_TTL = "8"
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("disagg"), str(tiny_models["llama"]),
-                worker_args=WORKER_ARGS, prefill_args=["--lease-ttl", "3"],
+                worker_args=WORKER_ARGS, prefill_args=["--lease-ttl", LEASE_TTL],
                 router_args=["--http-port", "-1"]).start()
     yield c
     codes = c.stop()
@@ -115,7 +118,7 @@ def test_deadline_mid_stream(cluster):
 
 
 def test_decode_side_never_pulls_lease_expires(cluster):
-    """A prefill whose KV nobody pulls: the lease (3 s here) expires and the blocks return.
+    """A prefill whose KV nobody pulls: the lease (LEASE_TTL here) expires and the blocks return.
     A release that comes after that is ignored, not an error."""
     p = cluster.workers("prefill")[0]
 
@@ -129,7 +132,7 @@ def test_decode_side_never_pulls_lease_expires(cluster):
             assert load.num_leases == 1 and resp.kv.num_tokens == len(PROMPTS[10])
             assert load.num_blocks - load.num_free_blocks == -(len(PROMPTS[10]) // -16)
             t0 = time.monotonic()
-            await cluster.wait_idle(timeout=10, procs=[p])
+            await cluster.wait_idle(timeout=3 * float(LEASE_TTL), procs=[p])
             assert time.monotonic() - t0 > 1.0  # it was the lease that ended it
             assert "expired unreleased" in p.log_text()
             late = await stub.Release(worker_pb2.ReleaseRequest(lease_id=resp.kv.lease_id))
@@ -143,7 +146,7 @@ def test_decode_side_never_pulls_lease_expires(cluster):
 def test_decode_request_cancelled_before_it_ran_releases_the_lease_at_once(cluster):
     """On a decode worker's Stream call a cancel follows its request in order, so the worker
     always sees the request it cancels: a request cancelled before its task ever ran still
-    releases the prefill side's lease now, not at the lease's expiry (3 s here). Requests of
+    releases the prefill side's lease now, not at the lease's expiry (LEASE_TTL here). Requests of
     the wrong kind or a reused id are refused by status; closing the call's sending side ends
     the call once its requests are done."""
     p, d = cluster.workers("prefill")[0], cluster.workers("decode")[0]
@@ -166,7 +169,8 @@ def test_decode_request_cancelled_before_it_ran_releases_the_lease_at_once(clust
             updates = [u async for m in call for u in m.updates]
             assert await call.code() == grpc.StatusCode.OK
             assert [(u.request_id, grpc.StatusCode.FAILED_PRECONDITION.value[0])
-                    for u in updates] == [("wrong-kind", u.error_code) for u in updates]
+                    for u in updates] == [("wrong-kind", u.error_code) for u in updates], \
+                [(u.request_id, u.error_message) for u in updates]
             assert "has role decode" in updates[0].error_message and updates[0].done
             await cluster.wait_idle(timeout=10)
             # Released by the decode worker: the prefill worker saw no lease expire meanwhile.

@@ -30,6 +30,7 @@ class FakeStream:
     def __init__(self, steps: int, fail: bool,
                  refuse: list[grpc.StatusCode] | None = None) -> None:
         self.steps, self.fail, self.refuse = steps, fail, list(refuse or [])
+        self.fail_code = grpc.StatusCode.UNAVAILABLE
         self.sent: list[worker_pb2.DecodeRequest] = []
 
     async def request(self, msg, md=None, timeout=None, on_sent=None):
@@ -46,7 +47,7 @@ class FakeStream:
                           for i in range(n)], 3, 0)
             done = [d + 1 for d in done]
         if self.fail:
-            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, StreamBroken)
+            raise _rpc_error(self.fail_code, StreamBroken)
         yield Update([SampleUpdate(i, [], [None], "length") for i in range(n)], 3, 0)
 
 
@@ -128,6 +129,22 @@ def test_a_lease_too_short_to_pull_is_retried_with_a_fresh_one_on_the_same_worke
     assert error is None and len(out[0]) == 1 + 2
     assert [r.kv.lease_id for r in orch.decode[0].stream.sent] == ["lease1", "lease2"]
     assert orch.prefills == 2 and orch.decode[0].healthy
+
+
+@pytest.mark.parametrize("sent", [0, 2])
+def test_an_internal_grpc_failure_of_a_leg_moves_the_request(sent):
+    """INTERNAL from a decode leg (gRPC failing inside the worker or its connection, as a stream
+    to a worker restarted on the same port does) moves the request like UNAVAILABLE, before or
+    after its first tokens: the client gets every token, from the other worker."""
+    if sent:  # two tokens, then the stream fails
+        first = FakeStream(sent, fail=True)
+        first.fail_code = grpc.StatusCode.INTERNAL
+    else:  # failed at once; a second try (on either worker) answers
+        first = FakeStream(3, fail=False, refuse=[grpc.StatusCode.INTERNAL])
+    orch = FakeOrchestrator([first, FakeStream(3, fail=False)], max_migrations=1)
+    out, error = asyncio.run(_run(orch, 1))
+    assert error is None and len(out[0]) == 1 + sent + 3
+    assert sum(len(w.stream.sent) for w in orch.decode) == 2
 
 
 def test_every_decode_worker_refusing_names_their_reasons():
