@@ -278,6 +278,7 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
     bar = progress_bar(len(requests), "offline", a.progress)
     rec = StepRecorder(engine, gpu_every, on_finished=bar.update)
     rec.attach()
+    compiled0 = triton_variants(device)
     t0, c0 = time.perf_counter(), time.process_time()
     try:
         outs = llm.generate([r.prompt for r in requests], params)
@@ -286,6 +287,7 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
         rec.detach()
         bar.close()
     duration = t1 - t0 - rec.profiler_s - rec.record_s
+    compiled = triton_variants(device)
     counts = [len(o.outputs[0].token_ids) for o in outs]
     wrong = [i for i, (c, r) in enumerate(zip(counts, requests)) if c != r.max_tokens]
     ids = [o.request_id for o in outs]
@@ -337,6 +339,10 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
         "engine_config": {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "extra"},
         "num_blocks": engine.block_pool.num_blocks,
         "startup_s": startup_s,
+        # Triton kernel variants compiled at start-up and during the measured run (each a
+        # stall of the step that needed it; start-up should leave none for the run)
+        "triton_variants": {"startup": compiled0, "during_run": (
+            compiled - compiled0 if compiled is not None and compiled0 is not None else None)},
         "num_requests": len(requests), "completed": len(requests) - len(wrong),
         "wrong_length": wrong[:10],
         "duration_s": duration, "output_tokens": out_tokens,
@@ -354,6 +360,15 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
     }
 
 
+def triton_variants(device: str) -> int | None:
+    """Triton kernel variants this process has compiled (or loaded), on CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    from kernels._common import compiled_variants
+
+    return sum(compiled_variants().values())
+
+
 def print_offline(r: dict, header: str) -> None:
     print(header)
     print(f"{r['completed']}/{r['num_requests']} requests in {r['duration_s']:.2f} s: "
@@ -361,6 +376,10 @@ def print_offline(r: dict, header: str) -> None:
           f"{r['total_token_throughput']:.0f} total tok/s; TTFT p50 {fmt(r['ttft_ms']['p50'], '.0f')}"
           f" ms, TPOT p50 {fmt(r['tpot_ms']['p50'])} ms; saturated phase (>= {SATURATED_SEQS} "
           f"running) {fmt(r['step_time']['saturated_output_throughput'], '.0f')} output tok/s")
+    tv = r.get("triton_variants") or {}
+    if tv.get("startup") is not None:
+        print(f"start-up {r['startup_s']:.1f} s; Triton kernel variants compiled by then "
+              f"{tv['startup']}, during the run {tv['during_run']}")
     f = r.get("floors")
     if f:
         c = f["card"]

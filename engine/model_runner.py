@@ -104,6 +104,10 @@ class ModelRunner:
         self.pool = (pool_factory or default_pool_factory)(self.pool_shape(self.num_blocks),
                                                             self.kv_dtype, self.device)
         self.backend = self._make_backend(self.pool)
+        if self.device.type == "cuda":
+            from engine.warm_up import warm_up  # noqa: PLC0415 - Triton, CUDA only
+
+            warm_up(self)  # every Triton variant a step can launch, compiled now
         if use_graphs:
             self.graphs = CudaGraphRunner(self.model, self.backend, graph_bs,
                                           cdiv(max_model_len, self.block_size), self.device)
@@ -219,10 +223,14 @@ class ModelRunner:
         row and their argmax."""
         self._profile_step([1] * num_seqs, list(range(num_seqs)), sample=False)
 
-    def _profile_step(self, lens: list[int], last: list[int], sample: bool) -> None:
+    def _profile_step(self, lens: list[int], last: list[int], sample: bool,
+                      backend: AttentionBackend | None = None) -> None:
+        """One eager step of sequences of `lens` new tokens (1: a decode), sampling the
+        flattened tokens `last`: over a throwaway pool, or `backend`'s (its first blocks)."""
         per_seq = cdiv(max(lens), self.block_size)
-        pool = torch.empty(self.pool_shape(len(lens) * per_seq), dtype=self.kv_dtype,
-                           device=self.device)
+        if backend is None:
+            backend = self._make_backend(torch.empty(self.pool_shape(len(lens) * per_seq),
+                                                     dtype=self.kv_dtype, device=self.device))
         batch = ScheduledBatch()
         for i, n in enumerate(lens):
             seq = Sequence(f"profile-{i}", [0] * n, SamplingParams())
@@ -230,7 +238,7 @@ class ModelRunner:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
         ids, pos, meta, sample_index = self._inputs(batch, last)
-        with torch.inference_mode(), forward_context(self._make_backend(pool), meta):
+        with torch.inference_mode(), forward_context(backend, meta):
             hidden = self.model(ids, pos)
             logits = self.model.compute_logits(hidden[sample_index])
             if sample:

@@ -40,7 +40,9 @@ class CopyConfig:
 DEFAULT_CONFIG = CopyConfig()
 
 
-@triton.jit
+# The id lists are often two rows of one upload (an offset that varies with their length): no
+# specialisation on their alignment, so one variant serves every transfer.
+@triton.jit(do_not_specialize_on_alignment=["src_ids_ptr", "dst_ids_ptr"])
 def _copy_blocks_kernel(
     src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr,
     words_per_block, stride_src, stride_dst,  # in words

@@ -11,12 +11,12 @@ walks its token range BLOCK_N tokens at a time, gathering them through the block
     qk = q[BLOCK_H, D] @ K[D, BLOCK_N];  online softmax in fp32 (base 2);  acc += p @ V
 
 Split-KV (flash-decoding): with few (sequence, KV head) pairs for the SMs, the grid gets
-NUM_SPLITS programs per pair, and each sequence's context is cut into ranges of whole BLOCK_N
+num_splits programs per pair, and each sequence's context is cut into ranges of whole BLOCK_N
 tiles, at least min_split_tiles long. The ranges are computed in the kernel from seq_lens, so
 the grid depends on shapes only and one captured CUDA graph serves every context length; a
 graph sized for long contexts still cuts a short one into few, long splits:
 
-    seq_len 1000, BLOCK_N 64, NUM_SPLITS 33, min_split_tiles 4  ->  split_len 256 tokens
+    seq_len 1000, BLOCK_N 64, num_splits 33, min_split_tiles 4  ->  split_len 256 tokens
     split     0          1           2           3           4 .. 32
     tokens    [0, 256)   [256, 512)  [512, 768)  [768, 1000)  none: exit at once
 
@@ -27,7 +27,7 @@ order, so the result does not depend on which program came last), writes the out
 the counter back to 0, so one zeroed counter buffer serves every later launch and CUDA-graph
 replay. A sequence with a single active split writes its output directly.
 
-    workspace (fp32)  partial [S, Hq, NUM_SPLITS, D] | lse [S, Hq, NUM_SPLITS]
+    workspace (fp32)  partial [S, Hq, num_splits, D] | lse [S, Hq, num_splits]
     counters  (int32) [S, Hkv], all 0 between launches
 
 FP8 caches (e4m3, kernels/_common.py) come with one fp32 scale per KV head for K and for V.
@@ -126,7 +126,11 @@ def _attend(
     return acc, m_i, l_i
 
 
-@triton.jit
+# Step-varying arguments are not specialised on (see paged_prefill_attention.py): the block
+# table's width and the metadata's offsets change with the batch; the split count is an
+# argument, so the split kernel has one variant per power of two (SPLITS_PAD).
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["bt_ptr", "seq_lens_ptr"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2,  # softmax scale * log2(e)
@@ -204,24 +208,26 @@ def _merge_splits(
              out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_ps", "stride_ph",
+                               "stride_ls", "stride_lh"],
+            do_not_specialize_on_alignment=["bt_ptr", "seq_lens_ptr"])
 def _paged_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_ptr, lse_ptr, counter_ptr,
     k_scale_ptr, v_scale_ptr,
     scale_log2,  # softmax scale * log2(e)
     min_split_len,  # tokens: min_split_tiles * BLOCK_N
+    num_splits,  # split programs per (sequence, KV head): the grid's third dimension
     stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_bt,
     stride_os, stride_oh,
-    stride_ps, stride_ph, stride_psp,  # partial outputs [S, Hq, NUM_SPLITS, D]
-    stride_ls, stride_lh,  # log-sum-exps [S, Hq, NUM_SPLITS] (split stride 1)
+    stride_ps, stride_ph, stride_psp,  # partial outputs [S, Hq, num_splits, D]
+    stride_ls, stride_lh,  # log-sum-exps [S, Hq, num_splits] (split stride 1)
     stride_cs,  # counters [S, Hkv] (KV-head stride 1)
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -230,7 +236,7 @@ def _paged_decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     # Whole tiles per split so that only the last tile of a sequence is ragged; >= 1 token
     # even for seq_len 0, whose single active split writes zeros.
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N,
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N,
                            min_split_len)
     num_active = tl.maximum(tl.cdiv(seq_len, split_len), 1)
     if split < num_active:
@@ -376,11 +382,12 @@ def paged_decode_attention(
     with device_guard(q):
         _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, counters,
-            k_scale, v_scale, scale * LOG2E, policy.min_split_tiles * cfg.block_n, *common,
+            k_scale, v_scale, scale * LOG2E, policy.min_split_tiles * cfg.block_n, num_splits,
+            *common,
             part.stride(0), part.stride(1), part.stride(2),
             lse.stride(0), lse.stride(1),
             num_kv_heads,
-            NUM_SPLITS=num_splits, SPLITS_PAD=splits_pad, GROUP_PAD=group_pad,
+            SPLITS_PAD=splits_pad, GROUP_PAD=group_pad,
             MERGE_CHUNK=max(1, min(splits_pad, MERGE_TILE // (group_pad * head_dim))),
             **tiles,
         )

@@ -44,7 +44,7 @@ DEFAULT_SPLIT_POLICY = SplitPolicy()
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                       block_n: int = 64, policy: SplitPolicy = DEFAULT_SPLIT_POLICY) -> int:
-    """How many split programs the grid gets per (sequence, KV head): the launch's NUM_SPLITS.
+    """How many split programs the grid gets per (sequence, KV head): the launch's num_splits.
 
     Without a split there are num_seqs * num_kv_heads programs. From programs_per_sm per SM
     on, the card is busy and splitting only adds merge work: 1. Below that, split until there

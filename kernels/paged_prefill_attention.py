@@ -40,7 +40,11 @@ from kernels._common import (
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Arguments that vary from step to step are not specialised on (value 1, multiples of 16,
+# 16-byte aligned addresses): each distinct specialisation is a compile on first use, and the
+# engine compiles every variant at start-up (engine/warm_up.py), not in a request's step.
+@triton.jit(do_not_specialize=["num_q_tiles", "stride_bt"],
+            do_not_specialize_on_alignment=["qsl_ptr", "seq_lens_ptr", "bt_ptr"])
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2,  # softmax scale * log2(e)

@@ -31,7 +31,9 @@ from kernels.rotary_embedding import (
 from kernels.store_kv import check_store_kv_args, store_kv_ref, to_cache
 
 
-@triton.jit
+# The step's positions and slots are views at offsets that vary with its token count: no
+# specialisation on their alignment (one compiled variant; see paged_prefill_attention.py).
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _rotary_store_kv_kernel(
     pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, cache_ptr,
     k_scale_ptr, v_scale_ptr,

@@ -39,7 +39,7 @@ def to_cache(x, scale_ptr, offs_h, h_mask, cache_ptr):
     return x.to(cache_ptr.dtype.element_ty)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])  # a view at a varying offset
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     num_kv_heads, head_dim,

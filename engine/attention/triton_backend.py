@@ -69,6 +69,23 @@ class TritonAttentionBackend(AttentionBackend):
             splits -= 1
         return splits
 
+    def warm_up_decode(self, dtype: torch.dtype, splits_upto: int) -> None:
+        """Compile the decode kernels' variants (engine/warm_up.py): unsplit, and split into
+        each power of two up to `splits_upto` (the split kernel's variant is the split count
+        rounded up to one), one sequence of queries in `dtype` on the pool's first block."""
+        dev = self.pool.device
+        q = torch.zeros(1, self.num_heads, self.head_dim, dtype=dtype, device=dev)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        seq_lens = torch.full((1,), self.block_size, dtype=torch.int32, device=dev)
+        k_scale, v_scale = self.kv_scale(0)
+        splits = 1
+        while splits <= min(splits_upto, self._workspace_rows or 1):
+            paged_decode_attention(q, self.k_caches[0], self.v_caches[0], table, seq_lens,
+                                   self.scale, num_splits=splits, workspace=self.workspace,
+                                   counters=self.split_counters, k_scale=k_scale,
+                                   v_scale=v_scale)
+            splits *= 2
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, rope: Rope | None = None) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]

@@ -1,0 +1,52 @@
+"""Start-up compilation: every Triton kernel variant a step can launch is compiled (or loaded
+from Triton's on-disk cache) before the worker takes requests, so no request's step pays for a
+compile. On a fresh machine an unwarmed engine compiled ~30 variants during its first minute of
+traffic, each stalling a step for a second or more (BENCHMARKS.md, "the first run").
+
+The variants: the kernels take every step-varying size and address without specialising on it
+(`do_not_specialize` in kernels/), so what is left is one variant per kernel and constexpr set:
+  - the model's kernels (norms, rotary + store, activation, FP8 quantization) and both attention
+    kernels, compiled by eager steps: a mixed step (decodes and a prefill chunk) and a pure
+    prefill step of several chunks;
+  - the split decode kernel once per power of two of splits (its merge is sized by it), the
+    unsplit decode kernel, launched on the pool's first block;
+  - the block copy of KV pulls, copying the pool's first block onto its second.
+The pool's contents are garbage at start-up and every block written here is overwritten before
+it is read: nothing is allocated or cached by this.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+def warm_up(runner: ModelRunner) -> None:
+    from kernels.copy_blocks import copy_blocks  # noqa: PLC0415 - Triton, CUDA only
+    from kernels.paged_decode_launch import MAX_SPLITS  # noqa: PLC0415
+
+    t = time.perf_counter()
+    block = runner.block_size
+    if runner.num_blocks >= 6:  # below that (tests' tiny pools) requests compile on first use
+        # Decodes (one token) and a chunk that is not a whole number of blocks, then prefill
+        # chunks of several lengths; each fits in the pool's first blocks.
+        runner._profile_step([1, 1, block + 1], [0, 1, block + 2], sample=False,
+                             backend=runner.backend)
+        runner._profile_step([block, 3], [block - 1, block + 2], sample=False,
+                             backend=runner.backend)
+    backend = runner.backend
+    if hasattr(backend, "warm_up_decode"):
+        backend.warm_up_decode(runner.dtype, splits_upto=MAX_SPLITS)
+    if runner.num_blocks >= 2:
+        ids = torch.tensor([[0], [1]], dtype=torch.int64, device=runner.device)
+        copy_blocks(runner.pool, runner.pool, ids[0], ids[1])
+    torch.cuda.synchronize(runner.device)
+    log.info("kernels compiled or loaded in %.1f s", time.perf_counter() - t)
