@@ -24,7 +24,9 @@ from dataclasses import asdict, dataclass
 @dataclass
 class Card:
     matmul_tflops: float  # bf16, 8192^3, measured
-    copy_gbps: float  # device-to-device, bytes read + written per second / 1e9
+    # Memory bandwidth from a device-to-device copy: bytes read + written per second / 1e9.
+    # A stream that only reads (weights, KV) moves its bytes at this same rate.
+    copy_gbps: float
 
 
 def measure_card(device: str) -> Card:
@@ -86,7 +88,7 @@ def floors(card: Card, model: Model, prompt_lens: list[int], output_lens: list[i
                       for p, o in zip(prompt_lens, output_lens))
     flops = 2 * model.matmul_params * tokens + attn * context_sum
     compute_s = flops / rate
-    bw = card.copy_gbps * 1e9 / 2  # bytes read per second (the copy counts read + write)
+    bw = card.copy_gbps * 1e9  # bytes read per second
     decode_context = sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens))
     bandwidth_s = (max(output_lens) * model.weight_bytes
                    + decode_context * model.kv_bytes_per_token) / bw

@@ -85,6 +85,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time, per step, the engine step, the model runner's execute, the "
+                         "sampler (its wait for the device included) and the grammar's mask fill")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
@@ -110,9 +113,15 @@ def main() -> None:
         }
         run(llm, prompts[:8], kinds["json_schema"][:8])  # warm-up; compiles the grammar
         rates: dict[str, list[float]] = {k: [] for k in kinds}
+        timer = StepTimer(llm) if args.breakdown else None
+        parts: dict[str, dict[str, float]] = {}
         for r in range(args.rounds):
             for kind, params in kinds.items():
+                if timer:
+                    timer.reset()
                 seconds, tokens = run(llm, prompts, params)
+                if timer:
+                    parts[kind] = timer.means()
                 assert tokens == n * args.max_tokens, (kind, tokens)
                 rates[kind].append(tokens / seconds)
                 print(f"round {r}  {kind:13s}  {tokens} tokens  {seconds:7.2f} s  "
@@ -126,12 +135,59 @@ def main() -> None:
     for k, v in med.items():
         print(f"{k:14s} {v:13.0f}")
     print(f"json_schema / unconstrained: {ratio:.3f} ({(1 - ratio) * 100:.1f}% lower)")
+    for kind, means in parts.items():  # the last round's
+        print(f"{kind:14s} ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in means.items()))
     print(f"grammars compiled: {llm.engine.grammars.num_compiled}")
     if args.out:
         args.out.write_text(json.dumps({"card": card, "model": args.model.name, "requests": n,
                                         "max_tokens": args.max_tokens, "tokenizer_vocab": vocab,
                                         "schema": args.schema,
                                         "tok_s": rates, "median": med, "ratio": ratio}, indent=2))
+
+
+class StepTimer:
+    """Host time per engine step and inside it (--breakdown): wraps the engine's runner and
+    sampler methods on this instance only. The sampler's time includes its wait for the
+    forward pass (the step's one device sync); the fill is the grammar's host work, which
+    overlaps the forward pass."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.engine = engine = llm.engine
+        self.totals: dict[str, float] = {}
+        self.steps = 0
+        runner, sampler = engine.runner, engine.runner.sampler
+        self._wrap(runner, "forward", "forward (launch)")
+        self._wrap(sampler, "__call__", "sampler")
+        self._wrap(sampler, "_fill_bitmask", "mask fill")
+        engine.on_step = self._on_step
+
+    def _wrap(self, obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - t
+
+        if name == "__call__":  # a call goes through the type: wrap the instance's callable
+            obj.__class__ = type(type(obj).__name__, (type(obj),), {"__call__": lambda s, *a, **kw: timed(*a, **kw)})
+        else:
+            setattr(obj, name, timed)
+
+    def _on_step(self, _outs) -> None:
+        self.steps += 1
+        e = self.engine
+        for label, v in (("step", e.last_step.seconds), ("execute", e.last_execute_s)):
+            self.totals[label] = self.totals.get(label, 0.0) + v
+
+    def reset(self) -> None:
+        self.totals, self.steps = {}, 0
+
+    def means(self) -> dict[str, float]:
+        order = ("step", "execute", "forward (launch)", "sampler", "mask fill")
+        return {k: self.totals.get(k, 0.0) / max(1, self.steps) * 1e3 for k in order}
 
 
 def _card(device: str) -> str:

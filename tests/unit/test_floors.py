@@ -8,7 +8,7 @@ from benchmarks.floors import Card, Model, floors
 
 
 def test_floors_worked_by_hand():
-    card = Card(matmul_tflops=1.0, copy_gbps=2.0)  # 1e12 FLOP/s; 1e9 bytes read per second
+    card = Card(matmul_tflops=1.0, copy_gbps=1.0)  # 1e12 FLOP/s; 1e9 bytes read per second
     model = Model(matmul_params=1_000_000, weight_bytes=10_000_000, layers=2, q_dim=4,
                   kv_bytes_per_token=100)
     # Two requests: (prompt 3, output 2) and (prompt 1, output 4).
