@@ -157,7 +157,7 @@ class PipelinedSteps:
         t = time.perf_counter()
         pending = self.runner.execute(batch, rows, row_index, fill if fill else None,
                                       defer=True)
-        self.last_execute_s = time.perf_counter() - t
+        self.last_execute_s += time.perf_counter() - t
         now = time.monotonic()
 
         bs = self.kv.block_size
@@ -192,7 +192,9 @@ class PipelinedSteps:
     def _resolve(self, f: InFlight) -> tuple[list[SeqOutput], int, int]:
         """Wait for a launched step, apply its tokens: outputs, tokens sampled, and prompt
         tokens of the sequences sampling their first."""
+        t = time.perf_counter()
         tokens = f.pending.tolist()
+        self.last_execute_s += time.perf_counter() - t  # the runner's share, as in a sync step
         now = time.monotonic()
         bs = self.kv.block_size
         eos = self.eos_token_ids

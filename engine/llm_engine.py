@@ -94,8 +94,8 @@ class LLMEngine(KVHandoff, PipelinedSteps):
         # The step() call's: its wall time, the batch it scheduled and ran or launched, and
         # the tokens it returned (pipelined: those of the step launched by the call before).
         self.last_step: StepStats | None = None
-        # Of last_step.seconds, the model runner's execute (0 with no batch): pipelined, the
-        # launches only (the wait for the device is in _resolve).
+        # Of last_step.seconds, the model runner's execute (0 with no batch); pipelined, its
+        # launches plus the wait for the previous step's tokens: the rest is host work.
         self.last_execute_s = 0.0
         # Observer, when set: called at the end of every step with the step's outputs, after
         # last_step and last_execute_s are set, on the caller's thread and outside the step's
@@ -271,7 +271,7 @@ class LLMEngine(KVHandoff, PipelinedSteps):
                 seq.first_scheduled_time = now
         t = time.perf_counter()
         result = self.runner.execute(batch, rows, row_index)
-        self.last_execute_s = time.perf_counter() - t
+        self.last_execute_s += time.perf_counter() - t
         now = time.monotonic()
         num_prompt_tokens = 0
         for seq in samplers:

@@ -75,6 +75,43 @@ def test_many_lengths_at_once_greedy_and_pipelined(llms):
     # Steps really overlapped, and every sampled token was counted once.
     assert sum(1 for _, inflight in steps if inflight) > 10
     assert sum(s.num_sampled for s, _ in steps) == sum(3 + 5 * i for i in range(len(PROMPTS)))
+    assert sum(s.num_prompt_tokens for s, _ in steps) == sum(map(len, PROMPTS))
+
+
+def test_pipelined_steps_never_wait_in_the_sampler(llms, monkeypatch):
+    """Plain requests sample through Sampler.sample (device tokens, no host copy); a request
+    that needs its tokens on the host (logprobs) falls back to Sampler.__call__."""
+    calls = {"call": 0, "sample": 0}
+    sampler = type(llms[True].engine.runner.sampler)
+    real_call, real_sample = sampler.__call__, sampler.sample
+
+    def call(self, *a, **k):
+        calls["call"] += 1
+        return real_call(self, *a, **k)
+
+    def sample(self, *a, **k):
+        calls["sample"] += 1
+        return real_sample(self, *a, **k)
+
+    monkeypatch.setattr(sampler, "__call__", call)
+    monkeypatch.setattr(sampler, "sample", sample)
+    llms[True].generate(PROMPTS[:3], SamplingParams(temperature=0.7, top_p=0.9, seed=1,
+                                                    max_tokens=10))
+    assert calls["call"] == 0 and calls["sample"] == 10
+    llms[True].generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4, logprobs=1))
+    assert calls["call"] == 4
+
+
+def test_no_async_scheduling_flag():
+    import argparse
+
+    from runtime.engine_args import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args(["--model", "m"])).async_scheduling
+    assert not engine_config(p.parse_args(["--model", "m", "--no-async-scheduling"])
+                             ).async_scheduling
 
 
 def test_stop_token_ids_and_eos_stop_early(llms):
