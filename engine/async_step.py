@@ -115,8 +115,10 @@ class PipelinedSteps:
     @staticmethod
     def _can_pipeline(batch: ScheduledBatch) -> bool:
         """Whether this batch may run while the previous step's tokens are unknown: not with
-        KV pulls or preemption in it, nor a row that needs its sample's tokens on the host
-        (grammar, penalties, logprobs) or forks its samples (n > 1, first token)."""
+        KV pulls in it (a pull writes the pool outside this stream: the step in flight must be
+        done first), nor preemption (a victim's placeholder is resolved before it is ever
+        recomputed), nor a row that needs its sample's tokens on the host (grammar, penalties,
+        logprobs) or forks its samples (n > 1, first token)."""
         if batch.pulls or batch.preempted:
             return False
         for seq in batch.seqs:
