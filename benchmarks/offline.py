@@ -13,7 +13,9 @@ While LLM.generate runs, the engine's step observer (`LLMEngine.on_step`) record
 step: token times per request, the sequences running and KV slots allocated vs filled (paged
 waste, against what static batches of --static-batch-size would reserve for the same requests),
 the step's kind and wall time (`LLMEngine.last_step`) and the model runner's share of it
-(`last_execute_s`). On CUDA every --gpu-time-every-th step runs under torch.profiler to split its
+(`last_execute_s`). With pipelined steps (the engine's default) a step() call launches step
+N+1, then waits for step N's tokens and outputs them: the model runner's share is the launches
+plus that wait. On CUDA every --gpu-time-every-th step runs under torch.profiler to split its
 wall time into GPU busy time (kernels and copies) and the rest (Python, scheduling, launches,
 host syncs). Throughput excludes the observer's own time; latencies do not (use
 --gpu-time-every 0 for clean ones). On CUDA the card's matmul and copy rates are measured first

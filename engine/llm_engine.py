@@ -10,6 +10,14 @@ Roles share this one engine:
            for the rest, calls `kv_puller` to copy only those in, and decodes.
 The prefill and decode halves of that handoff are engine/kv_handoff.py's (a mixin); this file
 holds the loop and what every role shares.
+
+Pipelined steps (`async_scheduling`, the default; engine/async_step.py): `step()` schedules
+and launches step N+1 while the device runs step N (N+1's placeholder ids filled on the device
+from N's sampled tokens), then waits for N's tokens and returns N's outputs, one call later
+than a synchronous step. A step runs synchronously, exactly as without the flag (the step in
+flight resolved first, its finished sequences dropped from the batch), in role prefill, with
+tensor parallelism, and when its batch has KV pulls, a preemption, or a sequence with a
+grammar, penalties, logprobs or samples still to fork (n > 1).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
+from engine.async_step import PLACEHOLDER, InFlight, PipelinedSteps
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.grammar import GrammarCompiler, check_schema
@@ -40,7 +49,7 @@ log = logging.getLogger(__name__)
 COMPILE_WAIT_S = 0.05
 
 
-class LLMEngine(KVHandoff):
+class LLMEngine(KVHandoff, PipelinedSteps):
     def __init__(self, config: EngineConfig, *, pool_factory: PoolFactory | None = None,
                  kv_puller: KVPuller | None = None, kv_dropper: KVDropper | None = None,
                  progress: bool = True, tp_options: dict | None = None) -> None:
@@ -81,8 +90,12 @@ class LLMEngine(KVHandoff):
         self.requests: dict[str, list[Sequence]] = {}
         self.num_requests_added = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, all told
+        self.inflight: InFlight | None = None  # a pipelined step launched, tokens unknown
+        # The step() call's: its wall time, the batch it scheduled and ran or launched, and
+        # the tokens it returned (pipelined: those of the step launched by the call before).
         self.last_step: StepStats | None = None
-        # Of last_step.seconds, the time the model runner's execute took (0 with no batch).
+        # Of last_step.seconds, the model runner's execute (0 with no batch); pipelined, its
+        # launches plus the wait for the previous step's tokens: the rest is host work.
         self.last_execute_s = 0.0
         # Observer, when set: called at the end of every step with the step's outputs, after
         # last_step and last_execute_s are set, on the caller's thread and outside the step's
@@ -127,7 +140,7 @@ class LLMEngine(KVHandoff):
     def _grammars_ready(self) -> list[SeqOutput]:
         """Held-back requests whose grammar is compiled join the scheduler; one whose grammar
         failed ends with the error. With nothing else to run, wait briefly for a compile."""
-        if not self.scheduler.has_work():
+        if not self.scheduler.has_work() and self.inflight is None:
             wait([f for _, f in self.compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
         outputs, still = [], []
         for seq, fut in self.compiling:
@@ -191,7 +204,7 @@ class LLMEngine(KVHandoff):
             self.tp_group.close(before_destroy=self.runner.close)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.compiling)
+        return self.scheduler.has_work() or bool(self.compiling) or self.inflight is not None
 
     def is_idle(self) -> bool:
         return not self.requests and not len(self.leases) and self.block_pool.is_idle()
@@ -204,23 +217,32 @@ class LLMEngine(KVHandoff):
             self.expire_leases()
         outputs = self._grammars_ready() if self.compiling else []
         batch = self.scheduler.schedule()
+        pipelined = bool(batch.seqs) and self._pipeline_enabled() and self._can_pipeline(batch)
+        prev, self.inflight = self.inflight, None
+        ran: list[tuple[list[SeqOutput], int, int]] = []  # outputs, sampled, prompt tokens
+        if prev is not None and not pipelined:  # synchronous: the step in flight first
+            ran.append(self._resolve(prev))
+            self._drop_finished(batch)
+            prev = None
         outputs += self._pull(batch.pulls)
-        num_sampled = num_prompt_tokens = 0
         if batch.seqs:
             try:
-                run_outputs, num_sampled, num_prompt_tokens = self._run(batch)
+                ran.append(self._launch(batch, prev) if pipelined else self._run(batch))
             except Exception:  # fails this step's requests, not the others
                 # One forward pass for the whole batch: nothing tells which request broke it,
                 # so the batch's requests fail; those waiting or preempted go on.
                 log.exception("engine step failed; failing the %d requests in it",
                               len({s.request_id for s in batch.seqs}))
-                run_outputs = self.fail(dict.fromkeys(s.request_id for s in batch.seqs),
-                                        "internal error in the engine step")
-            outputs += run_outputs
+                ran.append((self.fail(dict.fromkeys(s.request_id for s in batch.seqs),
+                                      "internal error in the engine step"), 0, 0))
+        if prev is not None:  # pipelined: step N+1 is launched, now step N's tokens
+            ran.append(self._resolve(prev))
+        for outs, _, _ in ran:
+            outputs += outs
         self.scheduler.remove_finished()
         self.last_step = StepStats(len(batch.seqs), batch.num_tokens, batch.num_decodes,
                                    len(batch.preempted), time.perf_counter() - t0,
-                                   num_sampled, num_prompt_tokens)
+                                   sum(r[1] for r in ran), sum(r[2] for r in ran))
         if self.on_step is not None:
             self.on_step(outputs)
         return outputs
@@ -249,7 +271,7 @@ class LLMEngine(KVHandoff):
                 seq.first_scheduled_time = now
         t = time.perf_counter()
         result = self.runner.execute(batch, rows, row_index)
-        self.last_execute_s = time.perf_counter() - t
+        self.last_execute_s += time.perf_counter() - t
         now = time.monotonic()
         num_prompt_tokens = 0
         for seq in samplers:
@@ -319,6 +341,8 @@ class LLMEngine(KVHandoff):
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:  # a step in flight's
+            seq.token_ids.pop()
         if seq.remote is not None:
             remote, seq.remote = seq.remote, None
             if self.kv_dropper is not None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.async_step import PendingTokens, TokenFill
 from engine.attention.base import AttentionBackend, AttentionMetadata, forward_context
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.block_table import BlockTableMirror
@@ -253,26 +254,39 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, rows: list[SampleRow],
-                row_token_index: list[int]) -> SamplerOutput:
+    def execute(self, batch: ScheduledBatch, rows: list[SampleRow], row_token_index: list[int],
+                fill: TokenFill | None = None, defer: bool = False
+                ) -> SamplerOutput | PendingTokens:
         """Run one step. rows[i] samples from the logits of flattened token row_token_index[i].
         With tensor parallelism every rank runs the forward pass on the same inputs; rank 0
-        (here) samples from the gathered logits."""
+        (here) samples from the gathered logits.
+
+        Pipelined steps (engine/async_step.py): `fill` puts the previous step's sampled tokens
+        (still on the device) in place of this step's placeholder token ids, and `defer`
+        returns the sampled tokens as PendingTokens (a copy to the host under way) instead of
+        waiting for them: the whole call only launches work."""
         inputs = self.step_inputs(batch, row_token_index)
         if self.peers is not None:
+            assert fill is None, "a pipelined step never runs tensor-parallel"
             self.peers.step(inputs)
-        logits, greedy = self.forward(inputs)
+        logits, greedy = self.forward(inputs, fill)
+        if defer:
+            tokens = self.sampler.sample(logits, rows, greedy)[0]
+            if tokens is greedy:  # a CUDA graph's output buffer: the next replay rewrites it
+                tokens = tokens.clone()
+            return PendingTokens(tokens)
         return self.sampler(logits, rows, greedy)
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, inputs: StepInputs, fill: TokenFill | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's logits (float32, one row per sampled row) and, from a CUDA graph, their
         argmax. Every rank of a tensor-parallel group calls this with the same inputs."""
         if inputs.copies:
-            src = torch.tensor([s for s, _ in inputs.copies], device=self.device)
-            dst = torch.tensor([d for _, d in inputs.copies], device=self.device)
+            src = _to([s for s, _ in inputs.copies], torch.long, self.device)
+            dst = _to([d for _, d in inputs.copies], torch.long, self.device)
             self.pool[dst] = self.pool[src]
-        ids, pos, meta, sample_index = self._device_inputs(inputs)
+        ids, pos, meta, sample_index = self._device_inputs(inputs, fill)
         if inputs.use_graph:
             logits, greedy = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens,
                                              meta.block_tables)
@@ -317,17 +331,26 @@ class ModelRunner:
     def _inputs(self, batch: ScheduledBatch, row_token_index: list[int]):
         return self._device_inputs(self.step_inputs(batch, row_token_index))
 
-    def _device_inputs(self, inputs: StepInputs):
+    def _device_inputs(self, inputs: StepInputs, fill: TokenFill | None = None):
         """The step's tensors, in two host-to-device copies (one int64, one int32) plus the
-        block table."""
+        block table. `fill`: placeholder token ids replaced on the device, from the previous
+        step's sampled tokens (its indices travel in the int64 copy)."""
         t = len(inputs.token_ids)
         b = len(inputs.seq_lens)
         qsl = [0]
         for n in inputs.query_lens:
             qsl.append(qsl[-1] + n)
         dev = self.device
+        extra = fill.dst + fill.src if fill else []
         longs = _to(inputs.token_ids + inputs.positions + inputs.slots
-                    + inputs.row_token_index, torch.long, dev)
+                    + inputs.row_token_index + extra, torch.long, dev)
+        r = 3 * t + len(inputs.row_token_index)
+        if fill:
+            k = len(fill.dst)
+            # Stream order makes this exact: the previous step's sampling kernels ran before
+            # this gather, and this step's forward (graph replay or eager) runs after it.
+            longs[:t].index_copy_(0, longs[r:r + k],
+                                  fill.tokens.index_select(0, longs[r + k:r + 2 * k]))
         ints = _to(qsl + inputs.seq_lens, torch.int32, dev)
         table = inputs.block_table
         if dev.type == "cuda":
@@ -337,7 +360,7 @@ class ModelRunner:
             seq_lens=ints[b + 1:], block_tables=table, num_decodes=inputs.num_decodes,
             max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens),
             query_lens_cpu=inputs.query_lens, seq_lens_cpu=inputs.seq_lens)
-        return longs[:t], longs[t:2 * t], meta, longs[3 * t:]
+        return longs[:t], longs[t:2 * t], meta, longs[3 * t:r]
 
     def close(self) -> None:
         """Release the CUDA graphs (before a tensor-parallel group is destroyed)."""

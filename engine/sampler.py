@@ -60,6 +60,17 @@ class Sampler:
                  greedy: torch.Tensor | None = None) -> SamplerOutput:
         """logits: float32 [len(rows), vocab] (rows of one sequence may repeat for n > 1);
         greedy: their argmax when already computed (the decode CUDA graph does)."""
+        tokens, raw_logprobs = self.sample(logits, rows, greedy)
+        token_list = tokens.tolist()  # the host waits for the device here
+        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, rows))
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow],
+               greedy: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled tokens (int64 [len(rows)], on the device) and, when a row asks for
+        logprobs, the raw log-softmax. Only kernel launches: nothing here waits for the device
+        (every decision is taken from the rows' params on the host), unless a row has a
+        grammar (its mask is filled on the host)."""
         logits = raw_logits = logits[:, :self.vocab_size]
         # The grammar's mask first (host work: it overlaps the forward pass still running on
         # the device), applied after the other processors.
@@ -81,11 +92,13 @@ class Sampler:
             tokens = greedy if greedy is not None and not processed else logits.argmax(-1)
         else:
             tokens = self._sample(logits, rows)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw_logprobs, token_list, rows))
+        return tokens, raw_logprobs
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":  # a pinned source: the copy never waits for the device
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
@@ -158,7 +171,9 @@ class Sampler:
             logits / temps[:, None],
             self._tensor([r.params.top_k for r in rows], torch.long),
             self._tensor([r.params.top_p for r in rows], logits.dtype),
-            self._tensor([r.params.min_p for r in rows], logits.dtype))
+            self._tensor([r.params.min_p for r in rows], logits.dtype),
+            sort=any(r.params.top_k > 0 or r.params.top_p < 1 for r in rows),
+            min_p_on=any(r.params.min_p > 0 for r in rows))
         noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(rows):
             if r.params.seed is not None:
@@ -171,11 +186,18 @@ class Sampler:
 
     @staticmethod
     def filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                       min_p: torch.Tensor) -> torch.Tensor:
+                       min_p: torch.Tensor, sort: bool | None = None,
+                       min_p_on: bool | None = None) -> torch.Tensor:
         """Probabilities after top-k (0 = off), top-p (1 = off) and min-p (0 = off); tokens
-        outside the allowed set get exactly 0. The most likely token always survives."""
+        outside the allowed set get exactly 0. The most likely token always survives.
+        `sort` (some row has top-k or top-p) and `min_p_on` (some row has min-p): what the
+        caller knows on the host; None reads them from the tensors (a device sync each)."""
         vocab = logits.shape[-1]
-        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        if sort is None:
+            sort = bool((top_k > 0).any()) or bool((top_p < 1).any())
+        if min_p_on is None:
+            min_p_on = bool((min_p > 0).any())
+        if sort:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             rank = torch.arange(vocab, device=logits.device)[None, :]
             k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)[:, None]
@@ -189,7 +211,7 @@ class Sampler:
             mask = torch.empty_like(drop).scatter_(-1, order, drop)
             logits = logits.masked_fill(mask, float("-inf"))
         probs = logits.softmax(dim=-1)
-        if bool((min_p > 0).any()):
+        if min_p_on:
             top = probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < min_p[:, None] * top, 0.0)
         return probs

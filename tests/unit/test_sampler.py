@@ -60,6 +60,11 @@ def test_truncation_never_emits_a_disallowed_token(logits, temperature, top_k, t
     probs = Sampler.filtered_probs(x[None] / temperature, torch.tensor([top_k]),
                                    torch.tensor([top_p]), torch.tensor([min_p]))[0]
     assert {i for i in range(VOCAB) if probs[i] > 0} == allowed
+    # The same, decided from the params on the host (what the sampler does: no device sync).
+    hosted = Sampler.filtered_probs(x[None] / temperature, torch.tensor([top_k]),
+                                    torch.tensor([top_p]), torch.tensor([min_p]),
+                                    sort=top_k > 0 or top_p < 1, min_p_on=min_p > 0)[0]
+    assert torch.equal(probs, hosted)
 
 
 def test_seeded_rows_ignore_batch_composition():

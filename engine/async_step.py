@@ -1,0 +1,238 @@
+"""Pipelined ("asynchronous") scheduling: the bookkeeping of LLMEngine's step when the host
+work of step N+1 overlaps the device work of step N.
+
+    call k:   schedule N+1 ─ launch N+1 (inputs, forward, sample: launches only) ─ wait for N's
+              tokens (a copy to pinned memory + an event) ─ apply them ─ return N's outputs
+
+Placeholders. Launching step N appends PLACEHOLDER to each sampling sequence's token_ids (so
+num_tokens, block allocation and the scheduler's arithmetic stay right) and records which row
+of N's sampled-token device tensor holds the real token (`InFlight.rows`). Step N+1 feeds that
+token: its host id is the placeholder, replaced on the device from N's tensor before the
+forward pass (`TokenFill`). When N's tokens reach the host they replace the placeholders
+before anything reads them; the full blocks a sequence fed a placeholder filled are hashed
+for the prefix cache only then (a block is never hashed with a placeholder in it).
+
+Stops. A sequence whose placeholder makes it reach max_tokens or max_model_len will finish
+for sure: it leaves the running list at launch, so no step is scheduled for it before its
+token is known. One that turns out to stop (EOS, a stop token), or is aborted or stopped by a
+stop string while a step that holds it is in flight, has that step's row discarded: it emits
+nothing more. Its blocks are freed at once: every later step runs after the in-flight one on
+the same stream (the device never reads a freed block before the in-flight step's writes to
+it are done, and nothing on the host reads the sequence's blocks or tokens again).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.sampler import SampleRow
+from engine.sequence import FinishReason, SeqOutput, Sequence
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.kv_manager import KVCacheManager
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import ScheduledBatch, Scheduler
+
+# A token id not yet known on the host (never a real one: ids are checked to be >= 0).
+PLACEHOLDER = -1
+
+
+class PendingTokens:
+    """A step's sampled tokens: on the device, and on their way to the host. On CUDA the copy
+    goes to pinned memory (non_blocking) and an event recorded after it tells when it is done;
+    on the CPU everything already happened."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.device = tokens
+        self.event: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tokens
+
+    def tolist(self) -> list[int]:
+        """Waits for this step's kernels (and only them) to finish."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
+class TokenFill:
+    """Placeholders of a step's flattened token ids (dst) and the rows of the previous step's
+    sampled tokens (src, of `tokens`, on the device) that replace them."""
+
+    tokens: torch.Tensor
+    dst: list[int] = field(default_factory=list)
+    src: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.dst)
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens the host has not seen: one row per sampling sequence."""
+
+    pending: PendingTokens
+    seqs: list[Sequence]
+    positions: list[int]  # index of each sequence's placeholder in its token_ids
+    rows: dict[int, int]  # seq_id -> row of `pending`
+    num_prompt_tokens: int  # prompt tokens of the sequences sampling their first token
+
+
+class PipelinedSteps:
+    """Mixed into LLMEngine, whose state and methods (below) these use."""
+
+    config: EngineConfig
+    runner: ModelRunner
+    scheduler: Scheduler
+    kv: KVCacheManager
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    tp_group: object
+    inflight: InFlight | None
+    last_execute_s: float
+    num_prompt_tokens_computed: int
+
+    if TYPE_CHECKING:  # LLMEngine's, for the type checker
+        def _finish(self, seq: Sequence, reason: FinishReason) -> None: ...
+
+    def _pipeline_enabled(self) -> bool:
+        """Static conditions: prefill requests end at their first token, and tensor-parallel
+        steps are broadcast to the other ranks as host lists."""
+        return (self.config.async_scheduling and self.config.role != "prefill"
+                and self.tp_group is None)
+
+    @staticmethod
+    def _can_pipeline(batch: ScheduledBatch) -> bool:
+        """Whether this batch may run while the previous step's tokens are unknown: not with
+        KV pulls in it (a pull writes the pool outside this stream: the step in flight must be
+        done first), nor preemption (a victim's placeholder is resolved before it is ever
+        recomputed), nor a row that needs its sample's tokens on the host (grammar, penalties,
+        logprobs) or forks its samples (n > 1, first token)."""
+        if batch.pulls or batch.preempted:
+            return False
+        for seq in batch.seqs:
+            p = seq.params
+            if seq.grammar is not None or seq.pending_forks or p.logprobs is not None \
+                    or p.has_penalties:
+                return False
+        return True
+
+    def _launch(self, batch: ScheduledBatch, prev: InFlight | None
+                ) -> tuple[list[SeqOutput], int, int]:
+        """Launch `batch` with no host sync; it becomes the step in flight. `prev`: the step
+        in flight until now, whose tokens this one reads on the device (resolved after).
+        Nothing is output or sampled yet (as _resolve counts)."""
+        fill = TokenFill(prev.pending.device) if prev is not None else None
+        rows: list[SampleRow] = []
+        row_index: list[int] = []
+        samplers: list[Sequence] = []
+        fed: set[int] = set()  # seq_ids fed a placeholder: their blocks are hashed later
+        offset = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if prev is not None:
+                r = prev.rows.get(seq.seq_id)
+                if r is not None:  # its token at num_computed_tokens is still a placeholder
+                    fill.dst.append(offset)
+                    fill.src.append(r)
+                    fed.add(seq.seq_id)
+            offset += n
+            if seq.num_computed_tokens + n < seq.num_tokens:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            samplers.append(seq)
+            rows.append(SampleRow(seq.params, seq.sample_index, seq.num_output_tokens))
+            row_index.append(offset - 1)
+        started = time.monotonic()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = started
+        t = time.perf_counter()
+        pending = self.runner.execute(batch, rows, row_index, fill if fill else None,
+                                      defer=True)
+        self.last_execute_s += time.perf_counter() - t
+        now = time.monotonic()
+
+        bs = self.kv.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                seq.num_prefill_chunks += 1
+                k = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                seq.prefill_chunks.append((started, now, k))
+                self.num_prompt_tokens_computed += k
+            seq.num_computed_tokens += n
+            if seq.seq_id not in fed and seq.num_computed_tokens // bs > seq.num_cached_blocks:
+                self.kv.cache_full_blocks(seq)  # every token it computed is known
+        positions = []
+        num_prompt_tokens = 0
+        done: set[int] = set()
+        for seq in samplers:
+            if seq.num_tokens == seq.num_prompt_tokens:
+                num_prompt_tokens += seq.num_prompt_tokens
+            positions.append(seq.num_tokens)
+            seq.token_ids.append(PLACEHOLDER)
+            if seq.num_output_tokens >= seq.params.max_tokens \
+                    or seq.num_tokens >= self.max_model_len:
+                done.add(seq.seq_id)  # finishes with this token: schedule nothing more
+        if done:
+            self.scheduler.running = [s for s in self.scheduler.running
+                                      if s.seq_id not in done]
+        self.inflight = InFlight(pending, samplers, positions,
+                                 {s.seq_id: i for i, s in enumerate(samplers)},
+                                 num_prompt_tokens)
+        return [], 0, 0
+
+    def _resolve(self, f: InFlight) -> tuple[list[SeqOutput], int, int]:
+        """Wait for a launched step, apply its tokens: outputs, tokens sampled, and prompt
+        tokens of the sequences sampling their first."""
+        t = time.perf_counter()
+        tokens = f.pending.tolist()
+        self.last_execute_s += time.perf_counter() - t  # the runner's share, as in a sync step
+        now = time.monotonic()
+        bs = self.kv.block_size
+        eos = self.eos_token_ids
+        outputs = []
+        for seq, pos, tok in zip(f.seqs, f.positions, tokens):
+            if seq.is_finished:  # stopped or aborted while in flight: the row is discarded
+                continue
+            seq.token_ids[pos] = tok
+            seq.logprobs.append(None)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            # A block filled by a step that fed this placeholder is all known now (a later
+            # placeholder sits at num_computed_tokens, outside it).
+            if seq.num_computed_tokens // bs > seq.num_cached_blocks:
+                self.kv.cache_full_blocks(seq)
+            p = seq.params
+            num_out = pos + 1 - seq.num_prompt_tokens
+            reason = None
+            if tok in p.stop_token_ids or (tok in eos and not p.ignore_eos):
+                reason = FinishReason.STOP
+            elif num_out >= p.max_tokens or pos + 1 >= self.max_model_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                del seq.token_ids[pos + 1:]  # the next step's placeholder: never known
+                self._finish(seq, reason)
+            outputs.append(SeqOutput(seq.request_id, seq.sample_index, [tok], [None],
+                                     seq.finish_reason, seq.num_prompt_tokens,
+                                     seq.num_cached_tokens, num_out,
+                                     timing=seq.timing() if reason is not None else None))
+        return outputs, len(outputs), f.num_prompt_tokens  # rows discarded: not counted
+
+    @staticmethod
+    def _drop_finished(batch: ScheduledBatch) -> None:
+        """Sequences of a scheduled batch that finished meanwhile (the in-flight step resolved
+        after scheduling) leave it."""
+        if any(s.is_finished for s in batch.seqs):
+            keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
+            batch.seqs = [batch.seqs[i] for i in keep]
+            batch.num_new_tokens = [batch.num_new_tokens[i] for i in keep]
