@@ -7,6 +7,7 @@ placeholder, and every pool idle afterwards."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,12 +18,14 @@ from engine.async_step import PLACEHOLDER
 from engine.llm import LLM
 from engine.sampling_params import ResponseFormat, SamplingParams
 
+# TANDEM_TEST_DEVICE=cuda runs the same comparisons on a GPU (CUDA graphs, pinned copies).
+DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")
 PROMPTS = [[5 + i, 17, 33 + i, 2 * i + 1] * (2 + i) for i in range(8)]
 PREFIX = [(7 * j) % 200 + 1 for j in range(40)]  # two full blocks and a half
 
 
 def _make(tiny_models, **kw) -> dict[bool, LLM]:
-    kw = {"max_model_len": 256, **kw}
+    kw = {"max_model_len": 256, "device": DEVICE, **kw}
     return {a: LLM(str(tiny_models["llama"]), progress=False, max_n=4, async_scheduling=a,
                    **kw) for a in (True, False)}
 
