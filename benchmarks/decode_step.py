@@ -5,8 +5,8 @@ the copy bandwidth measured in the same run.
 
     python benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b --batch 1 64 --context 1024
 
-FP8: --kv-cache-dtype fp8 (e4m3 KV pool) and --quantization fp8 (e4m3 weights, torch._scaled_mm;
-compute capability >= 8.9). --variants runs several configurations, each in its own process
+FP8: --kv-cache-dtype fp8 (e4m3 KV pool) and --quantization fp8 (e4m3 weights: the weight-only
+kernels/fp8_gemv.py up to 16 tokens a step, torch._scaled_mm above; compute capability >= 8.9). --variants runs several configurations, each in its own process
 (a fresh GPU, so each pool is sized from the same free memory), and compares them: step time,
 and the tokens the memory-sized pool holds (leave --num-blocks unset for that):
 

@@ -67,6 +67,7 @@ for stage in "$@"; do
       done ;;
     fp8)  # issue 20: FP8 KV cache and FP8 weights (Llama-3.1-8B config, dummy weights)
       run fp8_gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fp8_gpu.py -rA
+      run fp8_gemv timeout 600 python3 benchmarks/fp8_gemv.py --sweep
       run fp8_decode_8b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b \
         --batch 1 64 256 --context 1024 --variants bf16 fp8-kv fp8-w fp8-w+kv \
         --out "$OUT/fp8_decode_8b.json"

@@ -8,6 +8,9 @@ The variants: the kernels take every step-varying size and address without speci
   - the model's kernels (norms, rotary + store, activation, FP8 quantization) and both attention
     kernels, compiled by eager steps: a mixed step (decodes and a prefill chunk) and a pure
     prefill step of several chunks;
+  - with FP8 weights, the weight-only matmul of steps of at most GEMV_MAX_M tokens (decodes,
+    kernels/fp8_gemv.py): its M == 1 and M > 1 variants, by eager decode steps of 1 and 3
+    sequences (the steps above have block + 3 tokens: torch._scaled_mm);
   - the split decode kernel once per power of two of splits (its merge is sized by it), the
     unsplit decode kernel, launched on the pool's first block;
   - the block copy of KV pulls, copying the pool's first block onto its second.
@@ -29,6 +32,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def has_fp8_linear(model: torch.nn.Module) -> bool:
+    from engine.quantization.fp8 import Fp8Linear  # noqa: PLC0415
+
+    return any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
 def warm_up(runner: ModelRunner) -> None:
     from kernels.copy_blocks import copy_blocks  # noqa: PLC0415 - Triton, CUDA only
     from kernels.paged_decode_launch import MAX_SPLITS  # noqa: PLC0415
@@ -42,6 +51,10 @@ def warm_up(runner: ModelRunner) -> None:
                              backend=runner.backend)
         runner._profile_step([block, 3], [block - 1, block + 2], sample=False,
                              backend=runner.backend)
+        if has_fp8_linear(runner.model):
+            for n in (1, 3):
+                runner._profile_step([1] * n, list(range(n)), sample=False,
+                                     backend=runner.backend)
     backend = runner.backend
     if hasattr(backend, "warm_up_decode"):
         backend.warm_up_decode(runner.dtype, splits_upto=MAX_SPLITS)

@@ -5,6 +5,7 @@ to run the kernels on CPU tensors (slowly: small shapes only).
 """
 
 from kernels.copy_blocks import copy_blocks, copy_blocks_ref
+from kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_ref
 from kernels.fp8_quant import quant_fp8, quant_fp8_ref
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.paged_decode_launch import SplitPolicy, decode_num_splits, decode_workspace_numel
@@ -16,12 +17,15 @@ from kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from kernels.store_kv import store_kv, store_kv_ref
 
 __all__ = [
+    "Fp8GemvConfig",
     "RMSNormResidual",
     "SplitPolicy",
     "copy_blocks",
     "copy_blocks_ref",
     "decode_num_splits",
     "decode_workspace_numel",
+    "fp8_gemv",
+    "fp8_gemv_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",

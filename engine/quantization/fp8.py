@@ -6,9 +6,12 @@ W_q [out, in] in e4m3 with one fp32 scale per output channel s_w (a per-tensor s
 shard's scale of a merged q/k/v or gate/up layer, becomes a constant run of channels); x is
 quantized per token (s_x = amax(|x_row|) / 448) or with a checkpoint's static input_scale.
 On CUDA with compute capability >= 8.9 this is one torch._scaled_mm with row-wise scales
-(scale_a [M, 1], scale_b [1, N], bf16 out). Elsewhere a reference path computes the same math
-in fp32 (dequantizing the weight on the fly): slow, for testing the loader and the scale math
-on the CPU.
+(scale_a [M, 1], scale_b [1, N], bf16 out) above GEMV_MAX_M token rows; at or below it (decode
+steps) the weight-only kernel kernels/fp8_gemv.py: y = x @ (W_q * s_w[:, None])^T + b with x
+left in bf16 (no activation quantization, one launch, and more accurate than W8A8), so a
+checkpoint's static input_scale does not apply there. Elsewhere a reference path computes the
+W8A8 math in fp32 (dequantizing the weight on the fly): slow, for testing the loader and the
+scale math on the CPU.
 
 The transform (`prepare`, then load, then `finish`) touches the decoder layers' projections
 (qkv_proj, o_proj, gate_up_proj, down_proj); embeddings and lm_head stay in the model dtype.
@@ -17,6 +20,7 @@ The transform (`prepare`, then load, then `finish`) touches the decoder layers' 
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 import torch
 from torch import nn
@@ -28,6 +32,12 @@ from tandem.errors import InvalidArgument, ModelLoadError
 
 MIN_CAPABILITY = (8, 9)  # Ada, Hopper and later have FP8 tensor cores
 _MIN_AMAX = 1e-6  # kernels/fp8_quant.py MIN_AMAX
+# Up to this many token rows fp8_linear runs the weight-only kernel. Below ~16 rows a matmul
+# is bound by reading the weight: the kernel reads it once for up to 16 rows (its tensor-core
+# tile is 16 rows) and skips the activation quantization launch, where torch._scaled_mm pads M
+# to its own tile. Above 16 the kernel would re-read the weight per 16 rows, and the FP8
+# tensor cores' compute starts to matter: _scaled_mm. (To revisit with benchmarks/fp8_gemv.py.)
+GEMV_MAX_M = 16
 
 
 class Fp8Linear(nn.Module):
@@ -143,9 +153,24 @@ def quantize_activation(x: torch.Tensor, input_scale: torch.Tensor | None
     return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
 
 
+def linear_path(m: int, is_cuda: bool) -> Literal["gemv", "scaled_mm", "reference"]:
+    """How fp8_linear multiplies m token rows: the weight-only kernel (CUDA, m <= GEMV_MAX_M),
+    torch._scaled_mm (CUDA, more rows) or the fp32 reference math (elsewhere)."""
+    if not is_cuda:
+        return "reference"
+    return "gemv" if m <= GEMV_MAX_M else "scaled_mm"
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None, input_scale: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] in the model dtype -> [M, N]: torch._scaled_mm on CUDA, fp32 math elsewhere."""
+    """x [M, K] in the model dtype -> [M, N]. On CUDA: up to GEMV_MAX_M rows the weight-only
+    kernel (x stays in bf16; input_scale, a static activation scale, is not used), above it
+    torch._scaled_mm on x quantized per token or with input_scale. Elsewhere fp32 math."""
+    path = linear_path(x.shape[0], x.is_cuda)
+    if path == "gemv":
+        from kernels import fp8_gemv  # noqa: PLC0415 - Triton is only needed on CUDA
+
+        return fp8_gemv(x, w, w_scale, bias)
     x_q, x_s = quantize_activation(x, input_scale)
     if x.is_cuda:
         y = torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=w_scale.view(1, -1),

@@ -1,7 +1,9 @@
 """FP8 on a GPU: the FP8 KV kernels at Llama-3.1-8B attention shapes in bfloat16 against their
 references; the engine with --kv-cache-dtype fp8 close to bf16 KV (CUDA graphs and eager
-alike); torch._scaled_mm linear layers against the fp32 reference math and the engine with
---quantization fp8 close to bf16 (compute capability >= 8.9: Ada, Hopper).
+alike); torch._scaled_mm linear layers against the fp32 reference math, the weight-only FP8
+kernel of small M (kernels/fp8_gemv.py) at the 8B projections' shapes, and the engine with
+--quantization fp8 close to bf16, in large and in small (weight-only) steps (compute capability
+>= 8.9: Ada, Hopper).
 
 Run on a CUDA box:  pytest -m gpu tests/gpu/test_fp8_gpu.py -v
 """
@@ -20,9 +22,11 @@ needs_fp8_mma = pytest.mark.skipif(
 if torch.cuda.is_available():
     from benchmarks.fp8_accuracy import build, compare, score
     from engine.llm import LLM
-    from engine.quantization.fp8 import Fp8Linear, fp8_linear, quantize_weight
+    from engine.quantization.fp8 import Fp8Linear, fp8_linear, linear_path, quantize_weight
     from engine.sampling_params import SamplingParams
     from kernels import (
+        fp8_gemv,
+        fp8_gemv_ref,
         paged_decode_attention,
         paged_decode_attention_ref,
         paged_prefill_attention,
@@ -124,12 +128,38 @@ def test_scaled_mm_linear_matches_reference_math(seed, m, static):
     x = torch.randn(m, k, device=DEV, dtype=BF16)
     in_scale = torch.tensor([x.abs().max().item() / 448], device=DEV) if static else None
     out = fp8_linear(x, wq, ws, bias, in_scale)
-    # The same math in fp32 on the CPU (the reference path).
-    ref = fp8_linear(x.cpu(), wq.cpu(), ws.cpu(), bias.cpu(), None if in_scale is None
-                     else in_scale.cpu())
+    # The same math in fp32 on the CPU: W8A8 (the reference path) for torch._scaled_mm; the
+    # weight-only kernel of small M leaves x in bf16 (and ignores the static input scale).
+    if linear_path(m, True) == "gemv":
+        ref = fp8_gemv_ref(x.cpu().float(), wq.cpu(), ws.cpu(), bias.cpu()).to(BF16)
+    else:
+        ref = fp8_linear(x.cpu(), wq.cpu(), ws.cpu(), bias.cpu(), None if in_scale is None
+                         else in_scale.cpu())
     assert out.dtype == BF16 and out.shape == (m, n)
     assert rel_err(out.cpu(), ref) < 1e-2, f"seed={seed}"
     assert rel_err(out, x @ w.t() + bias) < 6e-2, f"seed={seed}"  # against unquantized bf16
+
+
+# Llama-3.1-8B's projections (N, K): qkv, o, gate_up, down.
+SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@needs_fp8_mma
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize(("n", "k"), SHAPES_8B, ids=["qkv", "o", "gate_up", "down"])
+def test_fp8_gemv_8b_shapes(seed, m, n, k):
+    wq, ws = quantize_weight(torch.randn(n, k, device=DEV, dtype=BF16) * 0.02)
+    x = torch.randn(m, k, device=DEV, dtype=BF16)
+    bias = torch.randn(n, device=DEV, dtype=BF16) if n == 6144 else None  # qwen2's qkv bias
+    out = fp8_gemv(x, wq, ws, bias)
+    ref = fp8_gemv_ref(x, wq, ws, bias)
+    # The same fp32 sums in another order, rounded once to bf16 (2^-9 relative on average).
+    assert rel_err(out, ref) < 4e-3, f"seed={seed}"
+    assert torch.equal(fp8_linear(x, wq, ws, bias, None), out)  # dispatched for m <= 16
+    if n * k <= 6144 * 4096:  # fp32 x (tl.dot in IEEE fp32) against fp32 math on the CPU
+        x32 = x.float()
+        ref32 = fp8_gemv_ref(x32.cpu(), wq.cpu(), ws.cpu())
+        assert rel_err(fp8_gemv(x32, wq, ws).cpu(), ref32) < 1e-5, f"seed={seed}"
 
 
 @needs_fp8_mma
@@ -167,6 +197,19 @@ def test_fp8_kv_close_to_bf16_kv(tiny_models, arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases, tied embeddings
 def test_fp8_weights_close_to_bf16(tiny_models, arch):
     acc = compare(_score(tiny_models[arch]), _score(tiny_models[arch], quantization="fp8"), TEXT)
+    assert acc.mean_abs_dlogprob < 0.5 and acc.top1_agreement >= 0.5, acc
+
+
+@needs_fp8_mma
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fp8_weights_small_steps_close_to_bf16(tiny_models, arch):
+    """Every step at most 16 tokens (chunks of 16, then 32 decodes): each FP8 projection runs
+    the weight-only kernel; bounds as test_fp8_weights_close_to_bf16's."""
+    def small(**kw):
+        return score(build(str(tiny_models[arch]), "cuda", "bfloat16", "auto", **kw), TEXT,
+                     16, 32)
+
+    acc = compare(small(), small(quantization="fp8"), TEXT)
     assert acc.mean_abs_dlogprob < 0.5 and acc.top1_agreement >= 0.5, acc
 
 

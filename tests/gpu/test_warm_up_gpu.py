@@ -1,7 +1,8 @@
 """Start-up compiles every Triton kernel variant a step can launch (engine/warm_up.py): after an
 engine starts, a workload of varied shapes (prompts of every length class, mixed steps, eager
 and split decodes, preemption-free but batch sizes off the CUDA graph ladder) compiles nothing
-more, so no request waits on a compile."""
+more, so no request waits on a compile; with FP8 weights too (the weight-only matmul's M == 1
+and M > 1 variants)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,17 @@ pytestmark = [pytest.mark.gpu,
 LLAMA_1B = str(Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "llama-3.2-1b")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_requests_compile_nothing_after_start_up(kv_cache_dtype):
+@pytest.mark.parametrize(("kv_cache_dtype", "quantization"),
+                         [("auto", None), ("fp8", None), ("fp8", "fp8")],
+                         ids=["bf16", "fp8-kv", "fp8-kv+w"])
+def test_requests_compile_nothing_after_start_up(kv_cache_dtype, quantization):
     from kernels._common import compiled_variants
 
+    if quantization and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 matmuls need compute capability >= 8.9")
     llm = LLM(LLAMA_1B, load_format="dummy", device="cuda", dtype="bfloat16",
               max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=2048,
-              kv_cache_dtype=kv_cache_dtype, progress=False)
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization, progress=False)
     try:
         before = compiled_variants()
         rng = random.Random(0)
