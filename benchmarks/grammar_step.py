@@ -135,14 +135,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schema", choices=list(SCHEMAS), default="bounded",
                     help="structured.py's records with (bounded) or without length-bounded strings")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="the model's logits (default: the tokenizer's vocabulary); a model "
+                         "whose embedding is padded past its tokenizer has more")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
 
     tok_dir = args.tokenizer or resolve_model("smollm2-135m-instruct")
     tok = Tokenizer(tok_dir)
-    vocab = tok.vocab_size
+    vocab = args.vocab_size or tok.vocab_size
     compiler = GrammarCompiler(tok_dir, vocab, list(tok.eos_token_ids))
     compiled = compiler.compile(ResponseFormat("json_schema", json.dumps(SCHEMAS[args.schema])))
+    vocab = compiled.tokenizer_info.vocab_size  # the grammar's ids (the engine masks the rest)
     machine = f"{cpu_name()}, {os.cpu_count()} CPUs"
     results: dict[int, dict[str, list[tuple[float, ...]]]] = {}
     for n in args.rows:

@@ -12,8 +12,11 @@ schema travels in the request's SamplingParams). EOS is allowed only once the gr
 complete: the tokenizer info names the engine's EOS ids as the grammar's stop tokens.
 
 The engine core has no tokenizer of its own: the first request with a grammar loads the
-checkpoint's tokenizer to build xgrammar's TokenizerInfo (sized to the model's logits, which may
-be wider than the tokenizer's vocabulary; the extra ids are never allowed).
+checkpoint's tokenizer to build xgrammar's TokenizerInfo, sized to the tokenizer's vocabulary.
+The model's logits may be wider (an embedding padded past the tokenizer): those ids are never
+allowed, masked on the device beside the grammar's mask (`apply_bitmask`), not handed to
+xgrammar, which would treat each as a special token and pay for all of them in every fill (an
+8B Llama config with SmolLM2's 49k tokenizer: 14x the host work a step).
 
 Compiling takes from milliseconds to seconds (a large vocabulary, a big schema): it runs on a
 thread of its own (`submit`), and the engine holds the request back until its grammar is ready,
@@ -82,10 +85,11 @@ class GrammarState:
     next mask allows only the end of sequence. A token from elsewhere (a prefill worker's first
     token, a moved request's outputs) is checked at once with `accept`."""
 
-    __slots__ = ("broken", "matcher", "pending")
+    __slots__ = ("broken", "matcher", "pending", "vocab_size")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
         self.matcher = matcher
+        self.vocab_size = vocab_size  # the grammar's token ids: [0, vocab_size)
         self.pending: int | None = None
         self.broken = False
 
@@ -98,9 +102,9 @@ class GrammarState:
                 self.broken = True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into row `row` of a CPU int32 bitmask."""
-        self.flush()
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        """Write the tokens allowed next into row `row` of a CPU int32 bitmask (as wide as
+        the grammar's vocabulary or wider: ids past it are not allowed)."""
+        fill_bitmask([self], bitmask, [row], [])
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token now; False if the grammar does not allow it."""
@@ -114,7 +118,7 @@ class GrammarState:
 
     def fork(self) -> GrammarState:
         self.flush()
-        child = GrammarState(self.matcher.fork())
+        child = GrammarState(self.matcher.fork(), self.vocab_size)
         child.broken = self.broken
         return child
 
@@ -143,9 +147,12 @@ class GrammarCompiler:
     def _get_compiler(self) -> Any:
         if self._compiler is None:
             xgr = xgrammar()
+            hf = self._hf_tokenizer()
+            # The tokenizer's ids only (see the module docstring): ids past them are masked
+            # on the device.
+            vocab = min(self.vocab_size, max(hf.get_vocab().values()) + 1)
             info = xgr.TokenizerInfo.from_huggingface(
-                self._hf_tokenizer(), vocab_size=self.vocab_size,
-                stop_token_ids=self.eos_token_ids)
+                hf, vocab_size=vocab, stop_token_ids=[t for t in self.eos_token_ids if t < vocab])
             # Our own LRU keeps what is compiled; xgrammar's cache would keep a second copy.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
@@ -204,7 +211,7 @@ class GrammarCompiler:
 
     @staticmethod
     def state_of(compiled: Any) -> GrammarState:
-        return GrammarState(xgrammar().GrammarMatcher(compiled))
+        return GrammarState(xgrammar().GrammarMatcher(compiled), compiled.tokenizer_info.vocab_size)
 
 
 # JSON strings as xgrammar 0.2.8 writes them let through what a strict parser refuses: every
@@ -241,16 +248,25 @@ def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[i
     # 0.74 ms a step serial, 0.82 ms batched, beside a 37 ms fill).
     for s in states:
         s.flush()
+    words = bitmask_width(states[0].vocab_size)  # every state of one engine: one tokenizer
+    # xgrammar fills rows exactly as wide as its vocabulary; a wider bitmask (the sampler's is
+    # not) gets them copied in, with the padding ids' words zeroed.
+    target = bitmask if bitmask.shape[1] == words else torch.empty(
+        (bitmask.shape[0], words), dtype=torch.int32)
     if len(states) == 1:
-        states[0].matcher.fill_next_token_bitmask(bitmask, rows[0])
+        states[0].matcher.fill_next_token_bitmask(target, rows[0])
     else:
-        _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], bitmask,
+        _batch_matcher().batch_fill_next_token_bitmask([s.matcher for s in states], target,
                                                        rows)
+    if target is not bitmask:
+        bitmask[rows, :words] = target[rows]
+        bitmask[rows, words:] = 0
     for s, row in zip(states, rows, strict=True):
         if s.broken:
             bitmask[row] = 0
             for t in eos_token_ids:
-                bitmask[row, t // 32] |= 1 << (t % 32)
+                if t < s.vocab_size:
+                    bitmask[row, t // 32] |= 1 << (t % 32)
 
 
 @functools.cache
@@ -263,12 +279,19 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                  vocab_size: int) -> None:
     """Set to -inf, in place, the logits of rows `rows` whose bit is 0 in the CPU `bitmask`
-    (one row per row of logits). xgrammar's kernel on CUDA, its C++ loop on the CPU."""
+    (one row per row of logits, covering the grammar's `vocab_size` ids), and every logit of
+    those rows past vocab_size. xgrammar's kernel on CUDA, its C++ loop on the CPU."""
     xgr = xgrammar()
     mask = bitmask.to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[-1], indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size, indices=rows)
+    if vocab_size < logits.shape[-1]:
+        idx = torch.tensor(rows, dtype=torch.long)
+        if logits.is_cuda:
+            idx = idx.pin_memory().to(logits.device, non_blocking=True)
+        logits[:, vocab_size:].index_fill_(0, idx, float("-inf"))
 
 
 def _reason(e: Exception) -> str:

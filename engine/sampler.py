@@ -74,7 +74,7 @@ class Sampler:
         logits = raw_logits = logits[:, :self.vocab_size]
         # The grammar's mask first (host work: it overlaps the forward pass still running on
         # the device), applied after the other processors.
-        bitmask, masked_rows = self._fill_bitmask(rows)
+        bitmask, masked_rows, grammar_vocab = self._fill_bitmask(rows)
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if any(r.params.has_penalties for r in rows):
@@ -85,7 +85,7 @@ class Sampler:
             from engine.grammar import apply_bitmask  # noqa: PLC0415 - xgrammar, when used
 
             logits = logits.clone() if logits is raw_logits else logits
-            apply_bitmask(logits, bitmask, masked_rows)
+            apply_bitmask(logits, bitmask, masked_rows, grammar_vocab)
 
         if all(r.params.greedy for r in rows):
             processed = logits is not raw_logits
@@ -124,19 +124,22 @@ class Sampler:
         logits[idx] = sub
         return logits
 
-    def _fill_bitmask(self, rows: list[SampleRow]) -> tuple[torch.Tensor | None, list[int]]:
-        """The allowed tokens of every row with a grammar, one bit per token id (CPU int32)."""
+    def _fill_bitmask(self, rows: list[SampleRow]
+                      ) -> tuple[torch.Tensor | None, list[int], int]:
+        """The allowed tokens of every row with a grammar, one bit per token id of the
+        grammar's vocabulary (CPU int32), the rows, and that vocabulary's size (the logits past
+        it are masked whole)."""
         masked = [i for i, r in enumerate(rows) if r.grammar is not None]
         if not masked:
-            return None, masked
-        from engine.grammar import fill_bitmask  # noqa: PLC0415 - xgrammar, when used
+            return None, masked, self.vocab_size
+        from engine.grammar import bitmask_width, fill_bitmask  # noqa: PLC0415 - xgrammar
 
-        words = (self.vocab_size + 31) // 32
-        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32,
+        states = [rows[i].grammar for i in masked]
+        vocab = states[0].vocab_size  # type: ignore[union-attr]
+        bitmask = torch.full((len(rows), bitmask_width(vocab)), -1, dtype=torch.int32,
                              pin_memory=self.device.type == "cuda")
-        fill_bitmask([rows[i].grammar for i in masked], bitmask, masked,  # type: ignore[misc]
-                     self.eos_token_ids)
-        return bitmask, masked
+        fill_bitmask(states, bitmask, masked, self.eos_token_ids)  # type: ignore[arg-type]
+        return bitmask, masked, vocab
 
     def _apply_bias(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """logit_bias adds to its tokens' logits; while a sample has fewer than min_tokens
