@@ -91,12 +91,17 @@ def main() -> None:
                               reps, device)
             t_gemv = time_calls([lambda x=x, w=w, s=s: fp8_gemv(x, w, s, config=cfg)
                                  for w, s in wq], reps, device)
+            w0, s0 = wq[0]  # correctness: against the dequantized weight in fp32
+            ref = x.float() @ (w0.float() * s0[:, None]).t()
+            err = float((fp8_gemv(x, w0, s0, config=cfg).float() - ref).abs().max()
+                        / ref.abs().max().clamp(min=1e-12))
             path = linear_path(m, True)
             mark = {"scaled_mm": ("*", " "), "gemv": (" ", "*")}[path]
             print(f"{name:>8} {n:>6} {k:>6} {m:>3} | {t_bf16 * 1e6:8.1f} "
                   f"{2 * n * k / t_bf16 / 1e9:5.0f} | {t_mm * 1e6:7.1f}{mark[0]} "
                   f"{n * k / t_mm / 1e9:5.0f} | {t_gemv * 1e6:7.1f}{mark[1]} "
-                  f"{n * k / t_gemv / 1e9:5.0f} | {t_bf16 / t_gemv:8.2f}x {t_mm / t_gemv:8.2f}x")
+                  f"{n * k / t_gemv / 1e9:5.0f} | {t_bf16 / t_gemv:8.2f}x {t_mm / t_gemv:8.2f}x"
+                  f"  max err {err:.1e}")
             if a.sweep and m in (1, 16):
                 sweep(x, wq, cfg, reps, device, fp8_gemv)
         del w16, wq
