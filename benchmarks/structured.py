@@ -6,8 +6,10 @@ unconstrained, in one offline engine (one process, one GPU), alternated over sev
 
 Benchmark configs ship without a tokenizer; a grammar needs one. The model directory is
 assembled from --model's config.json and --tokenizer's tokenizer files (default: the packaged
-SmolLM2's, 49k tokens; pass a real Llama 3 tokenizer directory for its 128k vocabulary). Ids past
-the tokenizer's vocabulary are never allowed by the grammar, as with any padded embedding.
+SmolLM2's, 49k tokens; pass a real Llama 3 tokenizer directory for its 128k vocabulary), with
+the config's vocabulary size and EOS set to the tokenizer's: the model that tokenizer serves
+(--model-vocab keeps the config's 128k logits and EOS ids past a 49k tokenizer: a padded
+embedding, whose EOS ids the grammar must still cover).
 
 Both kinds send the same prompts at temperature 1.0 (greedy would repeat itself under dummy
 weights; no seeds, whose per-row generators would slow both kinds alike). The unconstrained requests use ignore_eos; the schema
@@ -55,11 +57,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "chat_template.jinja")
 
 
-def assemble(model: Path, tokenizer: Path, out: Path) -> Path:
-    shutil.copy(model / "config.json", out / "config.json")
+def assemble(model: Path, tokenizer: Path, out: Path, match_vocab: bool = True) -> Path:
+    """--model's config with --tokenizer's files. match_vocab: the config's vocabulary and
+    EOS become the tokenizer's (the model it was built for); otherwise the config's logits
+    stay as they are, padded past the tokenizer (the padded ids are never allowed)."""
     for f in TOKENIZER_FILES:
         if (tokenizer / f).exists() and not (out / f).exists():
             shutil.copy(tokenizer / f, out / f)
+    cfg = json.loads((model / "config.json").read_text())
+    if match_vocab:
+        from engine.tokenizer import Tokenizer
+
+        hf = Tokenizer(out).hf
+        cfg["vocab_size"] = max(hf.get_vocab().values()) + 1
+        cfg["eos_token_id"] = hf.eos_token_id
+    (out / "config.json").write_text(json.dumps(cfg))
     return out
 
 
@@ -85,6 +97,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--model-vocab", action="store_true",
+                    help="keep --model's vocabulary and EOS ids (logits padded past the "
+                         "tokenizer) instead of the tokenizer's")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time, per step, the engine step, the model runner's execute, the "
                          "sampler (its wait for the device included) and the grammar's mask fill")
@@ -93,7 +108,7 @@ def main() -> None:
 
     tok_dir = args.tokenizer or resolve_model("smollm2-135m-instruct")
     with tempfile.TemporaryDirectory(prefix="tandem-structured-") as tmp:
-        model_dir = assemble(args.model, tok_dir, Path(tmp))
+        model_dir = assemble(args.model, tok_dir, Path(tmp), match_vocab=not args.model_vocab)
         llm = LLM(str(model_dir), device=args.device, dtype=args.dtype, load_format="dummy",
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, progress=False)

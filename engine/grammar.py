@@ -12,8 +12,8 @@ schema travels in the request's SamplingParams). EOS is allowed only once the gr
 complete: the tokenizer info names the engine's EOS ids as the grammar's stop tokens.
 
 The engine core has no tokenizer of its own: the first request with a grammar loads the
-checkpoint's tokenizer to build xgrammar's TokenizerInfo, sized to the tokenizer's vocabulary.
-The model's logits may be wider (an embedding padded past the tokenizer): those ids are never
+checkpoint's tokenizer to build xgrammar's TokenizerInfo, sized to the tokenizer's vocabulary
+(and the engine's EOS ids, which end a grammar). The model's logits may be wider (an embedding padded past the tokenizer): those ids are never
 allowed, masked on the device beside the grammar's mask (`apply_bitmask`), not handed to
 xgrammar, which would treat each as a special token and pay for all of them in every fill (an
 8B Llama config with SmolLM2's 49k tokenizer: 14x the host work a step).
@@ -148,11 +148,12 @@ class GrammarCompiler:
         if self._compiler is None:
             xgr = xgrammar()
             hf = self._hf_tokenizer()
-            # The tokenizer's ids only (see the module docstring): ids past them are masked
-            # on the device.
-            vocab = min(self.vocab_size, max(hf.get_vocab().values()) + 1)
+            # The tokenizer's ids and the engine's EOS ids (see the module docstring): ids
+            # past them are masked on the device.
+            vocab = min(self.vocab_size,
+                        max([*hf.get_vocab().values(), *self.eos_token_ids]) + 1)
             info = xgr.TokenizerInfo.from_huggingface(
-                hf, vocab_size=vocab, stop_token_ids=[t for t in self.eos_token_ids if t < vocab])
+                hf, vocab_size=vocab, stop_token_ids=self.eos_token_ids)
             # Our own LRU keeps what is compiled; xgrammar's cache would keep a second copy.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler

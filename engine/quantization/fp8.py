@@ -32,12 +32,12 @@ from tandem.errors import InvalidArgument, ModelLoadError
 
 MIN_CAPABILITY = (8, 9)  # Ada, Hopper and later have FP8 tensor cores
 _MIN_AMAX = 1e-6  # kernels/fp8_quant.py MIN_AMAX
-# Up to this many token rows fp8_linear runs the weight-only kernel. Below ~16 rows a matmul
-# is bound by reading the weight: the kernel reads it once for up to 16 rows (its tensor-core
-# tile is 16 rows) and skips the activation quantization launch, where torch._scaled_mm pads M
-# to its own tile. Above 16 the kernel would re-read the weight per 16 rows, and the FP8
-# tensor cores' compute starts to matter: _scaled_mm. (To revisit with benchmarks/fp8_gemv.py.)
-GEMV_MAX_M = 16
+# Up to this many token rows fp8_linear runs the weight-only kernel. Measured on an H100
+# (benchmarks/fp8_gemv.py, the four Llama-3.1-8B projections): at 1 row the kernel's CUDA-core
+# path reads the weight at 1.8-2.6 TB/s, 1.1-2.1x faster than torch._scaled_mm with its
+# activation quantization; at 16 rows its tensor-core path (the same cost for any 2-16 rows,
+# one 16-row tile) is 0.6-0.73x of _scaled_mm. So: one row, the batch-1 decode step.
+GEMV_MAX_M = 1
 
 
 class Fp8Linear(nn.Module):

@@ -84,9 +84,9 @@ def test_argument_checks(device):
 def test_dispatch_rule():
     """On CUDA: the weight-only kernel up to GEMV_MAX_M rows, torch._scaled_mm above;
     elsewhere the fp32 reference math."""
-    assert GEMV_MAX_M == 16
-    assert [linear_path(m, True) for m in (1, 3, 16)] == ["gemv"] * 3
-    assert [linear_path(m, True) for m in (17, 300)] == ["scaled_mm"] * 2
+    assert GEMV_MAX_M == 1  # measured: the kernel wins at one row only (fp8.py)
+    assert linear_path(1, True) == "gemv"
+    assert [linear_path(m, True) for m in (2, 16, 300)] == ["scaled_mm"] * 3
     assert {linear_path(m, False) for m in (1, 16, 300)} == {"reference"}
 
 
@@ -107,7 +107,7 @@ class _Runner:
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-weights"])
 def test_warm_up_runs_gemv_steps_with_fp8_weights(device, monkeypatch, fp8):
-    """Start-up runs eager steps of 1 and of 3 tokens (the kernel's M == 1 and M > 1 variants)
+    """Start-up runs eager steps of 1 and of 3 tokens (the kernel at one row, _scaled_mm beyond)
     when the model has FP8 layers; the mixed and prefill steps are too large for the kernel."""
     from engine.quantization.fp8 import Fp8Linear
     from engine.warm_up import warm_up
@@ -120,4 +120,4 @@ def test_warm_up_runs_gemv_steps_with_fp8_weights(device, monkeypatch, fp8):
     tokens = [sum(lens) for lens in runner.steps]
     assert tokens[:2] == [19, 19]  # block + 3: torch._scaled_mm
     assert tokens[2:] == ([1, 3] if fp8 else [])
-    assert {linear_path(n, True) for n in tokens[2:]} <= {"gemv"}
+    assert not fp8 or linear_path(tokens[2], True) == "gemv"
