@@ -15,7 +15,6 @@ checkpoint) the decoder layers' projections are swapped for FP8 layers around th
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from engine.cuda_graphs import CudaGraphRunner
 from engine.loader import build_model, init_dummy_weights, load_weights
 from engine.models.layers import CausalLM
 from engine.parallel import TPState, all_min, kv_heads_per_rank, rank_heads
+from engine.pool_sizing import blocks_for_budget
 from engine.quantization import fp8, kv_cache
 from engine.quantization.checkpoint import fp8_scheme
 from engine.sampler import Sampler, SamplerOutput, SampleRow
@@ -98,8 +98,8 @@ class ModelRunner:
         use_graphs = cuda_graphs and self.device.type == "cuda"
         graph_bs = min(max_num_seqs, MAX_GRAPH_BATCH) if use_graphs else 0
         self.graphs: CudaGraphRunner | None = None  # captured once the pool exists
-        self.num_blocks = cache_config.num_blocks or self._blocks_for_budget(
-            cache_config, max_num_batched_tokens, max_model_len, max_num_seqs, graph_bs)
+        self.num_blocks = cache_config.num_blocks or blocks_for_budget(
+            self, cache_config, max_num_batched_tokens, max_model_len, max_num_seqs, graph_bs)
         if self.tp is not None:  # block ids mean the same on every rank: one pool size
             self.num_blocks = all_min(self.num_blocks, self.tp)
         self.pool = (pool_factory or default_pool_factory)(self.pool_shape(self.num_blocks),
@@ -161,54 +161,6 @@ class ModelRunner:
 
             return TritonAttentionBackend(pool, self.num_heads, scale, self.kv_scales)
         return TorchAttentionBackend(pool, self.num_heads, scale, self.kv_scales)
-
-    def _blocks_for_budget(self, cache: CacheConfig, max_tokens: int, max_model_len: int,
-                           max_num_seqs: int, graph_bs: int) -> int:
-        if self.device.type != "cuda":
-            return max(1, cache.cpu_kv_bytes // self.block_bytes)
-        # Profile before the pool takes its share, as everything below must fit beside it:
-        # the largest step the scheduler can issue (the token budget as prompt chunks) with as
-        # many rows sampled as it can finish (max_num_seqs, on the sampler's heaviest path:
-        # top-k/top-p sort, penalties, logprobs over [rows, vocab]), and the decode CUDA
-        # graphs, which keep their own memory: the activations of their largest batch.
-        rows = min(max_num_seqs, max_tokens)
-        try:
-            step = self._peak_bytes(lambda: self._profile_run(max_tokens, max_model_len, rows))
-            graphs = (self._peak_bytes(lambda: self._profile_decode(graph_bs)) if graph_bs
-                      else 0)
-        except torch.cuda.OutOfMemoryError:
-            raise InvalidArgument(
-                "max_num_batched_tokens", f"one step of {max_tokens} tokens sampling {rows} "
-                "sequences does not fit in GPU memory beside the weights: lower "
-                "--max-num-batched-tokens or --max-num-seqs") from None
-        free, _ = torch.cuda.mem_get_info(self.device)
-        num_blocks = kv_pool_blocks(free, step + graphs, cache.memory_fraction,
-                                    self.block_bytes)
-        needed = cdiv(max_model_len, self.block_size)
-        if num_blocks < needed:
-            raise InvalidArgument(
-                "memory_fraction", f"a KV pool of {num_blocks} blocks cannot hold one sequence "
-                f"of max_model_len {max_model_len} ({needed} blocks): GPU free "
-                f"{free >> 20} MiB, step peak {step >> 20} MiB, CUDA graphs "
-                f"{graphs >> 20} MiB; raise --memory-fraction or lower --max-num-seqs, "
-                "--max-num-batched-tokens or --max-model-len")
-        log.info("KV pool: %d blocks of %d tokens (%.2f GiB); reserved for steps %d MiB, "
-                 "for CUDA graphs %d MiB", num_blocks, self.block_size,
-                 num_blocks * self.block_bytes / 2**30, step >> 20, graphs >> 20)
-        return num_blocks
-
-    def _peak_bytes(self, run: Callable[[], None]) -> int:
-        """Device memory `run` needs beyond what is allocated before it (its peak)."""
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        run()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        gc.collect()
-        torch.cuda.empty_cache()
-        return peak
 
     def _profile_run(self, num_tokens: int, max_model_len: int, rows: int) -> None:
         """The largest step the scheduler can issue: sequences of up to max_model_len tokens
@@ -389,13 +341,6 @@ class StepInputs:
     block_table: torch.Tensor  # int32 [B, width], on the CPU
     copies: list[tuple[int, int]] = field(default_factory=list)
     use_graph: bool = False  # a pure decode step that a captured CUDA graph replays
-
-
-def kv_pool_blocks(free_bytes: int, reserved_bytes: int, memory_fraction: float,
-                   block_bytes: int) -> int:
-    """Blocks of the KV pool: `memory_fraction` of the device memory left once the steps'
-    and the CUDA graphs' peaks are set aside (the rest is headroom for the allocator)."""
-    return max(0, int((free_bytes - reserved_bytes) * memory_fraction) // block_bytes)
 
 
 def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

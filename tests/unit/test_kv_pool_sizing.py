@@ -7,7 +7,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_runner import kv_pool_blocks
+from engine.pool_sizing import kv_pool_blocks
 
 MiB = 1 << 20
 
