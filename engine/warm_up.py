@@ -33,14 +33,14 @@ log = logging.getLogger(__name__)
 
 
 def has_fp8_linear(model: torch.nn.Module) -> bool:
-    from engine.quantization.fp8 import Fp8Linear  # noqa: PLC0415
+    from engine.quantization.fp8 import Fp8Linear  # noqa: PLC0415 - FP8 models only
 
     return any(isinstance(m, Fp8Linear) for m in model.modules())
 
 
 def warm_up(runner: ModelRunner) -> None:
     from kernels.copy_blocks import copy_blocks  # noqa: PLC0415 - Triton, CUDA only
-    from kernels.paged_decode_launch import MAX_SPLITS  # noqa: PLC0415
+    from kernels.paged_decode_launch import MAX_SPLITS  # noqa: PLC0415 - Triton, CUDA only
 
     t = time.perf_counter()
     block = runner.block_size
