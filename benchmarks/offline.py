@@ -90,7 +90,8 @@ class StepRecorder:
         self.last: dict[str, float] = {}
         self.done: dict[str, float] = {}
         self.itls: list[float] = []
-        self.steps = 0
+        self.steps = 0  # engine step() calls
+        self.calls_without_batch = 0  # of them: no batch scheduled (see _on_step)
         self.step_s = 0.0
         self.execute_s = 0.0
         self.profiler_s = 0.0  # profiler set-up and parsing
@@ -133,7 +134,9 @@ class StepRecorder:
         self.step_s += last.seconds
         self.execute_s += self.engine.last_execute_s
         kind = self.kinds[step_kind(last)] if last.num_seqs else None
-        if kind is not None:
+        if kind is None:  # pipelined: a call that only took the previous step's tokens
+            self.calls_without_batch += 1
+        else:
             kind[0] += 1
             kind[1] += last.num_tokens
             kind[2] += last.seconds
@@ -317,7 +320,8 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
         # rows that B × (P + O) reservations of this workload's average size fit in this pool
         "static_rows_fitting_pool": int(pool_slots // static["mean_reserved_slots_per_row"]),
     }
-    steps = {"steps": rec.steps, "step_s_total": rec.step_s,
+    steps = {"steps": rec.steps, "calls_without_batch": rec.calls_without_batch,
+             "step_s_total": rec.step_s,
              "step_ms_mean": rec.step_s / max(1, rec.steps) * 1e3,
              "execute_share": rec.execute_s / rec.step_s if rec.step_s else None,
              "outside_execute_share": 1 - rec.execute_s / rec.step_s if rec.step_s else None,
