@@ -107,10 +107,12 @@ class PipelinedSteps:
         def _finish(self, seq: Sequence, reason: FinishReason) -> None: ...
 
     def _pipeline_enabled(self) -> bool:
-        """Static conditions: prefill requests end at their first token, and tensor-parallel
-        steps are broadcast to the other ranks as host lists."""
-        return (self.config.async_scheduling and self.config.role != "prefill"
-                and self.tp_group is None)
+        """Static conditions: on (by default on CUDA), prefill requests end at their first
+        token, and tensor-parallel steps are broadcast to the other ranks as host lists."""
+        on = self.config.async_scheduling
+        if on is None:
+            on = self.runner.device.type == "cuda"
+        return on and self.config.role != "prefill" and self.tp_group is None
 
     @staticmethod
     def _can_pipeline(batch: ScheduledBatch) -> bool:

@@ -198,8 +198,9 @@ class EngineConfig:
     max_model_len: int | None = None
     cuda_graphs: bool = True
     # Pipelined steps: the host schedules step N+1 while the device runs step N
-    # (engine/async_step.py); on every device, falling back per step where it cannot.
-    async_scheduling: bool = True
+    # (engine/async_step.py), falling back per step where it cannot. None: on CUDA only (on
+    # the CPU nothing overlaps, and every output would come a step later).
+    async_scheduling: bool | None = None
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     # Ranks (processes, one device each) the model is split over (engine/parallel.py).

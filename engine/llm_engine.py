@@ -11,7 +11,7 @@ Roles share this one engine:
 The prefill and decode halves of that handoff are engine/kv_handoff.py's (a mixin); this file
 holds the loop and what every role shares.
 
-Pipelined steps (`async_scheduling`, the default; engine/async_step.py): `step()` schedules
+Pipelined steps (`async_scheduling`, on by default on CUDA; engine/async_step.py): `step()` schedules
 and launches step N+1 while the device runs step N (N+1's placeholder ids filled on the device
 from N's sampled tokens), then waits for N's tokens and returns N's outputs, one call later
 than a synchronous step. A step runs synchronously, exactly as without the flag (the step in

@@ -29,9 +29,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
-    g.add_argument("--no-async-scheduling", action="store_true",
-                   help="run every step synchronously (schedule, run, wait for its tokens) "
-                        "instead of scheduling step N+1 while the device runs step N")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while the device runs step N (default: on CUDA; "
+                        "on the CPU there is nothing to overlap, and each output would come a "
+                        "step later); --no-async-scheduling runs every step synchronously")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="KV cache dtype: auto = the model's; fp8 = e4m3 (twice the tokens per "
                         "byte, half the bytes per handoff); prefill and decode workers must match")
@@ -56,6 +57,6 @@ def engine_config(args: argparse.Namespace, role: str = "both") -> EngineConfig:
         memory_fraction=args.memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, cuda_graphs=not args.no_cuda_graphs,
-        async_scheduling=not args.no_async_scheduling,
+        async_scheduling=args.async_scheduling,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size)

@@ -112,9 +112,12 @@ def test_no_async_scheduling_flag():
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    assert engine_config(p.parse_args(["--model", "m"])).async_scheduling
-    assert not engine_config(p.parse_args(["--model", "m", "--no-async-scheduling"])
-                             ).async_scheduling
+    def flag(*args: str):
+        return engine_config(p.parse_args(["--model", "m", *args])).async_scheduling
+
+    assert flag() is None  # on CUDA, off on the CPU
+    assert flag("--async-scheduling") is True
+    assert flag("--no-async-scheduling") is False
 
 
 def test_stop_token_ids_and_eos_stop_early(llms):

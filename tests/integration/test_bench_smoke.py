@@ -94,7 +94,7 @@ def test_serve_offline_reports_kv_waste_against_static_batches(tiny_models, tmp_
     kinds = st["by_kind"]
     assert sum(kinds[k]["steps"] for k in ("decode", "mixed", "prefill")) == \
         st["steps"] - st["calls_without_batch"]
-    assert 1 <= st["calls_without_batch"] <= 2
+    assert 0 <= st["calls_without_batch"] <= 2
     assert kinds["decode"]["steps"] > 0 and kinds["decode"]["tokens"] >= kinds["decode"]["steps"]
     assert kinds["prefill"]["steps"] + kinds["mixed"]["steps"] > 0
     total = sum(kinds[k]["tokens"] for k in ("decode", "mixed", "prefill"))
@@ -114,7 +114,9 @@ def test_offline_recorder_reads_steps_through_the_engine_observer(tiny_models, m
     calls = []
     monkeypatch.setattr(offline, "_start_profiler", lambda rec: calls.append(rec.steps) or "p")
     monkeypatch.setattr(offline, "_stop_profiler", lambda rec, prof: 0.001)
-    llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32", progress=False)
+    # Pipelined steps, as on a GPU (on the CPU they are off by default).
+    llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32", progress=False,
+              async_scheduling=True)
     finished = []
     rec = offline.StepRecorder(llm.engine, 3, on_finished=finished.append)
     rec.attach()
