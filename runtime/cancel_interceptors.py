@@ -31,13 +31,6 @@ def cancel_status_interceptors(filter_: Any = None) -> tuple[Any, Any]:
     through a context variable."""
     import grpc  # noqa: PLC0415 - only services that trace need it
 
-    def wrap(handler: Any, stream: Callable[[Any, Any], Any]) -> Any:
-        make = (grpc.stream_stream_rpc_method_handler if handler.request_streaming
-                else grpc.unary_stream_rpc_method_handler)
-        behavior = handler.stream_stream if handler.request_streaming else handler.unary_stream
-        return make(stream(behavior), request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
-
     def traced(handler: Any, details: Any) -> bool:
         """A server-streaming call the filter (if any) lets through."""
         return handler is not None and handler.response_streaming and (
@@ -47,49 +40,54 @@ def cancel_status_interceptors(filter_: Any = None) -> tuple[Any, Any]:
         for span in spans:
             span.set_attribute(RPC_GRPC_STATUS_CODE, grpc.StatusCode.CANCELLED.value[0])
 
-    class Outer(grpc.aio.ServerInterceptor):
+    class StreamWrapper(grpc.aio.ServerInterceptor):
+        """Hands a traced call's handler on with its response stream wrapped: stream(behavior)
+        returns the async generator function that runs the handler's behavior."""
+
+        stream: Callable[[Any], Any]
+
         async def intercept_service(self, continuation, details):
             handler = await continuation(details)
             if not traced(handler, details):
                 return handler
+            make = (grpc.stream_stream_rpc_method_handler if handler.request_streaming
+                    else grpc.unary_stream_rpc_method_handler)
+            behavior = (handler.stream_stream if handler.request_streaming
+                        else handler.unary_stream)
+            return make(self.stream(behavior), request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
 
-            def stream(behavior):
-                async def run(request, context):
-                    spans: list[Span] = []
-                    _CALL_SPANS.set(spans)
-                    responses = behavior(request, context)
-                    try:
-                        async for response in responses:
-                            yield response
-                    except GeneratorExit:  # closed at a yield: the caller is gone
-                        cancelled(spans)
-                        raise
-                    finally:
-                        await responses.aclose()
-                return run
+    class Outer(StreamWrapper):
+        @staticmethod
+        def stream(behavior):
+            async def run(request, context):
+                spans: list[Span] = []
+                _CALL_SPANS.set(spans)
+                responses = behavior(request, context)
+                try:
+                    async for response in responses:
+                        yield response
+                except GeneratorExit:  # closed at a yield: the caller is gone
+                    cancelled(spans)
+                    raise
+                finally:
+                    await responses.aclose()
+            return run
 
-            return wrap(handler, stream)
-
-    class Inner(grpc.aio.ServerInterceptor):
-        async def intercept_service(self, continuation, details):
-            handler = await continuation(details)
-            if not traced(handler, details):
-                return handler
-
-            def stream(behavior):
-                async def run(request, context):
-                    span = trace.get_current_span()  # the instrumentation's, for this call
-                    spans = _CALL_SPANS.get()
-                    if spans is not None:
-                        spans.append(span)
-                    try:
-                        async for response in behavior(request, context):
-                            yield response
-                    except asyncio.CancelledError:  # cancelled mid-await
-                        cancelled([span])
-                        raise
-                return run
-
-            return wrap(handler, stream)
+    class Inner(StreamWrapper):
+        @staticmethod
+        def stream(behavior):
+            async def run(request, context):
+                span = trace.get_current_span()  # the instrumentation's, for this call
+                spans = _CALL_SPANS.get()
+                if spans is not None:
+                    spans.append(span)
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                except asyncio.CancelledError:  # cancelled mid-await
+                    cancelled([span])
+                    raise
+            return run
 
     return Outer(), Inner()
