@@ -24,7 +24,8 @@ from kernels.paged_decode_launch import (
 
 @triton.jit
 def _old_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, part_ptr, lse_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, part_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
+    scale_log2,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ps, stride_ph, stride_psp, stride_ls, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -42,7 +43,8 @@ def _old_split_kernel(
     if start < seq_len:
         end = tl.minimum(start + split_len, seq_len)
         acc, m_i, l_i = _attend(
-            q_ptr, k_ptr, v_ptr, bt_ptr, seq, kv_head, start, end, scale_log2,
+            q_ptr, k_ptr, v_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, start, end,
+            scale_log2,
             stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
             stride_vh, stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -104,7 +106,7 @@ def old_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     part = workspace[:n_part].view(s, hq, num_splits, d)
     lse = workspace[n_part:n_part + s * hq * num_splits].view(s, hq, num_splits)
     _old_split_kernel[(s, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part, lse, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, part, lse, None, None, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), *part.stride()[:3], *lse.stride()[:2],
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
