@@ -1,7 +1,7 @@
 """What the serving benchmarks share: the statistics they report, the flags that name a model and
 its devices, the warm-up requests, and how a report is written (JSON and an optional plot).
-Used by serve.py (the load generator), offline.py (the offline profiler), ratio.py,
-worker_stream.py and hf_baseline.py. The workloads themselves are in workloads.py."""
+Used by serve.py (the load generator: serve_client.py, serve_runs.py), offline.py (the offline
+profiler), ratio.py, worker_stream.py and hf_baseline.py. The workloads themselves are in workloads.py."""
 
 from __future__ import annotations
 

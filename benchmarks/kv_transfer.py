@@ -58,6 +58,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from benchmarks.kv_transfer_blocks import as_bytes, blocks_match, fill_pattern, summary, time_op
+from benchmarks.kv_transfer_nixl import measure_nixl
 from kvtransfer.descriptor import PoolDescriptor
 from kvtransfer.pool import TORCH_DTYPES, allocate_pool
 from kvtransfer.remote import open_remote_pool, pull_blocks
@@ -97,33 +99,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _bytes(pool: torch.Tensor) -> torch.Tensor:
-    """The pool as [num_blocks, block bytes] of uint8 (any KV dtype, FP8 included)."""
-    return pool.view(pool.shape[0], -1).view(torch.uint8)
-
-
-def fill_pattern(pool: torch.Tensor) -> None:
-    """Block b holds byte (b * 1009 + i) % 251 at byte i: the same in every KV dtype."""
-    flat = _bytes(pool)
-    i = torch.arange(flat.shape[1], device=pool.device, dtype=torch.int32)
-    for start in range(0, flat.shape[0], 16):
-        b = torch.arange(start, min(start + 16, flat.shape[0]), device=pool.device,
-                         dtype=torch.int32)
-        flat[start:start + 16] = ((b[:, None] * 1009 + i) % 251).to(torch.uint8)
-
-
-def blocks_match(pool: torch.Tensor, dst_ids: list[int], src_ids: list[int]) -> bool:
-    """Whether pool blocks dst_ids[k] hold the producer's pattern of blocks src_ids[k]."""
-    flat = _bytes(pool)
-    i = torch.arange(flat.shape[1], device=pool.device, dtype=torch.int32)
-    for start in range(0, len(src_ids), 16):
-        s = torch.tensor(src_ids[start:start + 16], device=pool.device, dtype=torch.int32)
-        d = torch.tensor(dst_ids[start:start + 16], device=pool.device)
-        if not torch.equal(flat[d], ((s[:, None] * 1009 + i) % 251).to(torch.uint8)):
-            return False
-    return True
-
-
 def pool_dtype(args: argparse.Namespace, kv_cache_dtype: str) -> str:
     return "float8_e4m3fn" if kv_cache_dtype == "fp8" else args.dtype
 
@@ -141,24 +116,6 @@ def producer(conn: Connection, device: int, shape: dict[str, int], dtype: str) -
     pool.close()
     with contextlib.suppress(OSError):
         conn.send(not pool.mapped)
-
-
-def time_op(op: Callable[[], object], device: torch.device, warmup: int,
-            repeats: int) -> list[float]:
-    """Seconds per call of `op`, by CUDA events on the current stream of `device`."""
-    stream = torch.cuda.current_stream(device)
-    for _ in range(warmup):
-        op()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        op()
-        end.record(stream)
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return times
 
 
 def main() -> None:
@@ -216,73 +173,6 @@ def measure(args: argparse.Namespace, kv_cache_dtype: str) -> dict[str, Any]:
         results["prefill"] = prefill_time(args, src_dev, kv_cache_dtype)
     report(results)
     return results
-
-
-def nixl_producer(conn: Connection, device: str, shape: dict[str, int], dtype: str) -> None:
-    """A prefill worker with `--transport nixl`: a pattern-filled pool registered with its NIXL
-    agent, served until told to stop."""
-    pool = allocate_pool(device=device, transport="nixl", dtype=TORCH_DTYPES[dtype], **shape)
-    fill_pattern(pool.tensor)
-    _sync(pool.tensor.device)
-    conn.send(pool.descriptor)
-    with contextlib.suppress(EOFError):
-        conn.recv()
-    pool.close()
-    with contextlib.suppress(OSError):
-        conn.send(True)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, int],
-                 dtype: str, src_ids: list[int], dst_ids: list[int]) -> dict[str, dict[str, Any]]:
-    """NIXL READs of the same blocks from a producer process's registered pool on device `src`
-    into a pool on `dst` (wall clock: post to completion, as NixlRemotePool.pull waits)."""
-    from kvtransfer.nixl import NixlEndpoint
-
-    ctx = mp.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=nixl_producer, args=(child_conn, src, shape, dtype))
-    proc.start()
-    child_conn.close()
-    dev = torch.device(dst)
-    n = len(src_ids)
-    endpoint = None
-    try:
-        desc: PoolDescriptor = conn.recv()
-        nbytes = n * desc.block_bytes
-        endpoint = NixlEndpoint()
-        remote = endpoint.connect(desc)
-        local = torch.zeros(desc.shape, dtype=TORCH_DTYPES[dtype], device=dev)
-        out = {}
-        cases = {"nixl READ (NixlRemotePool.pull)": (src_ids, dst_ids),
-                 "nixl READ, contiguous blocks": (list(range(n)), list(range(n)))}
-        for name, (s_ids, d_ids) in cases.items():
-            _bytes(local).zero_()
-            _sync(dev)
-            remote.pull(local, s_ids, d_ids)  # registers the local pool on first use
-            correct = blocks_match(local, d_ids, s_ids)
-            times = []
-            for i in range(args.warmup + args.repeats):
-                t0 = time.perf_counter()
-                remote.pull(local, s_ids, d_ids)
-                if i >= args.warmup:
-                    times.append(time.perf_counter() - t0)
-            out[name] = summary(times, nbytes, correct)
-        remote.close()
-        conn.send("stop")
-        conn.recv()
-    finally:
-        if endpoint is not None:
-            endpoint.close()
-        conn.close()
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
-    return out
 
 
 def compare(runs: list[dict[str, Any]]) -> None:
@@ -348,7 +238,8 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
     methods: dict[str, tuple[Callable[[], object], list[int], list[int]]] = {
         "pull_blocks (copy_blocks kernel)": (pull, src_ids, dst_ids),
         "torch index_select + index_copy_": (  # as bytes: no float8 index_copy_ in torch
-            lambda: _bytes(dst_pool).index_copy_(0, dst_t, _bytes(src_pool).index_select(0, src_t)),
+            lambda: as_bytes(dst_pool).index_copy_(0, dst_t,
+                                                   as_bytes(src_pool).index_select(0, src_t)),
             src_ids, dst_ids),
         f"cudaMemcpyAsync per {bb / 2**20:g} MiB block": (per_block, src_ids, dst_ids),
         f"cudaMemcpyAsync per {chunk // 1024} KiB layer chunk": (per_chunk, src_ids, dst_ids),
@@ -358,7 +249,7 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
     with cupy.cuda.Device(dst_dev):
         out["one large peer copy (bound)"] = large_copy(nbytes, src_dev, dev, args)
         for name, (op, s_ids, d_ids) in methods.items():
-            _bytes(dst_pool).zero_()
+            as_bytes(dst_pool).zero_()
             op()
             torch.cuda.synchronize(dev)
             correct = blocks_match(dst_pool, d_ids, s_ids)
@@ -445,12 +336,6 @@ def large_copy(nbytes: int, src_dev: int, dev: torch.device,
     big_dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     times = time_op(lambda: big_dst.copy_(big_src), dev, args.warmup, args.repeats)
     return summary(times, nbytes, torch.equal(big_dst.cpu(), big_src.cpu()))
-
-
-def summary(times: list[float], nbytes: int, correct: bool) -> dict[str, Any]:
-    median = statistics.median(times)
-    return {"median_ms": median * 1e3, "min_ms": min(times) * 1e3, "gbps": nbytes / median / 1e9,
-            "correct": correct}
 
 
 def report(r: dict[str, Any]) -> None:

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (benchmarks/, which holds kernels.py) must not shadow the `kernels` package.
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import common, serve  # noqa: E402
+from benchmarks import common, serve, serve_client, serve_runs  # noqa: E402
 from benchmarks.workloads import add_workload_args, build_workload  # noqa: E402
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def run_layout(a: argparse.Namespace, name: str, passthrough: list[str]) -> dict
         result["startup_s"] = time.perf_counter() - t
         result["workers"] = serve.describe_workers(stack)
         result["card"] = ", ".join(sorted({w["card"] for w in result["workers"]}))
-        opts = serve.LoadOptions(
+        opts = serve_client.LoadOptions(
             api="grpc", target=stack.router.address, channels=a.channels,
             request_timeout=a.request_timeout, slo_ttft_ms=a.slo_ttft_ms,
             slo_itl_ms=a.slo_itl_ms, goodput_itl=a.goodput_itl,
@@ -144,12 +144,13 @@ def run_layout(a: argparse.Namespace, name: str, passthrough: list[str]) -> dict
             a.workload = w
             requests = build_workload(a, vocab)
             common.check_lengths(requests, min(a.max_model_len, model_max))
-            runs = serve.run_rates(opts, requests, rates_for(a, w), a.seed,
-                                   label=f"{name} {w} ", warmup=common.warmup_requests(a, vocab),
-                                   cooldown_s=a.cooldown, stack=stack)
+            runs = serve_runs.run_rates(opts, requests, rates_for(a, w), a.seed,
+                                        label=f"{name} {w} ",
+                                        warmup=common.warmup_requests(a, vocab),
+                                        cooldown_s=a.cooldown, stack=stack)
             result["workloads"][w] = [r["summary"] for r in runs]
             result.setdefault("requests", {})[w] = [r["requests"] for r in runs]
-            serve.print_online(runs, f"-- {lay.label()} {w} on {result['card']}")
+            serve_runs.print_online(runs, f"-- {lay.label()} {w} on {result['card']}")
             path.write_text(json.dumps(common.strip_private(result), indent=1))
     finally:
         result["exit_codes"] = stack.stop()
@@ -228,7 +229,7 @@ def report(out_dir: Path, slo: tuple[float, float, str] | None = None) -> dict:
         for lay in layouts:
             for w, summaries in lay["workloads"].items():
                 for s, rows in zip(summaries, lay.get("requests", {}).get(w, [])):
-                    good = serve.good_requests(rows, *slo)
+                    good = serve_runs.good_requests(rows, *slo)
                     s["goodput"] = good / s["duration_s"]
                     s["slo_attainment"] = good / s["num_requests"]
                     s["slo"] = {"ttft_ms": slo[0], "itl_ms": slo[1], "per_request_itl": slo[2]}

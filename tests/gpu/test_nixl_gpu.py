@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,12 +19,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("nixl._api", reason="the nixl package is not installed: pip install "
                                        "'tandem[nixl]'")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
 
 def test_nixl_reads_scattered_vram_blocks_across_processes_exactly() -> None:
-    from kv_transfer import _bytes, blocks_match, nixl_producer
-
+    from benchmarks.kv_transfer_blocks import as_bytes, blocks_match
+    from benchmarks.kv_transfer_nixl import nixl_producer
     from kvtransfer.nixl import NixlEndpoint
 
     src = "cuda:0"
@@ -48,7 +44,7 @@ def test_nixl_reads_scattered_vram_blocks_across_processes_exactly() -> None:
             remote.pull(local, src_ids, dst_ids)
         assert blocks_match(local, dst_ids, src_ids)
         untouched = sorted(set(range(64)) - set(dst_ids))
-        assert not _bytes(local)[untouched].any()
+        assert not as_bytes(local)[untouched].any()
         conn.send("stop")
         assert conn.recv() is True
     finally:

@@ -1,0 +1,85 @@
+"""The NIXL rows of benchmarks/kv_transfer.py (--nixl): a producer process serves the pattern from
+a pool registered with NIXL, and this process reads the same scattered blocks into a registered
+pool of its own with NIXL READs, as a decode worker with `--transport nixl` does."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from benchmarks.kv_transfer_blocks import as_bytes, blocks_match, fill_pattern, summary
+from kvtransfer.descriptor import PoolDescriptor
+from kvtransfer.pool import TORCH_DTYPES, allocate_pool
+
+
+def nixl_producer(conn: Connection, device: str, shape: dict[str, int], dtype: str) -> None:
+    """A prefill worker with `--transport nixl`: a pattern-filled pool registered with its NIXL
+    agent, served until told to stop."""
+    pool = allocate_pool(device=device, transport="nixl", dtype=TORCH_DTYPES[dtype], **shape)
+    fill_pattern(pool.tensor)
+    _sync(pool.tensor.device)
+    conn.send(pool.descriptor)
+    with contextlib.suppress(EOFError):
+        conn.recv()
+    pool.close()
+    with contextlib.suppress(OSError):
+        conn.send(True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, int],
+                 dtype: str, src_ids: list[int], dst_ids: list[int]) -> dict[str, dict[str, Any]]:
+    """NIXL READs of the same blocks from a producer process's registered pool on device `src`
+    into a pool on `dst` (wall clock: post to completion, as NixlRemotePool.pull waits)."""
+    from kvtransfer.nixl import NixlEndpoint
+
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=nixl_producer, args=(child_conn, src, shape, dtype))
+    proc.start()
+    child_conn.close()
+    dev = torch.device(dst)
+    n = len(src_ids)
+    endpoint = None
+    try:
+        desc: PoolDescriptor = conn.recv()
+        nbytes = n * desc.block_bytes
+        endpoint = NixlEndpoint()
+        remote = endpoint.connect(desc)
+        local = torch.zeros(desc.shape, dtype=TORCH_DTYPES[dtype], device=dev)
+        out = {}
+        cases = {"nixl READ (NixlRemotePool.pull)": (src_ids, dst_ids),
+                 "nixl READ, contiguous blocks": (list(range(n)), list(range(n)))}
+        for name, (s_ids, d_ids) in cases.items():
+            as_bytes(local).zero_()
+            _sync(dev)
+            remote.pull(local, s_ids, d_ids)  # registers the local pool on first use
+            correct = blocks_match(local, d_ids, s_ids)
+            times = []
+            for i in range(args.warmup + args.repeats):
+                t0 = time.perf_counter()
+                remote.pull(local, s_ids, d_ids)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            out[name] = summary(times, nbytes, correct)
+        remote.close()
+        conn.send("stop")
+        conn.recv()
+    finally:
+        if endpoint is not None:
+            endpoint.close()
+        conn.close()
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    return out
