@@ -60,11 +60,12 @@ RUN apt-get update \
 
 # A fixed, non-root user. Not 1000: Ubuntu 24.04 images already have `ubuntu` with that id.
 ARG TANDEM_UID=10001
-# /certs: the cluster's TLS files (docker-compose.yml's certs service writes them; a fresh
-# named volume takes this directory's owner, so the service can write there).
+# /certs: the cluster's TLS files (docker-compose.yml's certs service writes them);
+# /kernel-cache: Triton's compiled kernels (TRITON_CACHE_DIR in compose). A fresh named volume
+# takes its directory's owner, so the services can write there.
 RUN useradd --create-home --uid "${TANDEM_UID}" --user-group --shell /usr/sbin/nologin tandem \
- && mkdir -p /models /certs \
- && chown tandem:tandem /models /certs \
+ && mkdir -p /models /certs /kernel-cache \
+ && chown tandem:tandem /models /certs /kernel-cache \
  && chmod 700 /certs
 
 COPY --from=build /opt/tandem /opt/tandem

@@ -330,8 +330,11 @@ def test_observe_override_publishes_the_uis_on_loopback_only(services: dict) -> 
 def test_the_model_directory_is_mounted_read_only(services: dict) -> None:
     for name in TANDEM:
         volumes = services[name]["volumes"]
-        # ${TANDEM_MODELS:-./models}; the cluster's certificates, read-only too
-        assert volumes == ["./models:/models:ro", "tandem-certs:/certs:ro"], name
+        # ${TANDEM_MODELS:-./models}; the cluster's certificates, read-only too; Triton's
+        # kernel cache, where TRITON_CACHE_DIR points
+        assert volumes == ["./models:/models:ro", "tandem-certs:/certs:ro",
+                           "tandem-kernels:/kernel-cache"], name
+        assert services[name]["environment"]["TRITON_CACHE_DIR"] == "/kernel-cache", name
 
 
 def test_every_internal_hop_is_mutual_tls(services: dict, args: dict) -> None:

@@ -132,6 +132,19 @@ def test_workers_get_a_gpu_each_and_prefill_serves_its_pool_over_nixl() -> None:
     assert "nvidia.com/gpu" not in str(_container("tandem-router").get("resources"))
 
 
+def test_workers_keep_triton_kernels_in_a_volume_of_the_pod() -> None:
+    """TRITON_CACHE_DIR is a mounted emptyDir: a restarted container loads the kernels its
+    start-up compiled (engine/warm_up.py) instead of compiling them again."""
+    for deployment in ("tandem-prefill", "tandem-decode"):
+        pod = _get("Deployment", deployment)["spec"]["template"]["spec"]
+        c = _container(deployment)
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        volume = mounts.get(env["TRITON_CACHE_DIR"])
+        assert volume is not None, deployment
+        assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}[volume], deployment
+
+
 def test_the_worker_and_router_flags_parse_with_the_cli() -> None:
     """Each container's args are a command line the `tandem` CLI accepts."""
     from cli.main import build_parser
