@@ -107,7 +107,7 @@ def test_offline_recorder_reads_steps_through_the_engine_observer(tiny_models, m
     """offline.py's StepRecorder sees every step through LLMEngine.on_step (no wrapping): the
     profiler (replaced here, as it needs CUDA) covers exactly every Nth step, from the first,
     and the observer is gone afterwards."""
-    from benchmarks import offline
+    from benchmarks import step_recorder as offline
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
