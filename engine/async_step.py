@@ -105,6 +105,8 @@ class PipelinedSteps:
 
     if TYPE_CHECKING:  # LLMEngine's, for the type checker
         def _finish(self, seq: Sequence, reason: FinishReason) -> None: ...
+        def _advance(self, batch: ScheduledBatch, started: float, now: float,
+                     fed: set[int] | frozenset[int] = frozenset()) -> None: ...
 
     def _pipeline_enabled(self) -> bool:
         """Static conditions: on (by default on CUDA), prefill requests end at their first
@@ -164,16 +166,7 @@ class PipelinedSteps:
         self.last_execute_s += time.perf_counter() - t
         now = time.monotonic()
 
-        bs = self.kv.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                seq.num_prefill_chunks += 1
-                k = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-                seq.prefill_chunks.append((started, now, k))
-                self.num_prompt_tokens_computed += k
-            seq.num_computed_tokens += n
-            if seq.seq_id not in fed and seq.num_computed_tokens // bs > seq.num_cached_blocks:
-                self.kv.cache_full_blocks(seq)  # every token it computed is known
+        self._advance(batch, started, now, fed)
         positions = []
         num_prompt_tokens = 0
         done: set[int] = set()

@@ -60,7 +60,11 @@ class LLMEngine(KVHandoff, PipelinedSteps):
         cache = config.cache_config()
         sched = config.scheduler_config(self.model_config)
         # Tensor parallelism: ranks 1.. in processes of their own, this one is rank 0.
-        self.tp_group = start_tp_group(config, self.model_dir, self.model_config, tp_options)
+        self.tp_group = None
+        if config.tensor_parallel_size > 1:
+            from engine.tp_group import start_tp_group  # noqa: PLC0415 - tensor parallelism only
+
+            self.tp_group = start_tp_group(config, self.model_dir, self.model_config, tp_options)
         try:
             self.runner = self._runner(config, cache, sched, pool_factory, progress)
         except BaseException:
@@ -280,16 +284,7 @@ class LLMEngine(KVHandoff, PipelinedSteps):
             if seq.num_tokens == seq.num_prompt_tokens:
                 num_prompt_tokens += seq.num_prompt_tokens
 
-        bs = self.block_pool.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                seq.num_prefill_chunks += 1
-                k = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-                seq.prefill_chunks.append((started, now, k))
-                self.num_prompt_tokens_computed += k
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens // bs > seq.num_cached_blocks:  # a block just filled
-                self.kv.cache_full_blocks(seq)
+        self._advance(batch, started, now)
         outputs: list[SeqOutput] = []
         r = 0
         for seq in samplers:
@@ -303,6 +298,22 @@ class LLMEngine(KVHandoff, PipelinedSteps):
             for s, tok, lp in zip([seq, *children], toks, lps):
                 outputs.append(self._append(s, tok, lp))
         return outputs, len(rows), num_prompt_tokens
+
+    def _advance(self, batch: ScheduledBatch, started: float, now: float,
+                 fed: set[int] | frozenset[int] = frozenset()) -> None:
+        """After a step ran (or was launched): prefill chunks recorded, tokens computed, and
+        the prefix cache's blocks just filled hashed, except those of sequences in `fed` (fed
+        a placeholder: hashed once its token is known, engine/async_step.py)."""
+        bs = self.block_pool.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                seq.num_prefill_chunks += 1
+                k = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                seq.prefill_chunks.append((started, now, k))
+                self.num_prompt_tokens_computed += k
+            seq.num_computed_tokens += n
+            if seq.seq_id not in fed and seq.num_computed_tokens // bs > seq.num_cached_blocks:
+                self.kv.cache_full_blocks(seq)
 
     def _fork(self, parent: Sequence, tokens: list[int], lps: list) -> list[Sequence]:
         if not tokens:
@@ -367,22 +378,6 @@ class LLMEngine(KVHandoff, PipelinedSteps):
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
-
-
-def start_tp_group(config: EngineConfig, model_dir, model_config: ModelConfig,
-                   options: dict | None):
-    """Ranks 1..N-1 of a tensor-parallel engine (engine/tp_group.py), or None at TP 1.
-    options: TPGroup's keywords (pool_transport, cpu_threads)."""
-    if config.tensor_parallel_size == 1:
-        return None
-    import torch  # noqa: PLC0415 - the engine core imports torch with the runner anyway
-
-    from engine.parallel import check_tp_size  # noqa: PLC0415 - tensor parallelism only
-    from engine.tp_group import TPGroup  # noqa: PLC0415 - tensor parallelism only
-
-    check_tp_size(model_config, config.tensor_parallel_size)
-    opts = {"cpu_threads": torch.get_num_threads(), **(options or {})}
-    return TPGroup(config, model_dir, **opts)
 
 
 def keep_freed_memory() -> None:

@@ -39,7 +39,13 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
-from engine.parallel import broadcast_object, gather_objects, init_tp, leave_group
+from engine.parallel import (
+    broadcast_object,
+    check_tp_size,
+    gather_objects,
+    init_tp,
+    leave_group,
+)
 from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -325,3 +331,12 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def start_tp_group(config: EngineConfig, model_dir, model_config: ModelConfig,
+                   options: dict | None) -> TPGroup:
+    """Ranks 1..N-1 of a tensor-parallel engine (rank 0 is the caller's). options: TPGroup's
+    keywords (pool_transport, cpu_threads)."""
+    check_tp_size(model_config, config.tensor_parallel_size)
+    opts = {"cpu_threads": torch.get_num_threads(), **(options or {})}
+    return TPGroup(config, model_dir, **opts)
