@@ -40,7 +40,8 @@ def _sync(device: torch.device) -> None:
 def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, int],
                  dtype: str, src_ids: list[int], dst_ids: list[int]) -> dict[str, dict[str, Any]]:
     """NIXL READs of the same blocks from a producer process's registered pool on device `src`
-    into a pool on `dst` (wall clock: post to completion, as NixlRemotePool.pull waits)."""
+    into a pool on `dst`, then WRITEs of them back (wall clock: post to completion, as
+    NixlRemotePool.pull and .push wait)."""
     from kvtransfer.nixl import NixlEndpoint
 
     ctx = mp.get_context("spawn")
@@ -69,6 +70,26 @@ def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, 
             for i in range(args.warmup + args.repeats):
                 t0 = time.perf_counter()
                 remote.pull(local, s_ids, d_ids)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t0)
+            out[name] = summary(times, nbytes, correct)
+        # Pushes (one NIXL WRITE into the peer's pool; last, as they change it): the same
+        # blocks the other way, made unlike the peer's first, then read back to check.
+        as_bytes(local).bitwise_not_()
+        check = torch.zeros_like(local)
+        pushes = {"nixl WRITE (NixlRemotePool.push)": (src_ids, dst_ids),
+                  "nixl WRITE, contiguous blocks": (list(range(n)), list(range(n)))}
+        for name, (s_ids, d_ids) in pushes.items():
+            _sync(dev)
+            remote.push(local, d_ids, s_ids)
+            as_bytes(check).zero_()
+            remote.pull(check, s_ids, d_ids)
+            got, want = as_bytes(check), as_bytes(local)  # bytes: the flipped ones hold NaNs
+            correct = all(torch.equal(got[d], want[d]) for d in d_ids)
+            times = []
+            for i in range(args.warmup + args.repeats):
+                t0 = time.perf_counter()
+                remote.push(local, d_ids, s_ids)
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t0)
             out[name] = summary(times, nbytes, correct)

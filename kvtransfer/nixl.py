@@ -242,26 +242,41 @@ class NixlEndpoint:
     def read(self, remote: NixlRemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
              dst_block_ids: Sequence[int], deadline: float | None,
              cancel: threading.Event | None) -> None:
+        """Blocks src_block_ids of the peer's pool into dst_block_ids of `local`."""
+        self._transfer("READ", remote, local, dst_block_ids, src_block_ids, deadline, cancel)
+
+    def write(self, remote: NixlRemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
+              dst_block_ids: Sequence[int], deadline: float | None,
+              cancel: threading.Event | None) -> None:
+        """Blocks src_block_ids of `local` into dst_block_ids of the peer's pool (a push: on
+        one host UCX's cuda_ipc may serve a remote write faster than a remote read)."""
+        self._transfer("WRITE", remote, local, src_block_ids, dst_block_ids, deadline, cancel)
+
+    def _transfer(self, op: str, remote: NixlRemotePool, local: torch.Tensor,
+                  local_ids: Sequence[int], remote_ids: Sequence[int], deadline: float | None,
+                  cancel: threading.Event | None) -> None:
+        """One NIXL transfer between blocks of `local` and of the peer's pool, waited for."""
         local_blocks = self._local_blocks(local)
-        what = f"{len(src_block_ids)} blocks from {remote.peer}"
+        verb = op.lower()
+        what = f"{len(local_ids)} blocks {'from' if op == 'READ' else 'to'} {remote.peer}"
         with self._lock:
             self._check_open()
             try:
                 handle = self.agent.make_prepped_xfer(
-                    "READ", local_blocks, np.asarray(dst_block_ids, dtype=np.int32),
-                    remote.blocks, np.asarray(src_block_ids, dtype=np.int32))
+                    op, local_blocks, np.asarray(local_ids, dtype=np.int32),
+                    remote.blocks, np.asarray(remote_ids, dtype=np.int32))
             except Exception as e:  # NIXL's own errors (peer gone, no backend)
-                raise TransferFailed(f"NIXL cannot read {what}: {e}") from e
+                raise TransferFailed(f"NIXL cannot {verb} {what}: {e}") from e
         try:
             with self._lock:
                 try:
                     state = self.agent.transfer(handle)
                 except Exception as e:
-                    raise TransferFailed(f"NIXL cannot read {what}: {e}") from e
+                    raise TransferFailed(f"NIXL cannot {verb} {what}: {e}") from e
             if state == "PROC":
                 state = self._wait(handle, deadline, cancel)
             if state != "DONE":
-                raise TransferFailed(f"NIXL failed to read {what}")
+                raise TransferFailed(f"NIXL failed to {verb} {what}")
         finally:
             self._release(handle)
 

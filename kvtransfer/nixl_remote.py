@@ -49,6 +49,19 @@ class NixlRemotePool:
         if src_block_ids:
             self.endpoint.read(self, local, src_block_ids, dst_block_ids, deadline, cancel)
 
+    def push(self, local: torch.Tensor, src_block_ids: Sequence[int],
+             dst_block_ids: Sequence[int], *, deadline: float | None = None,
+             cancel: threading.Event | None = None) -> None:
+        """Write blocks `src_block_ids[i]` of `local` into blocks `dst_block_ids[i]` of the
+        peer's pool (which the peer must have given for that: a capability, as for reads).
+        One WRITE; returns when it is done; errors as `pull`'s."""
+        if self._closed:
+            raise RuntimeError("NixlRemotePool is closed")
+        _check_ids(self.descriptor, local, dst_block_ids, src_block_ids,
+                   names=("dst_block_ids", "src_block_ids"))
+        if src_block_ids:
+            self.endpoint.write(self, local, src_block_ids, dst_block_ids, deadline, cancel)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -67,19 +80,23 @@ class NixlRemotePool:
 
 
 def _check_ids(desc: PoolDescriptor, local: torch.Tensor, src_ids: Sequence[int],
-               dst_ids: Sequence[int]) -> None:
+               dst_ids: Sequence[int],
+               names: tuple[str, str] = ("src_block_ids", "dst_block_ids")) -> None:
+    """src_ids index the peer's pool, dst_ids `local` (a pull's names; a push's swapped)."""
     # Out-of-range ids would make NIXL read or write outside the registered pools: check here.
     dtype_bytes = local.element_size()
     if (tuple(local.shape[1:]) != desc.shape[1:]
             or local[0].numel() * dtype_bytes != desc.block_bytes):
         raise InvalidArgument("local", f"pool {local.dtype} {tuple(local.shape)} cannot take "
                                        f"blocks of {desc.dtype} {desc.shape}")
+    remote_name, local_name = names
     if len(src_ids) != len(dst_ids):
         raise InvalidArgument("dst_block_ids", f"{len(dst_ids)} ids for {len(src_ids)} "
                                                "source blocks")
-    for name, ids, limit in (("src_block_ids", src_ids, desc.num_blocks),
-                             ("dst_block_ids", dst_ids, local.shape[0])):
+    for name, ids, limit in ((remote_name, src_ids, desc.num_blocks),
+                             (local_name, dst_ids, local.shape[0])):
         if ids and (min(ids) < 0 or max(ids) >= limit):
             raise InvalidArgument(name, f"ids must be in [0, {limit}), got {min(ids)}..{max(ids)}")
-    if len(set(dst_ids)) != len(dst_ids):
+    written = dst_ids if local_name == "dst_block_ids" else src_ids
+    if len(set(written)) != len(written):
         raise InvalidArgument("dst_block_ids", "ids must be distinct")

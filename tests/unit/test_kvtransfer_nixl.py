@@ -81,6 +81,29 @@ def test_pull_moves_scattered_blocks_exactly_and_nothing_else(nixl_endpoints) ->
 
 
 @needs_nixl
+def test_push_writes_scattered_blocks_into_the_peers_pool_exactly(nixl_endpoints) -> None:
+    """A push (one NIXL WRITE) lands blocks of the local pool in the given blocks of the
+    peer's, and nothing else; ids are checked by name first (the written ones distinct)."""
+    owner, writer = nixl_endpoints(), nixl_endpoints()
+    with owner_pool(owner, 8, torch.bfloat16) as pool, \
+            writer.connect(pool.descriptor) as remote:
+        before = pool.tensor.clone()
+        local = local_blocks(6, torch.bfloat16)
+        fill(local, salt=7)
+        remote.push(local, [5, 0, 2], [4, 1, 3])
+        for src, dst in ((5, 4), (0, 1), (2, 3)):
+            assert torch.equal(pool.tensor[dst], local[src])
+        for b in (0, 2, 5, 6, 7):
+            assert torch.equal(pool.tensor[b], before[b])  # untouched
+        for src, dst, name in (([6], [0], "src_block_ids"), ([0], [8], "dst_block_ids"),
+                               ([0, 1], [2, 2], "dst_block_ids")):
+            with pytest.raises(InvalidArgument, match=f"^{name}"):
+                remote.push(local, src, dst)
+    writer.close()
+    owner.close()
+
+
+@needs_nixl
 def test_pull_refuses_bad_ids_and_layouts_by_name_before_any_transfer(
         nixl_endpoints) -> None:
     owner, reader = nixl_endpoints(), nixl_endpoints()
@@ -135,7 +158,8 @@ def test_concurrent_pulls_from_two_pools_land_in_their_own_blocks(nixl_endpoints
 @needs_nixl
 def test_the_benchmarks_nixl_rows_move_the_right_bytes_on_the_cpu() -> None:
     """benchmarks/kv_transfer.py --nixl runs unattended on a GPU box; its producer process and
-    READ loop (benchmarks/kv_transfer_nixl.py) are the same code on host memory, checked here."""
+    READ and WRITE loops (benchmarks/kv_transfer_nixl.py) are the same code on host memory,
+    checked here (the WRITE rows read back what they wrote)."""
     import argparse
     import random
 
@@ -145,7 +169,8 @@ def test_the_benchmarks_nixl_rows_move_the_right_bytes_on_the_cpu() -> None:
     rng = random.Random(1)
     rows = measure_nixl(argparse.Namespace(warmup=1, repeats=2), "cpu", "cpu", shape,
                         "bfloat16", rng.sample(range(32), 9), rng.sample(range(32), 9))
-    assert set(rows) == {"nixl READ (NixlRemotePool.pull)", "nixl READ, contiguous blocks"}
+    assert set(rows) == {"nixl READ (NixlRemotePool.pull)", "nixl READ, contiguous blocks",
+                         "nixl WRITE (NixlRemotePool.push)", "nixl WRITE, contiguous blocks"}
     assert all(r["correct"] and r["gbps"] > 0 for r in rows.values()), rows
 
 
