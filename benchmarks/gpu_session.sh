@@ -3,7 +3,7 @@
 # $OUT/<stage>.txt (and JSON where the script writes one). Usage on the device:
 #   bash benchmarks/gpu_session.sh correctness perf
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl, sweep, decode, sched,
-# kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, pack.
+# kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, defaults, structured, pack.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 R=$OUT  # each stage's log straight in $OUT
@@ -85,6 +85,21 @@ for stage in "$@"; do
         run fp8_accuracy python3 benchmarks/fp8_accuracy.py --model "$FP8_ACCURACY_MODEL" \
           --device cuda --out "$OUT/fp8_accuracy.json"
       fi ;;
+    defaults)  # issue 23 item 5: batch cap and token budget for the 8B config on one GPU
+      common=(--model $B8 --dtype bfloat16 --load-format dummy --devices cuda:0 --num-requests 1000
+              --no-progress --warmup 0 --gpu-time-every 0)
+      for v in "s256_b2k:" "s512_b2k:--max-num-seqs 512" "s256_b8k:--max-num-batched-tokens 8192" \
+               "s512_b8k:--max-num-seqs 512 --max-num-batched-tokens 8192"; do
+        for w in "fixed:--workload fixed --prompt-len 220 --output-len 190" "sg0:--workload sharegpt --seed 0"; do
+          # shellcheck disable=SC2086  # the flags split on purpose; engine flags after --
+          run "defaults_${w%%:*}_${v%%:*}" python3 benchmarks/serve.py --mode offline "${common[@]}" \
+            ${w#*:} --out "$OUT/defaults_${w%%:*}_${v%%:*}.json" -- ${v#*:}
+        done
+      done ;;
+    structured)  # issue 18: json_schema against unconstrained (needs a tokenizer directory)
+      run structured python3 benchmarks/structured.py --model $B8 --tokenizer "${STRUCTURED_TOKENIZER:?}" \
+        --device cuda:0 --num-requests 256 --max-tokens 256 --rounds 3 --schema unbounded \
+        --breakdown --out "$OUT/structured.json" ;;
     pack) tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . ;;
     *) echo "unknown stage $stage" ;;
   esac
