@@ -27,8 +27,10 @@ from tandem.v1 import api_pb2
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
 PROMPTS = [[(11 * i + 5 * j) % 250 + 1 for j in range(6 + 7 * i)] for i in range(6)]
 # Tokens per sample, every sample running to it (ignore_eos): whichever decode worker the fault
-# hits holds streams that are still running then, however slow the machine.
-LONG = 160
+# hits holds streams that are still running then, however slow the machine. 160 was not enough
+# beside two busy processes: the victim's streams had all ended by the kill once (nothing to
+# move); 9 samples of 320 tokens still fit a 256-block pool without preemption.
+LONG = 320
 JOBS = [
     (PROMPTS[0], SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)),
     (PROMPTS[1], SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)),
