@@ -37,6 +37,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed(op, args: argparse.Namespace) -> list[float]:
+    """Wall seconds of each of args.repeats calls of `op`, after args.warmup untimed ones."""
+    times = []
+    for i in range(args.warmup + args.repeats):
+        t0 = time.perf_counter()
+        op()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, int],
                  dtype: str, src_ids: list[int], dst_ids: list[int]) -> dict[str, dict[str, Any]]:
     """NIXL READs of the same blocks from a producer process's registered pool on device `src`
@@ -66,12 +77,7 @@ def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, 
             _sync(dev)
             remote.pull(local, s_ids, d_ids)  # registers the local pool on first use
             correct = blocks_match(local, d_ids, s_ids)
-            times = []
-            for i in range(args.warmup + args.repeats):
-                t0 = time.perf_counter()
-                remote.pull(local, s_ids, d_ids)
-                if i >= args.warmup:
-                    times.append(time.perf_counter() - t0)
+            times = _timed(lambda s=s_ids, d=d_ids: remote.pull(local, s, d), args)
             out[name] = summary(times, nbytes, correct)
         # Pushes (one NIXL WRITE into the peer's pool; last, as they change it): the same
         # blocks the other way, made unlike the peer's first, then read back to check.
@@ -86,12 +92,7 @@ def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, 
             remote.pull(check, s_ids, d_ids)
             got, want = as_bytes(check), as_bytes(local)  # bytes: the flipped ones hold NaNs
             correct = all(torch.equal(got[d], want[d]) for d in d_ids)
-            times = []
-            for i in range(args.warmup + args.repeats):
-                t0 = time.perf_counter()
-                remote.push(local, d_ids, s_ids)
-                if i >= args.warmup:
-                    times.append(time.perf_counter() - t0)
+            times = _timed(lambda s=s_ids, d=d_ids: remote.push(local, d, s), args)
             out[name] = summary(times, nbytes, correct)
         remote.close()
         conn.send("stop")
