@@ -100,7 +100,8 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0)
               for r in requests]
     bar = progress_bar(len(requests), "offline", a.progress)
-    rec = StepRecorder(engine, gpu_every, on_finished=bar.update)
+    window = a.gpu_window or (16 if engine._pipeline_enabled() else 1)
+    rec = StepRecorder(engine, gpu_every, on_finished=bar.update, gpu_window=window)
     rec.attach()
     compiled0 = triton_variants(device)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -233,8 +234,9 @@ def print_offline(r: dict, header: str) -> None:
     if k["gpu_error"]:
         print(f"    GPU time: unavailable ({k['gpu_error']})")
     print(f"    {'step kind':>9}{'steps':>7}{'tokens':>9}{'wall ms':>9}{'GPU busy':>10}"
-          f"{'host ms':>9}{'host %':>8}  (GPU figures: every {k['gpu_sampled_every']}th step)")
-    for name in STEP_KINDS:
+          f"{'host ms':>9}{'host %':>8}  (GPU figures: windows of {k['gpu_window']} steps "
+          f"every {k['gpu_sampled_every']}; a kind's row from windows of that kind alone)")
+    for name in (*STEP_KINDS, "all"):
         row = k[name]
         print(f"    {name:>9}{row['steps']:>7}{row['tokens']:>9}{fmt(row['wall_ms_mean'], '.2f'):>9}"
               f"{fmt(row['gpu_busy_ms_mean'], '.2f'):>10}{fmt(row['host_ms_mean'], '.2f'):>9}"
@@ -245,6 +247,9 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("offline")
     g.add_argument("--gpu-time-every", type=int, default=10,
                    help="profile every Nth engine step's GPU busy time (0: off; CUDA only)")
+    g.add_argument("--gpu-window", type=int, default=0,
+                   help="consecutive steps each profile covers (0: 16 with pipelined steps, "
+                        "whose device work spans step boundaries, else 1)")
     g.add_argument("--static-batch-size", type=int, default=64,
                    help="the static batch size the KV comparison assumes")
 

@@ -2,7 +2,9 @@
 (`LLMEngine.on_step`), called after every step, notes token times per request, the sequences
 running, KV slots allocated vs filled, and each step's kind and wall time; every Nth step runs
 under torch.profiler (CUDA activity only) to split its wall time into GPU busy time and the
-rest."""
+rest. With pipelined steps one step's wall time holds another step's device work, so there the
+profiler covers a window of consecutive steps instead, and the GPU's idle share is taken over
+the window's device timeline (first kernel to last)."""
 
 from __future__ import annotations
 
@@ -22,17 +24,22 @@ def step_kind(step) -> str:
 class StepRecorder:
     """Set as one LLMEngine's step observer (`engine.on_step`) while LLM.generate drives it;
     after every step records token arrival times per request, the sequences running, KV slots
-    allocated vs filled, and the step's wall time by kind. Every `gpu_every`-th step runs under
-    torch.profiler (CUDA activity only): the profiler starts at the end of the step before (for
-    the first step, in `attach`) and stops in the step's own callback, and the GPU's busy time
-    (union of kernel and copy intervals) is set against the step's wall time. The callbacks'
-    own time (`profiler_s`, `record_s`) falls outside the steps' timing; the caller takes it off
-    the run's duration."""
+    allocated vs filled, and the step's wall time by kind. Every `gpu_every`-th step starts a
+    window of `gpu_window` steps under torch.profiler (CUDA activity only): the profiler starts
+    at the end of the step before (for the first step, in `attach`) and stops in the window's
+    last step's callback. The GPU's busy time (union of kernel and copy intervals) is set
+    against the step's wall time for a one-step window (synchronous steps: the step's host work
+    is the gap), and against the span from the window's first kernel to its last for a longer
+    one (pipelined steps: the gaps inside the device timeline, the start's drained pipeline
+    excluded). The callbacks' own time (`profiler_s`, `record_s`) falls outside the steps'
+    timing, and the caller takes it off the run's duration; the profiler's waits for the device
+    are not counted in it (the device work they wait for is the run's)."""
 
-    def __init__(self, engine, gpu_every: int, on_finished=None) -> None:
+    def __init__(self, engine, gpu_every: int, on_finished=None, gpu_window: int = 1) -> None:
         self.engine = engine
         self.block_size = engine.block_pool.block_size
         self.gpu_every = gpu_every
+        self.gpu_window = max(1, gpu_window)
         self.on_finished = on_finished  # called with the number of requests a step finished
         self.first: dict[str, float] = {}
         self.last: dict[str, float] = {}
@@ -50,11 +57,13 @@ class StepRecorder:
         self.filled_slot_steps = 0
         self.step_waste: list[float] = []
         # Per step kind (decode, mixed, prefill): steps, tokens, wall s; and the profiled
-        # steps' (wall s, GPU busy s).
+        # windows made of that kind's steps alone: (steps, wall or device span s, GPU busy s).
         self.kinds: dict[str, list] = {k: [0, 0, 0.0, []] for k in STEP_KINDS}
+        self.windows: list[tuple[int, float, float]] = []  # every profiled window, any kinds
         self.saturated = [0, 0.0]  # tokens sampled and seconds in steps with >= 200 running
         self.gpu_error: str | None = None
         self._prof = None
+        self._win: list = []  # the open window: kinds of its steps (None: no batch), wall s
 
     def attach(self) -> None:
         self.engine.on_step = self._on_step
@@ -62,10 +71,13 @@ class StepRecorder:
 
     def detach(self) -> None:
         self.engine.on_step = None
-        if self._prof is not None:  # armed for a step that never came
+        if self._prof is not None:  # a window the run's end cut short, or never begun
             t = time.perf_counter()
-            _stop_profiler(self, self._prof)
-            self._prof = None
+            if self._win[0]:
+                self._close_window()
+            else:
+                _stop_profiler(self, self._prof)
+                self._prof = None
             self.profiler_s += time.perf_counter() - t
 
     def _arm(self) -> None:
@@ -73,6 +85,7 @@ class StepRecorder:
         if self.gpu_every and self.gpu_error is None and self.steps % self.gpu_every == 0:
             t = time.perf_counter()
             self._prof = _start_profiler(self)
+            self._win = [[], 0.0]
             self.profiler_s += time.perf_counter() - t
 
     def _on_step(self, outs) -> None:
@@ -92,15 +105,30 @@ class StepRecorder:
                 self.saturated[0] += last.num_sampled
                 self.saturated[1] += last.seconds
         if self._prof is not None:
-            busy = _stop_profiler(self, self._prof)
-            self._prof = None
-            if busy is not None and kind is not None:
-                kind[3].append((last.seconds, busy))
+            self._win[0].append(step_kind(last) if last.num_seqs else None)
+            self._win[1] += last.seconds
+            if len(self._win[0]) >= self.gpu_window:
+                self._close_window()
             self.profiler_s += time.perf_counter() - now
         t = time.perf_counter()
         self._record(outs, now)
         self.record_s += time.perf_counter() - t
-        self._arm()
+        if self._prof is None:
+            self._arm()
+
+    def _close_window(self) -> None:
+        got = _stop_profiler(self, self._prof)
+        self._prof = None
+        kinds, wall = self._win
+        if got is None:
+            return
+        busy, span = got
+        steps = len(kinds)
+        if steps > 1:
+            wall = span  # pipelined: the device timeline's own gaps
+        self.windows.append((steps, wall, busy))
+        if len(set(kinds)) == 1 and kinds[0] is not None:
+            self.kinds[kinds[0]][3].append((steps, wall, busy))
 
     def _record(self, outs, now: float) -> None:
         finished = 0
@@ -133,29 +161,37 @@ class StepRecorder:
 
     def step_account(self) -> dict:
         """Per step kind: steps, tokens, mean wall time; over the profiled steps of that kind,
-        mean GPU-busy time and host time (wall minus busy: no kernel or copy running)."""
-        out: dict = {"gpu_sampled_every": self.gpu_every, "gpu_error": self.gpu_error}
+        mean GPU-busy time and host time (wall minus busy: no kernel or copy running); `all`:
+        the same over every profiled window, whatever its steps' kinds."""
+        out: dict = {"gpu_sampled_every": self.gpu_every, "gpu_window": self.gpu_window,
+                     "gpu_error": self.gpu_error}
         for name, (steps, tokens, wall, prof) in self.kinds.items():
-            row = {"steps": steps, "tokens": tokens,
-                   "wall_ms_mean": wall / steps * 1e3 if steps else None,
-                   "profiled": len(prof), "gpu_busy_ms_mean": None, "host_ms_mean": None,
-                   "host_share": None}
-            if prof:
-                p_wall = sum(w for w, _ in prof)
-                p_busy = sum(b for _, b in prof)
-                row.update(gpu_busy_ms_mean=p_busy / len(prof) * 1e3,
-                           host_ms_mean=(p_wall - p_busy) / len(prof) * 1e3,
-                           host_share=1 - p_busy / p_wall)
-            out[name] = row
+            out[name] = {"steps": steps, "tokens": tokens,
+                         "wall_ms_mean": wall / steps * 1e3 if steps else None, **_busy(prof)}
+        out["all"] = {"steps": self.steps, "tokens": sum(k[1] for k in self.kinds.values()),
+                      "wall_ms_mean": self.step_s / self.steps * 1e3 if self.steps else None,
+                      **_busy(self.windows)}
         return out
+
+
+def _busy(prof: list[tuple[int, float, float]]) -> dict:
+    """Profiled windows' (steps, wall s, busy s) as means a step and the host's share."""
+    row = {"profiled": sum(n for n, _, _ in prof), "gpu_busy_ms_mean": None,
+           "host_ms_mean": None, "host_share": None}
+    n = sum(n for n, _, _ in prof)
+    if n:
+        p_wall = sum(w for _, w, _ in prof)
+        p_busy = sum(b for _, _, b in prof)
+        row.update(gpu_busy_ms_mean=p_busy / n * 1e3, host_ms_mean=(p_wall - p_busy) / n * 1e3,
+                   host_share=1 - p_busy / p_wall if p_wall > 0 else None)
+    return row
 
 
 def _start_profiler(rec: StepRecorder):
     try:
-        import torch
         from torch.profiler import ProfilerActivity, profile
 
-        torch.cuda.synchronize()
+        _sync(rec)
         prof = profile(activities=[ProfilerActivity.CUDA])
         prof.__enter__()
         return prof
@@ -164,13 +200,22 @@ def _start_profiler(rec: StepRecorder):
         return None
 
 
-def _stop_profiler(rec: StepRecorder, prof) -> float | None:
-    """Seconds the GPU was busy (union of device-side intervals) during the profiled step."""
+def _sync(rec: StepRecorder) -> None:
+    """Wait for the device; the wait is the run's device work, not the profiler's cost."""
+    import torch
+
+    t = time.perf_counter()
+    torch.cuda.synchronize()
+    rec.profiler_s -= time.perf_counter() - t
+
+
+def _stop_profiler(rec: StepRecorder, prof) -> tuple[float, float] | None:
+    """Seconds the GPU was busy (union of device-side intervals) during the profiled window,
+    and the span from its first kernel's start to its last one's end."""
     try:
-        import torch
         from torch.autograd import DeviceType
 
-        torch.cuda.synchronize()
+        _sync(rec)
         prof.__exit__(None, None, None)
         spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                        if e.device_type == DeviceType.CUDA)
@@ -188,4 +233,5 @@ def _stop_profiler(rec: StepRecorder, prof) -> float | None:
         else:
             cur_hi = max(cur_hi, hi)
     busy += cur_hi - cur_lo
-    return busy / 1e6  # microseconds -> seconds
+    span = max(hi for _, hi in spans) - spans[0][0]
+    return busy / 1e6, span / 1e6  # microseconds -> seconds

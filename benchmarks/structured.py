@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="pipelined steps (default: the engine's, on for CUDA)")
     ap.add_argument("--model-vocab", action="store_true",
                     help="keep --model's vocabulary and EOS ids (logits padded past the "
                          "tokenizer) instead of the tokenizer's")
@@ -111,7 +113,8 @@ def main() -> None:
         model_dir = assemble(args.model, tok_dir, Path(tmp), match_vocab=not args.model_vocab)
         llm = LLM(str(model_dir), device=args.device, dtype=args.dtype, load_format="dummy",
                   max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, progress=False)
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  async_scheduling=args.async_scheduling, progress=False)
         vocab = llm.tokenizer.vocab_size
         if vocab > llm.engine.model_config.vocab_size:
             sys.exit(f"the tokenizer has {vocab} tokens, more than the model's "
@@ -144,8 +147,10 @@ def main() -> None:
     card = _card(args.device)
     med = {k: statistics.median(v) for k, v in rates.items()}
     ratio = med["json_schema"] / med["unconstrained"]
+    pipelined = llm.engine._pipeline_enabled()
     print(f"\n{card}, {args.model.name}, {n} concurrent requests, {args.max_tokens} tokens each,"
-          f" tokenizer vocab {vocab}, {args.schema} schema")
+          f" tokenizer vocab {vocab}, {args.schema} schema, "
+          f"{'pipelined' if pipelined else 'synchronous'} steps")
     print(f"{'kind':14s} {'median tok/s':>13s}")
     for k, v in med.items():
         print(f"{k:14s} {v:13.0f}")
@@ -156,7 +161,7 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps({"card": card, "model": args.model.name, "requests": n,
                                         "max_tokens": args.max_tokens, "tokenizer_vocab": vocab,
-                                        "schema": args.schema,
+                                        "schema": args.schema, "pipelined": pipelined,
                                         "tok_s": rates, "median": med, "ratio": ratio}, indent=2))
 
 
@@ -172,7 +177,8 @@ class StepTimer:
         self.steps = 0
         runner, sampler = engine.runner, engine.runner.sampler
         self._wrap(runner, "forward", "forward (launch)")
-        self._wrap(sampler, "__call__", "sampler")
+        self._wrap(sampler, "__call__", "sampler")  # synchronous steps
+        self._wrap(sampler, "sample", "sample (launch)")  # its launches (pipelined: all of it)
         self._wrap(sampler, "_fill_bitmask", "mask fill")
         engine.on_step = self._on_step
 

@@ -19,6 +19,11 @@ stop string while a step that holds it is in flight, has that step's row discard
 nothing more. Its blocks are freed at once: every later step runs after the in-flight one on
 the same stream (the device never reads a freed block before the in-flight step's writes to
 it are done, and nothing on the host reads the sequence's blocks or tokens again).
+
+Grammars. A row's token mask for step N+1 needs step N's token in its matcher, so a step with
+a grammar row waits for N's tokens (and applies them) between launching its forward pass and
+launching its sampling: the host's mask fill overlaps N+1's forward pass on the device. A row
+whose sequence N's token ended is sampled without a mask (its row is discarded).
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ class InFlight:
     positions: list[int]  # index of each sequence's placeholder in its token_ids
     rows: dict[int, int]  # seq_id -> row of `pending`
     num_prompt_tokens: int  # prompt tokens of the sequences sampling their first token
+    resolved: tuple[list[SeqOutput], int, int] | None = None  # _resolve's result, once taken
 
 
 class PipelinedSteps:
@@ -121,14 +127,14 @@ class PipelinedSteps:
         """Whether this batch may run while the previous step's tokens are unknown: not with
         KV pulls in it (a pull writes the pool outside this stream: the step in flight must be
         done first), nor preemption (a victim's placeholder is resolved before it is ever
-        recomputed), nor a row that needs its sample's tokens on the host (grammar, penalties,
-        logprobs) or forks its samples (n > 1, first token)."""
+        recomputed), nor a row that needs its sample's tokens on the host (penalties, logprobs)
+        or forks its samples (n > 1, first token). A grammar's row takes the previous step's
+        tokens before its sampling is launched (the module's doc)."""
         if batch.pulls or batch.preempted:
             return False
         for seq in batch.seqs:
             p = seq.params
-            if seq.grammar is not None or seq.pending_forks or p.logprobs is not None \
-                    or p.has_penalties:
+            if seq.pending_forks or p.logprobs is not None or p.has_penalties:
                 return False
         return True
 
@@ -154,23 +160,40 @@ class PipelinedSteps:
             if seq.num_computed_tokens + n < seq.num_tokens:
                 continue  # a prefill chunk that does not reach the end samples nothing
             samplers.append(seq)
-            rows.append(SampleRow(seq.params, seq.sample_index, seq.num_output_tokens))
+            rows.append(SampleRow(seq.params, seq.sample_index, seq.num_output_tokens,
+                                  grammar=seq.grammar))
             row_index.append(offset - 1)
         started = time.monotonic()
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = started
+
+        def take_previous() -> None:
+            """Before sampling under a grammar: the previous step's tokens into the matchers;
+            rows whose sequence they ended are sampled unmasked (and discarded)."""
+            self._resolve(prev)  # type: ignore[arg-type]
+            for row, seq in zip(rows, samplers):
+                if seq.is_finished:
+                    row.grammar = None
+
+        grammar = prev is not None and any(r.grammar is not None for r in rows)
         t = time.perf_counter()
         pending = self.runner.execute(batch, rows, row_index, fill if fill else None,
-                                      defer=True)
+                                      defer=True, before_sample=take_previous if grammar else None)
         self.last_execute_s += time.perf_counter() - t
         now = time.monotonic()
 
-        self._advance(batch, started, now, fed)
+        # Sequences the previous step's tokens ended (taken before a grammar row's sampling):
+        # their blocks are freed, their row here is discarded.
+        ended = {s.seq_id for s in samplers if s.is_finished} if grammar else set()
+        self._advance(batch, started, now, fed | ended)
         positions = []
         num_prompt_tokens = 0
         done: set[int] = set()
         for seq in samplers:
+            if seq.seq_id in ended:
+                positions.append(-1)
+                continue
             if seq.num_tokens == seq.num_prompt_tokens:
                 num_prompt_tokens += seq.num_prompt_tokens
             positions.append(seq.num_tokens)
@@ -188,7 +211,13 @@ class PipelinedSteps:
 
     def _resolve(self, f: InFlight) -> tuple[list[SeqOutput], int, int]:
         """Wait for a launched step, apply its tokens: outputs, tokens sampled, and prompt
-        tokens of the sequences sampling their first."""
+        tokens of the sequences sampling their first. Once: a later call (the step that took
+        them before its grammar rows' sampling, then step()) returns the same result."""
+        if f.resolved is None:
+            f.resolved = self._apply_tokens(f)
+        return f.resolved
+
+    def _apply_tokens(self, f: InFlight) -> tuple[list[SeqOutput], int, int]:
         t = time.perf_counter()
         tokens = f.pending.tolist()
         self.last_execute_s += time.perf_counter() - t  # the runner's share, as in a sync step
@@ -201,6 +230,8 @@ class PipelinedSteps:
                 continue
             seq.token_ids[pos] = tok
             seq.logprobs.append(None)
+            if seq.grammar is not None:  # sampled under its mask: taken at the next fill
+                seq.grammar.defer(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             # A block filled by a step that fed this placeholder is all known now (a later

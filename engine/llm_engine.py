@@ -16,8 +16,9 @@ and launches step N+1 while the device runs step N (N+1's placeholder ids filled
 from N's sampled tokens), then waits for N's tokens and returns N's outputs, one call later
 than a synchronous step. A step runs synchronously, exactly as without the flag (the step in
 flight resolved first, its finished sequences dropped from the batch), in role prefill, with
-tensor parallelism, and when its batch has KV pulls, a preemption, or a sequence with a
-grammar, penalties, logprobs or samples still to fork (n > 1).
+tensor parallelism, and when its batch has KV pulls, a preemption, or a sequence with
+penalties, logprobs or samples still to fork (n > 1). A step with a grammar row takes step N's
+tokens after launching its forward pass and before its sampling (the mask needs them).
 """
 
 from __future__ import annotations

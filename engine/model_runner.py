@@ -207,8 +207,8 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, rows: list[SampleRow], row_token_index: list[int],
-                fill: TokenFill | None = None, defer: bool = False
-                ) -> SamplerOutput | PendingTokens:
+                fill: TokenFill | None = None, defer: bool = False,
+                before_sample: Callable[[], None] | None = None) -> SamplerOutput | PendingTokens:
         """Run one step. rows[i] samples from the logits of flattened token row_token_index[i].
         With tensor parallelism every rank runs the forward pass on the same inputs; rank 0
         (here) samples from the gathered logits.
@@ -216,12 +216,15 @@ class ModelRunner:
         Pipelined steps (engine/async_step.py): `fill` puts the previous step's sampled tokens
         (still on the device) in place of this step's placeholder token ids, and `defer`
         returns the sampled tokens as PendingTokens (a copy to the host under way) instead of
-        waiting for them: the whole call only launches work."""
+        waiting for them: the whole call only launches work. `before_sample` runs on the host
+        between launching the forward pass and sampling (a grammar row's previous token)."""
         inputs = self.step_inputs(batch, row_token_index)
         if self.peers is not None:
             assert fill is None, "a pipelined step never runs tensor-parallel"
             self.peers.step(inputs)
         logits, greedy = self.forward(inputs, fill)
+        if before_sample is not None:
+            before_sample()
         if defer:
             tokens = self.sampler.sample(logits, rows, greedy)[0]
             if tokens is greedy:  # a CUDA graph's output buffer: the next replay rewrites it

@@ -202,6 +202,29 @@ def test_n_samples_seeded_and_top_k_top_p(llms):
     both(llms, PROMPTS, params)
 
 
+def test_grammars_pipelined_ending_with_a_step_in_flight(llms):
+    """Grammar rows run pipelined (each such step takes the previous step's tokens between its
+    forward pass and its sampling): valid JSON, the same tokens as synchronous steps, and
+    samples whose grammar ends them (EOS) while the next step that holds them is in flight."""
+    small = ResponseFormat("json_schema", json.dumps(
+        {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}},
+         "required": ["id"], "additionalProperties": False}))
+    params = [SamplingParams(temperature=1.0, seed=10 + i, max_tokens=40, response_format=small)
+              for i in range(4)]
+    params += [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 2
+    eng = llms[True].engine
+    masked_in_flight = []
+    eng.on_step = lambda outs: masked_in_flight.append(
+        eng.inflight is not None and any(s.grammar is not None for s in eng.inflight.seqs))
+    try:
+        out = both(llms, PROMPTS[:6], params)
+    finally:
+        eng.on_step = None
+    for o in out[:4]:
+        assert json.loads(o[0][2])["id"] in range(10) and o[0][1] == "stop"
+    assert sum(masked_in_flight) >= 4
+
+
 def test_grammar_penalties_and_logprobs_fall_back(llms):
     fmt = ResponseFormat("json_schema", json.dumps(
         {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"],

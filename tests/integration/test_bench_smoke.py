@@ -113,7 +113,7 @@ def test_offline_recorder_reads_steps_through_the_engine_observer(tiny_models, m
 
     calls = []
     monkeypatch.setattr(offline, "_start_profiler", lambda rec: calls.append(rec.steps) or "p")
-    monkeypatch.setattr(offline, "_stop_profiler", lambda rec, prof: 0.001)
+    monkeypatch.setattr(offline, "_stop_profiler", lambda rec, prof: (0.001, 0.002))
     # Pipelined steps, as on a GPU (on the CPU they are off by default).
     llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32", progress=False,
               async_scheduling=True)
@@ -132,6 +132,21 @@ def test_offline_recorder_reads_steps_through_the_engine_observer(tiny_models, m
     kinds = rec.step_account()
     assert sum(kinds[k]["profiled"] for k in offline.STEP_KINDS) == 3
     assert 0 < rec.execute_s < rec.step_s
+
+    # Windows of 4 steps (as for pipelined steps on a GPU): one from step 0, the next armed at
+    # the first multiple of 3 after it closed (6), cut short by the run's end; each set against
+    # its device span, not its steps' wall time.
+    calls.clear()
+    rec = offline.StepRecorder(llm.engine, 3, gpu_window=4)
+    rec.attach()
+    llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8, ignore_eos=True,
+                                                    temperature=0))
+    rec.detach()
+    assert calls == [0, 6]
+    assert [(n, w, b) for n, w, b in rec.windows] == [(4, 0.002, 0.001), (3, 0.002, 0.001)]
+    acct = rec.step_account()
+    assert acct["all"]["profiled"] == 7 and acct["all"]["host_share"] == pytest.approx(0.5)
+    assert acct["all"]["gpu_busy_ms_mean"] == pytest.approx(2 * 0.001 / 7 * 1e3)
 
 
 def test_hf_baseline_static_and_continuous_batching(tiny_models, tmp_path):
@@ -196,15 +211,17 @@ def test_ratio_layouts_and_report(tmp_path):
 
 def test_structured_benchmark_counts_every_token(tiny_models, tmp_path):
     """benchmarks/structured.py on the CPU: both kinds decode every token, the grammar is
-    compiled once, and the JSON names the card."""
+    compiled once, and the JSON names the card; pipelined steps (as on a GPU) with the
+    breakdown's timers in place."""
     model = str(tiny_models["llama"])
     out = tmp_path / "structured.json"
     run("structured.py", "--model", model, "--tokenizer", model, "--device", "cpu",
         "--dtype", "float32", "--num-requests", "3", "--prompt-len", "6", "--max-tokens", "12",
-        "--rounds", "1", "--max-num-batched-tokens", "64", "--out", str(out), timeout=300)
+        "--rounds", "1", "--max-num-batched-tokens", "64", "--async-scheduling", "--breakdown",
+        "--out", str(out), timeout=300)
     r = json.loads(out.read_text())
     assert r["card"] == "cpu" and r["requests"] == 3 and set(r["median"]) == {
-        "unconstrained", "json_schema"}
+        "unconstrained", "json_schema"} and r["pipelined"]
     assert r["ratio"] > 0
 
 
