@@ -32,8 +32,8 @@ class StepRecorder:
     is the gap), and against the span from the window's first kernel to its last for a longer
     one (pipelined steps: the gaps inside the device timeline, the start's drained pipeline
     excluded). The callbacks' own time (`profiler_s`, `record_s`) falls outside the steps'
-    timing, and the caller takes it off the run's duration; the profiler's waits for the device
-    are not counted in it (the device work they wait for is the run's)."""
+    timing; the caller takes the bookkeeping (`record_s`) off the run's duration. The profiler's
+    waits for the device are not counted in `profiler_s` (the device work is the run's)."""
 
     def __init__(self, engine, gpu_every: int, on_finished=None, gpu_window: int = 1) -> None:
         self.engine = engine

@@ -155,7 +155,8 @@ def test_fp8_gemv_8b_shapes(seed, m, n, k):
     ref = fp8_gemv_ref(x, wq, ws, bias)
     # The same fp32 sums in another order, rounded once to bf16 (2^-9 relative on average).
     assert rel_err(out, ref) < 4e-3, f"seed={seed}"
-    assert torch.equal(fp8_linear(x, wq, ws, bias, None), out)  # dispatched for m <= 16
+    if linear_path(m, True) == "gemv":  # fp8_linear dispatches to the kernel (m <= GEMV_MAX_M)
+        assert torch.equal(fp8_linear(x, wq, ws, bias, None), out)
     if n * k <= 6144 * 4096:  # fp32 x (tl.dot in IEEE fp32) against fp32 math on the CPU
         x32 = x.float()
         ref32 = fp8_gemv_ref(x32.cpu(), wq.cpu(), ws.cpu())
