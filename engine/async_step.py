@@ -29,13 +29,14 @@ whose sequence N's token ended is sampled without a mask (its row is discarded).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampler import SampleRow
-from engine.sequence import FinishReason, SeqOutput, Sequence
+from engine.sequence import FinishReason, RemoteKV, SeqOutput, Sequence
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -106,6 +107,7 @@ class PipelinedSteps:
     eos_token_ids: frozenset[int]
     tp_group: object
     inflight: InFlight | None
+    kv_pull_in_stream: Callable[[RemoteKV], bool] | None
     last_execute_s: float
     num_prompt_tokens_computed: int
 
@@ -122,15 +124,19 @@ class PipelinedSteps:
             on = self.runner.device.type == "cuda"
         return on and self.config.role != "prefill" and self.tp_group is None
 
-    @staticmethod
-    def _can_pipeline(batch: ScheduledBatch) -> bool:
+    def _can_pipeline(self, batch: ScheduledBatch) -> bool:
         """Whether this batch may run while the previous step's tokens are unknown: not with
-        KV pulls in it (a pull writes the pool outside this stream: the step in flight must be
-        done first), nor preemption (a victim's placeholder is resolved before it is ever
-        recomputed), nor a row that needs its sample's tokens on the host (penalties, logprobs)
-        or forks its samples (n > 1, first token). A grammar's row takes the previous step's
-        tokens before its sampling is launched (the module's doc)."""
-        if batch.pulls or batch.preempted:
+        a KV pull that writes the pool outside this stream (NIXL: the step in flight, which may
+        still write blocks freed since, must be done first; a pull in stream order is fine,
+        `kv_pull_in_stream`), nor preemption (a victim's placeholder is resolved before it is
+        ever recomputed), nor a row that needs its sample's tokens on the host (penalties,
+        logprobs) or forks its samples (n > 1, first token). A grammar's row takes the
+        previous step's tokens before its sampling is launched (the module's doc)."""
+        if batch.preempted:
+            return False
+        in_stream = self.kv_pull_in_stream
+        if batch.pulls and (in_stream is None
+                            or not all(in_stream(s.remote) for s in batch.pulls)):
             return False
         for seq in batch.seqs:
             p = seq.params

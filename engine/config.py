@@ -168,7 +168,7 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_seqs: int = 512
     max_model_len: int = 4096
 
     def __post_init__(self) -> None:
@@ -194,7 +194,7 @@ class EngineConfig:
     cpu_kv_bytes: int = 256 << 20
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
+    max_num_seqs: int = 512
     max_model_len: int | None = None
     cuda_graphs: bool = True
     # Pipelined steps: the host schedules step N+1 while the device runs step N

@@ -16,8 +16,8 @@ and launches step N+1 while the device runs step N (N+1's placeholder ids filled
 from N's sampled tokens), then waits for N's tokens and returns N's outputs, one call later
 than a synchronous step. A step runs synchronously, exactly as without the flag (the step in
 flight resolved first, its finished sequences dropped from the batch), in role prefill, with
-tensor parallelism, and when its batch has KV pulls, a preemption, or a sequence with
-penalties, logprobs or samples still to fork (n > 1). A step with a grammar row takes step N's
+tensor parallelism, and when its batch has a KV pull outside the device's stream order (NIXL),
+a preemption, or a sequence with penalties, logprobs or samples still to fork (n > 1). A step with a grammar row takes step N's
 tokens after launching its forward pass and before its sampling (the mask needs them).
 """
 
@@ -40,7 +40,7 @@ from engine.model_source import resolve_model
 from engine.sampler import SampleRow
 from engine.sampling_params import RequestLimits, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import FinishReason, SeqOutput, Sequence, Status, StepStats
+from engine.sequence import FinishReason, RemoteKV, SeqOutput, Sequence, Status, StepStats
 from kvtransfer.lease import LeaseTable
 from tandem.errors import InvalidArgument
 
@@ -91,6 +91,9 @@ class LLMEngine(KVHandoff, PipelinedSteps):
         self.leases = LeaseTable()
         self.lease_ttl_s = 30.0
         self.kv_puller = kv_puller
+        # Whether a request's pull is ordered with the steps on the device (pipelined steps go
+        # on beside it); None: no pull is (engine/async_step.py).
+        self.kv_pull_in_stream: Callable[[RemoteKV], bool] | None = None
         self.kv_dropper = kv_dropper
         self.requests: dict[str, list[Sequence]] = {}
         self.num_requests_added = 0

@@ -112,14 +112,8 @@ def pull_blocks(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence
         return TransferStats(num_blocks=0, bytes=0, seconds=0.0)
     start = time.perf_counter()
     if local.is_cuda:
-        copy_blocks = _copy_blocks_kernel()
-        with torch.cuda.device(local.device):
-            # Both id lists in one pinned upload: at ~1 ms per transfer, every extra
-            # synchronous copy shows in the achieved bandwidth.
-            ids = torch.tensor([list(src_block_ids), list(dst_block_ids)], dtype=torch.int64)
-            ids = ids.pin_memory().to(local.device, non_blocking=True)
-            copy_blocks(src_pool, local, ids[0], ids[1])
-            torch.cuda.current_stream(local.device).synchronize()
+        launch_pull(remote, local, src_block_ids, dst_block_ids, checked=True)
+        torch.cuda.current_stream(local.device).synchronize()
     else:
         src_ids = torch.tensor(src_block_ids, dtype=torch.int64)
         dst_ids = torch.tensor(dst_block_ids, dtype=torch.int64)
@@ -129,6 +123,51 @@ def pull_blocks(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence
     seconds = time.perf_counter() - start
     return TransferStats(num_blocks=n, bytes=n * local[0].numel() * local.element_size(),
                          seconds=seconds)
+
+
+class PendingPull:
+    """A pull launched on a CUDA stream and not waited for: events around it tell when it is
+    done and how long it took on the device."""
+
+    def __init__(self, num_blocks: int, nbytes: int, start: torch.cuda.Event,
+                 end: torch.cuda.Event) -> None:
+        self.num_blocks, self.bytes = num_blocks, nbytes
+        self.start, self.end = start, end
+
+    def done(self) -> bool:
+        return self.end.query()
+
+    def wait(self) -> None:
+        self.end.synchronize()
+
+    def stats(self) -> TransferStats:
+        """Once done: the copy's device time (from the stream reaching it to its end)."""
+        return TransferStats(self.num_blocks, self.bytes, self.start.elapsed_time(self.end) / 1e3)
+
+
+def launch_pull(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
+                dst_block_ids: Sequence[int], checked: bool = False) -> PendingPull:
+    """The CUDA half of pull_blocks without its wait: the ids uploaded and one copy_blocks
+    launch on the current stream, after whatever that stream already holds and before whatever
+    is launched on it later (a decode worker's next step reads the blocks in order; its step in
+    flight, which may still write blocks just freed and now pulled into, writes first). The
+    peer may reuse its blocks only once `done()`."""
+    src_pool = remote.tensor
+    if not checked:
+        _check_pull(src_pool, local, src_block_ids, dst_block_ids)
+    n = len(src_block_ids)
+    copy_blocks = _copy_blocks_kernel()
+    with torch.cuda.device(local.device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if n:
+            # Both id lists in one pinned upload: at ~1 ms per transfer, every extra
+            # synchronous copy shows in the achieved bandwidth.
+            ids = torch.tensor([list(src_block_ids), list(dst_block_ids)], dtype=torch.int64)
+            ids = ids.pin_memory().to(local.device, non_blocking=True)
+            copy_blocks(src_pool, local, ids[0], ids[1])
+        end.record()
+    return PendingPull(n, n * local[0].numel() * local.element_size(), start, end)
 
 
 def _check_pull(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int],

@@ -26,7 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: share of free memory (after profiling) for the KV pool")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one step")
+    g.add_argument("--max-num-seqs", type=int, default=512, help="sequences in one step")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

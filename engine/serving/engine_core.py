@@ -100,6 +100,7 @@ class EngineCore:
         self.kv = KVPulls(self.engine, self.rank_kv, events)
         if spec.role == "decode":
             self.engine.kv_puller, self.engine.kv_dropper = self.kv.pull, self.kv.drop
+            self.engine.kv_pull_in_stream = self.kv.in_stream
         # The router routes on what this worker's prefix cache holds: record its changes.
         self.engine.block_pool.kv_events = {}
         self.commands: queue.SimpleQueue[Call] = queue.SimpleQueue()
@@ -141,6 +142,7 @@ class EngineCore:
             if self.stopping:
                 break
             if not engine.has_work():
+                self.kv.flush()  # the leases of the last in-stream pulls
                 if len(engine.leases):
                     engine.expire_leases(time.monotonic())
                 kv = self._kv_events()
@@ -156,6 +158,7 @@ class EngineCore:
                 log.exception("engine step failed; failing every request")
                 outputs = engine.fail(list(engine.requests), "internal error in the engine step")
                 stats = None
+            self.kv.poll()
             snap = self._snapshot()
             self._last_snapshot = snap
             plain, whole = pack_outputs(outputs)

@@ -7,6 +7,11 @@ them, and the leases it holds until their one LeaseDone.
 
 The engine calls `pull` and `drop` (LLMEngine's kv_puller and kv_dropper); the worker turns each
 LeaseDone into a Release on the prefill worker.
+
+A pull over CUDA IPC is launched on the engine's stream and not waited for (`launch_pull`): the
+next step, launched after it, reads the blocks in stream order, so pipelined steps go on
+(LLMEngine.kv_pull_in_stream); its lease is settled once the copy is done (`poll`, each loop of
+the engine core; `flush` before the core idles, maps a peer's pool anew, or closes).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class KVPulls:
         # (pulled, failed, or the request ended first): settled by popping.
         self.leases_held: dict[str, str] = {}
         self.blocks_pulled = self.bytes_pulled = 0
+        self.pending: list[tuple[RemoteKV, int, Any]] = []  # (lease, start ns, PendingPull)
 
     def hold(self, kv: RemoteKV, request_id: str) -> None:
         self.leases_held[kv.lease_id] = request_id
@@ -60,6 +66,7 @@ class KVPulls:
         old = self.peers.get(address)
         if old is not None and old[0] == instance_id:
             return
+        self.flush()  # no copy still reads the mapping about to close
         device = "cpu" if descriptor.transport == "shm" else self.engine.runner.device
         self.peers[address] = (instance_id, open_remote_pool(descriptor, device))
         if old is not None:
@@ -84,18 +91,26 @@ class KVPulls:
                                    "lease's KV went with it")
             if time.monotonic() > kv.deadline:
                 raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
+            if pool.descriptor.transport == "cuda_ipc":  # in stream order; settled when done
+                from kvtransfer.remote import launch_pull  # noqa: PLC0415 - torch, in the core
+
+                self.pending.append((kv, start_ns, launch_pull(
+                    pool, self.engine.runner.pool, src_block_ids, dst_block_ids)))
+                return
             stats = pull_blocks(pool, self.engine.runner.pool, src_block_ids, dst_block_ids,
                                 deadline=kv.deadline)
         except Exception as e:
             error = e
             raise
         finally:
-            self.settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
-                        num_blocks=len(src_block_ids),
-                        nbytes=stats.bytes if stats else 0,
-                        seconds=stats.seconds if stats else 0.0,
-                        transport=pool.descriptor.transport if pool is not None else "",
-                        error=f"{type(error).__name__}: {error}" if error is not None else None)
+            if error is not None or stats is not None:  # else launched: settled when done
+                self.settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
+                            num_blocks=len(src_block_ids),
+                            nbytes=stats.bytes if stats else 0,
+                            seconds=stats.seconds if stats else 0.0,
+                            transport=pool.descriptor.transport if pool is not None else "",
+                            error=f"{type(error).__name__}: {error}" if error is not None
+                            else None)
 
     def _pull_heads(self, kv: RemoteKV, src_block_ids: list[int],
                     dst_block_ids: list[int]) -> None:
@@ -123,6 +138,34 @@ class KVPulls:
                         transport=pools[0].descriptor.transport if pools else "",
                         error=f"{type(error).__name__}: {error}" if error is not None else None)
 
+    def in_stream(self, kv: RemoteKV) -> bool:
+        """Whether kv's pull is ordered with the engine's steps without a wait: over CUDA IPC
+        (a launch on the engine's stream) or shared memory (a CPU copy, done when it returns);
+        not over NIXL (its transfer completes outside the stream) nor between tensor-parallel
+        sizes."""
+        if kv.address in self.rank_kv.peers:
+            return False
+        pool = self.peers.get(kv.address, ("", None))[1]
+        return pool is not None and pool.descriptor.transport in ("cuda_ipc", "shm")
+
+    def poll(self) -> None:
+        """Settle the leases whose in-stream copy is done (in launch order)."""
+        while self.pending and self.pending[0][2].done():
+            self._settle_pending(*self.pending.pop(0))
+
+    def flush(self) -> None:
+        """Wait for every in-stream copy and settle its lease."""
+        while self.pending:
+            kv, start_ns, pull = self.pending.pop(0)
+            pull.wait()
+            self._settle_pending(kv, start_ns, pull)
+
+    def _settle_pending(self, kv: RemoteKV, start_ns: int, pull: Any) -> None:
+        stats = pull.stats()
+        self.settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
+                    num_blocks=stats.num_blocks, nbytes=stats.bytes, seconds=stats.seconds,
+                    transport="cuda_ipc", error=None)
+
     def drop(self, kv: RemoteKV) -> None:
         self.settle(kv)
 
@@ -136,7 +179,10 @@ class KVPulls:
             self.events.send(LeaseDone(request_id, kv.address, kv.lease_id, **pull))
 
     def close(self) -> None:
-        """Unmap the peers' pools (those rank_kv maps are its own to close)."""
+        """Unmap the peers' pools (those rank_kv maps are its own to close), once no copy
+        reads them."""
+        with contextlib.suppress(Exception):
+            self.flush()
         for _, pool in self.peers.values():
             with contextlib.suppress(Exception):
                 pool.close()

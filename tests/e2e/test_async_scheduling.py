@@ -266,3 +266,69 @@ def test_random_request_mixes(llms, mix):
     params = [SamplingParams(temperature=t, seed=i, n=n, max_tokens=m, stop_token_ids=s,
                              ignore_eos=True) for i, m, t, n, s in mix]
     both(llms, prompts, params)
+
+
+def test_kv_pulls_in_stream_order_keep_steps_pipelined(tiny_models):
+    """A decode engine whose pulls are ordered with its steps (kv_pull_in_stream, as over
+    CUDA IPC) keeps pipelining while requests arrive and pull their KV: the same tokens as a
+    synchronous decode engine, and pulls happen in steps launched with another in flight."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sequence import RemoteKV
+
+    model = str(tiny_models["llama"])
+    kw = {"max_model_len": 256, "device": DEVICE}
+    prefill = LLMEngine(EngineConfig(model, role="prefill", **kw), progress=False)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    handoffs = {}
+    for i, prompt in enumerate(PROMPTS):
+        prefill.add_request(f"r{i}", prompt, params)
+    while prefill.has_work():
+        for o in prefill.step():
+            if o.handoff is not None:
+                handoffs[o.request_id] = o.handoff
+
+    def decode_all(pipelined: bool) -> tuple[dict[str, list[int]], int]:
+        eng = LLMEngine(EngineConfig(model, role="decode", async_scheduling=pipelined, **kw),
+                        progress=False)
+        pulled = [0]
+
+        def pull(remote, src, dst):
+            pulled[0] += 1
+            eng.runner.pool[torch.tensor(dst, dtype=torch.long)] = \
+                prefill.runner.pool[torch.tensor(src, dtype=torch.long)]
+
+        eng.kv_puller = pull
+        eng.kv_pull_in_stream = lambda kv: True
+        pulls_in_flight = [0]
+
+        def on_step(_outs):
+            if pulled[0] and eng.inflight is not None:
+                pulls_in_flight[0] += pulled[0]
+            pulled[0] = 0
+
+        eng.on_step = on_step
+        out: dict[str, list[int]] = {}
+        pending = list(enumerate(PROMPTS))
+        while pending or eng.has_work():
+            for i, prompt in pending[:2]:  # two arrivals a step, beside running decodes
+                h = handoffs[f"r{i}"]
+                eng.add_remote_request(f"r{i}", prompt, params, RemoteKV(
+                    "src", "L", float("inf"), h.block_ids, h.first_token_ids, h.first_logprobs))
+                out[f"r{i}"] = list(h.first_token_ids)
+            pending = pending[2:]
+            for o in eng.step():
+                out[o.request_id] += o.new_token_ids
+        assert eng.is_idle()
+        eng.shutdown()
+        return out, pulls_in_flight[0]
+
+    (a, overlapped), (s, _) = decode_all(True), decode_all(False)
+    assert a == s and all(len(t) == 24 for t in a.values())
+    assert overlapped >= 4
+    for h in handoffs.values():
+        assert prefill.release(h.lease_id)
+    assert prefill.is_idle()
+    prefill.shutdown()

@@ -29,7 +29,7 @@ import torch
 
 from kvtransfer.descriptor import PoolDescriptor
 from kvtransfer.pool import allocate_pool
-from kvtransfer.remote import open_remote_pool, pull_blocks
+from kvtransfer.remote import launch_pull, open_remote_pool, pull_blocks
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -154,6 +154,30 @@ def test_pull_blocks_same_gpu_scattered_ids(producer: Producer) -> None:
     remote.close()
     local.close()
     assert not remote.mapped and not local.mapped
+
+
+def test_launch_pull_runs_in_stream_order(producer: Producer) -> None:
+    """launch_pull returns without waiting; the copy runs after the work already on the
+    stream (a write to the same blocks, as a step in flight writing blocks freed since) and
+    before work launched later (the next step reading them); done() and the device time after."""
+    remote = open_remote_pool(producer.descriptor, "cuda:0")
+    local = allocate_pool(num_blocks=64, dtype=DTYPE, device="cuda:0", transport="cuda_ipc",
+                          **SHAPE)
+    src, dst = _scattered(40, NUM_BLOCKS, seed=4), _scattered(40, 64, seed=5)
+    idx = torch.tensor(dst, device="cuda:0")
+    torch.cuda._sleep(50_000_000)  # keep the stream busy: the launch must not wait for it
+    local.tensor.index_fill_(0, idx, 3)  # the stray write, before the pull in stream order
+    pending = launch_pull(remote, local.tensor, src, dst)
+    after = local.tensor.index_select(0, idx)  # the next step's read, after the pull
+    assert not pending.done()
+    pending.wait()
+    torch.cuda.synchronize()
+    assert pending.done() and torch.equal(after.cpu(), _expected(src))
+    stats = pending.stats()
+    assert stats.num_blocks == 40 and stats.bytes == 40 * producer.descriptor.block_bytes
+    assert 0 < stats.seconds < 1
+    remote.close()
+    local.close()
 
 
 def test_cuda_ipc_pool_memory_is_returned_on_close() -> None:
