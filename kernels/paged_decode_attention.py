@@ -34,6 +34,10 @@ FP8 caches (e4m3, kernels/_common.py) come with one fp32 scale per KV head for K
 A program serves one KV head, so dequantizing costs no per-element multiply: K tiles are
 converted to q's dtype and k_scale folds into the softmax scale; V tiles likewise, and v_scale
 multiplies the accumulator once at the end (softmax weights sum V linearly).
+
+This module holds the kernels, their launcher (`paged_decode_attention`) and the plain-torch
+reference; kernels/paged_decode_launch.py holds the host-side shaping the launcher uses: its
+argument checks, tile sizes, split count and split workspace.
 """
 
 from __future__ import annotations
@@ -42,22 +46,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import (
-    FP8_DTYPE,
-    check,
-    check_interpretable,
-    check_kv_scales,
-    check_last_dim_contiguous,
-    check_same_device,
-    device_guard,
-    is_pow2,
-    num_sms,
-)
+from kernels._common import check, device_guard, num_sms
 from kernels.paged_decode_launch import (
     DEFAULT_SPLIT_POLICY,
     MAX_SPLITS,
     DecodeConfig,
     SplitPolicy,
+    check_decode_args,
     decode_config,
     decode_num_splits,
     split_workspace,
@@ -310,42 +305,10 @@ def paged_decode_attention(
     overrides tile sizes; policy the split heuristic. k_scale, v_scale: fp32 [Hkv], with FP8
     caches only: the caches hold values / scale in e4m3.
     """
-    check(q.dim() == 3, f"q must be [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
+    out = check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, out, policy,
+                            k_scale, v_scale)
     num_seqs, num_q_heads, head_dim = q.shape
-    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
-          f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
-          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    _, block_size, num_kv_heads, kd = k_cache.shape
-    check(kd == head_dim, f"head_dim mismatch: q {head_dim}, cache {kd}")
-    check(head_dim in (64, 128, 256) or (is_pow2(head_dim) and head_dim >= 16),
-          f"head_dim must be a power of two >= 16, got {head_dim}")
-    check(is_pow2(block_size) and block_size >= 8,
-          f"block_size must be a power of two >= 8, got {block_size}")
-    check(num_q_heads % num_kv_heads == 0,
-          f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, FP8_DTYPE),
-          f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
-    check_kv_scales(k_cache, num_kv_heads, k_scale=k_scale, v_scale=v_scale)
-    check(block_tables.dtype == torch.int32 and block_tables.dim() == 2
-          and block_tables.shape[0] == num_seqs,
-          f"block_tables must be int32 [num_seqs, max_blocks], got {block_tables.dtype} "
-          f"{tuple(block_tables.shape)}")
-    check(block_tables.stride(1) == 1, "block_tables: last dimension must be contiguous")
-    check(seq_lens.dtype == torch.int32 and seq_lens.shape == (num_seqs,)
-          and seq_lens.is_contiguous(),
-          f"seq_lens must be contiguous int32 [num_seqs], got {seq_lens.dtype} "
-          f"{tuple(seq_lens.shape)}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_last_dim_contiguous(name, t)
-    check_interpretable(q.dtype)
-    check(policy.programs_per_sm >= 1 and policy.min_split_tiles >= 1,
-          f"bad split policy {policy}")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    check(out.shape == q.shape and out.dtype == q.dtype, "out must be like q")
-    check_last_dim_contiguous("out", out)
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-                      seq_lens=seq_lens, out=out)
+    _, block_size, num_kv_heads, _ = k_cache.shape
     if num_seqs == 0:
         return out
 
