@@ -3,7 +3,8 @@
 # $OUT/<stage>.txt (and JSON where the script writes one). Usage on the device:
 #   bash benchmarks/gpu_session.sh correctness perf
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl, sweep, decode, sched,
-# kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, defaults, structured, pack.
+# kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, defaults, structured,
+# pulls, pack.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 R=$OUT  # each stage's log straight in $OUT
@@ -100,6 +101,18 @@ for stage in "$@"; do
       run structured python3 benchmarks/structured.py --model $B8 --tokenizer "${STRUCTURED_TOKENIZER:?}" \
         --device cuda:0 --num-requests 256 --max-tokens 256 --rounds 3 --schema unbounded \
         --breakdown --out "$OUT/structured.json" ;;
+    pulls)  # decode workers beside KV pulls (needs 2 GPUs): in-stream pulls' tests, then 1P+1D
+      # at steady arrival rates (a pull in nearly every decode step) with this tree and, when
+      # BASE names another checkout (e.g. the commit before in-stream pulls), with that one
+      run pulls_gpu_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or gpu2" -rA \
+        tests/gpu/test_kvtransfer_gpu.py tests/gpu/test_disagg_gpu.py
+      for tree in "$PWD" ${BASE:+"$BASE"}; do
+        tag=$([ "$tree" = "$PWD" ] && echo head || echo base)
+        (cd "$tree" && PYTHONPATH=/tmp/site:$tree run "pulls_$tag" python3 benchmarks/serve.py \
+          --launch disaggregated --num-prefill 1 --num-decode 1 --model $B8 --dtype bfloat16 \
+          --load-format dummy --workload sharegpt --num-requests 600 --rate 20 30 --no-progress \
+          --devices cuda:0,cuda:1 --out "$OUT/pulls_$tag.json")
+      done ;;
     pack) tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . ;;
     *) echo "unknown stage $stage" ;;
   esac
