@@ -284,11 +284,34 @@ def test_repeated_request_ids_release_what_they_took(cluster):
             assert len(again[0]) == params.max_tokens
 
             a, b = await prefill(pch, "twin", VICTIM[:18]), await prefill(pch, "twin", VICTIM[:9])
-            tokens, ends = await stream(
-                dch, decode_request("twin", VICTIM[:18], a.kv, list(a.first_token_ids), params),
-                decode_request("twin", VICTIM[:9], b.kv, list(b.first_token_ids), params))
-            assert sorted(status(u).name for u in ends["twin"]) == ["INVALID_ARGUMENT", "OK"]
-            assert len(tokens["twin"]) == params.max_tokens - 1  # the first one's
+            # The second twin goes out once the first is decoding (a token of it came back),
+            # and the first, far from its end, is cancelled once the second was refused: the
+            # order is the events', not a race between the two messages and 30 decode steps.
+            long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+            decoding, refused = asyncio.Event(), asyncio.Event()
+
+            async def twins():
+                yield decode_request("twin", VICTIM[:18], a.kv, list(a.first_token_ids), long)
+                await decoding.wait()
+                yield decode_request("twin", VICTIM[:9], b.kv, list(b.first_token_ids), params)
+                await refused.wait()
+                yield worker_pb2.StreamRequest(cancel="twin")
+
+            call = worker_pb2_grpc.WorkerStub(dch).Stream(twins())
+            got, ends = 0, []
+            async for msg in call:
+                got += sum(n for rid, n in zip(msg.tokens.request_id, msg.tokens.num_tokens)
+                           if rid == "twin")
+                if got:
+                    decoding.set()
+                ends += [u for u in msg.updates if u.done and u.request_id == "twin"]
+                if ends:
+                    refused.set()
+            assert await call.code() == grpc.StatusCode.OK
+            # The refusal is the only end: the first was cancelled (by this caller, who knows).
+            assert [status(u).name for u in ends] == ["INVALID_ARGUMENT"], ends
+            assert "request_id" in ends[0].error_message
+            assert 0 < got < long.max_tokens - 1
             await cluster.wait_idle(timeout=IDLE_S)
 
     asyncio.run(main())
