@@ -2,7 +2,8 @@
 # One GPU-box session: install the carried wheels, then run the named stages, each logging to
 # $OUT/<stage>.txt (and JSON where the script writes one). Usage on the device:
 #   bash benchmarks/gpu_session.sh correctness perf
-# Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl, sweep, decode, sched,
+# Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl,
+# transfer_nixl_env, fp8_blocks, sweep, decode, sched,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, defaults, structured,
 # pulls, pack.
 set -uo pipefail
@@ -33,6 +34,18 @@ for stage in "$@"; do
     # Needs nixl-cu13 and nixl (meta) wheels installed into /tmp/site (README: the GPU run).
     transfer_nixl) run kv_transfer_nixl python3 benchmarks/kv_transfer.py --nixl \
         --out "$OUT/kv_transfer_nixl.json" ;;
+    transfer_nixl_env)  # issue 28: UCX settings that may change its cuda_ipc path (nixl in /tmp/site)
+      for v in "default:" "rails1:UCX_MAX_RNDV_RAILS=1" "proto_v1:UCX_PROTO_ENABLE=n" \
+               "nomemcache:UCX_MEMTYPE_CACHE=n"; do
+        # shellcheck disable=SC2086  # an empty setting leaves env with no assignment
+        run "nixl_env_${v%%:*}" env ${v#*:} python3 benchmarks/kv_transfer.py --nixl --repeats 20 \
+          --out "$OUT/nixl_env_${v%%:*}.json"
+      done ;;
+    fp8_blocks)  # issue 20: the per-block cost of a scattered pull, 16- against 32-token blocks
+      for bs in 16 32; do
+        run "fp8_blocks_$bs" python3 benchmarks/kv_transfer.py --kv-cache-dtype auto fp8 \
+          --block-size $bs --repeats 20 --out "$OUT/fp8_blocks_$bs.json"
+      done ;;
     sweep) run kv_sweep python3 benchmarks/kv_transfer.py --sweep --repeats 10 --out "$OUT/kv_sweep.json" ;;
     decode) run decode_step_8b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b \
         --batch 1 64 --context 1024 --out "$OUT/decode_step_8b.json"
