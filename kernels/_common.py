@@ -122,6 +122,43 @@ def check_kv_scales(cache: torch.Tensor, num_kv_heads: int,
                   f"{tuple(s.shape)}")
 
 
+def check_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                          rows: str) -> tuple[int, int, int, int]:
+    """What both attention launchers check of q [rows, num_q_heads, head_dim] against a paged
+    cache [num_blocks, block_size, num_kv_heads, head_dim] and its FP8 scales (`rows` names q's
+    first dimension in messages). Returns (num_q_heads, head_dim, block_size, num_kv_heads)."""
+    check(q.dim() == 3, f"q must be [{rows}, num_q_heads, head_dim], got {tuple(q.shape)}")
+    _, num_q_heads, head_dim = q.shape
+    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
+          f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
+          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _, block_size, num_kv_heads, kd = k_cache.shape
+    check(kd == head_dim, f"head_dim mismatch: q {head_dim}, cache {kd}")
+    check(is_pow2(head_dim) and head_dim >= 16,
+          f"head_dim must be a power of two >= 16, got {head_dim}")
+    check(is_pow2(block_size) and block_size >= 8,
+          f"block_size must be a power of two >= 8, got {block_size}")
+    check(num_q_heads % num_kv_heads == 0,
+          f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, FP8_DTYPE),
+          f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    check_kv_scales(k_cache, num_kv_heads, k_scale=k_scale, v_scale=v_scale)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, t)
+    check_interpretable(q.dtype)
+    return num_q_heads, head_dim, block_size, num_kv_heads
+
+
+def output_like(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """An attention launcher's output: `out` checked to be like q, or a new tensor like q."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    check(out.shape == q.shape and out.dtype == q.dtype, "out must be like q")
+    check_last_dim_contiguous("out", out)
+    return out
+
+
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
     """Triton launches on the current CUDA device; make it the tensors' device."""
     if t.device.type == "cuda":

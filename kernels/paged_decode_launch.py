@@ -14,13 +14,10 @@ from typing import NamedTuple
 import torch
 
 from kernels._common import (
-    FP8_DTYPE,
     check,
-    check_interpretable,
-    check_kv_scales,
-    check_last_dim_contiguous,
+    check_paged_attention,
     check_same_device,
-    is_pow2,
+    output_like,
 )
 
 MAX_SPLITS = 64
@@ -126,22 +123,8 @@ def check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """The launcher's argument checks (shapes, dtypes, layouts, devices, the FP8 scales, the
     split policy), as paged_decode_attention documents its arguments. Returns out, allocated
     like q when None."""
-    check(q.dim() == 3, f"q must be [num_seqs, num_q_heads, head_dim], got {tuple(q.shape)}")
-    num_seqs, num_q_heads, head_dim = q.shape
-    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
-          f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
-          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    _, block_size, num_kv_heads, kd = k_cache.shape
-    check(kd == head_dim, f"head_dim mismatch: q {head_dim}, cache {kd}")
-    check(head_dim in (64, 128, 256) or (is_pow2(head_dim) and head_dim >= 16),
-          f"head_dim must be a power of two >= 16, got {head_dim}")
-    check(is_pow2(block_size) and block_size >= 8,
-          f"block_size must be a power of two >= 8, got {block_size}")
-    check(num_q_heads % num_kv_heads == 0,
-          f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, FP8_DTYPE),
-          f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
-    check_kv_scales(k_cache, num_kv_heads, k_scale=k_scale, v_scale=v_scale)
+    num_seqs = q.shape[0] if q.dim() == 3 else 0
+    check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, rows="num_seqs")
     check(block_tables.dtype == torch.int32 and block_tables.dim() == 2
           and block_tables.shape[0] == num_seqs,
           f"block_tables must be int32 [num_seqs, max_blocks], got {block_tables.dtype} "
@@ -151,15 +134,9 @@ def check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
           and seq_lens.is_contiguous(),
           f"seq_lens must be contiguous int32 [num_seqs], got {seq_lens.dtype} "
           f"{tuple(seq_lens.shape)}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_last_dim_contiguous(name, t)
-    check_interpretable(q.dtype)
     check(policy.programs_per_sm >= 1 and policy.min_split_tiles >= 1,
           f"bad split policy {policy}")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    check(out.shape == q.shape and out.dtype == q.dtype, "out must be like q")
-    check_last_dim_contiguous("out", out)
+    out = output_like(q, out)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                       seq_lens=seq_lens, out=out)
     return out

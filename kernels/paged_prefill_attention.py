@@ -27,14 +27,12 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    FP8_DTYPE,
     check,
-    check_interpretable,
-    check_kv_scales,
-    check_last_dim_contiguous,
+    check_paged_attention,
     check_same_device,
     device_guard,
     is_pow2,
+    output_like,
 )
 
 LOG2E = 1.4426950408889634
@@ -161,22 +159,9 @@ def paged_prefill_attention(
     max_query_len: host-side max of the chunk lengths (sizes the grid). Returns out [T, Hq, D].
     k_scale, v_scale: fp32 [Hkv], with FP8 caches only (they hold values / scale in e4m3).
     """
-    check(q.dim() == 3, f"q must be [num_tokens, num_q_heads, head_dim], got {tuple(q.shape)}")
-    num_tokens, num_q_heads, head_dim = q.shape
-    check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
-          f"k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
-          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    _, block_size, num_kv_heads, kd = k_cache.shape
-    check(kd == head_dim, f"head_dim mismatch: q {head_dim}, cache {kd}")
-    check(is_pow2(head_dim) and head_dim >= 16,
-          f"head_dim must be a power of two >= 16, got {head_dim}")
-    check(is_pow2(block_size) and block_size >= 8,
-          f"block_size must be a power of two >= 8, got {block_size}")
-    check(num_q_heads % num_kv_heads == 0,
-          f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, FP8_DTYPE),
-          f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
-    check_kv_scales(k_cache, num_kv_heads, k_scale=k_scale, v_scale=v_scale)
+    num_q_heads, head_dim, block_size, num_kv_heads = check_paged_attention(
+        q, k_cache, v_cache, k_scale, v_scale, rows="num_tokens")
+    num_tokens = q.shape[0]
     num_seqs = seq_lens.shape[0]
     check(seq_lens.dtype == torch.int32 and seq_lens.dim() == 1 and seq_lens.is_contiguous(),
           f"seq_lens must be contiguous int32 [B], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
@@ -188,13 +173,7 @@ def paged_prefill_attention(
           and block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1,
           f"block_tables must be int32 [B, max_blocks] (last dim contiguous), got "
           f"{block_tables.dtype} {tuple(block_tables.shape)}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_last_dim_contiguous(name, t)
-    check_interpretable(q.dtype)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    check(out.shape == q.shape and out.dtype == q.dtype, "out must be like q")
-    check_last_dim_contiguous("out", out)
+    out = output_like(q, out)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                       seq_lens=seq_lens, query_start_loc=query_start_loc, out=out)
     if num_seqs == 0 or num_tokens == 0 or max_query_len <= 0:
