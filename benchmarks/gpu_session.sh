@@ -44,7 +44,7 @@ for stage in "$@"; do
     fp8_blocks)  # issue 20: the per-block cost of a scattered pull, 16- against 32-token blocks
       for bs in 16 32; do
         run "fp8_blocks_$bs" python3 benchmarks/kv_transfer.py --kv-cache-dtype auto fp8 \
-          --block-size $bs --repeats 20 --out "$OUT/fp8_blocks_$bs.json"
+          --block-size $bs --repeats 20 --sweep --out "$OUT/fp8_blocks_$bs.json"
       done ;;
     sweep) run kv_sweep python3 benchmarks/kv_transfer.py --sweep --repeats 10 --out "$OUT/kv_sweep.json" ;;
     decode) run decode_step_8b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b \

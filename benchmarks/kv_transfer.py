@@ -196,6 +196,9 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
     """The decode worker: open the producer's pool, time and check every method."""
     import cupy
 
+    from benchmarks import cuda_batch
+    from kernels.copy_blocks import copy_blocks
+
     runtime = cupy.cuda.runtime
     dev = torch.device("cuda", dst_dev)
     torch.cuda.set_device(dev)
@@ -227,6 +230,15 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
     contiguous_src = list(range(n))  # blocks 0..n-1 of the producer, one contiguous range
     contiguous_dst = list(range(n))
 
+    side = torch.cuda.Stream(dev)  # the batch API refuses the legacy default stream
+
+    def batched(flags: int) -> None:
+        current = torch.cuda.current_stream(dev)
+        side.wait_stream(current)
+        cuda_batch.batch_copy(dst_pool.data_ptr(), src_pool.data_ptr(), dst_ids, src_ids, bb,
+                              side.cuda_stream, dst_dev, flags)
+        current.wait_stream(side)
+
     def contiguous() -> None:
         memcpy(dst_pool.data_ptr(), src_pool.data_ptr(), nbytes)
 
@@ -237,6 +249,8 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
 
     methods: dict[str, tuple[Callable[[], object], list[int], list[int]]] = {
         "pull_blocks (copy_blocks kernel)": (pull, src_ids, dst_ids),
+        "copy_blocks kernel alone (ids already on the device)": (
+            lambda: copy_blocks(src_pool, dst_pool, src_t, dst_t), src_ids, dst_ids),
         "torch index_select + index_copy_": (  # as bytes: no float8 index_copy_ in torch
             lambda: as_bytes(dst_pool).index_copy_(0, dst_t,
                                                    as_bytes(src_pool).index_select(0, src_t)),
@@ -245,6 +259,11 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
         f"cudaMemcpyAsync per {chunk // 1024} KiB layer chunk": (per_chunk, src_ids, dst_ids),
         "one cudaMemcpyAsync, contiguous, over IPC": (contiguous, contiguous_src, contiguous_dst),
     }
+    if cuda_batch.available():
+        methods["cuMemcpyBatchAsync, one call (copy engines)"] = (
+            lambda: batched(0), src_ids, dst_ids)
+        methods["cuMemcpyBatchAsync, prefer overlap with compute"] = (
+            lambda: batched(cuda_batch.FLAG_PREFER_OVERLAP_WITH_COMPUTE), src_ids, dst_ids)
     out: dict[str, dict[str, Any]] = {}
     with cupy.cuda.Device(dst_dev):
         out["one large peer copy (bound)"] = large_copy(nbytes, src_dev, dev, args)

@@ -19,6 +19,7 @@ import mmap
 import os
 import time
 import weakref
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -162,8 +163,10 @@ def launch_pull(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence
         start.record()
         if n:
             # Both id lists in one pinned upload: at ~1 ms per transfer, every extra
-            # synchronous copy shows in the achieved bandwidth.
-            ids = torch.tensor([list(src_block_ids), list(dst_block_ids)], dtype=torch.int64)
+            # synchronous copy shows in the achieved bandwidth. Built from an array: a third
+            # of torch.tensor's host time for a list of ints.
+            ids = torch.frombuffer(array("q", [*src_block_ids, *dst_block_ids]),
+                                   dtype=torch.int64).view(2, n)
             ids = ids.pin_memory().to(local.device, non_blocking=True)
             copy_blocks(src_pool, local, ids[0], ids[1])
         end.record()

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.copy_blocks import copy_blocks
 from kvtransfer.descriptor import PoolDescriptor
 from kvtransfer.pool import allocate_pool
 from kvtransfer.remote import launch_pull, open_remote_pool, pull_blocks
@@ -159,20 +160,28 @@ def test_pull_blocks_same_gpu_scattered_ids(producer: Producer) -> None:
 def test_launch_pull_runs_in_stream_order(producer: Producer) -> None:
     """launch_pull returns without waiting; the copy runs after the work already on the
     stream (a write to the same blocks, as a step in flight writing blocks freed since) and
-    before work launched later (the next step reading them); done() and the device time after."""
+    before work launched later (the next step reading them); done() and the device time after.
+
+    Everything that may synchronise the device (the kernel's first load, a new pinned-memory
+    size class, uploads) happens before the stream is held busy; after it, only launches."""
     remote = open_remote_pool(producer.descriptor, "cuda:0")
     local = allocate_pool(num_blocks=64, dtype=DTYPE, device="cuda:0", transport="cuda_ipc",
                           **SHAPE)
     src, dst = _scattered(40, NUM_BLOCKS, seed=4), _scattered(40, 64, seed=5)
+    launch_pull(remote, local.tensor, src, dst).wait()  # warm: kernel loaded, pinned ids
+    stray = torch.full((40, *BLOCK_SHAPE), 3, dtype=DTYPE, device="cuda:0")
+    seen = torch.zeros_like(stray)
+    rows = torch.arange(40, device="cuda:0")
     idx = torch.tensor(dst, device="cuda:0")
-    torch.cuda._sleep(50_000_000)  # keep the stream busy: the launch must not wait for it
-    local.tensor.index_fill_(0, idx, 3)  # the stray write, before the pull in stream order
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # hold the stream busy: the launch must not wait for it
+    copy_blocks(stray, local.tensor, rows, idx)  # the stray write, before the pull
     pending = launch_pull(remote, local.tensor, src, dst)
-    after = local.tensor.index_select(0, idx)  # the next step's read, after the pull
+    copy_blocks(local.tensor, seen, idx, rows)  # the next step's read, after the pull
     assert not pending.done()
     pending.wait()
     torch.cuda.synchronize()
-    assert pending.done() and torch.equal(after.cpu(), _expected(src))
+    assert pending.done() and torch.equal(seen.cpu(), _expected(src))
     stats = pending.stats()
     assert stats.num_blocks == 40 and stats.bytes == 40 * producer.descriptor.block_bytes
     assert 0 < stats.seconds < 1
