@@ -94,7 +94,7 @@ def _memory(device: str) -> dict:
 
 
 def run_static(model, pad: int, requests: list[Request], batch_size: int, device: str,
-               time_limit: float | None, progress: bool) -> dict:
+               time_limit: float | None, progress: bool, cache: str = "dynamic") -> dict:
     import torch
     from transformers import GenerationConfig
     from transformers.generation.streamers import BaseStreamer
@@ -114,6 +114,10 @@ def run_static(model, pad: int, requests: list[Request], batch_size: int, device
         def end(self) -> None:
             pass
 
+    # A static cache is what transformers documents for fast generate: on CUDA, generate then
+    # compiles the decoding forward pass (torch.compile, CUDA graphs) for the batch's shapes.
+    static = {"cache_implementation": "static"} if cache == "static" else {}
+
     def generate(batch: list[Request]) -> tuple[StepClock, int]:
         width = max(len(r.prompt) for r in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -127,7 +131,7 @@ def run_static(model, pad: int, requests: list[Request], batch_size: int, device
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                  generation_config=GenerationConfig(
                                      max_new_tokens=new, do_sample=False, eos_token_id=None,
-                                     pad_token_id=pad),
+                                     pad_token_id=pad, **static),
                                  streamer=clock)
         _sync(device)
         made = out.shape[1] - width
@@ -136,7 +140,10 @@ def run_static(model, pad: int, requests: list[Request], batch_size: int, device
                                f"asked for {new}")
         return clock, new
 
-    generate([Request(requests[0].prompt[:8], 4)] * 2)  # warm-up: kernels, allocator
+    if cache == "static":  # warm-up: the compilation for the first batch's shapes
+        generate(requests[:batch_size])
+    else:  # warm-up: kernels, allocator
+        generate([Request(requests[0].prompt[:8], 4)] * 2)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     bar = _bar(len(requests), "static", progress)
@@ -168,6 +175,7 @@ def run_static(model, pad: int, requests: list[Request], batch_size: int, device
     duration = time.perf_counter() - t0
     bar.close()
     return {"method": "model.generate, static batches", "batch_size": batch_size,
+            "cache": cache,
             "num_requests": len(requests), "completed": done, "batches": batches,
             "partial": partial, "error": error, "time_limit_s": time_limit,
             "duration_s": duration, "output_tokens": useful,
@@ -302,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-format", default="dummy", choices=["dummy", "auto"])
     ap.add_argument("--mode", choices=["static", "cb", "both"], default="both")
     ap.add_argument("--batch-size", type=int, default=64, help="static batch size")
+    ap.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
+                    help="generate's KV cache: static (transformers' fast path: on CUDA it "
+                         "compiles the decoding step; batches whose shapes differ from the "
+                         "first one compile again) or dynamic")
     ap.add_argument("--attn", default="sdpa",
                     help="attn_implementation (transformers 5.17's continuous batching runs "
                          "paged|<it>, or flash attention if installed)")
@@ -339,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               else argv)])}
     if a.mode in ("static", "both"):
         report["static"] = run_static(model, pad, requests, a.batch_size, device, a.time_limit,
-                                      a.progress)
+                                      a.progress, a.cache)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     if a.mode in ("cb", "both"):

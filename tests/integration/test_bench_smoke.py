@@ -166,6 +166,19 @@ def test_hf_baseline_static_and_continuous_batching(tiny_models, tmp_path):
     assert r["static"]["computed_output_throughput"] > r["static"]["output_throughput"]
 
 
+def test_hf_baseline_static_cache(tiny_models, tmp_path):
+    """--cache static: generate with transformers' static cache (compiled on CUDA only), the
+    first batch run once untimed; the same tokens counted."""
+    out = tmp_path / "hf_static.json"
+    run("hf_baseline.py", "--model", str(tiny_models["llama"]), "--device", "cpu", "--mode",
+        "static", "--cache", "static", *WORKLOAD, "--batch-size", "4", "--no-progress",
+        "--out", str(out))
+    s = json.loads(out.read_text())["static"]
+    assert s["cache"] == "static" and s["completed"] == N and not s["partial"], s
+    assert s["output_tokens"] == expected_tokens() and s["batches"] == 2
+    check_latencies(s)
+
+
 def test_ratio_layouts_and_report(tmp_path):
     assert ratio.derived_layouts(4) == ["1P3D", "2P2D", "3P1D", "4C"]
     assert ratio.derived_layouts(2) == ["1P1D", "2C"]
