@@ -229,6 +229,7 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
 
     contiguous_src = list(range(n))  # blocks 0..n-1 of the producer, one contiguous range
     contiguous_dst = list(range(n))
+    adjacent_t = torch.arange(n, device=dev)
 
     side = torch.cuda.Stream(dev)  # the batch API refuses the legacy default stream
 
@@ -258,6 +259,10 @@ def run(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, dst_dev: i
         f"cudaMemcpyAsync per {bb / 2**20:g} MiB block": (per_block, src_ids, dst_ids),
         f"cudaMemcpyAsync per {chunk // 1024} KiB layer chunk": (per_chunk, src_ids, dst_ids),
         "one cudaMemcpyAsync, contiguous, over IPC": (contiguous, contiguous_src, contiguous_dst),
+        # the same kernel on adjacent blocks: what scattering the blocks costs the copy itself
+        "copy_blocks kernel alone, adjacent blocks": (
+            lambda: copy_blocks(src_pool, dst_pool, adjacent_t, adjacent_t),
+            contiguous_src, contiguous_dst),
     }
     if cuda_batch.available():
         methods["cuMemcpyBatchAsync, one call (copy engines)"] = (
