@@ -9,6 +9,8 @@ pattern. This process (the decode worker) opens it over CUDA IPC on GPU 1, as in
 and moves 128 blocks chosen by scattered ids into scattered blocks of its own pool with:
 
     pull_blocks              kvtransfer: one kernels.copy_blocks launch, then a stream sync
+                             (and on 1 or 8 runs of adjacent blocks: one cudaMemcpyAsync per
+                             run, the copy engines)
     torch index_select+copy  gather into a temporary on GPU 1, then index_copy_
     memcpy per block         one cudaMemcpyAsync per 2 MiB block (128 calls)
     memcpy per layer chunk   one per block, layer and K/V, 32 KiB each (8192 calls): what a
@@ -18,8 +20,9 @@ and moves 128 blocks chosen by scattered ids into scattered blocks of its own po
 and, as the bound, one large peer copy: torch copy_ of a contiguous 268 MB tensor GPU 0 ->
 GPU 1, measured in the same run. With --kv-cache-dtype auto fp8 the whole measurement runs for
 the model dtype's pool and for an FP8 (e4m3, 1 byte an element) pool, and a last table compares
-the two: an FP8 block is half the bytes, so the pull should take about half the time. Every method's result is checked byte for byte. With one GPU,
-everything runs on GPU 0 and the bound is a device-to-device copy.
+the two: an FP8 block is half the bytes, so the pull should take about half the time. Every
+method's result is checked byte for byte. With one GPU, everything runs on GPU 0 and the bound
+is a device-to-device copy.
 
 Also timed: the copy_blocks kernel alone (ids already on the device; on scattered and on
 adjacent blocks) and, where the driver has it, one cuMemcpyBatchAsync of all the blocks.
@@ -64,7 +67,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from benchmarks.kv_transfer_blocks import fill_pattern
-from benchmarks.kv_transfer_ipc import measure_ipc
+from benchmarks.kv_transfer_ipc import PULL, PULL_ADJACENT, measure_ipc
 from benchmarks.kv_transfer_nixl import measure_nixl
 from kvtransfer.descriptor import PoolDescriptor
 from kvtransfer.pool import TORCH_DTYPES, allocate_pool
@@ -179,18 +182,23 @@ def measure(args: argparse.Namespace, kv_cache_dtype: str) -> dict[str, Any]:
 
 
 def compare(runs: list[dict[str, Any]]) -> None:
-    """Pool dtypes side by side: bytes and pull time for the same prompt."""
-    base = runs[0]
-    key = "pull_blocks (copy_blocks kernel)"
+    """Pool dtypes side by side: bytes and pull time (device, wall) for the same prompt, its
+    blocks scattered and adjacent."""
+    base = runs[0]["methods"]
     print(f"\n{runs[0]['config']['prompt_tokens']}-token prompt, pull_blocks, by KV dtype "
-          f"({base['dst_card']}):")
-    print(f"{'KV dtype':<16}{'block MiB':>10}{'MB moved':>10}{'kernel ms':>11}{'wall ms':>9}"
-          f"{'vs first':>10}")
+          f"({runs[0]['dst_card']}; x: against the first dtype):")
+    print(f"{'KV dtype':<16}{'MB moved':>9}" + "".join(
+        f"{h:>11}" for h in ("scat. ms", "wall ms", "x", "wall x", "adj. ms", "wall ms", "x",
+                             "wall x")))
     for r in runs:
-        c, m = r["config"], r["methods"][key]
-        ratio = m["median_ms"] / base["methods"][key]["median_ms"]
-        print(f"{c['dtype']:<16}{c['block_bytes'] / 2**20:>10.2f}{c['bytes_moved'] / 1e6:>10.1f}"
-              f"{m['median_ms']:>11.3f}{m['wall_clock_median_ms']:>9.3f}{ratio:>10.2f}")
+        c, m = r["config"], r["methods"]
+        cells = []
+        for key in (PULL, PULL_ADJACENT):
+            dev, wall = m[key]["median_ms"], m[key]["wall_clock_median_ms"]
+            cells += [dev, wall, dev / base[key]["median_ms"],
+                      wall / base[key]["wall_clock_median_ms"]]
+        print(f"{c['dtype']:<16}{c['bytes_moved'] / 1e6:>9.1f}"
+              + "".join(f"{x:>11.3f}" for x in cells))
 
 
 def prefill_time(args: argparse.Namespace, device: int, kv_cache_dtype: str) -> dict[str, Any]:
@@ -234,14 +242,16 @@ def report(r: dict[str, Any]) -> None:
           f"{c['block_bytes'] / 2**20:.2f} MiB/block; {c['prompt_tokens']} tokens = "
           f"{c['blocks_moved']} blocks = {c['bytes_moved'] / 1e6:.1f} MB; producer in a separate "
           f"process; median of {c['repeats']}")
-    print(f"{'method':<44} {'ms':>8} {'GB/s':>8} {'vs large':>9}  ok")
+    print(f"{'method':<56} {'ms':>8} {'GB/s':>8} {'vs large':>9}  ok")
     for name, m in r["methods"].items():
-        print(f"{name:<44} {m['median_ms']:>8.3f} {m['gbps']:>8.1f} {m['vs_large_copy']:>9.2f}  "
+        print(f"{name:<56} {m['median_ms']:>8.3f} {m['gbps']:>8.1f} {m['vs_large_copy']:>9.2f}  "
               f"{'yes' if m['correct'] else 'NO'}")
-    pull = r["methods"]["pull_blocks (copy_blocks kernel)"]
-    print(f"pull_blocks wall clock (ids upload + launch + sync): {pull['wall_clock_median_ms']:.3f}"
-          f" ms median, of which {pull['launch_host_median_us']:.0f} µs host time to launch; "
-          f"producer freed its pool on stop: {r['producer_freed_its_pool']}")
+    for name, m in r["methods"].items():
+        if "wall_clock_median_ms" in m:
+            print(f"{name}: wall clock (launch + sync) {m['wall_clock_median_ms']:.3f} ms median,"
+                  f" of which {m['launch_host_median_us']:.0f} µs host time to launch")
+    print(f"producer freed its pool on stop: {r['producer_freed_its_pool']}")
+    pull = r["methods"][PULL]
     if "prefill" in r:
         p = r["prefill"]
         share = pull["wall_clock_median_ms"] / (p["ttft_ms"] + pull["wall_clock_median_ms"])

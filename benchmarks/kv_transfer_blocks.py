@@ -4,6 +4,7 @@ summarized."""
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -60,3 +61,14 @@ def summary(times: list[float], nbytes: int, correct: bool) -> dict[str, Any]:
     median = statistics.median(times)
     return {"median_ms": median * 1e3, "min_ms": min(times) * 1e3, "gbps": nbytes / median / 1e9,
             "correct": correct}
+
+
+def run_ids(n: int, k: int, num_blocks: int, seed: int) -> tuple[list[int], list[int]]:
+    """n block pairs in k runs of n // k blocks, each run ascending on both sides, the runs at
+    scattered places of pools of num_blocks blocks."""
+    length = n // k
+    rng = random.Random(seed + k)
+    slots = num_blocks // length
+    src = [b for r in rng.sample(range(slots), k) for b in range(r * length, (r + 1) * length)]
+    dst = [b for r in rng.sample(range(slots), k) for b in range(r * length, (r + 1) * length)]
+    return src, dst

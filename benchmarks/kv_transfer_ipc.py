@@ -2,7 +2,10 @@
 producer's pool over CUDA IPC and moves the prompt's scattered blocks into its own pool with
 pull_blocks and every alternative (the copy_blocks kernel alone, torch gathers, cudaMemcpyAsync
 per block or per layer chunk, one cuMemcpyBatchAsync), each timed and checked byte for byte
-against one large peer copy of the same bytes, the bound."""
+against one large peer copy of the same bytes, the bound. pull_blocks also moves the prompt as
+one run of adjacent blocks and as 8 runs (the copy engines, one cudaMemcpyAsync per run), and
+the kernel and the copy engines are timed on 2 to 32 runs: where one stops winning is
+kvtransfer.remote.MAX_COPY_RUNS."""
 
 from __future__ import annotations
 
@@ -14,10 +17,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.kv_transfer_blocks import as_bytes, blocks_match, summary, time_op
+from benchmarks.kv_transfer_blocks import as_bytes, blocks_match, run_ids, summary, time_op
 from kvtransfer.descriptor import PoolDescriptor
 from kvtransfer.pool import TORCH_DTYPES, allocate_pool
-from kvtransfer.remote import launch_pull, open_remote_pool, pull_blocks
+from kvtransfer.remote import MAX_COPY_RUNS, launch_pull, open_remote_pool, pull_blocks
+
+PULL = "pull_blocks, scattered blocks (copy_blocks kernel)"
+PULL_ADJACENT = "pull_blocks, adjacent blocks (1 run, copy engines)"
+RUN_COUNTS = (2, 4, 8, 16, 32)
 
 CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the (UVA) pointers
 
@@ -62,6 +69,7 @@ def measure_ipc(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, ds
     contiguous_src = list(range(n))  # blocks 0..n-1 of the producer, one contiguous range
     contiguous_dst = list(range(n))
     adjacent_t = torch.arange(n, device=dev)
+    runs8 = run_ids(n, 8, shape["num_blocks"], args.seed)
 
     side = torch.cuda.Stream(dev)  # the batch API refuses the legacy default stream
 
@@ -75,13 +83,17 @@ def measure_ipc(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, ds
     def contiguous() -> None:
         memcpy(dst_pool.data_ptr(), src_pool.data_ptr(), nbytes)
 
-    pull_seconds: list[float] = []
+    pull_seconds: dict[str, list[float]] = {}
 
-    def pull() -> None:
-        pull_seconds.append(pull_blocks(remote, dst_pool, src_ids, dst_ids).seconds)
+    def pull(name: str, s_ids: list[int], d_ids: list[int]) -> Callable[[], None]:
+        seconds = pull_seconds.setdefault(name, [])
+        return lambda: seconds.append(pull_blocks(remote, dst_pool, s_ids, d_ids).seconds)
 
+    pulls = {PULL: (src_ids, dst_ids), PULL_ADJACENT: (contiguous_src, contiguous_dst),
+             f"pull_blocks, 8 runs of {n // 8} blocks (copy engines)": runs8}
     methods: dict[str, tuple[Callable[[], object], list[int], list[int]]] = {
-        "pull_blocks (copy_blocks kernel)": (pull, src_ids, dst_ids),
+        name: (pull(name, s, d), s, d) for name, (s, d) in pulls.items()}
+    methods.update({
         "copy_blocks kernel alone (ids already on the device)": (
             lambda: copy_blocks(src_pool, dst_pool, src_t, dst_t), src_ids, dst_ids),
         "torch index_select + index_copy_": (  # as bytes: no float8 index_copy_ in torch
@@ -95,7 +107,16 @@ def measure_ipc(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, ds
         "copy_blocks kernel alone, adjacent blocks": (
             lambda: copy_blocks(src_pool, dst_pool, adjacent_t, adjacent_t),
             contiguous_src, contiguous_dst),
-    }
+    })
+    for k in RUN_COUNTS:  # the copy engines against the kernel by number of runs
+        s_ids, d_ids = run_ids(n, k, shape["num_blocks"], args.seed)
+        s_t, d_t = torch.tensor(s_ids, device=dev), torch.tensor(d_ids, device=dev)
+        methods[f"{k} runs: copy_blocks kernel alone"] = (
+            lambda s_t=s_t, d_t=d_t: copy_blocks(src_pool, dst_pool, s_t, d_t), s_ids, d_ids)
+        methods[f"{k} runs: cudaMemcpyAsync per run"] = (
+            lambda s=s_ids[::n // k], d=d_ids[::n // k], k=k: [
+                memcpy(dst_pool.data_ptr() + dd * bb, src_pool.data_ptr() + ss * bb,
+                       n // k * bb) for ss, dd in zip(s, d, strict=True)], s_ids, d_ids)
     if cuda_batch.available():
         methods["cuMemcpyBatchAsync, one call (copy engines)"] = (
             lambda: batched(0), src_ids, dst_ids)
@@ -116,10 +137,11 @@ def measure_ipc(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, ds
     bound = out["one large peer copy (bound)"]["gbps"]
     for m in out.values():
         m["vs_large_copy"] = m["gbps"] / bound
-    out["pull_blocks (copy_blocks kernel)"]["wall_clock_median_ms"] = (
-        statistics.median(pull_seconds[-args.repeats:]) * 1e3)  # the timed calls only
-    out["pull_blocks (copy_blocks kernel)"]["launch_host_median_us"] = launch_host_us(
-        remote, dst_pool, src_ids, dst_ids, args.repeats)
+    for name, (s_ids, d_ids) in pulls.items():
+        out[name]["wall_clock_median_ms"] = (
+            statistics.median(pull_seconds[name][-args.repeats:]) * 1e3)  # the timed calls
+        out[name]["launch_host_median_us"] = launch_host_us(
+            remote, dst_pool, s_ids, d_ids, args.repeats)
     remote.close()
     local.close()
     return {
@@ -131,6 +153,7 @@ def measure_ipc(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, ds
                         if dst_dev != src_dev else None),
         "producer": "separate process, pool opened over CUDA IPC",
         "config": {**shape, "dtype": dtype, "prompt_tokens": args.prompt_tokens,
+                   "max_copy_runs": MAX_COPY_RUNS,
                    "blocks_moved": n, "block_bytes": bb, "bytes_moved": nbytes,
                    "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed},
         "torch": torch.__version__, "cupy": cupy.__version__,

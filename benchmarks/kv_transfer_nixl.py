@@ -1,6 +1,8 @@
 """The NIXL rows of benchmarks/kv_transfer.py (--nixl): a producer process serves the pattern from
-a pool registered with NIXL, and this process reads the same scattered blocks into a registered
-pool of its own with NIXL READs, as a decode worker with `--transport nixl` does."""
+a pool registered with NIXL, and this process reads the same blocks into a registered pool of
+its own with NIXL READs, as a decode worker with `--transport nixl` does, then writes them back:
+the prompt's blocks scattered (one descriptor each), adjacent but paired in opposite directions
+(still one descriptor each), in 8 runs, and in one run (one descriptor)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.kv_transfer_blocks import as_bytes, blocks_match, fill_pattern, summary
+from benchmarks.kv_transfer_blocks import as_bytes, blocks_match, fill_pattern, run_ids, summary
 from kvtransfer.descriptor import PoolDescriptor
 from kvtransfer.pool import TORCH_DTYPES, allocate_pool
 
@@ -70,8 +72,12 @@ def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, 
         remote = endpoint.connect(desc)
         local = torch.zeros(desc.shape, dtype=TORCH_DTYPES[dtype], device=dev)
         out = {}
-        cases = {"nixl READ (NixlRemotePool.pull)": (src_ids, dst_ids),
-                 "nixl READ, contiguous blocks": (list(range(n)), list(range(n)))}
+        adjacent = list(range(n))
+        runs8 = run_ids(n, 8, shape["num_blocks"], args.seed)
+        cases = {"nixl READ, scattered blocks (NixlRemotePool.pull)": (src_ids, dst_ids),
+                 "nixl READ, adjacent blocks, one descriptor each": (adjacent, adjacent[::-1]),
+                 f"nixl READ, 8 runs of {n // 8} blocks": runs8,
+                 "nixl READ, adjacent blocks (1 run: one descriptor)": (adjacent, adjacent)}
         for name, (s_ids, d_ids) in cases.items():
             as_bytes(local).zero_()
             _sync(dev)
@@ -83,8 +89,9 @@ def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, 
         # blocks the other way, made unlike the peer's first, then read back to check.
         as_bytes(local).bitwise_not_()
         check = torch.zeros_like(local)
-        pushes = {"nixl WRITE (NixlRemotePool.push)": (src_ids, dst_ids),
-                  "nixl WRITE, contiguous blocks": (list(range(n)), list(range(n)))}
+        pushes = {"nixl WRITE, scattered blocks (NixlRemotePool.push)": (src_ids, dst_ids),
+                  f"nixl WRITE, 8 runs of {n // 8} blocks": runs8,
+                  "nixl WRITE, adjacent blocks (1 run: one descriptor)": (adjacent, adjacent)}
         for name, (s_ids, d_ids) in pushes.items():
             _sync(dev)
             remote.push(local, d_ids, s_ids)

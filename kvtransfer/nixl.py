@@ -10,9 +10,11 @@ registers its own pool on first use, and moves each request's KV with one NIXL R
 
     prefill pool (remote, registered)         decode pool (local, registered)
     [ 0 | 1 | 2 | 3 | 4 | 5 | ... ]           [ 0 | 1 | 2 | 3 | 4 | 5 | ... ]
-          ^       ^   ^                         ^       ^           ^
-    one descriptor per block (all layers, K and V: block_bytes, contiguous), prepared once
-    per pool on each side; a pull is one READ of the lease's blocks by index.
+          ^^^^^^^^^       ^                     ^^^^^^^^^           ^
+    one descriptor per run of blocks adjacent on both sides (kvtransfer/runs.py; a block is
+    all layers, K and V: block_bytes, contiguous), made for each transfer: UCX moves each
+    descriptor as one copy (over cuda_ipc, one cudaMemcpyAsync), so a prompt whose blocks
+    form a few runs moves at the rate of one large copy.
 
 A pull returns only when the transfer is over: done (the blocks are in place and the lease may
 be released), or failed, timed out or cancelled, and then only once NIXL no longer writes into
@@ -44,13 +46,17 @@ import torch
 
 from kvtransfer.descriptor import PoolDescriptor
 from kvtransfer.nixl_remote import NixlRemotePool
+from kvtransfer.runs import block_runs
 from tandem.errors import InvalidArgument
 
 EXTRA = "nixl"
 INSTALL_HINT = f"pip install 'tandem[{EXTRA}]'"
 
-# Waiting for a transfer: poll at once, then back off up to this (seconds). Spinning is what
-# keeps a ~1 ms GPU transfer from paying a scheduler tick; the cap keeps an idle wait cheap.
+# Waiting for a transfer: poll without sleeping for SPIN_S (a 2k-token prompt over NVLink
+# takes ~0.4-1.2 ms; a sleep, ~60 us at least on Linux, and a doubling backoff made such
+# transfers look up to twice as long), then back off up to MAX_POLL_S, which keeps a long
+# wait (a transfer over TCP) cheap.
+SPIN_S = 2e-3
 MAX_POLL_S = 1e-3
 
 
@@ -109,11 +115,12 @@ class NixlHandle:
         return cls(data[head:head + n].decode(), base, data[head + n:])
 
 
-def _block_rows(base: int, block_bytes: int, num_blocks: int, device_id: int) -> np.ndarray:
-    """NIXL descriptors (address, length, device id), one per block."""
-    rows = np.empty((num_blocks, 3), dtype=np.int64)
-    rows[:, 0] = base + np.arange(num_blocks, dtype=np.int64) * block_bytes
-    rows[:, 1] = block_bytes
+def _run_rows(base: int, block_bytes: int, starts: Sequence[int], lengths: Sequence[int],
+              device_id: int) -> np.ndarray:
+    """NIXL descriptors (address, length, device id), one per run of blocks."""
+    rows = np.empty((len(starts), 3), dtype=np.int64)
+    rows[:, 0] = base + np.asarray(starts, dtype=np.int64) * block_bytes
+    rows[:, 1] = np.asarray(lengths, dtype=np.int64) * block_bytes
     rows[:, 2] = device_id
     return rows
 
@@ -127,11 +134,10 @@ def _mem(tensor: torch.Tensor) -> tuple[str, int]:
 
 @dataclass(eq=False)
 class _Region:
-    """A pool tensor registered with the agent, and its blocks prepared as local descriptors."""
+    """A pool tensor registered with the agent."""
 
     tensor: torch.Tensor
     reg: Any                # nixlRegDList, for deregister_memory
-    blocks: Any = None      # as a pull's destination: one prepared descriptor per block
 
 
 class NixlEndpoint:
@@ -166,25 +172,12 @@ class NixlEndpoint:
                 region = self._regions[key] = _Region(pool, reg)
             return region
 
-    def _local_blocks(self, pool: torch.Tensor) -> Any:
-        """`pool` (block-major) registered, with one local descriptor per block prepared."""
-        with self._lock:
-            region = self.register(pool)
-            if region.blocks is None:
-                mem, dev = _mem(pool)
-                block_bytes = pool[0].numel() * pool.element_size()
-                rows = _block_rows(pool.data_ptr(), block_bytes, pool.shape[0], dev)
-                region.blocks = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, mem)
-            return region.blocks
-
     def deregister(self, pool: torch.Tensor) -> None:
         """Undo `register` (idempotent). Peers reading it from now on get an error."""
         key = (pool.data_ptr(), pool.numel() * pool.element_size(), str(pool.device))
         with self._lock:
             region = self._regions.pop(key, None)
             if region is not None and not self._closed:
-                if region.blocks is not None:
-                    self.agent.release_dlist_handle(region.blocks)
                 self.agent.deregister_memory(region.reg)
 
     def export(self, pool: torch.Tensor) -> bytes:
@@ -196,13 +189,11 @@ class NixlEndpoint:
 
     # -- peers -------------------------------------------------------------------------------
     def connect(self, desc: PoolDescriptor) -> NixlRemotePool:
-        """Load a peer's agent metadata and prepare one remote descriptor per block of its
-        pool. Errors name the descriptor's redacted fields, never its handle."""
+        """Load a peer's agent metadata, once per open NixlRemotePool. Errors name the
+        descriptor's redacted fields, never its handle."""
         if desc.transport != "nixl":
             raise InvalidArgument("transport", f"expected a nixl pool, got {desc.transport!r}")
         handle = NixlHandle.unpack(desc.handle)
-        mem = "DRAM" if desc.device_index < 0 else "VRAM"
-        dev = max(desc.device_index, 0)
         with self._lock:
             self._check_open()
             try:
@@ -212,20 +203,11 @@ class NixlEndpoint:
                                      f"{desc.redacted()}: {type(e).__name__}") from None
             name = name.decode() if isinstance(name, bytes) else name
             self._peers[name] = self._peers.get(name, 0) + 1
-            try:
-                rows = _block_rows(handle.base, desc.block_bytes, desc.num_blocks, dev)
-                blocks = self.agent.prep_xfer_dlist(name, rows, mem)
-            except BaseException:
-                self._drop_peer(name)
-                raise
-        return NixlRemotePool(self, desc, name, blocks)
+        return NixlRemotePool(self, desc, name, handle.base)
 
     def disconnect(self, remote: NixlRemotePool) -> None:
         """Release what `connect` made for `remote` (its close() calls this, once)."""
-        with self._lock:
-            if not self._closed:
-                self.agent.release_dlist_handle(remote.blocks)
-            self._drop_peer(remote.peer)
+        self._drop_peer(remote.peer)
 
     def _drop_peer(self, name: str) -> None:
         with self._lock:
@@ -255,16 +237,26 @@ class NixlEndpoint:
     def _transfer(self, op: str, remote: NixlRemotePool, local: torch.Tensor,
                   local_ids: Sequence[int], remote_ids: Sequence[int], deadline: float | None,
                   cancel: threading.Event | None) -> None:
-        """One NIXL transfer between blocks of `local` and of the peer's pool, waited for."""
-        local_blocks = self._local_blocks(local)
+        """One NIXL transfer between blocks of `local` and of the peer's pool, one descriptor
+        per run of blocks adjacent on both sides, waited for."""
         verb = op.lower()
         what = f"{len(local_ids)} blocks {'from' if op == 'READ' else 'to'} {remote.peer}"
+        runs = block_runs(local_ids, remote_ids)
+        assert runs is not None  # no limit
+        local_starts, remote_starts, lengths = zip(*runs, strict=True)
+        mem, dev = _mem(local)
+        desc = remote.descriptor
+        remote_mem = "DRAM" if desc.device_index < 0 else "VRAM"
+        local_rows = _run_rows(local.data_ptr(), desc.block_bytes, local_starts, lengths, dev)
+        remote_rows = _run_rows(remote.base, desc.block_bytes, remote_starts, lengths,
+                                max(desc.device_index, 0))
         with self._lock:
             self._check_open()
+            self.register(local)
             try:
-                handle = self.agent.make_prepped_xfer(
-                    op, local_blocks, np.asarray(local_ids, dtype=np.int32),
-                    remote.blocks, np.asarray(remote_ids, dtype=np.int32))
+                handle = self.agent.initialize_xfer(
+                    op, self.agent.get_xfer_descs(local_rows, mem),
+                    self.agent.get_xfer_descs(remote_rows, remote_mem), remote.peer)
             except Exception as e:  # NIXL's own errors (peer gone, no backend)
                 raise TransferFailed(f"NIXL cannot {verb} {what}: {e}") from e
         try:
@@ -285,13 +277,18 @@ class NixlEndpoint:
             return self.agent.check_xfer_state(handle)
 
     def _wait(self, handle: Any, deadline: float | None, cancel: threading.Event | None) -> str:
+        spin_until = time.monotonic() + SPIN_S
         delay = 0.0
         while (state := self._state(handle)) == "PROC":
             if cancel is not None and cancel.is_set():
                 raise PullCancelled("the KV pull was cancelled")
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 raise TimeoutError("the KV pull did not complete before the lease's deadline")
-            delay = min(max(delay * 2, 1e-5), MAX_POLL_S)
+            if now < spin_until:
+                time.sleep(0)  # lets other threads run (the GIL), no timer
+                continue
+            delay = min(max(delay * 2, 5e-5), MAX_POLL_S)
             if cancel is not None:
                 cancel.wait(delay)
             else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,16 +19,17 @@ if TYPE_CHECKING:
 
 
 class NixlRemotePool:
-    """A peer's pool reached over NIXL: the peer's agent loaded and its blocks prepared as
-    remote descriptors. Nothing is mapped here; `pull` reads blocks into a local pool.
-    close() releases what connect() made (idempotent)."""
+    """A peer's pool reached over NIXL: the peer's agent loaded, and the pool's base address
+    in the peer's address space (transfers name its blocks from it). Nothing is mapped here;
+    `pull` reads blocks into a local pool. close() releases what connect() made
+    (idempotent)."""
 
     def __init__(self, endpoint: NixlEndpoint, descriptor: PoolDescriptor, peer: str,
-                 blocks: Any) -> None:
+                 base: int) -> None:
         self.endpoint = endpoint
         self.descriptor = descriptor
         self.peer = peer
-        self.blocks = blocks
+        self.base = base
         self._closed = False
 
     @property

@@ -9,7 +9,9 @@ each request pulls the request's blocks into blocks of its own pool (`pull_block
           src_block_ids = [4, 1, 3]  ──►  dst_block_ids = [5, 0, 2]
 
 Each block is one contiguous chunk (all layers, K and V), so a transfer of N blocks is N chunk
-copies, done by one kernel launch on CUDA.
+copies. On CUDA, blocks adjacent on both sides (runs, kvtransfer/runs.py) go to the copy
+engines, one cudaMemcpyAsync per run, when there are at most MAX_COPY_RUNS of them; otherwise
+one copy_blocks kernel launch moves them all.
 """
 
 from __future__ import annotations
@@ -34,10 +36,17 @@ from kvtransfer.pool import (
     device_memory_tensor,
     on_device,
 )
+from kvtransfer.runs import block_runs
 from tandem.errors import InvalidArgument
 
 # cudaIpcMemLazyEnablePeerAccess: map memory of another GPU by enabling peer access as needed.
 IPC_LAZY_ENABLE_PEER_ACCESS = 1
+
+# A pull of at most this many runs is one cudaMemcpyAsync per run (the copy engines move a run
+# at the rate of one large peer copy, for a few microseconds each); more, and one copy_blocks
+# launch, whose SM loads run ~0.1 ms over that rate on any ids, costs less. Measured by
+# `benchmarks/kv_transfer.py` ("runs" rows; BENCHMARKS.md "KV transfer").
+MAX_COPY_RUNS = 8
 
 
 class RemotePool(MappedPool):
@@ -148,29 +157,40 @@ class PendingPull:
 
 def launch_pull(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
                 dst_block_ids: Sequence[int], checked: bool = False) -> PendingPull:
-    """The CUDA half of pull_blocks without its wait: the ids uploaded and one copy_blocks
-    launch on the current stream, after whatever that stream already holds and before whatever
-    is launched on it later (a decode worker's next step reads the blocks in order; its step in
+    """The CUDA half of pull_blocks without its wait: the copies launched on the current
+    stream (one cudaMemcpyAsync per run of adjacent blocks, or the ids uploaded and one
+    copy_blocks launch), after whatever that stream already holds and before whatever is
+    launched on it later (a decode worker's next step reads the blocks in order; its step in
     flight, which may still write blocks just freed and now pulled into, writes first). The
     peer may reuse its blocks only once `done()`."""
     src_pool = remote.tensor
     if not checked:
         _check_pull(src_pool, local, src_block_ids, dst_block_ids)
     n = len(src_block_ids)
-    copy_blocks = _copy_blocks_kernel()
+    runs = block_runs(src_block_ids, dst_block_ids, limit=MAX_COPY_RUNS)
+    copy_blocks = None if runs or not n else _copy_blocks_kernel()
     with torch.cuda.device(local.device):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        if n:
+        if runs:
+            src_bytes, dst_bytes = _as_bytes(src_pool), _as_bytes(local)
+            for s, d, k in runs:  # each a contiguous range on both sides: one memcpy
+                dst_bytes[d:d + k].copy_(src_bytes[s:s + k])
+        elif n:
             # Both id lists in one pinned upload: at ~1 ms per transfer, every extra
             # synchronous copy shows in the achieved bandwidth. Built from an array: a third
             # of torch.tensor's host time for a list of ints.
             ids = torch.frombuffer(array("q", [*src_block_ids, *dst_block_ids]),
                                    dtype=torch.int64).view(2, n)
             ids = ids.pin_memory().to(local.device, non_blocking=True)
-            copy_blocks(src_pool, local, ids[0], ids[1])
+            copy_blocks(src_pool, local, ids[0], ids[1])  # type: ignore[misc]
         end.record()
     return PendingPull(n, n * local[0].numel() * local.element_size(), start, end)
+
+
+def _as_bytes(pool: torch.Tensor) -> torch.Tensor:
+    """A block-major pool as [num_blocks, block bytes] of uint8 (FP8 pools included)."""
+    return pool.view(pool.shape[0], -1).view(torch.uint8)
 
 
 def _check_pull(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int],

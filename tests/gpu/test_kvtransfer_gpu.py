@@ -157,17 +157,50 @@ def test_pull_blocks_same_gpu_scattered_ids(producer: Producer) -> None:
     assert not remote.mapped and not local.mapped
 
 
-def test_launch_pull_runs_in_stream_order(producer: Producer) -> None:
-    """launch_pull returns without waiting; the copy runs after the work already on the
-    stream (a write to the same blocks, as a step in flight writing blocks freed since) and
-    before work launched later (the next step reading them); done() and the device time after.
+def _runs() -> tuple[list[int], list[int]]:
+    """40 pairs in three runs: ascending on both sides, descending on both, ascending again."""
+    src = [*range(10, 25), *range(60, 45, -1), *range(80, 90)]
+    dst = [*range(0, 15), *range(40, 25, -1), *range(50, 60)]
+    return src, dst
+
+
+def test_pull_blocks_moves_runs_on_the_copy_engines(producer: Producer, monkeypatch) -> None:
+    """A pull of a few runs of adjacent blocks is one cudaMemcpyAsync per run: the kernel is
+    not even loaded (it raises here), and the bytes land exactly."""
+    import kvtransfer.remote as remote_mod
+
+    def no_kernel():
+        raise AssertionError("a pull of 3 runs launched the copy_blocks kernel")
+
+    monkeypatch.setattr(remote_mod, "_copy_blocks_kernel", no_kernel)
+    remote = open_remote_pool(producer.descriptor, "cuda:0")
+    local = allocate_pool(num_blocks=64, dtype=DTYPE, device="cuda:0", transport="cuda_ipc",
+                          **SHAPE)
+    local.tensor.fill_(-1)
+    src, dst = _runs()
+    stats = pull_blocks(remote, local.tensor, src, dst)
+    assert stats.num_blocks == 40
+    got = local.tensor.cpu()
+    assert torch.equal(got[dst], _expected(src))
+    assert (got[sorted(set(range(64)) - set(dst))] == -1).all()
+    remote.close()
+    local.close()
+
+
+@pytest.mark.parametrize("ids", ["scattered", "runs"])
+def test_launch_pull_runs_in_stream_order(producer: Producer, ids: str) -> None:
+    """launch_pull returns without waiting; the copy (the kernel for scattered ids, the copy
+    engines for runs) runs after the work already on the stream (a write to the same blocks,
+    as a step in flight writing blocks freed since) and before work launched later (the next
+    step reading them); done() and the device time after.
 
     Everything that may synchronise the device (the kernel's first load, a new pinned-memory
     size class, uploads) happens before the stream is held busy; after it, only launches."""
     remote = open_remote_pool(producer.descriptor, "cuda:0")
     local = allocate_pool(num_blocks=64, dtype=DTYPE, device="cuda:0", transport="cuda_ipc",
                           **SHAPE)
-    src, dst = _scattered(40, NUM_BLOCKS, seed=4), _scattered(40, 64, seed=5)
+    src, dst = ((_scattered(40, NUM_BLOCKS, seed=4), _scattered(40, 64, seed=5))
+                if ids == "scattered" else _runs())
     launch_pull(remote, local.tensor, src, dst).wait()  # warm: kernel loaded, pinned ids
     stray = torch.full((40, *BLOCK_SHAPE), 3, dtype=DTYPE, device="cuda:0")
     seen = torch.zeros_like(stray)

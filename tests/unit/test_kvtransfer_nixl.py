@@ -80,6 +80,45 @@ def test_pull_moves_scattered_blocks_exactly_and_nothing_else(nixl_endpoints) ->
     assert (reader.num_registered, reader.num_peers, owner.num_peers) == (0, 0, 0)
 
 
+class _CountingDescs:
+    """A real agent that records how many descriptors each side of each transfer had."""
+
+    def __init__(self, agent) -> None:
+        self.agent = agent
+        self.sizes: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.agent, name)
+
+    def get_xfer_descs(self, rows, mem):
+        self.sizes.append(len(rows))
+        return self.agent.get_xfer_descs(rows, mem)
+
+
+@needs_nixl
+def test_blocks_adjacent_on_both_sides_move_as_one_descriptor_per_run(nixl_endpoints) -> None:
+    """A run of blocks (ascending or descending on both sides) is one NIXL descriptor on each
+    side; blocks adjacent on one side only are one each. Every byte lands either way."""
+    owner = nixl_endpoints()
+    reader = nixl_endpoints(_CountingDescs)
+    counting = reader.agent
+    with owner_pool(owner, 16, torch.bfloat16) as pool, \
+            reader.connect(pool.descriptor) as remote:
+        local = local_blocks(12, torch.bfloat16)
+        src = [2, 3, 4, 5, 11, 10, 9, 14]
+        dst = [0, 1, 2, 3, 8, 7, 6, 11]  # runs: 2..5 -> 0..3, 9..11 -> 6..8, 14 -> 11
+        remote.pull(local, src, dst)
+        assert counting.sizes == [3, 3]  # local and remote descriptors
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(local[d], pool.tensor[s])
+        assert (local[[4, 5, 9, 10]] == -1).all()
+        counting.sizes.clear()
+        remote.pull(local, [1, 2, 3], [5, 4, 9])  # adjacent on the source side only
+        assert counting.sizes == [3, 3]
+        for s, d in ((1, 5), (2, 4), (3, 9)):
+            assert torch.equal(local[d], pool.tensor[s])
+
+
 @needs_nixl
 def test_push_writes_scattered_blocks_into_the_peers_pool_exactly(nixl_endpoints) -> None:
     """A push (one NIXL WRITE) lands blocks of the local pool in the given blocks of the
@@ -167,10 +206,14 @@ def test_the_benchmarks_nixl_rows_move_the_right_bytes_on_the_cpu() -> None:
 
     shape = dict(num_blocks=32, **SHAPE)
     rng = random.Random(1)
-    rows = measure_nixl(argparse.Namespace(warmup=1, repeats=2), "cpu", "cpu", shape,
-                        "bfloat16", rng.sample(range(32), 9), rng.sample(range(32), 9))
-    assert set(rows) == {"nixl READ (NixlRemotePool.pull)", "nixl READ, contiguous blocks",
-                         "nixl WRITE (NixlRemotePool.push)", "nixl WRITE, contiguous blocks"}
+    rows = measure_nixl(argparse.Namespace(warmup=1, repeats=2, seed=0), "cpu", "cpu", shape,
+                        "bfloat16", rng.sample(range(32), 16), rng.sample(range(32), 16))
+    assert set(rows) == {
+        "nixl READ, scattered blocks (NixlRemotePool.pull)",
+        "nixl READ, adjacent blocks, one descriptor each", "nixl READ, 8 runs of 2 blocks",
+        "nixl READ, adjacent blocks (1 run: one descriptor)",
+        "nixl WRITE, scattered blocks (NixlRemotePool.push)", "nixl WRITE, 8 runs of 2 blocks",
+        "nixl WRITE, adjacent blocks (1 run: one descriptor)"}
     assert all(r["correct"] and r["gbps"] > 0 for r in rows.values()), rows
 
 

@@ -49,8 +49,8 @@ class Gated:
             time.sleep(0.001)
         return state
 
-    def make_prepped_xfer(self, *args, **kwargs):
-        handle = self.agent.make_prepped_xfer(*args, **kwargs)
+    def initialize_xfer(self, *args, **kwargs):
+        handle = self.agent.initialize_xfer(*args, **kwargs)
         self.made.append(handle)
         return handle
 
