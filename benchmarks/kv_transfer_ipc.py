@@ -142,6 +142,8 @@ def measure_ipc(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, ds
             statistics.median(pull_seconds[name][-args.repeats:]) * 1e3)  # the timed calls
         out[name]["launch_host_median_us"] = launch_host_us(
             remote, dst_pool, s_ids, d_ids, args.repeats)
+        out[name]["in_stream_device_median_ms"] = in_stream_ms(
+            remote, dst_pool, s_ids, d_ids, args.repeats)
     remote.close()
     local.close()
     return {
@@ -159,6 +161,20 @@ def measure_ipc(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, ds
         "torch": torch.__version__, "cupy": cupy.__version__,
         "methods": out,
     }
+
+
+def in_stream_ms(remote, local: torch.Tensor, src_ids: list[int], dst_ids: list[int],
+                 repeats: int) -> float:
+    """Median device time of launch_pull's copies launched behind a busy stream, as a decode
+    worker launches them behind its step in flight: the events around the copies then time
+    the copies alone, not the host's launch (which an idle stream would wait for)."""
+    times = []
+    for _ in range(repeats + 3):
+        torch.cuda._sleep(2_000_000)  # ~1 ms of a spinning kernel, longer than any launch
+        pending = launch_pull(remote, local, src_ids, dst_ids)
+        pending.wait()
+        times.append(pending.stats().seconds)
+    return statistics.median(times[3:]) * 1e3
 
 
 def launch_host_us(remote, local: torch.Tensor, src_ids: list[int], dst_ids: list[int],

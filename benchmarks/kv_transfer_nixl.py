@@ -54,7 +54,8 @@ def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, 
                  dtype: str, src_ids: list[int], dst_ids: list[int]) -> dict[str, dict[str, Any]]:
     """NIXL READs of the same blocks from a producer process's registered pool on device `src`
     into a pool on `dst`, then WRITEs of them back (wall clock: post to completion, as
-    NixlRemotePool.pull and .push wait)."""
+    NixlRemotePool.pull and .push wait); with this side's agent running NIXL's progress thread
+    and without it (then only the wait's polls progress UCX here)."""
     from kvtransfer.nixl import NixlEndpoint
 
     ctx = mp.get_context("spawn")
@@ -62,53 +63,71 @@ def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, 
     proc = ctx.Process(target=nixl_producer, args=(child_conn, src, shape, dtype))
     proc.start()
     child_conn.close()
-    dev = torch.device(dst)
-    n = len(src_ids)
-    endpoint = None
+    out: dict[str, dict[str, Any]] = {}
     try:
         desc: PoolDescriptor = conn.recv()
-        nbytes = n * desc.block_bytes
-        endpoint = NixlEndpoint()
-        remote = endpoint.connect(desc)
-        local = torch.zeros(desc.shape, dtype=TORCH_DTYPES[dtype], device=dev)
-        out = {}
-        adjacent = list(range(n))
-        runs8 = run_ids(n, 8, shape["num_blocks"], args.seed)
-        cases = {"nixl READ, scattered blocks (NixlRemotePool.pull)": (src_ids, dst_ids),
-                 "nixl READ, adjacent blocks, one descriptor each": (adjacent, adjacent[::-1]),
-                 f"nixl READ, 8 runs of {n // 8} blocks": runs8,
-                 "nixl READ, adjacent blocks (1 run: one descriptor)": (adjacent, adjacent)}
-        for name, (s_ids, d_ids) in cases.items():
-            as_bytes(local).zero_()
-            _sync(dev)
-            remote.pull(local, s_ids, d_ids)  # registers the local pool on first use
-            correct = blocks_match(local, d_ids, s_ids)
-            times = _timed(lambda s=s_ids, d=d_ids: remote.pull(local, s, d), args)
-            out[name] = summary(times, nbytes, correct)
-        # Pushes (one NIXL WRITE into the peer's pool; last, as they change it): the same
-        # blocks the other way, made unlike the peer's first, then read back to check.
-        as_bytes(local).bitwise_not_()
-        check = torch.zeros_like(local)
-        pushes = {"nixl WRITE, scattered blocks (NixlRemotePool.push)": (src_ids, dst_ids),
-                  f"nixl WRITE, 8 runs of {n // 8} blocks": runs8,
-                  "nixl WRITE, adjacent blocks (1 run: one descriptor)": (adjacent, adjacent)}
-        for name, (s_ids, d_ids) in pushes.items():
-            _sync(dev)
-            remote.push(local, d_ids, s_ids)
-            as_bytes(check).zero_()
-            remote.pull(check, s_ids, d_ids)
-            got, want = as_bytes(check), as_bytes(local)  # bytes: the flipped ones hold NaNs
-            correct = all(torch.equal(got[d], want[d]) for d in d_ids)
-            times = _timed(lambda s=s_ids, d=d_ids: remote.push(local, d, s), args)
-            out[name] = summary(times, nbytes, correct)
-        remote.close()
+        local = torch.zeros(desc.shape, dtype=TORCH_DTYPES[dtype], device=torch.device(dst))
+        for thread in (True, False):
+            endpoint = NixlEndpoint(progress_thread=thread)
+            try:
+                rows = _rows(args, endpoint, desc, local, shape, src_ids, dst_ids)
+            finally:
+                endpoint.close()
+            label = "progress thread" if thread else "no progress thread"
+            out.update({f"{name} [{label}]": row for name, row in rows.items()})
         conn.send("stop")
         conn.recv()
     finally:
-        if endpoint is not None:
-            endpoint.close()
         conn.close()
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()
+    return out
+
+
+def _rows(args: argparse.Namespace, endpoint, desc: PoolDescriptor, local: torch.Tensor,
+          shape: dict[str, int], src_ids: list[int], dst_ids: list[int]
+          ) -> dict[str, dict[str, Any]]:
+    """Every READ and WRITE row through one endpoint, each checked byte for byte."""
+    dev = local.device
+    n = len(src_ids)
+    nbytes = n * desc.block_bytes
+    remote = endpoint.connect(desc)
+    out = {}
+    adjacent = list(range(n))
+    runs8 = run_ids(n, 8, shape["num_blocks"], args.seed)
+    cases = {"nixl READ, scattered blocks (NixlRemotePool.pull)": (src_ids, dst_ids),
+             "nixl READ, adjacent blocks, one descriptor each": (adjacent, adjacent[::-1]),
+             f"nixl READ, 8 runs of {n // 8} blocks": runs8,
+             "nixl READ, adjacent blocks (1 run: one descriptor)": (adjacent, adjacent)}
+    for name, (s_ids, d_ids) in cases.items():
+        as_bytes(local).zero_()
+        _sync(dev)
+        remote.pull(local, s_ids, d_ids)  # registers the local pool on first use
+        correct = blocks_match(local, d_ids, s_ids)
+        times = _timed(lambda s=s_ids, d=d_ids: remote.pull(local, s, d), args)
+        out[name] = summary(times, nbytes, correct)
+    # Pushes (one NIXL WRITE into the peer's pool; last, as they change it): the same
+    # blocks the other way, made unlike the peer's first, then read back to check, then put
+    # back as they were (the next endpoint's READs check the peer's pattern).
+    as_bytes(local).bitwise_not_()
+    check = torch.zeros_like(local)
+    pushes = {"nixl WRITE, scattered blocks (NixlRemotePool.push)": (src_ids, dst_ids),
+              f"nixl WRITE, 8 runs of {n // 8} blocks": runs8,
+              "nixl WRITE, adjacent blocks (1 run: one descriptor)": (adjacent, adjacent)}
+    for name, (s_ids, d_ids) in pushes.items():
+        _sync(dev)
+        remote.push(local, d_ids, s_ids)
+        as_bytes(check).zero_()
+        _sync(dev)  # NIXL's copies are not ordered after this stream's work
+        remote.pull(check, s_ids, d_ids)
+        got, want = as_bytes(check), as_bytes(local)  # bytes: the flipped ones hold NaNs
+        correct = all(torch.equal(got[d], want[d]) for d in d_ids)
+        times = _timed(lambda s=s_ids, d=d_ids: remote.push(local, d, s), args)
+        out[name] = summary(times, nbytes, correct)
+    fill_pattern(local)  # block b: the peer's pattern of block b, written back where it was
+    _sync(dev)
+    written = sorted({b for s_ids, _ in pushes.values() for b in s_ids})
+    remote.push(local, written, written)
+    remote.close()
     return out

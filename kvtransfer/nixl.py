@@ -144,11 +144,13 @@ class NixlEndpoint:
     """One NIXL agent (UCX backend) and what it has registered and loaded. Thread-safe: calls
     into the agent are serialized by one lock (NIXL's progress thread moves the data)."""
 
-    def __init__(self, name: str | None = None, agent: Any = None) -> None:
+    def __init__(self, name: str | None = None, agent: Any = None,
+                 progress_thread: bool = True) -> None:
         self.name = name or f"tandem-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         if agent is None:
             api = load_nixl()
-            agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+            agent = api.nixl_agent(self.name, api.nixl_agent_config(
+                enable_prog_thread=progress_thread, backends=["UCX"]))
         self.agent = agent
         self._lock = threading.RLock()
         self._regions: dict[tuple[int, int, str], _Region] = {}

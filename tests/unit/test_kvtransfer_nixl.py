@@ -208,12 +208,13 @@ def test_the_benchmarks_nixl_rows_move_the_right_bytes_on_the_cpu() -> None:
     rng = random.Random(1)
     rows = measure_nixl(argparse.Namespace(warmup=1, repeats=2, seed=0), "cpu", "cpu", shape,
                         "bfloat16", rng.sample(range(32), 16), rng.sample(range(32), 16))
-    assert set(rows) == {
-        "nixl READ, scattered blocks (NixlRemotePool.pull)",
-        "nixl READ, adjacent blocks, one descriptor each", "nixl READ, 8 runs of 2 blocks",
-        "nixl READ, adjacent blocks (1 run: one descriptor)",
-        "nixl WRITE, scattered blocks (NixlRemotePool.push)", "nixl WRITE, 8 runs of 2 blocks",
-        "nixl WRITE, adjacent blocks (1 run: one descriptor)"}
+    names = {"nixl READ, scattered blocks (NixlRemotePool.pull)",
+             "nixl READ, adjacent blocks, one descriptor each", "nixl READ, 8 runs of 2 blocks",
+             "nixl READ, adjacent blocks (1 run: one descriptor)",
+             "nixl WRITE, scattered blocks (NixlRemotePool.push)",
+             "nixl WRITE, 8 runs of 2 blocks", "nixl WRITE, adjacent blocks (1 run: one descriptor)"}
+    assert set(rows) == {f"{n} [{label}]" for n in names
+                         for label in ("progress thread", "no progress thread")}
     assert all(r["correct"] and r["gbps"] > 0 for r in rows.values()), rows
 
 
