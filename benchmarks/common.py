@@ -227,3 +227,24 @@ def write_report(report: dict, a: argparse.Namespace, plot_rows: list[dict], tit
 
         why = latency_cdfs(plot_rows, png, f"{title} on {report['card']}")
         print(why or f"wrote {png}")
+
+
+async def counters(stack) -> dict[str, int]:
+    """Every worker's counters (GetLoad), summed: KV bytes, blocks and copies (runs) the
+    decode workers pulled, prompt tokens the prefill workers computed."""
+    from runtime.security import internal_channel
+    from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+    out = {"bytes": 0, "blocks": 0, "runs": 0, "computed": 0}
+    for name, p in stack.procs.items():
+        if name == "router":
+            continue
+        async with internal_channel(p.address, stack.cluster_tls, ()) as ch:
+            load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
+                                                                timeout=30)
+        out["bytes"] += load.kv_bytes_pulled
+        out["blocks"] += load.kv_blocks_pulled
+        out["runs"] += load.kv_runs_pulled
+        if load.role == "prefill":
+            out["computed"] += load.prompt_tokens_computed
+    return out

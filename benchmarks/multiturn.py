@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import percentile  # noqa: E402
+from benchmarks.common import counters, percentile  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,24 +95,6 @@ async def one(stub, prompt: list[int], max_tokens: int) -> dict:
         tokens += chunk.token_ids
         cached = chunk.usage.cached_prompt_tokens or cached
     return {"ttft": ttft, "tokens": tokens, "cached": cached}
-
-
-async def counters(stack) -> dict[str, int]:
-    from runtime.security import internal_channel
-    from tandem.v1 import worker_pb2, worker_pb2_grpc
-
-    out = {"bytes": 0, "blocks": 0, "computed": 0}
-    for name, p in stack.procs.items():
-        if name == "router":
-            continue
-        async with internal_channel(p.address, stack.cluster_tls, ()) as ch:
-            load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
-                                                                timeout=30)
-        out["bytes"] += load.kv_bytes_pulled
-        out["blocks"] += load.kv_blocks_pulled
-        if load.role == "prefill":
-            out["computed"] += load.prompt_tokens_computed
-    return out
 
 
 async def run_waves(stack, a: argparse.Namespace, convs: list[list[list[int]]]) -> dict:

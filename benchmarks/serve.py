@@ -34,6 +34,7 @@ count comes from the usage chunk; models without a tokenizer stream no text ther
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 import time
@@ -51,6 +52,7 @@ from benchmarks.common import (  # noqa: E402
     add_stack_args,
     add_warmup_arg,
     check_lengths,
+    counters,
     cuda_names,
     device_name,
     environment,
@@ -238,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                            progress=a.progress)
         runs = run_rates(opts, requests, a.rate, a.seed, warmup=warm, cooldown_s=a.cooldown,
                          stack=stack)
+        if stack is not None and "decode" in stack.roles:
+            report["kv_pulls"] = asyncio.run(counters(stack))  # over every run, warm-up too
     finally:
         if stack is not None:
             codes = stack.stop()
@@ -248,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     report["launch"] = a.launch
     report["runs"] = runs
     print_online(runs, f"== {title} via {a.api} on {report['card']}")
+    if "kv_pulls" in report:
+        k = report["kv_pulls"]
+        print(f"KV pulls (every run, warm-up included): {k['blocks']} blocks, {k['bytes'] / 1e9:.2f}"
+              f" GB in {k['runs']} copies of adjacent blocks "
+              f"({k['blocks'] / max(k['runs'], 1):.1f} blocks a copy)")
     write_report(report, a, plot_rows("", runs), title)
     return 1 if sum(r["summary"]["failed"] for r in runs) else 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from engine.block_pool import BlockPool
 from engine.config import cdiv
 from engine.sequence import Sequence
+from kvtransfer.runs import order_like
 
 
 class KVCacheManager:
@@ -92,13 +93,21 @@ class KVCacheManager:
             prompt blocks:  [ hit | hit | hit | new | new ]   (last one partial or full)
                               └ kept here ──────┘└ pulled ──┘
 
+        The new blocks are ordered like the source blocks they receive (kvtransfer.runs.
+        order_like), so that blocks adjacent there land in blocks adjacent here: one copy per
+        run instead of one per block.
+
         Returns False, changing nothing, when the pool is short."""
         need = cdiv(seq.num_prompt_tokens, self.block_size) - len(hits)
         revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
         if need + revived + reserve > self.pool.num_free:
             return False
+        src = seq.remote.block_ids[len(hits):] if seq.remote is not None else ()
         self.pool.incref(hits)
-        seq.block_ids = [*hits, *self.pool.allocate(need)]
+        fresh = self.pool.allocate(need)
+        if len(src) == need:  # paired like the source's blocks: the pull moves runs
+            fresh = order_like(src, fresh)
+        seq.block_ids = [*hits, *fresh]
         seq.num_cached_blocks = len(hits)
         seq.num_cached_tokens = len(hits) * self.block_size
         return True

@@ -142,7 +142,9 @@ class _Region:
 
 class NixlEndpoint:
     """One NIXL agent (UCX backend) and what it has registered and loaded. Thread-safe: calls
-    into the agent are serialized by one lock (NIXL's progress thread moves the data)."""
+    into the agent are serialized by one lock. With `progress_thread`, NIXL's own thread
+    progresses UCX (needed to serve reads over TCP); without, the polls of a transfer's wait
+    do (a reader's)."""
 
     def __init__(self, name: str | None = None, agent: Any = None,
                  progress_thread: bool = True) -> None:
@@ -152,6 +154,7 @@ class NixlEndpoint:
             agent = api.nixl_agent(self.name, api.nixl_agent_config(
                 enable_prog_thread=progress_thread, backends=["UCX"]))
         self.agent = agent
+        self.progress_thread = progress_thread  # NIXL's own (see default_endpoint)
         self._lock = threading.RLock()
         self._regions: dict[tuple[int, int, str], _Region] = {}
         self._peers: dict[str, int] = {}  # remote agent name -> open NixlRemotePools
@@ -353,12 +356,21 @@ _default: NixlEndpoint | None = None
 _default_lock = threading.Lock()
 
 
-def default_endpoint() -> NixlEndpoint:
-    """This process's endpoint, made on first use (one NIXL agent per process)."""
+def default_endpoint(serves: bool = True) -> NixlEndpoint:
+    """This process's endpoint, made on first use (one NIXL agent per process). A process
+    that serves a pool (a prefill worker) runs NIXL's progress thread: a peer's READ over a
+    transport without one-sided access in hardware (TCP) needs this side to make progress.
+    A process made to read only (`serves=False`: a decode worker) runs none: its own polls
+    drive UCX, and NIXL's thread, which wakes on a timer of at least 1 ms, added 0.2-0.4 ms
+    to each ~0.7 ms pull over NVLink (BENCHMARKS.md "Over NIXL")."""
     global _default
     with _default_lock:
         if _default is None or _default._closed:
-            _default = NixlEndpoint()
+            _default = NixlEndpoint(progress_thread=serves)
+        elif serves and not _default.progress_thread:
+            raise RuntimeError("this process's NIXL endpoint was made to read only (no "
+                               "progress thread), so it cannot serve a pool: allocate the "
+                               "pool before opening a peer's")
         return _default
 
 
@@ -368,7 +380,7 @@ def allocate_nixl_pool(nbytes: int, device: torch.device,
     """A zeroed uint8 pool of `nbytes` on `device` (CPU: DRAM, CUDA: VRAM) registered with
     `endpoint` (default: the process's): (tensor, finalizer observing its memory, handle,
     device index for the descriptor, on_close which deregisters it)."""
-    endpoint = endpoint or default_endpoint()
+    endpoint = endpoint or default_endpoint(serves=True)
     tensor = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     handle = endpoint.export(tensor)
     device_index = -1 if device.type == "cpu" else tensor.device.index

@@ -84,7 +84,7 @@ def open_remote_pool(desc: PoolDescriptor, device: torch.device | str) -> Remote
     if desc.transport == "nixl":  # nothing to map: reads go through this process's NIXL agent
         from kvtransfer.nixl import default_endpoint  # noqa: PLC0415 - optional extra
 
-        return default_endpoint().connect(desc)  # type: ignore[return-value]
+        return default_endpoint(serves=False).connect(desc)  # type: ignore[return-value]
     if desc.transport == "shm":
         if device.type != "cpu":
             raise InvalidArgument("transport", f"a shm pool is mapped on the CPU, not on {device}")

@@ -47,3 +47,34 @@ def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int],
     if limit is not None and len(runs) > limit:
         return None
     return runs
+
+
+def order_like(src_ids: Sequence[int], blocks: Sequence[int]) -> list[int]:
+    """`blocks` (distinct free block ids, as many as src_ids) in an order under which the pairs
+    (src_ids[i], result[i]) form few runs: each stretch of src_ids stepping by +1 or -1 takes
+    the lowest ids of the current range of consecutive blocks, in the same direction; a range
+    too short splits the stretch. A decode worker orders the blocks it allocates for a pull so
+    (which of its fresh blocks holds which prompt block is its own choice); at most one run
+    per source stretch plus one per gap in `blocks`."""
+    if len(src_ids) != len(blocks):
+        raise ValueError(f"{len(blocks)} blocks for {len(src_ids)} source ids")
+    free = sorted(blocks)
+    out: list[int] = []
+    at = 0  # next unused index of free
+    i = 0
+    while i < len(src_ids):
+        # the stretch of src_ids from i: its direction and length
+        step = src_ids[i + 1] - src_ids[i] if i + 1 < len(src_ids) else 0
+        j = i + 1
+        if step in (1, -1):
+            while j < len(src_ids) and src_ids[j] - src_ids[j - 1] == step:
+                j += 1
+        # the range of consecutive free ids from `at`, at most j - i of them
+        k = at + 1
+        while k < len(free) and k - at < j - i and free[k] == free[k - 1] + 1:
+            k += 1
+        chunk = free[at:k]
+        out += chunk if step != -1 else chunk[::-1]
+        i += len(chunk)
+        at = k
+    return out

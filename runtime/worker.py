@@ -118,7 +118,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_requests=s.num_requests_added, prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits, dtype=self.engine.spec.config.dtype,
             instance_id=self.instance_id, prompt_tokens_computed=s.prompt_tokens_computed,
-            kv_blocks_pulled=s.kv_blocks_pulled, kv_bytes_pulled=s.kv_bytes_pulled)
+            kv_blocks_pulled=s.kv_blocks_pulled, kv_bytes_pulled=s.kv_bytes_pulled,
+            kv_runs_pulled=s.kv_runs_pulled)
 
     async def WatchKV(self, request, context):  # noqa: N802
         try:

@@ -77,6 +77,7 @@ class EngineSnapshot:
     prompt_tokens_computed: int = 0  # prompt tokens run through the model
     kv_blocks_pulled: int = 0  # decode role: blocks copied in from prefill workers
     kv_bytes_pulled: int = 0
+    kv_runs_pulled: int = 0  # the copies those blocks took (kvtransfer/runs.py)
 
     @property
     def idle(self) -> bool:
@@ -102,6 +103,7 @@ class LeaseDone:
     seconds: float = 0.0
     transport: str = ""
     error: str | None = None  # why the pull failed
+    num_runs: int = 0  # copies of blocks adjacent in both pools (0: a pull of heads, per rank)
 
 
 # -- commands (worker -> core) --------------------------------------------------------------

@@ -249,7 +249,8 @@ class EngineCore:
                               len(e.leases), len(e.requests), e.num_requests_added,
                               pool.block_size, pool.prefix_queries, pool.prefix_hits,
                               e.scheduler.num_preemptions, e.num_prompt_tokens_computed,
-                              self.kv.blocks_pulled, self.kv.bytes_pulled)
+                              self.kv.blocks_pulled, self.kv.bytes_pulled,
+                              self.kv.runs_pulled)
 
     def _kv_events(self) -> KVEvents | None:
         stored, removed = self.engine.block_pool.take_events()

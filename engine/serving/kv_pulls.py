@@ -23,6 +23,7 @@ from typing import Any
 
 from engine.sequence import RemoteKV
 from engine.serving.core_messages import LeaseDone, MapPool
+from kvtransfer.runs import block_runs
 
 
 class KVPulls:
@@ -36,8 +37,9 @@ class KVPulls:
         # The leases this core owns, token -> request id, from Add until their one LeaseDone
         # (pulled, failed, or the request ended first): settled by popping.
         self.leases_held: dict[str, str] = {}
-        self.blocks_pulled = self.bytes_pulled = 0
-        self.pending: list[tuple[RemoteKV, int, Any]] = []  # (lease, start ns, PendingPull)
+        self.blocks_pulled = self.bytes_pulled = self.runs_pulled = 0
+        # (lease, start ns, PendingPull, runs)
+        self.pending: list[tuple[RemoteKV, int, Any, int]] = []
 
     def hold(self, kv: RemoteKV, request_id: str) -> None:
         self.leases_held[kv.lease_id] = request_id
@@ -82,6 +84,7 @@ class KVPulls:
             return self._pull_heads(kv, src_block_ids, dst_block_ids)
         start_ns = time.time_ns()
         stats = error = None
+        runs = len(block_runs(src_block_ids, dst_block_ids) or ())
         instance, pool = self.peers.get(kv.address, ("", None))
         try:
             if pool is None:
@@ -95,7 +98,7 @@ class KVPulls:
                 from kvtransfer.remote import launch_pull  # noqa: PLC0415 - torch, in the core
 
                 self.pending.append((kv, start_ns, launch_pull(
-                    pool, self.engine.runner.pool, src_block_ids, dst_block_ids)))
+                    pool, self.engine.runner.pool, src_block_ids, dst_block_ids), runs))
                 return
             stats = pull_blocks(pool, self.engine.runner.pool, src_block_ids, dst_block_ids,
                                 deadline=kv.deadline)
@@ -105,7 +108,7 @@ class KVPulls:
         finally:
             if error is not None or stats is not None:  # else launched: settled when done
                 self.settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
-                            num_blocks=len(src_block_ids),
+                            num_blocks=len(src_block_ids), num_runs=runs,
                             nbytes=stats.bytes if stats else 0,
                             seconds=stats.seconds if stats else 0.0,
                             transport=pool.descriptor.transport if pool is not None else "",
@@ -156,15 +159,15 @@ class KVPulls:
     def flush(self) -> None:
         """Wait for every in-stream copy and settle its lease."""
         while self.pending:
-            kv, start_ns, pull = self.pending.pop(0)
+            kv, start_ns, pull, runs = self.pending.pop(0)
             pull.wait()
-            self._settle_pending(kv, start_ns, pull)
+            self._settle_pending(kv, start_ns, pull, runs)
 
-    def _settle_pending(self, kv: RemoteKV, start_ns: int, pull: Any) -> None:
+    def _settle_pending(self, kv: RemoteKV, start_ns: int, pull: Any, runs: int) -> None:
         stats = pull.stats()
         self.settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
-                    num_blocks=stats.num_blocks, nbytes=stats.bytes, seconds=stats.seconds,
-                    transport="cuda_ipc", error=None)
+                    num_blocks=stats.num_blocks, num_runs=runs, nbytes=stats.bytes,
+                    seconds=stats.seconds, transport="cuda_ipc", error=None)
 
     def drop(self, kv: RemoteKV) -> None:
         self.settle(kv)
@@ -175,6 +178,7 @@ class KVPulls:
         if pull.get("error") is None:
             self.blocks_pulled += pull.get("num_blocks", 0)
             self.bytes_pulled += pull.get("nbytes", 0)
+            self.runs_pulled += pull.get("num_runs", 0)
         if request_id is not None:
             self.events.send(LeaseDone(request_id, kv.address, kv.lease_id, **pull))
 

@@ -69,6 +69,11 @@ def test_serve_launches_the_stack_and_counts_every_token(tiny_models, tmp_path, 
         assert s["slo_attainment"] == 1.0
         assert s["goodput"] == pytest.approx(s["request_throughput"])
     assert out.with_suffix(".png").exists() == HAS_MPL
+    if launch == "disaggregated":  # every prompt's blocks pulled, in at most as many copies
+        k = r["kv_pulls"]
+        assert 0 < k["runs"] <= k["blocks"] and k["bytes"] > 0
+    else:
+        assert "kv_pulls" not in r
 
 
 def test_serve_offline_reports_kv_waste_against_static_batches(tiny_models, tmp_path):

@@ -142,6 +142,43 @@ def test_copy_on_write_of_shared_partial_block(pool):
         kv.free(s)
 
 
+def test_blocks_allocated_for_a_pull_are_ordered_like_the_sources(pool):
+    """A decode worker's fresh blocks for a pulled prompt are paired with the prefill
+    worker's so that a run there (here descending, as a reused pool hands them out) lands in
+    a run here: one copy instead of one per block. Hits keep their place at the front."""
+    import time
+
+    from engine.sequence import RemoteKV
+    from kvtransfer.runs import block_runs
+
+    kv = KVCacheManager(pool)
+    held = pool.allocate(2)
+    pool.free([held[0]])  # free: [2..7] in order, then 0 (1 stays taken)
+    s = seq(range(5 * BS), rid="pulled")
+    s.remote = RemoteKV("p:1", "L1", time.monotonic() + 60, (42, 41, 40, 39, 38), (7,), (None,))
+    assert kv.allocate_for_pull(s, hits=[])
+    assert s.block_ids == [6, 5, 4, 3, 2]  # the 5 allocated (2..6), in the source's order
+    assert block_runs(s.remote.block_ids, s.block_ids) == [(38, 2, 5)]
+    kv.free(s)
+    pool.free([held[1]])
+
+
+def test_order_like_pairs_each_source_stretch_with_a_range_of_blocks():
+    from kvtransfer.runs import block_runs, order_like
+
+    src = [10, 9, 8, 7, 30, 31, 32, 5]
+    blocks = [203, 100, 50, 101, 102, 200, 201, 202]
+    out = order_like(src, blocks)
+    assert sorted(out) == sorted(blocks)
+    assert out == [50, 102, 101, 100, 200, 201, 202, 203]  # 50 alone: no 51 after it
+    assert block_runs(src, out) == [(10, 50, 1), (7, 100, 3), (30, 200, 3), (5, 203, 1)]
+    assert order_like([], []) == []
+    assert block_runs(range(50, 10, -1), order_like(range(50, 10, -1), range(500, 540))) == [
+        (11, 500, 40)]
+    with pytest.raises(ValueError, match="2 blocks for 3 source ids"):
+        order_like([1, 2, 3], [4, 5])
+
+
 def test_allocate_fails_cleanly_when_short(pool):
     kv = KVCacheManager(pool)
     a = seq(range(30))

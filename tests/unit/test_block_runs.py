@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtransfer.runs import block_runs
+from kvtransfer.runs import block_runs, order_like
 
 
 def _pairs(runs: list[tuple[int, int, int]]) -> set[tuple[int, int]]:
@@ -64,3 +64,20 @@ def test_runs_cover_exactly_the_pairs(steps, rng) -> None:
             assert not (ds == chunk[0][1] - d1 and ds in (1, -1) and step in (0, ds))
         last = chunk[-1], (chunk[1][0] - chunk[0][0] if n > 1 else 0)
         i += n
+
+
+def _stretches(ids: list[int]) -> int:
+    """Stretches of ids stepping by +1 or -1 (a single id is one)."""
+    return len(block_runs(ids, ids))
+
+
+@given(st.lists(st.integers(0, 300), unique=True, max_size=80), st.data())
+def test_order_like_is_a_permutation_with_few_runs(src, data) -> None:
+    """order_like gives back exactly the blocks, and the pairs form at most one run per
+    source stretch plus one per gap between the blocks' ranges of consecutive ids."""
+    blocks = data.draw(st.lists(st.integers(0, 300), unique=True, min_size=len(src),
+                                max_size=len(src)))
+    out = order_like(src, blocks)
+    assert sorted(out) == sorted(blocks)
+    gaps = sum(1 for a, b in zip(sorted(blocks), sorted(blocks)[1:]) if b != a + 1)
+    assert len(block_runs(src, out)) <= _stretches(src) + gaps

@@ -71,7 +71,7 @@ def test_cuda_ipc_pulls_settle_when_their_copy_is_done(monkeypatch):
     leases = [_lease(i) for i in range(3)]
     for i, kv in enumerate(leases):
         kp.hold(kv, f"r{i}")
-        kp.pull(kv, [1, 2], [5, 6])
+        kp.pull(kv, [1, 2], [5, 6] if i < 2 else [6, 5])  # one run, one run, two
     assert len(launch.launched) == 3 and events.sent == []  # launched, nothing settled
     kp.poll()
     assert events.sent == []
@@ -81,15 +81,16 @@ def test_cuda_ipc_pulls_settle_when_their_copy_is_done(monkeypatch):
     launch.launched[0].finished = True
     kp.poll()
     assert [m.request_id for m in events.sent] == ["r0", "r1"]
-    assert all(m.pulled and m.num_blocks == 2 and m.nbytes == 2048 and m.seconds == 0.002
-               and m.transport == "cuda_ipc" and m.error is None for m in events.sent)
+    assert all(m.pulled and m.num_blocks == 2 and m.num_runs == 1 and m.nbytes == 2048
+               and m.seconds == 0.002 and m.transport == "cuda_ipc" and m.error is None
+               for m in events.sent)
     kp.flush()  # waits for the third
     assert launch.launched[2].waited
     assert [m.request_id for m in events.sent] == ["r0", "r1", "r2"]
     kp.flush()
     kp.poll()
     assert len(events.sent) == 3 and not kp.pending and not kp.leases_held
-    assert kp.blocks_pulled == 6
+    assert kp.blocks_pulled == 6 and kp.runs_pulled == 4 and events.sent[2].num_runs == 2
 
 
 def test_close_and_a_new_mapping_wait_for_copies_in_flight(monkeypatch):

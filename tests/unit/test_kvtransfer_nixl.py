@@ -195,6 +195,32 @@ def test_concurrent_pulls_from_two_pools_land_in_their_own_blocks(nixl_endpoints
 
 
 @needs_nixl
+def test_the_process_endpoint_runs_a_progress_thread_only_where_it_serves(monkeypatch) -> None:
+    """A decode worker's endpoint (made by opening a peer's pool) reads without NIXL's progress
+    thread and then refuses to serve a pool, by a message; a prefill worker's (made by
+    allocating its pool) runs the thread, and reads through it too."""
+    from kvtransfer import nixl
+
+    monkeypatch.setattr(nixl, "_default", None)
+    reader = nixl.default_endpoint(serves=False)
+    try:
+        assert not reader.progress_thread and nixl.default_endpoint(serves=False) is reader
+        with pytest.raises(RuntimeError, match="made to read only"):
+            allocate_pool(num_blocks=2, dtype=torch.float16, device="cpu", transport="nixl",
+                          **SHAPE)
+        assert reader.num_registered == 0
+    finally:
+        reader.close()
+    server = nixl.default_endpoint(serves=True)  # the closed one is replaced
+    try:
+        assert server is not reader and server.progress_thread
+        assert nixl.default_endpoint(serves=False) is server
+    finally:
+        server.close()
+        monkeypatch.setattr(nixl, "_default", None)
+
+
+@needs_nixl
 def test_the_benchmarks_nixl_rows_move_the_right_bytes_on_the_cpu() -> None:
     """benchmarks/kv_transfer.py --nixl runs unattended on a GPU box; its producer process and
     READ and WRITE loops (benchmarks/kv_transfer_nixl.py) are the same code on host memory,

@@ -3,6 +3,8 @@ block ids, with the model replaced by run_step. Plain Python: no model, no torch
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine.block_pool import BlockPool
@@ -10,7 +12,7 @@ from engine.config import SchedulerConfig
 from engine.kv_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, Status
+from engine.sequence import RemoteKV, Sequence, Status
 
 BS = 4
 
@@ -144,8 +146,11 @@ def test_watermark_never_blocks_a_request_alone():
 
 
 def remote_seq(tokens, rid):
+    """A request whose prompt KV lives on a prefill worker, in blocks 1000, 1001, ... there
+    (ascending: the blocks allocated here keep their ascending order)."""
     s = seq(tokens, rid)
-    s.remote = object()  # the scheduler only asks whether the KV lives elsewhere
+    s.remote = RemoteKV("p:1", f"lease-{rid}", time.monotonic() + 60,
+                        tuple(range(1000, 1000 + -(-len(s.token_ids) // BS))), (7,), (None,))
     return s
 
 
