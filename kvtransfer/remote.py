@@ -44,11 +44,11 @@ IPC_LAZY_ENABLE_PEER_ACCESS = 1
 
 # A pull of at most this many runs is one cudaMemcpyAsync per run (the copy engines move a run
 # at the rate of one large peer copy, plus a few microseconds each); more, and one copy_blocks
-# launch, whose SM loads run ~0.1 ms over that rate on any ids, costs less. 2× H100, 2k-token
-# prompt (`benchmarks/kv_transfer.py`, "runs" rows): 16 runs 0.74 ms by copy engines against
-# 0.79 by the kernel (bf16), 0.40-0.41 against 0.43-0.67 (FP8); 32 runs 0.80 against 0.78 and
-# 0.46 against 0.43-0.55.
-MAX_COPY_RUNS = 16
+# launch. On 2x H100, a 2k-token prompt launched behind a busy stream, as a decode worker
+# launches it (`benchmarks/kv_transfer.py`; BENCHMARKS.md "Runs of adjacent blocks"): the
+# kernel 0.73 ms bf16 / 0.38 FP8 on any ids; the copy engines 0.68 / 0.35 for one run,
+# 0.71-0.72 / 0.38 for 8, 0.74-0.75 / 0.41 for 16; their host time ~half the kernel's.
+MAX_COPY_RUNS = 8
 
 
 class RemotePool(MappedPool):

@@ -129,6 +129,8 @@ def test_each_request_is_one_trace_across_three_processes(cluster, receiver):
         blocks = -(-prompt_tokens // 16)
         assert ka["tandem.kv.blocks"] == blocks and ka["tandem.kv.bytes"] == blocks * BLOCK_BYTES
         assert ka["tandem.kv.gbps"] > 0 and ka["tandem.kv.transport"] == "shm"
+        # fresh pools on both sides: the prompt's blocks are one run there and land in one here
+        assert ka["tandem.kv.runs"] == 1
         assert kv.end_time_unix_nano > kv.start_time_unix_nano
 
         da = attrs(decode)
