@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing as mp
+import os
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -54,9 +55,22 @@ def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, 
                  dtype: str, src_ids: list[int], dst_ids: list[int]) -> dict[str, dict[str, Any]]:
     """NIXL READs of the same blocks from a producer process's registered pool on device `src`
     into a pool on `dst`, then WRITEs of them back (wall clock: post to completion, as
-    NixlRemotePool.pull and .push wait); with this side's agent running NIXL's progress thread
-    and without it (then only the wait's polls progress UCX here)."""
-    from kvtransfer.nixl import NixlEndpoint
+    NixlRemotePool.pull and .push wait); with this side's agent running NIXL's progress thread,
+    without it (then only the wait's polls progress UCX here: what a decode worker runs), and
+    with UCX's thread pool posting a transfer's descriptors from 4 threads, 32 at a time."""
+    from kvtransfer.nixl import NixlEndpoint, load_nixl
+
+    def posting_threads() -> NixlEndpoint:
+        api = load_nixl()
+        name = f"tandem-bench-{os.getpid()}-posting"
+        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False,
+                                                           backends=[]))
+        agent.create_backend("UCX", {"num_threads": "4", "split_batch_size": "32"})
+        return NixlEndpoint(name, agent, progress_thread=False)
+
+    variants = {"progress thread": lambda: NixlEndpoint(progress_thread=True),
+                "no progress thread": lambda: NixlEndpoint(progress_thread=False),
+                "4 posting threads": posting_threads}
 
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
@@ -67,13 +81,12 @@ def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, 
     try:
         desc: PoolDescriptor = conn.recv()
         local = torch.zeros(desc.shape, dtype=TORCH_DTYPES[dtype], device=torch.device(dst))
-        for thread in (True, False):
-            endpoint = NixlEndpoint(progress_thread=thread)
+        for label, make in variants.items():
+            endpoint = make()
             try:
                 rows = _rows(args, endpoint, desc, local, shape, src_ids, dst_ids)
             finally:
                 endpoint.close()
-            label = "progress thread" if thread else "no progress thread"
             out.update({f"{name} [{label}]": row for name, row in rows.items()})
         conn.send("stop")
         conn.recv()

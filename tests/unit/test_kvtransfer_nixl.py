@@ -240,7 +240,8 @@ def test_the_benchmarks_nixl_rows_move_the_right_bytes_on_the_cpu() -> None:
              "nixl WRITE, scattered blocks (NixlRemotePool.push)",
              "nixl WRITE, 8 runs of 2 blocks", "nixl WRITE, adjacent blocks (1 run: one descriptor)"}
     assert set(rows) == {f"{n} [{label}]" for n in names
-                         for label in ("progress thread", "no progress thread")}
+                         for label in ("progress thread", "no progress thread",
+                                       "4 posting threads")}
     assert all(r["correct"] and r["gbps"] > 0 for r in rows.values()), rows
 
 
