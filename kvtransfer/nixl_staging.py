@@ -14,7 +14,8 @@ copy (device memory to device memory, ~4x NVLink's rate) scatters them:
                         │ READ, in chunks                     (per chunk; a slot's blocks are
                         │                                      ordered like the source's)
     staging     [ s0 s1 s2 s3 | s4 s5 s6 s7 ]  slots of `chunk` blocks, used round-robin
-                        │ copy_pool_blocks, on the current stream, as each chunk lands
+                        │ a local copy on the current stream as each chunk lands (CUDA:
+                        │ copy_blocks, the pull's ids uploaded once)
     local pool  [ .. 3 .. 17 .. 5 .. 90 .. ]
 
 Chunks overlap: while chunk k's local copy runs, chunk k+1 is on the wire; a slot is read into
@@ -27,13 +28,14 @@ are done.
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtransfer.remote import copy_pool_blocks
+from kvtransfer.remote import copy_blocks_kernel, copy_pool_blocks
 from kvtransfer.runs import block_runs, order_like
 
 if TYPE_CHECKING:
@@ -44,8 +46,9 @@ if TYPE_CHECKING:
 # descriptor each: 8 runs of a 2k-token prompt moved at 0.74-0.85 of one large copy, lease I/K),
 # staged when its source has at most half as many runs as the pairs do.
 MAX_DIRECT_RUNS = 8
-# A decode worker's staging area: this many blocks (at most STAGING_BYTES), in 4 slots.
-STAGING_BLOCKS = 64
+# A decode worker's staging area: this many blocks (at most STAGING_BYTES), in 4 slots: a
+# 2k-token prompt of Llama-3.1-8B (128 blocks of 2 MiB) in 4 READs of 32 blocks.
+STAGING_BLOCKS = 128
 STAGING_BYTES = 256 << 20
 STAGING_SLOTS = 4
 
@@ -66,6 +69,10 @@ class Staging:
         # the event after each slot's last local copy (CUDA), None when there is none pending
         self._copied: list[Any] = [None] * slots
         self._next = 0
+        # CUDA: a pull's ids go up in one copy from this pinned buffer (grown as needed), which
+        # is written again only once that copy has run (_uploaded)
+        self._pinned: torch.Tensor | None = None
+        self._uploaded: Any = None
         self.staged_reads = 0  # pulls that went through here (a counter for tests and figures)
 
     @property
@@ -80,31 +87,64 @@ class Staging:
         pairs = len(block_runs(src_ids, dst_ids) or ())
         return 2 * len(block_runs(src_ids, src_ids) or ()) <= pairs
 
-    def _take_slot(self) -> int:
-        slot = self._next
-        self._next = (slot + 1) % self.slots
+    def plan(self, src_ids: Sequence[int]) -> list[tuple[int, int, int, list[int]]]:
+        """The pull's chunks, (start, end, slot, staging block ids): slots round-robin, each
+        chunk's staging blocks ordered like its source blocks (kvtransfer.runs.order_like: a
+        source run in either direction is one descriptor)."""
+        out = []
+        for k, a in enumerate(range(0, len(src_ids), self.chunk)):
+            b = min(a + self.chunk, len(src_ids))
+            slot = (self._next + k) % self.slots
+            first = slot * self.chunk
+            out.append((a, b, slot, order_like(src_ids[a:b], range(first, first + b - a))))
+        self._next = (self._next + len(out)) % self.slots
+        return out
+
+    def upload(self, stage_ids: Sequence[int], dst_ids: Sequence[int]) -> torch.Tensor | None:
+        """CUDA: [2, n] int64 on the device (staging ids, destination ids), in one copy queued
+        on the current stream; None on the CPU."""
+        if not self.tensor.is_cuda:
+            return None
+        n = len(dst_ids)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last pull's ids have left the pinned buffer
+        if self._pinned is None or self._pinned.numel() < 2 * n:
+            self._pinned = torch.empty(2 * max(n, self.num_blocks), dtype=torch.int64,
+                                       pin_memory=True)
+        host = self._pinned[:2 * n]
+        host.copy_(torch.frombuffer(array("q", [*stage_ids, *dst_ids]), dtype=torch.int64))
+        with torch.cuda.device(self.tensor.device):
+            ids = host.view(2, n).to(self.tensor.device, non_blocking=True)
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+        return ids
+
+    def wait_slot(self, slot: int) -> None:
+        """Until the slot's last local copy has run (it may be written again)."""
         event, self._copied[slot] = self._copied[slot], None
         if event is not None:
-            event.synchronize()  # its last copy has run: the slot may be written again
-        return slot
+            event.synchronize()
 
-    def _copy_out(self, stage_ids: Sequence[int], local: torch.Tensor,
-                  dst_ids: Sequence[int]) -> None:
-        if not local.is_cuda:
+    def copy_out(self, slot: int, stage_ids: Sequence[int], local: torch.Tensor,
+                 dst_ids: Sequence[int], ids: torch.Tensor | None, a: int, b: int) -> None:
+        """A landed chunk into its blocks of `local`: CUDA, one copy_blocks launch on the
+        current stream with the uploaded ids[:, a:b]; CPU, done at once."""
+        if ids is None:
             copy_pool_blocks(self.tensor, local, stage_ids, dst_ids)
             return
         with torch.cuda.device(local.device):
-            copy_pool_blocks(self.tensor, local, stage_ids, dst_ids)
+            copy_blocks_kernel()(self.tensor, local, ids[0, a:b], ids[1, a:b])
             event = torch.cuda.Event()
             event.record()
-        self._copied[stage_ids[0] // self.chunk] = event
+        self._copied[slot] = event
 
     def close(self, endpoint: NixlEndpoint | None) -> None:
         """Wait for pending copies and deregister the area (idempotent)."""
-        for event in self._copied:
-            if event is not None:
-                event.synchronize()
-        self._copied = [None] * self.slots
+        for slot in range(self.slots):
+            self.wait_slot(slot)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+            self._uploaded = None
         if endpoint is not None:
             endpoint.deregister(self.tensor)
 
@@ -117,25 +157,22 @@ def staged_read(endpoint: NixlEndpoint, remote: NixlRemotePool, staging: Staging
     raised once no READ is in flight (every handle released); blocks already copied into
     place stay there (the caller frees them)."""
     staging.staged_reads += 1
-    n, chunk = len(src_ids), staging.chunk
-    # (transfer, its staging blocks, start, end): pairs a..b of the pull
-    inflight: deque[tuple[Transfer, list[int], int, int]] = deque()
+    chunks = staging.plan(src_ids)
+    ids = staging.upload([i for *_, stage in chunks for i in stage], dst_ids)
+    inflight: deque[tuple[Transfer, int, int, int, list[int]]] = deque()
 
     def land_first() -> None:
-        transfer, stage_ids, a, b = inflight.popleft()
+        transfer, a, b, slot, stage_ids = inflight.popleft()
         endpoint.complete(transfer, deadline, cancel)
-        staging._copy_out(stage_ids, local, dst_ids[a:b])
+        staging.copy_out(slot, stage_ids, local, dst_ids[a:b], ids, a, b)
 
     try:
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
+        for a, b, slot, stage_ids in chunks:
             if len(inflight) == staging.slots:
-                land_first()  # its slot is the one to use next
-            first = staging._take_slot() * chunk
-            # the slot's blocks in the order of the chunk's source runs (either direction)
-            stage_ids = order_like(src_ids[a:b], range(first, first + b - a))
+                land_first()  # the slot about to be read into again
+            staging.wait_slot(slot)
             inflight.append((endpoint.post("READ", remote, staging.tensor, stage_ids,
-                                           src_ids[a:b]), stage_ids, a, b))
+                                           src_ids[a:b]), a, b, slot, stage_ids))
             while inflight and endpoint.done(inflight[0][0]):
                 land_first()
         while inflight:

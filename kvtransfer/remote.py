@@ -204,7 +204,7 @@ def copy_pool_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, src_block_i
     ids = torch.frombuffer(array("q", [*src_block_ids, *dst_block_ids]),
                            dtype=torch.int64).view(2, n)
     ids = ids.pin_memory().to(dst_pool.device, non_blocking=True)
-    _copy_blocks_kernel()(src_pool, dst_pool, ids[0], ids[1])
+    copy_blocks_kernel()(src_pool, dst_pool, ids[0], ids[1])
 
 
 def _as_bytes(pool: torch.Tensor) -> torch.Tensor:
@@ -240,8 +240,10 @@ def check_block_ids(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int]
         raise InvalidArgument("dst_block_ids", "ids must be distinct")
 
 
-def _copy_blocks_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                                      None]:
+def copy_blocks_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                                     None]:
+    """kernels.copy_blocks.copy_blocks (src pool, dst pool, src ids, dst ids on the device),
+    imported on first use: Triton is there on CUDA machines only."""
     try:
         from kernels.copy_blocks import copy_blocks  # noqa: PLC0415 - triton only on CUDA
     except ImportError as e:
