@@ -235,7 +235,7 @@ async def counters(stack) -> dict[str, int]:
     from runtime.security import internal_channel
     from tandem.v1 import worker_pb2, worker_pb2_grpc
 
-    out = {"bytes": 0, "blocks": 0, "runs": 0, "staged": 0, "seconds": 0.0, "computed": 0}
+    out = {"bytes": 0, "blocks": 0, "runs": 0, "seconds": 0.0, "computed": 0}
     for name, p in stack.procs.items():
         if name == "router":
             continue
@@ -245,7 +245,6 @@ async def counters(stack) -> dict[str, int]:
         out["bytes"] += load.kv_bytes_pulled
         out["blocks"] += load.kv_blocks_pulled
         out["runs"] += load.kv_runs_pulled
-        out["staged"] += load.kv_pulls_staged
         out["seconds"] += load.kv_pull_seconds
         if load.role == "prefill":
             out["computed"] += load.prompt_tokens_computed

@@ -101,8 +101,6 @@ def parse_args() -> argparse.Namespace:
                    help="also time the copy_blocks kernel alone under many tile configurations")
     p.add_argument("--nixl", action="store_true",
                    help="also move the blocks over NIXL (transport nixl), pool to pool")
-    p.add_argument("--staging-chunks", type=int, nargs="+", default=[16, 32, 64],
-                   help="--nixl: staged READs in chunks of this many blocks (4 slots each)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     return p.parse_args()
 

@@ -2,8 +2,7 @@
 a pool registered with NIXL, and this process reads the same blocks into a registered pool of
 its own with NIXL READs, as a decode worker with `--transport nixl` does, then writes them back:
 the prompt's blocks scattered (one descriptor each), adjacent but paired in opposite directions
-(still one descriptor each), in 8 runs, and in one run (one descriptor); and from 8 runs (or
-one) into scattered blocks, direct and staged (kvtransfer/nixl_staging.py)."""
+(still one descriptor each), in 8 runs, and in one run (one descriptor)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ import torch
 
 from benchmarks.kv_transfer_blocks import as_bytes, blocks_match, fill_pattern, run_ids, summary
 from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.nixl_staging import Staging
 from kvtransfer.pool import TORCH_DTYPES, allocate_pool
 
 
@@ -115,31 +113,13 @@ def _rows(args: argparse.Namespace, endpoint, desc: PoolDescriptor, local: torch
              "nixl READ, adjacent blocks, one descriptor each": (adjacent, adjacent[::-1]),
              f"nixl READ, 8 runs of {n // 8} blocks": runs8,
              "nixl READ, adjacent blocks (1 run: one descriptor)": (adjacent, adjacent)}
-    # Staged (kvtransfer/nixl_staging.py): the source in runs, as a prefill worker's blocks
-    # come, into scattered blocks, as a decode worker's often are; through staging areas of 4
-    # slots of `chunk` blocks. Timed until the local copies are done too.
-    src_runs = runs8[0]
-    cases["nixl READ, 8 source runs into scattered blocks, direct"] = (src_runs, dst_ids)
-    staged = {f"nixl READ, 8 source runs into scattered blocks, staged by {c}":
-              (src_runs, dst_ids, Staging(local, num_blocks=4 * c, max_bytes=1 << 40))
-              for c in args.staging_chunks}
-    staged["nixl READ, one source run into scattered blocks, staged by 32"] = (
-        adjacent, dst_ids, Staging(local, num_blocks=128, max_bytes=1 << 40))
-    for name, (s_ids, d_ids, *st) in {**cases, **staged}.items():
-        staging = st[0] if st else None
-
-        def pull(s=s_ids, d=d_ids, staging=staging) -> None:
-            remote.pull(local, s, d, staging=staging)
-            if staging is not None:
-                _sync(dev)
-
+    for name, (s_ids, d_ids) in cases.items():
         as_bytes(local).zero_()
         _sync(dev)
-        pull()  # registers the local pool (and the staging area) on first use
-        correct = blocks_match(local, d_ids, s_ids) and (staging is None or staging.staged_reads)
-        out[name] = summary(_timed(pull, args), nbytes, bool(correct))
-        if staging is not None:
-            staging.close(endpoint)
+        remote.pull(local, s_ids, d_ids)  # registers the local pool on first use
+        correct = blocks_match(local, d_ids, s_ids)
+        times = _timed(lambda s=s_ids, d=d_ids: remote.pull(local, s, d), args)
+        out[name] = summary(times, nbytes, correct)
     # Pushes (one NIXL WRITE into the peer's pool; last, as they change it): the same
     # blocks the other way, made unlike the peer's first, then read back to check, then put
     # back as they were (the next endpoint's READs check the peer's pattern).

@@ -17,7 +17,6 @@ def add_parser(sub, name: str) -> None:
                    help="role prefill: how decode workers reach this pool")
     p.add_argument("--lease-ttl", type=float, default=30.0,
                    help="role prefill: seconds blocks stay pinned for a decode worker")
-    decode_server.add_staging_arg(p)
     add_worker_args(p)
     p.set_defaults(func=run)
 

@@ -325,21 +325,8 @@ def run(args: argparse.Namespace) -> int:
     return main_worker(args, role, make)
 
 
-def add_staging_arg(p: argparse.ArgumentParser) -> None:
-    def blocks(text: str) -> int:
-        n = int(text)
-        if n < 0:
-            raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-        return n
-
-    p.add_argument("--nixl-staging-blocks", type=blocks, default=64,
-                   help="role decode: blocks of the area NIXL pulls into scattered blocks land "
-                        "in first (at most 256 MiB; 0: none; kvtransfer/nixl_staging.py)")
-
-
 def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="run a decode worker")
     p.set_defaults(role="decode")
-    add_staging_arg(p)
     add_worker_args(p)
     p.set_defaults(func=run)

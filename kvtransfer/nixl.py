@@ -33,18 +33,19 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.nixl_remote import NixlHandle, NixlRemotePool
+from kvtransfer.nixl_remote import NixlRemotePool
 from kvtransfer.runs import block_runs
 from tandem.errors import InvalidArgument
 
@@ -86,6 +87,34 @@ def load_nixl() -> Any:
     return _api
 
 
+@dataclass(frozen=True)
+class NixlHandle:
+    """What a PoolDescriptor's handle holds for the nixl transport: the owner's agent name, the
+    pool's base address in the owner's address space, and the agent's metadata (its
+    connection info and the memory it registered; a capability: never logged)."""
+
+    agent: str
+    base: int
+    metadata: bytes = field(repr=False)
+
+    MAGIC = b"TNX1"
+    _HEAD = struct.Struct("<4sQH")  # magic, base address, agent name length
+
+    def pack(self) -> bytes:
+        name = self.agent.encode()
+        return self._HEAD.pack(self.MAGIC, self.base, len(name)) + name + self.metadata
+
+    @classmethod
+    def unpack(cls, data: bytes) -> NixlHandle:
+        head = cls._HEAD.size
+        if len(data) < head:
+            raise InvalidArgument("handle", "is not a nixl pool handle")  # bytes withheld
+        magic, base, n = cls._HEAD.unpack_from(data)
+        if magic != cls.MAGIC or len(data) < head + n + 1:
+            raise InvalidArgument("handle", "is not a nixl pool handle")
+        return cls(data[head:head + n].decode(), base, data[head + n:])
+
+
 def _run_rows(base: int, block_bytes: int, starts: Sequence[int], lengths: Sequence[int],
               device_id: int) -> np.ndarray:
     """NIXL descriptors (address, length, device id), one per run of blocks."""
@@ -101,16 +130,6 @@ def _mem(tensor: torch.Tensor) -> tuple[str, int]:
     if tensor.is_cuda:
         return "VRAM", tensor.device.index if tensor.device.index is not None else 0
     return "DRAM", 0
-
-
-@dataclass(eq=False)
-class Transfer:
-    """A posted NIXL transfer: its handle and last known state (PROC, DONE or ERR)."""
-
-    op: str                 # READ | WRITE
-    what: str               # for errors: "N blocks from <peer>"
-    handle: Any
-    state: str = "PROC"
 
 
 @dataclass(eq=False)
@@ -225,13 +244,7 @@ class NixlEndpoint:
                   cancel: threading.Event | None) -> None:
         """One NIXL transfer between blocks of `local` and of the peer's pool, one descriptor
         per run of blocks adjacent on both sides, waited for."""
-        self.complete(self.post(op, remote, local, local_ids, remote_ids), deadline, cancel)
-
-    def post(self, op: str, remote: NixlRemotePool, local: torch.Tensor,
-             local_ids: Sequence[int], remote_ids: Sequence[int]) -> Transfer:
-        """Start one transfer (READ: the peer's blocks remote_ids[i] into local_ids[i] of
-        `local`, registered here on first use; WRITE: the other way), one descriptor per run
-        of blocks adjacent on both sides. Every Transfer posted must go to `complete`."""
+        verb = op.lower()
         what = f"{len(local_ids)} blocks {'from' if op == 'READ' else 'to'} {remote.peer}"
         runs = block_runs(local_ids, remote_ids)
         assert runs is not None  # no limit
@@ -250,39 +263,19 @@ class NixlEndpoint:
                     op, self.agent.get_xfer_descs(local_rows, mem),
                     self.agent.get_xfer_descs(remote_rows, remote_mem), remote.peer)
             except Exception as e:  # NIXL's own errors (peer gone, no backend)
-                raise TransferFailed(f"NIXL cannot {op.lower()} {what}: {e}") from e
-            transfer = Transfer(op, what, handle)
-            try:
-                transfer.state = self.agent.transfer(handle)
-            except Exception as e:
-                self._release(handle)
-                raise TransferFailed(f"NIXL cannot {op.lower()} {what}: {e}") from e
-        return transfer
-
-    def done(self, transfer: Transfer) -> bool:
-        """Whether `transfer` is no longer in progress (done or failed): `complete` would not
-        wait."""
-        if transfer.state == "PROC":
-            transfer.state = self._state(transfer.handle)
-        return transfer.state != "PROC"
-
-    def complete(self, transfer: Transfer, deadline: float | None,
-                 cancel: threading.Event | None) -> None:
-        """Wait for a posted transfer and release its handle (once, whatever happens). Raises
-        TransferFailed, TimeoutError or PullCancelled, each only once NIXL no longer writes
-        into the transfer's destination."""
+                raise TransferFailed(f"NIXL cannot {verb} {what}: {e}") from e
         try:
-            if transfer.state == "PROC":
-                transfer.state = self._wait(transfer.handle, deadline, cancel)
-            if transfer.state != "DONE":
-                raise TransferFailed(f"NIXL failed to {transfer.op.lower()} {transfer.what}")
+            with self._lock:
+                try:
+                    state = self.agent.transfer(handle)
+                except Exception as e:
+                    raise TransferFailed(f"NIXL cannot {verb} {what}: {e}") from e
+            if state == "PROC":
+                state = self._wait(handle, deadline, cancel)
+            if state != "DONE":
+                raise TransferFailed(f"NIXL failed to {verb} {what}")
         finally:
-            self._release(transfer.handle)
-
-    def abandon(self, transfer: Transfer) -> None:
-        """Release a posted transfer not waited for (after another one's error): NIXL cancels
-        it, or it is waited for until nothing writes into its destination."""
-        self._release(transfer.handle)
+            self._release(handle)
 
     def _state(self, handle: Any) -> str:
         with self._lock:

@@ -1,53 +1,21 @@
 """A peer's pool over the nixl transport, as a decode worker holds it (`NixlRemotePool`, made by
-kvtransfer/nixl.py's `NixlEndpoint.connect` from the pool's `NixlHandle`): the ids of a pull
-checked against both pools, then one READ through the endpoint (or staged READs,
-kvtransfer/nixl_staging.py).
+kvtransfer/nixl.py's `NixlEndpoint.connect`): the ids of a pull checked against both pools, then
+one READ through the endpoint.
 """
 
 from __future__ import annotations
 
-import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.nixl_staging import Staging, staged_read
 from tandem.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from kvtransfer.nixl import NixlEndpoint
-
-
-@dataclass(frozen=True)
-class NixlHandle:
-    """What a PoolDescriptor's handle holds for the nixl transport: the owner's agent name, the
-    pool's base address in the owner's address space, and the agent's metadata (its
-    connection info and the memory it registered; a capability: never logged)."""
-
-    agent: str
-    base: int
-    metadata: bytes = field(repr=False)
-
-    MAGIC = b"TNX1"
-    _HEAD = struct.Struct("<4sQH")  # magic, base address, agent name length
-
-    def pack(self) -> bytes:
-        name = self.agent.encode()
-        return self._HEAD.pack(self.MAGIC, self.base, len(name)) + name + self.metadata
-
-    @classmethod
-    def unpack(cls, data: bytes) -> NixlHandle:
-        head = cls._HEAD.size
-        if len(data) < head:
-            raise InvalidArgument("handle", "is not a nixl pool handle")  # bytes withheld
-        magic, base, n = cls._HEAD.unpack_from(data)
-        if magic != cls.MAGIC or len(data) < head + n + 1:
-            raise InvalidArgument("handle", "is not a nixl pool handle")
-        return cls(data[head:head + n].decode(), base, data[head + n:])
 
 
 class NixlRemotePool:
@@ -70,26 +38,16 @@ class NixlRemotePool:
 
     def pull(self, local: torch.Tensor, src_block_ids: Sequence[int],
              dst_block_ids: Sequence[int], *, deadline: float | None = None,
-             cancel: threading.Event | None = None, staging: Staging | None = None) -> None:
+             cancel: threading.Event | None = None) -> None:
         """Read blocks `src_block_ids[i]` of the peer's pool into blocks `dst_block_ids[i]` of
-        `local` (same layout; registered with this endpoint on first use). One READ, or with
-        `staging` (an area like `local`'s blocks) and destination blocks scattered where the
-        source's are not, staged READs (kvtransfer/nixl_staging.py: the local copies queued on
-        the current stream). Returns when the READs are done. Raises TransferFailed,
-        TimeoutError (past `deadline`, a time.monotonic() value) or PullCancelled (`cancel`
-        set), each only once nothing writes into the destination blocks any more."""
+        `local` (same layout; registered with this endpoint on first use). One READ; returns
+        when it is done. Raises TransferFailed, TimeoutError (past `deadline`, a
+        time.monotonic() value) or PullCancelled (`cancel` set), each only once nothing writes
+        into the destination blocks any more."""
         if self._closed:
             raise RuntimeError("NixlRemotePool is closed")
         _check_ids(self.descriptor, local, src_block_ids, dst_block_ids)
-        if not src_block_ids:
-            return
-        if (staging is not None and staging.tensor.device == local.device
-                and staging.tensor.dtype == local.dtype
-                and staging.tensor.shape[1:] == local.shape[1:]
-                and staging.wants(src_block_ids, dst_block_ids)):
-            staged_read(self.endpoint, self, staging, local, src_block_ids, dst_block_ids,
-                        deadline, cancel)
-        else:
+        if src_block_ids:
             self.endpoint.read(self, local, src_block_ids, dst_block_ids, deadline, cancel)
 
     def push(self, local: torch.Tensor, src_block_ids: Sequence[int],

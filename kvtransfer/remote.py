@@ -24,7 +24,6 @@ import weakref
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -101,8 +100,7 @@ def open_remote_pool(desc: PoolDescriptor, device: torch.device | str) -> Remote
 
 
 def pull_blocks(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
-                dst_block_ids: Sequence[int], deadline: float | None = None,
-                staging: Any = None) -> TransferStats:
+                dst_block_ids: Sequence[int], deadline: float | None = None) -> TransferStats:
     """Copy blocks `src_block_ids[i]` of the remote pool into blocks `dst_block_ids[i]` of
     `local` (a pool tensor of the same layout, on the device the remote pool was opened on).
 
@@ -112,14 +110,11 @@ def pull_blocks(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence
 
     nixl: one NIXL READ, waited for; past `deadline` (time.monotonic()) it is cancelled and
     TimeoutError raised (the local copies above take no deadline: they cannot stall on a peer).
-    With `staging` (kvtransfer.nixl_staging.Staging) a pull into scattered blocks is staged:
-    its local copies are queued on the current stream when this returns.
     """
     if remote.descriptor.transport == "nixl":
         n = len(src_block_ids)
         start = time.perf_counter()
-        remote.pull(local, src_block_ids, dst_block_ids,  # type: ignore[attr-defined]
-                    deadline=deadline, staging=staging)
+        remote.pull(local, src_block_ids, dst_block_ids, deadline=deadline)  # type: ignore[attr-defined]
         return TransferStats(num_blocks=n, bytes=n * remote.descriptor.block_bytes,
                              seconds=time.perf_counter() - start if n else 0.0)
     src_pool = remote.tensor
@@ -132,7 +127,11 @@ def pull_blocks(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence
         launch_pull(remote, local, src_block_ids, dst_block_ids, checked=True)
         torch.cuda.current_stream(local.device).synchronize()
     else:
-        copy_pool_blocks(src_pool, local, src_block_ids, dst_block_ids)
+        src_ids = torch.tensor(src_block_ids, dtype=torch.int64)
+        dst_ids = torch.tensor(dst_block_ids, dtype=torch.int64)
+        # As bytes: pages move unchanged, and the CPU has no index_copy_ for float8.
+        local.view(torch.uint8).index_copy_(0, dst_ids,
+                                            src_pool.view(torch.uint8).index_select(0, src_ids))
     seconds = time.perf_counter() - start
     return TransferStats(num_blocks=n, bytes=n * local[0].numel() * local.element_size(),
                          seconds=seconds)
@@ -161,50 +160,34 @@ class PendingPull:
 def launch_pull(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
                 dst_block_ids: Sequence[int], checked: bool = False) -> PendingPull:
     """The CUDA half of pull_blocks without its wait: the copies launched on the current
-    stream (`copy_pool_blocks`), after whatever that stream already holds and before whatever
-    is launched on it later (a decode worker's next step reads the blocks in order; its step in
+    stream (one cudaMemcpyAsync per run of adjacent blocks, or the ids uploaded and one
+    copy_blocks launch), after whatever that stream already holds and before whatever is
+    launched on it later (a decode worker's next step reads the blocks in order; its step in
     flight, which may still write blocks just freed and now pulled into, writes first). The
     peer may reuse its blocks only once `done()`."""
     src_pool = remote.tensor
     if not checked:
         _check_pull(src_pool, local, src_block_ids, dst_block_ids)
     n = len(src_block_ids)
+    runs = block_runs(src_block_ids, dst_block_ids, limit=MAX_COPY_RUNS)
+    copy_blocks = None if runs or not n else _copy_blocks_kernel()
     with torch.cuda.device(local.device):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        copy_pool_blocks(src_pool, local, src_block_ids, dst_block_ids)
+        if runs:
+            src_bytes, dst_bytes = _as_bytes(src_pool), _as_bytes(local)
+            for s, d, k in runs:  # each a contiguous range on both sides: one memcpy
+                dst_bytes[d:d + k].copy_(src_bytes[s:s + k])
+        elif n:
+            # Both id lists in one pinned upload: at ~1 ms per transfer, every extra
+            # synchronous copy shows in the achieved bandwidth. Built from an array: a third
+            # of torch.tensor's host time for a list of ints.
+            ids = torch.frombuffer(array("q", [*src_block_ids, *dst_block_ids]),
+                                   dtype=torch.int64).view(2, n)
+            ids = ids.pin_memory().to(local.device, non_blocking=True)
+            copy_blocks(src_pool, local, ids[0], ids[1])  # type: ignore[misc]
         end.record()
     return PendingPull(n, n * local[0].numel() * local.element_size(), start, end)
-
-
-def copy_pool_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, src_block_ids: Sequence[int],
-                     dst_block_ids: Sequence[int]) -> None:
-    """Blocks src_block_ids[i] of src_pool into dst_block_ids[i] of dst_pool (same block
-    layout, one device, ids checked by the caller). CUDA: launched on the current stream, not
-    waited for: one cudaMemcpyAsync per run of adjacent blocks when there are at most
-    MAX_COPY_RUNS runs, else one copy_blocks launch. CPU: done when this returns."""
-    n = len(src_block_ids)
-    if not n:
-        return
-    src_bytes, dst_bytes = _as_bytes(src_pool), _as_bytes(dst_pool)
-    if not dst_pool.is_cuda:  # as bytes: pages move unchanged, and the CPU has no
-        # index_copy_ for float8
-        src_ids = torch.tensor(src_block_ids, dtype=torch.int64)
-        dst_ids = torch.tensor(dst_block_ids, dtype=torch.int64)
-        dst_bytes.index_copy_(0, dst_ids, src_bytes.index_select(0, src_ids))
-        return
-    runs = block_runs(src_block_ids, dst_block_ids, limit=MAX_COPY_RUNS)
-    if runs:
-        for s, d, k in runs:  # each a contiguous range on both sides: one memcpy
-            dst_bytes[d:d + k].copy_(src_bytes[s:s + k])
-        return
-    # Both id lists in one pinned upload: at ~1 ms per transfer, every extra synchronous copy
-    # shows in the achieved bandwidth. Built from an array: a third of torch.tensor's host time
-    # for a list of ints.
-    ids = torch.frombuffer(array("q", [*src_block_ids, *dst_block_ids]),
-                           dtype=torch.int64).view(2, n)
-    ids = ids.pin_memory().to(dst_pool.device, non_blocking=True)
-    copy_blocks_kernel()(src_pool, dst_pool, ids[0], ids[1])
 
 
 def _as_bytes(pool: torch.Tensor) -> torch.Tensor:
@@ -240,10 +223,8 @@ def check_block_ids(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int]
         raise InvalidArgument("dst_block_ids", "ids must be distinct")
 
 
-def copy_blocks_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                                     None]:
-    """kernels.copy_blocks.copy_blocks (src pool, dst pool, src ids, dst ids on the device),
-    imported on first use: Triton is there on CUDA machines only."""
+def _copy_blocks_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                                      None]:
     try:
         from kernels.copy_blocks import copy_blocks  # noqa: PLC0415 - triton only on CUDA
     except ImportError as e:

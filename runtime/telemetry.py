@@ -381,7 +381,6 @@ class Telemetry:
         span = self.tracer.start_span("kv_transfer", context=ctx, start_time=pull.start_ns,
                                       attributes={
             "tandem.kv.blocks": pull.num_blocks, "tandem.kv.runs": pull.num_runs,
-            "tandem.kv.staged": pull.staged,
             "tandem.kv.bytes": pull.nbytes,
             "tandem.kv.gbps": pull.nbytes / pull.seconds / 1e9 if pull.seconds > 0 else 0.0,
             "tandem.kv.transport": pull.transport, "tandem.kv.source": pull.address})

@@ -119,8 +119,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prefix_cache_hits=s.prefix_hits, dtype=self.engine.spec.config.dtype,
             instance_id=self.instance_id, prompt_tokens_computed=s.prompt_tokens_computed,
             kv_blocks_pulled=s.kv_blocks_pulled, kv_bytes_pulled=s.kv_bytes_pulled,
-            kv_runs_pulled=s.kv_runs_pulled, kv_pulls_staged=s.kv_pulls_staged,
-            kv_pull_seconds=s.kv_pull_seconds)
+            kv_runs_pulled=s.kv_runs_pulled, kv_pull_seconds=s.kv_pull_seconds)
 
     async def WatchKV(self, request, context):  # noqa: N802
         try:
@@ -167,7 +166,6 @@ async def run_worker(args: argparse.Namespace, role: str,
 
     tls = ClusterTls.from_args(args)  # bad flags fail before the engine loads
     spec = CoreSpec(engine_config(args, role=role), role, transport, lease_ttl_s,
-                    nixl_staging_blocks=getattr(args, "nixl_staging_blocks", 64),
                     cpu_threads=args.cpu_threads, process_setup=configure_process_logging)
     engine = AsyncEngine(spec, on_step=metrics.on_step, on_abort=metrics.on_abort,
                          on_death=on_death)

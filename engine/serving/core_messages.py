@@ -36,8 +36,6 @@ class CoreSpec:
     role: str  # prefill, decode, both
     transport: str | None = None  # prefill: how peers map the pool (shm, cuda_ipc)
     lease_ttl_s: float = 30.0  # prefill: how long a handed-off prompt's blocks stay pinned
-    # decode: blocks of the area NIXL pulls into scattered blocks land in (0: none)
-    nixl_staging_blocks: int = 64
     # torch's CPU threads for the model: None is 1 on a GPU (the host only prepares steps) and
     # every core on the CPU. Engine cores that share a CPU each get their share (`tandem up`):
     # more threads than cores, spinning between parallel regions, stall every step for seconds.
@@ -80,7 +78,6 @@ class EngineSnapshot:
     kv_blocks_pulled: int = 0  # decode role: blocks copied in from prefill workers
     kv_bytes_pulled: int = 0
     kv_runs_pulled: int = 0  # the copies those blocks took (kvtransfer/runs.py)
-    kv_pulls_staged: int = 0  # pulls through a staging area (kvtransfer/nixl_staging.py)
     kv_pull_seconds: float = 0.0  # the time those pulls took (LeaseDone.seconds, summed)
 
     @property
@@ -108,7 +105,6 @@ class LeaseDone:
     transport: str = ""
     error: str | None = None  # why the pull failed
     num_runs: int = 0  # copies of blocks adjacent in both pools (0: a pull of heads, per rank)
-    staged: bool = False  # through a staging area (kvtransfer/nixl_staging.py)
 
 
 # -- commands (worker -> core) --------------------------------------------------------------

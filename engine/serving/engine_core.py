@@ -97,7 +97,7 @@ class EngineCore:
             self.rank_pools = tuple(self.engine.tp_group.call(
                 "describe", (), self.rank_kv.describe)[1:])
         # Decode role: the prefill pools, the pulls from them, and the leases they settle.
-        self.kv = KVPulls(self.engine, self.rank_kv, events, spec.nixl_staging_blocks)
+        self.kv = KVPulls(self.engine, self.rank_kv, events)
         if spec.role == "decode":
             self.engine.kv_puller, self.engine.kv_dropper = self.kv.pull, self.kv.drop
             self.engine.kv_pull_in_stream = self.kv.in_stream
@@ -250,8 +250,7 @@ class EngineCore:
                               pool.block_size, pool.prefix_queries, pool.prefix_hits,
                               e.scheduler.num_preemptions, e.num_prompt_tokens_computed,
                               self.kv.blocks_pulled, self.kv.bytes_pulled,
-                              self.kv.runs_pulled, self.kv.pulls_staged,
-                              self.kv.pull_seconds)
+                              self.kv.runs_pulled, self.kv.pull_seconds)
 
     def _kv_events(self) -> KVEvents | None:
         stored, removed = self.engine.block_pool.take_events()

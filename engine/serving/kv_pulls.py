@@ -27,8 +27,7 @@ from kvtransfer.runs import block_runs
 
 
 class KVPulls:
-    def __init__(self, engine: Any, rank_kv: Any, events: Connection,
-                 staging_blocks: int = 64) -> None:
+    def __init__(self, engine: Any, rank_kv: Any, events: Connection) -> None:
         self.engine = engine  # its runner's pool and device, its tensor-parallel group
         # Rank 0's side of a handoff that moves heads between tensor-parallel sizes.
         self.rank_kv = rank_kv
@@ -38,15 +37,10 @@ class KVPulls:
         # The leases this core owns, token -> request id, from Add until their one LeaseDone
         # (pulled, failed, or the request ended first): settled by popping.
         self.leases_held: dict[str, str] = {}
-        self.blocks_pulled = self.bytes_pulled = self.runs_pulled = self.pulls_staged = 0
+        self.blocks_pulled = self.bytes_pulled = self.runs_pulled = 0
         self.pull_seconds = 0.0
         # (lease, start ns, PendingPull, runs)
         self.pending: list[tuple[RemoteKV, int, Any, int]] = []
-        # Where NIXL pulls into scattered blocks land first (kvtransfer/nixl_staging.py), made
-        # when the first nixl pool is mapped, and the endpoint it is registered with.
-        self.staging_blocks = staging_blocks
-        self.staging: Any = None
-        self.staging_endpoint: Any = None
 
     def hold(self, kv: RemoteKV, request_id: str) -> None:
         self.leases_held[kv.lease_id] = request_id
@@ -78,11 +72,6 @@ class KVPulls:
         self.flush()  # no copy still reads the mapping about to close
         device = "cpu" if descriptor.transport == "shm" else self.engine.runner.device
         self.peers[address] = (instance_id, open_remote_pool(descriptor, device))
-        if descriptor.transport == "nixl" and self.staging is None and self.staging_blocks:
-            from kvtransfer.nixl_staging import Staging  # noqa: PLC0415 - torch, in the core only
-
-            self.staging = Staging(self.engine.runner.pool, self.staging_blocks)
-            self.staging_endpoint = self.peers[address][1].endpoint
         if old is not None:
             with contextlib.suppress(Exception):
                 old[1].close()
@@ -97,7 +86,6 @@ class KVPulls:
         start_ns = time.time_ns()
         stats = error = None
         runs = len(block_runs(src_block_ids, dst_block_ids) or ())
-        staged_before = self.staging.staged_reads if self.staging is not None else 0
         instance, pool = self.peers.get(kv.address, ("", None))
         try:
             if pool is None:
@@ -114,7 +102,7 @@ class KVPulls:
                     pool, self.engine.runner.pool, src_block_ids, dst_block_ids), runs))
                 return
             stats = pull_blocks(pool, self.engine.runner.pool, src_block_ids, dst_block_ids,
-                                deadline=kv.deadline, staging=self.staging)
+                                deadline=kv.deadline)
         except Exception as e:
             error = e
             raise
@@ -122,8 +110,6 @@ class KVPulls:
             if error is not None or stats is not None:  # else launched: settled when done
                 self.settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
                             num_blocks=len(src_block_ids), num_runs=runs,
-                            staged=self.staging is not None
-                            and self.staging.staged_reads > staged_before,
                             nbytes=stats.bytes if stats else 0,
                             seconds=stats.seconds if stats else 0.0,
                             transport=pool.descriptor.transport if pool is not None else "",
@@ -194,7 +180,6 @@ class KVPulls:
             self.blocks_pulled += pull.get("num_blocks", 0)
             self.bytes_pulled += pull.get("nbytes", 0)
             self.runs_pulled += pull.get("num_runs", 0)
-            self.pulls_staged += pull.get("staged", False)
             self.pull_seconds += pull.get("seconds", 0.0)
         if request_id is not None:
             self.events.send(LeaseDone(request_id, kv.address, kv.lease_id, **pull))
@@ -204,9 +189,6 @@ class KVPulls:
         reads them."""
         with contextlib.suppress(Exception):
             self.flush()
-        if self.staging is not None:
-            with contextlib.suppress(Exception):
-                self.staging.close(self.staging_endpoint)
         for _, pool in self.peers.values():
             with contextlib.suppress(Exception):
                 pool.close()

@@ -257,7 +257,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_leases", "block_size", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "dtype", "instance_id", "prompt_tokens_computed", "kv_blocks_pulled", "kv_bytes_pulled", "kv_runs_pulled", "kv_pulls_staged", "kv_pull_seconds")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_leases", "block_size", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "dtype", "instance_id", "prompt_tokens_computed", "kv_blocks_pulled", "kv_bytes_pulled", "kv_runs_pulled", "kv_pull_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -275,7 +275,6 @@ class Load(_message.Message):
     KV_BLOCKS_PULLED_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PULLED_FIELD_NUMBER: _ClassVar[int]
     KV_RUNS_PULLED_FIELD_NUMBER: _ClassVar[int]
-    KV_PULLS_STAGED_FIELD_NUMBER: _ClassVar[int]
     KV_PULL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
@@ -294,6 +293,5 @@ class Load(_message.Message):
     kv_blocks_pulled: int
     kv_bytes_pulled: int
     kv_runs_pulled: int
-    kv_pulls_staged: int
     kv_pull_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., dtype: _Optional[str] = ..., instance_id: _Optional[str] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_blocks_pulled: _Optional[int] = ..., kv_bytes_pulled: _Optional[int] = ..., kv_runs_pulled: _Optional[int] = ..., kv_pulls_staged: _Optional[int] = ..., kv_pull_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., dtype: _Optional[str] = ..., instance_id: _Optional[str] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_blocks_pulled: _Optional[int] = ..., kv_bytes_pulled: _Optional[int] = ..., kv_runs_pulled: _Optional[int] = ..., kv_pull_seconds: _Optional[float] = ...) -> None: ...

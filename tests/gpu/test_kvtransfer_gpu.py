@@ -172,7 +172,7 @@ def test_pull_blocks_moves_runs_on_the_copy_engines(producer: Producer, monkeypa
     def no_kernel():
         raise AssertionError("a pull of 3 runs launched the copy_blocks kernel")
 
-    monkeypatch.setattr(remote_mod, "copy_blocks_kernel", no_kernel)
+    monkeypatch.setattr(remote_mod, "_copy_blocks_kernel", no_kernel)
     remote = open_remote_pool(producer.descriptor, "cuda:0")
     local = allocate_pool(num_blocks=64, dtype=DTYPE, device="cuda:0", transport="cuda_ipc",
                           **SHAPE)

@@ -91,6 +91,7 @@ def test_cuda_ipc_pulls_settle_when_their_copy_is_done(monkeypatch):
     kp.poll()
     assert len(events.sent) == 3 and not kp.pending and not kp.leases_held
     assert kp.blocks_pulled == 6 and kp.runs_pulled == 4 and events.sent[2].num_runs == 2
+    assert kp.pull_seconds == pytest.approx(sum(e.seconds for e in events.sent))
 
 
 def test_close_and_a_new_mapping_wait_for_copies_in_flight(monkeypatch):

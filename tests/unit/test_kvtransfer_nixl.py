@@ -224,26 +224,21 @@ def test_the_process_endpoint_runs_a_progress_thread_only_where_it_serves(monkey
 def test_the_benchmarks_nixl_rows_move_the_right_bytes_on_the_cpu() -> None:
     """benchmarks/kv_transfer.py --nixl runs unattended on a GPU box; its producer process and
     READ and WRITE loops (benchmarks/kv_transfer_nixl.py) are the same code on host memory,
-    checked here (the WRITE rows read back what they wrote; the staged rows were staged)."""
+    checked here (the WRITE rows read back what they wrote)."""
     import argparse
     import random
 
     from benchmarks.kv_transfer_nixl import measure_nixl
 
-    shape = dict(num_blocks=64, **SHAPE)
+    shape = dict(num_blocks=32, **SHAPE)
     rng = random.Random(1)
-    args = argparse.Namespace(warmup=1, repeats=2, seed=0, staging_chunks=[2, 8])
-    rows = measure_nixl(args, "cpu", "cpu", shape, "bfloat16", rng.sample(range(64), 32),
-                        rng.sample(range(64), 32))
+    rows = measure_nixl(argparse.Namespace(warmup=1, repeats=2, seed=0), "cpu", "cpu", shape,
+                        "bfloat16", rng.sample(range(32), 16), rng.sample(range(32), 16))
     names = {"nixl READ, scattered blocks (NixlRemotePool.pull)",
-             "nixl READ, adjacent blocks, one descriptor each", "nixl READ, 8 runs of 4 blocks",
+             "nixl READ, adjacent blocks, one descriptor each", "nixl READ, 8 runs of 2 blocks",
              "nixl READ, adjacent blocks (1 run: one descriptor)",
-             "nixl READ, 8 source runs into scattered blocks, direct",
-             "nixl READ, 8 source runs into scattered blocks, staged by 2",
-             "nixl READ, 8 source runs into scattered blocks, staged by 8",
-             "nixl READ, one source run into scattered blocks, staged by 32",
              "nixl WRITE, scattered blocks (NixlRemotePool.push)",
-             "nixl WRITE, 8 runs of 4 blocks", "nixl WRITE, adjacent blocks (1 run: one descriptor)"}
+             "nixl WRITE, 8 runs of 2 blocks", "nixl WRITE, adjacent blocks (1 run: one descriptor)"}
     assert set(rows) == {f"{n} [{label}]" for n in names
                          for label in ("progress thread", "no progress thread",
                                        "4 posting threads")}
