@@ -126,9 +126,10 @@ class PipelinedSteps:
 
     def _can_pipeline(self, batch: ScheduledBatch) -> bool:
         """Whether this batch may run while the previous step's tokens are unknown: not with
-        a KV pull that writes the pool outside this stream (NIXL: the step in flight, which may
-        still write blocks freed since, must be done first; a pull in stream order is fine,
-        `kv_pull_in_stream`), nor preemption (a victim's placeholder is resolved before it is
+        a KV pull that must find no step in flight (one that writes the pool outside this
+        stream at once, while the step in flight may still write blocks freed since; a pull
+        in stream order, or posted after the stream passed it, is fine: `kv_pull_in_stream`),
+        nor preemption (a victim's placeholder is resolved before it is
         ever recomputed), nor a row that needs its sample's tokens on the host (penalties,
         logprobs) or forks its samples (n > 1, first token). A grammar's row takes the
         previous step's tokens before its sampling is launched (the module's doc)."""

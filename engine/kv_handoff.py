@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.block_pool import BlockPool
 from engine.config import ModelConfig, cdiv
@@ -25,9 +25,25 @@ from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
+# How long an engine with nothing to run but pulls in flight waits before looking again.
+PULL_POLL_S = 1e-4
+
+class PendingPull(Protocol):
+    """A pull that completes outside the engine's stream (NIXL), as a KVPuller returns it."""
+
+    def done(self) -> bool:
+        """Whether the blocks are in place, without waiting; raises if the pull failed (and
+        then nothing writes into them any more)."""
+
+    def cancel(self) -> None:
+        """The request ended first: stop the pull; returns once nothing writes the blocks."""
+
+
 # Copies blocks src[i] of a request's prompt KV at its source into local blocks dst[i] (the
 # prompt's blocks this worker does not hold already; possibly none); raises if it cannot.
-KVPuller = Callable[[RemoteKV, list[int], list[int]], None]
+# Returns None when the blocks are in place or ordered before the engine's next step on the
+# device, or a PendingPull to poll.
+KVPuller = Callable[[RemoteKV, list[int], list[int]], "PendingPull | None"]
 # Told when a request whose KV was never pulled ends (so its source can be released).
 KVDropper = Callable[[RemoteKV], None]
 
@@ -45,6 +61,7 @@ class KVHandoff:
     lease_ttl_s: float  # prefill: how long a handed-off prompt's blocks stay pinned
     kv_puller: KVPuller | None
     kv_dropper: KVDropper | None
+    pulling: list[tuple[Sequence, RemoteKV]]
 
     if TYPE_CHECKING:  # LLMEngine's, for the type checker
         def validate(self, request_id: str, prompt_token_ids: list[int],
@@ -143,17 +160,61 @@ class KVHandoff:
             # The leading blocks came from this worker's prefix cache (allocate_for_pull).
             kept = seq.num_cached_blocks
             try:
-                self.kv_puller(remote, list(remote.block_ids[kept:]), seq.block_ids[kept:])
+                pending = self.kv_puller(remote, list(remote.block_ids[kept:]),
+                                         seq.block_ids[kept:])
             except Exception as e:  # noqa: BLE001 - any transport failure fails this request
                 log.warning("KV pull failed for %s: %s", seq.request_id, e)
                 outputs += self.fail([seq.request_id], f"KV transfer failed: {e}")
                 continue
-            try:
-                outputs += self._start_decoding(seq, remote)
-            except Exception:  # this request's own state: it fails alone
-                log.exception("request %s failed after its KV pull", seq.request_id)
-                outputs += self.fail([seq.request_id], "internal error after the KV pull")
+            if pending is not None:  # not scheduled until it is done (_poll_pulls)
+                seq.kv_pull = pending
+                self.pulling.append((seq, remote))
+                continue
+            outputs += self._decode_pulled(seq, remote)
         return outputs
+
+    def _poll_pulls(self, idle: bool = False) -> list[SeqOutput]:
+        """Start decoding the sequences whose pull is done; fail those whose pull failed.
+        `idle`: nothing else to run, so wait a little for one instead of spinning."""
+        outputs: list[SeqOutput] = []
+        still = []
+        for seq, remote in self.pulling:
+            pull = seq.kv_pull
+            if pull is None:  # ended meanwhile (_finish cancelled the pull)
+                continue
+            try:
+                if not pull.done():
+                    still.append((seq, remote))
+                    continue
+            except Exception as e:  # noqa: BLE001 - any transport failure fails this request
+                seq.kv_pull = None
+                log.warning("KV pull failed for %s: %s", seq.request_id, e)
+                outputs += self.fail([seq.request_id], f"KV transfer failed: {e}")
+                continue
+            seq.kv_pull = None
+            outputs += self._decode_pulled(seq, remote)
+        self.pulling = still
+        if idle and still and not outputs:
+            time.sleep(PULL_POLL_S)
+        return outputs
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        """A request ends: a lease never pulled is let go, a pull in flight stopped (nothing may
+        write its blocks once they are freed)."""
+        if seq.remote is not None:
+            remote, seq.remote = seq.remote, None
+            if self.kv_dropper is not None:
+                self.kv_dropper(remote)
+        if seq.kv_pull is not None:
+            pull, seq.kv_pull = seq.kv_pull, None
+            pull.cancel()
+
+    def _decode_pulled(self, seq: Sequence, remote: RemoteKV) -> list[SeqOutput]:
+        try:
+            return self._start_decoding(seq, remote)
+        except Exception:  # this request's own state: it fails alone
+            log.exception("request %s failed after its KV pull", seq.request_id)
+            return self.fail([seq.request_id], "internal error after the KV pull")
 
     def _start_decoding(self, seq: Sequence, remote: RemoteKV) -> list[SeqOutput]:
         """A pulled request's prompt is computed; its first token(s) came with the handoff, and

@@ -95,6 +95,8 @@ class LLMEngine(KVHandoff, PipelinedSteps):
         # on beside it); None: no pull is (engine/async_step.py).
         self.kv_pull_in_stream: Callable[[RemoteKV], bool] | None = None
         self.kv_dropper = kv_dropper
+        # Sequences (and their KV's source) whose pull completes outside the stream (NIXL)
+        self.pulling: list[tuple[Sequence, RemoteKV]] = []
         self.requests: dict[str, list[Sequence]] = {}
         self.num_requests_added = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, all told
@@ -224,6 +226,8 @@ class LLMEngine(KVHandoff, PipelinedSteps):
         if len(self.leases):
             self.expire_leases()
         outputs = self._grammars_ready() if self.compiling else []
+        if self.pulling:
+            outputs += self._poll_pulls()
         batch = self.scheduler.schedule()
         pipelined = bool(batch.seqs) and self._pipeline_enabled() and self._can_pipeline(batch)
         prev, self.inflight = self.inflight, None
@@ -247,6 +251,8 @@ class LLMEngine(KVHandoff, PipelinedSteps):
             ran.append(self._resolve(prev))
         for outs, _, _ in ran:
             outputs += outs
+        if self.pulling:  # the step in flight resolved: a pull waiting on it may start
+            outputs += self._poll_pulls(idle=not batch.seqs)
         self.scheduler.remove_finished()
         self.last_step = StepStats(len(batch.seqs), batch.num_tokens, batch.num_decodes,
                                    len(batch.preempted), time.perf_counter() - t0,
@@ -358,10 +364,7 @@ class LLMEngine(KVHandoff, PipelinedSteps):
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:  # a step in flight's
             seq.token_ids.pop()
-        if seq.remote is not None:
-            remote, seq.remote = seq.remote, None
-            if self.kv_dropper is not None:
-                self.kv_dropper(remote)
+        self._drop_kv(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()

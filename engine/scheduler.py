@@ -9,7 +9,8 @@ Each step, oldest first:
      for the running sequences to grow into; a prompt may start with a partial chunk.
 Decode role: a waiting sequence whose KV lives on a prefill worker is admitted with the full
 prompt blocks this worker's prefix cache holds and fresh blocks for the rest, and listed in
-`pulls`; the engine copies the rest in before the step runs.
+`pulls`; the engine copies the rest in before the step runs, or, over NIXL, starts a pull the
+sequence waits for (not scheduled, never preempted) while the others go on.
 """
 
 from __future__ import annotations
@@ -79,12 +80,12 @@ class Scheduler:
                 budget -= 1
                 i += 1
                 continue
-            if n <= 0:  # KV pulled this step; decodes from the next
+            if n <= 0 or seq.kv_pull is not None:  # KV pulled this step, or still arriving
                 i += 1
                 continue
             n = min(n, budget)
             while not self.kv.allocate_slots(seq, n, copies=batch.copies):
-                victim = running.pop()
+                victim = self._pop_victim()
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
@@ -129,6 +130,15 @@ class Scheduler:
         batch.seqs = decodes + [s for s, _ in chunks]
         batch.num_new_tokens = [1] * len(decodes) + [n for _, n in chunks]
         return batch
+
+    def _pop_victim(self) -> Sequence:
+        """The newest running sequence whose KV is not still arriving (a pull in flight writes
+        its blocks: they cannot be freed under it)."""
+        running = self.running
+        j = len(running) - 1
+        while running[j].kv_pull is not None:
+            j -= 1
+        return running.pop(j)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the blocks (full ones stay in the prefix cache), requeue

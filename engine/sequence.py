@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarState
+    from engine.kv_handoff import PendingPull
 
 _seq_counter = itertools.count()
 
@@ -85,6 +86,9 @@ class Sequence:
         self.prefill_chunks: list[tuple[float, float, int]] = []
         self.logprobs: list[TokenLogprobs | None] = []
         self.remote: RemoteKV | None = None
+        # Decode role: a pull of this sequence's prompt KV still in flight outside the engine's
+        # stream (engine/kv_handoff.py PendingPull); not scheduled until it is done.
+        self.kv_pull: PendingPull | None = None
         self.num_preemptions = 0
         # Samples still to fork off this sequence when its first token is sampled (n > 1).
         self.pending_forks = params.n - 1

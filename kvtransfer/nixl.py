@@ -16,15 +16,12 @@ registers its own pool on first use, and moves each request's KV with one NIXL R
     descriptor as one copy (over cuda_ipc, one cudaMemcpyAsync), so a prompt whose blocks
     form a few runs moves at the rate of one large copy.
 
-A pull returns only when the transfer is over: done (the blocks are in place and the lease may
-be released), or failed, timed out or cancelled, and then only once NIXL no longer writes into
-the destination blocks (an active transfer is cancelled; one that cannot be is waited for), so
-the caller may free them. Every transfer handle is released exactly once.
-
-NIXL is an optional dependency (the `nixl` extra), imported on first use.
-
-UCX is configured by its environment variables: UCX_NET_DEVICES (e.g. mlx5_0:1 for RDMA, eth0
-for TCP, lo in the tests), UCX_TLS (e.g. rc,cuda_copy,cuda_ipc or tcp,cuda_copy).
+A pull (or a posted transfer, polled) ends done (the blocks are in place, the lease may be
+released), or failed, timed out or cancelled, and then only once NIXL no longer writes into the
+destination blocks (an active transfer is cancelled; one that cannot be is waited for), so the
+caller may free them. Every transfer handle is released exactly once. NIXL is an optional
+dependency (the `nixl` extra), imported on first use. UCX is configured by its environment:
+UCX_NET_DEVICES (mlx5_0:1 for RDMA, eth0 for TCP, lo in the tests), UCX_TLS.
 """
 
 from __future__ import annotations
@@ -33,19 +30,18 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.nixl_remote import NixlRemotePool
+from kvtransfer.nixl_remote import NixlHandle, NixlRemotePool
 from kvtransfer.runs import block_runs
 from tandem.errors import InvalidArgument
 
@@ -87,34 +83,6 @@ def load_nixl() -> Any:
     return _api
 
 
-@dataclass(frozen=True)
-class NixlHandle:
-    """What a PoolDescriptor's handle holds for the nixl transport: the owner's agent name, the
-    pool's base address in the owner's address space, and the agent's metadata (its
-    connection info and the memory it registered; a capability: never logged)."""
-
-    agent: str
-    base: int
-    metadata: bytes = field(repr=False)
-
-    MAGIC = b"TNX1"
-    _HEAD = struct.Struct("<4sQH")  # magic, base address, agent name length
-
-    def pack(self) -> bytes:
-        name = self.agent.encode()
-        return self._HEAD.pack(self.MAGIC, self.base, len(name)) + name + self.metadata
-
-    @classmethod
-    def unpack(cls, data: bytes) -> NixlHandle:
-        head = cls._HEAD.size
-        if len(data) < head:
-            raise InvalidArgument("handle", "is not a nixl pool handle")  # bytes withheld
-        magic, base, n = cls._HEAD.unpack_from(data)
-        if magic != cls.MAGIC or len(data) < head + n + 1:
-            raise InvalidArgument("handle", "is not a nixl pool handle")
-        return cls(data[head:head + n].decode(), base, data[head + n:])
-
-
 def _run_rows(base: int, block_bytes: int, starts: Sequence[int], lengths: Sequence[int],
               device_id: int) -> np.ndarray:
     """NIXL descriptors (address, length, device id), one per run of blocks."""
@@ -130,6 +98,17 @@ def _mem(tensor: torch.Tensor) -> tuple[str, int]:
     if tensor.is_cuda:
         return "VRAM", tensor.device.index if tensor.device.index is not None else 0
     return "DRAM", 0
+
+
+@dataclass(eq=False)
+class Transfer:
+    """A posted NIXL transfer: its handle and last known state (PROC, DONE or ERR)."""
+
+    op: str                 # READ | WRITE
+    what: str               # for errors: "N blocks from <peer>"
+    handle: Any
+    state: str = "PROC"
+    released: bool = False
 
 
 @dataclass(eq=False)
@@ -230,21 +209,23 @@ class NixlEndpoint:
              dst_block_ids: Sequence[int], deadline: float | None,
              cancel: threading.Event | None) -> None:
         """Blocks src_block_ids of the peer's pool into dst_block_ids of `local`."""
-        self._transfer("READ", remote, local, dst_block_ids, src_block_ids, deadline, cancel)
+        self.complete(self.post("READ", remote, local, dst_block_ids, src_block_ids), deadline,
+                      cancel)
 
     def write(self, remote: NixlRemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
               dst_block_ids: Sequence[int], deadline: float | None,
               cancel: threading.Event | None) -> None:
         """Blocks src_block_ids of `local` into dst_block_ids of the peer's pool (a push: on
         one host UCX's cuda_ipc may serve a remote write faster than a remote read)."""
-        self._transfer("WRITE", remote, local, src_block_ids, dst_block_ids, deadline, cancel)
+        self.complete(self.post("WRITE", remote, local, src_block_ids, dst_block_ids), deadline,
+                      cancel)
 
-    def _transfer(self, op: str, remote: NixlRemotePool, local: torch.Tensor,
-                  local_ids: Sequence[int], remote_ids: Sequence[int], deadline: float | None,
-                  cancel: threading.Event | None) -> None:
-        """One NIXL transfer between blocks of `local` and of the peer's pool, one descriptor
-        per run of blocks adjacent on both sides, waited for."""
-        verb = op.lower()
+    def post(self, op: str, remote: NixlRemotePool, local: torch.Tensor,
+             local_ids: Sequence[int], remote_ids: Sequence[int]) -> Transfer:
+        """Start one transfer (READ: the peer's blocks remote_ids[i] into local_ids[i] of
+        `local`, registered here on first use; WRITE: the other way), one descriptor per run
+        of blocks adjacent on both sides. Every Transfer posted ends in `complete`, `poll`
+        returning True or raising, or `abandon`."""
         what = f"{len(local_ids)} blocks {'from' if op == 'READ' else 'to'} {remote.peer}"
         runs = block_runs(local_ids, remote_ids)
         assert runs is not None  # no limit
@@ -263,19 +244,44 @@ class NixlEndpoint:
                     op, self.agent.get_xfer_descs(local_rows, mem),
                     self.agent.get_xfer_descs(remote_rows, remote_mem), remote.peer)
             except Exception as e:  # NIXL's own errors (peer gone, no backend)
-                raise TransferFailed(f"NIXL cannot {verb} {what}: {e}") from e
+                raise TransferFailed(f"NIXL cannot {op.lower()} {what}: {e}") from e
+            transfer = Transfer(op, what, handle)
+            try:
+                transfer.state = self.agent.transfer(handle)
+            except Exception as e:
+                self.abandon(transfer)
+                raise TransferFailed(f"NIXL cannot {op.lower()} {what}: {e}") from e
+        return transfer
+
+    def poll(self, transfer: Transfer) -> bool:
+        """Whether a posted transfer is over, without waiting: once it is, `complete` (its
+        handle released; TransferFailed if it failed)."""
+        if transfer.state == "PROC":
+            transfer.state = self._state(transfer.handle)
+        if transfer.state == "PROC":
+            return False
+        self.complete(transfer, None, None)
+        return True
+
+    def complete(self, transfer: Transfer, deadline: float | None,
+                 cancel: threading.Event | None) -> None:
+        """Wait for a posted transfer and release its handle (once, whatever happens). Raises
+        TransferFailed, TimeoutError or PullCancelled, each only once NIXL no longer writes
+        into the transfer's destination."""
         try:
-            with self._lock:
-                try:
-                    state = self.agent.transfer(handle)
-                except Exception as e:
-                    raise TransferFailed(f"NIXL cannot {verb} {what}: {e}") from e
-            if state == "PROC":
-                state = self._wait(handle, deadline, cancel)
-            if state != "DONE":
-                raise TransferFailed(f"NIXL failed to {verb} {what}")
+            if transfer.state == "PROC":
+                transfer.state = self._wait(transfer.handle, deadline, cancel)
+            if transfer.state != "DONE":
+                raise TransferFailed(f"NIXL failed to {transfer.op.lower()} {transfer.what}")
         finally:
-            self._release(handle)
+            self.abandon(transfer)
+
+    def abandon(self, transfer: Transfer) -> None:
+        """Release a posted transfer (once; idempotent): NIXL cancels it if still active, or it
+        is waited for until nothing writes into its destination."""
+        if not transfer.released:
+            transfer.released = True
+            self._release(transfer.handle)
 
     def _state(self, handle: Any) -> str:
         with self._lock:

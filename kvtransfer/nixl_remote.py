@@ -1,12 +1,15 @@
 """A peer's pool over the nixl transport, as a decode worker holds it (`NixlRemotePool`, made by
-kvtransfer/nixl.py's `NixlEndpoint.connect`): the ids of a pull checked against both pools, then
-one READ through the endpoint.
+kvtransfer/nixl.py's `NixlEndpoint.connect` from the pool's `NixlHandle`): the ids of a pull
+checked against both pools, then one READ through the endpoint, waited for (`pull`) or not
+(`start_pull`).
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +18,35 @@ from kvtransfer.descriptor import PoolDescriptor
 from tandem.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from kvtransfer.nixl import NixlEndpoint
+    from kvtransfer.nixl import NixlEndpoint, Transfer
+
+
+@dataclass(frozen=True)
+class NixlHandle:
+    """What a PoolDescriptor's handle holds for the nixl transport: the owner's agent name, the
+    pool's base address in the owner's address space, and the agent's metadata (its
+    connection info and the memory it registered; a capability: never logged)."""
+
+    agent: str
+    base: int
+    metadata: bytes = field(repr=False)
+
+    MAGIC = b"TNX1"
+    _HEAD = struct.Struct("<4sQH")  # magic, base address, agent name length
+
+    def pack(self) -> bytes:
+        name = self.agent.encode()
+        return self._HEAD.pack(self.MAGIC, self.base, len(name)) + name + self.metadata
+
+    @classmethod
+    def unpack(cls, data: bytes) -> NixlHandle:
+        head = cls._HEAD.size
+        if len(data) < head:
+            raise InvalidArgument("handle", "is not a nixl pool handle")  # bytes withheld
+        magic, base, n = cls._HEAD.unpack_from(data)
+        if magic != cls.MAGIC or len(data) < head + n + 1:
+            raise InvalidArgument("handle", "is not a nixl pool handle")
+        return cls(data[head:head + n].decode(), base, data[head + n:])
 
 
 class NixlRemotePool:
@@ -49,6 +80,16 @@ class NixlRemotePool:
         _check_ids(self.descriptor, local, src_block_ids, dst_block_ids)
         if src_block_ids:
             self.endpoint.read(self, local, src_block_ids, dst_block_ids, deadline, cancel)
+
+    def start_pull(self, local: torch.Tensor, src_block_ids: Sequence[int],
+                   dst_block_ids: Sequence[int]) -> Transfer:
+        """`pull` without its wait: the READ posted (ids checked first, by name). The caller
+        owns the Transfer: NixlEndpoint.poll until it is done, or abandon it; either releases
+        it, and only then may the destination blocks be reused."""
+        if self._closed:
+            raise RuntimeError("NixlRemotePool is closed")
+        _check_ids(self.descriptor, local, src_block_ids, dst_block_ids)
+        return self.endpoint.post("READ", self, local, dst_block_ids, src_block_ids)
 
     def push(self, local: torch.Tensor, src_block_ids: Sequence[int],
              dst_block_ids: Sequence[int], *, deadline: float | None = None,

@@ -12,6 +12,12 @@ A pull over CUDA IPC is launched on the engine's stream and not waited for (`lau
 next step, launched after it, reads the blocks in stream order, so pipelined steps go on
 (LLMEngine.kv_pull_in_stream); its lease is settled once the copy is done (`poll`, each loop of
 the engine core; `flush` before the core idles, maps a peer's pool anew, or closes).
+
+A pull over NIXL completes outside the stream: it is a `NixlPull` the engine polls between
+steps (its sequence is not scheduled meanwhile; engine/kv_handoff.py), so the steps of the
+other requests go on while it moves. Its READ is posted once the stream has passed the point
+where the pull was made (a step in flight may still write blocks freed since), and its lease is
+settled when it ends.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class KVPulls:
         # The leases this core owns, token -> request id, from Add until their one LeaseDone
         # (pulled, failed, or the request ended first): settled by popping.
         self.leases_held: dict[str, str] = {}
+        self.outside: list[NixlPull] = []  # NIXL pulls in flight
         self.blocks_pulled = self.bytes_pulled = self.runs_pulled = 0
         self.pull_seconds = 0.0
         # (lease, start ns, PendingPull, runs)
@@ -76,9 +83,11 @@ class KVPulls:
             with contextlib.suppress(Exception):
                 old[1].close()
 
-    def pull(self, kv: RemoteKV, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+    def pull(self, kv: RemoteKV, src_block_ids: list[int], dst_block_ids: list[int]
+             ) -> NixlPull | None:
         """Copy blocks src_block_ids of the lease (those of the prompt this worker's prefix
-        cache does not hold: possibly none) into dst_block_ids, then settle the lease."""
+        cache does not hold: possibly none) into dst_block_ids, then settle the lease; over
+        NIXL, start it and return the NixlPull to poll."""
         from kvtransfer.remote import pull_blocks  # noqa: PLC0415 - torch, in the core only
 
         if kv.address in self.rank_kv.peers:
@@ -100,14 +109,19 @@ class KVPulls:
 
                 self.pending.append((kv, start_ns, launch_pull(
                     pool, self.engine.runner.pool, src_block_ids, dst_block_ids), runs))
-                return
+                return None
+            if pool.descriptor.transport == "nixl" and src_block_ids:  # polled by the engine
+                pull = NixlPull(self, kv, pool, src_block_ids, dst_block_ids, runs, start_ns)
+                self.outside.append(pull)
+                return pull
             stats = pull_blocks(pool, self.engine.runner.pool, src_block_ids, dst_block_ids,
                                 deadline=kv.deadline)
+            return None
         except Exception as e:
             error = e
             raise
         finally:
-            if error is not None or stats is not None:  # else launched: settled when done
+            if error is not None or stats is not None:  # else started: settled when done
                 self.settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
                             num_blocks=len(src_block_ids), num_runs=runs,
                             nbytes=stats.bytes if stats else 0,
@@ -143,14 +157,14 @@ class KVPulls:
                         error=f"{type(error).__name__}: {error}" if error is not None else None)
 
     def in_stream(self, kv: RemoteKV) -> bool:
-        """Whether kv's pull is ordered with the engine's steps without a wait: over CUDA IPC
-        (a launch on the engine's stream) or shared memory (a CPU copy, done when it returns);
-        not over NIXL (its transfer completes outside the stream) nor between tensor-parallel
-        sizes."""
+        """Whether kv's pull may start while a step is in flight: over CUDA IPC (a launch on
+        the engine's stream), shared memory (a CPU copy, done when it returns) or NIXL (posted
+        once the stream has passed the step, and waited for by its sequence alone); not
+        between tensor-parallel sizes."""
         if kv.address in self.rank_kv.peers:
             return False
         pool = self.peers.get(kv.address, ("", None))[1]
-        return pool is not None and pool.descriptor.transport in ("cuda_ipc", "shm")
+        return pool is not None and pool.descriptor.transport in ("cuda_ipc", "shm", "nixl")
 
     def poll(self) -> None:
         """Settle the leases whose in-stream copy is done (in launch order)."""
@@ -158,11 +172,17 @@ class KVPulls:
             self._settle_pending(*self.pending.pop(0))
 
     def flush(self) -> None:
-        """Wait for every in-stream copy and settle its lease."""
+        """Wait for every in-stream copy and every NIXL pull (each ends by its lease's deadline
+        at the latest), and settle their leases."""
         while self.pending:
             kv, start_ns, pull, runs = self.pending.pop(0)
             pull.wait()
             self._settle_pending(kv, start_ns, pull, runs)
+        while self.outside:
+            for nixl_pull in list(self.outside):
+                with contextlib.suppress(Exception):  # its engine sees the error
+                    nixl_pull.done()
+            time.sleep(NIXL_POLL_S if self.outside else 0)
 
     def _settle_pending(self, kv: RemoteKV, start_ns: int, pull: Any, runs: int) -> None:
         stats = pull.stats()
@@ -186,9 +206,81 @@ class KVPulls:
 
     def close(self) -> None:
         """Unmap the peers' pools (those rank_kv maps are its own to close), once no copy
-        reads them."""
+        reads them (NIXL pulls in flight cancelled)."""
+        for nixl_pull in list(self.outside):
+            with contextlib.suppress(Exception):
+                nixl_pull.cancel()
         with contextlib.suppress(Exception):
             self.flush()
         for _, pool in self.peers.values():
             with contextlib.suppress(Exception):
                 pool.close()
+
+
+# How often `flush` looks at NIXL pulls in flight.
+NIXL_POLL_S = 1e-4
+
+
+class NixlPull:
+    """A pull over NIXL in flight (engine/kv_handoff.py PendingPull): its READ posted once the
+    engine's stream has passed the pull's making, polled by the engine between steps; its lease
+    settled once, when it ends (done, failed, past the lease's deadline, or cancelled because
+    its request ended)."""
+
+    def __init__(self, owner: KVPulls, kv: RemoteKV, pool: Any, src_block_ids: list[int],
+                 dst_block_ids: list[int], runs: int, start_ns: int) -> None:
+        self.owner, self.kv, self.pool, self.runs = owner, kv, pool, runs
+        self.src, self.dst, self.start_ns = src_block_ids, dst_block_ids, start_ns
+        self.local = owner.engine.runner.pool
+        self.gate: Any = None  # CUDA: an event after the work the stream holds now
+        if self.local.is_cuda:
+            import torch  # noqa: PLC0415 - torch, in the core only
+
+            with torch.cuda.device(self.local.device):
+                self.gate = torch.cuda.Event()
+                self.gate.record()
+        self.transfer: Any = None
+        self.posted = 0.0
+        self.ended = False
+        self.error: Exception | None = None
+
+    def done(self) -> bool:
+        if self.ended:
+            if self.error is not None:
+                raise self.error
+            return True
+        try:
+            if self.transfer is None:
+                if self.gate is not None and not self.gate.query():
+                    return self._in_time()
+                self.posted = time.perf_counter()
+                self.transfer = self.pool.start_pull(self.local, self.src, self.dst)
+            if not self.pool.endpoint.poll(self.transfer):
+                return self._in_time()
+        except Exception as e:
+            self._end(e)
+            raise
+        self._end(None)
+        return True
+
+    def cancel(self) -> None:
+        if not self.ended:
+            self._end(RuntimeError("the request ended before its KV arrived"))
+
+    def _in_time(self) -> bool:
+        if time.monotonic() > self.kv.deadline:
+            raise TimeoutError("the KV pull did not complete before the lease's deadline")
+        return False
+
+    def _end(self, error: Exception | None) -> None:
+        self.ended, self.error = True, error
+        if self.transfer is not None and error is not None:
+            self.pool.endpoint.abandon(self.transfer)  # cancelled, or outwaited
+        self.owner.outside.remove(self)
+        n = len(self.src)
+        seconds = time.perf_counter() - self.posted if self.transfer is not None else 0.0
+        self.owner.settle(self.kv, pulled=True, start_ns=self.start_ns, end_ns=time.time_ns(),
+                          num_blocks=n, num_runs=self.runs,
+                          nbytes=n * self.pool.descriptor.block_bytes if error is None else 0,
+                          seconds=seconds, transport="nixl",
+                          error=None if error is None else f"{type(error).__name__}: {error}")

@@ -16,63 +16,7 @@ import time
 
 import pytest
 import torch
-from nixl_pools import REPO, local_blocks, needs_nixl, owner_pool
-
-
-class Gated:
-    """A real agent whose transfers look in flight (PROC) until `gate` is set, and which can
-    refuse to release an in-flight transfer (as NIXL does when it cannot cancel). Counts the
-    releases each handle got."""
-
-    def __init__(self, agent, refuse_release_while_gated: bool = False) -> None:
-        self.agent = agent
-        self.gate = threading.Event()
-        self.refuse = refuse_release_while_gated
-        self.refused = threading.Event()
-        # Releases per transfer made, by the order it was made: handles are held here, so an
-        # id is never reused for another transfer while the test runs.
-        self.made: list = []
-        self.released: dict[int, int] = {}
-
-    def __getattr__(self, name):
-        return getattr(self.agent, name)
-
-    def transfer(self, handle):
-        state = self.agent.transfer(handle)
-        return "PROC" if state != "ERR" else state
-
-    def check_xfer_state(self, handle):
-        if not self.gate.is_set():
-            return "PROC"
-        # Gate open: the real state (a real READ of a few KiB is done or about to be).
-        while (state := self.agent.check_xfer_state(handle)) == "PROC":
-            time.sleep(0.001)
-        return state
-
-    def initialize_xfer(self, *args, **kwargs):
-        handle = self.agent.initialize_xfer(*args, **kwargs)
-        self.made.append(handle)
-        return handle
-
-    def release_xfer_handle(self, handle):
-        if self.refuse and not self.gate.is_set():
-            self.refused.set()
-            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
-        self.agent.release_xfer_handle(handle)
-        k = next(i for i, h in enumerate(self.made) if h is handle)
-        self.released[k] = self.released.get(k, 0) + 1
-
-
-def gated_reader(nixl_endpoints, refuse_release_while_gated: bool = False):
-    """A reader endpoint whose agent is wrapped in a Gated, and that Gated."""
-    made: list[Gated] = []
-
-    def wrap(agent):
-        made.append(Gated(agent, refuse_release_while_gated))
-        return made[-1]
-
-    reader = nixl_endpoints(wrap)
-    return reader, made[0]
+from nixl_pools import REPO, gated_reader, local_blocks, needs_nixl, owner_pool
 
 
 @needs_nixl

@@ -102,6 +102,27 @@ def test_preempts_newest_when_blocks_run_out(pool):
     finish_all(sched)
 
 
+def test_a_sequence_whose_kv_is_arriving_is_neither_scheduled_nor_preempted(pool):
+    """A decode worker's pull over NIXL writes a sequence's blocks outside the step: until it
+    is done (kv_pull cleared) the sequence is skipped, and when blocks run out the newest
+    sequence not pulling is preempted instead (here the one asking)."""
+    sched = make_scheduler(pool)
+    old, pulling = seq(range(16), "old"), seq(range(100, 116), "pulling")
+    sched.add(old)
+    sched.add(pulling)
+    run_step(sched, sched.schedule())  # 4 blocks each: pool full
+    pulling.kv_pull = object()  # its KV still arriving
+    held = list(pulling.block_ids)
+    batch = sched.schedule()  # old needs a 5th block; pulling may not lose its blocks
+    assert [s.request_id for s in batch.preempted] == ["old"] and batch.seqs == []
+    assert pulling.block_ids == held and pulling.status is Status.RUNNING
+    assert list(sched.waiting) == [old] and sched.running == [pulling]
+    assert sched.schedule().seqs == []  # still arriving: not scheduled
+    pulling.kv_pull = None
+    assert [s.request_id for s in sched.schedule().seqs] == ["pulling"]
+    finish_all(sched)
+
+
 def test_preempted_sequence_resumes_from_prefix_cache(pool):
     sched = make_scheduler(pool)
     old, new = seq(range(16), "old"), seq(range(100, 116), "new")
