@@ -1,9 +1,11 @@
-"""Prefill on GPU 0 and decode on GPU 1, KV over CUDA IPC: output identical to the colocated
-engine on one GPU, and a bfloat16 Llama-3.1-8B-shaped model serving a stream of requests."""
+"""Prefill on GPU 0 and decode on GPU 1, KV over CUDA IPC (and over NIXL, with the nixl extra):
+output identical to the colocated engine on one GPU, and a bfloat16 Llama-3.1-8B-shaped model
+serving a stream of requests."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 from pathlib import Path
 
@@ -42,20 +44,25 @@ async def _generate_all(address, prompts, params):
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def _cluster(tmp, model, worker_args):
+def _cluster(tmp, model, worker_args, transport="cuda_ipc"):
     return Cluster(tmp, model, worker_args=worker_args,
-                   prefill_args=["--device", "cuda:0", "--transport", "cuda_ipc"],
+                   prefill_args=["--device", "cuda:0", "--transport", transport],
                    decode_args=["--device", "cuda:1"], router_args=["--http-port", "-1"])
 
 
-def test_cuda_ipc_matches_colocated(tiny_models, tmp_path):
+@pytest.mark.parametrize("transport", [
+    "cuda_ipc",
+    pytest.param("nixl", marks=pytest.mark.skipif(
+        importlib.util.find_spec("nixl") is None, reason="the nixl package is not installed"))])
+def test_cuda_ipc_matches_colocated(tiny_models, tmp_path, transport):
+    """Over NIXL the decode worker polls its pulls between steps (pipelined steps go on)."""
     params = SamplingParams(temperature=0, max_tokens=32)
     llm = LLM(str(tiny_models["llama"]), device="cuda:0", dtype="float32", progress=False,
               num_blocks=512)
     expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     del llm
     c = _cluster(tmp_path, str(tiny_models["llama"]),
-                 ["--dtype", "float32", "--num-blocks", "512"]).start()
+                 ["--dtype", "float32", "--num-blocks", "512"], transport).start()
     try:
         got = asyncio.run(_generate_all(c.router.address, PROMPTS, params))
         asyncio.run(c.wait_idle())
