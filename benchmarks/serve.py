@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"KV pulls (every run, warm-up included): {k['blocks']} blocks, {k['bytes'] / 1e9:.2f}"
               f" GB in {k['runs']} copies of adjacent blocks "
               f"({k['blocks'] / max(k['runs'], 1):.1f} blocks a copy), "
-              f"{k['bytes'] / max(k['seconds'], 1e-9) / 1e9:.1f} GB/s while pulling")
+              f"{k['bytes'] / max(k['seconds'], 1e-9) / 1e9:.1f} GB per pull second")
     write_report(report, a, plot_rows("", runs), title)
     return 1 if sum(r["summary"]["failed"] for r in runs) else 0
 
