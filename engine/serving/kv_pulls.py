@@ -16,8 +16,9 @@ the engine core; `flush` before the core idles, maps a peer's pool anew, or clos
 A pull over NIXL completes outside the stream: it is a `NixlPull` the engine polls between
 steps (its sequence is not scheduled meanwhile; engine/kv_handoff.py), so the steps of the
 other requests go on while it moves. Its READ is posted once the stream has passed the point
-where the pull was made (a step in flight may still write blocks freed since), and its lease is
-settled when it ends.
+where the pull was made (a step in flight may still write blocks freed since) and the pulls
+before it are posted, with no more bytes in flight than the link moves in about a second
+(NIXL_INFLIGHT_S), and its lease is settled when it ends.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ class KVPulls:
         # The leases this core owns, token -> request id, from Add until their one LeaseDone
         # (pulled, failed, or the request ended first): settled by popping.
         self.leases_held: dict[str, str] = {}
-        self.outside: list[NixlPull] = []  # NIXL pulls in flight
+        self.outside: list[NixlPull] = []  # NIXL pulls not ended, oldest first
+        # Bytes a second the last NIXL pulls moved (posting to seen done; a running average):
+        # how many bytes may be in flight at once (NixlPull.may_post)
+        self.nixl_rate: float | None = None
         self.blocks_pulled = self.bytes_pulled = self.runs_pulled = 0
         self.pull_seconds = 0.0
         # (lease, start ns, PendingPull, runs)
@@ -219,6 +223,13 @@ class KVPulls:
 
 # How often `flush` looks at NIXL pulls in flight.
 NIXL_POLL_S = 1e-4
+# NIXL READs in flight share the link: posted all at once on a slow one, each takes as long as
+# all of them, and every one outlives its lease (2x H100, UCX over TCP at 0.4 GB/s: 247 of 300
+# requests failed). So pulls are posted oldest first while the bytes in flight would move in
+# NIXL_INFLIGHT_S at the rate the last pulls moved (at least NIXL_INFLIGHT_MIN bytes, and
+# always one pull); the others wait, their leases' deadlines running.
+NIXL_INFLIGHT_S = 1.0
+NIXL_INFLIGHT_MIN = 256 << 20
 
 
 class NixlPull:
@@ -251,7 +262,7 @@ class NixlPull:
             return True
         try:
             if self.transfer is None:
-                if self.gate is not None and not self.gate.query():
+                if (self.gate is not None and not self.gate.query()) or not self.may_post():
                     return self._in_time()
                 self.posted = time.perf_counter()
                 self.transfer = self.pool.start_pull(self.local, self.src, self.dst)
@@ -262,6 +273,24 @@ class NixlPull:
             raise
         self._end(None)
         return True
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.src) * self.pool.descriptor.block_bytes
+
+    def may_post(self) -> bool:
+        """Every older pull posted, and this one's bytes within what may be in flight (or
+        nothing in flight)."""
+        in_flight = 0
+        for pull in self.owner.outside:
+            if pull is self:
+                break
+            if pull.transfer is None:
+                return False
+            in_flight += pull.nbytes
+        rate = self.owner.nixl_rate
+        cap = max(NIXL_INFLIGHT_MIN, rate * NIXL_INFLIGHT_S if rate is not None else 0)
+        return in_flight == 0 or in_flight + self.nbytes <= cap
 
     def cancel(self) -> None:
         if not self.ended:
@@ -279,8 +308,12 @@ class NixlPull:
         self.owner.outside.remove(self)
         n = len(self.src)
         seconds = time.perf_counter() - self.posted if self.transfer is not None else 0.0
+        if error is None and seconds > 0:
+            rate = self.nbytes / seconds
+            old = self.owner.nixl_rate
+            self.owner.nixl_rate = rate if old is None else 0.7 * old + 0.3 * rate
         self.owner.settle(self.kv, pulled=True, start_ns=self.start_ns, end_ns=time.time_ns(),
                           num_blocks=n, num_runs=self.runs,
-                          nbytes=n * self.pool.descriptor.block_bytes if error is None else 0,
+                          nbytes=self.nbytes if error is None else 0,
                           seconds=seconds, transport="nixl",
                           error=None if error is None else f"{type(error).__name__}: {error}")

@@ -1,7 +1,8 @@
 """A decode core's pulls over NIXL (engine/serving/kv_pulls.py NixlPull), with real NIXL agents
 over the loopback device: a pull is started and polled, lands exactly and settles its lease
 once; one held in flight and cancelled (its request ended), or past its lease's deadline,
-releases its transfer once and settles with the error; flush waits for pulls in flight.
+releases its transfer once and settles with the error; flush waits for pulls in flight; pulls
+are posted oldest first, no more bytes in flight than the link moves in about a second.
 """
 
 from __future__ import annotations
@@ -118,3 +119,41 @@ def test_flush_waits_for_pulls_in_flight(core) -> None:
     kp.flush()
     assert kp.outside == [] and [m.request_id for m in sent] == ["r0", "r1", "r2"]
     assert all(p.done() for p in pulls) and torch.equal(local[15], pool.tensor[7])
+
+
+@needs_nixl
+def test_pulls_are_posted_oldest_first_within_the_bytes_the_link_moves(core, monkeypatch):
+    """With at most two blocks' bytes in flight (the link's last rate unknown), the first of
+    three two-block pulls is posted and the others wait, in order, until it is done; with a
+    rate that moves them all in the time allowed, all are posted at once."""
+    from engine.serving import kv_pulls
+
+    kp, pool, local, sent, gated = core
+    block = pool.descriptor.block_bytes
+    monkeypatch.setattr(kv_pulls, "NIXL_INFLIGHT_MIN", 2 * block)
+    gated.gate.clear()
+    pulls = []
+    for i in range(3):
+        kv = _lease(i, [2 * i, 2 * i + 1])
+        kp.hold(kv, f"r{i}")
+        pulls.append(kp.pull(kv, [2 * i, 2 * i + 1], [20 + 2 * i, 21 + 2 * i]))
+    for _ in range(3):
+        assert not any(p.done() for p in pulls)
+    assert len(gated.made) == 1 and [p.transfer is not None for p in pulls] == [True, False, False]
+    gated.gate.set()
+    for p in pulls:
+        _poll(p)
+    assert [m.request_id for m in sent] == ["r0", "r1", "r2"] and kp.nixl_rate > 0
+    assert torch.equal(local[25], pool.tensor[5])
+    gated.gate.clear()
+    kp.nixl_rate = 6 * block / kv_pulls.NIXL_INFLIGHT_S
+    later = []
+    for i in range(3, 6):
+        kv = _lease(i, [2 * i, 2 * i + 1])
+        kp.hold(kv, f"r{i}")
+        later.append(kp.pull(kv, [2 * i, 2 * i + 1], [20 + 2 * i, 21 + 2 * i]))
+    assert not any(p.done() for p in later)
+    assert all(p.transfer is not None for p in later) and len(gated.made) == 6
+    gated.gate.set()
+    for p in later:
+        _poll(p)
