@@ -10,7 +10,8 @@ Each step, oldest first:
 Decode role: a waiting sequence whose KV lives on a prefill worker is admitted with the full
 prompt blocks this worker's prefix cache holds and fresh blocks for the rest, and listed in
 `pulls`; the engine copies the rest in before the step runs, or, over NIXL, starts a pull the
-sequence waits for (not scheduled, never preempted) while the others go on.
+sequence waits for (not scheduled, never preempted) while the others go on; while MAX_PULLING
+wait so, no more such requests are admitted.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.kv_manager import KVCacheManager
 from engine.sequence import Sequence, Status
+
+# Decode role: requests whose KV is still arriving (over NIXL, engine/kv_handoff.py) hold their
+# blocks and cannot be preempted; with this many at the start of a step, no request whose KV
+# is remote is admitted in it (a slow link fails fewer leases, and running requests keep blocks).
+MAX_PULLING = 32
 
 
 @dataclass
@@ -70,6 +76,7 @@ class Scheduler:
         ref_counts = self.kv.pool.ref_counts
         running = self.running
         i = 0
+        pulling = 0  # sequences whose KV is still arriving
         while i < len(running) and budget > 0:
             seq = running[i]
             computed = seq.num_computed_tokens
@@ -81,6 +88,7 @@ class Scheduler:
                 i += 1
                 continue
             if n <= 0 or seq.kv_pull is not None:  # KV pulled this step, or still arriving
+                pulling += seq.kv_pull is not None
                 i += 1
                 continue
             n = min(n, budget)
@@ -108,6 +116,8 @@ class Scheduler:
             if num_seqs + seq.num_samples > self.config.max_num_seqs:
                 break
             if seq.remote is not None:
+                if pulling >= MAX_PULLING:  # each holds its blocks until its KV is in
+                    break
                 hits = self.kv.pulled_prefix_hits(seq)
                 if not self.kv.allocate_for_pull(seq, hits, reserve):
                     break

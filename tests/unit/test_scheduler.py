@@ -123,6 +123,41 @@ def test_a_sequence_whose_kv_is_arriving_is_neither_scheduled_nor_preempted(pool
     finish_all(sched)
 
 
+def test_admission_waits_while_too_many_sequences_wait_for_their_kv(monkeypatch):
+    import engine.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "MAX_PULLING", 2)
+    pool = BlockPool(num_blocks=32, block_size=BS)
+    sched = make_scheduler(pool)
+    remote = RemoteKV("p:1", "L", float("inf"), (1,), (7,), (None,))
+    seqs = [seq(range(10 * i, 10 * i + 4), f"r{i}") for i in range(4)]
+    for s in seqs:
+        s.remote = remote
+        sched.add(s)
+    assert len(sched.schedule().pulls) == 4  # none waiting for its KV yet
+    for s in seqs[:2]:
+        s.kv_pull = object()  # still arriving
+    for s in seqs[2:]:
+        s.remote = None
+        s.num_computed_tokens = s.num_tokens  # pulled
+        s.token_ids.append(7)
+    late = seq(range(100, 104), "late")
+    late.remote = remote
+    sched.add(late)
+    batch = sched.schedule()
+    assert batch.pulls == [] and list(sched.waiting) == [late]
+    assert [s.request_id for s in batch.seqs] == ["r2", "r3"]
+    seqs[0].kv_pull = None
+    seqs[0].remote = None
+    seqs[0].num_computed_tokens = seqs[0].num_tokens
+    seqs[0].token_ids.append(7)
+    assert sched.schedule().pulls == [late]  # one waits now: room for another
+    for s in [*seqs, late]:
+        s.kv_pull = None
+    finish_all(sched)
+    assert pool.is_idle()
+
+
 def test_preempted_sequence_resumes_from_prefix_cache(pool):
     sched = make_scheduler(pool)
     old, new = seq(range(16), "old"), seq(range(100, 116), "new")
