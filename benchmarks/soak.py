@@ -264,14 +264,17 @@ class Soak:
             await asyncio.sleep(0.2)
 
     async def pools(self, timeout: float) -> dict[str, dict]:
-        """Every worker's pool once idle (or as it is when `timeout` runs out)."""
+        """Every worker's pool once idle (or as it is when `timeout` runs out). A worker the
+        last fault killed may still be restarting (the router has not seen it go yet): its
+        GetLoad waits for it to be back on its address."""
         deadline = time.monotonic() + timeout
         out = {}
         for p in self.stack.workers():
             async with grpc.aio.insecure_channel(p.address) as ch:
                 stub = worker_pb2_grpc.WorkerStub(ch)
                 while True:
-                    ld = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+                    ld = await stub.GetLoad(worker_pb2.GetLoadRequest(), wait_for_ready=True,
+                                            timeout=max(10.0, deadline - time.monotonic()))
                     used = ld.num_blocks - ld.num_free_blocks
                     idle = not (used or ld.num_leases or ld.num_running or ld.num_waiting)
                     if idle or time.monotonic() > deadline:
