@@ -273,6 +273,7 @@ def test_kv_pulls_in_stream_order_keep_steps_pipelined(tiny_models):
     CUDA IPC) keeps pipelining while requests arrive and pull their KV: the same tokens as a
     synchronous decode engine, and pulls happen in steps launched with another in flight."""
     import torch
+    from handoffs import prefill_all
 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
@@ -282,13 +283,7 @@ def test_kv_pulls_in_stream_order_keep_steps_pipelined(tiny_models):
     kw = {"max_model_len": 256, "device": DEVICE}
     prefill = LLMEngine(EngineConfig(model, role="prefill", **kw), progress=False)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    handoffs = {}
-    for i, prompt in enumerate(PROMPTS):
-        prefill.add_request(f"r{i}", prompt, params)
-    while prefill.has_work():
-        for o in prefill.step():
-            if o.handoff is not None:
-                handoffs[o.request_id] = o.handoff
+    handoffs = prefill_all(prefill, PROMPTS, params)
 
     def decode_all(pipelined: bool) -> tuple[dict[str, list[int]], int]:
         eng = LLMEngine(EngineConfig(model, role="decode", async_scheduling=pipelined, **kw),

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from handoffs import prefill_all
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -27,13 +28,7 @@ KW = {"max_model_len": 256, "device": DEVICE}
 def handoffs(tiny_models):
     model = str(tiny_models["llama"])
     prefill = LLMEngine(EngineConfig(model, role="prefill", **KW), progress=False)
-    out = {}
-    for i, prompt in enumerate(PROMPTS):
-        prefill.add_request(f"r{i}", prompt, PARAMS)
-    while prefill.has_work():
-        for o in prefill.step():
-            if o.handoff is not None:
-                out[o.request_id] = o.handoff
+    out = prefill_all(prefill, PROMPTS, PARAMS)
     yield model, prefill, out
     for h in out.values():
         assert prefill.release(h.lease_id)
