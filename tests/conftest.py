@@ -1,5 +1,6 @@
 """Shared test setup. Triton kernels run under the interpreter when no GPU is present; the
-variable must be set before any kernel module is imported."""
+variable must be set before any kernel module is imported. Hypothesis tests have no per-example
+deadline: the suite runs beside other CPU-bound work, where an example's time says nothing."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ if not torch.cuda.is_available():
 
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("tandem", deadline=None)
+settings.load_profile("tandem")
 
 
 @pytest.fixture(scope="session")

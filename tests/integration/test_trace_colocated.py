@@ -50,7 +50,9 @@ def test_colocated_worker_traces_phases_and_cancels(colocated, receiver):
             return chunks[-1].request_id
 
     rid = asyncio.run(main())
-    t = wait_trace(receiver, rid, lambda t: bool(t.named("decode_steps", "tandem-both")))
+    # Every span read below: a process exports its spans in batches, its children first.
+    t = wait_trace(receiver, rid, lambda t: all(t.named(n, "tandem-both") for n in (
+        "generate", "queue", "prefill_compute", "decode_steps")))
     leg = t.one("generate_leg", "tandem-router")
     assert leg.kind == CLIENT and t.parent(leg) is t.root
     gen = t.one("generate", "tandem-both")
@@ -63,7 +65,8 @@ def test_colocated_worker_traces_phases_and_cancels(colocated, receiver):
         phases["decode_steps"].start_time_unix_nano
 
     rid = cancel_after_tokens(colocated)
-    t = wait_trace(receiver, rid, lambda t: bool(t.named("generate", "tandem-both")))
+    t = wait_trace(receiver, rid, lambda t: bool(t.named("generate", "tandem-both"))
+                   and bool(t.named("generate_leg", "tandem-router")))
     gen = t.one("generate", "tandem-both")
     assert has_error(gen, "CANCELLED") and attrs(gen)["tandem.finish_reasons"] == ["abort"]
     assert attrs(gen)["tandem.output_tokens"] >= 3
