@@ -7,6 +7,8 @@ engine sees it, and the prefill lease it carries, from the router's handover to 
                                  once, while the lease lives (else FAILED_PRECONDITION)
     D: the prompt must be the lease's; the engine core pulls exactly the claimed blocks, then
        D ── Release(token) ──▶ P
+    meanwhile, every third of the lease's time to live:
+       D ── RenewLeases(tokens) ──▶ P: a full time to live each (decode_svc/lease_renewal.py)
 
 Nothing a caller names is read from a prefill worker's pool: block ids come from the claim.
 The claim costs one unary call to the prefill worker per request, answered on its event loop
@@ -35,7 +37,16 @@ from tandem.v1 import worker_pb2
 LEASE_MARGIN_S = 2.0
 
 
+# A held lease is renewed once this share of the time its claim (or last renewal) gave it has
+# passed: with the default 30 s, every 10 s, two tries before the margin runs out.
+RENEW_AFTER = 1 / 3
+
 WORKER, CORE, REFUSED = "worker", "core", "refused"
+
+
+def renew_time(sent: float, ttl_ms: int) -> float:
+    """When to renew a lease that had `ttl_ms` left at `sent` (time.monotonic())."""
+    return sent + ttl_ms / 1000 * RENEW_AFTER
 
 
 @dataclass(eq=False)
@@ -51,6 +62,10 @@ class HeldLease:
     # its child and the Release call joins its trace.
     context: contextvars.Context | None = None
     owner: str = WORKER
+    # Once claimed: until when it may be pulled (this host's monotonic clock, margin taken)
+    # and when to renew it (decode_svc/lease_renewal.py), both moved by each renewal.
+    deadline: float = 0.0
+    renew_at: float = float("inf")
 
 
 @dataclass(frozen=True)
@@ -120,6 +135,7 @@ async def claim(stub, lease: HeldLease, args: DecodeArgs, instance_id: str = "")
     if resp.prompt_digest != prompt_digest(args.prompt):
         raise InvalidArgument("prompt_token_ids", "not the prompt the lease was prefilled for")
     deadline = sent + resp.ttl_ms / 1000 - LEASE_MARGIN_S
+    lease.deadline, lease.renew_at = deadline, renew_time(sent, resp.ttl_ms)
     if deadline <= time.monotonic():
         # Nothing wrong with this worker or the request: a fresh lease (a new prefill, its
         # blocks most likely cached) will do. ABORTED tells the router to retry so.

@@ -17,6 +17,7 @@ A prefill worker's pool is mapped once per pair: Register returns its descriptor
 the layouts differ (the error names the field) or when the pool is already mapped for another
 address (a peer presenting another's pool), and the engine core maps it. Pulls happen on the
 core; it says when it is done with each lease (lease_done), and this servicer sends the Release.
+Until then it renews the lease (decode_svc/lease_renewal.py), however long the request waits.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
 from decode_svc.handoff import CORE, WORKER, HeldLease, claim, decode_args
+from decode_svc.lease_renewal import LeaseRenewal
 from decode_svc.outbox import Outbox, failure_message, relay
 from engine.serving.core_messages import LeaseDone
 from kvtransfer.descriptor import check_compatible
@@ -70,6 +72,9 @@ class DecodeServicer(WorkerServicer):
         self._sessions: set[Outbox] = set()  # the open Stream calls' outboxes
         self._draining = asyncio.Event()
         self.layout = worker_pb2.PoolDescriptor(**engine.info.layout)
+        # Keeps the held leases alive at their prefill workers while their requests wait
+        # (started with the first claim, once the process's telemetry is in place).
+        self._renewing: asyncio.Task | None = None
 
     # -- RPCs --------------------------------------------------------------------------------
     async def Stream(self, request_iterator, context):  # noqa: N802 - gRPC method name
@@ -201,6 +206,10 @@ class DecodeServicer(WorkerServicer):
             remote = await claim(self._stub(lease.address), lease, args,
                                  request.kv.instance_id)
             lease.owner = CORE  # from here the core ends it (LeaseDone), exactly once
+            if self._renewing is None:
+                renewal = LeaseRenewal(self._held, self._stub, self.engine.leases_renewed,
+                                       self.telemetry.metrics)
+                self._renewing = asyncio.get_running_loop().create_task(renewal.run())
             await self.engine.decode(request.request_id, args.prompt, args.params, remote,
                                      relay(out, args.params.logprobs is not None,
                                            record.progress))
@@ -310,6 +319,9 @@ class DecodeServicer(WorkerServicer):
                         e.code().name)
 
     async def on_stop(self) -> None:
+        if self._renewing is not None:
+            self._renewing.cancel()
+            await asyncio.gather(self._renewing, return_exceptions=True)
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         for ch in self._channels.values():

@@ -122,6 +122,13 @@ class KVHandoff:
         self.block_pool.free(blocks)
         return True
 
+    def renew(self, lease_ids: Iterable[str], now: float | None = None) -> list[float]:
+        """Prefill role: each live lease's deadline moved to a full time to live from now;
+        the seconds each has left, 0.0 for one that is not live (released, expired, unknown)."""
+        now = time.monotonic() if now is None else now
+        return [(d - now) if (d := self.leases.renew(i, self.lease_ttl_s, now)) is not None
+                else 0.0 for i in lease_ids]
+
     def expire_leases(self, now: float | None = None) -> int:
         expired = self.leases.expire(time.monotonic() if now is None else now)
         for blocks in expired:

@@ -4,11 +4,14 @@ pulls them says Release, or until the lease's time to live runs out.
 A lease's id is its capability: 128 random bits, known only to the prefill worker, the router
 and the decode worker the router hands it to. Two tables, both keyed by it:
 
-    LeaseTable  (engine core)     the blocks stay pinned: grant → release | expire
+    LeaseTable  (engine core)     the blocks stay pinned: grant → renew* → release | expire
     LeaseClaims (prefill worker)  who may read them: offer → claim (once) | forget | expire
 
 A decode worker presents the id (ClaimLease) and gets the blocks' ids back, once, while the
-lease lives; it never takes block ids from its caller. The claims table holds a lease only
+lease lives; it never takes block ids from its caller. While its request waits for the pull
+(a busy decode worker, a slow link) it renews the lease (RenewLeases: the deadline moves to a
+full time to live from now), so the lease ends at its release, or a time to live after the
+last renewal of a decode worker that died or lost track of it. The claims table holds a lease only
 while the core's lease is live: it is offered when the handoff reaches the worker, forgotten
 before the worker sends the core a release, and dead from the core's own deadline on (one
 monotonic clock host-wide).
@@ -41,8 +44,9 @@ class LeaseTable:
 
     def __init__(self) -> None:
         self._blocks: dict[str, tuple[int, ...]] = {}  # live leases
-        # (deadline, lease id), a min-heap. A released lease's entry stays until its deadline
-        # passes and expire() pops it; the heap holds at most the leases of the last TTL.
+        self._deadline: dict[str, float] = {}  # live lease -> its deadline now
+        # (deadline, lease id), a min-heap. A released lease's entry, and a renewed lease's
+        # earlier one, stays until its deadline passes and expire() pops it.
         self._deadlines: list[tuple[float, str]] = []
         self._refs: Counter[int] = Counter()  # block id -> live leases holding it
 
@@ -58,14 +62,29 @@ class LeaseTable:
         blocks = tuple(block_ids)
         self._blocks[lease_id] = blocks
         self._refs.update(blocks)
+        self._deadline[lease_id] = now + ttl_s
         heapq.heappush(self._deadlines, (now + ttl_s, lease_id))
         return lease_id
+
+    def renew(self, lease_id: str, ttl_s: float, now: float) -> float | None:
+        """Move a live lease's deadline to `now + ttl_s` (never earlier than it was); return
+        the deadline, or None if the lease is not live (released, expired, unknown). The
+        decode worker that claimed a lease renews it while its request waits for the pull,
+        so a busy decode worker or a slow link does not cost the prompt its KV."""
+        deadline = self._deadline.get(lease_id)
+        if deadline is None or deadline <= now:
+            return None
+        if now + ttl_s > deadline:
+            deadline = self._deadline[lease_id] = now + ttl_s
+            heapq.heappush(self._deadlines, (deadline, lease_id))
+        return deadline
 
     def release(self, lease_id: str) -> list[int] | None:
         """End a lease; return its blocks for the caller to free, or None if it is not live."""
         blocks = self._blocks.pop(lease_id, None)
         if blocks is None:
             return None
+        del self._deadline[lease_id]
         self._unref(blocks)
         return list(blocks)
 
@@ -74,11 +93,13 @@ class LeaseTable:
         deadline first."""
         expired = []
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, lease_id = heapq.heappop(self._deadlines)
-            blocks = self._blocks.pop(lease_id, None)
-            if blocks is not None:  # else released before its deadline
-                self._unref(blocks)
-                expired.append(list(blocks))
+            deadline, lease_id = heapq.heappop(self._deadlines)
+            if self._deadline.get(lease_id) != deadline:
+                continue  # released before its deadline, or renewed past it
+            del self._deadline[lease_id]
+            blocks = self._blocks.pop(lease_id)
+            self._unref(blocks)
+            expired.append(list(blocks))
         return expired
 
     def pinned_blocks(self) -> int:
@@ -138,6 +159,10 @@ class LeaseClaims:
         if claim is None or claim.deadline <= now:
             return None
         return claim
+
+    def unclaimed(self, lease_id: str) -> bool:
+        """Whether the lease is offered and not yet claimed (nobody may renew it)."""
+        return lease_id in self._open
 
     def forget(self, lease_id: str) -> None:
         """The lease is being released: its id opens nothing from now on."""

@@ -5,8 +5,10 @@ token of every sample, and pins the prompt's blocks under a lease until the deco
 pulls them calls Release, or the lease expires. The lease's id is a secret token: the decode
 worker presents it (ClaimLease) and gets the lease's block ids, once, while the lease lives;
 this worker answers from its own table (kvtransfer.lease.LeaseClaims), on its event loop,
-without waiting for an engine step. Register hands a decode worker this pool's descriptor
-(layout + handle), once per pair.
+without waiting for an engine step. While the request waits for its pull, the decode worker
+renews the lease (RenewLeases), so a lease outlives its time to live only while a live decode
+worker holds it. Register hands a decode worker this pool's descriptor (layout + handle), once
+per pair.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from kvtransfer.descriptor import check_compatible
 from kvtransfer.lease import Claim, LeaseClaims, prompt_digest
 from runtime.convert import descriptor_to_proto, logprobs_to_proto, params_from_proto
 from runtime.worker import WorkerServicer, abort_for, add_worker_args, main_worker
-from tandem.errors import LayoutMismatch
+from tandem.errors import InvalidArgument, LayoutMismatch
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
+
+MAX_RENEWALS = 4096  # leases one RenewLeases call may name
 
 
 class PrefillServicer(WorkerServicer):
@@ -78,6 +82,18 @@ class PrefillServicer(WorkerServicer):
     async def Release(self, request, context):  # noqa: N802
         self.claims.forget(request.lease_id)  # before the core frees the blocks
         return worker_pb2.ReleaseResponse(released=await self.engine.release(request.lease_id))
+
+    async def RenewLeases(self, request, context):  # noqa: N802
+        """Each live, claimed lease gets a full time to live from now (only a decode worker
+        that claimed a lease renews it; an unclaimed one keeps the deadline its claim has)."""
+        ids = list(request.lease_ids)
+        if len(ids) > MAX_RENEWALS:
+            await abort_for(context, InvalidArgument(
+                "lease_ids", f"{len(ids)} leases; at most {MAX_RENEWALS} a call"))
+        claimed = [i for i in ids if not self.claims.unclaimed(i)]
+        left = dict(zip(claimed, await self.engine.renew(claimed), strict=True))
+        return worker_pb2.RenewLeasesResponse(
+            ttl_ms=[int(left.get(i, 0.0) * 1000) for i in ids])
 
     async def Register(self, request, context):  # noqa: N802
         mine = self.pool

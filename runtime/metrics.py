@@ -99,6 +99,13 @@ class Metrics:
                                              TRANSFER_SECONDS_BUCKETS)
         self.kv_transfer_bytes = histogram("kv_transfer_bytes", "Bytes of one request's KV pull",
                                            TRANSFER_BYTES_BUCKETS)
+        self.kv_lease_renewals = counter("kv_lease_renewals",
+                                         "Prefill leases this decode worker renewed while their "
+                                         "requests waited for the pull (a busy worker, a slow "
+                                         "link)")
+        self.kv_leases_lost = counter("kv_leases_lost",
+                                      "Leases this decode worker held that their prefill worker "
+                                      "no longer had when renewed (expired or restarted)")
         self._engine = _EngineCounters(labels, values)
         reg.register(self._engine)
         self._last_step_end: float | None = None

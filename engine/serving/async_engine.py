@@ -43,9 +43,11 @@ from engine.serving.core_messages import (
     Failed,
     KVEvents,
     LeaseDone,
+    LeasesRenewed,
     MapPool,
     Ready,
     Release,
+    Renew,
     Reply,
     SnapshotChanged,
     Step,
@@ -239,6 +241,14 @@ class AsyncEngine:
 
     async def release(self, lease_id: str) -> bool:
         return await self.call(Release(lease_id))
+
+    async def renew(self, lease_ids: list[str]) -> list[float]:
+        """Prefill role: the seconds each lease has left once renewed (0.0: not live)."""
+        return await self.call(Renew(tuple(lease_ids)))
+
+    def leases_renewed(self, deadlines: list[tuple[str, float]]) -> None:
+        """Decode role: tell the core the leases' new deadlines (its pulls wait until then)."""
+        self.post(LeasesRenewed(tuple(deadlines)))
 
     async def map_pool(self, address: str, descriptor: Any, instance_id: str = "") -> None:
         """Decode role: map a prefill worker's pool in the core (once per address and worker

@@ -3,7 +3,7 @@ the spec the core is built from, one dataclass per command and per event, and a 
 packed for the pipe. Plain Python, no torch: the worker process imports this, never the engine.
 
 Commands (worker → core), each sent as Call(command, call_id); call_id 0 wants no reply:
-    Add, Abort, Release, MapPool, TakeSnapshot, Stop
+    Add, Abort, Release, Renew, LeasesRenewed, MapPool, TakeSnapshot, Stop
 Events (core → worker):
     Ready | Failed                once, first
     Reply                         a call's result or exception
@@ -133,6 +133,22 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
+class Renew:
+    """Prefill role: give these leases a full time to live from now (replies the seconds each
+    has left, 0.0 for one that is not live)."""
+
+    lease_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LeasesRenewed:
+    """Decode role: the prefill workers renewed these leases; (token, new deadline on this
+    host's monotonic clock) each. A lease the core no longer holds is skipped."""
+
+    deadlines: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class MapPool:
     """Decode role: map the pool of the prefill worker process `instance_id` at `address`."""
 
@@ -151,7 +167,7 @@ class Stop:
     """Leave the loop; the process exits."""
 
 
-Command = Add | Abort | Release | MapPool | TakeSnapshot | Stop
+Command = Add | Abort | Release | Renew | LeasesRenewed | MapPool | TakeSnapshot | Stop
 
 
 @dataclass(frozen=True, slots=True)

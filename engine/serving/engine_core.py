@@ -48,9 +48,11 @@ from engine.serving.core_messages import (
     EngineSnapshot,
     Failed,
     KVEvents,
+    LeasesRenewed,
     MapPool,
     Ready,
     Release,
+    Renew,
     Reply,
     SnapshotChanged,
     Step,
@@ -105,6 +107,7 @@ class EngineCore:
         self.engine.block_pool.kv_events = {}
         self.commands: queue.SimpleQueue[Call] = queue.SimpleQueue()
         self.handlers = {Add: self._add, Abort: self._abort, Release: self._release,
+                         Renew: self._renew, LeasesRenewed: self.kv.renewed,
                          MapPool: self.kv.map, TakeSnapshot: self._take_snapshot, Stop: self._stop}
         self.wake = threading.Event()
         self.stopping = False
@@ -224,6 +227,9 @@ class EngineCore:
 
     def _release(self, cmd: Release) -> bool:
         return self.engine.release(cmd.lease_id)
+
+    def _renew(self, cmd: Renew) -> list[float]:
+        return self.engine.renew(cmd.lease_ids)
 
     def _take_snapshot(self, _: TakeSnapshot) -> EngineSnapshot:
         return self._snapshot()

@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.sequence import RemoteKV
-from engine.serving.core_messages import LeaseDone, MapPool
+from engine.serving.core_messages import LeaseDone, LeasesRenewed, MapPool
 from kvtransfer.runs import block_runs
 
 
@@ -44,6 +44,8 @@ class KVPulls:
         # The leases this core owns, token -> request id, from Add until their one LeaseDone
         # (pulled, failed, or the request ended first): settled by popping.
         self.leases_held: dict[str, str] = {}
+        # Held leases their prefill worker renewed since (LeasesRenewed): token -> deadline.
+        self.renewed_deadlines: dict[str, float] = {}
         self.outside: list[NixlPull] = []  # NIXL pulls not ended, oldest first
         # Bytes a second the last NIXL pulls moved (posting to seen done; a running average):
         # how many bytes may be in flight at once (NixlPull.may_post)
@@ -55,6 +57,18 @@ class KVPulls:
 
     def hold(self, kv: RemoteKV, request_id: str) -> None:
         self.leases_held[kv.lease_id] = request_id
+
+    def renewed(self, cmd: LeasesRenewed) -> None:
+        """The worker renewed these leases at their prefill workers: pulls wait until the new
+        deadlines. Leases no longer held here are skipped."""
+        for lease_id, deadline in cmd.deadlines:
+            if lease_id in self.leases_held:
+                old = self.renewed_deadlines.get(lease_id, 0.0)
+                self.renewed_deadlines[lease_id] = max(old, deadline)
+
+    def deadline(self, kv: RemoteKV) -> float:
+        """The lease's deadline: the claim's, or its last renewal's."""
+        return self.renewed_deadlines.get(kv.lease_id, kv.deadline)
 
     def map(self, cmd: MapPool) -> None:
         """Map a prefill worker's pool (once per address and instance: a worker restarted on
@@ -106,7 +120,7 @@ class KVPulls:
             if instance != kv.instance_id:
                 raise RuntimeError(f"the prefill worker at {kv.address} restarted: the "
                                    "lease's KV went with it")
-            if time.monotonic() > kv.deadline:
+            if time.monotonic() > self.deadline(kv):
                 raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
             if pool.descriptor.transport == "cuda_ipc":  # in stream order; settled when done
                 from kvtransfer.remote import launch_pull  # noqa: PLC0415 - torch, in the core
@@ -119,7 +133,7 @@ class KVPulls:
                 self.outside.append(pull)
                 return pull
             stats = pull_blocks(pool, self.engine.runner.pool, src_block_ids, dst_block_ids,
-                                deadline=kv.deadline)
+                                deadline=self.deadline(kv))
             return None
         except Exception as e:
             error = e
@@ -144,7 +158,7 @@ class KVPulls:
         error = None
         args = (kv.address, kv.instance_id, src_block_ids, dst_block_ids)
         try:
-            if time.monotonic() > kv.deadline:
+            if time.monotonic() > self.deadline(kv):
                 raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
             group = self.engine.tp_group
             local = lambda: self.rank_kv.pull(*args)  # noqa: E731
@@ -200,6 +214,7 @@ class KVPulls:
     def settle(self, kv: RemoteKV, **pull: Any) -> None:
         """The lease is done here: one LeaseDone (with the pull's figures, if one ran), once."""
         request_id = self.leases_held.pop(kv.lease_id, None)
+        self.renewed_deadlines.pop(kv.lease_id, None)
         if pull.get("error") is None:
             self.blocks_pulled += pull.get("num_blocks", 0)
             self.bytes_pulled += pull.get("nbytes", 0)
@@ -227,7 +242,7 @@ NIXL_POLL_S = 1e-4
 # all of them, and every one outlives its lease (2x H100, UCX over TCP at 0.4 GB/s: 247 of 300
 # requests failed). So pulls are posted oldest first while the bytes in flight would move in
 # NIXL_INFLIGHT_S at the rate the last pulls moved (at least NIXL_INFLIGHT_MIN bytes, and
-# always one pull); the others wait, their leases' deadlines running.
+# always one pull); the others wait, their leases renewed by the worker meanwhile.
 NIXL_INFLIGHT_S = 1.0
 NIXL_INFLIGHT_MIN = 256 << 20
 
@@ -297,7 +312,7 @@ class NixlPull:
             self._end(RuntimeError("the request ended before its KV arrived"))
 
     def _in_time(self) -> bool:
-        if time.monotonic() > self.kv.deadline:
+        if time.monotonic() > self.owner.deadline(self.kv):
             raise TimeoutError("the KV pull did not complete before the lease's deadline")
         return False
 

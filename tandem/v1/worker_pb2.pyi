@@ -172,6 +172,18 @@ class ReleaseResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class RenewLeasesRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RenewLeasesResponse(_message.Message):
+    __slots__ = ("ttl_ms",)
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    ttl_ms: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ttl_ms: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class PoolDescriptor(_message.Message):
     __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks", "transport", "handle", "device_index", "owner_pid", "model_kv_heads", "tensor_parallel_size", "tensor_parallel_rank")
     DTYPE_FIELD_NUMBER: _ClassVar[int]

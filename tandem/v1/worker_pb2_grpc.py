@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/tandem.v1.Worker/RenewLeases',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
         self.Register = channel.unary_unary(
                 '/tandem.v1.Worker/Register',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.RegisterRequest.SerializeToString,
@@ -115,6 +120,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLeases(self, request, context):
+        """Prefill role: a decode worker keeps the leases it claimed while their requests wait for
+        the pull (a busy worker, a slow link): each live, claimed lease gets a full time to live
+        from now. Unknown, expired, released and unclaimed leases are not renewed (0 left).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Register(self, request, context):
         """Prefill role: a decode worker asks for the pool descriptor, once per pair. Refused with
         FAILED_PRECONDITION, naming the field, when the layouts differ.
@@ -171,6 +185,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.ReleaseRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.RenewLeasesResponse.SerializeToString,
             ),
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
@@ -301,6 +320,33 @@ class Worker:
             '/tandem.v1.Worker/Release',
             tandem_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/RenewLeases',
+            tandem_dot_v1_dot_worker__pb2.RenewLeasesRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.RenewLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,

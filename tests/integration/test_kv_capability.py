@@ -156,6 +156,38 @@ def test_a_lease_token_opens_its_blocks_once(cluster):
     asyncio.run(main())
 
 
+def test_only_a_claimed_lease_is_renewed(cluster):
+    """RenewLeases gives each live, claimed lease a full time to live again; an unclaimed,
+    unknown or released one is not renewed (0 left), and an unclaimed one stays claimable. Too
+    many tokens in one call are refused naming the field."""
+    p = cluster.workers("prefill")[0]
+
+    async def main():
+        async with grpc.aio.insecure_channel(p.address) as pch:
+            stub = worker_pb2_grpc.WorkerStub(pch)
+            claimed = (await prefill(pch, "renew-a", VICTIM[:20])).kv.lease_id
+            offered = (await prefill(pch, "renew-b", VICTIM[:21])).kv.lease_id
+            before = (await stub.ClaimLease(worker_pb2.ClaimLeaseRequest(lease_id=claimed))).ttl_ms
+
+            async def renew(*ids):
+                return list((await stub.RenewLeases(
+                    worker_pb2.RenewLeasesRequest(lease_ids=ids))).ttl_ms)
+
+            left = await renew(claimed, offered, secrets.token_hex(16), claimed)
+            assert left[0] >= before and 110_000 < left[0] <= 120_000 and left[3] >= left[0] - 50
+            assert left[1:3] == [0, 0]
+            assert (await stub.ClaimLease(worker_pb2.ClaimLeaseRequest(lease_id=offered))).block_ids
+            for lease in (claimed, offered):
+                assert (await stub.Release(worker_pb2.ReleaseRequest(lease_id=lease))).released
+            assert await renew(claimed, offered) == [0, 0]
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await renew(*[claimed] * 4097)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "lease_ids" in e.value.details()
+
+    asyncio.run(main())
+
+
 class FakePrefill(worker_pb2_grpc.WorkerServicer):
     """A prefill worker's impostor: it presents the real pool (from the real worker's Register)
     and answers every claim with the blocks it likes."""

@@ -24,7 +24,7 @@ NAMES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
          "generation_tokens", "request_success", "time_to_first_token_seconds",
          "inter_token_latency_seconds", "e2e_request_latency_seconds",
          "request_queue_time_seconds", "kv_transfer_seconds", "kv_transfer_bytes",
-         "iteration_tokens_total"]
+         "kv_lease_renewals", "kv_leases_lost", "iteration_tokens_total"]
 # Only where an engine runs: the router has no KV cache (its 0.0 would read as an idle one).
 ENGINE_ONLY = {"prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                "kv_cache_usage_perc"}

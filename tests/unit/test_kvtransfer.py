@@ -328,6 +328,24 @@ def test_lease_expires_at_its_deadline_and_a_late_release_is_ignored() -> None:
     assert table.expire(now=200.0) == [] and len(table) == 0
 
 
+def test_a_renewed_lease_lives_a_full_ttl_from_its_last_renewal() -> None:
+    table = LeaseTable()
+    kept = table.grant([0, 1], ttl_s=10.0, now=0.0)  # deadline 10
+    other = table.grant([2], ttl_s=10.0, now=0.0)
+    assert table.renew(kept, ttl_s=10.0, now=4.0) == 14.0
+    assert table.renew(kept, ttl_s=1.0, now=5.0) == 14.0  # never earlier than it was
+    assert table.expire(now=10.0) == [[2]]  # the other, at its own deadline
+    assert table.renew(other, ttl_s=10.0, now=10.0) is None  # expired: not brought back
+    assert table.renew(kept, ttl_s=10.0, now=12.0) == 22.0
+    assert table.expire(now=21.9) == [] and kept in table
+    assert table.expire(now=22.0) == [[0, 1]]  # a time to live after its last renewal
+    assert table.renew(kept, ttl_s=10.0, now=22.0) is None
+    released = table.grant([3], ttl_s=10.0, now=30.0)
+    assert table.release(released) == [3] and table.renew(released, 10.0, now=31.0) is None
+    assert table.renew("no-such-lease", 10.0, now=31.0) is None
+    assert table.expire(now=100.0) == [] and len(table) == 0 and table.pinned_blocks() == 0
+
+
 def test_expire_returns_leases_earliest_deadline_first() -> None:
     table = LeaseTable()
     for blocks, ttl in (([7], 3.0), ([4, 6], 1.0), ([2], 2.0), ([9], 50.0)):
@@ -379,6 +397,14 @@ def test_a_lease_is_claimed_once_while_it_lives() -> None:
     claims.offer("d", Claim((8,), 5, b"", deadline=20.0), now=6.0)
     claims.offer("e", Claim((9,), 5, b"", deadline=30.0), now=21.0)  # sweeps d
     assert len(claims) == 1 and claims.claim("e", now=29.0) is not None
+
+
+def test_only_a_claimed_lease_counts_as_claimed() -> None:
+    claims = LeaseClaims()
+    claims.offer("a", Claim((1,), 4, b"", deadline=10.0), now=0.0)
+    assert claims.unclaimed("a") and not claims.unclaimed("b")
+    claims.claim("a", now=1.0)
+    assert not claims.unclaimed("a")
 
 
 def test_prompt_digest_binds_every_token_and_the_length() -> None:

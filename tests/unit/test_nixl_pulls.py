@@ -15,7 +15,7 @@ import torch
 from nixl_pools import gated_reader, local_blocks, needs_nixl, owner_pool
 
 from engine.sequence import RemoteKV
-from engine.serving.core_messages import MapPool
+from engine.serving.core_messages import LeasesRenewed, MapPool
 from engine.serving.kv_pulls import KVPulls
 
 
@@ -105,6 +105,33 @@ def test_a_pull_held_in_flight_ends_once_with_its_transfer_released(core, how) -
     kp.hold(kv, "r1")
     _poll(kp.pull(kv, src, dst))  # the next pull works
     assert sent[-1].error is None and torch.equal(local[41], pool.tensor[2])
+
+
+@needs_nixl
+def test_a_renewed_lease_is_pulled_past_the_deadline_its_claim_gave(core) -> None:
+    """The worker renews a held lease (LeasesRenewed): the pull starts, and stays in flight,
+    after the claim's deadline, and ends well; a lease not renewed is refused at that deadline;
+    renewals of leases the core does not hold change nothing."""
+    kp, pool, local, sent, gated = core
+    src, dst = [7, 8], [30, 31]
+    kv = _lease(0, src, ttl=-1.0)  # the claim's deadline has passed
+    kp.hold(kv, "r0")
+    stale = _lease(1, src, ttl=-1.0)
+    kp.hold(stale, "r1")
+    later = time.monotonic() + 120.0
+    kp.renewed(LeasesRenewed(((kv.lease_id, later), ("not-held", later))))
+    kp.renewed(LeasesRenewed(((kv.lease_id, later - 60.0),)))  # an older answer, late
+    assert kp.deadline(kv) == later and kp.deadline(stale) == stale.deadline
+    assert set(kp.renewed_deadlines) == {kv.lease_id}
+    with pytest.raises(TimeoutError, match="lease ran out"):
+        kp.pull(stale, src, dst)
+    gated.gate.clear()
+    pull = kp.pull(kv, src, dst)
+    assert not pull.done()  # in flight past the claim's deadline: not failed
+    gated.gate.set()
+    _poll(pull)
+    assert [(m.request_id, m.error is None) for m in sent] == [("r1", False), ("r0", True)]
+    assert torch.equal(local[31], pool.tensor[8]) and kp.renewed_deadlines == {}
 
 
 @needs_nixl
