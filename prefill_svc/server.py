@@ -124,5 +124,7 @@ def add_parser(sub, name: str) -> None:
                         "cuda; nixl: over NIXL/UCX, from other hosts too, needs the nixl "
                         "extra)")
     p.add_argument("--lease-ttl", type=float, default=30.0,
-                   help="seconds a finished prompt's blocks stay pinned for a decode worker")
+                   help="seconds a finished prompt's blocks stay pinned for a decode worker, "
+                        "counted from the prefill and again from each renewal by the decode "
+                        "worker that claimed them (every third of this while it waits)")
     p.set_defaults(func=run)
