@@ -145,21 +145,25 @@ def test_decode_side_never_pulls_lease_expires(cluster):
 
 def test_decode_request_cancelled_before_it_ran_releases_the_lease_at_once(cluster):
     """On a decode worker's Stream call a cancel follows its request in order, so the worker
-    always sees the request it cancels: a request cancelled before its task ever ran still
-    releases the prefill side's lease now, not at the lease's expiry (LEASE_TTL here). Requests of
-    the wrong kind or a reused id are refused by status; closing the call's sending side ends
-    the call once its requests are done."""
+    always sees the request it cancels: a request cancelled right after it was sent (before its
+    task ran, or while it claims, waits or decodes: the cancel may be read late on a busy
+    machine, so the request asks for every token the model allows and cannot be done by then)
+    sends no update and releases the prefill side's lease now, not at the lease's expiry
+    (LEASE_TTL here). Requests of the wrong kind or a reused id are refused by status; closing
+    the call's sending side ends the call once its requests are done."""
     p, d = cluster.workers("prefill")[0], cluster.workers("decode")[0]
     params = params_to_proto(SamplingParams(temperature=0, max_tokens=8))
+    endless = params_to_proto(SamplingParams(temperature=0, ignore_eos=True,
+                                             max_tokens=1024 - len(PROMPTS[11])))
     expired_before = p.log_text().count("expired unreleased")
 
     async def main():
         async with grpc.aio.insecure_channel(p.address) as pch, \
                 grpc.aio.insecure_channel(d.address) as dch:
             resp = await worker_pb2_grpc.WorkerStub(pch).Prefill(worker_pb2.PrefillRequest(
-                request_id="cancelled-early", prompt_token_ids=PROMPTS[11], params=params))
+                request_id="cancelled-early", prompt_token_ids=PROMPTS[11], params=endless))
             decode = worker_pb2.DecodeRequest(
-                request_id="cancelled-early", prompt_token_ids=PROMPTS[11], params=params,
+                request_id="cancelled-early", prompt_token_ids=PROMPTS[11], params=endless,
                 kv=resp.kv, first_token_ids=resp.first_token_ids)
             call = worker_pb2_grpc.WorkerStub(dch).Stream(iter([
                 worker_pb2.StreamRequest(decode=decode),
