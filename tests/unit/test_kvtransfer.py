@@ -1,5 +1,5 @@
-"""kvtransfer on the CPU: descriptors, shm pools shared with a separate process, block pulls by
-exact ids, and leases."""
+"""kvtransfer on the CPU: descriptors, shm pools shared with a separate process, and block
+pulls by exact ids (leases: test_lease.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from kvtransfer.descriptor import LAYOUT_FIELDS, PoolDescriptor, check_compatible
-from kvtransfer.lease import Claim, LeaseClaims, LeaseTable, prompt_digest
 from kvtransfer.pool import SHM_DIR, allocate_pool
 from kvtransfer.remote import open_remote_pool, pull_blocks
 from tandem.errors import InvalidArgument, LayoutMismatch
@@ -109,6 +108,13 @@ def test_descriptor_rejects_bad_fields_by_name(changes: dict[str, object], field
     with pytest.raises(InvalidArgument) as err:
         _desc(**changes)
     assert err.value.field == field
+
+
+def test_descriptor_is_frozen_and_picklable_with_its_handle() -> None:
+    desc = _desc()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        desc.num_blocks = 1  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(desc)) == desc
 
 
 # --- shm pools ------------------------------------------------------------------------------
@@ -294,128 +300,3 @@ def test_shm_pool_is_pulled_from_another_process_and_survives_its_exit() -> None
     assert torch.equal(owner.tensor, expected)
     owner.close()
     assert _segments() == before
-
-
-# --- leases ---------------------------------------------------------------------------------
-
-
-def test_lease_release_returns_exactly_its_blocks_once() -> None:
-    table = LeaseTable()
-    a = table.grant([5, 3, 9], ttl_s=30.0, now=100.0)
-    b = table.grant([1], ttl_s=30.0, now=100.0)
-    assert a != b and len(table) == 2 and a in table
-    assert table.pinned_blocks() == 4
-    assert table.release(a) == [5, 3, 9]
-    assert table.release(a) is None  # a second release is ignored
-    assert table.release("no-such-lease") is None
-    assert len(table) == 1 and table.pinned_blocks() == 1 and a not in table
-    assert table.release(b) == [1]
-    assert len(table) == 0 and table.pinned_blocks() == 0
-
-
-def test_lease_expires_at_its_deadline_and_a_late_release_is_ignored() -> None:
-    table = LeaseTable()
-    early = table.grant([0, 1], ttl_s=10.0, now=0.0)  # deadline 10
-    late = table.grant([2], ttl_s=5.0, now=8.0)  # deadline 13
-    gone = table.grant([3], ttl_s=1.0, now=0.0)  # deadline 1, released first
-    assert table.release(gone) == [3]
-    assert table.expire(now=9.999) == []
-    assert table.expire(now=10.0) == [[0, 1]]
-    assert table.release(early) is None  # D's Release after P reclaimed the blocks
-    assert len(table) == 1 and table.pinned_blocks() == 1
-    assert table.expire(now=100.0) == [[2]]
-    assert table.release(late) is None
-    assert table.expire(now=200.0) == [] and len(table) == 0
-
-
-def test_a_renewed_lease_lives_a_full_ttl_from_its_last_renewal() -> None:
-    table = LeaseTable()
-    kept = table.grant([0, 1], ttl_s=10.0, now=0.0)  # deadline 10
-    other = table.grant([2], ttl_s=10.0, now=0.0)
-    assert table.renew(kept, ttl_s=10.0, now=4.0) == 14.0
-    assert table.renew(kept, ttl_s=1.0, now=5.0) == 14.0  # never earlier than it was
-    assert table.expire(now=10.0) == [[2]]  # the other, at its own deadline
-    assert table.renew(other, ttl_s=10.0, now=10.0) is None  # expired: not brought back
-    assert table.renew(kept, ttl_s=10.0, now=12.0) == 22.0
-    assert table.expire(now=21.9) == [] and kept in table
-    assert table.expire(now=22.0) == [[0, 1]]  # a time to live after its last renewal
-    assert table.renew(kept, ttl_s=10.0, now=22.0) is None
-    released = table.grant([3], ttl_s=10.0, now=30.0)
-    assert table.release(released) == [3] and table.renew(released, 10.0, now=31.0) is None
-    assert table.renew("no-such-lease", 10.0, now=31.0) is None
-    assert table.expire(now=100.0) == [] and len(table) == 0 and table.pinned_blocks() == 0
-
-
-def test_expire_returns_leases_earliest_deadline_first() -> None:
-    table = LeaseTable()
-    for blocks, ttl in (([7], 3.0), ([4, 6], 1.0), ([2], 2.0), ([9], 50.0)):
-        table.grant(blocks, ttl_s=ttl, now=0.0)
-    assert table.expire(now=3.0) == [[4, 6], [2], [7]]
-    assert len(table) == 1
-
-
-def test_pinned_blocks_counts_a_block_shared_by_two_leases_once() -> None:
-    table = LeaseTable()
-    a = table.grant([0, 1, 2], ttl_s=30.0, now=0.0)  # two requests sharing prefix blocks 0, 1
-    table.grant([0, 1, 5], ttl_s=30.0, now=0.0)
-    assert table.pinned_blocks() == 4
-    assert table.release(a) == [0, 1, 2]
-    assert table.pinned_blocks() == 3
-
-
-def test_grant_copies_its_input_and_refuses_a_non_positive_ttl() -> None:
-    table = LeaseTable()
-    blocks = [1, 2]
-    lease = table.grant(blocks, ttl_s=1.0, now=0.0)
-    blocks.append(3)
-    assert table.release(lease) == [1, 2]
-    for ttl in (0.0, -1.0, float("nan")):
-        with pytest.raises(InvalidArgument) as err:
-            table.grant([1], ttl_s=ttl, now=0.0)
-        assert err.value.field == "ttl_s"
-    assert len({table.grant([], ttl_s=1.0, now=0.0) for _ in range(1000)}) == 1000
-
-
-def test_lease_ids_are_128_random_bits() -> None:
-    table = LeaseTable()
-    ids = [table.grant([1], ttl_s=1.0, now=0.0) for _ in range(100)]
-    assert all(len(bytes.fromhex(i)) == 16 for i in ids) and len(set(ids)) == 100
-
-
-def test_a_lease_is_claimed_once_while_it_lives() -> None:
-    claims = LeaseClaims()
-    a = Claim((4, 1, 3), 40, prompt_digest(range(40)), deadline=10.0)
-    claims.offer("a", a, now=0.0)
-    claims.offer("b", Claim((2,), 5, b"", deadline=10.0), now=0.0)
-    claims.offer("c", Claim((7,), 5, b"", deadline=5.0), now=0.0)
-    assert claims.claim("a", now=9.9) == a
-    assert claims.claim("a", now=9.9) is None  # claimed: never again
-    assert claims.claim("no-such-lease", now=0.0) is None
-    claims.forget("b")  # released before anyone claimed it
-    assert claims.claim("b", now=1.0) is None
-    assert claims.claim("c", now=5.0) is None  # the core reclaims the blocks at the deadline
-    claims.offer("d", Claim((8,), 5, b"", deadline=20.0), now=6.0)
-    claims.offer("e", Claim((9,), 5, b"", deadline=30.0), now=21.0)  # sweeps d
-    assert len(claims) == 1 and claims.claim("e", now=29.0) is not None
-
-
-def test_only_a_claimed_lease_counts_as_claimed() -> None:
-    claims = LeaseClaims()
-    claims.offer("a", Claim((1,), 4, b"", deadline=10.0), now=0.0)
-    assert claims.unclaimed("a") and not claims.unclaimed("b")
-    claims.claim("a", now=1.0)
-    assert not claims.unclaimed("a")
-
-
-def test_prompt_digest_binds_every_token_and_the_length() -> None:
-    prompt = [1, 2, 3, 70000]
-    assert prompt_digest(prompt) == prompt_digest(tuple(prompt)) and len(prompt_digest([])) == 16
-    assert len({prompt_digest(p) for p in (prompt, prompt[:3], [1, 2, 3, 70001], [2, 1, 3, 70000],
-                                           [*prompt, 0])}) == 5
-
-
-def test_descriptor_is_frozen_and_picklable_with_its_handle() -> None:
-    desc = _desc()
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        desc.num_blocks = 1  # type: ignore[misc]
-    assert pickle.loads(pickle.dumps(desc)) == desc
