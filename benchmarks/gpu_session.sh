@@ -5,7 +5,7 @@
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl,
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, defaults, structured,
-# pulls, pack.
+# pulls, profile, offline, pack.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 R=$OUT  # each stage's log straight in $OUT
@@ -49,6 +49,23 @@ for stage in "$@"; do
           --block-size $bs --repeats 20 --sweep --out "$OUT/fp8_blocks_$bs.json"
       done ;;
     sweep) run kv_sweep python3 benchmarks/kv_transfer.py --sweep --repeats 10 --out "$OUT/kv_sweep.json" ;;
+    profile)  # where each kind of step's device time goes, by kernel kind (PROFILE_VARIANTS)
+      # shellcheck disable=SC2086  # the variants are words
+      run step_profile python3 benchmarks/step_profile.py --variants ${PROFILE_VARIANTS:-bf16 fp8-w} \
+        --out "$OUT/step_profile.json" ;;
+    offline)  # the offline engine's 1,000-request 8B runs, one process each, in the order given:
+      # OFFLINE_RUNS="name|workload flags|engine flags;..." e.g.
+      # "fcfs0|--workload sharegpt --seed 0|;cp0|--workload sharegpt --seed 0|--scheduling-policy critical-path"
+      IFS=';' read -ra runs <<< "${OFFLINE_RUNS:?set OFFLINE_RUNS}"
+      for spec in "${runs[@]}"; do
+        IFS='|' read -r name wl eng <<< "$spec"
+        # shellcheck disable=SC2086  # flags are words
+        run "offline_$name" python3 benchmarks/serve.py --mode offline --model "$B8" --dtype bfloat16 \
+          --load-format dummy --devices cuda:0 --num-requests 1000 --no-progress --gpu-time-every 0 \
+          $wl --out "$OUT/offline_$name.json" -- $eng
+        grep -E "requests in|floors|steps:|^ +(prefill|mixed|decode|all)" "$OUT/offline_$name.txt" \
+          >> "$OUT/offline_table.txt"
+      done ;;
     decode) run decode_step_8b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b \
         --batch 1 64 --context 1024 --out "$OUT/decode_step_8b.json"
       run decode_step_1b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.2-1b \

@@ -165,16 +165,25 @@ class CacheConfig:
             raise InvalidArgument("memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "critical-path")  # engine/wait_queue.py
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 512
     max_model_len: int = 4096
+    policy: str = "fcfs"
+    # critical-path: the fewest tokens a paced step gives prompts off the path (engine/scheduler.py)
+    min_step_tokens: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "min_step_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise InvalidArgument("scheduling_policy", f"must be one of "
+                                  f"{', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
 
 
 @dataclass(frozen=True)
@@ -196,7 +205,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 512
     max_model_len: int | None = None
+    scheduling_policy: str = "fcfs"
+    min_step_tokens: int = 256
     cuda_graphs: bool = True
+    # Steps with prefill chunks from CUDA graphs too (engine/cuda_graphs.py), not only decodes.
+    mixed_cuda_graphs: bool = True
     # Pipelined steps: the host schedules step N+1 while the device runs step N
     # (engine/async_step.py), falling back per step where it cannot. None: on CUDA only (on
     # the CPU nothing overlaps, and every output would come a step later).
@@ -237,7 +250,10 @@ class EngineConfig:
 
     def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
         max_len = min(self.max_model_len or model.max_model_len, model.max_model_len)
-        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, max_len)
+        # A prefill worker's requests end at their first token: nothing to pace by outputs.
+        policy = "fcfs" if self.role == "prefill" else self.scheduling_policy
+        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, max_len, policy,
+                               self.min_step_tokens)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs.
+"""Steps replayed from CUDA graphs: decode steps (CudaGraphRunner) and steps with prefill chunks
+(MixedGraphRunner).
 
 A decode step's work is fixed by its batch size, so one graph per size on a ladder
 (1, 2, 4, 8, 16, 24, ... max) replays the whole forward pass, the LM head and the greedy argmax
@@ -20,7 +21,12 @@ import logging
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, forward_context
+from engine.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    forward_context,
+    max_prefill_tiles,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,3 +120,143 @@ class CudaGraphRunner:
         self.replays += 1
         logits, greedy = self.outputs[bs]
         return logits[:b], greedy[:b]
+
+
+# Token counts of the mixed-step graphs; a step of T tokens replays the smallest >= T. Above
+# the largest, steps run eagerly: their GPU time (~35 ms for 2,048 tokens of an 8B model on an
+# H200) already hides the host's launches.
+MIXED_SIZES = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+
+
+class MixedGraphRunner:
+    """Steps with prefill chunks (chunks alone, or beside decodes) replayed from CUDA graphs.
+
+    An eager step costs the host a few hundred kernel launches, 30-50 ms on a GPU box's CPU
+    for an 8B model (benchmarks/step_profile.py --host-profile): more than the GPU time of a
+    step of a few hundred tokens, which then waits on its launches. One graph per token count
+    on MIXED_SIZES replays the forward pass, the LM head over the rows that sample and their
+    argmax. What makes a step's shape fixed: the decode kernel runs over all S sequence rows,
+    with a context of 0 (zeros written, nothing read) except for the decodes, which come
+    first; then the prefill kernel runs the chunks from its work list (sequence, query tile),
+    whose capacity depends only on the token count, and overwrites their rows. Padding tokens
+    store nothing (slot -1) and belong to no work item; sampled rows beyond the step's read
+    row 0 and are dropped.
+
+        input_ids, positions, slot_mapping [T]   query_start_loc [S + 1]  seq_lens [S]
+        decode_lens [S]   block_tables [S, max_blocks]   tiles [cdiv(T, block_q) + S, 2]
+        sample_index [S]  ─▶ graph ─▶  logits [S, vocab] fp32, argmax [S]
+                                                            (S = min(T, max_seqs))
+    """
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_tokens: int,
+                 max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_q = backend.prefill_block_q
+        self.sizes = [t for t in MIXED_SIZES if t < max_tokens] + [min(max_tokens, MIXED_SIZES[-1])]
+        self.max_seqs = max_seqs
+        t, s = self.sizes[-1], self.seqs(self.sizes[-1])
+        longs = dict(dtype=torch.long, device=device)
+        ints = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(t, **longs)
+        self.positions = torch.zeros(t, **longs)
+        self.slot_mapping = torch.full((t,), -1, **longs)
+        self.sample_index = torch.zeros(s, **longs)
+        self.query_start_loc = torch.zeros(s + 1, **ints)
+        self.seq_lens = torch.zeros(s, **ints)
+        self.decode_lens = torch.zeros(s, **ints)
+        self.block_tables = torch.zeros(s, max_blocks_per_seq, **ints)
+        self.tiles = torch.full((self.capacity(t), 2), -1, **ints)
+        self.logits = torch.zeros(s, model.config.vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pool = None
+        self.replays = 0
+
+    def seqs(self, tokens: int) -> int:
+        """Sequences a step of `tokens` tokens can have."""
+        return min(tokens, self.max_seqs)
+
+    def capacity(self, tokens: int) -> int:
+        return max_prefill_tiles(tokens, self.seqs(tokens), self.block_q)
+
+    def _meta(self, t: int) -> AttentionMetadata:
+        s = self.seqs(t)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:t], query_start_loc=self.query_start_loc[:s + 1],
+            seq_lens=self.seq_lens[:s], block_tables=self.block_tables[:s], num_decodes=0,
+            max_query_len=t, max_seq_len=self.block_tables.shape[1] * self.backend.pool.shape[3],
+            query_lens_cpu=[t], seq_lens_cpu=[0] * s,
+            prefill_tiles=self.tiles[:self.capacity(t)], decode_lens=self.decode_lens[:s])
+
+    def _forward(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.seqs(t)
+        with forward_context(self.backend, self._meta(t)):
+            hidden = self.model(self.input_ids[:t], self.positions[:t])
+        logits = self.model.compute_logits(hidden[self.sample_index[:s]], out=self.logits[:s])
+        return logits, logits.argmax(dim=-1)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Largest first, so smaller graphs reuse the largest one's memory pool. The buffers
+        hold no work (every item unused, every slot -1) while capturing."""
+        for t in reversed(self.sizes):
+            self._forward(t)  # outside the capture: Triton compiles and picks configs here
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[t] = self._forward(t)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[t] = graph
+        torch.cuda.synchronize()
+        log.info("captured mixed-step CUDA graphs for token counts %s", self.sizes)
+
+    def release(self) -> None:
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+
+    def size_for(self, num_tokens: int, num_rows: int) -> int | None:
+        """The graph a step of num_tokens tokens over sequences and sampled rows (each at most
+        num_rows of them) replays: the smallest with room for both; None: none has."""
+        return next((t for t in self.sizes if t >= num_tokens and self.seqs(t) >= num_rows),
+                    None)
+
+    def can_run(self, num_tokens: int, num_seqs: int, num_rows: int, max_blocks: int) -> bool:
+        return (self.size_for(num_tokens, max(num_seqs, num_rows)) is not None
+                and max_blocks <= self.block_tables.shape[1])
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            sample_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and greedy tokens of the rows `sample_index` picks, for the step `meta`
+        describes (inputs already on the device): its first num_decodes sequences decode,
+        and meta.prefill_tiles lists the others' work items, counted from sequence 0."""
+        t, s, r = input_ids.shape[0], meta.seq_lens.shape[0], sample_index.shape[0]
+        size = self.size_for(t, max(s, r))
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(meta.slot_mapping)
+        if size > t:
+            self.slot_mapping[t:size].fill_(-1)
+        self.query_start_loc[:s + 1].copy_(meta.query_start_loc)
+        self.seq_lens[:s].copy_(meta.seq_lens)
+        nd = meta.num_decodes
+        self.decode_lens[:nd].copy_(meta.seq_lens[:nd])
+        self.decode_lens[nd:self.seqs(size)].zero_()
+        self.block_tables[:s, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        n = meta.prefill_tiles.shape[0]
+        self.tiles[:n].copy_(meta.prefill_tiles)
+        self.tiles[n:self.capacity(size), 0].fill_(-1)
+        self.sample_index[:r].copy_(sample_index)
+        self.sample_index[r:self.seqs(size)].zero_()  # rows of an earlier, larger step
+        graph = self.graphs.get(size)
+        if graph is None:  # not captured (tests on the CPU): the same step, run eagerly
+            self.outputs[size] = self._forward(size)
+        else:
+            graph.replay()
+        self.replays += 1
+        logits, greedy = self.outputs[size]
+        return logits[:r], greedy[:r]

@@ -24,6 +24,7 @@ tokens after launching its forward pass and before its sampling (the mask needs 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -78,8 +79,7 @@ class LLMEngine(KVHandoff, PipelinedSteps):
         self.kv = KVCacheManager(self.block_pool)
         # A sequence can never outgrow the whole pool.
         max_len = min(sched.max_model_len, self.runner.num_blocks * cache.block_size)
-        self.scheduler = Scheduler(
-            type(sched)(sched.max_num_batched_tokens, sched.max_num_seqs, max_len), self.kv)
+        self.scheduler = Scheduler(dataclasses.replace(sched, max_model_len=max_len), self.kv)
         self.max_model_len = max_len
         self.limits = RequestLimits(self.model_config.vocab_size, max_len, config.max_n)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
@@ -119,7 +119,8 @@ class LLMEngine(KVHandoff, PipelinedSteps):
             model_dir=self.model_dir, load_format=config.load_format, seed=config.seed,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=sched.max_model_len, max_num_seqs=sched.max_num_seqs,
-            cuda_graphs=config.cuda_graphs, pool_factory=pool_factory, progress=progress,
+            cuda_graphs=config.cuda_graphs, mixed_cuda_graphs=config.mixed_cuda_graphs,
+            pool_factory=pool_factory, progress=progress,
             kv_cache_dtype_name=config.kv_cache_dtype, quantization=config.quantization,
             tp=self.tp_group.state if self.tp_group is not None else None)
 

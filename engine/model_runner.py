@@ -24,11 +24,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.async_step import PendingTokens, TokenFill
-from engine.attention.base import AttentionBackend, AttentionMetadata, forward_context
+from engine.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    forward_context,
+    prefill_tiles,
+)
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.block_table import BlockTableMirror
 from engine.config import CacheConfig, ModelConfig, cdiv
-from engine.cuda_graphs import CudaGraphRunner
+from engine.cuda_graphs import CudaGraphRunner, MixedGraphRunner
 from engine.loader import build_model, init_dummy_weights, load_weights
 from engine.models.layers import CausalLM
 from engine.parallel import TPState, all_min, kv_heads_per_rank, rank_heads
@@ -63,6 +68,7 @@ class ModelRunner:
                  dtype: str, model_dir: Path | None, load_format: str = "auto", seed: int = 0,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 4096,
                  max_num_seqs: int = 256, cuda_graphs: bool = True,
+                 mixed_cuda_graphs: bool = True,
                  pool_factory: PoolFactory | None = None, progress: bool = True,
                  kv_cache_dtype_name: str = "auto", quantization: str | None = None,
                  tp: TPState | None = None) -> None:
@@ -98,8 +104,20 @@ class ModelRunner:
         use_graphs = cuda_graphs and self.device.type == "cuda"
         graph_bs = min(max_num_seqs, MAX_GRAPH_BATCH) if use_graphs else 0
         self.graphs: CudaGraphRunner | None = None  # captured once the pool exists
+        # Query tokens per work item of the GPU's prefill attention (0: the CPU backend).
+        self.prefill_block_q = 0
+        if self.device.type == "cuda":
+            from kernels.paged_prefill_attention import prefill_block_q  # noqa: PLC0415 - Triton
+
+            self.prefill_block_q = prefill_block_q(model_config.head_dim,
+                                                   self.num_heads // self.num_kv_heads)
+        # Steps with prefill chunks from graphs too (engine/cuda_graphs.py), but not under
+        # tensor parallelism (its steps are broadcast and replayed eagerly there).
+        mixed = use_graphs and mixed_cuda_graphs and self.tp is None
+        self.mixed_graphs: MixedGraphRunner | None = None
         self.num_blocks = cache_config.num_blocks or blocks_for_budget(
-            self, cache_config, max_num_batched_tokens, max_model_len, max_num_seqs, graph_bs)
+            self, cache_config, max_num_batched_tokens, max_model_len, max_num_seqs, graph_bs,
+            mixed)
         if self.tp is not None:  # block ids mean the same on every rank: one pool size
             self.num_blocks = all_min(self.num_blocks, self.tp)
         self.pool = (pool_factory or default_pool_factory)(self.pool_shape(self.num_blocks),
@@ -113,6 +131,11 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self.model, self.backend, graph_bs,
                                           cdiv(max_model_len, self.block_size), self.device)
             self.graphs.capture()
+        if mixed:
+            self.mixed_graphs = MixedGraphRunner(
+                self.model, self.backend, max_num_batched_tokens, max_num_seqs,
+                cdiv(max_model_len, self.block_size), self.device)
+            self.mixed_graphs.capture()
 
     def _load_model(self, model_dir: Path | None, load_format: str, seed: int,
                     quantization: str | None, progress: bool) -> CausalLM:
@@ -242,6 +265,8 @@ class ModelRunner:
             dst = _to([d for _, d in inputs.copies], torch.long, self.device)
             self.pool[dst] = self.pool[src]
         ids, pos, meta, sample_index = self._device_inputs(inputs, fill)
+        if inputs.use_mixed_graph:
+            return self.mixed_graphs.run(ids, pos, meta, sample_index)
         if inputs.use_graph:
             logits, greedy = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens,
                                              meta.block_tables)
@@ -277,11 +302,16 @@ class ModelRunner:
             rows.append(mirror_row(seq))
         width = max(len(s.block_ids) for s in batch.seqs)
         # Rank 0 decides for every tensor-parallel rank: all must run the same collectives.
-        use_graph = (self.graphs is not None and batch.num_decodes == len(batch.seqs)
+        decode_only = batch.num_decodes == len(batch.seqs)
+        use_graph = (self.graphs is not None and decode_only
                      and self.graphs.can_run(len(batch.seqs), width))
+        use_mixed = (self.mixed_graphs is not None and not decode_only
+                     and self.mixed_graphs.can_run(len(token_ids), len(batch.seqs),
+                                                   len(row_token_index), width))
         return StepInputs(token_ids, positions, slots, seq_lens, list(batch.num_new_tokens),
                           batch.num_decodes, row_token_index,
-                          self.block_tables.gather(rows, width), list(batch.copies), use_graph)
+                          self.block_tables.gather(rows, width), list(batch.copies), use_graph,
+                          use_mixed)
 
     def _inputs(self, batch: ScheduledBatch, row_token_index: list[int]):
         return self._device_inputs(self.step_inputs(batch, row_token_index))
@@ -306,15 +336,24 @@ class ModelRunner:
             # this gather, and this step's forward (graph replay or eager) runs after it.
             longs[:t].index_copy_(0, longs[r:r + k],
                                   fill.tokens.index_select(0, longs[r + k:r + 2 * k]))
-        ints = _to(qsl + inputs.seq_lens, torch.int32, dev)
+        # The prefill kernel's work items (GPU): the chunks after the decodes, counted from the
+        # first of them (eager), or from sequence 0 (a step replayed from a mixed-step graph).
+        nd = inputs.num_decodes
+        block_q = self.prefill_block_q
+        tiles = []
+        if block_q and b > nd:
+            tiles = (prefill_tiles(inputs.query_lens, block_q, first=nd) if inputs.use_mixed_graph
+                     else prefill_tiles(inputs.query_lens[nd:], block_q))
+        ints = _to(qsl + inputs.seq_lens + tiles, torch.int32, dev)
         table = inputs.block_table
         if dev.type == "cuda":
             table = table.pin_memory().to(dev, non_blocking=True)
         meta = AttentionMetadata(
             slot_mapping=longs[2 * t:3 * t], query_start_loc=ints[:b + 1],
-            seq_lens=ints[b + 1:], block_tables=table, num_decodes=inputs.num_decodes,
+            seq_lens=ints[b + 1:2 * b + 1], block_tables=table, num_decodes=inputs.num_decodes,
             max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens),
-            query_lens_cpu=inputs.query_lens, seq_lens_cpu=inputs.seq_lens)
+            query_lens_cpu=inputs.query_lens, seq_lens_cpu=inputs.seq_lens,
+            prefill_tiles=ints[2 * b + 1:].view(-1, 2) if tiles else None)
         return longs[:t], longs[t:2 * t], meta, longs[3 * t:r]
 
     def close(self) -> None:
@@ -322,6 +361,9 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.release()
+            self.mixed_graphs = None
 
     def release(self, seq_id: int) -> None:
         """A sequence finished: its block-table row is free again."""
@@ -344,6 +386,7 @@ class StepInputs:
     block_table: torch.Tensor  # int32 [B, width], on the CPU
     copies: list[tuple[int, int]] = field(default_factory=list)
     use_graph: bool = False  # a pure decode step that a captured CUDA graph replays
+    use_mixed_graph: bool = False  # a step with prefill chunks that a captured graph replays
 
 
 def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

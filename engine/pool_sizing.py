@@ -22,7 +22,7 @@ log = logging.getLogger("engine.model_runner")
 
 
 def blocks_for_budget(runner: ModelRunner, cache: CacheConfig, max_tokens: int, max_model_len: int,
-                      max_num_seqs: int, graph_bs: int) -> int:
+                      max_num_seqs: int, graph_bs: int, mixed_graphs: bool = False) -> int:
     if runner.device.type != "cuda":
         return max(1, cache.cpu_kv_bytes // runner.block_bytes)
     # Profile before the pool takes its share, as everything below must fit beside it:
@@ -35,6 +35,9 @@ def blocks_for_budget(runner: ModelRunner, cache: CacheConfig, max_tokens: int, 
         step = peak_bytes(runner.device, lambda: runner._profile_run(max_tokens, max_model_len, rows))
         graphs = (peak_bytes(runner.device, lambda: runner._profile_decode(graph_bs)) if graph_bs
                   else 0)
+        # The mixed-step graphs keep the activations of their largest step: at most the
+        # profiled step's (engine/cuda_graphs.py).
+        graphs += step if mixed_graphs else 0
     except torch.cuda.OutOfMemoryError:
         raise InvalidArgument(
             "max_num_batched_tokens", f"one step of {max_tokens} tokens sampling {rows} "

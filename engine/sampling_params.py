@@ -20,6 +20,7 @@ MAX_SCHEMA_CHARS = 64 * 1024
 # field, rather than failing later in a proto conversion.
 MAX_UINT32 = 2**32 - 1
 MAX_CACHE_SALT_CHARS = 256
+MAX_PRIORITY = 2**31 - 1  # an int32 on the wire
 # Lists a caller sizes: each entry costs work on every generated token.
 MAX_STOP_ENTRIES = 256  # stop strings, and stop token ids
 MAX_STOP_CHARS = 4096  # one stop string
@@ -46,6 +47,10 @@ def _check_types(p: SamplingParams) -> None:
             raise InvalidArgument(name, f"must be an integer, got {type(v).__name__}")
         if name != "seed" and not -MAX_UINT32 <= v <= MAX_UINT32:
             raise InvalidArgument(name, f"must be at most {MAX_UINT32}, got {v}")
+    if isinstance(p.priority, bool) or not isinstance(p.priority, int) or \
+            not -MAX_PRIORITY <= p.priority <= MAX_PRIORITY:
+        raise InvalidArgument("priority", f"must be an integer in [-{MAX_PRIORITY}, "
+                              f"{MAX_PRIORITY}], got {p.priority!r}")
     for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
         if not isinstance(getattr(p, name), bool):
             raise InvalidArgument(name, f"must be true or false, got "
@@ -122,6 +127,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Prefix-cache namespace: cached blocks are shared only between equal salts ("" is one).
     cache_salt: str = ""
+    # Admission order under load: lower first (vLLM's convention), then the scheduler's policy.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples (hashable, immutable).

@@ -4,9 +4,24 @@ Each step, oldest first:
   1. running sequences take what they need (a decode 1 token, a prefilling sequence the next
      chunk); when blocks run out, the newest running sequence is preempted (its blocks freed,
      recomputed later with the same output) until the older one fits;
-  2. if nothing was preempted, waiting sequences are admitted in arrival order (FCFS) while
-     budget, sequence slots and blocks last, keeping a watermark of free blocks (1% of the pool)
-     for the running sequences to grow into; a prompt may start with a partial chunk.
+  2. if nothing was preempted, waiting sequences are admitted in the wait queue's order
+     (engine/wait_queue.py: priority, then FCFS or the critical-path order) while budget,
+     sequence slots and blocks last, keeping a watermark of free blocks (1% of the pool) for
+     the running sequences to grow into; a prompt may start with a partial chunk.
+
+Policy `critical-path` also paces the work off the critical path. The run of the requests known
+now cannot take fewer steps than the longest remaining output (the horizon); a step of fewer
+tokens than the model's weights are worth in compute (min_step_tokens, ~256 on an H100 for
+bf16) costs about what reading the weights costs. So prompts off that path get at most the work
+left divided by the horizon per step (never under min_step_tokens): their prefill is spread over
+steps that would otherwise run nearly empty at the end, instead of crowding the first steps while
+the longest requests wait. Prompts on the path (their chunks plus their outputs reach the
+horizon: a request alone, a long generation) get the whole budget. Decodes are never paced.
+
+    steps:   0 ─────────────────────────────── horizon
+    longest  ██████████████████████████████████           (its outputs: the critical path)
+    others   ▓▓▓ ▓▓▓▓ ▓▓ ▓▓▓▓▓ ▓▓▓ ▓▓▓▓ ▓▓▓ ▓▓▓▓ ▓▓       (paced, spread along it)
+
 Decode role: a waiting sequence whose KV lives on a prefill worker is admitted with the full
 prompt blocks this worker's prefix cache holds and fresh blocks for the rest, and listed in
 `pulls`; the engine copies the rest in before the step runs, or, over NIXL, starts a pull the
@@ -16,12 +31,12 @@ wait so, no more such requests are admitted.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv_manager import KVCacheManager
 from engine.sequence import Sequence, Status
+from engine.wait_queue import WaitQueue, remaining_outputs
 
 # Decode role: requests whose KV is still arriving (over NIXL, engine/kv_handoff.py) hold their
 # blocks and cannot be preempted; with this many at the start of a step, no request whose KV
@@ -50,14 +65,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitQueue(config.policy, config.max_model_len)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Blocks that admissions leave free so running sequences rarely need preempting.
         self.watermark = kv.pool.num_blocks // 100
+        self._step_paced = config.max_num_batched_tokens
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -68,6 +84,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        horizon, paced = self._pace()
+        self._step_paced = paced  # _on_path measures prompts in this step's chunks
         # One-token sequences first: the attention backend runs them as one decode batch.
         decodes: list[Sequence] = []
         chunks: list[tuple[Sequence, int]] = []
@@ -85,12 +103,18 @@ class Scheduler:
                 # A decode with room in its own last block: nothing to allocate (hot path).
                 decodes.append(seq)
                 budget -= 1
+                paced -= 1
                 i += 1
                 continue
             if n <= 0 or seq.kv_pull is not None:  # KV pulled this step, or still arriving
                 pulling += seq.kv_pull is not None
                 i += 1
                 continue
+            if n > 1 and not self._on_path(seq, horizon, paced):
+                n = min(n, paced)
+                if n <= 0:  # this step's paced share is spent: the next step goes on
+                    i += 1
+                    continue
             n = min(n, budget)
             while not self.kv.allocate_slots(seq, n, copies=batch.copies):
                 victim = self._pop_victim()
@@ -104,13 +128,14 @@ class Scheduler:
                 else:
                     chunks.append((seq, n))
                 budget -= n
+                paced -= n
                 i += 1
                 continue
             break
 
         num_seqs = sum(s.num_samples for s in running) if self.waiting else 0
         while self.waiting and budget > 0 and not batch.preempted:
-            seq = self.waiting[0]
+            seq = self.waiting.head(horizon, self._step_paced)
             # The watermark protects running sequences; alone, a request may use every block.
             reserve = self.watermark if running else 0
             if num_seqs + seq.num_samples > self.config.max_num_seqs:
@@ -124,15 +149,17 @@ class Scheduler:
                 batch.pulls.append(seq)
             else:
                 hits = self.kv.prefix_hits(seq)
-                n = min(seq.num_tokens - len(hits) * bs, budget)
-                if not self.kv.allocate_slots(seq, n, hits, batch.copies, reserve):
+                limit = budget if self._on_path(seq, horizon, paced) else min(budget, paced)
+                n = min(seq.num_tokens - len(hits) * bs, limit)
+                if n <= 0 or not self.kv.allocate_slots(seq, n, hits, batch.copies, reserve):
                     break
                 if n == 1:
                     decodes.append(seq)
                 else:
                     chunks.append((seq, n))
                 budget -= n
-            self.waiting.popleft()
+                paced -= n
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             running.append(seq)
             num_seqs += seq.num_samples
@@ -140,6 +167,38 @@ class Scheduler:
         batch.seqs = decodes + [s for s, _ in chunks]
         batch.num_new_tokens = [1] * len(decodes) + [n for _, n in chunks]
         return batch
+
+    def _pace(self) -> tuple[int, int]:
+        """(horizon, paced budget) for this step; policy fcfs, or nothing to pace: (0, the
+        whole budget), which puts every sequence on the path. The horizon is the longest
+        remaining output of any request; the paced budget spreads the work left (tokens to
+        compute: prompts, and outputs to generate) over that many steps."""
+        cfg = self.config
+        full = cfg.max_num_batched_tokens
+        if not self.waiting.critical_path:
+            return 0, full
+        max_len = cfg.max_model_len
+        work = self.waiting.tokens
+        horizon = self.waiting.longest_outputs()
+        prefilling = False
+        for seq in self.running:
+            out = remaining_outputs(seq, max_len)
+            todo = len(seq.token_ids) - seq.num_computed_tokens
+            prefilling |= todo > 1
+            work += todo + out - 1
+            if out > horizon:
+                horizon = out
+        if not self.waiting and not prefilling:
+            return 0, full
+        floor = min(cfg.min_step_tokens, full)
+        return horizon, max(floor, min(full, -(-work // max(horizon, 1))))
+
+    def _on_path(self, seq: Sequence, horizon: int, paced: int) -> bool:
+        """Whether seq's own remaining steps (its prompt in paced chunks, then its outputs)
+        reach the horizon: it then gets the whole budget."""
+        if horizon == 0 or seq.num_preemptions:  # nothing paced; recomputed at full speed
+            return True
+        return self.waiting.is_critical(seq, horizon, self._step_paced)
 
     def _pop_victim(self) -> Sequence:
         """The newest running sequence whose KV is not still arriving (a pull in flight writes
@@ -159,7 +218,7 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.add_front(seq)
 
     def insert_after(self, parent: Sequence, children: list[Sequence]) -> None:
         """Forked samples join the running batch right after their parent."""
@@ -168,5 +227,4 @@ class Scheduler:
 
     def remove_finished(self) -> None:
         self.running = [s for s in self.running if not s.is_finished]
-        if any(s.is_finished for s in self.waiting):
-            self.waiting = deque(s for s in self.waiting if not s.is_finished)
+        self.waiting.remove_finished()

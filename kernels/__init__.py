@@ -9,7 +9,11 @@ from kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_ref
 from kernels.fp8_quant import quant_fp8, quant_fp8_ref
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.paged_decode_launch import SplitPolicy, decode_num_splits, decode_workspace_numel
-from kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.paged_prefill_attention import (
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    prefill_block_q,
+)
 from kernels.rms_norm import RMSNormResidual, rms_norm, rms_norm_ref
 from kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
 from kernels.rotary_store_kv import rotary_store_kv, rotary_store_kv_ref
@@ -30,6 +34,7 @@ __all__ = [
     "paged_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
+    "prefill_block_q",
     "quant_fp8",
     "quant_fp8_ref",
     "rms_norm",

@@ -13,6 +13,16 @@ BLOCK_M = BLOCK_Q * GROUP rows (row r: token r // GROUP, head r % GROUP), so eac
 loaded once for the whole group. It walks keys BLOCK_N at a time up to its last query's
 position (causal early exit) with an fp32 online softmax, as in FlashAttention-2.
 
+The grid is (work items, KV heads). A work item is one (sequence, query tile) pair, read from
+`tiles` (int32 [N, 2]; a sequence of -1 marks an unused item, which exits at once):
+
+    tiles:  (0, 2) (0, 1) (0, 0) (1, 0) (2, 0) (-1, 0) (-1, 0)
+             └ seq 0's 3 tiles, last first ┘  └ 1-token seqs ┘ └ spare capacity ┘
+
+so the grid depends only on the list's capacity, not on the chunks' lengths: a step captured
+in a CUDA graph replays with any chunks that fit its capacity (engine/attention/base.py
+prefill_tiles builds the list; a decode is a one-token chunk).
+
 FP8 caches (e4m3) carry one fp32 scale per KV head for K and for V; a program serves one KV
 head, so K's scale folds into the softmax scale and V's multiplies the accumulator once
 (see paged_decode_attention.py).
@@ -41,12 +51,12 @@ LOG2E = 1.4426950408889634
 # Arguments that vary from step to step are not specialised on (value 1, multiples of 16,
 # 16-byte aligned addresses): each distinct specialisation is a compile on first use, and the
 # engine compiles every variant at start-up (engine/warm_up.py), not in a request's step.
-@triton.jit(do_not_specialize=["num_q_tiles", "stride_bt"],
-            do_not_specialize_on_alignment=["qsl_ptr", "seq_lens_ptr", "bt_ptr"])
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["qsl_ptr", "seq_lens_ptr", "bt_ptr", "tiles_ptr"])
 def _paged_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, k_scale_ptr, v_scale_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, tiles_ptr, k_scale_ptr,
+    v_scale_ptr,
     scale_log2,  # softmax scale * log2(e)
-    num_q_tiles,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -55,10 +65,12 @@ def _paged_prefill_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # Late query tiles see the most keys: launch them first.
-    q_tile = num_q_tiles - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    item = tl.program_id(0).to(tl.int64) * 2
+    seq = tl.load(tiles_ptr + item)
+    if seq < 0:
+        return
+    q_tile = tl.load(tiles_ptr + item + 1)
+    kv_head = tl.program_id(1)
 
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
@@ -147,6 +159,7 @@ def paged_prefill_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,
     *,
+    tiles: torch.Tensor | None = None,
     config: PrefillConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -156,7 +169,9 @@ def paged_prefill_attention(
     q: [T, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D] (strided views fine,
     last dim contiguous) already holding the chunks' K/V; query_start_loc: int32 [B + 1];
     seq_lens: int32 [B], context length after the chunk; block_tables: int32 [B, max_blocks];
-    max_query_len: host-side max of the chunk lengths (sizes the grid). Returns out [T, Hq, D].
+    max_query_len: host-side max of the chunk lengths. Returns out [T, Hq, D].
+    tiles: int32 [N, 2], the work items (the module's doc; engine/attention/base.py
+    prefill_tiles for the config's block_q); default: every (sequence, tile) pair max_query_len allows, late tiles first.
     k_scale, v_scale: fp32 [Hkv], with FP8 caches only (they hold values / scale in e4m3).
     """
     num_q_heads, head_dim, block_size, num_kv_heads = check_paged_attention(
@@ -184,12 +199,16 @@ def paged_prefill_attention(
     check(group <= cfg.block_m and is_pow2(cfg.block_m) and cfg.block_m >= 16,
           f"block_m {cfg.block_m} must be a power of two >= max(16, group {group})")
     block_q = cfg.block_m // group
-    num_q_tiles = triton.cdiv(max_query_len, block_q)
+    if tiles is None:
+        tiles = _all_tiles(num_seqs, triton.cdiv(max_query_len, block_q), q.device)
+    check(tiles.dtype == torch.int32 and tiles.dim() == 2 and tiles.shape[1] == 2
+          and tiles.is_contiguous(), f"tiles must be contiguous int32 [N, 2], got "
+          f"{tiles.dtype} {tuple(tiles.shape)}")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     with device_guard(q):
-        _paged_prefill_kernel[(num_q_tiles, num_seqs, num_kv_heads)](
-            q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, k_scale, v_scale,
-            scale * LOG2E, num_q_tiles,
+        _paged_prefill_kernel[(tiles.shape[0], num_kv_heads)](
+            q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, tiles, k_scale,
+            v_scale, scale * LOG2E,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -200,6 +219,19 @@ def paged_prefill_attention(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out
+
+
+def prefill_block_q(head_dim: int, group: int) -> int:
+    """Query tokens per work item at the default config."""
+    return prefill_config(head_dim, group).block_m // group
+
+
+def _all_tiles(num_seqs: int, num_q_tiles: int, device: torch.device) -> torch.Tensor:
+    """Every (sequence, tile) pair, late tiles first; items past a sequence's chunk exit."""
+    seq = torch.arange(num_seqs, dtype=torch.int32, device=device).repeat(num_q_tiles)
+    tile = torch.arange(num_q_tiles - 1, -1, -1, dtype=torch.int32,
+                        device=device).repeat_interleave(num_seqs)
+    return torch.stack((seq, tile), dim=1)
 
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import EngineConfig
+from engine.config import SCHEDULING_POLICIES, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -28,7 +28,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=512, help="sequences in one step")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output")
-    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                   help="admission order under load, after each request's priority: fcfs "
+                        "(arrival), or critical-path (requests whose outputs set the run's "
+                        "length first, the rest shortest prompt first, their prefill paced "
+                        "over the steps those outputs take; engine/scheduler.py)")
+    g.add_argument("--min-step-tokens", type=int, default=256,
+                   help="critical-path: the fewest tokens a paced step gives prompts (a step "
+                        "this small costs about what reading the weights costs)")
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every step eagerly (no CUDA graphs)")
+    g.add_argument("--no-mixed-cuda-graphs", action="store_true",
+                   help="replay only decode steps from CUDA graphs, and run steps with prefill "
+                        "chunks eagerly (their graphs keep about one step's activations)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while the device runs step N (default: on CUDA; "
                         "on the CPU there is nothing to overlap, and each output would come a "
@@ -56,7 +68,9 @@ def engine_config(args: argparse.Namespace, role: str = "both") -> EngineConfig:
         role=role, block_size=args.block_size, num_blocks=args.num_blocks,
         memory_fraction=args.memory_fraction, enable_prefix_caching=args.enable_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, cuda_graphs=not args.no_cuda_graphs,
+        max_model_len=args.max_model_len, scheduling_policy=args.scheduling_policy,
+        min_step_tokens=args.min_step_tokens, cuda_graphs=not args.no_cuda_graphs,
+        mixed_cuda_graphs=not args.no_mixed_cuda_graphs,
         async_scheduling=args.async_scheduling,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size)

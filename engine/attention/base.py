@@ -37,6 +37,15 @@ class AttentionMetadata:
     # Host copies for backends that loop on the CPU.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # The GPU backend's prefill work items: int32 [N, 2] (sequence, query tile) for the
+    # sequences after the decodes, counted from the first of them
+    # (kernels/paged_prefill_attention.py); None: every pair the chunks' lengths allow.
+    prefill_tiles: torch.Tensor | None = None
+    # A step replayed from a mixed-step graph (engine/cuda_graphs.py): per sequence of its
+    # capacity, the context of a decode and 0 for the others. The decode kernel then runs
+    # over those rows (a 0 writes zeros) and the prefill kernel over the prefill_tiles items,
+    # which list the chunks of the whole batch (sequence indices from 0).
+    decode_lens: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -89,6 +98,26 @@ class AttentionBackend(ABC):
 
         With rope, q and k are rotated in place first (k as stored in the pool); without it
         they are used as given."""
+
+
+def prefill_tiles(query_lens: list[int], block_q: int, capacity: int = 0,
+                  first: int = 0) -> list[int]:
+    """The work items of the chunks of these lengths from sequence `first` on, flat [seq, tile,
+    seq, tile, ...]: each sequence's tiles last first (they see the most keys), padded with
+    (-1, 0) to `capacity` items."""
+    out: list[int] = []
+    for seq in range(first, len(query_lens)):
+        for t in range(-(-query_lens[seq] // block_q) - 1, -1, -1):
+            out += (seq, t)
+    if capacity:
+        assert len(out) <= 2 * capacity, "more work items than the capacity"
+        out += (-1, 0) * (capacity - len(out) // 2)
+    return out
+
+
+def max_prefill_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """The most work items chunks of num_tokens tokens over num_seqs sequences can need."""
+    return -(-num_tokens // block_q) + num_seqs
 
 
 @dataclass

@@ -23,6 +23,7 @@ from kernels import (
     decode_workspace_numel,
     paged_decode_attention,
     paged_prefill_attention,
+    prefill_block_q,
     rotary_store_kv,
     store_kv,
 )
@@ -36,6 +37,8 @@ class TritonAttentionBackend(AttentionBackend):
         super().__init__(pool, num_heads, scale, kv_scales)
         _, _, _, self.block_size, self.num_kv_heads, self.head_dim = pool.shape
         self.num_sms = num_sms(pool.device)
+        # Query tokens per prefill work item: the runner lists a step's items (meta.prefill_tiles).
+        self.prefill_block_q = prefill_block_q(self.head_dim, num_heads // self.num_kv_heads)
         self.decode_block_n = decode_config(self.head_dim).block_n
         # The split heuristic only splits while num_seqs * num_kv_heads is below
         # programs_per_sm * SMs, so the split workspace has a small upper bound: size it once
@@ -98,6 +101,19 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd, ns = meta.num_decodes, meta.num_seqs
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if meta.decode_lens is not None:  # a mixed-step graph's layout (base.py)
+            rows = meta.decode_lens.shape[0]
+            paged_decode_attention(
+                q[:rows], k_cache, v_cache, meta.block_tables[:rows], meta.decode_lens,
+                self.scale, out=out[:rows],
+                num_splits=self._num_splits(rows, meta.max_seq_len, meta.block_tables, capturing),
+                workspace=self.workspace, counters=self.split_counters, k_scale=k_scale,
+                v_scale=v_scale)
+            paged_prefill_attention(
+                q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                self.scale, meta.max_query_len, out=out, tiles=meta.prefill_tiles,
+                k_scale=k_scale, v_scale=v_scale)
+            return out
 
         if nd:
             block_tables = meta.block_tables[:nd] if nd < ns else meta.block_tables
@@ -112,5 +128,5 @@ class TritonAttentionBackend(AttentionBackend):
             paged_prefill_attention(
                 q[nd:], k_cache, v_cache, meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:],
                 meta.block_tables[nd:], self.scale, max(meta.query_lens_cpu[nd:]), out=out[nd:],
-                k_scale=k_scale, v_scale=v_scale)
+                tiles=meta.prefill_tiles, k_scale=k_scale, v_scale=v_scale)
         return out

@@ -294,3 +294,14 @@ def test_cold_start_benchmark_runs_every_pass(tiny_models, tmp_path):
     assert not set(r["passes"][0]["lengths"]) & set(r["passes"][2]["lengths"])
     assert all(len(p["ms"]) == 2 and min(p["ms"]) > 0 for p in r["passes"])
     assert r["card"] == "cpu" and r["passes"][0]["new_cache_entries"] == 0
+
+
+def test_step_profile_times_every_step_kind(tmp_path):
+    """benchmarks/step_profile.py --smoke: each step kind of each variant run and timed (the
+    CPU has no device times to split by kernel)."""
+    out = tmp_path / "steps.json"
+    proc = run("step_profile.py", "--smoke", "--variants", "bf16", "--out", str(out), timeout=240)
+    rows = json.loads(out.read_text())["bf16"]["rows"]
+    assert [r["step"] for r in rows] == ["prefill 64", "mixed 20+4", "decode 1", "decode 4"]
+    assert all(r["wall_ms"] > 0 for r in rows)
+    assert "mixed 20+4" in proc.stdout

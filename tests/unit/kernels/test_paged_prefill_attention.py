@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.attention.base import max_prefill_tiles, prefill_tiles
 from kernels import paged_prefill_attention, paged_prefill_attention_ref
 from kernels.paged_prefill_attention import PrefillConfig
 
@@ -18,7 +19,8 @@ def _batch(seed: int) -> tuple[list[int], list[int]]:
     return qlens, [q + c for q, c in zip(qlens, cached, strict=True)]
 
 
-def _run(seed, device, make_paged_context, group, head_dim, config, num_kv_heads=2):
+def _run(seed, device, make_paged_context, group, head_dim, config, num_kv_heads=2,
+         work_list=False):
     block_size = [8, 16, 32][seed % 3]
     qlens, lens = _batch(seed)
     pool, tables, seq_lens = make_paged_context(lens, 40, block_size, 3, 1, num_kv_heads,
@@ -29,8 +31,14 @@ def _run(seed, device, make_paged_context, group, head_dim, config, num_kv_heads
     q = torch.randn(sum(qlens), num_kv_heads * group, head_dim, device=device)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
+    tiles = None
+    if work_list:  # the list a captured step reads: exact items, then spare capacity
+        block_q = (config.block_m // group)
+        cap = max_prefill_tiles(sum(qlens), len(qlens), block_q) + 3
+        tiles = torch.tensor(prefill_tiles(qlens, block_q, cap), dtype=torch.int32,
+                             device=device).view(-1, 2)
     paged_prefill_attention(q, k_cache, v_cache, qsl, seq_lens, tables, scale, max(qlens),
-                            out=out, config=config)
+                            out=out, tiles=tiles, config=config)
     ref = paged_prefill_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, scale)
     msg = f"seed={seed} block_size={block_size} qlens={qlens} seq_lens={lens} config={config}"
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"{msg}\n{m}")
@@ -53,3 +61,15 @@ def test_small_tiles(seed, device, make_paged_context, config):
 def test_group_not_power_of_two(seed, device, make_paged_context):
     """Qwen2.5-7B has 7 query heads per KV head: rows = tokens x 7 fill a tile unevenly."""
     _run(seed, device, make_paged_context, 7, 64, PrefillConfig(32, 16, 4, 1), num_kv_heads=1)
+
+
+def test_work_list_with_spare_capacity(seed, device, make_paged_context):
+    """The exact (sequence, tile) items of the chunks, padded with unused items, as a step
+    replayed from a CUDA graph passes them: every row written, equal to the reference."""
+    _run(seed, device, make_paged_context, 4, 64, PrefillConfig(32, 16, 4, 1), work_list=True)
+
+
+def test_prefill_tiles_lists_each_tile_once_last_first():
+    assert prefill_tiles([1, 5, 0, 3], 2, capacity=8) == [
+        0, 0, 1, 2, 1, 1, 1, 0, 3, 1, 3, 0, -1, 0, -1, 0]
+    assert max_prefill_tiles(9, 4, 2) >= len(prefill_tiles([1, 5, 0, 3], 2)) // 2
