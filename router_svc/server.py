@@ -16,6 +16,7 @@ from router_svc.frontend import Frontend
 from router_svc.grpc_api import TandemServicer
 from router_svc.http_guard import DEFAULT_MAX_BODY_BYTES
 from router_svc.kv_index import DEFAULT_MAX_BLOCKS
+from router_svc.liveness import LoopLag
 from router_svc.membership import Membership, config_from_args
 from router_svc.orchestrator import Orchestrator
 from router_svc.workers import FaultMetrics, WorkerSet
@@ -163,6 +164,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     if args.reflection:
         enable_reflection(server, [API_SERVICE])
     membership = Membership(learnt, workers.set_members)
+    loop_lag = LoopLag(workers.metrics.loop_lag)
+    loop_lag.start()
     if learnt.enabled:
         await membership.refresh()  # the workers known at start, polled by start()
     await workers.start()
@@ -200,6 +203,7 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
             os.replace(tmp, args.ready_file)
 
     async def stop() -> None:
+        await loop_lag.close()
         await membership.close()
         await orchestrator.close()
         await workers.close()

@@ -13,13 +13,18 @@ Decode (and colocated): among the workers no busier than the least loaded plus
 turns, pulled or generated there: only the rest is pulled); ties to the most free KV blocks per
 request in flight.
 
-Health: every worker's GetLoad is polled; a worker that fails a poll, or whose Stream call
-breaks, is taken out until it answers again. One whose polls time out, unanswered for
-`worker_timeout_s` (hung: stopped, stuck, cut off), is lost: the calls in flight on it give up at
-once (UNAVAILABLE; the orchestrator moves or retries them) rather than when the connection's
-pings go unanswered (GRPC_OPTIONS: 5 s after a ping, which a busy stream sends soon, a quiet
-call at the next keepalive, up to 15 s). A worker that refuses polls (draining, or dead) is not
-lost: its streams finish, or broke already.
+Health: every worker's GetLoad is polled, from a thread of its own (router_svc/liveness.py),
+never on the event loop that carries the requests: a burst that holds the loop for seconds
+must not pass for every worker's silence. A worker is taken out of routing on its own signals
+only: it refuses polls (nothing listens, the connection was reset, it drains), its Stream call
+breaks, a call to it fails UNAVAILABLE; it is back once it answers again. One whose polls go
+unanswered for `worker_timeout_s` of the poller's own time (hung: stopped, stuck, cut off) is
+lost: the calls in flight on it give up at once (UNAVAILABLE; the orchestrator moves or
+retries them) rather than when the connection's pings go unanswered (GRPC_OPTIONS: 5 s after a
+ping, which a busy stream sends soon, a quiet call at the next keepalive, up to 15 s). A poll
+that times out before that takes nothing out: a worker slow to answer is busy, not gone. A
+worker that refuses polls (draining, or dead) is not lost: its streams finish, or broke
+already.
 A worker whose answers carry a new instance id restarted (counted).
 """
 
@@ -33,10 +38,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from engine.block_pool import hash_block, salt_root
 from router_svc.kv_index import DEFAULT_MAX_BLOCKS, KVIndex
+from router_svc.liveness import Poller, PollResult, Target, probe_channel
 from router_svc.worker_stream import StreamBroken, WorkerStream
 from runtime.lifecycle import GRPC_OPTIONS
 from runtime.security import ClusterTls, internal_channel
@@ -65,6 +71,9 @@ class Worker:
     idle_polls: int = 0  # poll rounds it has been draining with nothing in flight
     slot: int = -1  # its bit in the KV index, while its events are watched (WorkerSet sets it)
     watch: asyncio.Task | None = None  # the WatchKV call feeding the KV index
+    # Its polls' own blocking channel and stub (router_svc/liveness.py): off the event loop.
+    probe_channel: grpc.Channel | None = None
+    probe: worker_pb2_grpc.WorkerStub | None = None
 
     @property
     def free_blocks(self) -> int:
@@ -95,7 +104,7 @@ async def unless_lost(w: Worker, call: grpc.aio.UnaryUnaryCall):
 
 
 class FaultMetrics:
-    """The router's fault counters, on its /metrics."""
+    """The router's fault counters and its event loop's lag, on its /metrics."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         reg = registry or CollectorRegistry()
@@ -108,6 +117,11 @@ class FaultMetrics:
         self.migrations = Counter("tandem:request_migrations", "Requests moved to another "
                                   "decode worker after their worker failed mid-stream",
                                   registry=reg)
+        self.loop_lag = Histogram("tandem:router_loop_lag_seconds", "How much later than due "
+                                  "the router's event loop ran a 0.1 s timer (what a burst "
+                                  "costs every request and health answer)", registry=reg,
+                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                                           5.0, 10.0))
 
 
 class WorkerSet:
@@ -135,8 +149,10 @@ class WorkerSet:
         self.balance_slack = balance_slack
         self.block_size = block_size
         self.dtype = ""  # the workers' model dtype, once one has answered a poll
-        self._poller: asyncio.Task | None = None
-        self._changed = asyncio.Event()
+        # Polls run in a thread of their own (router_svc/liveness.py), off the event loop.
+        self._poller = Poller(max(1.0, poll_interval_s * 2), worker_timeout_s)
+        self._polling = False
+        self._round = asyncio.Condition()  # notified after each round of polls is applied
 
     @property
     def disaggregated(self) -> bool:
@@ -153,8 +169,9 @@ class WorkerSet:
             slot = self._free_slots.pop()
         else:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
+        probe = probe_channel(address, self.tls)
         return Worker(address, role, ch, stub, WorkerStream(stub, address), dynamic=dynamic,
-                      slot=slot)
+                      slot=slot, probe_channel=probe, probe=worker_pb2_grpc.WorkerStub(probe))
 
     # -- KV events (what each worker caches) -------------------------------------------------
     def _watch_kv(self, w: Worker) -> None:
@@ -219,8 +236,8 @@ class WorkerSet:
             log.info("worker %s (%s) drained and removed", w.address, w.role)
             await self._stop_watch(w)
             self._free_slots.append(w.slot)
-            await w.stream.close()
-            await w.channel.close()
+            self._poller.forget(w)
+            await self._close(w)
 
     def _health_changed_soon(self) -> None:
         with contextlib.suppress(RuntimeError):  # no loop yet: start() publishes health
@@ -229,44 +246,77 @@ class WorkerSet:
 
     # -- health ------------------------------------------------------------------------------
     async def start(self) -> None:
+        """Poll every worker once (so that the router starts knowing who is up), then keep
+        polling from the poller's thread."""
         await self.poll_once()
-        self._poller = asyncio.create_task(self._poll_forever())
+        loop = asyncio.get_running_loop()
+
+        def deliver(results: list[PollResult]) -> None:
+            loop.call_soon_threadsafe(self._apply_round, results)
+
+        self._poller.start(self.poll_interval_s, self._targets, deliver)
+        self._polling = True
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        if self._polling:
+            await asyncio.to_thread(self._poller.stop)
+            self._polling = False
         for w in self.workers:
             await self._stop_watch(w)
-            await w.stream.close()
-            await w.channel.close()
+            await self._close(w)
+
+    @staticmethod
+    async def _close(w: Worker) -> None:
+        await w.stream.close()
+        await w.channel.close()
+        if w.probe_channel is not None:
+            w.probe_channel.close()
 
     async def poll_once(self) -> None:
-        await self._remove_drained()
-        await asyncio.gather(*(self._poll(w) for w in self.workers))
+        """One round of polls, waited for (start-up, and tests that poll by hand rather than
+        start() the poller)."""
+        self._apply_round(await asyncio.to_thread(self._poller.poll, self._targets()))
+
+    def _targets(self) -> list[Target]:
+        """What the poller polls (called in its thread: a copy of the list, not the list)."""
+        return [Target(w, w.probe) for w in list(self.workers) if w.probe is not None]
+
+    async def next_round(self) -> None:
+        """Until the next round of polls has been applied."""
+        async with self._round:
+            await self._round.wait()
+
+    def _apply_round(self, results: list[PollResult]) -> None:
+        """A round of polls, on the event loop: each worker's answer applied, drained workers
+        removed once idle, health published."""
+        for r in results:
+            if r.key in self.workers:
+                self._apply(r.key, r)
         self._health_changed()
+        task = asyncio.ensure_future(self._round_done())
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
 
-    async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_interval_s)
-            await self.poll_once()
+    async def _round_done(self) -> None:
+        await self._remove_drained()
+        async with self._round:
+            self._round.notify_all()
 
-    async def _poll(self, w: Worker) -> None:
-        try:
-            w.load = await w.stub.GetLoad(worker_pb2.GetLoadRequest(),
-                                          timeout=max(1.0, self.poll_interval_s * 2))
-        except grpc.aio.AioRpcError as e:
+    def _apply(self, w: Worker, r: PollResult) -> None:
+        if r.load is None:
+            if r.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # Silent: slow (busy) until the poller counts it lost.
+                if r.lost and not w.lost.is_set():
+                    w.healthy = False
+                    self._lose(w, r.silent_s)
+                return
+            # A refusal is an answer: draining, or nothing listens there (dead).
             if w.healthy:
-                log.warning("worker %s (%s) is down: %s", w.address, w.role, e.code().name)
+                log.warning("worker %s (%s) is down: %s", w.address, w.role,
+                            r.code.name if r.code else "no answer")
             w.healthy = False
-            # No answer at all (a refusal is an answer: a draining worker refuses polls while
-            # its streams finish; a dead one's streams broke already).
-            silent = time.monotonic() - w.last_seen
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not w.lost.is_set() \
-                    and silent >= self.worker_timeout_s:
-                self._lose(w, silent)
             return
+        w.load = r.load
         if not w.healthy:
             log.info("worker %s (%s, %s) is up", w.address, w.role, w.load.worker_id)
         instance = w.load.instance_id

@@ -167,11 +167,17 @@ def test_no_decode_worker_left_fails_before_prefilling_again():
     assert orch.prefills == 1
 
 
-class FakeStub:
+class FakeProbe:
+    """A worker's poll stub (blocking, as the poller's thread calls it): answers `answer`."""
+
     def __init__(self) -> None:
         self.answer: worker_pb2.Load | grpc.StatusCode = worker_pb2.Load(instance_id="a")
+        self.GetLoad = self  # stub.GetLoad.future(...)
 
-    async def GetLoad(self, request, timeout=None):  # noqa: N802
+    def future(self, request, timeout=None):
+        return self
+
+    def result(self):
         if isinstance(self.answer, grpc.StatusCode):
             raise _rpc_error(self.answer)
         return self.answer
@@ -189,7 +195,7 @@ def test_a_worker_whose_polls_time_out_is_lost_one_that_refuses_is_not():
     async def main():
         ws = WorkerSet([], ["d0"], [], worker_timeout_s=0.0, metrics=FaultMetrics())
         w = ws.workers[0]
-        w.stub, w.stream = FakeStub(), FakeWorkerStream()
+        w.probe, w.stream = FakeProbe(), FakeWorkerStream()
         changes: list[bool] = []
 
         async def on_health():
@@ -198,15 +204,15 @@ def test_a_worker_whose_polls_time_out_is_lost_one_that_refuses_is_not():
         ws.on_health = on_health
         await ws.poll_once()
         assert w.healthy and w.instance_id == "a"
-        w.stub.answer = grpc.StatusCode.UNAVAILABLE  # refused: draining, or dead
+        w.probe.answer = grpc.StatusCode.UNAVAILABLE  # refused: draining, or dead
         await ws.poll_once()
         assert not w.healthy and not w.lost.is_set() and not w.stream.abandoned
-        w.stub.answer = grpc.StatusCode.DEADLINE_EXCEEDED  # no answer at all: hung
+        w.probe.answer = grpc.StatusCode.DEADLINE_EXCEEDED  # no answer at all: hung
         await ws.poll_once()
         assert w.lost.is_set() and len(w.stream.abandoned) == 1
         await ws.poll_once()
         assert len(w.stream.abandoned) == 1  # once per loss
-        w.stub.answer = worker_pb2.Load(instance_id="b")  # back, a new process
+        w.probe.answer = worker_pb2.Load(instance_id="b")  # back, a new process
         await ws.poll_once()
         assert w.healthy and not w.lost.is_set()
         assert ws.metrics.restarts.labels("d0")._value.get() == 1

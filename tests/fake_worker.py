@@ -1,0 +1,39 @@
+"""A process that answers a worker's GetLoad and nothing else, on 127.0.0.1: the router's
+liveness tests stop it (SIGSTOP: hung), resume it and kill it (gone) without an engine.
+
+    python tests/fake_worker.py        # prints its port, then serves until killed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc
+
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+
+class LoadOnly(worker_pb2_grpc.WorkerServicer):
+    def __init__(self) -> None:
+        self.instance = uuid.uuid4().hex
+
+    async def GetLoad(self, request, context):  # noqa: N802 - gRPC method name
+        return worker_pb2.Load(instance_id=self.instance, worker_id="fake", block_size=16)
+
+
+async def main() -> None:
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(LoadOnly(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
