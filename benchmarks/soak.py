@@ -240,7 +240,7 @@ class Soak:
             if kind == "kill":
                 os.kill(pid, signal.SIGKILL)
                 # Until the supervisor's restart of it is up (the router may not have
-                # noticed the kill yet: its /health alone could still say all is well).
+                # noticed the kill yet: its /workers alone could still say all is well).
                 while self.stack.procs[name] is proc or \
                         not self.stack.procs[name].ready_file.exists():
                     await asyncio.sleep(0.2)
@@ -256,9 +256,9 @@ class Soak:
             await asyncio.sleep(a.fault_interval * self.rng.uniform(0.7, 1.3))
 
     async def whole(self, timeout: float = 300.0) -> None:
-        """Until the router sees every worker (its /health)."""
+        """Until the router sees every worker up (its /workers)."""
         deadline = time.monotonic() + timeout
-        while (await self.http.get("/health")).status_code != 200:
+        while not (await self.http.get("/workers")).json()["all_up"]:
             if time.monotonic() > deadline:
                 raise SystemExit("soak: the stack did not come back")
             await asyncio.sleep(0.2)

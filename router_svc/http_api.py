@@ -5,8 +5,10 @@ the router's own event loop.
                                                                                  (JSON or SSE)
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}], POST /tokenize,
-POST /detokenize, GET /health. Every route but /health needs `Authorization: Bearer <key>` when
-a key is set.
+POST /detokenize; GET /health/live (200 while the process serves), GET /health/ready and its
+older name GET /health (200 while a request can be served: a prefill and a decode worker up, or
+a colocated one; 503 otherwise), GET /workers (each worker's state as the router sees it). The
+/v1 routes and /tokenize, /detokenize need `Authorization: Bearer <key>` when a key is set.
 
 No field is silently ignored: a request field that is not implemented is a 400 naming it, unless
 it cannot change the answer (router_svc/openai_requests.py). More
@@ -165,7 +167,10 @@ class OpenAIApi:
         r.add_api_route("/v1/models/{model:path}", self.get_model, methods=["GET"])
         r.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         r.add_api_route("/detokenize", self.detokenize, methods=["POST"])
-        r.add_api_route("/health", self.health, methods=["GET"])
+        r.add_api_route("/health", self.ready, methods=["GET"])
+        r.add_api_route("/health/ready", self.ready, methods=["GET"])
+        r.add_api_route("/health/live", self.live, methods=["GET"])
+        r.add_api_route("/workers", self.worker_states, methods=["GET"])
         return r
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -267,10 +272,20 @@ class OpenAIApi:
             return e.response()
         return JSONResponse({"prompt": fe.tokenizer.decode(body.tokens)})
 
-    async def health(self) -> Response:
-        ok = self.workers.all_healthy()
+    async def ready(self) -> Response:
+        """Readiness: a request can be served now (at least one path through the workers)."""
+        ok = self.workers.ready()
         return JSONResponse({"status": "ok" if ok else "unavailable"},
                             status_code=200 if ok else 503)
+
+    async def live(self) -> Response:
+        """Liveness: the process serves (it answered). Never depends on the workers."""
+        return JSONResponse({"status": "ok"})
+
+    async def worker_states(self) -> Response:
+        ws = self.workers
+        return JSONResponse({"ready": ws.ready(), "all_up": ws.all_healthy(),
+                             "workers": ws.states()})
 
     # -- helpers ---------------------------------------------------------------------------------
     def _check_model(self, name: str | None) -> None:

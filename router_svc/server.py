@@ -171,9 +171,10 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     await workers.start()
     if learnt.enabled:
         await membership.start()
-    # gRPC health says what HTTP /health says: NOT_SERVING while a worker is out.
-    workers.on_health = lambda: health.depend(workers.all_healthy())
-    await health.depend(workers.all_healthy())
+    # gRPC readiness says what HTTP /health/ready says: NOT_SERVING while no path through the
+    # workers can take a request (liveness stays SERVING).
+    workers.on_health = lambda: health.depend(workers.ready())
+    await health.depend(workers.ready())
 
     http = None
     http_port = None

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from engine.block_pool import hash_block, salt_root
 from router_svc.kv_index import DEFAULT_MAX_BLOCKS, KVIndex
@@ -107,7 +108,7 @@ class FaultMetrics:
     """The router's fault counters and its event loop's lag, on its /metrics."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        reg = registry or CollectorRegistry()
+        reg = self.registry = registry or CollectorRegistry()
         self.restarts = Counter("tandem:worker_restarts", "Worker restarts the router saw (a "
                                 "new process answered at a worker's address)", ["worker"],
                                 registry=reg)
@@ -122,6 +123,22 @@ class FaultMetrics:
                                   "costs every request and health answer)", registry=reg,
                                   buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                                            5.0, 10.0))
+
+
+class _WorkerUp:
+    """tandem:worker_up{worker, role}: 1 while the router routes to the worker, read when
+    Prometheus scrapes."""
+
+    def __init__(self, workers: WorkerSet) -> None:
+        self.workers = workers
+
+    def collect(self):
+        g = GaugeMetricFamily("tandem:worker_up", "1 while the router routes requests to the "
+                              "worker (it answers, it is not draining), else 0",
+                              labels=["worker", "role"])
+        for w in self.workers.workers:
+            g.add_metric([w.address, w.role], float(w.healthy and not w.draining))
+        yield g
 
 
 class WorkerSet:
@@ -141,8 +158,9 @@ class WorkerSet:
         self.poll_interval_s = poll_interval_s
         self.worker_timeout_s = worker_timeout_s
         self.metrics = metrics or FaultMetrics()
-        # Called (a task, on the loop) when all_healthy() may have changed: the router's gRPC
-        # health follows it, as its HTTP /health does.
+        self.metrics.registry.register(_WorkerUp(self))
+        # Called (a task, on the loop) when ready() may have changed: the router's gRPC
+        # readiness follows it, as its HTTP /health/ready does.
         self.on_health: Callable[[], Awaitable[None]] | None = None
         self._was_healthy: bool | None = None
         self._health_tasks: set[asyncio.Task] = set()
@@ -352,7 +370,7 @@ class WorkerSet:
         self._health_changed()
 
     def _health_changed(self) -> None:
-        ok = self.all_healthy()
+        ok = self.ready()
         if ok == self._was_healthy or self.on_health is None:
             return
         self._was_healthy = ok
@@ -360,11 +378,30 @@ class WorkerSet:
         self._health_tasks.add(task)
         task.add_done_callback(self._health_tasks.discard)
 
+    def ready(self) -> bool:
+        """Can a request be served now: at least one path through the workers, a prefill and
+        a decode worker up (neither draining), or a colocated one. What the router's
+        readiness (gRPC health, HTTP /health/ready) says."""
+        def up(role: str) -> bool:
+            return any(w.healthy for w in self.by_role(role))
+
+        return (up("prefill") and up("decode")) or up("both")
+
     def all_healthy(self) -> bool:
         """Every worker up (draining ones aside), and at least one: a router that learns its
-        workers (router_svc.membership) may know none yet."""
+        workers (router_svc.membership) may know none yet. Full capacity, not readiness."""
         current = [w for w in self.workers if not w.draining]
         return bool(current) and all(w.healthy for w in current)
+
+    def states(self) -> list[dict]:
+        """Each worker's state as this router sees it (HTTP /workers)."""
+        now = time.monotonic()
+        return [{"address": w.address, "role": w.role,
+                 "state": "lost" if w.lost.is_set() else "up" if w.healthy else "down",
+                 "draining": w.draining, "in_flight": w.in_flight,
+                 "last_answer_s": round(now - w.last_seen, 3) if w.last_seen else None,
+                 "instance_id": w.instance_id, "worker_id": w.load.worker_id}
+                for w in self.workers]
 
     # -- picking -----------------------------------------------------------------------------
     def prefix_hashes(self, prompt: list[int], cache_salt: str = "") -> list[int]:

@@ -56,13 +56,23 @@ def make_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc
 
 
 class Health:
-    """grpc.health.v1 for a server's services; "" is the whole server. SERVING while the server
-    is up (`set`, by the start-up and shut-down order) and what it depends on is usable
-    (`depend`: the router's workers, as its HTTP /health sees them)."""
+    """grpc.health.v1 for a server, by service name:
+
+        liveness                the process serves: SERVING from start-up until shut-down
+                                begins (SIGTERM), whatever it depends on
+        readiness, "" and       it can take a request: live, and what it depends on is usable
+        each service name       (`depend`: the router's workers, as its HTTP /health/ready
+                                sees them; a worker has nothing to wait for once it serves)
+
+    Kubernetes and docker-compose probe liveness with `liveness` and readiness with `readiness`
+    (or "", the whole server, which answers the same)."""
+
+    LIVENESS = "liveness"
+    READINESS = "readiness"
 
     def __init__(self, server: grpc.aio.Server, service_names: Sequence[str]) -> None:
         self.servicer = health.aio.HealthServicer()
-        self.names = ["", *service_names]
+        self.names = ["", self.READINESS, *service_names]
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
         self._up = False
         self._usable = True
@@ -76,10 +86,14 @@ class Health:
         await self._publish()
 
     async def _publish(self) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if self._up and self._usable
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.servicer.set(self.LIVENESS, _status(self._up))
         for name in self.names:
-            await self.servicer.set(name, status)
+            await self.servicer.set(name, _status(self._up and self._usable))
+
+
+def _status(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus:
+    return (health_pb2.HealthCheckResponse.SERVING if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def enable_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> None:

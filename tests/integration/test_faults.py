@@ -3,7 +3,7 @@ costs its clients a pause, not their requests: the router moves every unfinished
 other decode worker, and the full outputs equal an uninterrupted run's (greedy and seeded, n = 1
 and n = 2). A killed worker is restarted on its address and taken back in; a hung one is found
 by the router's poll within seconds, its streams moved, no new request sent to it, and the
-router's gRPC and HTTP health say so. Every pool ends idle."""
+router's /workers says so while it stays ready (the other decode worker serves). Every pool ends idle."""
 
 from __future__ import annotations
 
@@ -54,6 +54,15 @@ def expected(tiny_models):
 def cluster(tiny_models, tmp_path, *router_args: str) -> Cluster:
     return Cluster(tmp_path, str(tiny_models["llama"]), decode=2, worker_args=WORKER_ARGS,
                    prefill_args=["--lease-ttl", "3"], router_args=list(router_args)).start()
+
+
+async def until_state(h: httpx.AsyncClient, address: str, state: str) -> None:
+    """Until the router's /workers says worker `address` is in `state` (up, down, lost)."""
+    while True:
+        workers = (await h.get("/workers")).json()["workers"]
+        if next(w["state"] for w in workers if w["address"] == address) == state:
+            return
+        await asyncio.sleep(0.05)
 
 
 class Stream:
@@ -160,11 +169,11 @@ def test_hung_decode_worker_is_found_and_its_streams_move(tiny_models, tmp_path,
                         await s.wait_chunks(len(s.times) + 1)
                     moved_s = max(min(t for t in s.times if t > t0) for s in streams
                                   if s.times[-1] > t0) - t0
-                    # gRPC health follows HTTP /health: the router is missing a worker.
-                    watch = health.Watch(health_pb2.HealthCheckRequest())
-                    while (await watch.read()).status == SERVING:
-                        pass
-                    assert (await h.get("/health")).status_code == 503
+                    # The router says it lost that worker, and stays ready: the other serves.
+                    await until_state(h, c.procs[victim].address, "lost")
+                    assert (await h.get("/health/ready")).status_code == 200
+                    ready = health_pb2.HealthCheckRequest(service="readiness")
+                    assert (await health.Check(ready)).status == SERVING
                     # New requests are served, by the other decode worker.
                     short = SamplingParams(temperature=0, max_tokens=8)
                     await asyncio.gather(*(Stream(stub, [5, i + 1, 2], short).task
@@ -172,10 +181,7 @@ def test_hung_decode_worker_is_found_and_its_streams_move(tiny_models, tmp_path,
                     results = await asyncio.gather(*(s.task for s in streams))
                 finally:
                     c.kill(victim, signal.SIGCONT)
-                while (await watch.read()).status != SERVING:
-                    pass
-                watch.cancel()
-                assert (await h.get("/health")).status_code == 200
+                await until_state(h, c.procs[victim].address, "up")
                 # It got nothing while hung, and drops what it had when it hears the cancels.
                 assert (await c.load(c.procs[victim])).num_requests == admitted
                 await c.wait_idle(timeout=30)

@@ -274,6 +274,8 @@ def test_every_tandem_service_is_health_checked_with_tandem_health(services: dic
         assert test[:3] == ["CMD", "tandem", "health"], name
         probe = read_probe(test[2:])
         assert probe.address == f"127.0.0.1:{grpc_port(name, args[name])}", name
+        # depends_on waits for readiness; the router stays healthy with one worker restarting.
+        assert probe.service == "readiness", name
         assert seconds(check["timeout"]) > probe.timeout, name
         assert seconds(check["start_period"]) >= 300, f"{name}: a large model loads for minutes"
 

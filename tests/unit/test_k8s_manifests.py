@@ -106,11 +106,19 @@ def test_probes_and_scrape_annotations_name_ports_the_container_serves(deploymen
             assert timeout < probe["timeoutSeconds"], (kind, probe)
             # The kubelet runs it without $(VAR) expansion of env from fields: sh expands it.
             assert f'"$POD_IP:{grpc_port}"' in probe["exec"]["command"][2]
-    # grpc.health.v1 or the router's /health (which says what its gRPC health says), not just
-    # an open port
-    readiness = c["readinessProbe"]
-    assert ("grpc" in readiness or _probe_argv(readiness) is not None
-            or readiness.get("httpGet", {}).get("path") == "/health"), readiness
+    # Readiness asks readiness and liveness liveness (grpc.health.v1's service names, or the
+    # router's /health/ready and /health/live), never just an open port: a worker out must not
+    # restart the router, nor one of several pull it out of its Service.
+    for kind, asks in (("readinessProbe", "readiness"), ("startupProbe", None),
+                       ("livenessProbe", "liveness")):
+        probe = c[kind]
+        argv = _probe_argv(probe)
+        if argv is not None:
+            asked = argv[argv.index("--service") + 1] if "--service" in argv else ""
+        else:
+            path = probe.get("httpGet", {}).get("path", "")
+            asked = {"/health/ready": "readiness", "/health/live": "liveness"}.get(path, path)
+        assert asked in ((asks,) if asks else ("readiness", "liveness")), (kind, probe)
     annotations = d["spec"]["template"]["metadata"]["annotations"]
     metrics = int(annotations["prometheus.io/port"])
     served = int(_flag(args, "--metrics-port" if "--metrics-port" in args else "--http-port"))

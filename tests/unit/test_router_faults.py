@@ -193,13 +193,13 @@ class FakeWorkerStream:
 
 def test_a_worker_whose_polls_time_out_is_lost_one_that_refuses_is_not():
     async def main():
-        ws = WorkerSet([], ["d0"], [], worker_timeout_s=0.0, metrics=FaultMetrics())
+        ws = WorkerSet([], [], ["d0"], worker_timeout_s=0.0, metrics=FaultMetrics())
         w = ws.workers[0]
         w.probe, w.stream = FakeProbe(), FakeWorkerStream()
         changes: list[bool] = []
 
         async def on_health():
-            changes.append(ws.all_healthy())
+            changes.append(ws.ready())
 
         ws.on_health = on_health
         await ws.poll_once()
