@@ -110,6 +110,9 @@ class DecodeLegs:
         self.retries = 0  # legs that failed before
         self._lease: _Lease | None = None
         self._first: worker_pb2.PrefillResponse | None = None
+        # A move under way: the failed worker, its error, the tokens so far (counted once the
+        # next leg is sent).
+        self._moving: tuple[Worker, grpc.aio.AioRpcError, int] | None = None
 
     async def run(self) -> AsyncIterator[Update]:
         """The first tokens (from the prefill), then every decode leg's until all samples
@@ -172,9 +175,15 @@ class DecodeLegs:
 
         def sent() -> None:
             """The request is on its way: the lease is the decode worker's to release. Until
-            then (a request refused here, say) it stays this router's."""
+            then (a request refused here, say) it stays this router's. A request moving from
+            a failed worker has moved now."""
             if self._lease is lease:
                 self._lease = None
+            if self._moving is not None:
+                src, error, made = self._moving
+                self._moving = None
+                self.orch.workers.metrics.migrations.inc()
+                self._event("migrated", src, error, made, to=d.address)
 
         with client_call("/tandem.v1.Worker/Stream", d.address, self.ctx,
                          getattr(self.orch, "tracer", None),
@@ -222,9 +231,10 @@ class DecodeLegs:
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, (
                     f"decode worker {d.address}: {e.details()} (not moved again: moved "
                     f"{self.moves - 1} times, --max-migrations {limit})")) from None
-            self.orch.workers.metrics.migrations.inc()
             made = sum(len(out) for out in self.outputs)
-            self._event("migrated", d, e, made)
+            # Counted (tandem:request_migrations, the "migrated" event) once the next leg is
+            # on its way: with no decode worker left to take it, nothing moved.
+            self._moving = (d, e, made)
             log.warning("decode worker %s failed %s mid-stream (%s): moving it with its %d "
                         "tokens (move %d of at most %d)", d.address, self.rid, e.details(),
                         made, self.moves, limit)
@@ -236,9 +246,13 @@ class DecodeLegs:
                         "again for another", d.address, self.rid)
             self._event("decode_retried", d, e, sum(len(out) for out in self.outputs))
 
-    def _event(self, name: str, d: Worker, e: grpc.aio.AioRpcError, tokens: int) -> None:
-        """On the request's span: a leg failed and the request goes on elsewhere."""
-        trace.get_current_span(self.ctx).add_event(name, {
-            "tandem.worker": d.address, "error.type": e.code().name,
-            "tandem.moves": self.moves, "tandem.retries": self.retries,
-            "tandem.tokens_so_far": tokens})
+    def _event(self, name: str, d: Worker, e: grpc.aio.AioRpcError, tokens: int,
+               to: str | None = None) -> None:
+        """On the request's span: a leg failed and the request goes on elsewhere (`to`: the
+        decode worker it moved to)."""
+        attrs = {"tandem.worker": d.address, "error.type": e.code().name,
+                 "tandem.moves": self.moves, "tandem.retries": self.retries,
+                 "tandem.tokens_so_far": tokens}
+        if to is not None:
+            attrs["tandem.worker.to"] = to
+        trace.get_current_span(self.ctx).add_event(name, attrs)

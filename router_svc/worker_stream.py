@@ -183,6 +183,10 @@ class WorkerStream:
             self._abandoned = None
         finally:
             call.cancel()
+            # End the request iterator too: gRPC's task that reads it would otherwise wait on
+            # the outbox for good, and be destroyed pending (with the generator inside it,
+            # "aclose(): asynchronous generator is already running") when collected.
+            outbox.put_nowait(None)
             # Requests sent on this call that have not ended will hear nothing more.
             if self._outbox is outbox:
                 self._outbox = None

@@ -1,5 +1,6 @@
-"""A process that answers a worker's GetLoad and nothing else, on 127.0.0.1: the router's
-liveness tests stop it (SIGSTOP: hung), resume it and kill it (gone) without an engine.
+"""A process that answers a worker's GetLoad, and on its Stream call one token per request
+(then nothing more), on 127.0.0.1: the router's liveness and failover tests stop it (SIGSTOP:
+hung), resume it and kill it (gone) without an engine.
 
     python tests/fake_worker.py        # prints its port, then serves until killed
 """
@@ -24,6 +25,16 @@ class LoadOnly(worker_pb2_grpc.WorkerServicer):
 
     async def GetLoad(self, request, context):  # noqa: N802 - gRPC method name
         return worker_pb2.Load(instance_id=self.instance, worker_id="fake", block_size=16)
+
+    async def Stream(self, requests, context):  # noqa: N802
+        async for req in requests:
+            kind = req.WhichOneof("kind")
+            if kind in ("decode", "generate"):
+                rid = getattr(req, kind).request_id
+                yield worker_pb2.StreamResponse(tokens=worker_pb2.TokenColumns(
+                    request_id=[rid], sample_index=[0], num_tokens=[1], token_ids=[7],
+                    finish_reason=[""], num_prompt_tokens=[3], num_cached_tokens=[0],
+                    with_logprobs=[False]))
 
 
 async def main() -> None:

@@ -252,3 +252,48 @@ def test_a_unary_call_gives_up_when_its_worker_is_lost():
         assert await unless_lost(w, call) == "answer" and not call.cancelled
 
     asyncio.run(main())
+
+
+def _traced_run(orch: FakeOrchestrator) -> tuple[Exception | None, list[str]]:
+    """_run with the request's span recorded: the error, and the names of its events."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    span = provider.get_tracer("test").start_span("request")
+    params = SamplingParams(max_tokens=100)
+
+    async def run() -> Exception | None:
+        legs = DecodeLegs(orch, "r", [1, 2, 3], params, params_to_proto(params), None,
+                          trace.set_span_in_context(span))
+        try:
+            async for _ in legs.run():
+                pass
+        except RouterError as e:
+            return e
+        return None
+
+    error = asyncio.run(run())
+    span.end()
+    (finished,) = exporter.get_finished_spans()
+    return error, [e.name for e in finished.events]
+
+
+def test_a_move_is_counted_only_once_it_happened():
+    """The only decode worker fails mid-stream: nowhere to move, the request fails, and no
+    migration is counted (neither the counter nor the span's "migrated" event); with a second
+    decode worker, one move, counted once, its event naming where it went."""
+    alone = FakeOrchestrator([FakeStream(3, fail=True)], max_migrations=3)
+    error, events = _traced_run(alone)
+    assert error.code == grpc.StatusCode.UNAVAILABLE and "no healthy decode" in error.message
+    assert alone.workers.metrics.migrations._value.get() == 0 and "migrated" not in events
+
+    pair = FakeOrchestrator([FakeStream(3, fail=True), FakeStream(2, fail=False)],
+                            max_migrations=3)
+    error, events = _traced_run(pair)
+    assert error is None
+    assert pair.workers.metrics.migrations._value.get() == 1 and events.count("migrated") == 1
