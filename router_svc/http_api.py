@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import uuid
@@ -42,7 +43,8 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from opentelemetry import propagate
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute
 
@@ -82,11 +84,22 @@ def _api_call(request: Request, stream: bool | None,
               messages: list[dict[str, Any]] | None = None) -> ApiCall:
     """What the trace records of an HTTP request: streaming or not, the address the client
     used (its Host header), the chat messages (recorded only with --trace-content), and the
-    caller's W3C traceparent, continued when it sent one."""
+    trace it belongs to (_trace_parent)."""
     return ApiCall(stream=bool(stream), server_address=request.url.hostname,
                    server_port=request.url.port,
                    messages=tuple(messages) if messages is not None else None,
-                   parent=propagate.extract(request.headers))
+                   parent=_trace_parent(request))
+
+
+def _trace_parent(request: Request) -> otel_context.Context:
+    """The trace an HTTP request's spans join: the span the server stack made for the request
+    when there is one (an ASGI instrumentation a deployment adds, or a framework version that
+    traces requests itself: its span and the router's in one trace), else the caller's W3C
+    traceparent, continued when it sent one (the router's span is then the request's server
+    span). Never one trace per layer, whatever the versions installed."""
+    if trace.get_current_span().get_span_context().is_valid:
+        return otel_context.get_current()
+    return propagate.extract(request.headers)
 
 
 def _validation_error(frontend: Frontend) -> Callable[[Request, Exception],
@@ -353,11 +366,40 @@ class OpenAIApi:
             await gen.aclose()  # type: ignore[attr-defined]
 
 
+def _framework_telemetry_off() -> dict[str, Any]:
+    """FastAPI's keyword that turns its own request telemetry off, in the versions that have
+    it (a SERVER span per request, and OTLP metrics and logs, whenever a global tracer provider
+    is set); none in those that do not. The router's span is the request's server span on
+    every version, so that the trace reads the same whichever is installed."""
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
+        return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    return {}
+
+
+def _auth_refused(frontend: Frontend) -> Callable[[dict[str, Any]], None]:
+    """Trace and log a request refused for its API key (HTTP 401), as every refusal is: a
+    completion or chat request as a GenAI span of its operation, any other path as a span of
+    its own; each with error.type UNAUTHENTICATED and one log line."""
+    def refused(scope: dict[str, Any]) -> None:
+        request = Request(scope)
+        error = ApiError(401, "missing or incorrect API key", code="invalid_api_key")
+        path = scope["path"]
+        if path in ("/v1/completions", "/v1/chat/completions"):
+            chat = path.endswith("chat/completions")
+            frontend.refused(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", error,
+                             _api_call(request, None), "chat" if chat else "text_completion")
+        else:
+            frontend.refused_call(f"{scope['method']} {path}", error,
+                                  _api_call(request, None))
+
+    return refused
+
+
 def build_app(frontend: Frontend, workers: WorkerSet, api_keys: ApiKeys | None = None,
               routes: Sequence[BaseRoute] = (),
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, **_framework_telemetry_off())
     app.include_router(OpenAIApi(frontend, workers).routes())
     app.router.routes.extend(routes)
     app.add_exception_handler(RequestValidationError, _validation_error(frontend))
@@ -367,7 +409,7 @@ def build_app(frontend: Frontend, workers: WorkerSet, api_keys: ApiKeys | None =
     # body is bounded and checked before the framework parses it.
     app.add_middleware(BodyGuard, max_bytes=max_body_bytes, respond=error_response)
     if api_keys:
-        app.add_middleware(ApiKeyAuth, keys=api_keys)
+        app.add_middleware(ApiKeyAuth, keys=api_keys, on_refused=_auth_refused(frontend))
     return app
 
 

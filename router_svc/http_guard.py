@@ -161,15 +161,19 @@ class ApiKeyAuth:
     constant-time compare). Runs before the body is read, so an unauthenticated caller learns
     nothing about validation. The caller's tenant goes to the request's state."""
 
-    def __init__(self, app: Callable, keys: ApiKeys) -> None:
+    def __init__(self, app: Callable, keys: ApiKeys,
+                 on_refused: Callable[[dict], None] | None = None) -> None:
         self.app = app
         self.keys = keys
+        self.on_refused = on_refused  # traces and logs a refusal (the HTTP API's)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
         if path.startswith("/v1") or path in ("/tokenize", "/detokenize"):
             tenant = self.keys.tenant(dict(scope["headers"]).get(b"authorization", b""))
             if tenant is None:
+                if self.on_refused is not None:
+                    self.on_refused(scope)
                 resp = ApiError(401, "missing or incorrect API key", code="invalid_api_key",
                                 headers={"WWW-Authenticate": "Bearer"}).response()
                 await resp(scope, receive, send)

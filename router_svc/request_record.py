@@ -208,6 +208,26 @@ class RouterRequest:
         self.span.end()
 
 
+def refused_call(tel: Telemetry, name: str, error: BaseException, api: ApiCall) -> None:
+    """A call refused before any GenAI operation began (a /v1/models or /tokenize request
+    without a valid API key): its span, ended with the refusal's error.type, and its log
+    line."""
+    parent = trace.get_current_span(api.parent).get_span_context()
+    attrs: dict[str, Any] = {}
+    if api.server_address:
+        attrs[SERVER_ADDRESS] = api.server_address
+        if api.server_port is not None:
+            attrs[SERVER_PORT] = api.server_port
+    span = tel.tracer.start_span(name, context=api.parent, attributes=attrs,
+                                 kind=SpanKind.INTERNAL if parent.is_valid else SpanKind.SERVER)
+    o = outcome(error)
+    end_span(span, o)
+    with use_context(trace.set_span_in_context(span, api.parent)):
+        log.warning("call done", call=name, outcome=o.kind, error_type=o.error_type,
+                    error=o.message)
+    span.end()
+
+
 PROVIDER = "tandem"  # gen_ai.provider.name: no well-known value names a self-hosted server
 
 

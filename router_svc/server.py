@@ -154,7 +154,9 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
 
     interceptors = list(telemetry.tracing.server_interceptors())
     if api_keys:
-        interceptors.insert(0, ApiKeyInterceptor(api_keys))  # refused before anything runs
+        # Innermost: refused before the servicer runs, inside the tracing interceptors, so that
+        # a refusal is traced like any other call.
+        interceptors.append(ApiKeyInterceptor(api_keys))
     server = make_server(interceptors)
     grpc_port = bind(server, args.host, args.grpc_port,
                      public_tls.server_credentials() if public_tls else None)

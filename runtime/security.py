@@ -26,8 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import structlog
 
 from tandem.errors import InvalidArgument
+
+log = structlog.get_logger(__name__)
 
 API_KEY_ENV = "TANDEM_API_KEY"
 API_KEY_FILE_ENV = "TANDEM_API_KEY_FILE"
@@ -226,34 +229,37 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         md = dict(details.invocation_metadata or ())
         tenant = self.keys.tenant(md.get("authorization"))
         if tenant is None:
-            return _refusing(handler)
+            return _refusing(handler, details.method)
         return _with_tenant(handler, tenant)
 
 
-async def _unauthenticated(context: grpc.aio.ServicerContext) -> None:
+async def _unauthenticated(context: grpc.aio.ServicerContext, method: str) -> None:
+    # Logged (and traced, by the tracing interceptors outside this one) like every refusal.
+    log.warning("call done", call=method, outcome="refused", error_type="UNAUTHENTICATED",
+                error="missing or incorrect API key")
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or incorrect API key "
                         "(send 'authorization: Bearer <key>' metadata)")
 
 
-def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _refusing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     kw = dict(request_deserializer=handler.request_deserializer,
               response_serializer=handler.response_serializer)
     if handler.unary_unary:
         async def uu(request, context):
-            await _unauthenticated(context)
+            await _unauthenticated(context, method)
         return grpc.unary_unary_rpc_method_handler(uu, **kw)
     if handler.unary_stream:
         async def us(request, context):
-            await _unauthenticated(context)
+            await _unauthenticated(context, method)
             yield  # pragma: no cover - abort raises
         return grpc.unary_stream_rpc_method_handler(us, **kw)
     if handler.stream_unary:
         async def su(requests, context):
-            await _unauthenticated(context)
+            await _unauthenticated(context, method)
         return grpc.stream_unary_rpc_method_handler(su, **kw)
 
     async def ss(requests, context):
-        await _unauthenticated(context)
+        await _unauthenticated(context, method)
         yield  # pragma: no cover
     return grpc.stream_stream_rpc_method_handler(ss, **kw)
 
