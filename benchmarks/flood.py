@@ -4,13 +4,17 @@ each), --floods times, with --burners CPU-bound processes beside the stack (`whi
 Loopback only; bounded in count (--floods x --requests) and time (--max-duration).
 
     python benchmarks/flood.py --floods 20 --requests 1000 --burners 2 --out flood.json
+    python benchmarks/flood.py --floods 5 --code /path/to/other/checkout     # a baseline
+
+The requests of a flood are sent by --clients processes (each its share, all released at once
+by one barrier), so that the client's own event loop does not pace the burst.
 
 A request ends OK (its whole answer, [DONE] on a stream), or refused for load: HTTP 429 with a
 Retry-After header, gRPC RESOURCE_EXHAUSTED with a RetryInfo; anything else is a failure. The
 router's counters tell whether a worker was failed over meanwhile (tandem:worker_lost: no poll
 answered for --worker-timeout; tandem:request_migrations: a stream moved after its worker
 failed), its log whether a worker was taken out ("is down", "failed a call"), and its loop lag
-gauge how long its event loop stalled. Exit code 1 when any request failed or any worker was
+histogram how long its event loop stalled (the longest stall's bucket). Exit code 1 when any request failed or any worker was
 failed over.
 """
 
@@ -20,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing as mp
 import os
 import re
 import signal
@@ -62,13 +67,16 @@ class Stack:
     def __init__(self, args: argparse.Namespace, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.out = log_dir / "up.out"
+        code = Path(args.code).resolve() if args.code else ROOT
         cmd = [sys.executable, "-m", "cli.main", "up", "--model", args.model,
                "--decode-workers", str(args.decode_workers), "--http-port", str(_free_port()),
                "--grpc-port", str(_free_port()), "--log-dir", str(log_dir), "--device", "cpu",
                *args.up_arg]
         with open(self.out, "w") as f:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # -m cli.main from `code`: that checkout's modules come first on sys.path.
+            self.proc = subprocess.Popen(cmd, cwd=code, stdout=f, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                              "PYTHONPATH": str(code)},
                                          start_new_session=True)
         deadline = time.monotonic() + args.startup_timeout
         while (m := BANNER.search(self.out.read_text())) is None:
@@ -142,25 +150,69 @@ def _http_refusal(status: int, headers, text: str) -> str:
     return f"http {status}: {text[:200]}"
 
 
-async def flood(stack: Stack, n: int, max_tokens: int, timeout: float) -> Counter:
+async def _share(http_url: str, grpc_addr: str, ids: range, kinds: tuple[str, ...],
+                 max_tokens: int, timeout: float) -> list[str]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=stack.http, limits=limits,
-                                 timeout=timeout) as http, \
-            grpc.aio.insecure_channel(stack.grpc) as ch:
+    async with httpx.AsyncClient(base_url=http_url, limits=limits, timeout=timeout) as http, \
+            grpc.aio.insecure_channel(grpc_addr) as ch:
         stub = api_pb2_grpc.TandemStub(ch)
         results = await asyncio.gather(*(
-            asyncio.wait_for(one(KINDS[i % 3], i, http, stub, max_tokens), timeout)
-            for i in range(n)), return_exceptions=True)
-    return Counter(r if isinstance(r, str) else f"client {type(r).__name__}" for r in results)
+            asyncio.wait_for(one(kinds[i % len(kinds)], i, http, stub, max_tokens), timeout)
+            for i in ids), return_exceptions=True)
+    return [r if isinstance(r, str) else f"client {type(r).__name__}" for r in results]
 
 
-def router_counters(stack: Stack) -> dict[str, float]:
+def _client(http_url: str, grpc_addr: str, ids: range, kinds: tuple[str, ...],
+            max_tokens: int, timeout: float, barrier, out) -> None:
+    barrier.wait()
+    out.put(asyncio.run(_share(http_url, grpc_addr, ids, kinds, max_tokens, timeout)))
+
+
+def flood(stack: Stack, n: int, clients: int, kinds: tuple[str, ...], max_tokens: int,
+          timeout: float) -> Counter:
+    """n requests of `kinds` (in turn), from `clients` processes released together; their
+    outcomes."""
+    ctx = mp.get_context("fork")
+    barrier, out = ctx.Barrier(clients), ctx.Queue()
+    procs = [ctx.Process(target=_client, args=(stack.http, stack.grpc, range(k, n, clients),
+                                               kinds, max_tokens, timeout, barrier, out))
+             for k in range(clients)]
+    for p in procs:
+        p.start()
+    outcomes: Counter = Counter()
+    for _ in procs:
+        outcomes.update(out.get())
+    for p in procs:
+        p.join()
+    return outcomes
+
+
+def _lag_buckets(text: str) -> dict[float, float]:
+    """le -> cumulative count of tandem:router_loop_lag_seconds."""
+    return {float(le): float(v) for le, v in re.findall(
+        r'^tandem:router_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)}
+
+
+def router_counters(stack: Stack) -> dict:
     text = httpx.get(f"{stack.http}/metrics", timeout=30).text
-    lag = re.findall(r"^tandem:router_loop_lag_max_seconds (\S+)$", text, re.M)
     return {"worker_lost": metric_total(text, "worker_lost"),
             "request_migrations": metric_total(text, "request_migrations"),
             "worker_restarts": metric_total(text, "worker_restarts"),
-            "loop_lag_max_s": float(lag[0]) if lag else float("nan")}
+            "lag": _lag_buckets(text)}
+
+
+def longest_stall(before: dict[float, float], after: dict[float, float]) -> str:
+    """The bucket of the longest loop stall between two scrapes ("<=0.25" s, ">10" s), or
+    "n/a" when the router has no such histogram (a checkout before it)."""
+    if not after:
+        return "n/a"
+    new = {le: after[le] - before.get(le, 0.0) for le in after}
+    total = new.get(float("inf"), 0.0)
+    bounds = sorted(le for le in new if le != float("inf"))
+    for le in bounds:
+        if new[le] >= total:
+            return f"<={le:g}"
+    return f">{bounds[-1]:g}" if bounds else "n/a"
 
 
 def burners(n: int) -> list[subprocess.Popen]:
@@ -174,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=1000, help="sent at once, per flood")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--burners", type=int, default=2, help="CPU-bound processes beside the stack")
+    p.add_argument("--clients", type=int, default=3,
+                   help="client processes sending each flood's requests, released together")
+    p.add_argument("--mix", choices=["mixed", "in-turn"], default="mixed",
+                   help="mixed: every flood HTTP, streamed HTTP and gRPC requests in turn; "
+                        "in-turn: flood k all of one kind, the kinds in turn")
+    p.add_argument("--code", default=None,
+                   help="run tandem up from this checkout instead (a baseline to compare)")
     p.add_argument("--model", default="tandem-demo")
     p.add_argument("--decode-workers", type=int, default=2)
     p.add_argument("--up-arg", action="append", default=[],
@@ -184,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="stop starting floods after this many seconds")
     p.add_argument("--out", default=None, help="write the results here (JSON)")
     a = p.parse_args(argv)
-    if a.floods < 1 or a.requests < 1:
-        p.error("--floods and --requests must be >= 1")
+    if a.floods < 1 or a.requests < 1 or a.clients < 1:
+        p.error("--floods, --requests and --clients must be >= 1")
     t0 = time.monotonic()
     hot = burners(a.burners)
     rows: list[dict] = []
@@ -199,15 +258,16 @@ def main(argv: list[str] | None = None) -> int:
                     before = router_counters(stack)
                     taken_before = len(TAKEN_OUT.findall(stack.router_log()))
                     start = time.monotonic()
-                    outcomes = asyncio.run(flood(stack, a.requests, a.max_tokens,
-                                                 a.request_timeout))
+                    kinds = KINDS if a.mix == "mixed" else (KINDS[k % len(KINDS)],)
+                    outcomes = flood(stack, a.requests, a.clients, kinds, a.max_tokens,
+                                     a.request_timeout)
                     after = router_counters(stack)
-                    row = {"flood": k + 1, "seconds": round(time.monotonic() - start, 1),
+                    row = {"flood": k + 1, "kinds": "+".join(kinds), "seconds": round(time.monotonic() - start, 1),
                            "ok": outcomes.pop("ok", 0), "refused_429": outcomes.pop("429", 0),
                            "failed": dict(outcomes),
                            "workers_taken_out": len(TAKEN_OUT.findall(stack.router_log()))
                            - taken_before,
-                           "loop_lag_max_s": after["loop_lag_max_s"],
+                           "longest_loop_stall_s": longest_stall(before["lag"], after["lag"]),
                            **{k2: after[k2] - before[k2] for k2 in
                               ("worker_lost", "request_migrations", "worker_restarts")}}
                     rows.append(row)
@@ -221,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum(sum(r["failed"].values()) for r in rows)
     failovers = sum(r["worker_lost"] + r["request_migrations"] + r["workers_taken_out"]
                     for r in rows)
-    summary = {"cores": len(os.sched_getaffinity(0)), "burners": a.burners,
+    summary = {"code": a.code or "this checkout", "cores": len(os.sched_getaffinity(0)),
+               "burners": a.burners, "clients": a.clients, "mix": a.mix,
                "floods": len(rows), "requests_each": a.requests, "max_tokens": a.max_tokens,
                "ok": sum(r["ok"] for r in rows), "refused_429": sum(r["refused_429"] for r in rows),
                "failed": failed, "failovers": failovers,
