@@ -96,7 +96,8 @@ class _Lease:
 
 class DecodeLegs:
     def __init__(self, orch: Orchestrator, rid: str, prompt: list[int], params,
-                 wire_params, deadline: float | None, ctx: Context | None) -> None:
+                 wire_params, deadline: float | None, ctx: Context | None,
+                 hashes: list[int] | None = None) -> None:
         self.orch = orch
         self.rid = rid
         self.prompt = prompt
@@ -104,6 +105,7 @@ class DecodeLegs:
         self.wire_params = wire_params
         self.deadline = deadline  # loop time
         self.ctx = ctx  # the request's trace context: each call's CLIENT span is its child
+        self.hashes = hashes  # the prompt's block hashes, for every pick (None: computed there)
         self.outputs: list[list[int]] = []  # per sample, every token the client has
         self.done: set[int] = set()  # samples that ended
         self.moves = 0  # legs that failed after sending tokens
@@ -119,7 +121,7 @@ class DecodeLegs:
         finish."""
         try:
             p, resp = await self.orch.prefill(self.rid, self.prompt, self.wire_params,
-                                              self.deadline, self.ctx)
+                                              self.deadline, self.ctx, self.hashes)
             self._first, self._lease = resp, _Lease(p, resp.kv)
             want_lp = self.params.logprobs is not None
             lps = logprobs_from_proto(resp.first_logprobs, self.params.n)
@@ -134,7 +136,7 @@ class DecodeLegs:
             refused: dict[str, str] = {}  # workers that refused this request, and why
             while True:
                 d = self.orch.workers.pick_decode("decode", set(refused), self.prompt,
-                                                  self.params.cache_salt)
+                                                  self.params.cache_salt, self.hashes)
                 if d is None and refused:
                     # Every decode worker refused it (a KV pool the prefill worker's does not
                     # match, say): their reasons, which name the flag to change, not "none".
@@ -144,7 +146,7 @@ class DecodeLegs:
                 d = self.orch.pick(d, "decode")
                 if self._lease is None:  # the last leg took it: a fresh one for this leg
                     p, again = await self.orch.prefill(self.rid, self.prompt, self.wire_params,
-                                                       self.deadline, self.ctx)
+                                                       self.deadline, self.ctx, self.hashes)
                     self._lease = _Lease(p, again.kv)
                 sent = False
                 try:

@@ -19,6 +19,7 @@ from engine.sampling_params import RequestLimits, SamplingParams, TokenLogprobs
 from engine.tokenizer import Tokenizer
 from router_svc.orchestrator import Orchestrator
 from router_svc.request_record import refused_call, router_request
+from router_svc.workers import OFF_LOOP_TOKENS
 from runtime.request_trace import ApiCall
 from runtime.telemetry import Telemetry
 from tandem.errors import InvalidArgument, Overloaded
@@ -129,6 +130,14 @@ class Frontend:
                                       "structured outputs need")
             check_schema(params.response_format)
 
+    async def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """validate(), in a worker thread for a long prompt: checking every token id of 100k
+        tokens (about 20 ms) would hold every other request on the event loop."""
+        if len(prompt) >= OFF_LOOP_TOKENS:
+            await asyncio.to_thread(self.validate, prompt, params)
+        else:
+            self.validate(prompt, params)
+
     def refused(self, request_id: str, error: BaseException, api: ApiCall | None = None,
                 operation: str | None = None) -> None:
         """Trace and log a request the API refused before it reached stream() (its parameters
@@ -155,7 +164,7 @@ class Frontend:
             operation or _operation(request_id),
             self.tokenizer.decode if self.tokenizer else None, api)
         try:
-            self.validate(prompt, params)
+            await self.check(prompt, params)
             if self.active >= self.max_requests:
                 raise Overloaded(f"{self.active} requests in flight (limit "
                                  f"{self.max_requests})")

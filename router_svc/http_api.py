@@ -203,7 +203,7 @@ class OpenAIApi:
             params = fe.for_tenant(req.sampling_params(body, max_tokens, body.logprobs,
                                                        req.request_format(body)),
                                    _tenant(request))
-            fe.validate(prompt, params)  # n and the rest before anything is sized by them
+            await fe.check(prompt, params)  # n and the rest before anything is sized by them
             echo = req.echo_text(fe, body.prompt, prompt) if body.echo else ""
         except (InvalidArgument, ApiError) as e:
             error = api_error(e)
@@ -227,7 +227,7 @@ class OpenAIApi:
             fe.check_chars(req.messages_chars(body.messages), "messages")
             plan = await fe.run_off_loop(req.chat_plan, fe, body, names)
             plan = dataclasses.replace(plan, params=fe.for_tenant(plan.params, _tenant(request)))
-            fe.validate(plan.prompt, plan.params)
+            await fe.check(plan.prompt, plan.params)
         except (InvalidArgument, ApiError) as e:
             error = api_error(e, names)
             fe.refused(f"chatcmpl-{uuid.uuid4().hex}", error, _api_call(request, body.stream))

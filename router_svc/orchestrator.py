@@ -73,12 +73,18 @@ class Orchestrator:
                               f"request_id {request_id!r} is in use")
         self._active.add(request_id)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        try:
+            # Once per request (every pick reads them), off the loop for a long prompt.
+            hashes = await self.workers.prompt_hashes(prompt, params.cache_salt)
+        except BaseException:
+            self._active.discard(request_id)
+            raise
         if self.workers.disaggregated:
             wire_params = params_to_proto(params)
             stream = DecodeLegs(self, request_id, prompt, params, wire_params, deadline,
-                                trace_ctx).run()
+                                trace_ctx, hashes).run()
         else:
-            stream = self._colocated(request_id, prompt, params, deadline, trace_ctx)
+            stream = self._colocated(request_id, prompt, params, deadline, trace_ctx, hashes)
         try:
             async with aclosing(stream):
                 async for u in stream:
@@ -88,13 +94,14 @@ class Orchestrator:
 
     # -- colocated ---------------------------------------------------------------------------
     async def _colocated(self, rid: str, prompt: list[int], params: SamplingParams,
-                         deadline: float | None, ctx: Context | None) -> AsyncIterator[Update]:
+                         deadline: float | None, ctx: Context | None,
+                         hashes: list[int]) -> AsyncIterator[Update]:
         req = worker_pb2.GenerateOnWorkerRequest(request_id=rid, prompt_token_ids=prompt,
                                                  params=params_to_proto(params))
         tried: set[str] = set()
         while True:
-            w = self.pick(self.workers.pick_decode("both", tried, prompt,
-                                                              params.cache_salt), "colocated")
+            w = self.pick(self.workers.pick_decode("both", tried, prompt, params.cache_salt,
+                                                   hashes), "colocated")
             tried.add(w.address)
             sent = False
             ended: set[int] = set()
@@ -123,14 +130,16 @@ class Orchestrator:
 
     # -- what the legs share -----------------------------------------------------------------
     async def prefill(self, rid: str, prompt: list[int], params, deadline: float | None,
-                      ctx: Context | None) -> tuple[Worker, worker_pb2.PrefillResponse]:
+                      ctx: Context | None, hashes: list[int] | None = None
+                      ) -> tuple[Worker, worker_pb2.PrefillResponse]:
         """A prefill on a healthy prefill worker: the first tokens and the lease, now this
         caller's. A worker that fails it UNAVAILABLE (or stops answering) is taken out and
-        another tried."""
+        another tried. `hashes`: the prompt's block hashes (WorkerSet.prompt_hashes)."""
         tried: set[str] = set()
         req = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params)
         while True:
-            p = self.pick(self.workers.pick_prefill(prompt, tried, params.cache_salt), "prefill")
+            p = self.pick(self.workers.pick_prefill(prompt, tried, params.cache_salt, hashes),
+                          "prefill")
             tried.add(p.address)
             p.in_flight += 1
             try:

@@ -49,3 +49,38 @@ def test_another_caller_is_served_while_a_prompt_is_tokenized():
             assert not tok.entered.is_set()
 
     asyncio.run(main())
+
+
+def test_a_long_prompts_hashing_and_checks_run_off_the_loop():
+    """Work in proportion to a prompt (its block hashes for routing, the check of every token
+    id) runs in a worker thread once the prompt is long (OFF_LOOP_TOKENS), on the loop below."""
+    from engine.sampling_params import SamplingParams
+    from router_svc.workers import OFF_LOOP_TOKENS
+
+    ws = WorkerSet([], [], [])
+    fe = Frontend(None, orchestrator=None, model=ModelInfo("m", "llama", 1 << 20, 512,
+                                                             "float32", 16))
+    threads: list[tuple[str, int, int]] = []
+    hashes, validate = ws.prefix_hashes, fe.validate
+
+    def hashing(prompt, salt=""):
+        threads.append(("hash", len(prompt), threading.get_ident()))
+        return hashes(prompt, salt)
+
+    def checking(prompt, params):
+        threads.append(("check", len(prompt), threading.get_ident()))
+        return validate(prompt, params)
+
+    ws.prefix_hashes, fe.validate = hashing, checking
+
+    async def main() -> int:
+        for n in (OFF_LOOP_TOKENS - 1, OFF_LOOP_TOKENS):
+            assert len(await ws.prompt_hashes([1] * n)) == n // 16
+            await fe.check([1] * n, SamplingParams(max_tokens=4))
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    short, long = OFF_LOOP_TOKENS - 1, OFF_LOOP_TOKENS
+    assert [(what, n, t == loop_thread) for what, n, t in threads] == [
+        ("hash", short, True), ("check", short, True),
+        ("hash", long, False), ("check", long, False)]

@@ -61,7 +61,7 @@ class FakeOrchestrator:
         self.prefills = 0
         self.released: list[str] = []
 
-    async def prefill(self, rid, prompt, params, deadline, md):
+    async def prefill(self, rid, prompt, params, deadline, md, hashes=None):
         self.prefills += 1
         n = params.n
         return None, worker_pb2.PrefillResponse(
