@@ -305,3 +305,17 @@ def test_step_profile_times_every_step_kind(tmp_path):
     assert [r["step"] for r in rows] == ["prefill 64", "mixed 20+4", "decode 1", "decode 4"]
     assert all(r["wall_ms"] > 0 for r in rows)
     assert "mixed 20+4" in proc.stdout
+
+
+def test_flood_benchmark_counts_every_request(tmp_path):
+    """benchmarks/flood.py end to end, small: `tandem up` with the demo model, two floods of 30
+    requests (one kind each) from two client processes; every request OK, no worker failed
+    over, the router's loop lag read."""
+    out = tmp_path / "flood.json"
+    run("flood.py", "--floods", "2", "--requests", "30", "--mix", "in-turn", "--clients", "2",
+        "--burners", "0", "--out", str(out), timeout=240)
+    r = json.loads(out.read_text())
+    assert r["summary"]["ok"] == 60 and r["summary"]["failed"] == 0
+    assert r["summary"]["failovers"] == 0
+    assert [f["kinds"] for f in r["floods"]] == ["http", "http-stream"]
+    assert all(f["longest_loop_stall_s"].startswith("<=") for f in r["floods"])
