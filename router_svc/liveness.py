@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,8 @@ import grpc
 from runtime.lifecycle import GRPC_OPTIONS
 from runtime.security import ClusterTls
 from tandem.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
 
 # A round's calls end by their deadline; a round that took this much longer was delayed by
 # this process (starved of CPU, stopped), not by its workers.
@@ -97,6 +100,8 @@ class Poller:
                 answers.append((t, call.result(), None))
             except grpc.RpcError as e:
                 answers.append((t, None, e.code()))
+            except grpc.FutureCancelledError:  # its channel closed mid-call (worker removed)
+                continue
         end = time.monotonic()
         # Time this round counts toward a silent worker's silence: since the last round's end,
         # less what the poller itself was held up (past the calls' deadlines, or between rounds
@@ -125,7 +130,11 @@ class Poller:
               deliver: Callable[[list[PollResult]], None]) -> None:
         def run() -> None:
             while not self._stop.is_set():
-                results = self.poll(targets())
+                try:
+                    results = self.poll(targets())
+                except Exception:  # never let the router stop polling silently
+                    log.exception("worker polls failed; polling on")
+                    results = []
                 with contextlib.suppress(RuntimeError):  # the loop closed: we are stopping
                     deliver(results)
                 before = time.monotonic()

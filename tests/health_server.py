@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from runtime.security import ClusterTls
 
@@ -16,8 +16,8 @@ from runtime.security import ClusterTls
 @contextlib.asynccontextmanager
 async def health_server(
         tls: ClusterTls | None = None) -> AsyncIterator[tuple[str, health.aio.HealthServicer]]:
-    """The server's address and its health servicer (the whole server, "", SERVING until told
-    otherwise); stopped on exit."""
+    """The server's address and its health servicer (the whole server "", liveness and
+    readiness SERVING until told otherwise); stopped on exit."""
     server = grpc.aio.server()
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -26,6 +26,8 @@ async def health_server(
     else:
         port = server.add_secure_port("127.0.0.1:0", tls.server_credentials())
     await server.start()
+    for name in ("liveness", "readiness"):  # as every Tandem server names them
+        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     try:
         yield f"127.0.0.1:{port}", servicer
     finally:
