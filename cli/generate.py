@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from runtime.engine_args import add_engine_args, engine_config
 from tandem.errors import InvalidArgument
@@ -52,6 +51,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             ignore_eos=args.ignore_eos)
     cfg = engine_config(args)
+    from engine.llm import LLM  # noqa: PLC0415 - torch: after the arguments parsed
+
     llm = LLM(cfg.model, **{k: v for k, v in cfg.__dict__.items() if k != "model"},
               progress=not args.json)
     try:

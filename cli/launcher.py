@@ -4,11 +4,19 @@
 integration tests share. Each process is started with the `tandem` CLI, picks a free port and
 writes it to a ready file; workers come up first, then the router in front of them. Stopping
 sends SIGTERM to the router first (it drains its streams), then to the workers.
+
+No process outlives the one that started the stack, however that one ends: each child gets
+SIGTERM (and drains) when its parent dies, SIGKILL included (PR_SET_PDEATHSIG), and a worker's
+engine core and tensor-parallel ranks die with their worker. The throwaway cluster CA's files
+never stay on disk: they live in anonymous memory files that every process reads as /dev/fd/N.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -26,6 +34,10 @@ from runtime.security import ClusterTls
 
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
 ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
+
+
+class StartInterrupted(RuntimeError):
+    """start() gave up: `interrupted` said so (a signal), not a process that failed."""
 
 
 @dataclass
@@ -99,8 +111,11 @@ class LocalStack:
         # between the stack's processes is mutual TLS with it.
         self.cluster_ca = cluster_ca
         self.cluster_tls: ClusterTls | None = None
+        self._certs: ThrowawayCa | None = None  # its files, which stop() removes
         self.procs: dict[str, Proc] = {}
         self.supervisor: Any = None  # the Supervisor that started on this stack, if any
+        # Whether to give up starting (a signal, `tandem up`'s output gone): start() raises.
+        self.interrupted: Callable[[], bool] = lambda: False
         # Workers on the CPU divide its cores (an explicit --cpu-threads in worker_args wins).
         self.cpu_threads = cpu_threads_each(self.devices.count("cpu"))
 
@@ -115,16 +130,17 @@ class LocalStack:
         if metrics_port:
             cmd += ["--metrics-port", str(metrics_port)]
         # Own session: a terminal's Ctrl-C reaches the launcher, which stops everyone in order.
+        # The cluster CA's memory files are the only descriptors the child inherits.
+        how = {"env": self.env, "start_new_session": True, "preexec_fn": _die_with_parent(),
+               "pass_fds": self._certs.fds if self._certs else ()}
         if self.echo:
             popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, bufsize=1, env=self.env,
-                                     start_new_session=True)
+                                     text=True, bufsize=1, **how)
             threading.Thread(target=_pump, args=(name, popen.stdout, log, append),
                              daemon=True).start()
         else:
             with open(log, "a" if append else "w") as f:
-                popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+                popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, **how)
         proc = self.procs[name] = self.proc_class(name, popen, ready, log,
                                                   metrics_port=metrics_port, argv=tuple(argv))
         return proc
@@ -148,6 +164,8 @@ class LocalStack:
         deadline = time.monotonic() + timeout
         for p in procs:
             while not self.read_ready(p):
+                if self.interrupted():
+                    raise StartInterrupted("stopped while starting")
                 if p.popen.poll() is not None:
                     raise RuntimeError(f"{p.name} exited with {p.popen.returncode} while "
                                        f"starting; log {p.log}:\n{_tail(p.log_text())}")
@@ -161,10 +179,9 @@ class LocalStack:
         # built on first use): once, not by every worker and the router at the same time, and a
         # model that cannot be had fails before any process starts (ModelLoadError).
         resolve_model(self.model)
-        if self.cluster_ca and self.cluster_tls is None:
-            from cli.certs import make_cluster_ca  # noqa: PLC0415 - cryptography
-
-            self.cluster_tls = make_cluster_ca(self.log_dir / "certs")
+        if self.cluster_ca and self._certs is None:
+            self._certs = ThrowawayCa()
+            self.cluster_tls = self._certs.tls
         tls_argv = self.cluster_tls.argv() if self.cluster_tls else []
         # Workers sharing a GPU size their KV pools from its free memory: start those in turn.
         cuda = [d for d in self.devices if d.startswith("cuda")]
@@ -224,7 +241,71 @@ class LocalStack:
                     p.popen.kill()
                     p.popen.wait()
                     codes[p.name] = None
+        if self._certs is not None:
+            self._certs.close()
+            self._certs = self.cluster_tls = None
         return codes
+
+
+class ThrowawayCa:
+    """A stack's cluster CA (cli/certs.py), owned here from making to removal. Its files are
+    made in a private directory on a memory file system (/dev/shm, where there is one), copied
+    into anonymous memory files (memfd) and deleted at once: nothing stays on disk, even when
+    the stack's launcher is killed, and the memory goes with the last process holding it.
+    Processes read the files as /dev/fd/N (`fds`: what every child inherits). Without memfd
+    (not Linux) the directory is the files, removed by close()."""
+
+    def __init__(self) -> None:
+        from cli.certs import make_cluster_ca  # noqa: PLC0415 - cryptography
+
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._dir: str | None = tempfile.mkdtemp(prefix="tandem-certs-", dir=shm)
+        made = make_cluster_ca(self._dir)
+        self.fds: tuple[int, ...] = ()
+        self.tls = made
+        if hasattr(os, "memfd_create"):
+            self.fds = tuple(_in_memory(path) for path in (made.ca, made.cert, made.key))
+            self.tls = ClusterTls(*(Path(f"/dev/fd/{fd}") for fd in self.fds))
+            shutil.rmtree(self._dir)
+            self._dir = None
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = ()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+def _in_memory(path: Path) -> int:
+    """An anonymous memory file (close-on-exec) holding path's bytes."""
+    fd = os.memfd_create(f"tandem-{path.name}")
+    os.write(fd, path.read_bytes())
+    return fd
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A child's preexec_fn (Linux; None elsewhere): SIGTERM when its parent dies, however it
+    dies, so that it drains and exits as on any SIGTERM instead of living on under init with
+    its ports. The kernel ties this to the thread that started the child: start a stack's
+    processes from a thread that lives as long as they should (the main thread; a
+    Supervisor's thread, which restarts processes, ends only when the stack stops)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:  # in the child, between fork and exec
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the line above took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 def _pin_ports(p: Proc) -> list[str]:
@@ -239,11 +320,18 @@ def _pin_ports(p: Proc) -> list[str]:
 
 
 def _pump(name: str, stream: IO[str], log: Path, append: bool = False) -> None:
-    """A child's output, line by line: prefixed on our stdout and kept in its log file."""
+    """A child's output, line by line: prefixed on our stdout and kept in its log file. Our
+    stdout may go away (a closed pipe): the log is still kept, and the child's pipe drained
+    (a full pipe would block the child)."""
+    echo = True
     with open(log, "a" if append else "w") as sink:
         for line in stream:
-            sys.stdout.write(f"[{name}] {line}")
-            sys.stdout.flush()
+            if echo:
+                try:
+                    sys.stdout.write(f"[{name}] {line}")
+                    sys.stdout.flush()
+                except (OSError, ValueError):
+                    echo = False
             sink.write(line)
             sink.flush()
 

@@ -1,9 +1,14 @@
 """The `tandem` command: generate (offline), up (the whole stack), router, prefill, decode and
-worker (one service each)."""
+worker (one service each).
+
+Parsing comes first and imports only the subcommand asked for: `tandem --help`, a subcommand's
+`--help` and a misspelt flag answer without loading torch, the engine or a service.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -20,37 +25,109 @@ FLAG_NAMES = {
     "quantization": "--quantization", "tensor_parallel_size": "--tensor-parallel-size",
 }
 
+# Each subcommand's module (with add_parser(sub, name)), imported only when that subcommand
+# runs, and the line `tandem --help` lists it with (the module's own help; a test holds them
+# equal).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("cli.generate", "generate offline for the given prompts"),
+    "up": ("cli.up", "start router + prefill + decode workers locally"),
+    "router": ("router_svc.server", "run the router (public gRPC + OpenAI HTTP API)"),
+    "prefill": ("prefill_svc.server", "run a prefill worker"),
+    "decode": ("decode_svc.server", "run a decode worker"),
+    "worker": ("cli.worker", "run a worker of any role (prefill, decode, both)"),
+    "health": ("cli.health", "check a service's gRPC health (exit 0 when SERVING)"),
+    "certs": ("cli.certs", "write a throwaway cluster CA and node certificate"),
+}
+SERVICE_COMMANDS: dict[str, str] = {name: module for name, (module, _) in COMMANDS.items()}
+
+# Flags of other servers (vLLM's, mostly) that Tandem does not take under any spelling: what to
+# use instead. Spellings Tandem has an equivalent for are accepted as aliases where the flag is
+# defined (e.g. --port, --gpu-memory-utilization on `tandem up`).
+OTHER_SPELLINGS = {
+    "--pipeline-parallel-size": "Tandem has no pipeline parallelism; --tensor-parallel-size "
+                                "splits each worker over GPUs",
+    "--data-parallel-size": "more workers serve more: --prefill-workers N --decode-workers N "
+                            "(or --both-workers N)",
+    "--trust-remote-code": "Tandem runs its own model code for the architectures it knows; "
+                           "no code from a checkpoint runs",
+    "--download-dir": "hub downloads go to the Hugging Face cache ($HF_HOME)",
+    "--uvicorn-log-level": "set the log format with $TANDEM_LOG_FORMAT (console or json)",
+}
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """`--help` with each option's default, unless its help already says it or there is none
+    to say (None, False, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or default is False or default == []
+                or default is argparse.SUPPRESS or "default" in text):
+            return action.help
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class _CommandParser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _parsers(only: str | None = None, *, listing: bool = False
+             ) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
+    for name, (module, summary) in COMMANDS.items():
+        if listing:  # the names and one line each: nothing imported
+            sub.add_parser(name, help=summary, add_help=False)
+        elif only is None or only == name:
+            importlib.import_module(module).add_parser(sub, name)
+    return parser, dict(sub.choices)
+
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI, or (only=NAME) just what subcommand NAME needs: importing a service module
-    pulls in torch and gRPC, which `tandem health` should not wait for."""
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, module in SERVICE_COMMANDS.items():
-        if only is None or only == name:
-            __import__(module, fromlist=["add_parser"]).add_parser(sub, name)
-    return parser
+    pulls in gRPC (and some of them torch), which `tandem health` should not wait for."""
+    return _parsers(only)[0]
 
 
-# Each subcommand's module, imported only when it runs (a service pulls in torch and gRPC, which
-# `tandem health` should not wait for); each has add_parser(sub, name).
-SERVICE_COMMANDS: dict[str, str] = {
-    "generate": "cli.generate",
-    "up": "cli.up",
-    "router": "router_svc.server",
-    "prefill": "prefill_svc.server",
-    "decode": "decode_svc.server",
-    "worker": "cli.worker",
-    "health": "cli.health",
-    "certs": "cli.certs",
-}
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The arguments of `tandem ARGV`; exits 2 (argparse's way) on a bad one, naming it and,
+    for a spelling of another server's, what Tandem takes instead."""
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    parser, subs = _parsers(command, listing=command is None)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        (subs[command] if command else parser).error(_unrecognized(command, unknown))
+    return args
+
+
+def _unrecognized(command: str | None, unknown: Sequence[str]) -> str:
+    msg = f"unrecognized arguments: {' '.join(unknown)}"
+    flags = [a.split("=", 1)[0] for a in unknown if a.startswith("--")]
+    hints = [f"{f}: {OTHER_SPELLINGS[f]}" for f in flags if f in OTHER_SPELLINGS]
+    if command == "up":
+        hints += _passed_through(flags)
+    return "\n  ".join([msg, *hints])
+
+
+def _passed_through(flags: Sequence[str]) -> list[str]:
+    """`tandem up` hints: flags a worker or the router takes, which `up` passes on."""
+    hints = []
+    for command in ("worker", "router"):
+        known = _parsers(command)[1][command]._option_string_actions
+        for f in [f for f in flags if f in known and f not in OTHER_SPELLINGS]:
+            value = "" if known[f].nargs == 0 else "=VALUE"
+            hints.append(f"{f}: a {command} flag; `tandem up` passes it on as "
+                         f"--{command}-arg={f}{value}")
+        flags = [f for f in flags if f not in known]
+    return hints
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    known = set(SERVICE_COMMANDS)
-    parser = build_parser(argv[0] if argv and argv[0] in known else None)
-    args = parser.parse_args(argv)
+    args = parse(argv)
     try:
         return args.func(args) or 0
     except InvalidArgument as e:

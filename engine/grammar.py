@@ -33,13 +33,16 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.sampling_params import ResponseFormat
 from engine.tokenizer import Tokenizer, has_tokenizer
 from tandem.errors import InvalidArgument
+
+# torch is imported where masks are filled and applied (in an engine, which has it loaded): the
+# router imports this module for check_schema alone and starts without torch.
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +246,8 @@ def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[i
     """Each state's allowed tokens into its row of `bitmask` (the deferred tokens taken first),
     the rows in parallel on xgrammar's threads (half the cores): at 256 rows one at a time this
     is most of a decode step. A broken state's row allows only `eos_token_ids`."""
+    import torch  # noqa: PLC0415 - see the imports
+
     # One accept_token call a row. xgrammar's batch_accept_token is no faster: it runs the same
     # matcher code one row after another on this thread, and its wrapper's per-row conversions
     # cost more than the calls it saves (benchmarks/grammar_step.py, 2-core VM, 256 rows:
@@ -285,6 +290,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
     """Set to -inf, in place, the logits of rows `rows` whose bit is 0 in the CPU `bitmask`
     (one row per row of logits, covering the grammar's `vocab_size` ids), and every logit of
     those rows past vocab_size. xgrammar's kernel on CUDA, its C++ loop on the CPU."""
+    import torch  # noqa: PLC0415 - see the imports
+
     xgr = xgrammar()
     mask = bitmask.to(logits.device, non_blocking=True) if logits.is_cuda else bitmask
     xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size, indices=rows)

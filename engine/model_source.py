@@ -19,17 +19,18 @@ def resolve_model(name_or_path: str) -> Path:
 
     - "tandem-demo": the demo checkpoint, built on first use.
     - "smollm2-135m-instruct" (and other names in gguf_checkpoint.PACKAGED): the GGUF file a
-      Python package ships, as below.
+      Python package ships, as below. Built-in names are matched whatever their case.
     - a GGUF file, or a directory holding one and no config.json: a checkpoint directory
       made from it in the cache on first use (engine/gguf_checkpoint.py).
     - an existing local directory: itself; it must contain config.json.
     - anything else: a Hugging Face hub id, downloaded (configs, safetensors, tokenizer files)
       into the hub cache. Fails with ModelLoadError where there is no network.
     """
-    if name_or_path == DEMO_NAME:
+    builtin = builtin_name(name_or_path)
+    if builtin == DEMO_NAME:
         return demo_model_dir()
-    if name_or_path in gguf_checkpoint.PACKAGED:
-        return gguf_checkpoint.checkpoint_dir(gguf_checkpoint.packaged_file(name_or_path))
+    if builtin is not None:
+        return gguf_checkpoint.checkpoint_dir(gguf_checkpoint.packaged_file(builtin))
     path = Path(name_or_path).expanduser()
     gguf_file = gguf_checkpoint.find_gguf(path)
     if gguf_file is not None:
@@ -46,6 +47,18 @@ def resolve_model(name_or_path: str) -> Path:
     if path.is_absolute() or name_or_path.startswith((".", "~")):
         raise ModelLoadError(f"model: no such directory {str(path)!r}")
     return _download(name_or_path)
+
+
+def builtin_name(name: str) -> str | None:
+    """The built-in model `name` means, in its own spelling ("SmolLM2-135M-Instruct" ->
+    "smollm2-135m-instruct": the case of a built-in name does not matter, unless a local path
+    is spelt so); None for any other name."""
+    builtins = [DEMO_NAME, *gguf_checkpoint.PACKAGED]
+    if name in builtins:
+        return name
+    if name.lower() in builtins and not Path(name).expanduser().exists():
+        return name.lower()
+    return None
 
 
 def _download(repo_id: str) -> Path:
@@ -66,9 +79,13 @@ def _download(repo_id: str) -> Path:
 def served_name(name_or_path: str) -> str:
     """The model id clients send by default: a local checkpoint's own name without its path
     ("/models/Llama-3.1-8B-Instruct/" -> "Llama-3.1-8B-Instruct"; a file: its stem); the demo
-    name or a hub id as given (a hub id keeps its organization, as vLLM serves it)."""
+    name or a hub id as given (a hub id keeps its organization, as vLLM serves it); a built-in
+    name in its own spelling."""
+    builtin = builtin_name(name_or_path)
+    if builtin is not None:
+        return builtin
     path = Path(name_or_path).expanduser()
-    if name_or_path == DEMO_NAME or not path.exists():
+    if not path.exists():
         return name_or_path
     path = path.resolve()
     return path.stem if path.is_file() else path.name

@@ -36,7 +36,7 @@ import inspect
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import uvicorn
@@ -167,10 +167,55 @@ class _ClosingStreamingResponse(StreamingResponse):
 
 
 # -- the app -----------------------------------------------------------------------------------
+class Shutdown:
+    """The requests in flight, which the server ends (`end`) once its grace period to drain is
+    over: each gets an answer, a 503, or for a stream an error event and then [DONE], where the
+    server would otherwise cancel it mid-body (the client seeing a cut connection, the log a
+    traceback)."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task] = set()
+        self.ending = False
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """Around a request's wait for its workers; once ending, it ends at once."""
+        if self.ending:
+            raise asyncio.CancelledError
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            yield
+        finally:
+            self._tasks.discard(task)
+
+    def end(self) -> None:
+        self.ending = True
+        for task in list(self._tasks):
+            task.cancel()
+
+    def ended_by_it(self) -> bool:
+        """In an `except CancelledError`: whether end() cancelled the request (then answer it;
+        its task goes on, uncancelled)."""
+        task = asyncio.current_task()
+        if not self.ending or task is None:
+            return False
+        task.uncancel()
+        return True
+
+    @staticmethod
+    def error() -> ApiError:
+        return ApiError(503, "the server is shutting down and its grace period to finish "
+                        "requests ended", "service_unavailable", code="shutting_down")
+
+
 class OpenAIApi:
-    def __init__(self, frontend: Frontend, workers: WorkerSet) -> None:
+    def __init__(self, frontend: Frontend, workers: WorkerSet,
+                 shutdown: Shutdown | None = None) -> None:
         self.frontend = frontend
         self.workers = workers
+        self.shutdown = shutdown or Shutdown()
 
     def routes(self) -> APIRouter:
         r = APIRouter()
@@ -323,16 +368,22 @@ class OpenAIApi:
         admission and the choice of workers all happen before it."""
         gen = self.frontend.stream(shaper.id, prompt, params, api=api)
         try:
-            if not stream:
-                await _unless_disconnected(request, self._collect(gen, shaper))
-                return JSONResponse(shaper.final())
-            first = await _unless_disconnected(request, anext(gen, None))
+            with self.shutdown.track():
+                if not stream:
+                    await _unless_disconnected(request, self._collect(gen, shaper))
+                    return JSONResponse(shaper.final())
+                first = await _unless_disconnected(request, anext(gen, None))
         except _ClientGone:
             await gen.aclose()
             return Response(status_code=499)  # nobody is listening
         except Exception as e:  # noqa: BLE001
             await gen.aclose()
             return api_error(e, names).response()
+        except asyncio.CancelledError:
+            if not self.shutdown.ended_by_it():
+                raise
+            await gen.aclose()
+            return self.shutdown.error().response()
         finally:
             if not stream:
                 await gen.aclose()
@@ -346,8 +397,7 @@ class OpenAIApi:
         async for step in gen:
             shaper.add(step)
 
-    @staticmethod
-    async def _events(gen: AsyncIterator[Step], first: Step | None, shaper: Shaper,
+    async def _events(self, gen: AsyncIterator[Step], first: Step | None, shaper: Shaper,
                       names: dict[str, str]) -> AsyncIterator[str]:
         try:
             for c in shaper.start():
@@ -356,12 +406,18 @@ class OpenAIApi:
             while step is not None:
                 for c in shaper.add(step):
                     yield _sse(c)
-                step = await anext(gen, None)
+                with self.shutdown.track():
+                    step = await anext(gen, None)
             if shaper.include_usage:
                 yield _sse(shaper.usage_chunk())
             yield _sse("[DONE]")
         except Exception as e:  # noqa: BLE001 - mid-stream: the status line is long gone
             yield _sse(api_error(e, names).body())
+        except asyncio.CancelledError:
+            if not self.shutdown.ended_by_it():
+                raise
+            yield _sse(self.shutdown.error().body())
+            yield _sse("[DONE]")
         finally:
             await gen.aclose()  # type: ignore[attr-defined]
 
@@ -397,10 +453,11 @@ def _auth_refused(frontend: Frontend) -> Callable[[dict[str, Any]], None]:
 
 def build_app(frontend: Frontend, workers: WorkerSet, api_keys: ApiKeys | None = None,
               routes: Sequence[BaseRoute] = (),
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              shutdown: Shutdown | None = None) -> FastAPI:
     app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None,
                   openapi_url=None, **_framework_telemetry_off())
-    app.include_router(OpenAIApi(frontend, workers).routes())
+    app.include_router(OpenAIApi(frontend, workers, shutdown).routes())
     app.router.routes.extend(routes)
     app.add_exception_handler(RequestValidationError, _validation_error(frontend))
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -411,6 +468,9 @@ def build_app(frontend: Frontend, workers: WorkerSet, api_keys: ApiKeys | None =
     if api_keys:
         app.add_middleware(ApiKeyAuth, keys=api_keys, on_refused=_auth_refused(frontend))
     return app
+
+
+SHUTDOWN_BACKSTOP_S = 5.0
 
 
 class _Server(uvicorn.Server):
@@ -429,12 +489,17 @@ class HttpServer:
                  api_keys: ApiKeys | None = None, *, routes: Sequence[BaseRoute] = (),
                  grace_s: float = 5.0, tls: PublicTls | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-        self.app = build_app(frontend, workers, api_keys, routes, max_body_bytes)
+        self._shutdown = Shutdown()
+        self._grace_s = grace_s
+        self.app = build_app(frontend, workers, api_keys, routes, max_body_bytes,
+                             self._shutdown)
         ssl = {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)} if tls else {}
         self._server = _Server(uvicorn.Config(
             self.app, host=host, port=port, lifespan="off", access_log=False,
             log_config=None,  # leave the process's logging as the router set it up
-            timeout_graceful_shutdown=grace_s, **ssl))  # then cancel streams still open
+            # stop() ends what is open when grace_s is over; uvicorn's own cancel (a cut
+            # connection, a traceback) is only the backstop for what did not end then.
+            timeout_graceful_shutdown=grace_s + SHUTDOWN_BACKSTOP_S, **ssl))
         self._task: asyncio.Task | None = None
 
     async def start(self) -> int:
@@ -448,10 +513,14 @@ class HttpServer:
         return self._server.servers[0].sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
-        """Stop accepting, let open responses finish for up to grace_s, then cancel them."""
+        """Stop accepting, let open responses finish for up to grace_s, then end them: a 503,
+        or for a stream an error event and [DONE] (Shutdown)."""
         if self._task is None:
             return
         self._server.should_exit = True
+        done, _ = await asyncio.wait({self._task}, timeout=self._grace_s)
+        if not done:
+            self._shutdown.end()
         await self._task
         self._task = None
 

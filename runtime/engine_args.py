@@ -22,7 +22,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights (benchmarks)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--memory-fraction", type=float, default=0.9,
+    g.add_argument("--memory-fraction", "--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of free memory (after profiling) for the KV pool")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step")
@@ -36,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-step-tokens", type=int, default=256,
                    help="critical-path: the fewest tokens a paced step gives prompts (a step "
                         "this small costs about what reading the weights costs)")
-    g.add_argument("--no-cuda-graphs", action="store_true",
+    g.add_argument("--no-cuda-graphs", "--enforce-eager", action="store_true",
                    help="run every step eagerly (no CUDA graphs)")
     g.add_argument("--no-mixed-cuda-graphs", action="store_true",
                    help="replay only decode steps from CUDA graphs, and run steps with prefill "
@@ -57,8 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cuda:K .. cuda:K+N-1; on the CPU N processes)")
     g.add_argument("--enable-prefix-caching", action="store_true", default=True,
                    help="reuse KV blocks of shared prompt prefixes (the default)")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false", help="disable the prefix cache")
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
+                   dest="enable_prefix_caching", action="store_false",
+                   help="disable the prefix cache")
 
 
 def engine_config(args: argparse.Namespace, role: str = "both") -> EngineConfig:

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -24,6 +27,8 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from tandem.errors import InvalidArgument
 
 log = structlog.get_logger(__name__)
 
@@ -51,8 +56,36 @@ GRPC_OPTIONS = [
 ]
 
 
+# gRPC core listens with SO_REUSEPORT by default: a second server on a port already in use
+# then shares it (a second `tandem up` answered on 50051 beside the first, health alternating
+# between them) instead of failing to bind.
+SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
 def make_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=list(interceptors), options=GRPC_OPTIONS)
+    return grpc.aio.server(interceptors=list(interceptors), options=SERVER_OPTIONS)
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Raise InvalidArgument(flag) if host:port cannot be listened on now (another server holds
+    it), as a server would listen: SO_REUSEADDR (a port whose last connections linger in
+    TIME_WAIT is free), no SO_REUSEPORT. Port 0 (any free port) and negative ports (off) pass.
+    A check, not a reservation: the port is free again when this returns."""
+    if port <= 0:
+        return
+    try:
+        addresses = {info[4][:2]: info[0] for info in socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)}
+    except socket.gaierror as e:
+        raise InvalidArgument("--host", f"cannot resolve {host!r}: {e.strerror}") from None
+    for address, family in addresses.items():
+        try:
+            socket.create_server(address, family=family).close()
+        except OSError as e:
+            why = ("in use (another `tandem up` or server holds it)"
+                   if e.errno == errno.EADDRINUSE else os.strerror(e.errno or 0))
+            raise InvalidArgument(flag, f"cannot listen on {host}:{port}: {why}; choose "
+                                        "another port, or 0 for a free one") from None
 
 
 class Health:

@@ -5,7 +5,9 @@ own name, and `tandem up --device auto` says when it falls back to the CPU."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import socket
 import subprocess
 import sys
 
@@ -116,3 +118,155 @@ def test_worker_and_generate_take_the_tensor_parallel_size(capsys):
     assert main(["generate", "--model", "tandem-demo", "--prompt-token-ids", "1,2",
                  "--tensor-parallel-size", "0"]) == 2
     assert "argument --tensor-parallel-size: must be >= 1" in capsys.readouterr().err
+
+
+# -- the first minute: help, flag errors, ports -----------------------------------------------
+HELP_AND_ERRORS = [(["--help"], 0), ([], 2), (["bogus"], 2), (["--bogus"], 2),
+                   *(([name, "--help"], 0) for name in ("generate", "up", "router", "prefill",
+                                                        "decode", "worker", "health", "certs")),
+                   (["up", "--bogus"], 2), (["up", "--enforce-eager"], 2),
+                   (["generate", "--bogus"], 2), (["router", "--bogus"], 2)]
+
+
+def test_help_and_flag_errors_load_no_torch():
+    """Parsing comes first: no subcommand's help or flag error waits for torch (it took
+    `tandem --help` 19-24 s on a loaded machine)."""
+    script = f"""
+import sys
+from cli.main import main
+codes = []
+for argv, _ in {HELP_AND_ERRORS!r}:
+    try:
+        main(argv)
+    except SystemExit as e:
+        codes.append(e.code)
+print(codes, "torch" in sys.modules)
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[-2] == f"{[code for _, code in HELP_AND_ERRORS]} False", \
+        res.stdout[-2000:]
+
+
+def test_tandem_help_lists_each_subcommand_with_its_own_help():
+    from cli.main import COMMANDS
+
+    for name, (_, summary) in COMMANDS.items():
+        listed = " ".join(build_parser(name).format_help().split())
+        assert f"{name} {summary}" in listed, (name, listed)
+
+
+def test_up_takes_vllms_spellings_and_a_positional_model():
+    from cli.up import chosen_model, stack_from_args
+
+    args = build_parser("up").parse_args(
+        ["up", "my-model", "--port", "9000", "--gpu-memory-utilization", "0.5",
+         "--max-model-len", "512", "--tensor-parallel-size", "2", "--ssl-certfile", "c.pem",
+         "--ssl-keyfile", "k.pem", "--device", "cpu"])
+    assert (args.http_port, args.tls_cert, args.tls_key) == (9000, "c.pem", "k.pem")
+    assert chosen_model(args) == "my-model"
+    stack, _ = stack_from_args(args)
+    assert stack.model == "my-model"
+    assert "--memory-fraction 0.5 --max-model-len 512" in " ".join(stack.worker_args) \
+        or {"--memory-fraction", "0.5", "--max-model-len", "512"} <= set(stack.worker_args)
+    assert stack.role_args["decode"] == ["--tensor-parallel-size", "2"]
+    assert "--http-port 9000" in " ".join(stack.router_args)
+    same = build_parser("up").parse_args(["up", "m", "--model", "m"])
+    assert chosen_model(same) == "m"
+    assert chosen_model(build_parser("up").parse_args(["up"])) == "smollm2-135m-instruct"
+    # Workers and `generate` take vLLM's engine spellings too.
+    for cmd in ("worker", "generate"):
+        a = build_parser(cmd).parse_args([cmd, "--model", "m", "--gpu-memory-utilization",
+                                          "0.7", "--enforce-eager", "--no-enable-prefix-caching"])
+        cfg = engine_config(a)
+        assert (cfg.memory_fraction, cfg.cuda_graphs, cfg.enable_prefix_caching) == \
+            (0.7, False, False)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["up", "a", "--model", "b"], "argument --model: two models given: 'a' and --model 'b'"),
+    (["up", "--pipeline-parallel-size", "2"], "--tensor-parallel-size splits each worker"),
+    (["up", "--enforce-eager"], "passes it on as --worker-arg=--enforce-eager"),
+    (["up", "--no-reflection"], "passes it on as --router-arg=--no-reflection"),
+    (["up", "--swap-space", "4"], "unrecognized arguments: --swap-space"),
+])
+def test_up_answers_other_spellings_with_tandems(argv, says, capsys):
+    from cli.main import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_up_help_shows_defaults(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # argparse wraps at hyphens in narrower help
+    with pytest.raises(SystemExit):
+        build_parser("up").parse_args(["up", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("--http-port HTTP_PORT, --port HTTP_PORT OpenAI HTTP API (0: a free port) "
+                  "(default: 8000)", "(default: 50051)", "--prefill-workers PREFILL_WORKERS "
+                  "prefill workers (default: 1)", "(the workers' default: 0.9)", "(default: 30.0)",
+                  "(default: smollm2-135m-instruct"):
+        assert shown in text, shown
+
+
+def test_built_in_model_names_are_case_insensitive(tmp_path):
+    from engine.model_source import builtin_name, resolve_model
+
+    assert served_name("SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
+    assert builtin_name("Tandem-Demo") == "tandem-demo"
+    assert resolve_model("TANDEM-DEMO") == resolve_model("tandem-demo")
+    # Requests may name it as --model spelt it.
+    names = model_names(argparse.Namespace(model="SmolLM2-135M-Instruct", served_model_name=None))
+    assert names == ("smollm2-135m-instruct", ("SmolLM2-135M-Instruct",))
+    # A local path spelt like a built-in name is that path.
+    (tmp_path / "Tandem-Demo").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert builtin_name("Tandem-Demo") is None
+        assert served_name("Tandem-Demo") == "Tandem-Demo"
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])
+def test_up_refuses_a_taken_port_before_loading_anything(flag, tmp_path):
+    """Also a port held the way gRPC holds one (SO_REUSEPORT, which would let a second server
+    share it). The model is one that cannot load: the port is checked first."""
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    other = "--grpc-port" if flag == "--http-port" else "--http-port"
+    try:
+        res = subprocess.run([sys.executable, "-m", "cli.main", "up", "--model",
+                              str(tmp_path / "no-such-model"), flag, str(port), other, "0",
+                              "--log-dir", str(tmp_path / "logs")],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        holder.close()
+    assert res.returncode == 2, res.stderr
+    assert f"argument {flag}: cannot listen on 127.0.0.1:{port}: in use" in res.stderr
+    assert not (tmp_path / "logs").exists()  # no process was started
+
+
+def test_a_grpc_server_cannot_share_a_port_in_use():
+    """gRPC's default SO_REUSEPORT let a second `tandem up` listen on 50051 beside the first."""
+    from runtime.lifecycle import make_server
+    from runtime.security import bind
+
+    async def main() -> None:
+        first, second = make_server(), make_server()
+        port = bind(first, "127.0.0.1", 0)
+        await first.start()
+        try:
+            with pytest.raises((OSError, RuntimeError), match="(cannot listen|Failed to bind)"):
+                bind(second, "127.0.0.1", port)
+        finally:
+            await first.stop(0)
+            await second.stop(0)
+
+    asyncio.run(main())
