@@ -128,3 +128,41 @@ def test_make_install_takes_cpu_torch_from_the_index_the_readme_names():
                       if "torch==" in c)
     assert "--index-url 'file:///mirror'" in torch_line, torch_line
     assert all("-qq" in c for c in _make_install_commands(plain))  # quiet unless it fails
+
+
+def test_readme_tls_example_runs_as_written(tmp_path):
+    """The Security section's `tandem up` with TLS and an API key: its commands in a shell
+    (the venv first on PATH, as once activated), only the ports changed."""
+    http, grpc_port = free_port(), free_port()
+    start = block_after("**With `tandem up`**", "bash")
+    calls = block_after("With it running, from another shell in the same directory", "bash")
+    up_line = next(line for line in start.splitlines() if line.startswith("tandem up "))
+    ports = f" --http-port {http} --grpc-port {grpc_port}"
+    setup = start.replace(up_line, up_line.split("#")[0].rstrip() + ports + " > up.log 2>&1 &")
+    calls = calls.replace("127.0.0.1:8000", f"127.0.0.1:{http}").replace(
+        "127.0.0.1:50051", f"127.0.0.1:{grpc_port}")
+    printed = re.search(r'# prints "(.*)"', calls).group(1)
+    script = "\n".join([
+        "set -e", setup, "UP=$!", "trap 'kill -INT $UP; wait $UP' EXIT",
+        # The banner follows the router's ready file.
+        "until grep -q 'Ctrl-C stops everything' up.log; do kill -0 $UP; sleep 0.2; done",
+        calls])
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = f"{VENV_PYTHON.parent}:/usr/bin:/bin"
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env=env)
+    log = (tmp_path / "up.log").read_text() if (tmp_path / "up.log").exists() else ""
+    assert res.returncode == 0, (res.stderr, log[-3000:])
+    # `tandem certs`' line, curl's body (no newline after it), the health line.
+    out = res.stdout[res.stdout.index("{"):]
+    models, end = json.JSONDecoder().raw_decode(out)
+    assert models["data"][0]["id"] == "smollm2-135m-instruct", res.stdout
+    assert out[end:].strip() == printed.replace("50051", str(grpc_port)), res.stdout
+    assert "API key:     required on both public ports" in log
+    assert sorted(p.name for p in (tmp_path / "tls").iterdir()) == ["ca.pem", "node.key",
+                                                                    "node.pem"]
+
+
+def test_readme_names_only_files_the_repository_has():
+    for name in set(re.findall(r"[\w./-]+\.md\b", README)):
+        assert (ROOT / name).exists() or name.startswith("http"), name
