@@ -260,14 +260,17 @@ class ThrowawayCa:
 
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._dir: str | None = tempfile.mkdtemp(prefix="tandem-certs-", dir=shm)
-        made = make_cluster_ca(self._dir)
         self.fds: tuple[int, ...] = ()
-        self.tls = made
-        if hasattr(os, "memfd_create"):
+        if not hasattr(os, "memfd_create"):
+            self.tls = make_cluster_ca(self._dir)
+            return
+        try:
+            made = make_cluster_ca(self._dir)
             self.fds = tuple(_in_memory(path) for path in (made.ca, made.cert, made.key))
-            self.tls = ClusterTls(*(Path(f"/dev/fd/{fd}") for fd in self.fds))
+        finally:
             shutil.rmtree(self._dir)
             self._dir = None
+        self.tls = ClusterTls(*(Path(f"/dev/fd/{fd}") for fd in self.fds))
 
     def close(self) -> None:
         for fd in self.fds:

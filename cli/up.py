@@ -59,8 +59,8 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--prefill-workers", type=int, default=1, help="prefill workers")
     p.add_argument("--decode-workers", type=int, default=1, help="decode workers")
     p.add_argument("--both-workers", type=int, default=0,
-                   help="colocated workers (prefill and decode in one); with --prefill-workers 0 --decode-workers 0 the "
-                        "stack is colocated")
+                   help="colocated workers (prefill and decode in one); with "
+                        "--prefill-workers 0 --decode-workers 0 the stack is colocated")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: one GPU per worker when there are enough GPUs, else the CPU")
     p.add_argument("--gpus", default=None,
