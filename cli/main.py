@@ -116,6 +116,7 @@ def _passed_through(flags: Sequence[str]) -> list[str]:
     """`tandem up` hints: flags a worker or the router takes, which `up` passes on."""
     hints = []
     for command in ("worker", "router"):
+        # argparse's own table of a parser's flags (no public accessor).
         known = _parsers(command)[1][command]._option_string_actions
         for f in [f for f in flags if f in known and f not in OTHER_SPELLINGS]:
             value = "" if known[f].nargs == 0 else "=VALUE"

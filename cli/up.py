@@ -243,6 +243,7 @@ def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str
 
 
 def run(args: argparse.Namespace) -> int:
+    chosen_model(args)  # the arguments first
     # Before anything loads: a port another server holds fails now, not after the model.
     for flag, port in (("--http-port", args.http_port), ("--grpc-port", args.grpc_port)):
         check_port_free(args.host, port, flag)

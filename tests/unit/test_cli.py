@@ -195,7 +195,7 @@ def test_up_answers_other_spellings_with_tandems(argv, says, capsys):
     from cli.main import main
 
     try:
-        code = main(argv)
+        code = main([*argv, "--http-port", "0", "--grpc-port", "0"])  # whatever else runs here
     except SystemExit as e:
         code = e.code
     assert code == 2
