@@ -223,15 +223,18 @@ class RequestLimits:
         the prompt's token ids)."""
         if not prompt:
             raise InvalidArgument("prompt", "must not be empty")
+        self.check_length(len(prompt))  # before any work proportional to the prompt
         self.check_ids(ids_field, prompt)
-        if len(prompt) >= self.max_model_len:
-            raise InvalidArgument(
-                "prompt", f"{len(prompt)} tokens; this model serves at most "
-                f"{self.max_model_len} tokens in all, prompt included, so at most "
-                f"{self.max_model_len - 1}")
         if params.n > self.max_n:
             raise InvalidArgument("n", f"must be <= {self.max_n}, got {params.n}")
         self.check_ids("logit_bias", [t for t, _ in params.logit_bias])
+
+    def check_length(self, num_tokens: int) -> None:
+        if num_tokens >= self.max_model_len:
+            raise InvalidArgument(
+                "prompt", f"{num_tokens} tokens; this model serves at most "
+                f"{self.max_model_len} tokens in all, prompt included, so at most "
+                f"{self.max_model_len - 1}")
 
     def check_ids(self, field: str, ids: Sequence[int]) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

@@ -107,6 +107,11 @@ class Frontend:
                                   f"{self.model.max_model_len} tokens, which is at most "
                                   f"{self.max_prompt_chars} characters")
 
+    def check_ids_count(self, count: int) -> None:
+        """Refuse a prompt of more token ids than the model takes, by its length alone."""
+        RequestLimits(self.model.vocab_size, self.model.max_model_len,
+                      self.model.max_n).check_length(count)
+
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidArgument("prompt", "this model has no tokenizer; send token ids")

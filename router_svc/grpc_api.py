@@ -36,7 +36,8 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
             if request.WhichOneof("prompt") == "text":
                 fe.check_chars(len(request.text))  # before the tokenizer, which is slow on MBs
                 prompt = await fe.run_off_loop(fe.encode, request.text)
-            else:
+            else:  # a message under gRPC's 4 MB limit can hold 4M ids: counted before copied
+                fe.check_ids_count(len(request.token_ids.ids))
                 prompt = list(request.token_ids.ids)
             # aclosing: a cancelled call closes the request's legs at once.
             steps = fe.stream(rid, prompt, params, context.time_remaining(), api=api)

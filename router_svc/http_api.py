@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -39,6 +40,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import h11
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -46,7 +48,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import BaseRoute
+from starlette.routing import BaseRoute, Match
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.sampling_params import SamplingParams
 from router_svc import chat_request
@@ -62,7 +65,12 @@ from router_svc.http_errors import (
     refuse,
     refuse_unknown,
 )
-from router_svc.http_guard import DEFAULT_MAX_BODY_BYTES, ApiKeyAuth, BodyGuard
+from router_svc.http_guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_READ_TIMEOUT_S,
+    ApiKeyAuth,
+    BodyGuard,
+)
 from router_svc.openai_objects import ChatShaper, CompletionShaper, Shaper, Step
 from router_svc.openai_requests import (
     ChatCompletionRequest,
@@ -315,7 +323,7 @@ class OpenAIApi:
         out: dict[str, Any] = {"count": len(ids), "max_model_len": fe.model.max_model_len,
                                "tokens": ids}
         if body.return_token_strs:
-            out["token_strs"] = fe.tokenizer.convert_ids_to_tokens(ids)
+            out["token_strs"] = await fe.run_off_loop(fe.tokenizer.convert_ids_to_tokens, ids)
         return JSONResponse(out)
 
     async def detokenize(self, body: DetokenizeRequest) -> Response:
@@ -328,7 +336,7 @@ class OpenAIApi:
             refuse(bad is not None, "tokens", f"token id {bad} is outside [0, {vocab})")
         except ApiError as e:
             return e.response()
-        return JSONResponse({"prompt": fe.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": await fe.run_off_loop(fe.tokenizer.decode, body.tokens)})
 
     async def ready(self) -> Response:
         """Readiness: a request can be served now (at least one path through the workers)."""
@@ -464,13 +472,78 @@ def build_app(frontend: Frontend, workers: WorkerSet, api_keys: ApiKeys | None =
     app.add_exception_handler(Exception, internal_error)
     # Added last runs first: the key is checked before a byte of the body is read, then the
     # body is bounded and checked before the framework parses it.
-    app.add_middleware(BodyGuard, max_bytes=max_body_bytes, respond=error_response)
+    app.add_middleware(BodyGuard, max_bytes=max_body_bytes, respond=error_response,
+                       takes_body=_takes_body(app),
+                       limits=req.body_limits(frontend.model.max_model_len))
     if api_keys:
         app.add_middleware(ApiKeyAuth, keys=api_keys, on_refused=_auth_refused(frontend))
     return app
 
 
 SHUTDOWN_BACKSTOP_S = 5.0
+
+
+def _takes_body(app: FastAPI) -> Callable[[dict], bool]:
+    """Whether a request is a POST to one of `app`'s routes (routes added after build_app
+    included): the only requests whose body is ever read."""
+    def takes_body(scope: dict) -> bool:
+        return scope["method"] == "POST" and any(
+            route.matches(scope)[0] is Match.FULL for route in app.router.routes)
+    return takes_body
+
+
+class RequestDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on receiving each request: its line, headers
+    and body must all be in within `timeout_s` of its first byte (of the connection, for the
+    first request). Past it the connection is closed, with a 408 when the headers were in and
+    no answer has started; a handler waiting for the body sees the client leave. uvicorn times
+    only the idle gap between requests, so a client sending its head or body a byte at a time,
+    or never finishing it, would otherwise hold its connection and its reader for good.
+
+    Built on uvicorn's own protocol (its `conn`, `cycle`, `transport` and `loop`)."""
+
+    def __init__(self, *args: Any, timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.timeout_s = timeout_s
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR):
+            self._disarm()  # the whole request is in
+        else:
+            self._arm()  # a request is arriving: from its first byte on, if not already
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_started:
+            with contextlib.suppress(h11.LocalProtocolError):  # no request line yet: just close
+                for event in (h11.Response(status_code=408, reason=b"Request Timeout",
+                                           headers=[(b"connection", b"close"),
+                                                    (b"content-length", b"0")]),
+                              h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 class _Server(uvicorn.Server):
@@ -488,7 +561,8 @@ class HttpServer:
     def __init__(self, frontend: Frontend, workers: WorkerSet, host: str, port: int,
                  api_keys: ApiKeys | None = None, *, routes: Sequence[BaseRoute] = (),
                  grace_s: float = 5.0, tls: PublicTls | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
         self._shutdown = Shutdown()
         self._grace_s = grace_s
         self.app = build_app(frontend, workers, api_keys, routes, max_body_bytes,
@@ -496,6 +570,7 @@ class HttpServer:
         ssl = {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)} if tls else {}
         self._server = _Server(uvicorn.Config(
             self.app, host=host, port=port, lifespan="off", access_log=False,
+            http=functools.partial(RequestDeadline, timeout_s=read_timeout_s),  # type: ignore[arg-type]
             log_config=None,  # leave the process's logging as the router set it up
             # stop() ends what is open when grace_s is over; uvicorn's own cancel (a cut
             # connection, a traceback) is only the backstop for what did not end then.

@@ -1,122 +1,75 @@
-"""What the HTTP API does with a request body before any framework code sees it, so hostile
-input is cheap to refuse and every refusal is in OpenAI's error shape:
+"""What the HTTP API does with a request before any framework code sees it, so hostile input
+is cheap to refuse and every refusal is in OpenAI's error shape.
+
+ApiKeyAuth, first, with API keys set: 401 without a valid `Authorization: Bearer <key>` on
+/v1, /tokenize and /detokenize, and on every request whose method may carry a body (POST, PUT,
+...), whatever its path: a body is read only from an authenticated caller.
+
+BodyGuard, then, for a POST to a route that takes a body (any other request goes on unread, so
+an unknown path is answered 404 with its body never read):
 
     Content-Length or bytes read > limit  → 413 (the rest is never read)
-    not UTF-8                             → 400
-    not JSON, or nested deeper than 64    → 400
-    NaN / Infinity / a number that        → 400 naming the field (JSON has no such numbers;
-      overflows a double                        Python's parser would accept them)
-    a string with a lone surrogate        → 400 naming the field (it cannot be encoded)
+    not UTF-8, not JSON                   → 400
+    an array or object past its limit,    → 400 naming the field (json_body.py: the limits are
+      nesting deeper than 64, NaN,              checked while the body is scanned, before it is
+      Infinity, a lone surrogate                parsed)
 
-A body that passes is handed on unchanged. Paths: every POST.
-
-Before that, with API keys set, ApiKeyAuth answers 401 to a /v1 (or tokenize) request without
-a valid `Authorization: Bearer <key>`, before a byte of the body is read.
+A body larger than INLINE_BYTES is scanned and parsed on a thread of the guard's own, never on
+the event loop that serves every other client. A body that passes is handed on unchanged.
+How long a client may take to send its request is bounded by the server (http_api:
+RequestDeadline), not here.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from router_svc.http_errors import ApiError
+from router_svc.json_body import BodyError, BodyLimits, check_json
 from runtime.security import ApiKeys
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
-MAX_JSON_DEPTH = 64
-
-
-class BodyError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str = "invalid_value") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-class _NonFinite:
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-
-def _parse_float(text: str) -> float | _NonFinite:
-    v = float(text)
-    return v if math.isfinite(v) else _NonFinite(text)
-
-
-def _path(parts: list[str | int]) -> str:
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
-    return out
-
-
-def _check_str(s: str, parts: list[str | int]) -> None:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        raise BodyError(400, f"{_path(parts) or 'body'}: contains a lone surrogate "
-                        "(not valid Unicode)", _top(parts)) from None
-
-
-def _top(parts: list[str | int]) -> str | None:
-    return parts[0] if parts and isinstance(parts[0], str) else None
-
-
-def check_json(body: bytes) -> Any:
-    """The parsed body, or BodyError naming what is wrong (and where)."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BodyError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
-    try:
-        doc = json.loads(text, parse_float=_parse_float, parse_constant=_NonFinite)
-    except RecursionError:
-        raise BodyError(400, f"the request body is nested too deeply (limit "
-                        f"{MAX_JSON_DEPTH})") from None
-    except ValueError as e:
-        raise BodyError(400, f"the request body is not valid JSON: {e}") from None
-    # Iterative walk: depth, non-finite numbers, unencodable strings (keys too).
-    stack: list[tuple[Any, list[str | int]]] = [(doc, [])]
-    while stack:
-        node, parts = stack.pop()
-        if len(parts) > MAX_JSON_DEPTH:
-            raise BodyError(400, f"the request body is nested too deeply (limit "
-                            f"{MAX_JSON_DEPTH})", _top(parts))
-        if isinstance(node, _NonFinite):
-            raise BodyError(400, f"{_path(parts) or 'body'}: must be a finite number, got "
-                            f"{node.text}", _top(parts))
-        if isinstance(node, str):
-            _check_str(node, parts)
-        elif isinstance(node, dict):
-            for k, v in node.items():
-                _check_str(k, parts)
-                stack.append((v, [*parts, k]))
-        elif isinstance(node, list):
-            stack.extend((v, [*parts, i]) for i, v in enumerate(node))
-    return doc
+DEFAULT_READ_TIMEOUT_S = 30.0  # to send a whole request, from its first byte
+# Bodies up to this size are checked on the event loop (well under a millisecond); larger ones
+# on the guard's threads.
+INLINE_BYTES = 64 << 10
+BODY_THREADS = 2
+# Methods that carry no body: the only ones an unauthenticated caller may use, off /v1.
+_BODILESS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 class BodyGuard:
-    """ASGI middleware applying the checks above to every POST body, reading at most
-    max_bytes. `respond(status, message, param, code)` builds the error response."""
+    """ASGI middleware applying the checks above to the body of a request `takes_body(scope)`
+    says a route reads, reading at most max_bytes. `respond(status, message, param, code)`
+    builds the error response."""
 
-    def __init__(self, app: Callable, max_bytes: int, respond: Callable[..., Any]) -> None:
+    def __init__(self, app: Callable, max_bytes: int, respond: Callable[..., Any],
+                 takes_body: Callable[[dict], bool], limits: BodyLimits | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.respond = respond
+        self.takes_body = takes_body
+        self.limits = limits or BodyLimits()
+        # Its own threads: bodies being checked never hold up the tokenizer's (the default
+        # executor), and at most BODY_THREADS at a time compete with the event loop for the CPU.
+        self._threads = ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="http-body")
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http" or not self.takes_body(scope):
             await self.app(scope, receive, send)
             return
         try:
             body = await self._read(scope, receive)
             if body is None:
                 return  # the client left
-            if body:
-                check_json(body)
+            if len(body) > INLINE_BYTES:
+                await asyncio.get_running_loop().run_in_executor(
+                    self._threads, check_json, body, self.limits)
+            elif body:
+                check_json(body, self.limits)
         except BodyError as e:
             await self.respond(e.status, e.message, e.param, e.code)(scope, receive, send)
             return
@@ -157,9 +110,12 @@ class BodyGuard:
 
 
 class ApiKeyAuth:
-    """ASGI middleware: every /v1 path needs `Authorization: Bearer <key>` (security.ApiKeys:
-    constant-time compare). Runs before the body is read, so an unauthenticated caller learns
-    nothing about validation. The caller's tenant goes to the request's state."""
+    """ASGI middleware: `Authorization: Bearer <key>` (security.ApiKeys: constant-time compare)
+    on every /v1 path, /tokenize and /detokenize, and on every request whose method may carry
+    a body, whatever its path. Runs before a byte of the body is read, so an unauthenticated
+    caller costs nothing and learns nothing about validation. Bodiless requests elsewhere
+    (/health, /metrics, an unknown path's 404) stay open. The caller's tenant goes to the
+    request's state."""
 
     def __init__(self, app: Callable, keys: ApiKeys,
                  on_refused: Callable[[dict], None] | None = None) -> None:
@@ -168,8 +124,7 @@ class ApiKeyAuth:
         self.on_refused = on_refused  # traces and logs a refusal (the HTTP API's)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        path = scope["path"] if scope["type"] == "http" else ""
-        if path.startswith("/v1") or path in ("/tokenize", "/detokenize"):
+        if scope["type"] == "http" and _needs_key(scope):
             tenant = self.keys.tenant(dict(scope["headers"]).get(b"authorization", b""))
             if tenant is None:
                 if self.on_refused is not None:
@@ -180,3 +135,9 @@ class ApiKeyAuth:
                 return
             scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
+
+
+def _needs_key(scope: dict) -> bool:
+    path = scope["path"]
+    return (scope["method"] not in _BODILESS or path.startswith("/v1")
+            or path in ("/tokenize", "/detokenize"))

@@ -14,10 +14,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from engine.sampling_params import ResponseFormat, SamplingParams
+from engine.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_ENTRIES,
+    ResponseFormat,
+    SamplingParams,
+)
 from router_svc import chat_request
 from router_svc.chat_output import ChatOutputSpec
 from router_svc.frontend import Frontend
+from router_svc.json_body import MAX_TOTAL_ITEMS, BodyLimits
 from tandem.errors import InvalidArgument
 
 
@@ -26,6 +32,22 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
 
     include_usage: bool = False
+
+
+MAX_MESSAGES = 4096
+MAX_TOOLS = 128  # OpenAI's documented limit on a request's tools
+
+
+def body_limits(max_model_len: int) -> BodyLimits:
+    """How many items the fields below may hold, checked while a body is scanned, before it is
+    parsed (json_body.py): a body past a limit costs no more than its first items and is a 400
+    naming the field. Token ids: no more than the model takes in all."""
+    ids = max_model_len
+    return BodyLimits(fields={"prompt": ids, "prompt[]": ids, "tokens": ids,
+                              "messages": MAX_MESSAGES, "tools": MAX_TOOLS,
+                              "stop": MAX_STOP_ENTRIES, "stop_token_ids": MAX_STOP_ENTRIES,
+                              "logit_bias": MAX_LOGIT_BIAS_ENTRIES},
+                      total=ids + MAX_TOTAL_ITEMS)
 
 
 # Fields accepted and not acted on: none of them changes what the model writes.

@@ -14,7 +14,7 @@ from engine.model_source import resolve_model, served_name
 from engine.tokenizer import Tokenizer, has_tokenizer
 from router_svc.frontend import Frontend
 from router_svc.grpc_api import TandemServicer
-from router_svc.http_guard import DEFAULT_MAX_BODY_BYTES
+from router_svc.http_guard import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
 from router_svc.kv_index import DEFAULT_MAX_BLOCKS
 from router_svc.liveness import LoopLag
 from router_svc.membership import Membership, config_from_args
@@ -108,6 +108,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="the private key of --tls-cert (PEM)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest HTTP request body; a larger one is answered 413 unread")
+    p.add_argument("--http-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                   help="seconds an HTTP client has, from a request's first byte, to send all "
+                        "of it (line, headers, body); a slower one is disconnected (408)")
     p.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                    help="gRPC server reflection on the public port, for grpcurl and other "
                         "tools (default: on; --no-reflection turns it off)")
@@ -135,6 +138,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
                               "prefill and decode workers go together")
     if args.max_body_bytes < 1:
         raise InvalidArgument("--max-body-bytes", f"must be >= 1, got {args.max_body_bytes}")
+    if not args.http_read_timeout > 0:
+        raise InvalidArgument("--http-read-timeout", f"must be > 0, got {args.http_read_timeout}")
     cluster_tls = ClusterTls.from_args(args)
     public_tls = PublicTls.from_args(args)
     api_keys = load_api_keys(key_file=args.api_key_file)
@@ -193,7 +198,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
         http = HttpServer(frontend, workers, args.host, args.http_port, api_keys,
                           routes=[Route("/metrics", metrics, methods=["GET"])],
                           grace_s=args.grace, tls=public_tls,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes,
+                          read_timeout_s=args.http_read_timeout)
         http_port = await http.start()
 
     def ready() -> None:

@@ -16,7 +16,8 @@ from engine.block_pool import hash_block, salt_root
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from router_svc.frontend import Frontend
-from router_svc.http_guard import BodyError, BodyGuard, check_json
+from router_svc.http_guard import BodyGuard
+from router_svc.json_body import BodyError, check_json
 from runtime.security import ApiKeys, ClusterTls, PublicTls, load_api_keys
 from tandem.errors import InvalidArgument
 
@@ -208,7 +209,7 @@ def test_the_body_limit_answers_413_without_reading_the_body():
             await send({"type": "response", "status": status, "code": code})
         return app
 
-    guard = BodyGuard(inner, max_bytes=100, respond=respond)
+    guard = BodyGuard(inner, max_bytes=100, respond=respond, takes_body=lambda _: True)
     # Declared too long: refused before a byte is read.
     sent = _asgi_call(guard, [b"x" * 1000], [(b"content-length", b"1000")])
     assert sent == [{"type": "response", "status": 413, "code": "request_too_large"}]
