@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import check_schema
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.sequence import FinishReason, SeqOutput
@@ -66,6 +67,9 @@ class LLM:
 
         states: dict[str, _RequestState] = {}
         order: list[str] = []
+        for p in params_list:  # bad schemas refused at once, before any request starts
+            if p.response_format is not None:
+                check_schema(p.response_format)
         try:
             for prompt, p in zip(prompts, params_list):
                 rid = f"llm-{next(self._ids)}"

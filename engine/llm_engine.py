@@ -33,7 +33,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from engine.async_step import PLACEHOLDER, InFlight, PipelinedSteps
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
-from engine.grammar import GrammarCompiler, check_schema
+from engine.grammar import GrammarCompiler
 from engine.kv_handoff import KVDropper, KVHandoff, KVPuller
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner, PoolFactory
@@ -132,9 +132,10 @@ class LLMEngine(KVHandoff, PipelinedSteps):
             raise InvalidArgument("request_id", "must be non-empty")
         if request_id in self.requests:
             raise InvalidArgument("request_id", f"{request_id!r} is already in use")
+        # A response format's grammar is built on the compile thread (_admit), never here on
+        # the step loop: a schema can take seconds to convert. A schema that cannot be built
+        # ends its request with the error; the router and LLM.generate refuse it before.
         self.limits.check(prompt_token_ids, params, ids_field="prompt_token_ids")
-        if params.response_format is not None:
-            check_schema(params.response_format)  # cheap: no tokenizer, no compile
 
     def _admit(self, seq: Sequence) -> None:
         """To the scheduler, or, while its grammar compiles (off this thread), held back."""

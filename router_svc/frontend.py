@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from engine.config import MAX_N, ModelConfig
 from engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
 from engine.grammar import check_schema
-from engine.sampling_params import RequestLimits, SamplingParams, TokenLogprobs
+from engine.sampling_params import RequestLimits, ResponseFormat, SamplingParams, TokenLogprobs
 from engine.tokenizer import Tokenizer
 from router_svc.orchestrator import Orchestrator
 from router_svc.request_record import refused_call, router_request
+from router_svc.schema_check import SchemaChecker
 from router_svc.workers import OFF_LOOP_TOKENS
 from runtime.request_trace import ApiCall
 from runtime.telemetry import Telemetry
@@ -60,7 +61,8 @@ class ModelInfo:
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer | None, orchestrator: Orchestrator, model: ModelInfo,
-                 max_requests: int = 1024, telemetry: Telemetry | None = None) -> None:
+                 max_requests: int = 1024, telemetry: Telemetry | None = None,
+                 schemas: SchemaChecker | None = None) -> None:
         self.tokenizer = tokenizer
         self.orchestrator = orchestrator
         self.model = model
@@ -69,6 +71,7 @@ class Frontend:
         if self.telemetry.tracing.enabled:  # the calls to workers: CLIENT spans of this tracer
             orchestrator.tracer = self.telemetry.tracer
         self.active = 0
+        self.schemas = schemas  # structured outputs' grammars, checked within a time budget
         # A text longer than this has more tokens than the model takes: it is refused before
         # the tokenizer runs (a 20 MB prompt took the tokenizer 24 s).
         self.max_prompt_chars = (model.max_model_len * tokenizer.max_token_chars()
@@ -124,16 +127,26 @@ class Frontend:
         return await asyncio.to_thread(fn, *args)
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
-        """Everything that can be refused before a worker sees the request."""
+        """Everything that can be refused before a worker sees the request, but the grammar
+        (check_grammar, which stream() awaits)."""
         RequestLimits(self.model.vocab_size, self.model.max_model_len,
                       self.model.max_n).check(prompt, params)
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("stop", "this model has no tokenizer to match stop strings")
-        if params.response_format is not None:
-            if self.tokenizer is None:
-                raise InvalidArgument("response_format", "this model has no tokenizer, which "
-                                      "structured outputs need")
-            check_schema(params.response_format)
+        if params.response_format is not None and self.tokenizer is None:
+            raise InvalidArgument("response_format", "this model has no tokenizer, which "
+                                  "structured outputs need")
+
+    async def check_grammar(self, fmt: ResponseFormat | None) -> None:
+        """Refuse a response format whose grammar cannot be built, or not within the checker's
+        budget: in the checker's processes, never on the event loop (without a checker, as in
+        tests and in-process uses: on a thread, without a budget)."""
+        if fmt is None or self.tokenizer is None:
+            return  # validate() refused it already
+        if self.schemas is not None:
+            await self.schemas.check(fmt)
+        else:
+            await self.run_off_loop(check_schema, fmt)
 
     async def check(self, prompt: list[int], params: SamplingParams) -> None:
         """validate(), in a worker thread for a long prompt: checking every token id of 100k
@@ -173,6 +186,7 @@ class Frontend:
             if self.active >= self.max_requests:
                 raise Overloaded(f"{self.active} requests in flight (limit "
                                  f"{self.max_requests})")
+            await self.check_grammar(params.response_format)
         except BaseException as e:
             record.end(0, 0, 0, e)  # refused: no sample ever started (n may be absurd)
             raise

@@ -19,6 +19,7 @@ from router_svc.kv_index import DEFAULT_MAX_BLOCKS
 from router_svc.liveness import LoopLag
 from router_svc.membership import Membership, config_from_args
 from router_svc.orchestrator import Orchestrator
+from router_svc.schema_check import DEFAULT_BUDGET_S, SchemaChecker
 from router_svc.workers import FaultMetrics, WorkerSet
 from runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
 from runtime.security import (
@@ -111,6 +112,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
                    help="seconds an HTTP client has, from a request's first byte, to send all "
                         "of it (line, headers, body); a slower one is disconnected (408)")
+    p.add_argument("--grammar-budget", type=float, default=DEFAULT_BUDGET_S,
+                   help="seconds a structured-output schema's grammar (response_format, tools "
+                        "with tool_choice required or named) may take to build, checked in a "
+                        "process of its own; a slower one is refused (400)")
     p.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                    help="gRPC server reflection on the public port, for grpcurl and other "
                         "tools (default: on; --no-reflection turns it off)")
@@ -138,6 +143,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
                               "prefill and decode workers go together")
     if args.max_body_bytes < 1:
         raise InvalidArgument("--max-body-bytes", f"must be >= 1, got {args.max_body_bytes}")
+    if not args.grammar_budget > 0:
+        raise InvalidArgument("--grammar-budget", f"must be > 0, got {args.grammar_budget}")
     if not args.http_read_timeout > 0:
         raise InvalidArgument("--http-read-timeout", f"must be > 0, got {args.http_read_timeout}")
     cluster_tls = ClusterTls.from_args(args)
@@ -155,7 +162,10 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     served, aliases = model_names(args)
     info = Frontend.model_info(served, cfg, args.dtype or "", args.block_size,
                                args.max_model_len, aliases)
-    frontend = Frontend(tokenizer, orchestrator, info, args.max_requests, telemetry)
+    # Started on the first schema: a router never asked for one runs no checker process.
+    schemas = (SchemaChecker(model_dir, cfg.vocab_size, cfg.eos_token_ids, args.grammar_budget)
+               if tokenizer is not None else None)
+    frontend = Frontend(tokenizer, orchestrator, info, args.max_requests, telemetry, schemas)
 
     interceptors = list(telemetry.tracing.server_interceptors())
     if api_keys:
@@ -213,6 +223,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
 
     async def stop() -> None:
         await loop_lag.close()
+        if schemas is not None:
+            await schemas.close()
         await membership.close()
         await orchestrator.close()
         await workers.close()

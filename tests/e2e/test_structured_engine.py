@@ -110,3 +110,39 @@ def test_compile_off_the_step_loop_and_abort_while_compiling(tiny_models):
     text = llm.tokenizer.decode(outs["json"])
     jsonschema.validate(json.loads(text), SCHEMA)
     assert engine.is_idle()
+
+
+def test_a_schema_is_built_on_the_compile_thread_never_the_step_loop(tiny_models, monkeypatch):
+    """Converting a schema into a grammar can take seconds (a grammar bomb: minutes), and a
+    worker's engine core runs its step loop on one thread: add_request leaves the conversion to
+    the compile thread. A schema that cannot be built ends its request with the error, and
+    the offline API still refuses it before anything starts."""
+    import engine.grammar as grammar
+
+    llm = LLM(str(tiny_models["llama"]), progress=False, num_blocks=64)
+    engine = llm.engine
+    threads: list[str] = []
+    real = grammar.schema_grammar
+
+    def recording(schema):
+        threads.append(threading.current_thread().name)
+        return real(schema)
+
+    monkeypatch.setattr(grammar, "schema_grammar", recording)
+    fresh = ResponseFormat("json_schema", json.dumps({"enum": ["built-off-the-loop"]}))
+    bad = ResponseFormat("json_schema", json.dumps({"type": "bogus", "x": "off-the-loop"}))
+    engine.add_request("json", [1, 2, 3], SamplingParams(max_tokens=20, response_format=fresh))
+    engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=5, response_format=bad))
+    errors, tokens = {}, {}
+    while engine.has_work():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.error is not None:
+                errors[o.request_id] = o.error
+    assert len(threads) == 2 and threading.main_thread().name not in threads, threads
+    assert set(errors) == {"bad"} and "bogus" in errors["bad"]
+    assert llm.tokenizer.decode(tokens["json"]).startswith('"built-off-the-loop"')
+    with pytest.raises(InvalidArgument) as e:
+        llm.generate([[1, 2]], SamplingParams(response_format=bad))
+    assert e.value.field == "response_format"
+    assert engine.is_idle()
