@@ -6,7 +6,8 @@ deployment (docker-compose runs it as a one-shot service before the others start
     <dir>/node.key    the given host names and loopback as subject alternative names
 
 The CA's private key is never written: once the node certificate is signed it is dropped, so
-nothing can sign another certificate this cluster would accept. Key files are mode 0600.
+nothing can sign another certificate this cluster would accept. Every file is written anew
+(write_fresh): the key mode 0600, whatever --out held before.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import datetime as dt
 import ipaddress
 import os
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -72,14 +74,28 @@ def make_cluster_ca(out_dir: Path | str, hosts: Sequence[str] = (),
             .sign(ca_key, hashes.SHA256()))
 
     pem = serialization.Encoding.PEM
-    (out / "ca.pem").write_bytes(ca.public_bytes(pem))
-    (out / "node.pem").write_bytes(node.public_bytes(pem))
+    write_fresh(out / "ca.pem", ca.public_bytes(pem), 0o644)
+    write_fresh(out / "node.pem", node.public_bytes(pem), 0o644)
     key_path = out / "node.key"
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
+    write_fresh(key_path, key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                            serialization.NoEncryption()), 0o600)
     return ClusterTls(out / "ca.pem", out / "node.pem", key_path)
+
+
+def write_fresh(path: Path, data: bytes, mode: int) -> None:
+    """`data` at `path` in a new file of `mode`: written to a temporary file the call itself
+    creates in the same folder (O_EXCL, O_NOFOLLOW: never an existing file, never through a
+    link), then renamed over `path`. Whatever was at `path` (a key left readable by others, a
+    symbolic link to elsewhere) is replaced, never written into."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def add_parser(sub, name: str) -> None:

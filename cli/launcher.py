@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from engine.model_source import resolve_model
-from runtime.security import ClusterTls
+from runtime.security import API_KEY_ENV, API_KEY_FILE_ENV, ClusterTls
 
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
 ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
@@ -104,6 +104,9 @@ class LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.echo = echo
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # The router's: workers never check an API key, so they are never handed one.
+        self.worker_env = {k: v for k, v in self.env.items()
+                           if k not in (API_KEY_ENV, API_KEY_FILE_ENV)}
         self.grace = grace
         self.metrics = metrics
         self.metrics_port_base = metrics_port_base
@@ -131,7 +134,8 @@ class LocalStack:
             cmd += ["--metrics-port", str(metrics_port)]
         # Own session: a terminal's Ctrl-C reaches the launcher, which stops everyone in order.
         # The cluster CA's memory files are the only descriptors the child inherits.
-        how = {"env": self.env, "start_new_session": True, "preexec_fn": _die_with_parent(),
+        how = {"env": self.env if name == "router" else self.worker_env,
+               "start_new_session": True, "preexec_fn": _die_with_parent(),
                "pass_fds": self._certs.fds if self._certs else ()}
         if self.echo:
             popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -25,6 +25,8 @@ from runtime.request_trace import ApiCall
 from runtime.telemetry import Telemetry
 from tandem.errors import InvalidArgument, Overloaded
 
+MAX_REQUEST_ID_CHARS = 128
+
 
 class ModelNotFound(LookupError):
     """The request names a model this router does not serve."""
@@ -88,6 +90,17 @@ class Frontend:
     def new_request_id() -> str:
         """Random (122 bits): a request id says nothing of other requests."""
         return f"req-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def scoped_request_id(request_id: str, tenant: str) -> str:
+        """The id a caller-chosen `request_id` has inside the cluster: its tenant's own, so
+        another tenant sending the same id neither finds it in use (learning it is live) nor
+        takes it. The caller's id, then a digest of tenant and id (64 bits: no tenant can
+        aim at another's); at most 128 characters. Without API keys: the id as given."""
+        if not tenant:
+            return request_id
+        digest = hashlib.sha256(f"{tenant}\0{request_id}".encode()).hexdigest()[:16]
+        return f"{request_id[:MAX_REQUEST_ID_CHARS - 17]}.{digest}"
 
     def check_model(self, name: str | None) -> None:
         if name and name != self.model.id and name not in self.model.aliases:

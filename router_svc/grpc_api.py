@@ -6,15 +6,13 @@ from __future__ import annotations
 from contextlib import aclosing
 
 from router_svc.api_errors import abort, end_call, failure_of, grpc_field
-from router_svc.frontend import Frontend, ModelNotFound
+from router_svc.frontend import MAX_REQUEST_ID_CHARS, Frontend, ModelNotFound
 from router_svc.orchestrator import RouterError
 from runtime.convert import logprobs_to_proto, params_from_proto
 from runtime.request_trace import ApiCall
 from runtime.security import tenant_of
 from tandem.errors import InvalidArgument, Overloaded
 from tandem.v1 import api_pb2, api_pb2_grpc
-
-MAX_REQUEST_ID_CHARS = 128
 
 
 class TandemServicer(api_pb2_grpc.TandemServicer):
@@ -24,7 +22,10 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
         fe = self.frontend
-        rid = request.request_id or fe.new_request_id()
+        rid = request.request_id or fe.new_request_id()  # what the caller sees
+        tenant = tenant_of(context)
+        # Inside the cluster a caller's own id is its tenant's; a random one is anyone's.
+        scoped = fe.scoped_request_id(rid, tenant) if request.request_id else rid
         host, port = self.address or (None, None)
         api = ApiCall(stream=True, server_address=host, server_port=port)
         steps = None
@@ -32,7 +33,7 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
             fe.check_model(request.model)
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
-            params = fe.for_tenant(params_from_proto(request.params), tenant_of(context))
+            params = fe.for_tenant(params_from_proto(request.params), tenant)
             if request.WhichOneof("prompt") == "text":
                 fe.check_chars(len(request.text))  # before the tokenizer, which is slow on MBs
                 prompt = await fe.run_off_loop(fe.encode, request.text)
@@ -40,7 +41,7 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                 fe.check_ids_count(len(request.token_ids.ids))
                 prompt = list(request.token_ids.ids)
             # aclosing: a cancelled call closes the request's legs at once.
-            steps = fe.stream(rid, prompt, params, context.time_remaining(), api=api)
+            steps = fe.stream(scoped, prompt, params, context.time_remaining(), api=api)
             async with aclosing(steps):
                 async for deltas, usage in steps:
                     u = api_pb2.Usage(prompt_tokens=usage.prompt_tokens,
@@ -55,7 +56,7 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                             stop_reason=d.stop_reason or "", usage=u)
         except (InvalidArgument, ModelNotFound, Overloaded, RouterError) as e:
             if steps is None:  # refused before the Frontend saw it: traced here
-                fe.refused(rid, e, api)
+                fe.refused(scoped, e, api)
             f = failure_of(e)
             prompt_field = request.WhichOneof("prompt") or "prompt"
             end_call(context, f, grpc_field(f.field, prompt_field) if f.field else None)

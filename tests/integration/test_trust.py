@@ -140,6 +140,17 @@ def test_the_key_is_on_no_command_line(cluster):
         assert all(k.encode() not in cmdline for k in KEYS), p.name
 
 
+def test_workers_are_not_handed_the_keys(cluster):
+    """Workers never check an API key: their environment names no key and no key file (the
+    router's does)."""
+    def environ(p) -> set[bytes]:
+        return {v.split(b"=", 1)[0] for v in
+                Path(f"/proc/{p.popen.pid}/environ").read_bytes().split(b"\0")}
+    assert b"TANDEM_API_KEY_FILE" in environ(cluster.router)
+    for w in cluster.workers():
+        assert not {b"TANDEM_API_KEY", b"TANDEM_API_KEY_FILE"} & environ(w), w.name
+
+
 def test_generated_request_ids_are_random(cluster):
     chunks = asyncio.run(generate(cluster, request([5, 6, 7])))
     chunks += asyncio.run(generate(cluster, request([5, 6, 7])))

@@ -73,6 +73,8 @@ def test_tandem_up_passes_the_key_file_not_the_key(monkeypatch, tmp_path):
     assert f"--api-key-file {tmp_path / 'keys'}" in argv
     assert stack.cluster_ca  # mutual TLS inside the stack unless --no-cluster-tls
     assert stack.env["TANDEM_API_KEY"] == "the-secret"  # the router's environment has it
+    assert "TANDEM_API_KEY" not in stack.worker_env  # the workers' has not
+    assert stack.worker_env["PYTHONUNBUFFERED"] == "1"
 
 
 # -- certificates --------------------------------------------------------------------------------
@@ -93,6 +95,32 @@ def test_the_cluster_ca_signs_a_node_certificate_for_both_ends(tmp_path):
     usage = node.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usage)
     assert isinstance(tls.server_credentials(), grpc.ServerCredentials)
+
+
+def test_certs_written_again_replace_what_was_there(tmp_path):
+    """`tandem certs` into a folder that already holds a key readable by others, and links
+    pointing elsewhere: every file is a new one (the key 0600), and nothing is written through
+    a link."""
+    import os
+
+    from cli.main import build_parser
+
+    out, elsewhere = tmp_path / "certs", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.write_text("not yours")
+    (out / "node.key").write_text("old key")
+    os.chmod(out / "node.key", 0o644)
+    (out / "ca.pem").symlink_to(elsewhere)
+    args = build_parser("certs").parse_args(["certs", "--out", str(out)])
+    assert args.func(args) == 0
+    assert (out / "node.key").stat().st_mode & 0o777 == 0o600
+    assert (out / "node.key").read_bytes().startswith(b"-----BEGIN PRIVATE KEY-----")
+    assert not (out / "ca.pem").is_symlink() and elsewhere.read_text() == "not yours"
+    (out / "node.key").unlink()
+    (out / "node.key").symlink_to(elsewhere)
+    make_cluster_ca(out)
+    assert not (out / "node.key").is_symlink() and elsewhere.read_text() == "not yours"
+    assert sorted(p.name for p in out.iterdir()) == ["ca.pem", "node.key", "node.pem"]
 
 
 def test_tls_flags_go_together_and_name_the_missing_one(tmp_path):
