@@ -30,6 +30,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from engine.sampling_params import ResponseFormat
+from runtime.security import API_KEY_ENV, API_KEY_FILE_ENV
 from tandem.errors import InvalidArgument
 
 DEFAULT_BUDGET_S = 5.0
@@ -116,9 +117,10 @@ class _Checker:
 
     @classmethod
     async def start(cls, argv: list[str]) -> _Checker:
+        env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, API_KEY_FILE_ENV)}
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            limit=1 << 20)
+            limit=1 << 20, env=env)  # no API key: it has no use for one
         checker = cls(proc)
         try:
             ready = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
