@@ -6,7 +6,7 @@ writes it to a ready file; workers come up first, then the router in front of th
 sends SIGTERM to the router first (it drains its streams), then to the workers.
 
 No process outlives the one that started the stack, however that one ends: each child gets
-SIGTERM (and drains) when its parent dies, SIGKILL included (PR_SET_PDEATHSIG), and a worker's
+SIGTERM (and drains) when its parent dies, SIGKILL included (cli/lifeline.py), and a worker's
 engine core and tensor-parallel ranks die with their worker. The throwaway cluster CA's files
 never stay on disk: they live in anonymous memory files that every process reads as /dev/fd/N.
 """
@@ -14,7 +14,6 @@ never stay on disk: they live in anonymous memory files that every process reads
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from cli.lifeline import lifeline_env
 from engine.model_source import resolve_model
 from runtime.security import API_KEY_ENV, API_KEY_FILE_ENV, ClusterTls
 
@@ -134,8 +134,9 @@ class LocalStack:
             cmd += ["--metrics-port", str(metrics_port)]
         # Own session: a terminal's Ctrl-C reaches the launcher, which stops everyone in order.
         # The cluster CA's memory files are the only descriptors the child inherits.
-        how = {"env": self.env if name == "router" else self.worker_env,
-               "start_new_session": True, "preexec_fn": _die_with_parent(),
+        # It dies with this process (cli/lifeline.py).
+        env = {**(self.env if name == "router" else self.worker_env), **lifeline_env()}
+        how = {"env": env, "start_new_session": True,
                "pass_fds": self._certs.fds if self._certs else ()}
         if self.echo:
             popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -291,28 +292,6 @@ def _in_memory(path: Path) -> int:
     fd = os.memfd_create(f"tandem-{path.name}")
     os.write(fd, path.read_bytes())
     return fd
-
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A child's preexec_fn (Linux; None elsewhere): SIGTERM when its parent dies, however it
-    dies, so that it drains and exits as on any SIGTERM instead of living on under init with
-    its ports. The kernel ties this to the thread that started the child: start a stack's
-    processes from a thread that lives as long as they should (the main thread; a
-    Supervisor's thread, which restarts processes, ends only when the stack stops)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def preexec() -> None:  # in the child, between fork and exec
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the line above took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
 
 
 def _pin_ports(p: Proc) -> list[str]:

@@ -12,6 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from cli.lifeline import hold_lifeline
 from tandem.errors import InvalidArgument, ModelLoadError
 
 # Engine field -> the flag that sets it, so errors name what the user typed.
@@ -127,6 +128,7 @@ def _passed_through(flags: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    hold_lifeline()  # a launcher's child dies with it (cli/lifeline.py)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
     try:
