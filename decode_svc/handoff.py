@@ -29,6 +29,7 @@ from kvtransfer.lease import prompt_digest
 from runtime.convert import logprobs_from_proto, params_from_proto
 from runtime.request_trace import client_call
 from runtime.worker import WorkerError
+from runtime.worker_inputs import check_prompt, check_request_id
 from tandem.errors import InvalidArgument
 from tandem.v1 import worker_pb2
 
@@ -82,33 +83,32 @@ class DecodeArgs:
 
 def decode_args(req: worker_pb2.DecodeRequest, limits: RequestLimits) -> DecodeArgs:
     """Every id and length the caller handed over, checked against the model's limits; a bad
-    one raises InvalidArgument naming its field. Nothing here trusts the caller."""
-    if not req.request_id:
-        raise InvalidArgument("request_id", "must be non-empty")
+    one raises InvalidArgument naming its field. Nothing here trusts the caller, and every
+    count is checked before anything is built from it."""
+    check_request_id(req.request_id)
+    check_prompt("prompt_token_ids", req.prompt_token_ids, limits)
     prompt = list(req.prompt_token_ids)
-    if not prompt:
-        raise InvalidArgument("prompt_token_ids", "must not be empty")
-    if len(prompt) >= limits.max_model_len:
-        raise InvalidArgument("prompt_token_ids", f"{len(prompt)} tokens; this model serves at "
-                              f"most {limits.max_model_len - 1} before its first output")
     limits.check_ids("prompt_token_ids", prompt)
     params = params_from_proto(req.params)
     if params.n > limits.max_n:
         raise InvalidArgument("n", f"must be <= {limits.max_n}, got {params.n}")
+    if len(req.first_token_ids) != params.n:
+        raise InvalidArgument("first_token_ids", f"{len(req.first_token_ids)} ids for "
+                              f"n={params.n}")
     firsts = tuple(req.first_token_ids)
-    if len(firsts) != params.n:
-        raise InvalidArgument("first_token_ids", f"{len(firsts)} ids for n={params.n}")
     limits.check_ids("first_token_ids", firsts)
-    resume = tuple(tuple(s.token_ids) for s in req.resume)
-    if resume and len(resume) != params.n:
-        raise InvalidArgument("resume", f"{len(resume)} samples for n={params.n}")
-    for tokens in resume:
-        limits.check_ids("resume", tokens)
-        if len(prompt) + 1 + len(tokens) > limits.max_model_len:
-            raise InvalidArgument("resume", f"{1 + len(tokens)} outputs after a prompt of "
-                                  f"{len(prompt)} exceed max_model_len {limits.max_model_len}")
+    if req.resume and len(req.resume) != params.n:
+        raise InvalidArgument("resume", f"{len(req.resume)} samples for n={params.n}")
+    resume = []
+    for sample in req.resume:
+        if len(prompt) + 1 + len(sample.token_ids) > limits.max_model_len:
+            raise InvalidArgument("resume", f"{1 + len(sample.token_ids)} outputs after a "
+                                  f"prompt of {len(prompt)} exceed max_model_len "
+                                  f"{limits.max_model_len}")
+        resume.append(tuple(sample.token_ids))
+        limits.check_ids("resume", resume[-1])
     return DecodeArgs(prompt, params, firsts, logprobs_from_proto(req.first_logprobs, params.n),
-                      resume)
+                      tuple(resume))
 
 
 async def claim(stub, lease: HeldLease, args: DecodeArgs, instance_id: str = "") -> RemoteKV:

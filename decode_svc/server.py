@@ -50,9 +50,33 @@ from runtime.worker import (
     add_worker_args,
     main_worker,
 )
+from runtime.worker_inputs import (
+    bounded_id,
+    check_prompt,
+    check_stream_request,
+    check_trace_context,
+)
+from tandem.errors import InvalidArgument
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+def _request_id(msg: worker_pb2.StreamRequest) -> str:
+    """The id a Stream message names (cut to the length an id may have), "" if none."""
+    kind = msg.WhichOneof("kind")
+    rid = msg.cancel if kind == "cancel" else getattr(msg, kind).request_id if kind else ""
+    return bounded_id(rid)
+
+
+def _trace_parent(msg: worker_pb2.StreamRequest) -> otel_context.Context | None:
+    """The caller's trace context, unless it is too large to read (then the refusal that says
+    so starts a trace of its own)."""
+    try:
+        check_trace_context(msg.trace_context)
+    except InvalidArgument:
+        return None
+    return propagate.extract(dict(msg.trace_context))
 
 
 class DecodeServicer(WorkerServicer):
@@ -101,6 +125,10 @@ class DecodeServicer(WorkerServicer):
                     out.close()
 
         def start(msg: worker_pb2.StreamRequest) -> None:
+            try:
+                check_stream_request(msg)  # before any work its sizes would drive
+            except InvalidArgument as e:
+                raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             kind = msg.WhichOneof("kind")
             if kind == "cancel":
                 task = tasks.get(msg.cancel)
@@ -138,9 +166,8 @@ class DecodeServicer(WorkerServicer):
                 try:
                     start(msg)
                 except WorkerError as e:  # refused: its only update says why
-                    rid = getattr(msg, msg.WhichOneof("kind")).request_id
-                    self.telemetry.refused(span_name(self.role), rid, e,
-                                           propagate.extract(dict(msg.trace_context)))
+                    rid = _request_id(msg)
+                    self.telemetry.refused(span_name(self.role), rid, e, _trace_parent(msg))
                     out.update(failure_message(rid, e))
             # The router closed its side: end once what it sent is done.
             await asyncio.gather(*tasks.values(), return_exceptions=True)
@@ -180,18 +207,24 @@ class DecodeServicer(WorkerServicer):
     async def _generate(self, request: worker_pb2.GenerateOnWorkerRequest, out: Outbox) -> None:
         params = params_from_proto(request.params)
         with self.telemetry.request_span(span_name(self.role), request.request_id,
-                                         SpanKind.SERVER, params.n) as record:
-            await self.engine.generate(request.request_id, list(request.prompt_token_ids),
-                                       params, relay(out, params.logprobs is not None,
-                                                     record.progress))
+                                         SpanKind.SERVER) as record:
+            check_prompt("prompt_token_ids", request.prompt_token_ids, self.limits)
+            prompt = list(request.prompt_token_ids)
+            self.limits.check(prompt, params, ids_field="prompt_token_ids")
+            record.num_samples = params.n  # once checked: the span's end lists each sample
+            await self.engine.generate(request.request_id, prompt, params,
+                                       relay(out, params.logprobs is not None, record.progress))
 
     async def _decode(self, request: worker_pb2.DecodeRequest, lease: HeldLease,
                       out: Outbox) -> None:
         with self.telemetry.request_span(span_name(self.role), request.request_id,
-                                         SpanKind.SERVER, max(request.params.n, 1)) as record:
+                                         SpanKind.SERVER) as record:
             # The KV-transfer span is a child of this one, the Release call joins its trace.
             lease.context = contextvars.copy_context()
             args = decode_args(request, self.limits)  # before anything is claimed or allocated
+            # Counted once checked: the span's end lists each sample (n = 2**32 - 1 would be
+            # a list of four billion).
+            record.num_samples = args.params.n
             try:
                 await self._peer(lease.address, request.kv.instance_id)
             except grpc.aio.AioRpcError as e:

@@ -22,7 +22,15 @@ import grpc
 from kvtransfer.descriptor import check_compatible
 from kvtransfer.lease import Claim, LeaseClaims, prompt_digest
 from runtime.convert import descriptor_to_proto, logprobs_to_proto, params_from_proto
-from runtime.worker import WorkerServicer, abort_for, add_worker_args, main_worker
+from runtime.worker import WorkerServicer, abort_for, add_worker_args, checked, main_worker
+from runtime.worker_inputs import (
+    MAX_WORKER_ID_CHARS,
+    bounded_id,
+    check_chars,
+    check_lease_id,
+    check_prompt,
+    check_request_id,
+)
 from tandem.errors import InvalidArgument, LayoutMismatch
 from tandem.v1 import worker_pb2
 
@@ -39,10 +47,13 @@ class PrefillServicer(WorkerServicer):
         self.address = address
         self.pool = engine.info.pool  # the engine core's pool, as peers map it
         self.claims = LeaseClaims()  # which lease token may read which blocks, once
+        self.limits = engine.info.limits
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
-        with self.telemetry.request_span("prefill", request.request_id) as record:
+        with self.telemetry.request_span("prefill", bounded_id(request.request_id)) as record:
             try:
+                check_request_id(request.request_id)
+                check_prompt("prompt_token_ids", request.prompt_token_ids, self.limits)
                 params = params_from_proto(request.params)
                 out = await self.engine.prefill(request.request_id,
                                                 list(request.prompt_token_ids), params)
@@ -69,6 +80,7 @@ class PrefillServicer(WorkerServicer):
             num_cached_tokens=h.num_cached_tokens)
 
     async def ClaimLease(self, request, context):  # noqa: N802
+        await checked(context, check_lease_id, request.lease_id)
         now = time.monotonic()
         claim = self.claims.claim(request.lease_id, now)
         if claim is None:
@@ -80,22 +92,27 @@ class PrefillServicer(WorkerServicer):
             prompt_digest=claim.prompt_digest, ttl_ms=int((claim.deadline - now) * 1000))
 
     async def Release(self, request, context):  # noqa: N802
+        await checked(context, check_lease_id, request.lease_id)
         self.claims.forget(request.lease_id)  # before the core frees the blocks
         return worker_pb2.ReleaseResponse(released=await self.engine.release(request.lease_id))
 
     async def RenewLeases(self, request, context):  # noqa: N802
         """Each live, claimed lease gets a full time to live from now (only a decode worker
         that claimed a lease renews it; an unclaimed one keeps the deadline its claim has)."""
-        ids = list(request.lease_ids)
-        if len(ids) > MAX_RENEWALS:
+        if len(request.lease_ids) > MAX_RENEWALS:
             await abort_for(context, InvalidArgument(
-                "lease_ids", f"{len(ids)} leases; at most {MAX_RENEWALS} a call"))
+                "lease_ids", f"{len(request.lease_ids)} leases; at most {MAX_RENEWALS} a call"))
+        ids = list(request.lease_ids)
+        for lease_id in ids:
+            await checked(context, check_lease_id, lease_id, "lease_ids")
         claimed = [i for i in ids if not self.claims.unclaimed(i)]
         left = dict(zip(claimed, await self.engine.renew(claimed), strict=True))
         return worker_pb2.RenewLeasesResponse(
             ttl_ms=[int(left.get(i, 0.0) * 1000) for i in ids])
 
     async def Register(self, request, context):  # noqa: N802
+        await checked(context, check_chars, "decode_worker_id", request.decode_worker_id,
+                      MAX_WORKER_ID_CHARS)
         mine = self.pool
         try:
             check_compatible(mine, request.layout)

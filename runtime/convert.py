@@ -3,9 +3,17 @@ servicers call these."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
-from engine.sampling_params import Logprob, ResponseFormat, SamplingParams, TokenLogprobs
+from engine.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_STOP_ENTRIES,
+    Logprob,
+    ResponseFormat,
+    SamplingParams,
+    TokenLogprobs,
+)
 from kvtransfer.descriptor import PoolDescriptor
 from tandem.errors import InvalidArgument
 from tandem.v1 import common_pb2, worker_pb2
@@ -13,7 +21,12 @@ from tandem.v1 import common_pb2, worker_pb2
 
 def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     """Unset fields take SamplingParams' defaults; bad values raise InvalidArgument naming the
-    field (as SamplingParams does)."""
+    field (as SamplingParams does). The lists' lengths are checked before they are copied."""
+    for name, items, limit in (("stop", p.stop, MAX_STOP_ENTRIES),
+                               ("stop_token_ids", p.stop_token_ids, MAX_STOP_ENTRIES),
+                               ("logit_bias", p.logit_bias, MAX_LOGIT_BIAS_ENTRIES)):
+        if len(items) > limit:
+            raise InvalidArgument(name, f"at most {limit} entries, got {len(items)}")
     kw = dict(
         n=p.n or 1,
         max_tokens=p.max_tokens or 16,
@@ -82,14 +95,15 @@ def logprobs_to_proto(lp: TokenLogprobs | None) -> common_pb2.TokenLogprobs:
         top=[common_pb2.Logprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top])
 
 
-def logprobs_from_proto(items: Iterable[common_pb2.TokenLogprobs],
+def logprobs_from_proto(items: Sequence[common_pb2.TokenLogprobs],
                         count: int) -> tuple[TokenLogprobs | None, ...]:
     """`count` entries; a missing list (logprobs not asked for) gives Nones."""
-    items = list(items)
     if not items:
         return (None,) * count
     if len(items) != count:
         raise InvalidArgument("first_logprobs", f"expected {count} entries, got {len(items)}")
+    if any(len(i.top) > MAX_LOGPROBS for i in items):
+        raise InvalidArgument("first_logprobs", f"at most {MAX_LOGPROBS} top entries a token")
     return tuple(TokenLogprobs(Logprob(i.sampled.token_id, i.sampled.logprob),
                                tuple(Logprob(t.token_id, t.logprob) for t in i.top))
                  for i in items)

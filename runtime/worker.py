@@ -23,6 +23,7 @@ from runtime.lifecycle import Health, enable_reflection, make_server, serve_unti
 from runtime.security import ClusterTls, add_cluster_tls_args
 from runtime.security import bind as bind_port
 from runtime.telemetry import Telemetry, configure_process_logging
+from runtime.worker_inputs import check_request_id
 from tandem.errors import InvalidArgument, LayoutMismatch, ModelLoadError, Overloaded
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -91,6 +92,15 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> No
     await context.abort(code, message)
 
 
+async def checked(context: grpc.aio.ServicerContext, check: Callable[..., None],
+                  *args: object) -> None:
+    """Run `check(*args)`; an InvalidArgument it raises ends the RPC with INVALID_ARGUMENT."""
+    try:
+        check(*args)
+    except InvalidArgument as e:
+        await abort_for(context, e)
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     role = "both"
     # Mutual TLS toward peers (decode -> prefill), as run_worker sets it; None: plaintext.
@@ -107,6 +117,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         engine.on_kv_events = self.kv_events.publish
 
     async def Abort(self, request, context):  # noqa: N802 - gRPC method name
+        await checked(context, check_request_id, request.request_id)
         return worker_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
 
     async def GetLoad(self, request, context):  # noqa: N802

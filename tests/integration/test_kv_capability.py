@@ -377,3 +377,57 @@ def test_a_worker_abort_ends_the_stream(cluster):
             assert "aborted" in e.value.details()
 
     asyncio.run(main())
+
+
+def test_huge_counts_are_refused_before_any_work(cluster):
+    """Values that would each make the worker build something of their size, sent on a decode
+    worker's Stream call and to the prefill worker: n = 2**32 - 1 (a list of four billion
+    finish reasons for the request's log line; the worker was wedged for minutes at 7 GB),
+    request ids and lease tokens of megabytes, a trace context of 10,000 entries. Each is refused
+    INVALID_ARGUMENT naming its field, and both workers answer at once afterwards."""
+    p, d = cluster.workers("prefill")[0], cluster.workers("decode")[0]
+    prompt = VICTIM[:20]
+    huge_n = SamplingParams(n=2**32 - 1, max_tokens=4)
+
+    async def main():
+        async with grpc.aio.insecure_channel(p.address) as pch, \
+                grpc.aio.insecure_channel(d.address) as dch:
+            kv = (await prefill(pch, "huge-n", prompt)).kv
+            traced = decode_request("huge-trace", prompt, kv, [5])
+            traced.trace_context.update({f"k{i}": "v" for i in range(10_000)})
+            cases = {  # request id as it comes back: (field named, the message)
+                "huge-n": ("n", decode_request("huge-n", prompt, kv, [5], huge_n)),
+                "huge-trace": ("trace_context", traced),
+                "x" * 160: ("request_id", decode_request("x" * 2_000_000, prompt, kv, [5])),
+                "huge-lease": ("kv.lease_id", decode_request("huge-lease", prompt,
+                                                             worker_pb2.KVLocation(
+                                                                 address=p.address,
+                                                                 lease_id="f" * 2_000_000),
+                                                             [5])),
+            }
+            tokens, ends = await stream(dch, *(msg for _, msg in cases.values()))
+            for rid, (field, _) in cases.items():
+                code, message = ended(ends, rid)
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith(field), \
+                    (rid[:20], code, message[:200])
+                assert not tokens.get(rid)
+            stub = worker_pb2_grpc.WorkerStub(pch)
+            for call, field in ((stub.ClaimLease(worker_pb2.ClaimLeaseRequest(
+                                    lease_id="f" * 2_000_000)), "lease_id"),
+                                (stub.RenewLeases(worker_pb2.RenewLeasesRequest(
+                                    lease_ids=["f" * 1_000_000] * 4)), "lease_ids"),
+                                (stub.Prefill(worker_pb2.PrefillRequest(
+                                    request_id="r" * 2_000_000, prompt_token_ids=prompt)),
+                                 "request_id"),
+                                (stub.Prefill(worker_pb2.PrefillRequest(
+                                    request_id="long", prompt_token_ids=[5] * 1_000_000)),
+                                 "prompt_token_ids")):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+                assert e.value.details().startswith(field), e.value.details()[:200]
+            for ch in (pch, dch):  # both still answer, at once
+                await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
+                                                             timeout=10)
+
+    asyncio.run(main())
