@@ -1,13 +1,20 @@
 """A throwaway cluster CA: `tandem up` makes one per stack, and `tandem certs` writes one for a
 deployment (docker-compose runs it as a one-shot service before the others start).
 
-    <dir>/ca.pem      the cluster CA's certificate (every process trusts it, and only it)
-    <dir>/node.pem    a certificate the CA signed, for server and client authentication, with
-    <dir>/node.key    the given host names and loopback as subject alternative names
+    <dir>/ca.pem               the cluster CA's certificate (every process trusts it, and only it)
+    <dir>/<name>.pem, .key     a certificate the CA signed for one member of the cluster, for
+                               server and client authentication; by default one per role:
+                               router, prefill, decode, both
 
-The CA's private key is never written: once the node certificate is signed it is dropped, so
+Each member's certificate names its role twice (runtime/cluster_roles.py): as its identity, the
+URI spiffe://tandem/<role>/<name>, which workers check on every call, and as the DNS name
+<role>.tandem.internal, which callers check in the handshake; and it carries loopback and the
+given host names, for tools that dial a host (`tandem health`). A process holds its own role's
+key only: a decode worker's key cannot answer as a prefill worker nor call as the router.
+
+The CA's private key is never written: once the certificates are signed it is dropped, so
 nothing can sign another certificate this cluster would accept. Every file is written anew
-(write_fresh): the key mode 0600, whatever --out held before.
+(write_fresh): the keys mode 0600, whatever --out held before.
 """
 
 from __future__ import annotations
@@ -17,12 +24,33 @@ import datetime as dt
 import ipaddress
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.cluster_roles import ROLES, peer_name, spiffe_id
 from runtime.security import ClusterTls
+from tandem.errors import InvalidArgument
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass(frozen=True)
+class ClusterCerts:
+    """What make_cluster_ca wrote: the CA's certificate and each member's (name -> role)."""
+
+    dir: Path
+    members: Mapping[str, str]
+
+    @property
+    def ca(self) -> Path:
+        return self.dir / "ca.pem"
+
+    def tls(self, name: str) -> ClusterTls:
+        """Member `name`'s certificate and key, with the CA: its --cluster-* flags."""
+        if name not in self.members:
+            raise KeyError(f"no certificate for {name!r} (members: {', '.join(self.members)})")
+        return ClusterTls(self.ca, self.dir / f"{name}.pem", self.dir / f"{name}.key")
 
 
 def _san(host: str):
@@ -34,14 +62,20 @@ def _san(host: str):
         return x509.DNSName(host)
 
 
-def make_cluster_ca(out_dir: Path | str, hosts: Sequence[str] = (),
-                    days: int = 30) -> ClusterTls:
-    """Write ca.pem, node.pem and node.key (P-256 keys) under out_dir; their ClusterTls."""
+def make_cluster_ca(out_dir: Path | str, hosts: Sequence[str] = (), days: int = 30,
+                    members: Mapping[str, str] | None = None) -> ClusterCerts:
+    """Write ca.pem and, for each member (name -> role; default: each role under its own
+    name), <name>.pem and <name>.key (P-256 keys) under out_dir."""
     from cryptography import x509  # noqa: PLC0415
     from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415
     from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: PLC0415
 
+    members = dict(members) if members is not None else {role: role for role in ROLES}
+    for name, role in members.items():
+        if role not in ROLES or not name or "/" in name or name == "ca":
+            raise InvalidArgument("members", f"{name!r}: a name (not 'ca', no '/') and one of "
+                                  f"{', '.join(ROLES)}, got role {role!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.UTC)
@@ -58,28 +92,30 @@ def make_cluster_ca(out_dir: Path | str, hosts: Sequence[str] = (),
                                        key_agreement=False, key_cert_sign=True, crl_sign=True,
                                        encipher_only=False, decipher_only=False), critical=True)
           .sign(ca_key, hashes.SHA256()))
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    names = list(dict.fromkeys([*LOOPBACK, *(h for h in hosts if h)]))
-    node = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tandem node")]))
-            .issuer_name(ca_name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(start).not_valid_after(end)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.SubjectAlternativeName([_san(h) for h in names]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
-
     pem = serialization.Encoding.PEM
     write_fresh(out / "ca.pem", ca.public_bytes(pem), 0o644)
-    write_fresh(out / "node.pem", node.public_bytes(pem), 0o644)
-    key_path = out / "node.key"
-    write_fresh(key_path, key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                            serialization.NoEncryption()), 0o600)
-    return ClusterTls(out / "ca.pem", out / "node.pem", key_path)
+
+    hosts = list(dict.fromkeys([*LOOPBACK, *(h for h in hosts if h)]))
+    for name, role in members.items():
+        key = ec.generate_private_key(ec.SECP256R1())
+        sans = [x509.UniformResourceIdentifier(spiffe_id(role, name)),
+                x509.DNSName(peer_name(role)), *(_san(h) for h in hosts)]
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                                            f"tandem {role} {name}")]))
+                .issuer_name(ca_name).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(start).not_valid_after(end)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]),
+                               critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        write_fresh(out / f"{name}.pem", cert.public_bytes(pem), 0o644)
+        write_fresh(out / f"{name}.key", key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), 0o600)
+    return ClusterCerts(out, members)
 
 
 def write_fresh(path: Path, data: bytes, mode: int) -> None:
@@ -99,11 +135,13 @@ def write_fresh(path: Path, data: bytes, mode: int) -> None:
 
 
 def add_parser(sub, name: str) -> None:
-    p = sub.add_parser(name, help="write a throwaway cluster CA and node certificate")
-    p.add_argument("--out", required=True, help="directory for ca.pem, node.pem, node.key")
+    p = sub.add_parser(name, help="write a throwaway cluster CA and a certificate per role")
+    p.add_argument("--out", required=True,
+                   help="directory for ca.pem and <role>.pem, <role>.key for each role")
     p.add_argument("--hosts", default="",
-                   help="comma-separated host names the services are reached by (loopback "
-                        "is always included), e.g. router,prefill,decode")
+                   help="comma-separated host names the services are reached by, added to "
+                        "every certificate (loopback is always included), e.g. "
+                        "router,prefill,decode")
     p.add_argument("--days", type=int, default=30, help="validity in days")
     p.add_argument("--keep", action="store_true",
                    help="leave certificates already in --out as they are")
@@ -112,9 +150,10 @@ def add_parser(sub, name: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    if args.keep and all((out / f).exists() for f in ("ca.pem", "node.pem", "node.key")):
+    files = ["ca.pem", *(f"{role}.{ext}" for role in ROLES for ext in ("pem", "key"))]
+    if args.keep and all((out / f).exists() for f in files):
         print(f"tandem certs: keeping the certificates in {out}")
         return 0
     make_cluster_ca(out, [h.strip() for h in args.hosts.split(",")], args.days)
-    print(f"tandem certs: wrote ca.pem, node.pem, node.key to {out}")
+    print(f"tandem certs: wrote {', '.join(files)} to {out}")
     return 0

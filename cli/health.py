@@ -3,10 +3,11 @@ otherwise (NOT_SERVING, an unknown service, unreachable, too slow). It prints th
 
     tandem health --address 127.0.0.1:50061
     tandem health --address 127.0.0.1:50051 --service tandem.v1.Tandem --timeout 2
-    tandem health --address 127.0.0.1:50061 --cluster-ca ca.pem --cluster-cert node.pem \
-        --cluster-key node.key                       # a worker behind mutual TLS
-    tandem health --address "$POD_IP:50061" --cluster-ca ... --cluster-server-name tandem-cluster
-                                                     # one reached by an IP its cert lacks
+    tandem health --address 127.0.0.1:50061 --cluster-ca ca.pem --cluster-cert prefill.pem \
+        --cluster-key prefill.key                    # a worker behind mutual TLS
+    tandem health --address "$POD_IP:50061" --cluster-ca ... \
+        --cluster-server-name prefill.tandem.internal  # one reached by an IP its cert lacks:
+                                                       # the name its role's certificate has
 
 docker-compose.yml runs it as every Tandem container's health check. It needs nothing beyond
 grpcio and grpcio-health-checking; `python -m cli.health` runs it without loading the

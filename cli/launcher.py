@@ -110,8 +110,9 @@ class LocalStack:
         self.grace = grace
         self.metrics = metrics
         self.metrics_port_base = metrics_port_base
-        # cluster_ca: start() makes a throwaway cluster CA (cli/certs.py) and every hop
-        # between the stack's processes is mutual TLS with it.
+        # cluster_ca: start() makes a throwaway cluster CA (cli/certs.py), a certificate for
+        # each process's role and name, and every hop between the stack's processes is mutual
+        # TLS with it. cluster_tls: the router's (what a tool that calls workers presents).
         self.cluster_ca = cluster_ca
         self.cluster_tls: ClusterTls | None = None
         self._certs: ThrowawayCa | None = None  # its files, which stop() removes
@@ -133,11 +134,12 @@ class LocalStack:
         if metrics_port:
             cmd += ["--metrics-port", str(metrics_port)]
         # Own session: a terminal's Ctrl-C reaches the launcher, which stops everyone in order.
-        # The cluster CA's memory files are the only descriptors the child inherits.
+        # The CA's certificate and this process's own certificate and key (memory files) are
+        # the only descriptors the child inherits: no process holds another role's key.
         # It dies with this process (cli/lifeline.py).
         env = {**(self.env if name == "router" else self.worker_env), **lifeline_env()}
         how = {"env": env, "start_new_session": True,
-               "pass_fds": self._certs.fds if self._certs else ()}
+               "pass_fds": self._certs.fds(name) if self._certs else ()}
         if self.echo:
             popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1, **how)
@@ -184,37 +186,55 @@ class LocalStack:
         # built on first use): once, not by every worker and the router at the same time, and a
         # model that cannot be had fails before any process starts (ModelLoadError).
         resolve_model(self.model)
+        names = self._worker_names()
         if self.cluster_ca and self._certs is None:
-            self._certs = ThrowawayCa()
-            self.cluster_tls = self._certs.tls
-        tls_argv = self.cluster_tls.argv() if self.cluster_tls else []
+            # A certificate for each process, for its role and under its name.
+            self._certs = ThrowawayCa({"router": "router", **dict(zip(names, self.roles))})
+            self.cluster_tls = self._certs.tls("router")
+
+        def tls_argv(name: str) -> list[str]:
+            return self._certs.tls(name).argv() if self._certs else []
+
         # Workers sharing a GPU size their KV pools from its free memory: start those in turn.
         cuda = [d for d in self.devices if d.startswith("cuda")]
         one_by_one = len(cuda) != len(set(cuda))
-        counts: dict[str, int] = {}
         workers: list[tuple[str, Proc]] = []
-        for role, device in zip(self.roles, self.devices):
-            i = counts[role] = counts.get(role, -1) + 1
+        for name, role, device in zip(names, self.roles, self.devices):
             argv = ["worker", "--role", role, "--device", device, "--model", self.model,
                     "--port", "0", "--grace", str(self.grace)]
             if device == "cpu":
                 argv += ["--cpu-threads", str(self.cpu_threads)]
-            argv += [*tls_argv, *self.worker_args, *self.role_args.get(role, ())]
-            w = self.spawn(f"{role}{i}", argv, self._metrics_port(len(workers)))
+            argv += [*tls_argv(name), *self.worker_args, *self.role_args.get(role, ())]
+            w = self.spawn(name, argv, self._metrics_port(len(workers)))
             workers.append((role, w))
             if one_by_one:
                 self.wait_ready([w])
         self.wait_ready([w for _, w in workers])
-        argv = ["router", "--model", self.model, "--grace", str(self.grace), *tls_argv]
+        argv = ["router", "--model", self.model, "--grace", str(self.grace),
+                *tls_argv("router")]
         for role, w in workers:
             argv += [ROLE_FLAGS[role], w.address]
         self.wait_ready([self.spawn("router", [*argv, *self.router_args])])
         return self
 
+    def _worker_names(self) -> list[str]:
+        """prefill0, prefill1, decode0, ...: each worker's name, in `roles` order."""
+        counts: dict[str, int] = {}
+        names = []
+        for role in self.roles:
+            counts[role] = counts.get(role, -1) + 1
+            names.append(f"{role}{counts[role]}")
+        return names
+
     def _metrics_port(self, index: int) -> int:
         if not self.metrics:
             return 0
         return self.metrics_port_base + index if self.metrics_port_base else free_port()
+
+    @property
+    def cluster_certs(self) -> ThrowawayCa | None:
+        """The stack's certificates while it runs (`.tls(name)`: a process's, by its name)."""
+        return self._certs
 
     @property
     def router(self) -> Proc:
@@ -253,35 +273,49 @@ class LocalStack:
 
 
 class ThrowawayCa:
-    """A stack's cluster CA (cli/certs.py), owned here from making to removal. Its files are
-    made in a private directory on a memory file system (/dev/shm, where there is one), copied
-    into anonymous memory files (memfd) and deleted at once: nothing stays on disk, even when
-    the stack's launcher is killed, and the memory goes with the last process holding it.
-    Processes read the files as /dev/fd/N (`fds`: what every child inherits). Without memfd
-    (not Linux) the directory is the files, removed by close()."""
+    """A stack's cluster CA (cli/certs.py) and a certificate for each of its processes (`members`:
+    name -> role), owned here from making to removal. The files are made in a private directory
+    on a memory file system (/dev/shm, where there is one), copied into anonymous memory files
+    (memfd) and deleted at once: nothing stays on disk, even when the stack's launcher is killed,
+    and the memory goes with the last process holding it. Processes read the files as /dev/fd/N
+    (`fds(name)`: what process `name` inherits, the CA's and its own). Without memfd (not Linux)
+    the directory is the files, removed by close()."""
 
-    def __init__(self) -> None:
+    def __init__(self, members: Mapping[str, str]) -> None:
         from cli.certs import make_cluster_ca  # noqa: PLC0415 - cryptography
 
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._dir: str | None = tempfile.mkdtemp(prefix="tandem-certs-", dir=shm)
-        self.fds: tuple[int, ...] = ()
-        if not hasattr(os, "memfd_create"):
-            self.tls = make_cluster_ca(self._dir)
-            return
+        self._fds: dict[str, tuple[int, ...]] = {}
+        self._tls: dict[str, ClusterTls] = {}
         try:
-            made = make_cluster_ca(self._dir)
-            self.fds = tuple(_in_memory(path) for path in (made.ca, made.cert, made.key))
-        finally:
-            shutil.rmtree(self._dir)
-            self._dir = None
-        self.tls = ClusterTls(*(Path(f"/dev/fd/{fd}") for fd in self.fds))
+            made = make_cluster_ca(self._dir, members=members)
+            if not hasattr(os, "memfd_create"):
+                self._tls = {name: made.tls(name) for name in members}
+                return
+            ca = _in_memory(made.ca)
+            for name in members:
+                files = made.tls(name)
+                self._fds[name] = (ca, _in_memory(files.cert), _in_memory(files.key))
+                self._tls[name] = ClusterTls(*(Path(f"/dev/fd/{fd}") for fd in self._fds[name]))
+        except BaseException:
+            self.close()  # the directory too, however making it ended
+            raise
+        shutil.rmtree(self._dir)  # in memory now
+        self._dir = None
+
+    def tls(self, name: str) -> ClusterTls:
+        """Member `name`'s --cluster-* files (readable in this process and in that member's)."""
+        return self._tls[name]
+
+    def fds(self, name: str) -> tuple[int, ...]:
+        return self._fds.get(name, ())
 
     def close(self) -> None:
-        for fd in self.fds:
+        for fd in {fd for fds in self._fds.values() for fd in fds}:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self.fds = ()
+        self._fds = {}
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

@@ -41,6 +41,7 @@ from engine.serving.core_messages import LeaseDone
 from kvtransfer.descriptor import check_compatible
 from runtime.convert import descriptor_from_proto, params_from_proto
 from runtime.lifecycle import GRPC_OPTIONS
+from runtime.local_peers import loopback_ips, pool_owner_listens, split_address
 from runtime.request_trace import client_call
 from runtime.security import internal_channel
 from runtime.telemetry import span_name
@@ -282,8 +283,10 @@ class DecodeServicer(WorkerServicer):
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
         if ch is None:
+            # With cluster TLS only a prefill worker's certificate is accepted here: whoever
+            # answers at an address a lease names must prove, with its key, to be one.
             ch = self._channels[address] = internal_channel(address, self.cluster_tls,
-                                                             GRPC_OPTIONS)
+                                                             GRPC_OPTIONS, "prefill")
         return worker_pb2_grpc.WorkerStub(ch)
 
     async def _peer(self, address: str, instance_id: str) -> None:
@@ -306,6 +309,7 @@ class DecodeServicer(WorkerServicer):
 
     async def _register(self, address: str) -> None:
         """Ask the prefill worker at `address` for its pool's descriptor and map it."""
+        self._check_plaintext_peer(address)
         with client_call("/tandem.v1.Worker/Register", address) as call:
             resp = await self._stub(address).Register(worker_pb2.RegisterRequest(
                 decode_worker_id=self.worker_id, layout=self.layout), timeout=30,
@@ -319,6 +323,7 @@ class DecodeServicer(WorkerServicer):
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"prefill worker {address} described {len(descs)} pools "
                               f"for {desc.tensor_parallel_size} ranks")
+        self._check_plaintext_peer(address, desc.owner_pid)
         # One address per pool: a peer presenting a pool mapped for another would
         # answer claims for that pool's blocks itself.
         known = self._pool_addresses.setdefault(desc.handle, address)
@@ -331,6 +336,28 @@ class DecodeServicer(WorkerServicer):
                                    resp.instance_id)
         self.peers[address] = resp.instance_id
         log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id, desc.redacted())
+
+    def _check_plaintext_peer(self, address: str, owner_pid: int | None = None) -> None:
+        """Without cluster TLS nobody proves a role: a prefill worker is then taken only on
+        this machine (unless --insecure), and its pool only when the process that owns it
+        listens at the address dialed (runtime/local_peers.py), not whoever answers there."""
+        if self.cluster_tls is not None or self.insecure:
+            return
+        try:
+            host, _ = split_address(address)
+        except ValueError:
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
+                              "kv.address: not host:port") from None
+        if loopback_ips(host) is None:
+            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"prefill worker {address} is not on this machine's loopback: "
+                              "without cluster TLS a decode worker takes KV from other hosts "
+                              "only with --insecure")
+        if owner_pid is not None and not pool_owner_listens(owner_pid, address):
+            log.warning("refused %s: it presents a KV pool it does not own", address)
+            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"prefill worker {address} presents the KV pool of another "
+                              "process (its owner does not listen there)")
 
     def _spawn_release(self, address: str, lease_id: str,
                        context: contextvars.Context | None) -> None:

@@ -148,6 +148,10 @@ class Orchestrator:
                     call = p.stub.Prefill(req, timeout=self.remaining(deadline),
                                           metadata=traced.metadata)
                     resp = await unless_lost(p, call)
+                # The router vouches for where the KV is: the prefill worker of its own
+                # membership it called, whatever address that worker's answer names. A decode
+                # worker maps pools only where a router sends it.
+                resp.kv.address = p.address
                 return p, resp
             except grpc.aio.AioRpcError as e:
                 if _retryable(e):

@@ -148,6 +148,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     if not args.http_read_timeout > 0:
         raise InvalidArgument("--http-read-timeout", f"must be > 0, got {args.http_read_timeout}")
     cluster_tls = ClusterTls.from_args(args)
+    if cluster_tls is not None:
+        cluster_tls.check_role("router")
     public_tls = PublicTls.from_args(args)
     api_keys = load_api_keys(key_file=args.api_key_file)
     model_dir = resolve_model(args.model)

@@ -185,7 +185,7 @@ class WorkerSet:
                 and (w.healthy or not healthy_only)]
 
     def _connect(self, address: str, role: str, dynamic: bool = False) -> Worker:
-        ch = internal_channel(address, self.tls, GRPC_OPTIONS)
+        ch = internal_channel(address, self.tls, GRPC_OPTIONS, role)  # a worker of that role
         stub = worker_pb2_grpc.WorkerStub(ch)
         if self._free_slots:
             slot = self._free_slots.pop()

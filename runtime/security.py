@@ -2,7 +2,9 @@
 
     public ports (router HTTP + gRPC)   API keys (bearer tokens), optional TLS
     internal hops (router→worker,       mutual TLS with the cluster CA: a peer without a client
-                  decode→prefill)       certificate that CA signed is refused in the handshake
+                  decode→prefill)       certificate that CA signed is refused in the handshake,
+                                        and each RPC is for the roles runtime/cluster_roles.py
+                                        names (a certificate per role)
 
 Certificates are PEM files named by flags (paths on a command line are not secrets); API keys
 come from the environment or a file, never from argv, where `ps` would show them.
@@ -28,6 +30,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from runtime.cluster_roles import peer_name, role_of
 from tandem.errors import InvalidArgument
 
 log = structlog.get_logger(__name__)
@@ -43,19 +46,13 @@ OPEN_GRPC_SERVICES = ("grpc.health.v1.Health",)
 @dataclass(frozen=True)
 class ClusterTls:
     """The cluster CA and this process's certificate and key (PEM files). The certificate
-    serves as the server's and as the client's on calls to peers.
-
-    `server_name`: the name a peer's certificate must carry on this process's calls, whatever
-    address it dials. None: the dialed host itself (a name or IP in the certificate), right
-    where peers are reached by stable names (docker-compose's router, prefill, decode). On
-    Kubernetes peers are pod IPs, known only when the pods start, so no certificate made
-    beforehand can name them: every process then checks one agreed name instead
-    (`--cluster-server-name`). Trust still rests on the cluster CA signing the certificate."""
+    serves as the server's and as the client's on calls to peers, and names this process's
+    role (runtime/cluster_roles.py): a worker checks each caller's, and a caller checks, in the
+    handshake, that the peer it dials holds the role it dials for, whatever its address."""
 
     ca: Path
     cert: Path
     key: Path
-    server_name: str | None = None
 
     def __post_init__(self) -> None:
         for flag, path in (("--cluster-ca", self.ca), ("--cluster-cert", self.cert),
@@ -66,27 +63,44 @@ class ClusterTls:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterTls | None:
         given = {f: getattr(args, f, None) for f in ("cluster_ca", "cluster_cert", "cluster_key")}
-        server_name = getattr(args, "cluster_server_name", None)
         if not any(given.values()):
-            if server_name:
-                raise InvalidArgument("--cluster-server-name", "needs --cluster-ca, "
-                                      "--cluster-cert and --cluster-key")
             return None
         missing = next((f for f, v in given.items() if not v), None)
         if missing is not None:
             raise InvalidArgument(f"--{missing.replace('_', '-')}",
                                   "--cluster-ca, --cluster-cert and --cluster-key go together")
         return cls(Path(given["cluster_ca"]), Path(given["cluster_cert"]),
-                   Path(given["cluster_key"]), server_name or None)
+                   Path(given["cluster_key"]))
 
     def argv(self) -> list[str]:
-        name = ["--cluster-server-name", self.server_name] if self.server_name else []
         return ["--cluster-ca", str(self.ca), "--cluster-cert", str(self.cert),
-                "--cluster-key", str(self.key), *name]
+                "--cluster-key", str(self.key)]
 
-    def channel_options(self) -> list[tuple[str, object]]:
-        """What a channel to a peer needs beyond the credentials: the name to check."""
-        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+    def identity(self) -> str | None:
+        """The SPIFFE id this process's certificate names (its URI SAN), if it has one."""
+        from cryptography import x509  # noqa: PLC0415 - only where certificates are read
+
+        cert = x509.load_pem_x509_certificate(self.cert.read_bytes())
+        try:
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except x509.ExtensionNotFound:
+            return None
+        uris = [u for u in san.get_values_for_type(x509.UniformResourceIdentifier)
+                if u.startswith("spiffe://")]
+        return uris[0] if len(uris) == 1 else None
+
+    def check_role(self, role: str) -> None:
+        """Refuse to start with another role's certificate (every call would be refused)."""
+        identity = self.identity()
+        if role_of(identity) != role:
+            raise InvalidArgument("--cluster-cert", f"{self.cert} is for "
+                                  f"{identity or 'no cluster role'}, not for a {role} "
+                                  f"(`tandem certs` writes one certificate per role)")
+
+    def channel_options(self, peer_role: str) -> list[tuple[str, object]]:
+        """What a channel to a peer of `peer_role` needs beyond the credentials: the name its
+        certificate must carry, checked in place of the address dialed."""
+        return [("grpc.ssl_target_name_override", peer_name(peer_role))]
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Refuses, in the handshake, a client without a certificate the cluster CA signed."""
@@ -105,20 +119,19 @@ def add_cluster_tls_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster TLS (mutual TLS between router and workers)")
     g.add_argument("--cluster-ca", default=None, help="the cluster CA's certificate (PEM)")
     g.add_argument("--cluster-cert", default=None,
-                   help="this process's certificate, signed by the cluster CA (PEM)")
+                   help="this process's certificate, signed by the cluster CA for its role "
+                        "(PEM; `tandem certs` writes one per role)")
     g.add_argument("--cluster-key", default=None, help="its private key (PEM)")
-    g.add_argument("--cluster-server-name", default=None,
-                   help="check this name in a peer's certificate instead of the address "
-                        "dialed (peers reached by IP, as pods on Kubernetes are)")
 
 
 def internal_channel(address: str, tls: ClusterTls | None,
-                     options: Sequence[tuple[str, object]]) -> grpc.aio.Channel:
-    """A channel to another process of the cluster: mutual TLS when the cluster has a CA."""
+                     options: Sequence[tuple[str, object]], peer_role: str) -> grpc.aio.Channel:
+    """A channel to another process of the cluster, of role `peer_role`: mutual TLS when the
+    cluster has a CA, and then only a peer whose certificate is for that role is accepted."""
     if tls is None:
         return grpc.aio.insecure_channel(address, options=list(options))
     return grpc.aio.secure_channel(address, tls.channel_credentials(),
-                                   options=[*options, *tls.channel_options()])
+                                   options=[*options, *tls.channel_options(peer_role)])
 
 
 def bind(server: grpc.aio.Server, host: str, port: int,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import secrets
@@ -17,6 +18,7 @@ import grpc
 
 from engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
 from engine.serving.core_messages import CoreSpec, LeaseDone
+from runtime.cluster_roles import RoleInterceptor
 from runtime.engine_args import add_engine_args, engine_config
 from runtime.kv_events import KVEventHub, SubscriberLagged
 from runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
@@ -37,7 +39,14 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("service")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default loopback: only this machine's "
-                        "processes reach the worker)")
+                        "processes reach the worker); without cluster TLS only a loopback "
+                        "address, unless --insecure")
+    g.add_argument("--insecure", action="store_true",
+                   help="without cluster TLS, listen on a non-loopback --host anyway, and "
+                        "(decode) take KV from prefill workers on other hosts: whoever reaches "
+                        "the port may then call the worker as router or decode worker, read "
+                        "its KV and plant KV in its cache. For networks that authenticate "
+                        "peers themselves (a service mesh's mutual TLS)")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
     g.add_argument("--worker-id", default=None, help="default: ROLE@HOST:PORT")
     g.add_argument("--grace", type=float, default=30.0,
@@ -105,6 +114,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     role = "both"
     # Mutual TLS toward peers (decode -> prefill), as run_worker sets it; None: plaintext.
     cluster_tls: ClusterTls | None = None
+    insecure = False  # --insecure: plaintext beyond loopback
 
     def __init__(self, engine: AsyncEngine, worker_id: str) -> None:
         self.engine = engine
@@ -154,6 +164,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         the server's graceful stop."""
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address, or a name) is this machine's loopback: only 'localhost' among
+    names, since another name could resolve anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(args: argparse.Namespace, tls: ClusterTls | None, role: str) -> None:
+    """With cluster TLS: the certificate must be this role's. Without: say so at start, and
+    listen on loopback only unless --insecure."""
+    if tls is not None:
+        tls.check_role(role)
+        return
+    insecure = getattr(args, "insecure", False)
+    if not is_loopback(args.host) and not insecure:
+        raise InvalidArgument("--host", f"{args.host} is not a loopback address: without "
+                              "cluster TLS (--cluster-ca, --cluster-cert, --cluster-key) a "
+                              "worker listens there only with --insecure")
+    log.warning("NO CLUSTER TLS: any process that reaches %s:%s can call this %s worker as a "
+                "router or a decode worker (send it requests, claim its KV, plant KV in its "
+                "cache); %s", args.host, args.port or "(port)", role,
+                "listening beyond loopback (--insecure)" if insecure else
+                "listening on loopback only. `tandem up` and `tandem certs` make a cluster CA")
+
+
 def bind(server: grpc.aio.Server, host: str, port: int,
          credentials: grpc.ServerCredentials | None = None) -> int:
     return bind_port(server, host, port, credentials)
@@ -176,6 +215,7 @@ async def run_worker(args: argparse.Namespace, role: str,
         stop.set()
 
     tls = ClusterTls.from_args(args)  # bad flags fail before the engine loads
+    check_exposure(args, tls, role)
     spec = CoreSpec(engine_config(args, role=role), role, transport, lease_ttl_s,
                     cpu_threads=args.cpu_threads, process_setup=configure_process_logging)
     engine = AsyncEngine(spec, on_step=metrics.on_step, on_abort=metrics.on_abort,
@@ -184,7 +224,9 @@ async def run_worker(args: argparse.Namespace, role: str,
     try:
         metrics.bind_engine(lambda: engine.snapshot)
         metrics.watch_engine_core(engine.info.pid)
-        server = make_server(telemetry.tracing.server_interceptors())
+        # With cluster TLS, every call's caller is checked against its role first.
+        roles = [RoleInterceptor()] if tls is not None else []
+        server = make_server([*roles, *telemetry.tracing.server_interceptors()])
         # With a cluster CA, a caller without a client certificate it signed is refused.
         port = bind(server, args.host, args.port, tls.server_credentials() if tls else None)
         host = args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()
@@ -193,6 +235,7 @@ async def run_worker(args: argparse.Namespace, role: str,
         servicer = make_servicer(engine, worker_id, address)
         servicer.telemetry = telemetry
         servicer.cluster_tls = tls
+        servicer.insecure = getattr(args, "insecure", False)
         engine.on_lease_done = servicer.lease_done
         worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
         health = Health(server, [WORKER_SERVICE])

@@ -60,7 +60,8 @@ class Cluster(LocalStack):
         return api_pb2_grpc.TandemStub(channel)
 
     async def load(self, proc: Proc) -> worker_pb2.Load:
-        async with internal_channel(proc.address, self.cluster_tls, ()) as ch:
+        async with internal_channel(proc.address, self.cluster_tls, (),
+                                    proc.name.rstrip("0123456789")) as ch:
             return await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
                                                                 timeout=5)
 

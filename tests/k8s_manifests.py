@@ -77,13 +77,21 @@ def _probe_port(c: dict, probe: dict) -> int:
 
 
 # -- mutual TLS between router and workers -------------------------------------------------------
-SECRET = "tandem-cluster-tls"
-SERVER_NAME = "tandem-cluster"
-
-
-# Each flag and the file (a key of the Secret) it names.
-CLUSTER_FILES = {"--cluster-ca": "ca.pem", "--cluster-cert": "node.pem", "--cluster-key": "node.key"}
 SERVICES = ("tandem-prefill", "tandem-decode", "tandem-router")
+ROLE = {"tandem-prefill": "prefill", "tandem-decode": "decode", "tandem-router": "router"}
+# A Secret per role, holding the CA's certificate and that role's certificate and key only.
+SECRETS = {d: f"tandem-{role}-cluster-tls" for d, role in ROLE.items()}
+
+
+def cluster_files(role: str) -> dict[str, str]:
+    """Each certificate flag and the file (a key of the role's Secret) it names."""
+    return {"--cluster-ca": "ca.pem", "--cluster-cert": f"{role}.pem",
+            "--cluster-key": f"{role}.key"}
+
+
+def server_name(role: str) -> str:
+    """The name a probe of a worker of `role` (dialed by pod IP) checks in its certificate."""
+    return f"{role}.tandem.internal"
 
 
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
@@ -126,23 +134,22 @@ def _secret_file_problem(argv: list[str], flag: str, file: str, secret: str,
 
 
 def _mtls_problems(deployment: dict) -> list[str]:
-    """What is missing for the pod to speak mutual TLS with the cluster Secret: the three
-    certificate flags on its command line, each naming a file the Secret provides under a
-    read-only mount of it, the agreed server name, and (workers, whose gRPC port asks callers
-    for a certificate) the same on every probe. Empty when all is there."""
+    """What is missing for the pod to speak mutual TLS with its role's Secret: the three
+    certificate flags on its command line, each naming a file of that Secret (its role's
+    certificate) under a read-only mount of it, and (workers, whose gRPC port asks callers for a
+    certificate) the same on every probe, which checks the role's name in the certificate of
+    the pod it dials by IP. Empty when all is there."""
+    name = deployment["metadata"]["name"]
+    role, secret = ROLE[name], SECRETS[name]
     pod = deployment["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    mounts, problems = _secret_mounts(pod, c, SECRET)
+    mounts, problems = _secret_mounts(pod, c, secret)
 
     def check(argv: list[str], where: str) -> None:
-        for flag, file in CLUSTER_FILES.items():
-            problem = _secret_file_problem(argv, flag, file, SECRET, mounts, where)
+        for flag, file in cluster_files(role).items():
+            problem = _secret_file_problem(argv, flag, file, secret, mounts, where)
             if problem:
                 problems.append(problem)
-        name = argv[argv.index("--cluster-server-name") + 1] \
-            if "--cluster-server-name" in argv else None
-        if name != SERVER_NAME:
-            problems.append(f"{where}: --cluster-server-name is {name!r}, not {SERVER_NAME!r}")
 
     check(c["args"], c["name"])
     if c["args"][0] in ("prefill", "decode", "worker"):
@@ -150,8 +157,13 @@ def _mtls_problems(deployment: dict) -> list[str]:
             argv = _probe_argv(c[kind])
             if argv is None:
                 problems.append(f"{kind} presents no client certificate")
-            else:
-                check(argv, kind)
+                continue
+            check(argv, kind)
+            name = argv[argv.index("--cluster-server-name") + 1] \
+                if "--cluster-server-name" in argv else None
+            if name != server_name(role):
+                problems.append(f"{kind}: --cluster-server-name is {name!r}, not "
+                                f"{server_name(role)!r}")
     return problems
 
 
@@ -171,8 +183,11 @@ def _probe_without(flag: str):
 def _mutations():
     """(deployment, what, change to its container, pod spec) that must each break mTLS."""
     for d in SERVICES:
-        for flag in (*CLUSTER_FILES, "--cluster-server-name"):
+        for flag in cluster_files(ROLE[d]):
             yield d, f"args without {flag}", lambda c, p, f=flag: _without_flag(c["args"], f)
+        other = "decode" if ROLE[d] != "decode" else "prefill"
+        yield d, "another role's certificate", lambda c, p, o=other: c["args"].__setitem__(
+            c["args"].index("--cluster-cert") + 1, f"/certs/{o}.pem")
         yield d, "no mount", lambda c, p: c.__setitem__(
             "volumeMounts", [m for m in c["volumeMounts"] if m["name"] != "cluster-tls"])
         yield d, "writable mount", lambda c, p: [m.__setitem__("readOnly", False)
@@ -183,12 +198,12 @@ def _mutations():
                                                   for v in p["volumes"] if "secret" in v]
         yield d, "world-readable key", lambda c, p: [
             v["secret"].__setitem__("defaultMode", 0o444) for v in p["volumes"] if "secret" in v]
-        yield d, "key outside the mount", lambda c, p: c["args"].__setitem__(
-            c["args"].index("--cluster-key") + 1, "/etc/node.key")
+        yield d, "key outside the mount", lambda c, p, r=ROLE[d]: c["args"].__setitem__(
+            c["args"].index("--cluster-key") + 1, f"/etc/{r}.key")
         yield d, "key file not the Secret's", lambda c, p: c["args"].__setitem__(
             c["args"].index("--cluster-key") + 1, "/certs/tls.key")
     for d in ("tandem-prefill", "tandem-decode"):
-        for flag in (*CLUSTER_FILES, "--cluster-server-name"):
+        for flag in (*cluster_files(ROLE[d]), "--cluster-server-name"):
             yield d, f"probe without {flag}", lambda c, p, f=flag: _probe_without(f)(c)
         yield d, "kubelet's gRPC probe", lambda c, p: c.__setitem__(
             "livenessProbe", {"grpc": {"port": c["ports"][0]["containerPort"]}})
@@ -207,8 +222,8 @@ class Documented(NamedTuple):
 def _documented(text: str) -> Documented:
     text = text.replace("\n#", "\n").replace("\\\n", " ")  # comments, continued lines
     doc = Documented(
-        {m[1]: m[2].split(",")
-         for m in re.finditer(r"tandem certs --out (\S+) --hosts (\S+)", text)},
+        {m[1]: m[2].split(",") if m[2] else []
+         for m in re.finditer(r"tandem certs --out (\S+)(?: --hosts (\S+))?", text)},
         {m[1]: re.findall(r"--from-file=(\S+)", m[2]) for m in re.finditer(r"create secret generic (\S+)((?: +--from-file=\S+)+)", text)},
         {m[1]: (m[2], m[3])
          for m in re.finditer(r"create secret tls (\S+) --cert=(\S+) --key=(\S+)", text)})

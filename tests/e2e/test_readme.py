@@ -159,8 +159,9 @@ def test_readme_tls_example_runs_as_written(tmp_path):
     assert models["data"][0]["id"] == "smollm2-135m-instruct", res.stdout
     assert out[end:].strip() == printed.replace("50051", str(grpc_port)), res.stdout
     assert "API key:     required on both public ports" in log
-    assert sorted(p.name for p in (tmp_path / "tls").iterdir()) == ["ca.pem", "node.key",
-                                                                    "node.pem"]
+    assert sorted(p.name for p in (tmp_path / "tls").iterdir()) == sorted(
+        ["ca.pem", *(f"{role}.{ext}" for role in ("both", "decode", "prefill", "router")
+                     for ext in ("key", "pem"))])
 
 
 def test_readme_names_only_files_the_repository_has():

@@ -243,10 +243,13 @@ def test_no_key_of_the_cluster_ca_is_on_disk(tiny_models, tmp_path):
             if b"--cluster-key" in argv:
                 keys[pid] = argv[argv.index(b"--cluster-key") + 1].decode()
         assert len(keys) == 3, keys  # the router and both workers
+        memfds = set()
         for pid, key in keys.items():
             assert key.startswith("/dev/fd/"), key
-            assert os.readlink(f"/proc/{pid}/fd/{key.removeprefix('/dev/fd/')}").startswith(
-                "/memfd:"), key
+            memfd = os.readlink(f"/proc/{pid}/fd/{key.removeprefix('/dev/fd/')}")
+            assert memfd.startswith("/memfd:"), key
+            memfds.add(memfd)
+        assert len(memfds) == 3, memfds  # each its own key: router0 never holds prefill0's
         assert not [p.name for p in (tmp_path / "logs").rglob("*") if p.suffix in (".key",
                                                                                    ".pem")]
     finally:

@@ -162,12 +162,15 @@ def test_prefill_and_decode_in_two_network_namespaces_over_nixl_tcp(tiny_models,
         env = {"TANDEM_LOG_FORMAT": "json", "UCX_TLS": "tcp", "PYTHONUNBUFFERED": "1"}
         ready = {n: tmp_path / f"{n}.ready" for n in ("prefill", "decode", "router")}
         logs = {n: tmp_path / f"{n}.log" for n in ready}
+        # Plaintext between the namespaces: --insecure on both workers (the prefill worker
+        # listens beyond loopback, the decode worker takes KV from another host).
         prefill = p_host.spawn(_tandem("prefill", "--model", model, "--host", P_ADDR, "--port",
-                                       "50061", "--transport", "nixl", *WORKER_ARGS,
+                                       "50061", "--transport", "nixl", "--insecure", *WORKER_ARGS,
                                        ready=ready["prefill"]),
                                logs["prefill"], {**env, "UCX_NET_DEVICES": "vP"})
         decode = d_host.spawn(_tandem("decode", "--model", model, "--host", "127.0.0.1",
-                                      "--port", "50062", *WORKER_ARGS, ready=ready["decode"]),
+                                      "--port", "50062", "--insecure", *WORKER_ARGS,
+                                      ready=ready["decode"]),
                               logs["decode"], {**env, "UCX_NET_DEVICES": "vD"})
         _wait_ready(prefill, ready["prefill"], logs["prefill"])
         _wait_ready(decode, ready["decode"], logs["decode"])

@@ -22,6 +22,7 @@ from cli.certs import make_cluster_ca
 from cluster import Cluster
 from engine.sampling_params import SamplingParams
 from runtime.convert import params_to_proto
+from runtime.security import internal_channel
 from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 KEYS = ("key-of-tenant-a", "key-of-tenant-b")
@@ -34,7 +35,7 @@ def cluster(tiny_models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trust")
     keys = tmp / "api-keys"
     keys.write_text("# one tenant per line\n" + "\n".join(KEYS) + "\n")
-    public = make_cluster_ca(tmp / "public")  # any CA: a server certificate for 127.0.0.1
+    public = make_cluster_ca(tmp / "public").tls("router")  # any CA: a certificate for 127.0.0.1
     c = Cluster(tmp, str(tiny_models["llama"]), worker_args=WORKER_ARGS, cluster_ca=True,
                 router_args=["--tls-cert", str(public.cert), "--tls-key", str(public.key)],
                 env={"TANDEM_API_KEY_FILE": str(keys)}).start()
@@ -163,7 +164,7 @@ def test_generated_request_ids_are_random(cluster):
 # -- mutual TLS on the internal hops -------------------------------------------------------------
 def test_a_worker_refuses_callers_without_a_cluster_client_certificate(cluster, tmp_path):
     tls = cluster.cluster_tls
-    other = make_cluster_ca(tmp_path / "other")  # a CA the cluster never heard of
+    other = make_cluster_ca(tmp_path / "other").tls("router")  # a CA the cluster never heard of
 
     async def get_load(address: str, creds: grpc.ChannelCredentials | None):
         ch = (grpc.aio.secure_channel(address, creds) if creds is not None
@@ -185,6 +186,64 @@ def test_a_worker_refuses_callers_without_a_cluster_client_certificate(cluster, 
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (w.name, e.value)
             load = await get_load(w.address, tls.channel_credentials())
             assert load.num_blocks == 256
+    asyncio.run(main())
+
+
+# Each worker RPC with a message that is harmless to send (refused, empty or unknown).
+HARMLESS = {
+    "Prefill": worker_pb2.PrefillRequest(),
+    "Stream": worker_pb2.StreamRequest(cancel="nothing-running"),
+    "Abort": worker_pb2.AbortRequest(request_id="nothing-running"),
+    "GetLoad": worker_pb2.GetLoadRequest(),
+    "WatchKV": worker_pb2.WatchKVRequest(),
+    "Register": worker_pb2.RegisterRequest(),
+    "ClaimLease": worker_pb2.ClaimLeaseRequest(lease_id="0" * 32),
+    "RenewLeases": worker_pb2.RenewLeasesRequest(lease_ids=["0" * 32]),
+    "Release": worker_pb2.ReleaseRequest(lease_id="0" * 32),
+}
+
+
+def test_each_role_calls_only_what_the_table_allows(cluster):
+    """Every worker RPC called with each member's certificate (the router's, the prefill
+    worker's, the decode worker's) on both workers: PERMISSION_DENIED, naming the caller,
+    exactly where WORKER_CALLERS does not list the caller's role, whatever the worker's role;
+    anything else (an answer, or the servicer's own refusal) where it does."""
+    from runtime.cluster_roles import WORKER_CALLERS
+
+    assert set(HARMLESS) == set(WORKER_CALLERS)
+
+    async def call(stub, method: str):
+        rpc = getattr(stub, method)
+        try:
+            if method == "Stream":
+                async for _ in rpc(iter([HARMLESS[method]]), timeout=10):
+                    pass
+            elif method == "WatchKV":
+                watch = rpc(HARMLESS[method], timeout=10)
+                await watch.read()  # the first message: the set of cached blocks
+                watch.cancel()
+            else:
+                await rpc(HARMLESS[method], timeout=10)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details()
+        return grpc.StatusCode.OK, ""
+
+    async def main():
+        wrong = []
+        for caller in ("router", "prefill0", "decode0"):
+            tls = cluster.cluster_certs.tls(caller)
+            role = caller.rstrip("0")
+            for w in cluster.workers():
+                async with internal_channel(w.address, tls, (), w.name.rstrip("0")) as ch:
+                    stub = worker_pb2_grpc.WorkerStub(ch)
+                    for method, callers in WORKER_CALLERS.items():
+                        code, details = await call(stub, method)
+                        denied = code == grpc.StatusCode.PERMISSION_DENIED
+                        if denied != (role not in callers) or \
+                                (denied and f"spiffe://tandem/{role}/{caller}" not in details):
+                            wrong.append((caller, w.name, method, code, details))
+        assert not wrong, wrong
+
     asyncio.run(main())
 
 

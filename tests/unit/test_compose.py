@@ -340,9 +340,9 @@ def test_the_model_directory_is_mounted_read_only(services: dict) -> None:
 
 
 def test_every_internal_hop_is_mutual_tls(services: dict, args: dict) -> None:
-    """The certs service writes a CA and a node certificate naming every service; each Tandem
-    service serves and calls with them, and its health check presents them (a worker refuses
-    a caller without one)."""
+    """The certs service writes a CA and a certificate per role, naming every service too; each
+    Tandem service serves and calls with its role's, and its health check presents it (a worker
+    refuses a caller without one)."""
     certs = services["certs"]
     cmd = certs["command"]
     assert cmd[0] == "certs" and certs["restart"] == "no"
@@ -352,10 +352,10 @@ def test_every_internal_hop_is_mutual_tls(services: dict, args: dict) -> None:
     for name in TANDEM:
         a = args[name]
         assert (a.cluster_ca, a.cluster_cert, a.cluster_key) == (
-            "/certs/ca.pem", "/certs/node.pem", "/certs/node.key"), name
+            "/certs/ca.pem", f"/certs/{name}.pem", f"/certs/{name}.key"), name
         if name != "router":  # the router's public port is checked as clients see it
             test = services[name]["healthcheck"]["test"]
-            assert "--cluster-cert" in test and "/certs/node.pem" in test, name
+            assert "--cluster-cert" in test and f"/certs/{name}.pem" in test, name
 
 
 def test_mounted_config_files_exist(services: dict) -> None:

@@ -3,7 +3,8 @@ kubernetes-validate, strict: unknown fields are errors), and the pieces are wire
 the router's worker addresses name Services whose ports lead to the workers' gRPC ports,
 probes and scrape annotations name ports the containers serve, workers get a GPU each, and
 prefill serves its pool over NIXL, and every hop between router and workers is mutual TLS with
-the certificates of one Secret, which the workers' probes present too. The router's public
+the certificate of the pod's role, from a Secret of that role alone, which the workers' probes
+present too. The router's public
 side is test_k8s_public_tls.py."""
 
 from __future__ import annotations
@@ -15,15 +16,14 @@ from pathlib import PurePosixPath
 import pytest
 import yaml
 from k8s_manifests import (
-    CLUSTER_FILES,
     DOCS,
     K8S,
     KEY_FILE,
     KEY_SECRET,
     KUBERNETES_VERSION,
     PUBLIC_SECRET,
-    SECRET,
-    SERVER_NAME,
+    ROLE,
+    SECRETS,
     SERVICES,
     _certs_dir,
     _container,
@@ -37,6 +37,7 @@ from k8s_manifests import (
     _mutations,
     _probe_argv,
     _probe_port,
+    cluster_files,
 )
 
 kubernetes_validate = pytest.importorskip(
@@ -200,22 +201,26 @@ def test_the_mtls_check_catches_each_missing_piece(deployment, what, mutate) -> 
 
 @pytest.mark.parametrize("where", ["kustomization.yaml", "README.md"])
 def test_the_documented_secrets_are_the_ones_the_pods_mount(where) -> None:
-    """Each Secret a pod mounts is made as documented, with the keys the pod reads; the cluster
-    certificate carries the agreed name, the public one comes from another `tandem certs` run
-    (another CA: it opens nothing on the workers), and no key goes on kubectl's command line."""
+    """Each Secret a pod mounts is made as documented, with the keys the pod reads: a cluster
+    Secret per role with that role's certificate alone, all from one `tandem certs` run; the
+    public one comes from another run (another CA: it opens nothing on the workers), and no key
+    goes on kubectl's command line."""
     text = (K8S / where).read_text() if where != "README.md" else _k8s_readme()
     doc = _documented(text)
-    assert sorted(_keys(doc.generic[SECRET])) == sorted(CLUSTER_FILES.values())
-    cluster_dir = _certs_dir(doc, doc.generic[SECRET])
-    assert SERVER_NAME in doc.certs[cluster_dir]
+    cluster_dirs = set()
+    for d, secret in SECRETS.items():
+        assert sorted(_keys(doc.generic[secret])) == sorted(cluster_files(ROLE[d]).values())
+        cluster_dirs.add(_certs_dir(doc, doc.generic[secret]))
+    (cluster_dir,) = cluster_dirs
     cert, key = doc.tls[PUBLIC_SECRET]  # `create secret tls` stores them as tls.crt, tls.key
     public_dir = _certs_dir(doc, [cert, key])
     assert public_dir != cluster_dir
-    assert (PurePosixPath(cert).name, PurePosixPath(key).name) == ("node.pem", "node.key")
+    assert (PurePosixPath(cert).name, PurePosixPath(key).name) == ("router.pem", "router.key")
     assert _keys(doc.generic[KEY_SECRET]) == [KEY_FILE]
     assert "--from-literal" not in text  # `ps` shows kubectl's arguments
-    mounted = {"tandem-prefill": {SECRET}, "tandem-decode": {SECRET},
-               "tandem-router": {SECRET, PUBLIC_SECRET, KEY_SECRET}}
+    mounted = {"tandem-prefill": {SECRETS["tandem-prefill"]},
+               "tandem-decode": {SECRETS["tandem-decode"]},
+               "tandem-router": {SECRETS["tandem-router"], PUBLIC_SECRET, KEY_SECRET}}
     for d, secrets in mounted.items():
         pod = _get("Deployment", d)["spec"]["template"]["spec"]
         assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == secrets

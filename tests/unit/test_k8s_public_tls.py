@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import re
+from pathlib import PurePosixPath
 
 import pytest
 import yaml
@@ -18,8 +19,8 @@ from k8s_manifests import (
     PROBES,
     PUBLIC_FILES,
     PUBLIC_SECRET,
-    SECRET,
-    SERVER_NAME,
+    ROLE,
+    SECRETS,
     SERVICES,
     _certs_dir,
     _container,
@@ -112,9 +113,9 @@ def _public_mutations():
     yield "key outside the mount", lambda c, p, m: c["args"].__setitem__(
         c["args"].index("--tls-key") + 1, "/etc/tls.key")
     yield "the cluster's key", lambda c, p, m: c["args"].__setitem__(
-        c["args"].index("--tls-key") + 1, "/certs/node.key")
+        c["args"].index("--tls-key") + 1, "/certs/router.key")
     yield "key file not the Secret's", lambda c, p, m: c["args"].__setitem__(
-        c["args"].index("--tls-key") + 1, "/tls/node.key")
+        c["args"].index("--tls-key") + 1, "/tls/router.key")
     yield "the kubelet's gRPC probe", lambda c, p, m: c.__setitem__(
         "readinessProbe", {"grpc": {"port": 50051}})
     yield "an HTTP probe", lambda c, p, m: c["startupProbe"]["httpGet"].pop("scheme")
@@ -171,7 +172,8 @@ def test_the_documented_certificate_passes_every_probe_and_the_routers_calls(tmp
     from runtime.security import ClusterTls, internal_channel
 
     doc = _documented(_k8s_readme())
-    made = make_cluster_ca(tmp_path, doc.certs[_certs_dir(doc, doc.generic[SECRET])])
+    made = make_cluster_ca(tmp_path, doc.certs[_certs_dir(doc, doc.generic[SECRETS[
+        "tandem-router"]])])
 
     def local(argv: list[str], address: str) -> list[str]:
         argv = [a.replace("/certs/", f"{tmp_path}/") for a in argv]
@@ -179,29 +181,33 @@ def test_the_documented_certificate_passes_every_probe_and_the_routers_calls(tmp
         return argv
 
     async def main():
-        async with health_server(made) as (address, _):
-            codes = []
-            for d in ("tandem-prefill", "tandem-decode"):
+        codes, statuses = [], []
+        for d in ("tandem-prefill", "tandem-decode"):
+            role = ROLE[d]
+            async with health_server(made.tls(role)) as (address, _):  # a worker of that role
                 c = _container(d)
                 for kind in PROBES:
                     argv = _probe_argv(c[kind])
                     assert argv[argv.index("--address") + 1].startswith("$POD_IP:")
                     codes.append(await asyncio.to_thread(
                         healthcheck.main, local(argv[1:], address)))
-            # TLS trusting the CA, but no client certificate: refused in the handshake.
-            bare = ["--address", address, "--tls-ca", str(made.ca),
-                    "--cluster-server-name", SERVER_NAME]
-            codes.append(await asyncio.to_thread(healthcheck.main, bare))
-            router = build_parser("router").parse_args(
-                [a.replace("/certs/", f"{tmp_path}/") for a in _container("tandem-router")["args"]])
-            async with internal_channel(address, ClusterTls.from_args(router), ()) as ch:
-                reply = await health_pb2_grpc.HealthStub(ch).Check(
-                    health_pb2.HealthCheckRequest(), timeout=5)
-            return codes, reply.status
+                # TLS trusting the CA, but no client certificate: refused in the handshake.
+                bare = ["--address", address, "--tls-ca", str(made.ca),
+                        "--cluster-server-name", f"{role}.tandem.internal"]
+                codes.append(await asyncio.to_thread(healthcheck.main, bare))
+                router = build_parser("router").parse_args(
+                    [a.replace("/certs/", f"{tmp_path}/")
+                     for a in _container("tandem-router")["args"]])
+                async with internal_channel(address, ClusterTls.from_args(router), (),
+                                            role) as ch:
+                    reply = await health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(), timeout=5)
+                statuses.append(reply.status)
+        return codes, statuses
 
-    codes, status = asyncio.run(main())
-    assert codes == [0] * 6 + [1]
-    assert status == health_pb2.HealthCheckResponse.SERVING
+    codes, statuses = asyncio.run(main())
+    assert codes == [0, 0, 0, 1] * 2
+    assert statuses == [health_pb2.HealthCheckResponse.SERVING] * 2
 
 
 def test_the_router_started_with_the_manifests_flags_serves_tls_only(tmp_path) -> None:
@@ -225,13 +231,13 @@ def test_the_router_started_with_the_manifests_flags_serves_tls_only(tmp_path) -
     from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
     doc = _documented(_k8s_readme())
-    cluster_dir = _certs_dir(doc, doc.generic[SECRET])
+    cluster_dir = _certs_dir(doc, doc.generic[SECRETS["tandem-router"]])
     cluster = make_cluster_ca(tmp_path / "certs", doc.certs[cluster_dir])
     cert, key = doc.tls[PUBLIC_SECRET]
     public = make_cluster_ca(tmp_path / "public", doc.certs[_certs_dir(doc, [cert, key])])
     (tmp_path / "tls").mkdir()  # what `kubectl create secret tls` mounts
-    shutil.copy(public.cert, tmp_path / "tls" / PUBLIC_FILES["--tls-cert"])
-    shutil.copy(public.key, tmp_path / "tls" / PUBLIC_FILES["--tls-key"])
+    shutil.copy(public.dir / PurePosixPath(cert).name, tmp_path / "tls" / PUBLIC_FILES["--tls-cert"])
+    shutil.copy(public.dir / PurePosixPath(key).name, tmp_path / "tls" / PUBLIC_FILES["--tls-key"])
     (tmp_path / "api-keys").mkdir()
     (tmp_path / "api-keys" / KEY_FILE).write_text("# tenants\nk-one\nk-two\n")
     (tmp_path / "models" / "demo").mkdir(parents=True)
@@ -255,8 +261,9 @@ def test_the_router_started_with_the_manifests_flags_serves_tls_only(tmp_path) -
     async def main():
         worker = grpc.aio.server()
         worker_pb2_grpc.add_WorkerServicer_to_server(FakeWorker(), worker)
-        creds = cluster.server_credentials()
-        ports = [worker.add_secure_port("127.0.0.1:0", creds) for _ in range(2)]
+        # The two Services' fake worker, with each role's certificate on the port of its role.
+        ports = [worker.add_secure_port("127.0.0.1:0", cluster.tls(role).server_credentials())
+                 for role in ("prefill", "decode")]
         await worker.start()
         args = [here(a) for a in c["args"]]
         for flag, value in (("--host", "127.0.0.1"), ("--grpc-port", "0"), ("--http-port", "0"),

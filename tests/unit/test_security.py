@@ -18,6 +18,7 @@ from engine.sequence import Sequence
 from router_svc.frontend import Frontend
 from router_svc.http_guard import BodyGuard
 from router_svc.json_body import BodyError, check_json
+from runtime.cluster_roles import ROLES, WORKER_CALLERS, allowed, peer_name, role_of
 from runtime.security import ApiKeys, ClusterTls, PublicTls, load_api_keys
 from tandem.errors import InvalidArgument
 
@@ -77,24 +78,42 @@ def test_tandem_up_passes_the_key_file_not_the_key(monkeypatch, tmp_path):
     assert stack.worker_env["PYTHONUNBUFFERED"] == "1"
 
 
-# -- certificates --------------------------------------------------------------------------------
-def test_the_cluster_ca_signs_a_node_certificate_for_both_ends(tmp_path):
+# -- certificates and roles ----------------------------------------------------------------------
+def test_the_cluster_ca_signs_one_certificate_per_role(tmp_path):
     from cryptography import x509
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
-    tls = make_cluster_ca(tmp_path, ["prefill", "10.0.0.5"])
-    assert (tls.key.stat().st_mode & 0o777) == 0o600
+    made = make_cluster_ca(tmp_path, ["prefill", "10.0.0.5"])
+    assert set(made.members) == set(ROLES)
     assert not list(tmp_path.glob("ca.key"))  # the CA's key is never written
-    ca = x509.load_pem_x509_certificate(tls.ca.read_bytes())
-    node = x509.load_pem_x509_certificate(tls.cert.read_bytes())
-    node.verify_directly_issued_by(ca)
-    san = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert {"localhost", "prefill"} <= set(san.get_values_for_type(x509.DNSName))
-    assert {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} >= {"127.0.0.1",
-                                                                           "10.0.0.5"}
-    usage = node.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usage)
-    assert isinstance(tls.server_credentials(), grpc.ServerCredentials)
+    ca = x509.load_pem_x509_certificate(made.ca.read_bytes())
+    for role in ROLES:
+        tls = made.tls(role)
+        assert (tls.key.stat().st_mode & 0o777) == 0o600
+        cert = x509.load_pem_x509_certificate(tls.cert.read_bytes())
+        cert.verify_directly_issued_by(ca)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        # Its identity (checked by workers), its role's name (checked by callers), the hosts.
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [
+            f"spiffe://tandem/{role}/{role}"]
+        assert {peer_name(role), "localhost", "prefill"} <= set(
+            san.get_values_for_type(x509.DNSName))
+        assert not {peer_name(r) for r in ROLES if r != role} & set(
+            san.get_values_for_type(x509.DNSName))
+        assert {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} >= {"127.0.0.1",
+                                                                               "10.0.0.5"}
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usage)
+        assert tls.identity() == f"spiffe://tandem/{role}/{role}"
+        tls.check_role(role)
+        with pytest.raises(InvalidArgument) as e:
+            tls.check_role("prefill" if role != "prefill" else "decode")
+        assert e.value.field == "--cluster-cert"
+    assert isinstance(made.tls("router").server_credentials(), grpc.ServerCredentials)
+    named = make_cluster_ca(tmp_path / "named", members={"decode7": "decode"})
+    assert named.tls("decode7").identity() == "spiffe://tandem/decode/decode7"
+    with pytest.raises(InvalidArgument):
+        make_cluster_ca(tmp_path / "bad", members={"x": "admin"})
 
 
 def test_certs_written_again_replace_what_was_there(tmp_path):
@@ -108,23 +127,24 @@ def test_certs_written_again_replace_what_was_there(tmp_path):
     out, elsewhere = tmp_path / "certs", tmp_path / "elsewhere"
     out.mkdir()
     elsewhere.write_text("not yours")
-    (out / "node.key").write_text("old key")
-    os.chmod(out / "node.key", 0o644)
+    (out / "decode.key").write_text("old key")
+    os.chmod(out / "decode.key", 0o644)
     (out / "ca.pem").symlink_to(elsewhere)
     args = build_parser("certs").parse_args(["certs", "--out", str(out)])
     assert args.func(args) == 0
-    assert (out / "node.key").stat().st_mode & 0o777 == 0o600
-    assert (out / "node.key").read_bytes().startswith(b"-----BEGIN PRIVATE KEY-----")
+    assert (out / "decode.key").stat().st_mode & 0o777 == 0o600
+    assert (out / "decode.key").read_bytes().startswith(b"-----BEGIN PRIVATE KEY-----")
     assert not (out / "ca.pem").is_symlink() and elsewhere.read_text() == "not yours"
-    (out / "node.key").unlink()
-    (out / "node.key").symlink_to(elsewhere)
+    (out / "decode.key").unlink()
+    (out / "decode.key").symlink_to(elsewhere)
     make_cluster_ca(out)
-    assert not (out / "node.key").is_symlink() and elsewhere.read_text() == "not yours"
-    assert sorted(p.name for p in out.iterdir()) == ["ca.pem", "node.key", "node.pem"]
+    assert not (out / "decode.key").is_symlink() and elsewhere.read_text() == "not yours"
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["ca.pem", *(f"{role}.{ext}" for role in ROLES for ext in ("pem", "key"))])
 
 
 def test_tls_flags_go_together_and_name_the_missing_one(tmp_path):
-    tls = make_cluster_ca(tmp_path)
+    tls = make_cluster_ca(tmp_path).tls("prefill")
     ns = argparse.Namespace(cluster_ca=str(tls.ca), cluster_cert=str(tls.cert), cluster_key=None)
     with pytest.raises(InvalidArgument) as e:
         ClusterTls.from_args(ns)
@@ -139,31 +159,43 @@ def test_tls_flags_go_together_and_name_the_missing_one(tmp_path):
     assert e.value.field == "--tls-key"
 
 
+def test_the_callers_table_covers_every_worker_rpc_and_nothing_else():
+    """WORKER_CALLERS is the one list of who may call what: every RPC of worker.proto has a
+    row, and a method not in it (one added to the proto later) is refused to everyone."""
+    from tandem.v1 import worker_pb2
 
-def test_a_cluster_server_name_is_what_a_peer_certificate_must_carry(tmp_path):
-    """Kubernetes dials pods by IPs no certificate names: with --cluster-server-name every
-    internal call (and `tandem health`) checks that name instead of the dialed host. The server
-    here listens on 127.0.0.1, which the certificate also names, so a call that succeeds with
-    the right name and fails with a wrong one shows the name, not the address, was checked."""
+    service = worker_pb2.DESCRIPTOR.services_by_name["Worker"]
+    assert set(WORKER_CALLERS) == {m.name for m in service.methods}
+    assert all(callers <= set(ROLES) and callers for callers in WORKER_CALLERS.values())
+    for method, callers in WORKER_CALLERS.items():
+        for role in (*ROLES, None):
+            assert allowed(f"/tandem.v1.Worker/{method}", role) == (role in callers)
+    assert not allowed("/tandem.v1.Worker/SomethingNew", "router")
+    assert not allowed("/tandem.v1.Tandem/Generate", "router")  # not a worker's service
+    assert allowed("/grpc.health.v1.Health/Check", None)
+    assert role_of("spiffe://tandem/decode/decode0") == "decode"
+    for other in ("spiffe://tandem/admin/x", "spiffe://elsewhere/router/r", "router", None, ""):
+        assert role_of(other) is None, other
+
+
+def test_a_caller_checks_the_role_of_the_peer_it_dials(tmp_path):
+    """A channel to a prefill worker accepts only a prefill worker's certificate, whatever
+    address it dials: the server here listens on 127.0.0.1, which every certificate names, so
+    a call that succeeds for one role and fails for another shows the role was checked. `tandem
+    health` checks the name it is given (a pod dialed by an IP its certificate lacks)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from health_server import health_server
 
     from cli import health as healthcheck
     from runtime.security import internal_channel
 
-    made = make_cluster_ca(tmp_path, ["tandem-cluster"])
-    ns = argparse.Namespace(cluster_ca=str(made.ca), cluster_cert=str(made.cert),
-                            cluster_key=str(made.key), cluster_server_name="tandem-cluster")
-    tls = ClusterTls.from_args(ns)
-    assert tls.server_name == "tandem-cluster"
-    assert tls.argv()[-2:] == ["--cluster-server-name", "tandem-cluster"]
-    wrong = ClusterTls(tls.ca, tls.cert, tls.key, "tandem-elsewhere")
+    made = make_cluster_ca(tmp_path)
 
     async def main():
-        async with health_server(tls) as (address, _):
+        async with health_server(made.tls("prefill")) as (address, _):
             codes = []
-            for t in (tls, wrong):
-                async with internal_channel(address, t, ()) as ch:
+            for role in ("prefill", "decode", "router"):
+                async with internal_channel(address, made.tls("decode"), (), role) as ch:
                     try:
                         await health_pb2_grpc.HealthStub(ch).Check(
                             health_pb2.HealthCheckRequest(), timeout=5)
@@ -171,19 +203,67 @@ def test_a_cluster_server_name_is_what_a_peer_certificate_must_carry(tmp_path):
                     except grpc.RpcError as e:
                         codes.append(e.code())
             probes = []
-            for name in ("tandem-cluster", "tandem-elsewhere"):
-                argv = ["--address", address, "--timeout", "5", *tls.argv()[:6],
+            for name in (peer_name("prefill"), peer_name("decode")):
+                argv = ["--address", address, "--timeout", "5", *made.tls("prefill").argv(),
                         "--cluster-server-name", name]
                 probes.append(await asyncio.to_thread(healthcheck.main, argv))
             return codes, probes
 
     codes, probes = asyncio.run(main())
-    assert codes == [grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE]
+    assert codes == [grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE]
     assert probes == [0, 1]
-    ns = argparse.Namespace(cluster_server_name="tandem-cluster")
+
+
+def test_a_worker_without_cluster_tls_listens_on_loopback_unless_insecure(caplog):
+    """The check runs before the engine loads: a non-loopback --host without TLS is refused
+    naming --insecure; with it, or on loopback, the worker starts and says loudly that anyone
+    who reaches it may call it."""
+    from runtime.worker import check_exposure, is_loopback
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.3.0.1"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "", "prefill", "10.0.0.5"))
     with pytest.raises(InvalidArgument) as e:
-        ClusterTls.from_args(ns)  # a name without the certificates is a mistake, not a no-op
-    assert e.value.field == "--cluster-server-name"
+        check_exposure(argparse.Namespace(host="0.0.0.0", port=0, insecure=False), None,
+                       "decode")
+    assert e.value.field == "--host" and "--insecure" in e.value.message
+    for host, insecure in (("0.0.0.0", True), ("127.0.0.1", False)):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            check_exposure(argparse.Namespace(host=host, port=7, insecure=insecure), None,
+                           "prefill")
+        assert any("NO CLUSTER TLS" in r.getMessage() for r in caplog.records), host
+
+
+def test_a_pool_owner_is_known_by_the_socket_it_listens_on():
+    """Without TLS, a decode worker maps a pool only when its owner (or the owner's parent, the
+    worker's server) listens at the address it dialed: here this process listens, and a child
+    of it stands for the engine core that owns a pool."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from runtime.local_peers import pool_owner_listens
+
+    with socket.socket() as listener, socket.socket() as other:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        other.bind(("127.0.0.1", 0))  # bound, not listening
+        port, idle = listener.getsockname()[1], other.getsockname()[1]
+        child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                 stdin=subprocess.PIPE)
+        try:
+            assert pool_owner_listens(os.getpid(), f"127.0.0.1:{port}")
+            assert pool_owner_listens(os.getpid(), f"localhost:{port}")
+            assert pool_owner_listens(child.pid, f"127.0.0.1:{port}")  # its parent listens
+            assert not pool_owner_listens(os.getpid(), f"127.0.0.1:{idle}")
+            assert not pool_owner_listens(os.getpid(), f"127.0.0.2:{port}")  # not that address
+            assert not pool_owner_listens(1, f"127.0.0.1:{port}")  # another process
+        finally:
+            child.stdin.close()
+            child.wait()
+        assert not pool_owner_listens(child.pid, f"127.0.0.1:{port}")  # gone
+
 
 # -- the HTTP body -------------------------------------------------------------------------------
 @pytest.mark.parametrize("body,param,needle", [
