@@ -13,10 +13,7 @@ from runtime.worker import add_worker_args
 def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="run a worker of any role (prefill, decode, both)")
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
-    p.add_argument("--transport", choices=["shm", "cuda_ipc", "nixl"], default=None,
-                   help="role prefill: how decode workers reach this pool")
-    p.add_argument("--lease-ttl", type=float, default=30.0,
-                   help="role prefill: seconds blocks stay pinned for a decode worker")
+    prefill_server.add_lease_args(p, prefix="role prefill: ")
     add_worker_args(p)
     p.set_defaults(func=run)
 

@@ -7,7 +7,8 @@ worker renews every lease its engine core holds once a third of the time the lea
 given has passed, in one RenewLeases call per prefill worker, and tells the core the new
 deadlines (its pulls give up only then). A decode worker that dies stops renewing, and its
 leases end a time to live later; one that cannot reach a prefill worker tries again each round
-until the lease's own deadline.
+until the lease's own deadline. No lease outlives its prefill worker's --lease-max-life: a
+renewal that no longer moves the deadline is the last one.
 
     held leases (DecodeServicer._held) ── due ──▶ RenewLeases(tokens) at each prefill worker
         ttl_ms per token ──▶ lease.deadline, lease.renew_at ──▶ LeasesRenewed ──▶ engine core
@@ -23,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from decode_svc.handoff import CORE, LEASE_MARGIN_S, HeldLease, renew_time
+from decode_svc.handoff import CORE, LEASE_MARGIN_S, RENEW_AFTER, HeldLease, renew_time
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,13 @@ class LeaseRenewal:
                 lease.renew_at = float("inf")
                 self.lost += 1
                 continue
-            lease.deadline = max(lease.deadline, sent + ttl_ms / 1000 - LEASE_MARGIN_S)
-            lease.renew_at = renew_time(sent, ttl_ms)
+            granted = sent + ttl_ms / 1000 - LEASE_MARGIN_S
+            # A renewal that hardly moved the deadline met the end of the lease's life (the
+            # prefill worker's --lease-max-life): asking again would only come sooner and
+            # sooner. The lease keeps the deadline it has.
+            capped = granted - lease.deadline < ttl_ms / 1000 * RENEW_AFTER / 2
+            lease.deadline = max(lease.deadline, granted)
+            lease.renew_at = float("inf") if capped else renew_time(sent, ttl_ms)
             deadlines.append((lease.lease_id, lease.deadline))
         lost = len(leases) - len(deadlines)
         if deadlines:

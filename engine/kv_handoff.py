@@ -59,6 +59,7 @@ class KVHandoff:
     num_requests_added: int
     leases: LeaseTable
     lease_ttl_s: float  # prefill: how long a handed-off prompt's blocks stay pinned
+    lease_max_life_s: float | None  # prefill: renewals never pin them longer (None: no cap)
     kv_puller: KVPuller | None
     kv_dropper: KVDropper | None
     pulling: list[tuple[Sequence, RemoteKV]]
@@ -142,7 +143,7 @@ class KVHandoff:
     def _handoff(self, seq: Sequence, tokens: list[int], lps: list) -> SeqOutput:
         """Prefill role: pin the prompt's blocks under a lease and end the request here."""
         now = time.monotonic()
-        lease = self.leases.grant(seq.block_ids, self.lease_ttl_s, now)
+        lease = self.leases.grant(seq.block_ids, self.lease_ttl_s, now, self.lease_max_life_s)
         reasons = []
         for tok in tokens:
             seq.token_ids.append(tok)  # as the decode side will see it

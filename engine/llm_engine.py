@@ -90,6 +90,7 @@ class LLMEngine(KVHandoff, PipelinedSteps):
         self.compiling: list[tuple[Sequence, Future]] = []
         self.leases = LeaseTable()
         self.lease_ttl_s = 30.0
+        self.lease_max_life_s: float | None = None
         self.kv_puller = kv_puller
         # Whether a request's pull is ordered with the steps on the device (pipelined steps go
         # on beside it); None: no pull is (engine/async_step.py).

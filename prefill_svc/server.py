@@ -21,6 +21,7 @@ import grpc
 
 from kvtransfer.descriptor import check_compatible
 from kvtransfer.lease import Claim, LeaseClaims, prompt_digest
+from runtime.cluster_roles import caller_identity
 from runtime.convert import descriptor_to_proto, logprobs_to_proto, params_from_proto
 from runtime.worker import WorkerServicer, abort_for, add_worker_args, checked, main_worker
 from runtime.worker_inputs import (
@@ -82,7 +83,7 @@ class PrefillServicer(WorkerServicer):
     async def ClaimLease(self, request, context):  # noqa: N802
         await checked(context, check_lease_id, request.lease_id)
         now = time.monotonic()
-        claim = self.claims.claim(request.lease_id, now)
+        claim = self.claims.claim(request.lease_id, now, caller_identity(context) or "")
         if claim is None:
             # One answer for unknown, expired, released and claimed: the token opens nothing.
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -97,18 +98,28 @@ class PrefillServicer(WorkerServicer):
         return worker_pb2.ReleaseResponse(released=await self.engine.release(request.lease_id))
 
     async def RenewLeases(self, request, context):  # noqa: N802
-        """Each live, claimed lease gets a full time to live from now (only a decode worker
-        that claimed a lease renews it; an unclaimed one keeps the deadline its claim has)."""
+        """Each live lease this caller claimed gets a full time to live from now, up to the end
+        of its life (--lease-max-life). An unclaimed one keeps the deadline it has, and so does
+        one another caller claimed (with cluster TLS, callers are told apart by certificate)."""
         if len(request.lease_ids) > MAX_RENEWALS:
             await abort_for(context, InvalidArgument(
                 "lease_ids", f"{len(request.lease_ids)} leases; at most {MAX_RENEWALS} a call"))
         ids = list(request.lease_ids)
         for lease_id in ids:
             await checked(context, check_lease_id, lease_id, "lease_ids")
-        claimed = [i for i in ids if not self.claims.unclaimed(i)]
-        left = dict(zip(claimed, await self.engine.renew(claimed), strict=True))
+        holder, now = caller_identity(context) or "", time.monotonic()
+        mine = [i for i in ids if self.claims.held_by(i, holder, now)]
+        left = dict(zip(mine, await self.engine.renew(mine), strict=True))
+        for lease_id, seconds in left.items():
+            if seconds > 0:
+                self.claims.renewed(lease_id, now + seconds)
         return worker_pb2.RenewLeasesResponse(
             ttl_ms=[int(left.get(i, 0.0) * 1000) for i in ids])
+
+    async def on_start(self) -> None:
+        # Blocks pinned by claimed leases, per holder, read when Prometheus scrapes.
+        self.telemetry.metrics.watch_leases(lambda: self.claims.pinned_by_holder(
+            time.monotonic()))
 
     async def Register(self, request, context):  # noqa: N802
         await checked(context, check_chars, "decode_worker_id", request.decode_worker_id,
@@ -127,21 +138,49 @@ class PrefillServicer(WorkerServicer):
             rank_pools=[descriptor_to_proto(d) for d in self.engine.info.rank_pools])
 
 
+# A lease's whole life, renewals included, is at most this many times its time to live unless
+# --lease-max-life says otherwise: 5 minutes with the default 30 s, far longer than a pull waits
+# on a busy decode worker or a slow link, and a bound on what one holder of leases can pin.
+MAX_LIFE_TTLS = 10
+
+
+def lease_life(args: argparse.Namespace) -> tuple[float, float]:
+    """The leases' time to live and their longest life, from the flags (checked)."""
+    ttl = args.lease_ttl
+    if not ttl > 0:
+        raise InvalidArgument("--lease-ttl", f"must be > 0, got {ttl}")
+    life = args.lease_max_life if args.lease_max_life is not None else MAX_LIFE_TTLS * ttl
+    if not life >= ttl:
+        raise InvalidArgument("--lease-max-life", f"must be >= --lease-ttl ({ttl}), got {life}")
+    return ttl, life
+
+
 def run(args: argparse.Namespace) -> int:
     transport = args.transport or ("shm" if args.device == "cpu" else "cuda_ipc")
+    ttl, life = lease_life(args)
     return main_worker(args, "prefill", PrefillServicer, transport=transport,
-                       lease_ttl_s=args.lease_ttl)
+                       lease_ttl_s=ttl, lease_max_life_s=life)
+
+
+def add_lease_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """--transport, --lease-ttl and --lease-max-life (`tandem worker` adds them with a note that
+    they are for the prefill role: `prefix`)."""
+    p.add_argument("--transport", choices=["shm", "cuda_ipc", "nixl"], default=None,
+                   help=f"{prefix}how decode workers reach this pool (default: shm on cpu, "
+                        "cuda_ipc on cuda; nixl: over NIXL/UCX, from other hosts too, needs the "
+                        "nixl extra)")
+    p.add_argument("--lease-ttl", type=float, default=30.0,
+                   help=f"{prefix}seconds a finished prompt's blocks stay pinned for a decode "
+                        "worker, counted from the prefill and again from each renewal by the "
+                        "decode worker that claimed them (every third of this while it waits)")
+    p.add_argument("--lease-max-life", type=float, default=None,
+                   help=f"{prefix}seconds a lease lives at most, renewals included, counted "
+                        f"from the prefill (default: {MAX_LIFE_TTLS} times --lease-ttl): "
+                        "renewals cannot pin blocks for good")
 
 
 def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="run a prefill worker")
     add_worker_args(p)
-    p.add_argument("--transport", choices=["shm", "cuda_ipc", "nixl"], default=None,
-                   help="how decode workers reach this pool (default: shm on cpu, cuda_ipc on "
-                        "cuda; nixl: over NIXL/UCX, from other hosts too, needs the nixl "
-                        "extra)")
-    p.add_argument("--lease-ttl", type=float, default=30.0,
-                   help="seconds a finished prompt's blocks stay pinned for a decode worker, "
-                        "counted from the prefill and again from each renewal by the decode "
-                        "worker that claimed them (every third of this while it waits)")
+    add_lease_args(p)
     p.set_defaults(func=run)

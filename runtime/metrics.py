@@ -19,7 +19,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from engine.sequence import SeqOutput, StepStats
@@ -126,6 +126,11 @@ class Metrics:
         self.kv_cache_usage.set_function(
             lambda: 1.0 - snapshot().num_free_blocks / max(1, snapshot().num_blocks))
 
+    def watch_leases(self, pinned: Callable[[], dict[str, int]]) -> None:
+        """Prefill worker: the blocks each holder's claimed leases pin (`pinned()`: holder ->
+        blocks), read when scraped."""
+        self.registry.register(_LeasedBlocks(pinned, self.role, self.model_name))
+
     def watch_engine_core(self, pid: int) -> None:
         """Worker: the engine core's CPU time, memory and open files, as
         tandem_engine_core_process_* (process_* describe the gRPC process only)."""
@@ -214,3 +219,20 @@ class _EngineCounters:
             family = CounterMetricFamily(f"tandem:{name}", doc, labels=self.labels)
             family.add_metric(self.values, value)
             yield family
+
+
+class _LeasedBlocks:
+    """tandem:kv_leased_blocks{holder}: blocks pinned by claimed leases, per holder (the
+    claimer's certificate identity; "" without cluster TLS)."""
+
+    def __init__(self, pinned: Callable[[], dict[str, int]], role: str, model: str) -> None:
+        self.pinned, self.role, self.model = pinned, role, model
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("tandem:kv_leased_blocks", "KV blocks pinned by prefill "
+                                   "leases a decode worker claimed, per claimer (its "
+                                   "certificate's identity; empty without cluster TLS)",
+                                   labels=["role", "model_name", "holder"])
+        for holder, blocks in sorted(self.pinned().items()):
+            family.add_metric([self.role, self.model, holder], blocks)
+        yield family

@@ -201,7 +201,7 @@ def bind(server: grpc.aio.Server, host: str, port: int,
 async def run_worker(args: argparse.Namespace, role: str,
                      make_servicer: Callable[[AsyncEngine, str, str], WorkerServicer],
                      telemetry: Telemetry | None = None, transport: str | None = None,
-                     lease_ttl_s: float = 30.0) -> int:
+                     lease_ttl_s: float = 30.0, lease_max_life_s: float | None = None) -> int:
     """engine core → servicer → health (+ reflection) → start → signal → drain → stop.
     Returns the exit code: 1 when the engine core died under the server."""
     telemetry = telemetry or Telemetry(role)
@@ -217,7 +217,8 @@ async def run_worker(args: argparse.Namespace, role: str,
     tls = ClusterTls.from_args(args)  # bad flags fail before the engine loads
     check_exposure(args, tls, role)
     spec = CoreSpec(engine_config(args, role=role), role, transport, lease_ttl_s,
-                    cpu_threads=args.cpu_threads, process_setup=configure_process_logging)
+                    lease_max_life_s, cpu_threads=args.cpu_threads,
+                    process_setup=configure_process_logging)
     engine = AsyncEngine(spec, on_step=metrics.on_step, on_abort=metrics.on_abort,
                          on_death=on_death)
     await engine.start()

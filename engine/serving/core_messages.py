@@ -36,6 +36,7 @@ class CoreSpec:
     role: str  # prefill, decode, both
     transport: str | None = None  # prefill: how peers map the pool (shm, cuda_ipc)
     lease_ttl_s: float = 30.0  # prefill: how long a handed-off prompt's blocks stay pinned
+    lease_max_life_s: float | None = None  # prefill: renewals never pin them longer
     # torch's CPU threads for the model: None is 1 on a GPU (the host only prepares steps) and
     # every core on the CPU. Engine cores that share a CPU each get their share (`tandem up`):
     # more threads than cores, spinning between parallel regions, stall every step for seconds.

@@ -86,6 +86,7 @@ class EngineCore:
         self.engine = LLMEngine(spec.config, pool_factory=pool_factory, progress=False,
                                 tp_options=tp_options)
         self.engine.lease_ttl_s = spec.lease_ttl_s
+        self.engine.lease_max_life_s = spec.lease_max_life_s
         # Rank 0's side of a handoff that moves heads between tensor-parallel sizes: used for
         # every peer when this worker has several ranks, or for a peer that has.
         from engine.tp_group import RankKV  # noqa: PLC0415 - torch, in the core only

@@ -1,7 +1,8 @@
 """A decode worker renews the prefill leases its requests hold while they wait for the pull:
 here the decode worker's engine core is stopped (SIGSTOP) with a request claimed, for longer
 than the prefill worker's lease lives (--lease-ttl 9); the worker process renews the lease
-meanwhile (and counts it: tandem:kv_lease_renewals), and once the core runs again the request
+meanwhile (and counts it: tandem:kv_lease_renewals; the prefill worker counts the blocks its claimer
+pins: tandem:kv_leased_blocks), and once the core runs again the request
 pulls its KV and decodes the tokens it decodes unhindered. Prefill and decode as processes on
 127.0.0.1 (shm transport), called directly (no router)."""
 
@@ -59,6 +60,9 @@ def test_a_request_waiting_longer_than_the_lease_keeps_its_kv(cluster):
                 scrape = Scrape(d)
                 assert scrape("tandem:kv_lease_renewals_total") >= 1
                 assert scrape("tandem:kv_leases_lost_total") == 0
+                # The prefill worker counts what the lease's holder pins: the prompt's 2 blocks,
+                # for the one claimer of this plaintext stack (no identity: "").
+                assert Scrape(p)("tandem:kv_leased_blocks", holder="") == 2
             finally:
                 os.kill(core, signal.SIGCONT)
             tokens, ends = await waiting

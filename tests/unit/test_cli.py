@@ -270,3 +270,20 @@ def test_a_grpc_server_cannot_share_a_port_in_use():
             await second.stop(0)
 
     asyncio.run(main())
+
+
+def test_a_leases_life_is_ten_times_its_ttl_unless_told_and_never_shorter():
+    from prefill_svc.server import lease_life
+
+    parse = build_parser("prefill").parse_args
+    assert lease_life(parse(["prefill", "--model", "m"])) == (30.0, 300.0)
+    assert lease_life(parse(["prefill", "--model", "m", "--lease-ttl", "5"])) == (5.0, 50.0)
+    assert lease_life(parse(["prefill", "--model", "m", "--lease-max-life", "45"])) == (30.0, 45.0)
+    for argv, flag in ((["--lease-max-life", "20"], "--lease-max-life"),
+                       (["--lease-ttl", "0"], "--lease-ttl")):
+        with pytest.raises(InvalidArgument) as e:
+            lease_life(parse(["prefill", "--model", "m", *argv]))
+        assert e.value.field == flag
+    worker = build_parser("worker").parse_args(["worker", "--role", "prefill", "--model", "m",
+                                                "--lease-max-life", "60"])
+    assert lease_life(worker) == (30.0, 60.0)

@@ -57,6 +57,24 @@ def test_a_renewed_lease_lives_a_full_ttl_from_its_last_renewal() -> None:
     assert table.expire(now=100.0) == [] and len(table) == 0 and table.pinned_blocks() == 0
 
 
+def test_renewals_never_take_a_lease_past_its_life() -> None:
+    """A lease granted with a longest life (the prefill worker's --lease-max-life) is renewed up
+    to it and no further, then expires whatever its holder asks: renewing cannot pin blocks for
+    good."""
+    table = LeaseTable()
+    kept = table.grant([0, 1], ttl_s=10.0, now=0.0, max_life_s=25.0)  # ends by 25 at the latest
+    assert table.renew(kept, ttl_s=10.0, now=9.0) == 19.0
+    assert table.renew(kept, ttl_s=10.0, now=18.0) == 25.0  # capped, not 28
+    assert table.renew(kept, ttl_s=10.0, now=24.0) == 25.0  # no further
+    assert table.expire(now=24.9) == [] and table.expire(now=25.0) == [[0, 1]]
+    assert table.renew(kept, ttl_s=10.0, now=25.0) is None
+    uncapped = table.grant([2], ttl_s=10.0, now=0.0)
+    assert table.renew(uncapped, ttl_s=10.0, now=1000.0) is None  # expired at 10 all the same
+    for bad in (9.9, 0.0):
+        with pytest.raises(InvalidArgument):
+            table.grant([3], ttl_s=10.0, now=0.0, max_life_s=bad)
+
+
 def test_expire_returns_leases_earliest_deadline_first() -> None:
     table = LeaseTable()
     for blocks, ttl in (([7], 3.0), ([4, 6], 1.0), ([2], 2.0), ([9], 50.0)):
@@ -116,6 +134,27 @@ def test_only_a_claimed_lease_counts_as_claimed() -> None:
     assert claims.unclaimed("a") and not claims.unclaimed("b")
     claims.claim("a", now=1.0)
     assert not claims.unclaimed("a")
+
+
+def test_a_claimed_lease_is_held_by_its_claimer_and_counted() -> None:
+    """The claims table keeps who claimed each lease until its release or deadline: only that
+    caller may renew it (another one holding the token may not), and each holder's pinned
+    blocks are counted, dropping leases released or past their deadline."""
+    claims = LeaseClaims()
+    for lease, blocks, deadline in (("a", (1, 2, 3), 10.0), ("b", (4,), 10.0), ("c", (5,), 10.0)):
+        claims.offer(lease, Claim(blocks, 16 * len(blocks), b"", deadline=deadline), now=0.0)
+    claims.claim("a", now=1.0, holder="spiffe://tandem/decode/decode0")
+    claims.claim("b", now=1.0, holder="spiffe://tandem/decode/decode1")
+    assert claims.held_by("a", "spiffe://tandem/decode/decode0", now=2.0)
+    assert not claims.held_by("a", "spiffe://tandem/decode/decode1", now=2.0)
+    assert not claims.held_by("c", "", now=2.0)  # offered, never claimed
+    assert claims.pinned_by_holder(now=2.0) == {"spiffe://tandem/decode/decode0": 3,
+                                                "spiffe://tandem/decode/decode1": 1}
+    claims.renewed("a", deadline=40.0)
+    claims.forget("b")  # released
+    assert claims.pinned_by_holder(now=20.0) == {"spiffe://tandem/decode/decode0": 3}
+    assert not claims.held_by("a", "spiffe://tandem/decode/decode0", now=40.0)
+    assert claims.pinned_by_holder(now=40.0) == {}  # past its deadline: gone
 
 
 def test_prompt_digest_binds_every_token_and_the_length() -> None:

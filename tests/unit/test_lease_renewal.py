@@ -90,3 +90,20 @@ def test_the_loop_renews_what_is_due_at_once_and_goes_on_until_cancelled(setup) 
     asyncio.run(main())
     assert {token for report in reports for token, _ in report} >= {"a", "c"}
     assert held["a"].renew_at > 5.0 and held["unclaimed"].renew_at == 0.0
+
+
+def test_a_renewal_that_no_longer_moves_the_deadline_is_the_last() -> None:
+    """Near the end of a lease's life (the prefill worker's --lease-max-life) a renewal gives
+    back about the time the lease had: the lease keeps its deadline and is not renewed again,
+    instead of asking sooner and sooner as its time runs out."""
+    stubs = {"p:1": FakeStub({"capped": 12_000, "fresh": 30_000})}
+    held = {x.lease_id: x for x in (_lease("p:1", "capped", 5.0), _lease("p:1", "fresh", 5.0))}
+    held["capped"].deadline = 6.0 + 12.0 - LEASE_MARGIN_S  # what the lease has: its life's end
+    reports: list[list[tuple[str, float]]] = []
+    renewal = LeaseRenewal(held, stubs.__getitem__, reports.append)
+    asyncio.run(renewal.renew_once(now=6.0))
+    assert held["capped"].deadline == 6.0 + 12.0 - LEASE_MARGIN_S
+    assert held["capped"].renew_at == float("inf")
+    assert held["fresh"].renew_at == pytest.approx(6.0 + 10.0)  # renewed on as before
+    asyncio.run(renewal.renew_once(now=16.5))
+    assert stubs["p:1"].calls == [["capped", "fresh"], ["fresh"]]
