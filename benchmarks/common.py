@@ -232,14 +232,13 @@ def write_report(report: dict, a: argparse.Namespace, plot_rows: list[dict], tit
 async def counters(stack) -> dict[str, int]:
     """Every worker's counters (GetLoad), summed: KV bytes, blocks and copies (runs) the
     decode workers pulled, prompt tokens the prefill workers computed."""
-    from runtime.security import internal_channel
     from tandem.v1 import worker_pb2, worker_pb2_grpc
 
     out = {"bytes": 0, "blocks": 0, "runs": 0, "seconds": 0.0, "computed": 0}
     for name, p in stack.procs.items():
         if name == "router":
             continue
-        async with internal_channel(p.address, stack.cluster_tls, ()) as ch:
+        async with stack.worker_channel(p) as ch:
             load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
                                                                 timeout=30)
         out["bytes"] += load.kv_bytes_pulled

@@ -244,6 +244,14 @@ class LocalStack:
         return [p for n, p in self.procs.items()
                 if n != "router" and (role is None or n.rstrip("0123456789") == role)]
 
+    def worker_channel(self, p: Proc, options: Sequence[tuple[str, object]] = ()):
+        """A channel to worker `p` as the router reaches it: with the router's certificate when
+        the stack has a cluster CA, accepting only a certificate of p's role."""
+        from runtime.security import internal_channel  # noqa: PLC0415 - gRPC
+
+        return internal_channel(p.address, self.cluster_tls, options,
+                                p.name.rstrip("0123456789"))
+
     def any_exited(self) -> Proc | None:
         return next((p for p in self.procs.values() if p.popen.poll() is not None), None)
 

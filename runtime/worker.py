@@ -186,9 +186,9 @@ def check_exposure(args: argparse.Namespace, tls: ClusterTls | None, role: str) 
         raise InvalidArgument("--host", f"{args.host} is not a loopback address: without "
                               "cluster TLS (--cluster-ca, --cluster-cert, --cluster-key) a "
                               "worker listens there only with --insecure")
-    log.warning("NO CLUSTER TLS: any process that reaches %s:%s can call this %s worker as a "
-                "router or a decode worker (send it requests, claim its KV, plant KV in its "
-                "cache); %s", args.host, args.port or "(port)", role,
+    log.warning("NO CLUSTER TLS: any process that reaches this %s worker (%s) can call it as "
+                "a router or a decode worker (send it requests, claim its KV, plant KV in its "
+                "cache); %s", role, args.host,
                 "listening beyond loopback (--insecure)" if insecure else
                 "listening on loopback only. `tandem up` and `tandem certs` make a cluster CA")
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import grpc
 
 from cli.launcher import LocalStack, Proc, free_port
-from runtime.security import internal_channel
 from tandem.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 __all__ = ["WORKER_ARGS", "Cluster", "ClusterProc", "Proc", "free_port", "serve"]
@@ -60,8 +59,7 @@ class Cluster(LocalStack):
         return api_pb2_grpc.TandemStub(channel)
 
     async def load(self, proc: Proc) -> worker_pb2.Load:
-        async with internal_channel(proc.address, self.cluster_tls, (),
-                                    proc.name.rstrip("0123456789")) as ch:
+        async with self.worker_channel(proc) as ch:
             return await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
                                                                 timeout=5)
 
