@@ -323,7 +323,7 @@ class DecodeServicer(WorkerServicer):
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"prefill worker {address} described {len(descs)} pools "
                               f"for {desc.tensor_parallel_size} ranks")
-        self._check_plaintext_peer(address, desc.owner_pid)
+        await self._check_pool_owner(address, desc.owner_pid)
         # One address per pool: a peer presenting a pool mapped for another would
         # answer claims for that pool's blocks itself.
         known = self._pool_addresses.setdefault(desc.handle, address)
@@ -337,10 +337,10 @@ class DecodeServicer(WorkerServicer):
         self.peers[address] = resp.instance_id
         log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id, desc.redacted())
 
-    def _check_plaintext_peer(self, address: str, owner_pid: int | None = None) -> None:
+    def _check_plaintext_peer(self, address: str) -> None:
         """Without cluster TLS nobody proves a role: a prefill worker is then taken only on
-        this machine (unless --insecure), and its pool only when the process that owns it
-        listens at the address dialed (runtime/local_peers.py), not whoever answers there."""
+        this machine (unless --insecure), and its pool only from the process that owns it
+        (_check_pool_owner)."""
         if self.cluster_tls is not None or self.insecure:
             return
         try:
@@ -353,7 +353,14 @@ class DecodeServicer(WorkerServicer):
                               f"prefill worker {address} is not on this machine's loopback: "
                               "without cluster TLS a decode worker takes KV from other hosts "
                               "only with --insecure")
-        if owner_pid is not None and not pool_owner_listens(owner_pid, address):
+
+    async def _check_pool_owner(self, address: str, owner_pid: int) -> None:
+        """Without cluster TLS, a pool is mapped only when the process that owns it listens at
+        the address dialed (runtime/local_peers.py), not whoever answers there. The lookup
+        reads /proc: off the event loop."""
+        if self.cluster_tls is not None or self.insecure:
+            return
+        if not await asyncio.to_thread(pool_owner_listens, owner_pid, address):
             log.warning("refused %s: it presents a KV pool it does not own", address)
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"prefill worker {address} presents the KV pool of another "
