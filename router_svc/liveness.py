@@ -44,14 +44,15 @@ log = logging.getLogger(__name__)
 STALL_SLACK_S = 0.25
 
 
-def probe_channel(address: str, tls: ClusterTls | None) -> grpc.Channel:
+def probe_channel(address: str, tls: ClusterTls | None, peer_role: str) -> grpc.Channel:
     """A blocking channel for polls: its own connection (a local subchannel pool), so that a
-    poll is never queued behind the Stream call's traffic on the router's aio channel."""
+    poll is never queued behind the Stream call's traffic on the router's aio channel. With
+    cluster TLS, only a certificate of the worker's role (`peer_role`) is accepted."""
     options = [*GRPC_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
     if tls is None:
         return grpc.insecure_channel(address, options=options)
     return grpc.secure_channel(address, tls.channel_credentials(),
-                               options=[*options, *tls.channel_options()])
+                               options=[*options, *tls.channel_options(peer_role)])
 
 
 @dataclass(frozen=True)

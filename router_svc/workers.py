@@ -191,7 +191,7 @@ class WorkerSet:
             slot = self._free_slots.pop()
         else:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
-        probe = probe_channel(address, self.tls)
+        probe = probe_channel(address, self.tls, role)
         return Worker(address, role, ch, stub, WorkerStream(stub, address), dynamic=dynamic,
                       slot=slot, probe_channel=probe, probe=worker_pb2_grpc.WorkerStub(probe))
 
