@@ -106,7 +106,8 @@ class EngineCore:
             self.engine.kv_pull_in_stream = self.kv.in_stream
         # The router routes on what this worker's prefix cache holds: record its changes.
         self.engine.block_pool.kv_events = {}
-        self.commands: queue.SimpleQueue[Call] = queue.SimpleQueue()
+        # Batches of calls, each what the pipe held when the input thread read it.
+        self.commands: queue.SimpleQueue[list[Call]] = queue.SimpleQueue()
         self.handlers = {Add: self._add, Abort: self._abort, Release: self._release,
                          Renew: self._renew, LeasesRenewed: self.kv.renewed,
                          MapPool: self.kv.map, TakeSnapshot: self._take_snapshot, Stop: self._stop}
@@ -140,9 +141,11 @@ class EngineCore:
             self.wake.clear()
             while True:
                 try:
-                    self._command(self.commands.get_nowait())
+                    batch = self.commands.get_nowait()
                 except queue.Empty:
                     break
+                for call in batch:
+                    self._command(call)
             if self.stopping:
                 break
             if not engine.has_work():
@@ -181,16 +184,22 @@ class EngineCore:
                 self.pool.close()
 
     def _read(self, commands: Connection) -> None:
-        """Input thread: commands into the queue as they come; the pipe closing (the worker is
-        gone) stops the core."""
+        """Input thread: commands into the queue as they come, everything the pipe holds as one
+        batch, so that the main thread takes commands sent together before its next step (a
+        core stopped, then resumed, reads a request and the renewals of its lease that came
+        meanwhile at once, not the request alone and a step that finds its lease expired); the
+        pipe closing (the worker is gone) stops the core."""
         while True:
+            batch = []
             try:
-                call = commands.recv()
+                batch.append(commands.recv())
+                while commands.poll(0):
+                    batch.append(commands.recv())
             except (EOFError, OSError):
-                call = Call(Stop())
-            self.commands.put(call)
+                batch.append(Call(Stop()))
+            self.commands.put(batch)
             self.wake.set()
-            if isinstance(call.command, Stop):
+            if isinstance(batch[-1].command, Stop):
                 return
 
     def _command(self, call: Call) -> None:
