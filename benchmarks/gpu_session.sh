@@ -5,7 +5,7 @@
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl,
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, defaults, structured,
-# pulls, profile, offline, pack.
+# pulls, profile, offline, layouts, pack.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 R=$OUT  # each stage's log straight in $OUT
@@ -145,6 +145,38 @@ for stage in "$@"; do
           --load-format dummy --workload sharegpt --num-requests 600 --rate 20 30 --no-progress \
           --devices cuda:0,cuda:1 --out "$OUT/pulls_$tag.json")
       done ;;
+    layouts)  # the serving layouts on two GPUs against the offline engine, one workload
+      # (LAYOUT_WORKLOAD), engine flags LAYOUT_FLAGS for every worker: GPU 0 runs the offline
+      # engine then router + one colocated worker (and the same two from the BASE checkout when
+      # set) while GPU 1 times decode steps of bf16 against FP8 KV; then 1P+1D and two colocated
+      # workers on both GPUs.
+      wl=${LAYOUT_WORKLOAD:---workload sharegpt --seed 0}
+      common=(--model $B8 --dtype bfloat16 --load-format dummy --num-requests 1000 --no-progress)
+      one_gpu() {  # TAG TREE: offline then colocated on cuda:0 from TREE
+        # shellcheck disable=SC2086  # flags are words
+        (cd "$2" && PYTHONPATH=/tmp/site:$2 run "offline_$1" python3 benchmarks/serve.py --mode offline \
+          "${common[@]}" $wl --devices cuda:0 --gpu-time-every 0 --out "$OUT/offline_$1.json" -- ${LAYOUT_FLAGS:-}
+         PYTHONPATH=/tmp/site:$2 run "colocated_$1" python3 benchmarks/serve.py --launch colocated \
+          "${common[@]}" $wl --devices cuda:0 --rate inf --out "$OUT/colocated_$1.json" -- ${LAYOUT_FLAGS:-})
+      }
+      (export CUDA_VISIBLE_DEVICES=0
+       # unmeasured first: Triton compiles its kernels once per machine (cached on disk after)
+       # shellcheck disable=SC2086
+       run layout_warm python3 benchmarks/serve.py --mode offline "${common[@]}" --workload fixed \
+         --prompt-len 64 --output-len 16 --devices cuda:0 --gpu-time-every 0 -- ${LAYOUT_FLAGS:-}
+       one_gpu head "$PWD"
+       [ -n "${BASE:-}" ] && one_gpu base "$BASE") &
+      lane0=$!
+      (export CUDA_VISIBLE_DEVICES=1
+       run fp8kv_decode python3 benchmarks/decode_step.py --model $B8 --batch 1 16 64 256 512 \
+         --context 1024 --variants bf16 fp8-kv --out "$OUT/fp8kv_decode.json") &
+      wait $lane0 $!
+      # shellcheck disable=SC2086
+      run layout_1p1d python3 benchmarks/serve.py --launch disaggregated --num-prefill 1 --num-decode 1 \
+        "${common[@]}" $wl --devices cuda:0,cuda:1 --rate inf --out "$OUT/layout_1p1d.json" -- ${LAYOUT_FLAGS:-}
+      # shellcheck disable=SC2086
+      run layout_2c python3 benchmarks/serve.py --launch colocated --num-both 2 \
+        "${common[@]}" $wl --devices cuda:0,cuda:1 --rate inf --out "$OUT/layout_2c.json" -- ${LAYOUT_FLAGS:-} ;;
     pack) tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . ;;
     *) echo "unknown stage $stage" ;;
   esac
