@@ -37,6 +37,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from router_svc.routing import RouteRequest
 from router_svc.worker_stream import SampleUpdate, StreamBroken, Update
 from router_svc.workers import Worker
 from runtime.convert import logprobs_from_proto
@@ -95,17 +96,16 @@ class _Lease:
 
 
 class DecodeLegs:
-    def __init__(self, orch: Orchestrator, rid: str, prompt: list[int], params,
-                 wire_params, deadline: float | None, ctx: Context | None,
-                 hashes: list[int] | None = None) -> None:
+    def __init__(self, orch: Orchestrator, rid: str, route: RouteRequest, params,
+                 wire_params, deadline: float | None, ctx: Context | None) -> None:
         self.orch = orch
         self.rid = rid
-        self.prompt = prompt
+        self.route = route  # the request as the routing policy sees it, for every pick
+        self.prompt = route.prompt
         self.params = params
         self.wire_params = wire_params
         self.deadline = deadline  # loop time
         self.ctx = ctx  # the request's trace context: each call's CLIENT span is its child
-        self.hashes = hashes  # the prompt's block hashes, for every pick (None: computed there)
         self.outputs: list[list[int]] = []  # per sample, every token the client has
         self.done: set[int] = set()  # samples that ended
         self.moves = 0  # legs that failed after sending tokens
@@ -120,8 +120,8 @@ class DecodeLegs:
         """The first tokens (from the prefill), then every decode leg's until all samples
         finish."""
         try:
-            p, resp = await self.orch.prefill(self.rid, self.prompt, self.wire_params,
-                                              self.deadline, self.ctx, self.hashes)
+            p, resp = await self.orch.prefill(self.rid, self.route, self.wire_params,
+                                              self.deadline, self.ctx)
             self._first, self._lease = resp, _Lease(p, resp.kv)
             want_lp = self.params.logprobs is not None
             lps = logprobs_from_proto(resp.first_logprobs, self.params.n)
@@ -135,8 +135,7 @@ class DecodeLegs:
                 return
             refused: dict[str, str] = {}  # workers that refused this request, and why
             while True:
-                d = self.orch.workers.pick_decode("decode", set(refused), self.prompt,
-                                                  self.params.cache_salt, self.hashes)
+                d = self.orch.workers.pick_decode(self.route, "decode", set(refused))
                 if d is None and refused:
                     # Every decode worker refused it (a KV pool the prefill worker's does not
                     # match, say): their reasons, which name the flag to change, not "none".
@@ -145,8 +144,8 @@ class DecodeLegs:
                                           f"{a}: {why}" for a, why in refused.items()))
                 d = self.orch.pick(d, "decode")
                 if self._lease is None:  # the last leg took it: a fresh one for this leg
-                    p, again = await self.orch.prefill(self.rid, self.prompt, self.wire_params,
-                                                       self.deadline, self.ctx, self.hashes)
+                    p, again = await self.orch.prefill(self.rid, self.route, self.wire_params,
+                                                       self.deadline, self.ctx)
                     self._lease = _Lease(p, again.kv)
                 sent = False
                 try:

@@ -36,6 +36,7 @@ from opentelemetry.context import Context
 
 from engine.sampling_params import SamplingParams
 from router_svc.decode_legs import DecodeLegs, RouterError, as_router_error, until_done
+from router_svc.routing import RouteRequest
 from router_svc.worker_stream import SampleUpdate, StreamBroken, Update
 from router_svc.workers import Worker, WorkerSet, unless_lost
 from runtime.convert import params_to_proto
@@ -74,17 +75,17 @@ class Orchestrator:
         self._active.add(request_id)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
-            # Once per request (every pick reads them), off the loop for a long prompt.
-            hashes = await self.workers.prompt_hashes(prompt, params.cache_salt)
+            # Once per request: a long prompt's hashes are made off the loop.
+            route = await self.workers.route_request(prompt, params.cache_salt, params.priority)
         except BaseException:
             self._active.discard(request_id)
             raise
         if self.workers.disaggregated:
             wire_params = params_to_proto(params)
-            stream = DecodeLegs(self, request_id, prompt, params, wire_params, deadline,
-                                trace_ctx, hashes).run()
+            stream = DecodeLegs(self, request_id, route, params, wire_params, deadline,
+                                trace_ctx).run()
         else:
-            stream = self._colocated(request_id, prompt, params, deadline, trace_ctx, hashes)
+            stream = self._colocated(request_id, route, params, deadline, trace_ctx)
         try:
             async with aclosing(stream):
                 async for u in stream:
@@ -93,15 +94,13 @@ class Orchestrator:
             self._active.discard(request_id)
 
     # -- colocated ---------------------------------------------------------------------------
-    async def _colocated(self, rid: str, prompt: list[int], params: SamplingParams,
-                         deadline: float | None, ctx: Context | None,
-                         hashes: list[int]) -> AsyncIterator[Update]:
-        req = worker_pb2.GenerateOnWorkerRequest(request_id=rid, prompt_token_ids=prompt,
+    async def _colocated(self, rid: str, route: RouteRequest, params: SamplingParams,
+                         deadline: float | None, ctx: Context | None) -> AsyncIterator[Update]:
+        req = worker_pb2.GenerateOnWorkerRequest(request_id=rid, prompt_token_ids=route.prompt,
                                                  params=params_to_proto(params))
         tried: set[str] = set()
         while True:
-            w = self.pick(self.workers.pick_decode("both", tried, prompt, params.cache_salt,
-                                                   hashes), "colocated")
+            w = self.pick(self.workers.pick_decode(route, "both", tried), "colocated")
             tried.add(w.address)
             sent = False
             ended: set[int] = set()
@@ -129,17 +128,16 @@ class Orchestrator:
                 w.in_flight -= 1
 
     # -- what the legs share -----------------------------------------------------------------
-    async def prefill(self, rid: str, prompt: list[int], params, deadline: float | None,
-                      ctx: Context | None, hashes: list[int] | None = None
-                      ) -> tuple[Worker, worker_pb2.PrefillResponse]:
+    async def prefill(self, rid: str, route: RouteRequest, params, deadline: float | None,
+                      ctx: Context | None) -> tuple[Worker, worker_pb2.PrefillResponse]:
         """A prefill on a healthy prefill worker: the first tokens and the lease, now this
         caller's. A worker that fails it UNAVAILABLE (or stops answering) is taken out and
-        another tried. `hashes`: the prompt's block hashes (WorkerSet.prompt_hashes)."""
+        another tried. `route`: the request as the routing policy sees it."""
         tried: set[str] = set()
-        req = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, params=params)
+        req = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=route.prompt,
+                                        params=params)
         while True:
-            p = self.pick(self.workers.pick_prefill(prompt, tried, params.cache_salt, hashes),
-                          "prefill")
+            p = self.pick(self.workers.pick_prefill(route, tried), "prefill")
             tried.add(p.address)
             p.in_flight += 1
             try:

@@ -19,6 +19,7 @@ from router_svc.kv_index import DEFAULT_MAX_BLOCKS
 from router_svc.liveness import LoopLag
 from router_svc.membership import Membership, config_from_args
 from router_svc.orchestrator import Orchestrator
+from router_svc.routing import DEFAULT_POLICY, POLICIES, make_policy
 from router_svc.schema_check import DEFAULT_BUDGET_S, SchemaChecker
 from router_svc.workers import FaultMetrics, WorkerSet
 from runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
@@ -95,6 +96,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="reported by GetModelInfo until a worker has told its own (default: "
                         "the workers')")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--routing-policy", choices=sorted(POLICIES), default=DEFAULT_POLICY,
+                   help="how each request's workers are picked: " + "; ".join(
+                       f"{name}: {policy.summary}" for name, policy in sorted(POLICIES.items())))
     p.add_argument("--kv-index-max-blocks", type=int, default=DEFAULT_MAX_BLOCKS,
                    help="block hashes the router keeps of what its workers cache, for routing "
                         "(about 78 bytes each: 78 MB for the default 1M); past it the oldest "
@@ -159,7 +163,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
                         poll_interval_s=args.poll_interval,
                         worker_timeout_s=args.worker_timeout,
                         metrics=FaultMetrics(telemetry.metrics.registry), tls=cluster_tls,
-                        kv_index_max_blocks=args.kv_index_max_blocks)
+                        kv_index_max_blocks=args.kv_index_max_blocks,
+                        policy=make_policy(args.routing_policy))
     orchestrator = Orchestrator(workers, max_migrations=args.max_migrations)
     served, aliases = model_names(args)
     info = Frontend.model_info(served, cfg, args.dtype or "", args.block_size,

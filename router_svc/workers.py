@@ -1,17 +1,14 @@
-"""The router's view of its workers: channels, health, load, and the two picking policies.
+"""The router's view of its workers: channels, health, load, membership, and what each caches.
+
+Which worker takes a request is a routing policy's choice (router_svc/routing/: the default,
+prefix affinity, and the others registered there); this module gathers what the policy is
+given (each candidate's load, and how much of the prompt it caches) and routes to the worker it
+picks.
 
 What each worker's prefix cache holds, the router learns from the worker itself: every worker
 streams the block hashes it caches and evicts (WatchKV, on the channel the router already has
 to it), into one map (router_svc/kv_index.py). A prompt's chained block hashes, over the whole
 prompt, then tell how many of its leading blocks each worker holds.
-
-Prefill: among the workers no busier than the least loaded one plus `balance_slack` requests,
-the one holding the longest prefix of the prompt; ties to the least loaded.
-
-Decode (and colocated): among the workers no busier than the least loaded plus
-`balance_slack`, the one holding the longest prefix of the prompt (a conversation's earlier
-turns, pulled or generated there: only the rest is pulled); ties to the most free KV blocks per
-request in flight.
 
 Health: every worker's GetLoad is polled, from a thread of its own (router_svc/liveness.py),
 never on the event loop that carries the requests: a burst that holds the loop for seconds
@@ -34,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass, field
 
 import grpc
@@ -44,6 +41,7 @@ from prometheus_client.core import GaugeMetricFamily
 from engine.block_pool import hash_block, salt_root
 from router_svc.kv_index import DEFAULT_MAX_BLOCKS, KVIndex
 from router_svc.liveness import Poller, PollResult, Target, probe_channel
+from router_svc.routing import RouteRequest, RoutingPolicy, WorkerLoad, make_policy
 from router_svc.worker_stream import StreamBroken, WorkerStream
 from runtime.lifecycle import GRPC_OPTIONS
 from runtime.security import ClusterTls, internal_channel
@@ -80,12 +78,11 @@ class Worker:
     probe_channel: grpc.Channel | None = None
     probe: worker_pb2_grpc.WorkerStub | None = None
 
-    @property
-    def free_blocks(self) -> int:
-        return self.load.num_free_blocks
-
-    def score_load(self) -> int:
-        return self.in_flight + self.load.num_waiting
+    def as_load(self, cached_blocks: int = 0) -> WorkerLoad:
+        """What a routing policy sees of this worker."""
+        ld = self.load
+        return WorkerLoad(self.address, self.role, self.in_flight, ld.num_waiting,
+                          ld.num_running, ld.num_free_blocks, cached_blocks)
 
 
 async def unless_lost(w: Worker, call: grpc.aio.UnaryUnaryCall):
@@ -147,11 +144,12 @@ class _WorkerUp:
 
 class WorkerSet:
     def __init__(self, prefill: list[str], decode: list[str], both: list[str], *,
-                 poll_interval_s: float = 0.5, balance_slack: int = 4,
+                 poll_interval_s: float = 0.5, policy: RoutingPolicy | None = None,
                  block_size: int = 16, worker_timeout_s: float = 3.0,
                  metrics: FaultMetrics | None = None, tls: ClusterTls | None = None,
                  kv_index_max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         self.workers: list[Worker] = []
+        self.policy = policy or make_policy()  # picks each leg's worker
         self.tls = tls  # mutual TLS with a cluster CA on every worker channel, when set
         self.kv_index = KVIndex(kv_index_max_blocks)
         self._free_slots: list[int] = []
@@ -168,7 +166,6 @@ class WorkerSet:
         self.on_health: Callable[[], Awaitable[None]] | None = None
         self._was_healthy: bool | None = None
         self._health_tasks: set[asyncio.Task] = set()
-        self.balance_slack = balance_slack
         self.block_size = block_size
         self.dtype = ""  # the workers' model dtype, once one has answered a poll
         # Polls run in a thread of their own (router_svc/liveness.py), off the event loop.
@@ -408,6 +405,14 @@ class WorkerSet:
                 for w in self.workers]
 
     # -- picking -----------------------------------------------------------------------------
+    async def route_request(self, prompt: list[int], cache_salt: str = "",
+                            priority: int = 0) -> RouteRequest:
+        """What the policy is told of a request, made once per request (every pick of its legs
+        reads it): the prompt's block hashes only for a policy that reads the caches."""
+        hashes = (await self.prompt_hashes(prompt, cache_salt)
+                  if self.policy.uses_prefix_cache else [])
+        return RouteRequest(prompt, hashes, priority)
+
     async def prompt_hashes(self, prompt: list[int], cache_salt: str = "") -> list[int]:
         """prefix_hashes, once per request: in a worker thread for a long prompt (25 ms of
         hashing for 100k tokens would hold every other request on the event loop)."""
@@ -425,37 +430,34 @@ class WorkerSet:
             hashes.append(parent)
         return hashes
 
-    def cached_blocks(self, candidates: list[Worker], hashes: list[int]) -> dict[str, int]:
+    def cached_blocks(self, candidates: list[Worker], hashes: Sequence[int]) -> dict[str, int]:
         """address -> how many leading blocks of the prompt (hashes) the worker caches."""
         by_slot = self.kv_index.match(hashes, [w.slot for w in candidates if w.slot >= 0])
         return {w.address: by_slot.get(w.slot, 0) for w in candidates}
 
-    def _near_least_loaded(self, candidates: list[Worker]) -> list[Worker]:
-        least = min(w.score_load() for w in candidates)
-        return [w for w in candidates if w.score_load() - least <= self.balance_slack]
+    def pick_prefill(self, request: RouteRequest,
+                     exclude: Set[str] = frozenset()) -> Worker | None:
+        """The policy's prefill worker for `request`, among the healthy ones not in `exclude`
+        (None: there is none)."""
+        return self._pick(self.policy.pick_prefill, "prefill", request, exclude)
 
-    def pick_prefill(self, prompt: list[int], exclude: set[str] = frozenset(),
-                     cache_salt: str = "", hashes: list[int] | None = None) -> Worker | None:
-        """`hashes`: the prompt's prefix_hashes, when the caller has them already."""
-        candidates = [w for w in self.by_role("prefill") if w.address not in exclude]
-        if not candidates:
-            return None
-        near = self._near_least_loaded(candidates)
-        if hashes is None:
-            hashes = self.prefix_hashes(prompt, cache_salt)
-        hits = self.cached_blocks(near, hashes)
-        return max(near, key=lambda w: (hits[w.address], -w.score_load()))
+    def pick_decode(self, request: RouteRequest, role: str = "decode",
+                    exclude: Set[str] = frozenset()) -> Worker | None:
+        """The policy's worker to generate `request`'s tokens: a `decode` worker, or a `both`
+        one for a colocated request."""
+        return self._pick(self.policy.pick_decode, role, request, exclude)
 
-    def pick_decode(self, role: str = "decode", exclude: set[str] = frozenset(),
-                    prompt: list[int] | None = None, cache_salt: str = "",
-                    hashes: list[int] | None = None) -> Worker | None:
+    def _pick(self, pick: Callable[[RouteRequest, list[WorkerLoad]], WorkerLoad], role: str,
+              request: RouteRequest, exclude: Set[str]) -> Worker | None:
         candidates = [w for w in self.by_role(role) if w.address not in exclude]
         if not candidates:
             return None
-        near = self._near_least_loaded(candidates)
-        if hashes is None:
-            hashes = self.prefix_hashes(prompt, cache_salt) if prompt else []
-        hits = self.cached_blocks(near, hashes)
-        return max(near, key=lambda w: (hits[w.address],
-                                        w.free_blocks / (1 + w.in_flight + w.load.num_running),
-                                        -w.in_flight))
+        hits = (self.cached_blocks(candidates, request.block_hashes)
+                if self.policy.uses_prefix_cache else {})
+        loads = [w.as_load(hits.get(w.address, 0)) for w in candidates]
+        chosen = pick(request, loads)
+        for w, seen in zip(candidates, loads):
+            if seen is chosen:
+                return w
+        raise TypeError(f"routing policy {self.policy.name!r} picked {chosen!r}, "
+                        "not one of the workers it was given")

@@ -89,12 +89,19 @@ def test_hub_sends_the_set_then_changes_and_cuts_off_a_laggard():
 
 
 def _workers(role: str, n: int):
+    from router_svc.routing.prefix_affinity import PrefixAffinity
     from router_svc.workers import Worker, WorkerSet
 
-    ws = WorkerSet([], [], [], balance_slack=2)
+    ws = WorkerSet([], [], [], policy=PrefixAffinity(balance_slack=2))
     ws.workers = [Worker(f"{role}{i}", role, None, None, None, healthy=True, slot=i)
                   for i in range(n)]
     return ws, ws.workers
+
+
+def _route(ws, prompt: list[int], cache_salt: str = ""):
+    from router_svc.routing import RouteRequest
+
+    return RouteRequest(prompt, ws.prefix_hashes(prompt, cache_salt))
 
 
 def test_picks_the_longest_cached_prefix_among_the_near_least_loaded():
@@ -104,19 +111,19 @@ def test_picks_the_longest_cached_prefix_among_the_near_least_loaded():
     assert len(hashes) == 5 and ws.prefix_hashes(prompt, "tenant") != hashes
     ws.kv_index.apply(1, hashes[:2], [])
     ws.kv_index.apply(2, hashes, [])  # the whole prompt, beyond any 8-block window too
-    assert ws.pick_prefill(prompt) is w2
-    assert ws.pick_prefill(prompt, cache_salt="tenant") is w0  # another tenant's: no hit
+    assert ws.pick_prefill(_route(ws, prompt)) is w2
+    assert ws.pick_prefill(_route(ws, prompt, "tenant")) is w0  # another tenant's: no hit
     w2.in_flight = 3  # busier than the least loaded by more than balance_slack
-    assert ws.pick_prefill(prompt) is w1
+    assert ws.pick_prefill(_route(ws, prompt)) is w1
     ws.kv_index.apply(1, [], hashes[:1])  # evicted on w1: its prefix is gone
-    assert ws.pick_prefill(prompt) is w0  # least loaded
+    assert ws.pick_prefill(_route(ws, prompt)) is w0  # least loaded
 
 
 def test_decode_pick_follows_the_conversation_then_free_blocks():
     ws, (d0, d1) = _workers("decode", 2)
     d0.load.num_free_blocks, d1.load.num_free_blocks = 100, 50
     prompt = list(range(1, 65))
-    assert ws.pick_decode(prompt=prompt) is d0  # no hits: the most free blocks
+    assert ws.pick_decode(_route(ws, prompt)) is d0  # no hits: the most free blocks
     ws.kv_index.apply(1, ws.prefix_hashes(prompt)[:3], [])
-    assert ws.pick_decode(prompt=prompt) is d1
-    assert ws.pick_decode() is d0  # no prompt given: free blocks only
+    assert ws.pick_decode(_route(ws, prompt)) is d1
+    assert ws.pick_decode(_route(ws, [])) is d0  # no prompt given: free blocks only

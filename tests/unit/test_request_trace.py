@@ -20,6 +20,7 @@ from engine.serving.async_engine import RequestAborted
 from router_svc.decode_legs import RouterError
 from router_svc.frontend import Frontend, ModelInfo
 from router_svc.orchestrator import SampleUpdate, Update
+from router_svc.routing import RouteRequest
 from runtime.metrics import Metrics
 from runtime.request_trace import ApiCall, client_call, input_messages, outcome
 from runtime.telemetry import Telemetry, Tracing
@@ -307,8 +308,8 @@ def test_moved_decode_legs_are_client_spans_and_events(traced):
         root = tracer.start_span("chat m")
         from opentelemetry import trace
 
-        legs = DecodeLegs(orch, "r", [1, 2, 3], params, params_to_proto(params), None,
-                          trace.set_span_in_context(root))
+        legs = DecodeLegs(orch, "r", RouteRequest([1, 2, 3]), params,
+                          params_to_proto(params), None, trace.set_span_in_context(root))
         async for _ in legs.run():
             pass
         root.end()

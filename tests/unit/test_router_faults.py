@@ -13,6 +13,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from router_svc.decode_legs import DecodeLegs, RouterError
+from router_svc.routing import RouteRequest
 from router_svc.worker_stream import SampleUpdate, StreamBroken, Update
 from router_svc.workers import FaultMetrics, Worker, WorkerSet, unless_lost
 from runtime.convert import params_to_proto
@@ -61,7 +62,7 @@ class FakeOrchestrator:
         self.prefills = 0
         self.released: list[str] = []
 
-    async def prefill(self, rid, prompt, params, deadline, md, hashes=None):
+    async def prefill(self, rid, route, params, deadline, md):
         self.prefills += 1
         n = params.n
         return None, worker_pb2.PrefillResponse(
@@ -82,7 +83,8 @@ class FakeOrchestrator:
 
 async def _run(orch: FakeOrchestrator, n: int) -> tuple[list[list[int]], Exception | None]:
     params = SamplingParams(n=n, max_tokens=100)
-    legs = DecodeLegs(orch, "r", [1, 2, 3], params, params_to_proto(params), None, None)
+    legs = DecodeLegs(orch, "r", RouteRequest([1, 2, 3]), params, params_to_proto(params),
+                     None, None)
     out: list[list[int]] = [[] for _ in range(n)]
     try:
         async for u in legs.run():
@@ -268,8 +270,8 @@ def _traced_run(orch: FakeOrchestrator) -> tuple[Exception | None, list[str]]:
     params = SamplingParams(max_tokens=100)
 
     async def run() -> Exception | None:
-        legs = DecodeLegs(orch, "r", [1, 2, 3], params, params_to_proto(params), None,
-                          trace.set_span_in_context(span))
+        legs = DecodeLegs(orch, "r", RouteRequest([1, 2, 3]), params,
+                          params_to_proto(params), None, trace.set_span_in_context(span))
         try:
             async for _ in legs.run():
                 pass

@@ -1,0 +1,213 @@
+"""Routing policies (router_svc/routing/) on plain data, the registry behind
+`tandem router --routing-policy`, and the WorkerSet that hands a policy its candidates.
+
+The default policy makes the picks WorkerSet made before policies were objects of their own:
+`_picks_before` below is that code, kept as the reference, and a property test holds the two
+equal over random worker sets, loads, caches and exclusions."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router_svc.routing import (
+    DEFAULT_POLICY,
+    POLICIES,
+    RouteRequest,
+    RoutingPolicy,
+    WorkerLoad,
+    make_policy,
+)
+from router_svc.routing.prefix_affinity import PrefixAffinity
+from router_svc.workers import Worker, WorkerSet
+from tandem.errors import InvalidArgument
+
+REQUEST = RouteRequest(list(range(1, 65)))
+
+
+def load(address: str, queued: int = 0, *, in_flight: int = 0, running: int = 0,
+         free: int = 0, cached: int = 0, role: str = "prefill") -> WorkerLoad:
+    """A worker with `queued` requests waiting in its engine (besides `in_flight`)."""
+    return WorkerLoad(address, role, in_flight, queued, running, free, cached)
+
+
+# -- prefix-affinity (the default) ----------------------------------------------------------
+def test_prefix_affinity_prefill_follows_the_longest_prefix_within_the_slack():
+    policy = PrefixAffinity(balance_slack=2)
+    a, b, c = load("a", 0, cached=0), load("b", 2, cached=2), load("c", 1, cached=5)
+    assert policy.pick_prefill(REQUEST, [a, b, c]) is c
+    c = load("c", 3, cached=5)  # 3 more than the least busy: past the slack
+    assert policy.pick_prefill(REQUEST, [a, b, c]) is b
+    b = load("b", 2, cached=0)  # no prefix anywhere near: the least busy
+    assert policy.pick_prefill(REQUEST, [a, b, c]) is a
+    tied = [load("x", 1, cached=3), load("y", 0, cached=3)]
+    assert policy.pick_prefill(REQUEST, tied) is tied[1]  # equal prefixes: the least busy
+
+
+def test_prefix_affinity_decode_follows_the_conversation_then_free_blocks_per_request():
+    policy = PrefixAffinity()
+    a = load("a", free=100, role="decode")
+    b = load("b", free=60, running=1, role="decode")  # 30 a request
+    c = load("c", free=40, role="decode")
+    assert policy.pick_decode(REQUEST, [a, b, c]) is a
+    held = load("c", free=40, cached=1, role="decode")
+    assert policy.pick_decode(REQUEST, [a, b, held]) is held
+    # Equal free blocks per request: the one with fewer of this router's requests in flight.
+    x, y = load("x", in_flight=1, free=20, role="decode"), load("y", free=10, role="decode")
+    assert policy.pick_decode(REQUEST, [x, y]) is y
+
+
+def test_prefix_affinity_refuses_a_negative_slack():
+    with pytest.raises(ValueError, match="balance_slack"):
+        PrefixAffinity(balance_slack=-1)
+
+
+# -- every registered policy ----------------------------------------------------------------
+worker_loads = st.lists(st.builds(
+    WorkerLoad, st.sampled_from(["a", "b", "c", "d"]), st.sampled_from(["prefill", "decode"]),
+    st.integers(0, 9), st.integers(0, 9), st.integers(0, 9), st.integers(0, 300),
+    st.integers(0, 8)), min_size=1, max_size=6)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@given(workers=worker_loads, priority=st.integers(-5, 5))
+def test_every_policy_picks_one_of_the_workers_it_is_given(name, workers, priority):
+    policy = make_policy(name)
+    request = RouteRequest(list(range(40)), list(range(2)), priority)
+    for pick in (policy.pick_prefill, policy.pick_decode):
+        chosen = pick(request, workers)
+        assert any(chosen is w for w in workers)
+
+
+def test_the_registry_is_the_flags_choices():
+    assert DEFAULT_POLICY == "prefix-affinity" and "prefix-affinity" in POLICIES
+    for name, cls in POLICIES.items():
+        assert cls.name == name and isinstance(make_policy(name), cls) and cls.summary
+    from router_svc.server import add_router_args
+
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    flag = next(a for a in p._actions if "--routing-policy" in a.option_strings)
+    assert (sorted(flag.choices), flag.default) == (sorted(POLICIES), DEFAULT_POLICY)
+    assert p.parse_args(["--model", "m", "--routing-policy", "prefix-affinity"]) \
+        .routing_policy == "prefix-affinity"
+
+
+def test_an_unknown_policy_is_refused_naming_the_flag():
+    with pytest.raises(InvalidArgument) as e:
+        make_policy("random")
+    assert e.value.field == "--routing-policy" and "prefix-affinity" in e.value.message
+
+
+# -- the WorkerSet that feeds a policy ------------------------------------------------------
+def _worker_set(specs, policy: RoutingPolicy | None = None) -> WorkerSet:
+    """specs: (role, healthy, draining, in_flight, waiting, running, free) per worker."""
+    ws = WorkerSet([], [], [], policy=policy)
+    for i, (role, healthy, draining, in_flight, waiting, running, free) in enumerate(specs):
+        w = Worker(f"w{i}", role, None, None, None, healthy=healthy, slot=i,
+                   in_flight=in_flight, draining=draining)
+        w.load.num_waiting, w.load.num_running, w.load.num_free_blocks = waiting, running, free
+        ws.workers.append(w)
+    return ws
+
+
+def _picks_before(ws: WorkerSet, leg: str, role: str, prompt: list[int], exclude: set[str],
+                  cache_salt: str, slack: int = 4) -> Worker | None:
+    """WorkerSet.pick_prefill / pick_decode as they were before routing policies, verbatim
+    but for their names: the reference the default policy must match pick for pick."""
+    candidates = [w for w in ws.by_role(role) if w.address not in exclude]
+    if not candidates:
+        return None
+
+    def score_load(w: Worker) -> int:
+        return w.in_flight + w.load.num_waiting
+
+    least = min(score_load(w) for w in candidates)
+    near = [w for w in candidates if score_load(w) - least <= slack]
+    hashes = ws.prefix_hashes(prompt, cache_salt)
+    hits = ws.cached_blocks(near, hashes)
+    if leg == "prefill":
+        return max(near, key=lambda w: (hits[w.address], -score_load(w)))
+    return max(near, key=lambda w: (hits[w.address],
+                                    w.load.num_free_blocks / (1 + w.in_flight
+                                                              + w.load.num_running),
+                                    -w.in_flight))
+
+
+# Mostly routable workers (healthy, not draining), so that most examples have several
+# candidates of a role to choose from.
+worker_specs = st.lists(st.tuples(
+    st.sampled_from(["prefill", "decode", "both"]), st.sampled_from([True, True, True, False]),
+    st.sampled_from([False, False, False, True]), st.integers(0, 8), st.integers(0, 8),
+    st.integers(0, 8), st.integers(0, 64)), min_size=1, max_size=8)
+
+
+@settings(max_examples=300)
+@given(specs=worker_specs, prompt_len=st.integers(0, 100), salt=st.sampled_from(["", "t"]),
+       cached=st.lists(st.tuples(st.integers(0, 6), st.sampled_from(["", "t"])), min_size=8,
+                       max_size=8),
+       exclude=st.sets(st.sampled_from([f"w{i}" for i in range(8)]), max_size=2))
+def test_the_default_policy_picks_as_the_router_did_before(specs, prompt_len, salt, cached,
+                                                           exclude):
+    ws = _worker_set(specs)
+    prompt = [(13 * i) % 250 + 1 for i in range(prompt_len)]
+    for w, (blocks, their_salt) in zip(ws.workers, cached):
+        ws.kv_index.apply(w.slot, ws.prefix_hashes(prompt, their_salt)[:blocks], [])
+    request = RouteRequest(prompt, ws.prefix_hashes(prompt, salt))
+    assert ws.pick_prefill(request, exclude) is _picks_before(ws, "prefill", "prefill", prompt,
+                                                              exclude, salt)
+    for role in ("decode", "both"):
+        assert ws.pick_decode(request, role, exclude) is _picks_before(ws, "decode", role,
+                                                                       prompt, exclude, salt)
+
+
+class Recording(RoutingPolicy):
+    """Picks the last worker, and keeps what it was given."""
+
+    name = "recording"
+    summary = "for tests"
+
+    def __init__(self, uses_prefix_cache: bool) -> None:
+        self.uses_prefix_cache = uses_prefix_cache
+        self.given: list[list[WorkerLoad]] = []
+
+    def pick_prefill(self, request, workers):
+        self.given.append(list(workers))
+        return workers[-1]
+
+    pick_decode = pick_prefill
+
+
+@pytest.mark.parametrize("uses_cache", [True, False])
+def test_a_policy_sees_only_routable_workers_and_the_caches_it_asks_for(uses_cache):
+    policy = Recording(uses_cache)
+    ws = _worker_set([("prefill", True, False, 1, 2, 3, 40), ("prefill", False, False, 0, 0, 0, 9),
+                      ("prefill", True, True, 0, 0, 0, 9), ("prefill", True, False, 0, 0, 0, 9),
+                      ("decode", True, False, 0, 0, 0, 9)], policy)
+    prompt = list(range(1, 50))  # 3 full blocks
+    request = asyncio.run(ws.route_request(prompt, priority=3))
+    assert request.priority == 3
+    assert list(request.block_hashes) == (ws.prefix_hashes(prompt) if uses_cache else [])
+    ws.kv_index.apply(0, ws.prefix_hashes(prompt)[:2], [])
+    assert ws.pick_prefill(request) is ws.workers[3]
+    assert ws.pick_prefill(request, exclude={"w3"}) is ws.workers[0]
+    assert ws.pick_prefill(request, exclude={"w0", "w3"}) is None  # the rest are out
+    assert len(policy.given) == 2  # no candidate: the policy is not asked
+    # Down (w1), draining (w2), excluded and other roles never reach the policy.
+    assert [w.address for w in policy.given[0]] == ["w0", "w3"]
+    assert policy.given[0][0] == WorkerLoad("w0", "prefill", 1, 2, 3, 40,
+                                            2 if uses_cache else 0)
+
+
+def test_a_policy_that_picks_a_stranger_is_a_bug_named():
+    class Stranger(Recording):
+        def pick_prefill(self, request, workers):
+            return load(workers[0].address)  # equal, but not one of them
+
+    ws = _worker_set([("prefill", True, False, 0, 0, 0, 0)], Stranger(False))
+    with pytest.raises(TypeError, match="'recording' picked"):
+        ws.pick_prefill(REQUEST)
