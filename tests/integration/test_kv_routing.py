@@ -1,7 +1,8 @@
 """Multi-turn conversations over real workers on 127.0.0.1 (shm): a second turn pulls only its
 new blocks (counted by the decode workers), an eviction on one prefill worker reaches the
 router's map through that worker's KV events and the next turn goes where the prefix still is,
-and a decode worker restarted with an empty cache serves the next turn by pulling everything.
+and a decode worker restarted with an empty cache serves the next turn by pulling everything;
+a router started with another routing policy (least-loaded) ignores the caches.
 
 The router here is a WorkerSet and an Orchestrator in this process (the ones `tandem router`
 runs), so that a test can wait on the router's own map (KVIndex.wait_for) rather than a clock.
@@ -10,6 +11,7 @@ Pools are idle after each test."""
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import grpc
 import pytest
@@ -20,7 +22,7 @@ from engine.sampling_params import SamplingParams
 from router_svc.orchestrator import Orchestrator
 from router_svc.workers import WorkerSet
 from runtime.convert import params_to_proto
-from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -183,4 +185,39 @@ def test_restarted_decode_worker_pulls_everything(cluster):
     n, second, out2 = asyncio.run(main())
     assert n == cdiv(len(second), BS)  # nothing cached anywhere on the decode side
     assert len(out2) == GREEDY.max_tokens
+    asyncio.run(cluster.wait_idle())
+
+
+def test_a_router_started_least_loaded_spreads_a_repeated_prompt(cluster):
+    """`tandem router --routing-policy least-loaded` over the same workers: one prompt sent
+    twice, one request after the other, is prefilled once on each prefill worker (idle workers
+    take turns), blind to the blocks the first request left on one of them."""
+    argv = ["router", "--model", cluster.model, "--grpc-port", "0", "--http-port", "-1",
+            "--routing-policy", "least-loaded"]
+    for role in ("prefill", "decode"):
+        argv += [a for w in cluster.workers(role) for a in (f"--{role}", w.address)]
+    name = "router-least-loaded"
+    proc = cluster.spawn(name, argv)
+    prompt = [(23 * i + 9) % 250 + 1 for i in range(48)]
+
+    async def main():
+        prefill = [w.address for w in cluster.workers("prefill")]
+        before = [(await cluster_load(a)).num_requests for a in prefill]
+        async with grpc.aio.insecure_channel(proc.address) as ch:
+            for _ in range(2):
+                async for _ in cluster.api(ch).Generate(api_pb2.GenerateRequest(
+                        token_ids=api_pb2.TokenIds(ids=prompt), params=params_to_proto(GREEDY)),
+                        timeout=120):
+                    pass
+        return [(await cluster_load(a)).num_requests - n for a, n in zip(prefill, before)]
+
+    try:
+        cluster.wait_ready([proc])
+        served = asyncio.run(main())
+    finally:
+        proc.popen.send_signal(signal.SIGTERM)
+        code = proc.popen.wait(60)
+        del cluster.procs[name]
+    assert served == [1, 1]
+    assert code == 0
     asyncio.run(cluster.wait_idle())

@@ -22,6 +22,7 @@ from router_svc.routing import (
     WorkerLoad,
     make_policy,
 )
+from router_svc.routing.least_loaded import LeastLoaded
 from router_svc.routing.prefix_affinity import PrefixAffinity
 from router_svc.workers import Worker, WorkerSet
 from tandem.errors import InvalidArgument
@@ -66,6 +67,32 @@ def test_prefix_affinity_refuses_a_negative_slack():
         PrefixAffinity(balance_slack=-1)
 
 
+# -- least-loaded ---------------------------------------------------------------------------
+def test_least_loaded_is_blind_to_caches():
+    policy = LeastLoaded()
+    holder, idle = load("holder", 1, cached=4), load("idle", 0)
+    assert policy.pick_prefill(REQUEST, [holder, idle]) is idle
+    assert policy.pick_decode(REQUEST, [load("h", 1, cached=4, free=9, role="decode"),
+                                        d := load("d", 0, free=1, role="decode")]) is d
+
+
+def test_least_loaded_ties_take_turns_per_leg():
+    policy = LeastLoaded()
+    ps = [load("p0"), load("p1"), load("p2", 1)]
+    ds = [load("d0", free=8, role="decode"), load("d1", free=8, role="decode")]
+    prefills = [policy.pick_prefill(REQUEST, ps).address for _ in range(4)]
+    decodes = [policy.pick_decode(REQUEST, ds).address for _ in range(3)]
+    assert prefills == ["p0", "p1", "p0", "p1"]  # p2 has a request queued: never
+    assert decodes == ["d0", "d1", "d0"]  # the prefill leg's turns are its own
+
+
+def test_least_loaded_decode_prefers_free_blocks_among_the_least_busy():
+    policy = LeastLoaded()
+    ds = [load("full", free=2, role="decode"), load("roomy", free=50, role="decode"),
+          load("busy", 1, free=500, role="decode")]
+    assert [policy.pick_decode(REQUEST, ds).address for _ in range(2)] == ["roomy", "roomy"]
+
+
 # -- every registered policy ----------------------------------------------------------------
 worker_loads = st.lists(st.builds(
     WorkerLoad, st.sampled_from(["a", "b", "c", "d"]), st.sampled_from(["prefill", "decode"]),
@@ -84,7 +111,8 @@ def test_every_policy_picks_one_of_the_workers_it_is_given(name, workers, priori
 
 
 def test_the_registry_is_the_flags_choices():
-    assert DEFAULT_POLICY == "prefix-affinity" and "prefix-affinity" in POLICIES
+    assert DEFAULT_POLICY == "prefix-affinity" and set(POLICIES) >= {"prefix-affinity",
+                                                                     "least-loaded"}
     for name, cls in POLICIES.items():
         assert cls.name == name and isinstance(make_policy(name), cls) and cls.summary
     from router_svc.server import add_router_args
@@ -93,14 +121,14 @@ def test_the_registry_is_the_flags_choices():
     add_router_args(p)
     flag = next(a for a in p._actions if "--routing-policy" in a.option_strings)
     assert (sorted(flag.choices), flag.default) == (sorted(POLICIES), DEFAULT_POLICY)
-    assert p.parse_args(["--model", "m", "--routing-policy", "prefix-affinity"]) \
-        .routing_policy == "prefix-affinity"
+    assert p.parse_args(["--model", "m", "--routing-policy", "least-loaded"]).routing_policy \
+        == "least-loaded"
 
 
 def test_an_unknown_policy_is_refused_naming_the_flag():
     with pytest.raises(InvalidArgument) as e:
         make_policy("random")
-    assert e.value.field == "--routing-policy" and "prefix-affinity" in e.value.message
+    assert e.value.field == "--routing-policy" and "least-loaded" in e.value.message
 
 
 # -- the WorkerSet that feeds a policy ------------------------------------------------------
