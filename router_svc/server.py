@@ -18,6 +18,7 @@ from router_svc.http_guard import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
 from router_svc.kv_index import DEFAULT_MAX_BLOCKS
 from router_svc.liveness import LoopLag
 from router_svc.membership import Membership, config_from_args
+from router_svc.no_torch import keep_torch_out
 from router_svc.orchestrator import Orchestrator
 from router_svc.routing import DEFAULT_POLICY, POLICIES, make_policy
 from router_svc.schema_check import DEFAULT_BUDGET_S, SchemaChecker
@@ -242,8 +243,15 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
 
 
 def run(args: argparse.Namespace) -> int:
+    # A built-in or GGUF model's directory is made on its first use, with torch; once made
+    # (`tandem up` makes it before starting the router), the router's process stays torch-free.
+    resolve_model(args.model)
+    torch_free = keep_torch_out()
     telemetry = Telemetry.start("router", model_names(args)[0],
                                 capture_content=args.trace_content)
+    if not torch_free:
+        log.info("torch is loaded (the model's directory was built by this process): the "
+                 "router keeps it")
     try:
         asyncio.run(serve(args, telemetry=telemetry))
     finally:

@@ -2,7 +2,8 @@
 (then nothing more), on 127.0.0.1: the router's liveness and failover tests stop it (SIGSTOP:
 hung), resume it and kill it (gone) without an engine.
 
-    python tests/fake_worker.py        # prints its port, then serves until killed
+    python tests/fake_worker.py           # prints its port, then serves until killed
+    python tests/fake_worker.py --finish  # the one token ends each request ("length")
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 
 class LoadOnly(worker_pb2_grpc.WorkerServicer):
-    def __init__(self) -> None:
+    def __init__(self, finish: str = "") -> None:
         self.instance = uuid.uuid4().hex
+        self.finish = finish  # the token's finish reason ("": the request goes on)
 
     async def GetLoad(self, request, context):  # noqa: N802 - gRPC method name
         return worker_pb2.Load(instance_id=self.instance, worker_id="fake", block_size=16)
@@ -33,13 +35,17 @@ class LoadOnly(worker_pb2_grpc.WorkerServicer):
                 rid = getattr(req, kind).request_id
                 yield worker_pb2.StreamResponse(tokens=worker_pb2.TokenColumns(
                     request_id=[rid], sample_index=[0], num_tokens=[1], token_ids=[7],
-                    finish_reason=[""], num_prompt_tokens=[3], num_cached_tokens=[0],
+                    finish_reason=[self.finish], num_prompt_tokens=[3], num_cached_tokens=[0],
                     with_logprobs=[False]))
+                if self.finish:
+                    yield worker_pb2.StreamResponse(
+                        updates=[worker_pb2.RequestUpdate(request_id=rid, done=True)])
 
 
 async def main() -> None:
     server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(LoadOnly(), server)
+    finish = "length" if "--finish" in sys.argv[1:] else ""
+    worker_pb2_grpc.add_WorkerServicer_to_server(LoadOnly(finish), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)

@@ -10,6 +10,9 @@ imports none of the others. A function-level import of our own code says why (no
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,3 +74,40 @@ def test_protos_holds_only_the_contract_and_its_tools():
              if p.is_file() and "__pycache__" not in p.parts}
     assert all(f.endswith((".proto", ".yaml", ".md")) or f in {"generate.py", "check.py"}
                for f in files), sorted(files)
+
+
+# Loaded, these mean torch came in: torch itself, what runs only on it, transformers' model code.
+TORCH_MODULES = ("torch", "triton", "xgrammar", "transformers.modeling_utils",
+                 "transformers.pytorch_utils")
+
+
+def test_the_router_imports_no_torch():
+    """Every module of router_svc, and what `tandem router` imports to parse its flags and
+    answer --help, imported in a fresh interpreter: none loads torch (the router's process
+    refuses it from its start: router_svc/no_torch.py; a serving router is checked in
+    tests/integration/test_router_no_torch.py)."""
+    script = f"""
+import importlib, json, pkgutil, sys
+import router_svc
+names = [m.name for m in pkgutil.walk_packages(router_svc.__path__, "router_svc.")]
+for name in names:
+    importlib.import_module(name)
+from cli.main import main
+try:
+    main(["router", "--help"])
+except SystemExit:
+    pass
+heavy = {TORCH_MODULES!r}
+loaded = sorted(n for n, m in list(sys.modules.items()) if m is not None
+                and any(n == h or n.startswith(h + ".") for h in heavy))
+print(json.dumps({{"imported": names, "loaded": loaded}}))
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout.splitlines()[-1])
+    modules = {p.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+               for p in _modules("router_svc")}
+    assert {m.removesuffix(".__init__") for m in modules} - {"router_svc"} \
+        == set(report["imported"])
+    assert report["loaded"] == []
