@@ -14,13 +14,17 @@ and off.
 Conversation c, turn t: the prompt is everything so far (turn 1's prompt, every earlier answer
 and user message) plus `--new-tokens` random tokens; the answer is `--output-tokens` tokens
 (greedy, ignore_eos). Turns go in waves: every conversation's turn t, sent at a steady
-`--rate` requests per second, then the next turn once all have answered. Per turn, from the
+`--rate` requests per second in an order of its own (shuffled with --seed: conversations do not
+take turns in a fixed order, and a fixed one would hand a round-robin router each conversation
+to the same worker every turn), then the next turn once all have answered. Per turn, from the
 workers' counters (GetLoad) over the wave: KV bytes and blocks the decode workers pulled,
 prompt tokens the prefill workers computed; from the client: TTFT (send -> first token).
 
 `--reuse off` starts the decode workers with --no-prefix-caching: every turn pulls its whole
 prompt, as before decode-side reuse (the prefill workers' own prefix cache stays on in both).
 `--reuse both` runs off, then on, on fresh stacks, and also reports whether the outputs agree.
+`--routing-policy` picks the router's (default: its own, prefix-affinity); `least-loaded`, blind
+to what workers cache, is the baseline that shows what routing on caches buys.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import counters, percentile  # noqa: E402
+from router_svc.routing import POLICIES  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=32, help="each answer")
     p.add_argument("--rate", type=float, default=8.0, help="requests per second in a wave")
     p.add_argument("--reuse", default="both", choices=["on", "off", "both"])
+    p.add_argument("--routing-policy", default=None, choices=sorted(POLICIES),
+                   help="the router's --routing-policy (default: the router's default)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON results")
@@ -104,17 +111,19 @@ async def run_waves(stack, a: argparse.Namespace, convs: list[list[list[int]]]) 
 
     history: list[list[int]] = [[] for _ in convs]
     turns, outputs = [], []
+    rng = random.Random(a.seed)
     async with grpc.aio.insecure_channel(stack.router.address) as ch:
         stub = api_pb2_grpc.TandemStub(ch)
         for t in range(a.turns):
             prompts = [h + c[t] for h, c in zip(history, convs)]
+            place = rng.sample(range(len(prompts)), len(prompts))  # conversation -> its place
             before = await counters(stack)
 
-            async def send(i: int, prompt: list[int]) -> dict:
-                await asyncio.sleep(i / a.rate)  # a steady rate within the wave
+            async def send(k: int, prompt: list[int]) -> dict:
+                await asyncio.sleep(k / a.rate)  # a steady rate within the wave
                 return await one(stub, prompt, a.output_tokens)
 
-            results = await asyncio.gather(*(send(i, p) for i, p in enumerate(prompts)))
+            results = await asyncio.gather(*(send(place[i], p) for i, p in enumerate(prompts)))
             after = await counters(stack)
             n = len(prompts)
             ttfts = [r["ttft"] * 1e3 for r in results]
@@ -155,7 +164,9 @@ def launch(a: argparse.Namespace, reuse: bool):
     stack = LocalStack(a.model, roles, devices, worker_args=common,
                        role_args={"prefill": ["--transport", transport], "decode": decode},
                        router_args=["--grpc-port", "0", "--http-port", "-1",
-                                    "--max-model-len", str(a.max_model_len), *block_size],
+                                    "--max-model-len", str(a.max_model_len), *block_size,
+                                    *(["--routing-policy", a.routing_policy]
+                                      if a.routing_policy else [])],
                        log_dir=a.log_dir / ("reuse-on" if reuse else "reuse-off")
                        if a.log_dir else None, env=env)
     return stack.start(), devices, transport
