@@ -34,8 +34,9 @@ class HeldLegs(Orchestrator):
         self.held = asyncio.Event()
         self.ids: list[str] = []  # as the workers would see them
 
-    async def _colocated(self, rid, prompt, *_):  # params, deadline, trace context, ...
+    async def _colocated(self, rid, route, *_):  # params, deadline, trace context, ...
         self.ids.append(rid)
+        prompt = route.prompt
         if prompt == HELD:
             self.held.set()
             await self.release.wait()
