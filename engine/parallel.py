@@ -212,7 +212,7 @@ def shard_model(model: CausalLM, tp: TPState) -> None:
             kv = (kv_start * hd, kv_local * hd)
             mod.qkv_proj = ColumnParallelMergedLinear(
                 cfg.hidden_size, {"q": (r * q_local * hd, q_local * hd), "k": kv, "v": kv},
-                full, bias=cfg.qkv_bias)
+                full, bias=mod.qkv_proj.bias is not None)
             mod.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size,
                                            r * q_local * hd, q_local * hd, tp.group)
         elif isinstance(mod, MLP):

@@ -14,12 +14,12 @@ import numpy as np
 from safetensors.torch import load_file
 
 from engine.demo import CHAT_TEMPLATE
-from engine.gguf_checkpoint import LAYER_NAMES, TOP_NAMES
+from engine.models.layers import LLAMA_CPP_TENSORS
 
+# The architecture llama.cpp's converter writes for each (Mistral's files say `llama`).
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
              "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-TOP = {hf: g for g, hf in TOP_NAMES.items()}
-LAYER = {hf: g for g, hf in LAYER_NAMES.items()}
+GGUF_NAMES = {hf: g for g, hf in LLAMA_CPP_TENSORS.items()}  # "{i}": the layer
 
 
 def interleave_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -48,10 +48,11 @@ def llama3_rope_freqs(rope: dict, head_dim: int, theta: float) -> np.ndarray:
 
 def _gguf_name(hf: str) -> str:
     base, kind = hf.rsplit(".", 1)
-    if base in TOP:
-        return f"{TOP[base]}.{kind}"
-    parts = base.split(".")  # model.layers.<i>.<module path>
-    return f"blk.{parts[2]}.{LAYER['.'.join(parts[3:])]}.{kind}"
+    parts = base.split(".")  # model.layers.<i>.<module path>, or a top-level module
+    if parts[:2] == ["model", "layers"]:
+        template = ".".join(["model.layers.{i}", *parts[3:]])
+        return f"{GGUF_NAMES[template].format(i=parts[2])}.{kind}"
+    return f"{GGUF_NAMES[base]}.{kind}"
 
 
 def write_gguf(checkpoint: Path, out: Path,

@@ -1,25 +1,32 @@
-"""Model registry: Hugging Face architecture name -> model class."""
+"""Models: one file per model, built from the shared layers (layers.py); the registry
+(registry.py) lists them. Nothing here imports torch until a model class is asked for."""
 
 from __future__ import annotations
 
-from engine.models.layers import CausalLM
-from engine.models.llama import LlamaForCausalLM
-from engine.models.mistral import MistralForCausalLM
-from engine.models.qwen2 import Qwen2ForCausalLM
-from engine.models.qwen3 import Qwen3ForCausalLM
+import importlib
+from typing import TYPE_CHECKING
+
+from engine.models.registry import MODELS, check_architecture
 from tandem.errors import ModelLoadError
 
-MODELS: dict[str, type[CausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
+if TYPE_CHECKING:
+    from engine.models.layers import CausalLM
 
 
 def model_class(architecture: str) -> type[CausalLM]:
+    """The class serving a Hugging Face architecture name (its module imported now)."""
+    check_architecture(architecture)
+    module = importlib.import_module(f"engine.models.{MODELS[architecture]}")
+    return getattr(module, architecture)
+
+
+def gguf_model_class(gguf_architecture: str) -> type[CausalLM]:
+    """The class serving GGUF files of llama.cpp's `general.architecture` name."""
+    served = {cls.gguf_architecture: cls for cls in map(model_class, MODELS)
+              if cls.gguf_architecture is not None}
     try:
-        return MODELS[architecture]
+        return served[gguf_architecture]
     except KeyError:
-        raise ModelLoadError(f"architecture {architecture!r} is not supported "
-                             f"(supported: {', '.join(MODELS)})") from None
+        raise ModelLoadError(f"model: GGUF architecture {gguf_architecture!r} "
+                             "(general.architecture) is not supported "
+                             f"(supported: {', '.join(sorted(served))})") from None

@@ -3,11 +3,17 @@ one) to cut kernel launches; the loader splits Hugging Face tensors into their s
 
 Each parameter may carry `weight_loader(param, tensor, shard)`; the loader calls it with the
 checkpoint tensor and the shard name from the model's `packed_modules`.
+
+`CausalLM` is the base of every model and the declaration of what a model is (its class
+attributes); a model file overrides what differs from Llama.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -104,8 +110,17 @@ class RotaryEmbedding(nn.Module):
         return Rope(positions, self.cos_sin_cache)
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Where models' attention layers differ; the model class decides (CausalLM)."""
+
+    qkv_bias: bool = False  # biases on the q, k and v projections
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before the rotary embedding
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int,
+                 options: AttentionOptions = AttentionOptions()) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_heads
@@ -115,10 +130,10 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = MergedLinear(
             cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-            bias=cfg.qkv_bias)
+            bias=options.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if options.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if options.qk_norm else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
 
@@ -150,10 +165,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int,
+                 attention: AttentionOptions = AttentionOptions()) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, attention)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -172,14 +188,19 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The `model.` part of a Hugging Face causal LM: embeddings, layers, final norm."""
 
-    def __init__(self, cfg: ModelConfig, layer_cls: type[DecoderLayer] = DecoderLayer) -> None:
+    def __init__(self, cfg: ModelConfig,
+                 make_layer: Callable[[int], DecoderLayer] | None = None) -> None:
         super().__init__()
+        make_layer = make_layer or functools.partial(DecoderLayer, cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
@@ -187,10 +208,36 @@ class DecoderModel(nn.Module):
         return x
 
 
+# llama.cpp's tensor names (GGUF) -> Hugging Face's, for Llama-shaped models; {i}: the layer.
+LLAMA_CPP_TENSORS = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
+    "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
+    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
+    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
+    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
+    "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
+    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+}
+
+
 class CausalLM(nn.Module):
     """Base of every model: `forward` gives hidden states of all tokens in the step,
-    `compute_logits` the float32 logits of the rows that sample."""
+    `compute_logits` the float32 logits of the rows that sample.
 
+    What a model is, declared by its class (Llama's here; a model file overrides the rest) and
+    read by the loader, the GGUF reader, tensor parallelism and the dummy weights, which are
+    drawn for the model's own parameters (engine/loader.py). The registry
+    (engine/models/registry.py) maps Hugging Face architecture names to classes."""
+
+    # Per-head RMSNorm of queries and keys (Qwen3); biases on q, k, v: True, False, or None
+    # for what the config's `attention_bias` says.
+    qk_norm: ClassVar[bool] = False
+    qkv_bias: ClassVar[bool | None] = None
     # Hugging Face tensor name fragment -> (our parameter name fragment, shard).
     packed_modules: ClassVar[dict[str, tuple[str, str]]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -199,17 +246,34 @@ class CausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"),
         "up_proj": ("gate_up_proj", "up"),
     }
+    # GGUF (engine/gguf_checkpoint.py): the `general.architecture` served by this class (None:
+    # no GGUF files), its tensor names, and whether llama.cpp's converter interleaved the two
+    # rotary halves of each head's Q and K rows (it does for `llama`).
+    gguf_architecture: ClassVar[str | None] = None
+    gguf_tensors: ClassVar[dict[str, str]] = LLAMA_CPP_TENSORS
+    gguf_interleaved_qk: ClassVar[bool] = False
+    # The layer and the `model.` part a model file may replace with subclasses.
+    decoder_layer: ClassVar[type[DecoderLayer]] = DecoderLayer
+    decoder_model: ClassVar[type[DecoderModel]] = DecoderModel
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
+        bias = cfg.attention_bias if self.qkv_bias is None else self.qkv_bias
+        options = AttentionOptions(qkv_bias=bias, qk_norm=self.qk_norm)
+        self.model = self.decoder_model(
+            cfg, functools.partial(self.decoder_layer, cfg, attention=options))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    @property
+    def attention_scale(self) -> float:
+        """What q·k is multiplied by before the softmax (the attention backend applies it)."""
+        return self.config.head_dim ** -0.5
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                        ) -> torch.Tensor:

@@ -6,4 +6,6 @@ from engine.models.layers import CausalLM
 
 
 class LlamaForCausalLM(CausalLM):
-    pass
+    # llama.cpp's `llama` files, Mistral's included (served as Llama up to the window, below).
+    gguf_architecture = "llama"
+    gguf_interleaved_qk = True

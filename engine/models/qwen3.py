@@ -1,13 +1,12 @@
-"""Qwen3: per-head RMSNorm of queries and keys before the rotary embedding
-(ModelConfig.qk_norm), no q/k/v bias, an explicit head_dim."""
+"""Qwen3: per-head RMSNorm of queries and keys before the rotary embedding, an explicit
+head_dim (the config's, which ModelConfig reads for every model), q/k/v biases only where the
+config's attention_bias asks."""
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
 from engine.models.layers import CausalLM
 
 
 class Qwen3ForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig) -> None:
-        assert cfg.qk_norm, "Qwen3 normalises q and k per head"
-        super().__init__(cfg)
+    qk_norm = True
+    gguf_architecture = "qwen3"

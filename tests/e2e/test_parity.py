@@ -12,6 +12,7 @@ import transformers
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from tiny import ARCHS
 
 DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")
 NEW_TOKENS = 32
@@ -23,22 +24,32 @@ SHARED = [PREFIX + [200 + i] * (1 + i) for i in range(8)]
 
 
 @pytest.fixture(scope="module")
-def hf_reference(tiny_models):
-    """name -> function(prompts) -> transformers' greedy tokens, memoised per prompt."""
-    cache: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+def hf_model(tiny_models):
+    """name -> transformers' model of that tiny checkpoint (float32, loaded once)."""
     models: dict[str, torch.nn.Module] = {}
 
-    def reference(name: str, prompts: list[list[int]]) -> list[list[int]]:
+    def model(name: str) -> torch.nn.Module:
         if name not in models:
             models[name] = transformers.AutoModelForCausalLM.from_pretrained(
                 tiny_models[name], dtype=torch.float32).eval()
+        return models[name]
+
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model):
+    """name -> function(prompts) -> transformers' greedy tokens, memoised per prompt."""
+    cache: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+
+    def reference(name: str, prompts: list[list[int]]) -> list[list[int]]:
         out = []
         for p in prompts:
             key = (name, tuple(p))
             if key not in cache:
                 with torch.no_grad():
-                    ids = models[name].generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS,
-                                                do_sample=False)
+                    ids = hf_model(name).generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS,
+                                                  do_sample=False)
                 cache[key] = ids[0, len(p):].tolist()
             out.append(cache[key])
         return out
@@ -53,13 +64,29 @@ def run_engine(path, prompts, **kwargs) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-ARCH_NAMES = ["llama", "llama-linear", "llama3", "mistral", "qwen2", "qwen3"]
+ARCH_NAMES = list(ARCHS)  # every tiny checkpoint: one per architecture (and rotary scaling)
 
 
 @pytest.mark.parametrize("name", ARCH_NAMES)
 def test_greedy_matches_transformers(tiny_models, hf_reference, name):
     got, _ = run_engine(tiny_models[name], PROMPTS)
     assert got == hf_reference(name, PROMPTS)
+
+
+@pytest.mark.parametrize("name", ARCH_NAMES)
+def test_logprobs_match_transformers(tiny_models, hf_model, name):
+    """Each sampled token's log-probability is transformers' log-softmax of its logits: what
+    greedy tokens cannot show (a scale on the logits, as Granite's logits_scaling)."""
+    llm = LLM(str(tiny_models[name]), device=DEVICE, progress=False)
+    outs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=8, logprobs=0))
+    for prompt, out in zip(PROMPTS[:3], outs):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = hf_model(name)(torch.tensor([prompt + tokens])).logits[0].float()
+        want = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+        want = want.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        got = torch.tensor([lp.sampled.logprob for lp in out.outputs[0].logprobs])
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])

@@ -9,7 +9,7 @@ from engine.attention.base import AttentionMetadata, Rope, forward_context
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
 from engine.config import ModelConfig, RopeScaling
-from engine.models.layers import Attention, RotaryEmbedding
+from engine.models.layers import Attention, AttentionOptions, RotaryEmbedding
 from paged_meta import step_metadata
 
 
@@ -99,9 +99,9 @@ def test_attention_layer_same_on_both_backends(seed, device, monkeypatch, qk_nor
         architecture="Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM", vocab_size=64,
         hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4, num_kv_heads=2,
         head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=RopeScaling(),
-        max_position_embeddings=1024, tie_word_embeddings=False, qkv_bias=False,
-        qk_norm=qk_norm, eos_token_ids=(0,), bos_token_id=None)
-    layer = Attention(cfg, 0).to(device)
+        max_position_embeddings=1024, tie_word_embeddings=False, attention_bias=False,
+        eos_token_ids=(0,), bos_token_id=None)
+    layer = Attention(cfg, 0, AttentionOptions(qk_norm=qk_norm)).to(device)
     for p in layer.parameters():
         p.data.normal_(0, 0.1)
     query_lens, cached = [1, 1, 9], [300, 20, 30]
