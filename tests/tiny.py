@@ -34,6 +34,10 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     # Qwen3: explicit head_dim different from hidden / heads, q/k norms.
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"hidden_size": 192, "head_dim": 64}),
+    # Granite: Llama with multipliers on the embeddings, residuals, attention and logits.
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                {"embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                 "attention_multiplier": 0.25, "logits_scaling": 4.0}),
 }
 
 

@@ -16,6 +16,7 @@ MODELS: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GraniteForCausalLM": "granite",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
