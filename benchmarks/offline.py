@@ -103,7 +103,7 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0)
               for r in requests]
     bar = progress_bar(len(requests), "offline", a.progress)
-    window = a.gpu_window or (16 if engine._pipeline_enabled() else 1)
+    window = a.gpu_window or (16 if engine.pipeline.enabled else 1)
     rec = StepRecorder(engine, gpu_every, on_finished=bar.update, gpu_window=window)
     rec.attach()
     compiled0 = triton_variants(device)

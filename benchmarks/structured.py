@@ -147,7 +147,7 @@ def main() -> None:
     card = _card(args.device)
     med = {k: statistics.median(v) for k, v in rates.items()}
     ratio = med["json_schema"] / med["unconstrained"]
-    pipelined = llm.engine._pipeline_enabled()
+    pipelined = llm.engine.pipeline.enabled
     print(f"\n{card}, {args.model.name}, {n} concurrent requests, {args.max_tokens} tokens each,"
           f" tokenizer vocab {vocab}, {args.schema} schema, "
           f"{'pipelined' if pipelined else 'synchronous'} steps")

@@ -1,5 +1,5 @@
-"""Pipelined ("asynchronous") scheduling: the bookkeeping of LLMEngine's step when the host
-work of step N+1 overlaps the device work of step N.
+"""Pipelined ("asynchronous") scheduling: StepPipeline, which LLMEngine owns, launches step N+1
+while the device runs step N and owns the step in flight until its tokens are applied.
 
     call k:   schedule N+1 ─ launch N+1 (inputs, forward, sample: launches only) ─ wait for N's
               tokens (a copy to pinned memory + an event) ─ apply them ─ return N's outputs
@@ -30,58 +30,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.sampler import SampleRow
-from engine.sequence import FinishReason, RemoteKV, SeqOutput, Sequence
+from engine.sequence import FinishReason, SeqOutput, Sequence, StepResult, StopCheck
+from engine.step_tokens import PendingTokens, TokenFill
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.kv_manager import KVCacheManager
     from engine.model_runner import ModelRunner
     from engine.scheduler import ScheduledBatch, Scheduler
 
 # A token id not yet known on the host (never a real one: ids are checked to be >= 0).
 PLACEHOLDER = -1
-
-
-class PendingTokens:
-    """A step's sampled tokens: on the device, and on their way to the host. On CUDA the copy
-    goes to pinned memory (non_blocking) and an event recorded after it tells when it is done;
-    on the CPU everything already happened."""
-
-    def __init__(self, tokens: torch.Tensor) -> None:
-        self.device = tokens
-        self.event: torch.cuda.Event | None = None
-        if tokens.is_cuda:
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = tokens
-
-    def tolist(self) -> list[int]:
-        """Waits for this step's kernels (and only them) to finish."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist()
-
-
-@dataclass
-class TokenFill:
-    """Placeholders of a step's flattened token ids (dst) and the rows of the previous step's
-    sampled tokens (src, of `tokens`, on the device) that replace them."""
-
-    tokens: torch.Tensor
-    dst: list[int] = field(default_factory=list)
-    src: list[int] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.dst)
 
 
 @dataclass
@@ -93,51 +54,41 @@ class InFlight:
     positions: list[int]  # index of each sequence's placeholder in its token_ids
     rows: dict[int, int]  # seq_id -> row of `pending`
     num_prompt_tokens: int  # prompt tokens of the sequences sampling their first token
-    resolved: tuple[list[SeqOutput], int, int] | None = None  # _resolve's result, once taken
+    resolved: StepResult | None = None  # resolve's result, once taken
 
 
-class PipelinedSteps:
-    """Mixed into LLMEngine, whose state and methods (below) these use."""
+class StepPipeline:
+    """The engine's pipelined steps: launches a batch behind the step in flight (`launch`) and
+    applies a launched step's tokens (`resolve`). It owns the step in flight; the sequences, the
+    scheduler and the runner are the engine's, and a sequence that stops ends through the
+    engine's `finish` (its blocks freed, its request told)."""
 
-    config: EngineConfig
-    runner: ModelRunner
-    scheduler: Scheduler
-    kv: KVCacheManager
-    max_model_len: int
-    eos_token_ids: frozenset[int]
-    tp_group: object
-    inflight: InFlight | None
-    kv_pull_in_stream: Callable[[RemoteKV], bool] | None
-    last_execute_s: float
-    num_prompt_tokens_computed: int
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, stops: StopCheck,
+                 finish: Callable[[Sequence, FinishReason], None], enabled: bool) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.stops = stops
+        self.finish = finish
+        # Static conditions, the engine's: on (by default on CUDA), not in role prefill (its
+        # requests end at their first token), not under tensor parallelism (steps are
+        # broadcast to the other ranks as host lists).
+        self.enabled = enabled
+        self.inflight: InFlight | None = None
 
-    if TYPE_CHECKING:  # LLMEngine's, for the type checker
-        def _finish(self, seq: Sequence, reason: FinishReason) -> None: ...
-        def _advance(self, batch: ScheduledBatch, started: float, now: float,
-                     fed: set[int] | frozenset[int] = frozenset()) -> None: ...
+    def take_inflight(self) -> InFlight | None:
+        """The step in flight, which the caller now resolves or launches behind."""
+        prev, self.inflight = self.inflight, None
+        return prev
 
-    def _pipeline_enabled(self) -> bool:
-        """Static conditions: on (by default on CUDA), prefill requests end at their first
-        token, and tensor-parallel steps are broadcast to the other ranks as host lists."""
-        on = self.config.async_scheduling
-        if on is None:
-            on = self.runner.device.type == "cuda"
-        return on and self.config.role != "prefill" and self.tp_group is None
-
-    def _can_pipeline(self, batch: ScheduledBatch) -> bool:
+    def can_launch(self, batch: ScheduledBatch) -> bool:
         """Whether this batch may run while the previous step's tokens are unknown: not with
-        a KV pull that must find no step in flight (one that writes the pool outside this
-        stream at once, while the step in flight may still write blocks freed since; a pull
-        in stream order, or posted after the stream passed it, is fine: `kv_pull_in_stream`),
-        nor preemption (a victim's placeholder is resolved before it is
-        ever recomputed), nor a row that needs its sample's tokens on the host (penalties,
-        logprobs) or forks its samples (n > 1, first token). A grammar's row takes the
-        previous step's tokens before its sampling is launched (the module's doc)."""
+        preemption (a victim's placeholder is resolved before it is ever recomputed), nor a
+        row that needs its sample's tokens on the host (penalties, logprobs) or forks its
+        samples (n > 1, first token). A grammar's row takes the previous step's tokens before
+        its sampling is launched (the module's doc). The engine also asks its KV pulls: one
+        that writes the pool outside this stream at once must find no step in flight (it may
+        still write blocks freed since)."""
         if batch.preempted:
-            return False
-        in_stream = self.kv_pull_in_stream
-        if batch.pulls and (in_stream is None
-                            or not all(in_stream(s.remote) for s in batch.pulls)):
             return False
         for seq in batch.seqs:
             p = seq.params
@@ -145,11 +96,10 @@ class PipelinedSteps:
                 return False
         return True
 
-    def _launch(self, batch: ScheduledBatch, prev: InFlight | None
-                ) -> tuple[list[SeqOutput], int, int]:
+    def launch(self, batch: ScheduledBatch, prev: InFlight | None) -> StepResult:
         """Launch `batch` with no host sync; it becomes the step in flight. `prev`: the step
         in flight until now, whose tokens this one reads on the device (resolved after).
-        Nothing is output or sampled yet (as _resolve counts)."""
+        Nothing is output or sampled yet (as resolve counts)."""
         fill = TokenFill(prev.pending.device) if prev is not None else None
         rows: list[SampleRow] = []
         row_index: list[int] = []
@@ -178,7 +128,7 @@ class PipelinedSteps:
         def take_previous() -> None:
             """Before sampling under a grammar: the previous step's tokens into the matchers;
             rows whose sequence they ended are sampled unmasked (and discarded)."""
-            self._resolve(prev)  # type: ignore[arg-type]
+            self.resolve(prev)  # type: ignore[arg-type]
             for row, seq in zip(rows, samplers):
                 if seq.is_finished:
                     row.grammar = None
@@ -187,16 +137,17 @@ class PipelinedSteps:
         t = time.perf_counter()
         pending = self.runner.execute(batch, rows, row_index, fill if fill else None,
                                       defer=True, before_sample=take_previous if grammar else None)
-        self.last_execute_s += time.perf_counter() - t
+        execute_s = time.perf_counter() - t
         now = time.monotonic()
 
         # Sequences the previous step's tokens ended (taken before a grammar row's sampling):
         # their blocks are freed, their row here is discarded.
         ended = {s.seq_id for s in samplers if s.is_finished} if grammar else set()
-        self._advance(batch, started, now, fed | ended)
+        self.scheduler.advance(batch, started, now, fed | ended)
         positions = []
         num_prompt_tokens = 0
         done: set[int] = set()
+        max_model_len = self.stops.max_model_len
         for seq in samplers:
             if seq.seq_id in ended:
                 positions.append(-1)
@@ -206,31 +157,30 @@ class PipelinedSteps:
             positions.append(seq.num_tokens)
             seq.token_ids.append(PLACEHOLDER)
             if seq.num_output_tokens >= seq.params.max_tokens \
-                    or seq.num_tokens >= self.max_model_len:
+                    or seq.num_tokens >= max_model_len:
                 done.add(seq.seq_id)  # finishes with this token: schedule nothing more
         if done:
-            self.scheduler.running = [s for s in self.scheduler.running
-                                      if s.seq_id not in done]
+            self.scheduler.retire(done)
         self.inflight = InFlight(pending, samplers, positions,
                                  {s.seq_id: i for i, s in enumerate(samplers)},
                                  num_prompt_tokens)
-        return [], 0, 0
+        return StepResult([], execute_s=execute_s)
 
-    def _resolve(self, f: InFlight) -> tuple[list[SeqOutput], int, int]:
-        """Wait for a launched step, apply its tokens: outputs, tokens sampled, and prompt
+    def resolve(self, f: InFlight) -> StepResult:
+        """Wait for a launched step, apply its tokens: its outputs, tokens sampled, and prompt
         tokens of the sequences sampling their first. Once: a later call (the step that took
-        them before its grammar rows' sampling, then step()) returns the same result."""
+        them before its grammar rows' sampling, then the engine) returns the same result."""
         if f.resolved is None:
             f.resolved = self._apply_tokens(f)
         return f.resolved
 
-    def _apply_tokens(self, f: InFlight) -> tuple[list[SeqOutput], int, int]:
+    def _apply_tokens(self, f: InFlight) -> StepResult:
         t = time.perf_counter()
         tokens = f.pending.tolist()
-        self.last_execute_s += time.perf_counter() - t  # the runner's share, as in a sync step
+        execute_s = time.perf_counter() - t  # the runner's share, as in a synchronous step
         now = time.monotonic()
-        bs = self.kv.block_size
-        eos = self.eos_token_ids
+        kv = self.scheduler.kv
+        bs = kv.block_size
         outputs = []
         for seq, pos, tok in zip(f.seqs, f.positions, tokens):
             if seq.is_finished:  # stopped or aborted while in flight: the row is discarded
@@ -244,28 +194,15 @@ class PipelinedSteps:
             # A block filled by a step that fed this placeholder is all known now (a later
             # placeholder sits at num_computed_tokens, outside it).
             if seq.num_computed_tokens // bs > seq.num_cached_blocks:
-                self.kv.cache_full_blocks(seq)
-            p = seq.params
+                kv.cache_full_blocks(seq)
             num_out = pos + 1 - seq.num_prompt_tokens
-            reason = None
-            if tok in p.stop_token_ids or (tok in eos and not p.ignore_eos):
-                reason = FinishReason.STOP
-            elif num_out >= p.max_tokens or pos + 1 >= self.max_model_len:
-                reason = FinishReason.LENGTH
+            reason = self.stops(seq.params, tok, num_out, pos + 1)
             if reason is not None:
                 del seq.token_ids[pos + 1:]  # the next step's placeholder: never known
-                self._finish(seq, reason)
+                self.finish(seq, reason)
             outputs.append(SeqOutput(seq.request_id, seq.sample_index, [tok], [None],
                                      seq.finish_reason, seq.num_prompt_tokens,
                                      seq.num_cached_tokens, num_out,
                                      timing=seq.timing() if reason is not None else None))
-        return outputs, len(outputs), f.num_prompt_tokens  # rows discarded: not counted
-
-    @staticmethod
-    def _drop_finished(batch: ScheduledBatch) -> None:
-        """Sequences of a scheduled batch that finished meanwhile (the in-flight step resolved
-        after scheduling) leave it."""
-        if any(s.is_finished for s in batch.seqs):
-            keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
-            batch.seqs = [batch.seqs[i] for i in keep]
-            batch.num_new_tokens = [batch.num_new_tokens[i] for i in keep]
+        # Rows discarded are not counted.
+        return StepResult(outputs, len(outputs), f.num_prompt_tokens, execute_s)

@@ -7,9 +7,11 @@ Roles share this one engine:
            the output carries a Handoff (block ids, first tokens) for a decode worker;
   decode   `add_remote_request` admits a request whose prompt KV lives on a prefill worker; the
            engine keeps the prompt's full blocks its own prefix cache holds, allocates blocks
-           for the rest, calls `kv_puller` to copy only those in, and decodes.
-The prefill and decode halves of that handoff are engine/kv_handoff.py's (a mixin); this file
-holds the loop and what every role shares.
+           for the rest, has its puller copy only those in, and decodes.
+The engine owns the objects that hold each part's state: the prefill and decode halves of that
+handoff (`leases`, `pulls`: engine/kv_handoff.py) and the pipelined steps (`pipeline`:
+engine/async_step.py); this file holds the loop and the requests' outputs, which every role
+shares.
 
 Pipelined steps (`async_scheduling`, on by default on CUDA; engine/async_step.py): `step()` schedules
 and launches step N+1 while the device runs step N (N+1's placeholder ids filled on the device
@@ -30,30 +32,40 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from engine.async_step import PLACEHOLDER, InFlight, PipelinedSteps
+from engine.async_step import PLACEHOLDER, StepPipeline
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.grammar import GrammarCompiler
-from engine.kv_handoff import KVDropper, KVHandoff, KVPuller
+from engine.kv_handoff import PromptLeases, PromptPulls, PullDone
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner, PoolFactory
 from engine.model_source import resolve_model
 from engine.sampler import SampleRow
 from engine.sampling_params import RequestLimits, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import FinishReason, RemoteKV, SeqOutput, Sequence, Status, StepStats
-from kvtransfer.lease import LeaseTable
+from engine.sequence import (
+    FinishReason,
+    Handoff,
+    RemoteKV,
+    SeqOutput,
+    Sequence,
+    Status,
+    StepResult,
+    StepStats,
+    StopCheck,
+)
 from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
 # With nothing else to run, how long a step waits for a grammar being compiled.
 COMPILE_WAIT_S = 0.05
+# How long an engine with nothing to run but pulls in flight waits before looking again.
+PULL_POLL_S = 1e-4
 
 
-class LLMEngine(KVHandoff, PipelinedSteps):
+class LLMEngine:
     def __init__(self, config: EngineConfig, *, pool_factory: PoolFactory | None = None,
-                 kv_puller: KVPuller | None = None, kv_dropper: KVDropper | None = None,
                  progress: bool = True, tp_options: dict | None = None) -> None:
         keep_freed_memory()
         self.config = config
@@ -82,26 +94,19 @@ class LLMEngine(KVHandoff, PipelinedSteps):
         self.scheduler = Scheduler(dataclasses.replace(sched, max_model_len=max_len), self.kv)
         self.max_model_len = max_len
         self.limits = RequestLimits(self.model_config.vocab_size, max_len, config.max_n)
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.stops = StopCheck(frozenset(self.model_config.eos_token_ids), max_len)
         # Structured outputs; loads the tokenizer and xgrammar only when a grammar arrives.
         self.grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size,
                                         list(self.eos_token_ids))
         # Requests held back until their grammar is compiled (in arrival order).
         self.compiling: list[tuple[Sequence, Future]] = []
-        self.leases = LeaseTable()
-        self.lease_ttl_s = 30.0
-        self.lease_max_life_s: float | None = None
-        self.kv_puller = kv_puller
-        # Whether a request's pull is ordered with the steps on the device (pipelined steps go
-        # on beside it); None: no pull is (engine/async_step.py).
-        self.kv_pull_in_stream: Callable[[RemoteKV], bool] | None = None
-        self.kv_dropper = kv_dropper
-        # Sequences (and their KV's source) whose pull completes outside the stream (NIXL)
-        self.pulling: list[tuple[Sequence, RemoteKV]] = []
+        # The handoff's halves: the prefill role's leases, the decode role's pulls.
+        self.leases = PromptLeases(self.block_pool)
+        self.pulls = PromptPulls(cache.block_size, self.model_config.vocab_size, max_len)
+        self.pipeline = StepPipeline(self.runner, self.scheduler, self.stops, self._finish,
+                                     enabled=self._pipelined(config))
         self.requests: dict[str, list[Sequence]] = {}
         self.num_requests_added = 0
-        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, all told
-        self.inflight: InFlight | None = None  # a pipelined step launched, tokens unknown
         # The step() call's: its wall time, the batch it scheduled and ran or launched, and
         # the tokens it returned (pipelined: those of the step launched by the call before).
         self.last_step: StepStats | None = None
@@ -124,6 +129,15 @@ class LLMEngine(KVHandoff, PipelinedSteps):
             pool_factory=pool_factory, progress=progress,
             kv_cache_dtype_name=config.kv_cache_dtype, quantization=config.quantization,
             tp=self.tp_group.state if self.tp_group is not None else None)
+
+    def _pipelined(self, config: EngineConfig) -> bool:
+        """Whether steps may be pipelined: on (by default on CUDA), not in role prefill (its
+        requests end at their first token), not under tensor parallelism (each step is
+        broadcast to the other ranks as host lists)."""
+        on = config.async_scheduling
+        if on is None:
+            on = self.runner.device.type == "cuda"
+        return on and config.role != "prefill" and self.tp_group is None
 
     # -- requests ----------------------------------------------------------------------------
     def validate(self, request_id: str, prompt_token_ids: list[int],
@@ -153,7 +167,7 @@ class LLMEngine(KVHandoff, PipelinedSteps):
     def _grammars_ready(self) -> list[SeqOutput]:
         """Held-back requests whose grammar is compiled join the scheduler; one whose grammar
         failed ends with the error. With nothing else to run, wait briefly for a compile."""
-        if not self.scheduler.has_work() and self.inflight is None:
+        if not self.scheduler.has_work() and self.pipeline.inflight is None:
             wait([f for _, f in self.compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
         outputs, still = [], []
         for seq, fut in self.compiling:
@@ -175,8 +189,19 @@ class LLMEngine(KVHandoff, PipelinedSteps):
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         self.validate(request_id, prompt_token_ids, params)
+        self._add(Sequence(request_id, prompt_token_ids, params))
+
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
+                           params: SamplingParams, remote: RemoteKV) -> None:
+        """Decode role: the prompt's KV and first token(s) come from a prefill worker."""
+        self.validate(request_id, prompt_token_ids, params)
+        self.pulls.check(prompt_token_ids, params, remote)
         seq = Sequence(request_id, prompt_token_ids, params)
-        self.requests[request_id] = [seq]
+        seq.remote = remote
+        self._add(seq)
+
+    def _add(self, seq: Sequence) -> None:
+        self.requests[seq.request_id] = [seq]
         self._admit(seq)
         self.num_requests_added += 1
 
@@ -216,8 +241,13 @@ class LLMEngine(KVHandoff, PipelinedSteps):
         if self.tp_group is not None:
             self.tp_group.close(before_destroy=self.runner.close)
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.stops.eos_token_ids
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.compiling) or self.inflight is not None
+        return (self.scheduler.has_work() or bool(self.compiling)
+                or self.pipeline.inflight is not None)
 
     def is_idle(self) -> bool:
         return not self.requests and not len(self.leases) and self.block_pool.is_idle()
@@ -225,47 +255,51 @@ class LLMEngine(KVHandoff, PipelinedSteps):
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         t0 = time.perf_counter()
-        self.last_execute_s = 0.0
         if len(self.leases):
-            self.expire_leases()
+            self.leases.expire()
         outputs = self._grammars_ready() if self.compiling else []
-        if self.pulling:
+        if self.pulls.waiting:
             outputs += self._poll_pulls()
         batch = self.scheduler.schedule()
-        pipelined = bool(batch.seqs) and self._pipeline_enabled() and self._can_pipeline(batch)
-        prev, self.inflight = self.inflight, None
-        ran: list[tuple[list[SeqOutput], int, int]] = []  # outputs, sampled, prompt tokens
+        pipe = self.pipeline
+        pipelined = (bool(batch.seqs) and pipe.enabled and pipe.can_launch(batch)
+                     and self.pulls.ordered(batch.pulls))
+        prev = pipe.take_inflight()
+        ran: list[StepResult] = []
         if prev is not None and not pipelined:  # synchronous: the step in flight first
-            ran.append(self._resolve(prev))
-            self._drop_finished(batch)
+            ran.append(pipe.resolve(prev))
+            batch.drop_finished()
             prev = None
-        outputs += self._pull(batch.pulls)
+        outputs += self._pulled(self.pulls.start(batch.pulls))
         if batch.seqs:
             try:
-                ran.append(self._launch(batch, prev) if pipelined else self._run(batch))
+                ran.append(pipe.launch(batch, prev) if pipelined else self._run(batch))
             except Exception:  # fails this step's requests, not the others
                 # One forward pass for the whole batch: nothing tells which request broke it,
                 # so the batch's requests fail; those waiting or preempted go on.
                 log.exception("engine step failed; failing the %d requests in it",
                               len({s.request_id for s in batch.seqs}))
-                ran.append((self.fail(dict.fromkeys(s.request_id for s in batch.seqs),
-                                      "internal error in the engine step"), 0, 0))
+                ran.append(StepResult(self.fail(dict.fromkeys(s.request_id for s in batch.seqs),
+                                                "internal error in the engine step")))
         if prev is not None:  # pipelined: step N+1 is launched, now step N's tokens
-            ran.append(self._resolve(prev))
-        for outs, _, _ in ran:
-            outputs += outs
-        if self.pulling:  # the step in flight resolved: a pull waiting on it may start
+            ran.append(pipe.resolve(prev))
+        for r in ran:
+            outputs += r.outputs
+        if self.pulls.waiting:  # the step in flight resolved: a pull waiting on it may start
             outputs += self._poll_pulls(idle=not batch.seqs)
         self.scheduler.remove_finished()
+        self.last_execute_s = sum(r.execute_s for r in ran)
         self.last_step = StepStats(len(batch.seqs), batch.num_tokens, batch.num_decodes,
                                    len(batch.preempted), time.perf_counter() - t0,
-                                   sum(r[1] for r in ran), sum(r[2] for r in ran))
+                                   sum(r.num_sampled for r in ran),
+                                   sum(r.num_prompt_tokens for r in ran))
         if self.on_step is not None:
             self.on_step(outputs)
         return outputs
 
-    def _run(self, batch: ScheduledBatch) -> tuple[list[SeqOutput], int, int]:
-        """Outputs, tokens sampled, and prompt tokens of the sequences sampling their first."""
+    def _run(self, batch: ScheduledBatch) -> StepResult:
+        """One synchronous step: its outputs, tokens sampled, and prompt tokens of the
+        sequences sampling their first."""
         rows: list[SampleRow] = []
         row_index: list[int] = []
         samplers: list[Sequence] = []
@@ -288,7 +322,7 @@ class LLMEngine(KVHandoff, PipelinedSteps):
                 seq.first_scheduled_time = now
         t = time.perf_counter()
         result = self.runner.execute(batch, rows, row_index)
-        self.last_execute_s += time.perf_counter() - t
+        execute_s = time.perf_counter() - t
         now = time.monotonic()
         num_prompt_tokens = 0
         for seq in samplers:
@@ -297,7 +331,7 @@ class LLMEngine(KVHandoff, PipelinedSteps):
             if seq.num_tokens == seq.num_prompt_tokens:
                 num_prompt_tokens += seq.num_prompt_tokens
 
-        self._advance(batch, started, now)
+        self.scheduler.advance(batch, started, now)
         outputs: list[SeqOutput] = []
         r = 0
         for seq in samplers:
@@ -310,23 +344,7 @@ class LLMEngine(KVHandoff, PipelinedSteps):
             children = self._fork(seq, toks[1:], lps[1:])
             for s, tok, lp in zip([seq, *children], toks, lps):
                 outputs.append(self._append(s, tok, lp))
-        return outputs, len(rows), num_prompt_tokens
-
-    def _advance(self, batch: ScheduledBatch, started: float, now: float,
-                 fed: set[int] | frozenset[int] = frozenset()) -> None:
-        """After a step ran (or was launched): prefill chunks recorded, tokens computed, and
-        the prefix cache's blocks just filled hashed, except those of sequences in `fed` (fed
-        a placeholder: hashed once its token is known, engine/async_step.py)."""
-        bs = self.block_pool.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                seq.num_prefill_chunks += 1
-                k = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-                seq.prefill_chunks.append((started, now, k))
-                self.num_prompt_tokens_computed += k
-            seq.num_computed_tokens += n
-            if seq.seq_id not in fed and seq.num_computed_tokens // bs > seq.num_cached_blocks:
-                self.kv.cache_full_blocks(seq)
+        return StepResult(outputs, len(rows), num_prompt_tokens, execute_s)
 
     def _fork(self, parent: Sequence, tokens: list[int], lps: list) -> list[Sequence]:
         if not tokens:
@@ -351,23 +369,15 @@ class LLMEngine(KVHandoff, PipelinedSteps):
             return self._output(seq, [], [])
         seq.token_ids.append(token)
         seq.logprobs.append(lp)
-        reason = self._stop_reason(seq, token)
+        reason = self.stops(seq.params, token, seq.num_output_tokens, seq.num_tokens)
         if reason is not None:
             self._finish(seq, reason)
         return self._output(seq, [token], [lp])
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        p = seq.params
-        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
-            return FinishReason.STOP
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:  # a step in flight's
             seq.token_ids.pop()
-        self._drop_kv(seq)
+        self.pulls.drop(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
@@ -381,6 +391,68 @@ class LLMEngine(KVHandoff, PipelinedSteps):
         return SeqOutput(seq.request_id, seq.sample_index, tokens, lps, seq.finish_reason,
                          seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens,
                          timing=seq.timing() if seq.finish_reason is not None else None)
+
+    # -- the handoff's halves ----------------------------------------------------------------
+    def _handoff(self, seq: Sequence, tokens: list[int], lps: list) -> SeqOutput:
+        """Prefill role: pin the prompt's blocks under a lease and end the request here."""
+        now = time.monotonic()
+        lease, ttl = self.leases.hold(seq.block_ids, now), self.leases.ttl_s
+        reasons = []
+        for tok in tokens:
+            seq.token_ids.append(tok)  # as the decode side will see it
+            reasons.append(self.stops(seq.params, tok, seq.num_output_tokens, seq.num_tokens))
+            seq.token_ids.pop()
+        handoff = Handoff(tuple(seq.block_ids), seq.num_tokens, tuple(tokens), tuple(lps),
+                          lease, ttl, tuple(reasons), seq.num_cached_tokens, now + ttl)
+        seq.block_ids = []  # now owned by the lease
+        seq.pending_forks = 0
+        self._finish(seq, FinishReason.HANDOFF)
+        out = self._output(seq, [], [])
+        out.handoff = handoff
+        return out
+
+    def _poll_pulls(self, idle: bool = False) -> list[SeqOutput]:
+        """Decode role: start decoding the requests whose pull is done; fail those whose pull
+        failed. `idle`: nothing else to run, so wait a little for one instead of spinning."""
+        outputs = self._pulled(self.pulls.poll())
+        if idle and self.pulls.waiting and not outputs:
+            time.sleep(PULL_POLL_S)
+        return outputs
+
+    def _pulled(self, done: list[PullDone]) -> list[SeqOutput]:
+        outputs = []
+        for seq, remote, error in done:
+            if error is not None:
+                outputs += self.fail([seq.request_id], error)
+                continue
+            try:
+                outputs += self._start_decoding(seq, remote)
+            except Exception:  # this request's own state: it fails alone
+                log.exception("request %s failed after its KV pull", seq.request_id)
+                outputs += self.fail([seq.request_id], "internal error after the KV pull")
+        return outputs
+
+    def _start_decoding(self, seq: Sequence, remote: RemoteKV) -> list[SeqOutput]:
+        """A pulled request's prompt is computed; its first token(s) came with the handoff, and
+        after a move from another decode worker each sample's outputs since."""
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.kv.cache_full_blocks(seq)
+        firsts, lps = remote.first_token_ids, remote.first_logprobs
+        resume = remote.resume_token_ids or ((),) * len(firsts)
+        children = self._fork(seq, list(firsts[1:]), list(lps[1:]))
+        outputs = []
+        for s, tok, lp, more in zip([seq, *children], firsts, lps, resume):
+            # These went to the client already: record (grammar and stop checks included), do
+            # not re-emit. The tokens after the prompt have no KV here yet: the next steps
+            # compute them as a prompt chunk, then sample the next one.
+            self._append(s, tok, lp, sampled_here=False)
+            for t in more:
+                if s.is_finished:
+                    break
+                self._append(s, t, None, sampled_here=False)
+            if s.is_finished:  # a sample that had finished before the move
+                outputs.append(self._output(s, [], []))
+        return outputs
 
     # -- stats -------------------------------------------------------------------------------
     def num_waiting(self) -> int:

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.async_step import PendingTokens, TokenFill
 from engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,
@@ -44,6 +43,7 @@ from engine.sampler import Sampler, SamplerOutput, SampleRow
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+from engine.step_tokens import PendingTokens, TokenFill
 from kvtransfer.pool import TORCH_DTYPES
 from tandem.errors import InvalidArgument
 

@@ -60,6 +60,14 @@ class ScheduledBatch:
     def num_decodes(self) -> int:
         return sum(1 for n in self.num_new_tokens if n == 1)
 
+    def drop_finished(self) -> None:
+        """Sequences that finished after this batch was scheduled (a pipelined step in flight
+        resolved since) leave it."""
+        if any(s.is_finished for s in self.seqs):
+            keep = [i for i, s in enumerate(self.seqs) if not s.is_finished]
+            self.seqs = [self.seqs[i] for i in keep]
+            self.num_new_tokens = [self.num_new_tokens[i] for i in keep]
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
@@ -68,6 +76,7 @@ class Scheduler:
         self.waiting = WaitQueue(config.policy, config.max_model_len)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model, all told
         # Blocks that admissions leave free so running sequences rarely need preempting.
         self.watermark = kv.pool.num_blocks // 100
         self._step_paced = config.max_num_batched_tokens
@@ -219,6 +228,28 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_front(seq)
+
+    def advance(self, batch: ScheduledBatch, started: float, now: float,
+                fed: set[int] | frozenset[int] = frozenset()) -> None:
+        """After a batch ran (or was launched) from `started` to `now`: its prefill chunks
+        recorded, its tokens computed, and the prefix cache's blocks just filled hashed, except
+        those of sequences in `fed` (fed a placeholder: hashed once its token is known,
+        engine/async_step.py)."""
+        bs = self.kv.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                seq.num_prefill_chunks += 1
+                k = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                seq.prefill_chunks.append((started, now, k))
+                self.num_prompt_tokens_computed += k
+            seq.num_computed_tokens += n
+            if seq.seq_id not in fed and seq.num_computed_tokens // bs > seq.num_cached_blocks:
+                self.kv.cache_full_blocks(seq)
+
+    def retire(self, seq_ids: set[int]) -> None:
+        """These sequences will finish with the token in flight: no step is scheduled for them
+        before it is known (engine/async_step.py)."""
+        self.running = [s for s in self.running if s.seq_id not in seq_ids]
 
     def insert_after(self, parent: Sequence, children: list[Sequence]) -> None:
         """Forked samples join the running batch right after their parent."""

@@ -15,14 +15,13 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from engine.block_pool import hash_block, salt_root
 from engine.sampling_params import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarState
-    from engine.kv_handoff import PendingPull
 
 _seq_counter = itertools.count()
 
@@ -61,6 +60,18 @@ class RemoteKV:
     instance_id: str = ""
 
 
+class PendingPull(Protocol):
+    """Decode role: a pull of a prompt's KV that completes outside the engine's stream (NIXL),
+    as a KVPuller returns it (engine/kv_handoff.py)."""
+
+    def done(self) -> bool:
+        """Whether the blocks are in place, without waiting; raises if the pull failed (and
+        then nothing writes into them any more)."""
+
+    def cancel(self) -> None:
+        """The request ended first: stop the pull; returns once nothing writes the blocks."""
+
+
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  sample_index: int = 0, arrival_time: float | None = None) -> None:
@@ -87,7 +98,7 @@ class Sequence:
         self.logprobs: list[TokenLogprobs | None] = []
         self.remote: RemoteKV | None = None
         # Decode role: a pull of this sequence's prompt KV still in flight outside the engine's
-        # stream (engine/kv_handoff.py PendingPull); not scheduled until it is done.
+        # stream (PendingPull, engine/kv_handoff.py); not scheduled until it is done.
         self.kv_pull: PendingPull | None = None
         self.num_preemptions = 0
         # Samples still to fork off this sequence when its first token is sampled (n > 1).
@@ -172,6 +183,36 @@ class SeqOutput:
     handoff: Handoff | None = None
     error: str | None = None
     timing: RequestTiming | None = None  # on a sample's last output only
+
+
+@dataclass
+class StopCheck:
+    """Whether a sample stops at the token it just took: an end-of-sequence token (unless the
+    request ignores them) or one of its stop tokens, else its length (max_tokens, or the
+    longest sequence the engine serves). Stop strings are the detokenizer's. One object, the
+    engine's, which its pipelined steps share."""
+
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+    def __call__(self, params: SamplingParams, token: int, num_output_tokens: int,
+                 num_tokens: int) -> FinishReason | None:
+        """`num_output_tokens`, `num_tokens`: the sample's counts with `token` taken."""
+        if token in params.stop_token_ids or (token in self.eos_token_ids
+                                              and not params.ignore_eos):
+            return FinishReason.STOP
+        if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+
+class StepResult(NamedTuple):
+    """What running (or resolving) one batch produced, for LLMEngine.step to merge."""
+
+    outputs: list[SeqOutput]
+    num_sampled: int = 0  # tokens sampled (discarded rows not counted)
+    num_prompt_tokens: int = 0  # prompt tokens of the sequences that sampled their first
+    execute_s: float = 0.0  # of it, in the model runner (or waiting for its tokens)
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,13 @@ them, and the leases it holds until their one LeaseDone.
                                                                      └─▶ settle: one LeaseDone,
                                                                          with the pull's figures
 
-The engine calls `pull` and `drop` (LLMEngine's kv_puller and kv_dropper); the worker turns each
-LeaseDone into a Release on the prefill worker.
+The engine calls `pull` and `drop` (the puller and dropper of its PromptPulls,
+engine/kv_handoff.py); the worker turns each LeaseDone into a Release on the prefill worker.
 
 A pull over CUDA IPC is launched on the engine's stream and not waited for (`launch_pull`): the
 next step, launched after it, reads the blocks in stream order, so pipelined steps go on
-(LLMEngine.kv_pull_in_stream); its lease is settled once the copy is done (`poll`, each loop of
-the engine core; `flush` before the core idles, maps a peer's pool anew, or closes).
+(`in_stream`, which the engine asks); its lease is settled once the copy is done (`poll`, each
+loop of the engine core; `flush` before the core idles, maps a peer's pool anew, or closes).
 
 A pull over NIXL completes outside the stream: it is a `NixlPull` the engine polls between
 steps (its sequence is not scheduled meanwhile; engine/kv_handoff.py), so the steps of the

@@ -59,7 +59,7 @@ def both(llms, prompts, params) -> list:
     got = {a: result(llm.generate(prompts, params)) for a, llm in llms.items()}
     assert got[True] == got[False]
     for llm in llms.values():
-        assert llm.engine.is_idle() and llm.engine.inflight is None
+        assert llm.engine.is_idle() and llm.engine.pipeline.inflight is None
     return got[True]
 
 
@@ -68,7 +68,7 @@ def test_many_lengths_at_once_greedy_and_pipelined(llms):
               for i in range(len(PROMPTS))]
     steps = []
     eng = llms[True].engine
-    eng.on_step = lambda outs: steps.append((eng.last_step, eng.inflight is not None))
+    eng.on_step = lambda outs: steps.append((eng.last_step, eng.pipeline.inflight is not None))
     try:
         out = both(llms, PROMPTS, params)
     finally:
@@ -130,15 +130,15 @@ def test_stop_token_ids_and_eos_stop_early(llms):
         first = b[0][0].index(s)
         assert o[0][0] == b[0][0][:first + 1] and o[0][1] == "stop"
     # EOS: make a token the engines produce their end-of-sequence token.
-    saved = {a: llm.engine.eos_token_ids for a, llm in llms.items()}
+    saved = {a: llm.engine.stops.eos_token_ids for a, llm in llms.items()}
     try:
         for llm in llms.values():
-            llm.engine.eos_token_ids = frozenset({stops[1]})
+            llm.engine.stops.eos_token_ids = frozenset({stops[1]})
         out = both(llms, PROMPTS[:4], SamplingParams(temperature=0, max_tokens=20))
         assert out[1][0][1] == "stop"
     finally:
         for a, llm in llms.items():
-            llm.engine.eos_token_ids = saved[a]
+            llm.engine.stops.eos_token_ids = saved[a]
 
 
 def test_stop_strings(llms):
@@ -165,7 +165,7 @@ def test_abort_with_a_step_in_flight(llms):
         for _ in range(4):
             for o in eng.step():
                 got[o.request_id] += o.new_token_ids
-        in_flight = eng.inflight is not None
+        in_flight = eng.pipeline.inflight is not None
         assert eng.abort("drop")
         while eng.has_work():
             for o in eng.step():
@@ -215,7 +215,7 @@ def test_grammars_pipelined_ending_with_a_step_in_flight(llms):
     eng = llms[True].engine
     masked_in_flight = []
     eng.on_step = lambda outs: masked_in_flight.append(
-        eng.inflight is not None and any(s.grammar is not None for s in eng.inflight.seqs))
+        eng.pipeline.inflight is not None and any(s.grammar is not None for s in eng.pipeline.inflight.seqs))
     try:
         out = both(llms, PROMPTS[:6], params)
     finally:
@@ -269,7 +269,7 @@ def test_random_request_mixes(llms, mix):
 
 
 def test_kv_pulls_in_stream_order_keep_steps_pipelined(tiny_models):
-    """A decode engine whose pulls are ordered with its steps (kv_pull_in_stream, as over
+    """A decode engine whose pulls are ordered with its steps (`in_stream`, as over
     CUDA IPC) keeps pipelining while requests arrive and pull their KV: the same tokens as a
     synchronous decode engine, and pulls happen in steps launched with another in flight."""
     import torch
@@ -295,12 +295,11 @@ def test_kv_pulls_in_stream_order_keep_steps_pipelined(tiny_models):
             eng.runner.pool[torch.tensor(dst, dtype=torch.long)] = \
                 prefill.runner.pool[torch.tensor(src, dtype=torch.long)]
 
-        eng.kv_puller = pull
-        eng.kv_pull_in_stream = lambda kv: True
+        eng.pulls.connect(pull, in_stream=lambda kv: True)
         pulls_in_flight = [0]
 
         def on_step(_outs):
-            if pulled[0] and eng.inflight is not None:
+            if pulled[0] and eng.pipeline.inflight is not None:
                 pulls_in_flight[0] += pulled[0]
             pulled[0] = 0
 
@@ -324,6 +323,6 @@ def test_kv_pulls_in_stream_order_keep_steps_pipelined(tiny_models):
     assert a == s and all(len(t) == 24 for t in a.values())
     assert overlapped >= 4
     for h in handoffs.values():
-        assert prefill.release(h.lease_id)
+        assert prefill.leases.release(h.lease_id)
     assert prefill.is_idle()
     prefill.shutdown()

@@ -31,7 +31,7 @@ def handoffs(tiny_models):
     out = prefill_all(prefill, PROMPTS, PARAMS)
     yield model, prefill, out
     for h in out.values():
-        assert prefill.release(h.lease_id)
+        assert prefill.leases.release(h.lease_id)
     assert prefill.is_idle()
     prefill.shutdown()
 
@@ -80,7 +80,7 @@ def _decode(handoffs, polls: dict[int, int], fail: frozenset[int] = frozenset(),
         pulls[f"r{i}"] = SlowPull(copy, polls[i], fail=i in fail)
         return pulls[f"r{i}"]
 
-    eng.kv_puller = puller
+    eng.pulls.connect(puller)
     out, errors, pulling = {}, {}, []
     for i, prompt in enumerate(PROMPTS):
         h = hs[f"r{i}"]
@@ -92,7 +92,7 @@ def _decode(handoffs, polls: dict[int, int], fail: frozenset[int] = frozenset(),
         for i, at in (abort_at or {}).items():
             if at == step:
                 assert eng.abort(f"r{i}")
-        waiting_on = {s.request_id for s, _ in eng.pulling}
+        waiting_on = {s.request_id for s, _ in eng.pulls.waiting}
         decoded = set()
         for o in eng.step():
             out[o.request_id] += o.new_token_ids
@@ -102,7 +102,7 @@ def _decode(handoffs, polls: dict[int, int], fail: frozenset[int] = frozenset(),
                 errors[o.request_id] = o.error
         pulling.append((waiting_on, decoded))
         step += 1
-    assert eng.is_idle() and eng.block_pool.is_idle() and not eng.pulling
+    assert eng.is_idle() and eng.block_pool.is_idle() and not eng.pulls.waiting
     eng.shutdown()
     return out, errors, pulls, pulling
 
