@@ -193,7 +193,7 @@ def triton_variants(device: str) -> int | None:
     """Triton kernel variants this process has compiled (or loaded), on CUDA."""
     if not device.startswith("cuda"):
         return None
-    from kernels._common import compiled_variants
+    from kernels import compiled_variants
 
     return sum(compiled_variants().values())
 

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -36,7 +36,7 @@ from engine.cuda_graphs import CudaGraphRunner, MixedGraphRunner
 from engine.loader import build_model, init_dummy_weights, load_weights
 from engine.models.layers import CausalLM
 from engine.parallel import TPState, all_min, kv_heads_per_rank, rank_heads
-from engine.pool_sizing import blocks_for_budget
+from engine.pool_sizing import ProfileRuns, blocks_for_budget
 from engine.quantization import fp8, kv_cache
 from engine.quantization.checkpoint import fp8_scheme
 from engine.sampler import Sampler, SamplerOutput, SampleRow
@@ -47,15 +47,19 @@ from engine.step_tokens import PendingTokens, TokenFill
 from kvtransfer.pool import TORCH_DTYPES
 from tandem.errors import InvalidArgument
 
-if TYPE_CHECKING:
-    from engine.tp_group import TPGroup
-
 log = logging.getLogger(__name__)
 
 # (shape, dtype, device) -> the pool tensor. Services pass one that allocates shareable memory.
 MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly (capture time and memory)
 
 PoolFactory = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+class StepPeers(Protocol):
+    """The other tensor-parallel ranks, as rank 0's runner sees them (engine/tp_group.py's
+    TPGroup): each step's inputs go to them before rank 0 runs it."""
+
+    def step(self, inputs: StepInputs) -> None: ...
 
 
 def default_pool_factory(shape: tuple[int, ...], dtype: torch.dtype,
@@ -79,7 +83,7 @@ class ModelRunner:
         n = self.tp.size if self.tp else 1
         self.num_heads = model_config.num_heads // n
         self.num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, n)
-        self.peers: TPGroup | None = None
+        self.peers: StepPeers | None = None
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if self.device.index is None:
@@ -115,18 +119,19 @@ class ModelRunner:
         # tensor parallelism (its steps are broadcast and replayed eagerly there).
         mixed = use_graphs and mixed_cuda_graphs and self.tp is None
         self.mixed_graphs: MixedGraphRunner | None = None
-        self.num_blocks = cache_config.num_blocks or blocks_for_budget(
-            self, cache_config, max_num_batched_tokens, max_model_len, max_num_seqs, graph_bs,
-            mixed)
+        self.num_blocks = cache_config.num_blocks or self._pool_blocks(
+            cache_config, max_num_batched_tokens, max_model_len, max_num_seqs, graph_bs, mixed)
         if self.tp is not None:  # block ids mean the same on every rank: one pool size
             self.num_blocks = all_min(self.num_blocks, self.tp)
         self.pool = (pool_factory or default_pool_factory)(self.pool_shape(self.num_blocks),
                                                             self.kv_dtype, self.device)
         self.backend = self._make_backend(self.pool)
         if self.device.type == "cuda":
-            from engine.warm_up import warm_up  # noqa: PLC0415 - Triton, CUDA only
+            from engine.warm_up import has_fp8_linear, warm_up  # noqa: PLC0415 - Triton, CUDA only
 
-            warm_up(self)  # every Triton variant a step can launch, compiled now
+            # Every Triton variant a step can launch, compiled now.
+            warm_up(self._warm_up_step, self.backend, self.pool, self.block_size, self.dtype,
+                    has_fp8_linear(self.model))
         if use_graphs:
             self.graphs = CudaGraphRunner(self.model, self.backend, graph_bs,
                                           cdiv(max_model_len, self.block_size), self.device)
@@ -167,6 +172,18 @@ class ModelRunner:
         return model
 
     # -- KV pool -----------------------------------------------------------------------------
+    def _pool_blocks(self, cache: CacheConfig, max_tokens: int, max_model_len: int,
+                     max_num_seqs: int, graph_bs: int, mixed_graphs: bool) -> int:
+        """Blocks of the pool: on a GPU, what the largest step and the CUDA graphs leave of its
+        memory, measured by profile runs (engine/pool_sizing.py)."""
+        rows = min(max_num_seqs, max_tokens)
+        runs = ProfileRuns(max_tokens, rows,
+                           lambda: self._profile_run(max_tokens, max_model_len, rows),
+                           (lambda: self._profile_decode(graph_bs)) if graph_bs else None,
+                           mixed_graphs)
+        return blocks_for_budget(self.device, cache, self.block_bytes, self.block_size,
+                                 max_model_len, runs)
+
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         c = self.config
         return (num_blocks, c.num_layers, 2, self.block_size, self.num_kv_heads, c.head_dim)
@@ -198,6 +215,9 @@ class ModelRunner:
         """A decode step of num_seqs sequences as the CUDA graphs run it: logits for every
         row and their argmax."""
         self._profile_step([1] * num_seqs, list(range(num_seqs)), sample=False)
+
+    def _warm_up_step(self, lens: list[int], last: list[int]) -> None:
+        self._profile_step(lens, last, sample=False, backend=self.backend)
 
     def _profile_step(self, lens: list[int], last: list[int], sample: bool,
                       backend: AttentionBackend | None = None) -> None:

@@ -8,45 +8,50 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from engine.config import CacheConfig, cdiv
 from tandem.errors import InvalidArgument
 
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
-
 log = logging.getLogger("engine.model_runner")
 
 
-def blocks_for_budget(runner: ModelRunner, cache: CacheConfig, max_tokens: int, max_model_len: int,
-                      max_num_seqs: int, graph_bs: int, mixed_graphs: bool = False) -> int:
-    if runner.device.type != "cuda":
-        return max(1, cache.cpu_kv_bytes // runner.block_bytes)
+@dataclass(frozen=True)
+class ProfileRuns:
+    """What the pool leaves device memory for, as runs of the model runner to measure."""
+
+    max_tokens: int  # the largest step the scheduler can issue: this many prompt tokens,
+    rows: int  # sampling this many rows
+    step: Callable[[], None]  # runs that step
+    decode_graphs: Callable[[], None] | None  # runs the decode graphs' largest batch (or None)
+    mixed_graphs: bool = False  # mixed-step graphs keep the activations of the largest step
+
+
+def blocks_for_budget(device: torch.device, cache: CacheConfig, block_bytes: int,
+                      block_size: int, max_model_len: int, runs: ProfileRuns) -> int:
+    if device.type != "cuda":
+        return max(1, cache.cpu_kv_bytes // block_bytes)
     # Profile before the pool takes its share, as everything below must fit beside it:
     # the largest step the scheduler can issue (the token budget as prompt chunks) with as
     # many rows sampled as it can finish (max_num_seqs, on the sampler's heaviest path:
     # top-k/top-p sort, penalties, logprobs over [rows, vocab]), and the decode CUDA
     # graphs, which keep their own memory: the activations of their largest batch.
-    rows = min(max_num_seqs, max_tokens)
     try:
-        step = peak_bytes(runner.device, lambda: runner._profile_run(max_tokens, max_model_len, rows))
-        graphs = (peak_bytes(runner.device, lambda: runner._profile_decode(graph_bs)) if graph_bs
-                  else 0)
+        step = peak_bytes(device, runs.step)
+        graphs = peak_bytes(device, runs.decode_graphs) if runs.decode_graphs else 0
         # The mixed-step graphs keep the activations of their largest step: at most the
         # profiled step's (engine/cuda_graphs.py).
-        graphs += step if mixed_graphs else 0
+        graphs += step if runs.mixed_graphs else 0
     except torch.cuda.OutOfMemoryError:
         raise InvalidArgument(
-            "max_num_batched_tokens", f"one step of {max_tokens} tokens sampling {rows} "
-            "sequences does not fit in GPU memory beside the weights: lower "
+            "max_num_batched_tokens", f"one step of {runs.max_tokens} tokens sampling "
+            f"{runs.rows} sequences does not fit in GPU memory beside the weights: lower "
             "--max-num-batched-tokens or --max-num-seqs") from None
-    free, _ = torch.cuda.mem_get_info(runner.device)
-    num_blocks = kv_pool_blocks(free, step + graphs, cache.memory_fraction,
-                                runner.block_bytes)
-    needed = cdiv(max_model_len, runner.block_size)
+    free, _ = torch.cuda.mem_get_info(device)
+    num_blocks = kv_pool_blocks(free, step + graphs, cache.memory_fraction, block_bytes)
+    needed = cdiv(max_model_len, block_size)
     if num_blocks < needed:
         raise InvalidArgument(
             "memory_fraction", f"a KV pool of {num_blocks} blocks cannot hold one sequence "
@@ -55,8 +60,8 @@ def blocks_for_budget(runner: ModelRunner, cache: CacheConfig, max_tokens: int, 
             f"{graphs >> 20} MiB; raise --memory-fraction or lower --max-num-seqs, "
             "--max-num-batched-tokens or --max-model-len")
     log.info("KV pool: %d blocks of %d tokens (%.2f GiB); reserved for steps %d MiB, "
-             "for CUDA graphs %d MiB", num_blocks, runner.block_size,
-             num_blocks * runner.block_bytes / 2**30, step >> 20, graphs >> 20)
+             "for CUDA graphs %d MiB", num_blocks, block_size,
+             num_blocks * block_bytes / 2**30, step >> 20, graphs >> 20)
     return num_blocks
 
 def peak_bytes(device: torch.device, run: Callable[[], None]) -> int:

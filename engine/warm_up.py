@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+from engine.attention.base import AttentionBackend
 
 log = logging.getLogger(__name__)
 
@@ -38,28 +37,27 @@ def has_fp8_linear(model: torch.nn.Module) -> bool:
     return any(isinstance(m, Fp8Linear) for m in model.modules())
 
 
-def warm_up(runner: ModelRunner) -> None:
+def warm_up(step: Callable[[list[int], list[int]], None], backend: AttentionBackend,
+            pool: torch.Tensor, block_size: int, dtype: torch.dtype, fp8_weights: bool) -> None:
+    """`step(lens, last)`: the model runner's eager step of sequences of `lens` new tokens on
+    `backend`'s pool (its first blocks), the flattened tokens `last` computing logits."""
     from kernels.copy_blocks import copy_blocks  # noqa: PLC0415 - Triton, CUDA only
     from kernels.paged_decode_launch import MAX_SPLITS  # noqa: PLC0415 - Triton, CUDA only
 
     t = time.perf_counter()
-    block = runner.block_size
-    if runner.num_blocks >= 6:  # below that (tests' tiny pools) requests compile on first use
+    block, num_blocks = block_size, pool.shape[0]
+    if num_blocks >= 6:  # below that (tests' tiny pools) requests compile on first use
         # Decodes (one token) and a chunk that is not a whole number of blocks, then prefill
         # chunks of several lengths; each fits in the pool's first blocks.
-        runner._profile_step([1, 1, block + 1], [0, 1, block + 2], sample=False,
-                             backend=runner.backend)
-        runner._profile_step([block, 3], [block - 1, block + 2], sample=False,
-                             backend=runner.backend)
-        if has_fp8_linear(runner.model):
+        step([1, 1, block + 1], [0, 1, block + 2])
+        step([block, 3], [block - 1, block + 2])
+        if fp8_weights:
             for n in (1, 3):
-                runner._profile_step([1] * n, list(range(n)), sample=False,
-                                     backend=runner.backend)
-    backend = runner.backend
+                step([1] * n, list(range(n)))
     if hasattr(backend, "warm_up_decode"):
-        backend.warm_up_decode(runner.dtype, splits_upto=MAX_SPLITS)
-    if runner.num_blocks >= 2:
-        ids = torch.tensor([[0], [1]], dtype=torch.int64, device=runner.device)
-        copy_blocks(runner.pool, runner.pool, ids[0], ids[1])
-    torch.cuda.synchronize(runner.device)
+        backend.warm_up_decode(dtype, splits_upto=MAX_SPLITS)
+    if num_blocks >= 2:
+        ids = torch.tensor([[0], [1]], dtype=torch.int64, device=pool.device)
+        copy_blocks(pool, pool, ids[0], ids[1])
+    torch.cuda.synchronize(pool.device)
     log.info("kernels compiled or loaded in %.1f s", time.perf_counter() - t)

@@ -24,6 +24,7 @@ __all__ = [
     "Fp8GemvConfig",
     "RMSNormResidual",
     "SplitPolicy",
+    "compiled_variants",
     "copy_blocks",
     "copy_blocks_ref",
     "decode_num_splits",
@@ -48,3 +49,21 @@ __all__ = [
     "store_kv",
     "store_kv_ref",
 ]
+
+
+def compiled_variants() -> dict[str, int]:
+    """Per Triton kernel of this package, the variants compiled in this process (all devices):
+    what a request pays for on first use unless start-up compiled it (engine/warm_up.py)."""
+    import importlib  # noqa: PLC0415
+    import pkgutil  # noqa: PLC0415
+
+    from triton.runtime.jit import JITFunction  # noqa: PLC0415
+
+    counts: dict[str, int] = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"kernels.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, JITFunction) and obj.__module__ == module.__name__:
+                n = sum(len(cache[0]) for cache in obj.device_caches.values())
+                counts[f"{info.name}.{name}"] = n
+    return counts

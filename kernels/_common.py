@@ -180,23 +180,3 @@ def num_sms(device: torch.device) -> int:
 
 def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
-
-
-def compiled_variants() -> dict[str, int]:
-    """Per Triton kernel of this package, the variants compiled in this process (all devices):
-    what a request pays for on first use unless start-up compiled it (engine/warm_up.py)."""
-    import importlib  # noqa: PLC0415
-    import pkgutil  # noqa: PLC0415
-
-    from triton.runtime.jit import JITFunction  # noqa: PLC0415
-
-    import kernels  # noqa: PLC0415 - the package walks its own modules
-
-    counts: dict[str, int] = {}
-    for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"kernels.{info.name}")
-        for name, obj in vars(module).items():
-            if isinstance(obj, JITFunction) and obj.__module__ == module.__name__:
-                n = sum(len(cache[0]) for cache in obj.device_caches.values())
-                counts[f"{info.name}.{name}"] = n
-    return counts

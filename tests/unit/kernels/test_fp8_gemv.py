@@ -90,34 +90,25 @@ def test_dispatch_rule():
     assert {linear_path(m, False) for m in (1, 16, 300)} == {"reference"}
 
 
-class _Runner:
-    """What engine/warm_up.py reads of a ModelRunner; _profile_step records the steps' lens."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
-        self.model, self.device, self.dtype = model, device, torch.float32
-        self.block_size, self.num_blocks = 16, 8
-        self.pool = torch.zeros(8, 64, device=device)
-        self.backend = object()
-        self.steps: list[list[int]] = []
-
-    def _profile_step(self, lens, last, sample, backend=None):  # type: ignore[no-untyped-def]
-        assert len(last) == len(lens) and backend is self.backend and not sample
-        self.steps.append(lens)
-
-
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-weights"])
 def test_warm_up_runs_gemv_steps_with_fp8_weights(device, monkeypatch, fp8):
     """Start-up runs eager steps of 1 and of 3 tokens (the kernel at one row, _scaled_mm beyond)
     when the model has FP8 layers; the mixed and prefill steps are too large for the kernel."""
     from engine.quantization.fp8 import Fp8Linear
-    from engine.warm_up import warm_up
+    from engine.warm_up import has_fp8_linear, warm_up
 
     layer = torch.nn.Linear(32, 16, device=device)
     model = torch.nn.Sequential(Fp8Linear.from_float(layer) if fp8 else layer)
-    runner = _Runner(model, device)
+    steps: list[list[int]] = []
+
+    def step(lens: list[int], last: list[int]) -> None:  # the runner's eager step, recorded
+        assert len(last) == len(lens)
+        steps.append(lens)
+
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    warm_up(runner)  # type: ignore[arg-type]
-    tokens = [sum(lens) for lens in runner.steps]
+    warm_up(step, object(), torch.zeros(8, 64, device=device), 16, torch.float32,  # type: ignore[arg-type]
+            has_fp8_linear(model))
+    tokens = [sum(lens) for lens in steps]
     assert tokens[:2] == [19, 19]  # block + 3: torch._scaled_mm
     assert tokens[2:] == ([1, 3] if fp8 else [])
     assert not fp8 or linear_path(tokens[2], True) == "gemv"
