@@ -119,6 +119,8 @@ print(json.dumps({{"imported": names, "loaded": loaded}}))
     assert {m.removesuffix(".__init__") for m in modules} - {"router_svc"} \
         == set(report["imported"])
     assert report["loaded"] == []
+
+
 # -- no circles inside a package --------------------------------------------------------------
 # Circles not broken yet, in modules being reshaped beside this test: the list only shrinks
 # (test_known_circles_are_still_there fails once one is gone, so that its entry goes too).
