@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import typing
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, param_spec, request_params
 from runtime.engine_args import add_engine_args, engine_config
 from tandem.errors import InvalidArgument
 
@@ -33,23 +34,45 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--prompt", action=_PromptAction, help="a text prompt (repeatable)")
     p.add_argument("--prompt-token-ids", action=_PromptAction,
                    help="a prompt as comma-separated token ids (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--n", type=int, default=1)
-    p.add_argument("--ignore-eos", action="store_true")
+    add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="one JSON line per prompt")
     p.set_defaults(func=cmd_generate)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """A flag for each request parameter declared with cli=True (engine/sampling_params.py),
+    with its type and help from the declaration; unset, it takes the engine's default."""
+    hints = typing.get_type_hints(SamplingParams)
+    for f in request_params():
+        spec = param_spec(f)
+        if not spec.cli:
+            continue
+        shown = f.default not in (None, (), False)
+        helptext = spec.doc + (f" (default: {f.default})" if shown else "")
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a not in (type(None), Ellipsis)]
+        if hint is bool:
+            p.add_argument(flag(f.name), action="store_true", default=None, help=helptext)
+        elif typing.get_origin(hint) is tuple:
+            p.add_argument(flag(f.name), type=args[0], action="append", help=helptext +
+                           " (repeatable)")
+        else:
+            p.add_argument(flag(f.name), type=args[0] if args else hint, help=helptext)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(**{f.name: getattr(args, f.name) for f in request_params()
+                             if param_spec(f).cli and getattr(args, f.name) is not None})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if not getattr(args, "prompts", None):
         raise InvalidArgument("prompt", "give at least one --prompt or --prompt-token-ids")
-    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            ignore_eos=args.ignore_eos)
+    params = sampling_params(args)
     cfg = engine_config(args)
     from engine.llm import LLM  # noqa: PLC0415 - torch: after the arguments parsed
 
@@ -63,11 +86,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({
                 "prompt_token_ids": out.prompt_token_ids,
-                "outputs": [{"token_ids": o.token_ids, "text": o.text,
-                             "finish_reason": o.finish_reason} for o in out.outputs]}),
-                  flush=True)
+                "outputs": [_output_json(o) for o in out.outputs]}), flush=True)
         else:
             for o in out.outputs:
                 print(f"--- prompt {out.prompt!r} sample {o.index} ({o.finish_reason})")
                 print(o.text)
     return 0
+
+
+def _output_json(o) -> dict:
+    out = {"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason}
+    if o.logprobs is not None:  # --logprobs: the sampled token's and the top N's
+        out["logprobs"] = [{"token_id": lp.sampled.token_id, "logprob": lp.sampled.logprob,
+                            "top": [[t.token_id, t.logprob] for t in lp.top]}
+                           for lp in o.logprobs if lp is not None]
+    return out

@@ -15,16 +15,12 @@ from collections.abc import Sequence
 from cli.lifeline import hold_lifeline
 from tandem.errors import InvalidArgument, ModelLoadError
 
-# Engine field -> the flag that sets it, so errors name what the user typed.
-FLAG_NAMES = {
-    "max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
-    "top_k": "--top-k", "seed": "--seed", "n": "--n", "num_blocks": "--num-blocks",
-    "block_size": "--block-size", "max_num_batched_tokens": "--max-num-batched-tokens",
-    "dtype": "--dtype", "device": "--device", "model": "--model", "prompt": "--prompt",
-    "prompt_token_ids": "--prompt-token-ids", "max_num_seqs": "--max-num-seqs",
-    "max_model_len": "--max-model-len", "kv_cache_dtype": "--kv-cache-dtype",
-    "quantization": "--quantization", "tensor_parallel_size": "--tensor-parallel-size",
-}
+
+def flag_name(field: str) -> str:
+    """The flag that sets an engine field (`max_tokens` -> `--max-tokens`: every flag is so
+    spelt), so errors name what the user typed; a field already given as a flag as it is."""
+    return field if field.startswith("-") else "--" + field.replace("_", "-")
+
 
 # Each subcommand's module (with add_parser(sub, name)), imported only when that subcommand
 # runs, and the line `tandem --help` lists it with (the module's own help; a test holds them
@@ -134,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except InvalidArgument as e:
-        flag = FLAG_NAMES.get(e.field, e.field)
+        flag = flag_name(e.field)
         print(f"tandem {args.command}: error: argument {flag}: {e.message}", file=sys.stderr)
         return 2
     except ModelLoadError as e:

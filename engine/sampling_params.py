@@ -6,13 +6,18 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from tandem.errors import InvalidArgument
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias: [-100, 100]
-RESPONSE_FORMATS = ("json_object", "json_schema")
+# The kinds of structured output, as a request names them (the members of the proto's oneof
+# response_format and the Python client's fields): kind -> the type of its value there (dict:
+# JSON text on the wire, which the client also takes as an object).
+FORMAT_KINDS: dict[str, type] = {"json_object": bool, "json_schema": dict}
+RESPONSE_FORMATS = tuple(FORMAT_KINDS)
 # A schema's text at most: compiling is one thread for every request, so one caller's giant
 # schema must not hold up everyone else's grammars.
 MAX_SCHEMA_CHARS = 64 * 1024
@@ -103,30 +108,69 @@ class ResponseFormat:
                 raise InvalidArgument("response_format", "the schema must be a JSON object")
 
 
+# How a parameter reaches each surface. The engine's SamplingParams below is the one
+# declaration of the request parameters: the wire conversion (runtime/convert.py), the Python
+# client's dataclass (generated, tandem/client/params.py), the OpenAI fields
+# (router_svc/openai_requests.py), the gRPC error paths (`params.<name>`), the flags of
+# `tandem generate` and every default are derived from it; tests/unit/test_params_seam.py holds
+# the proto (whose field numbers a person chooses) equal to it.
+SAME = "same"  # an OpenAI request field of the same name, type and meaning (derived)
+MAPPED = "mapped"  # OpenAI spells it its own way: openai_requests.py maps it by hand
+
+
+@dataclass(frozen=True)
+class Param:
+    """What a SamplingParams field says of itself beyond its type and default."""
+
+    doc: str  # one line: the CLI's help, the client's and the docs' description
+    example: Any  # a valid value other than the default (the seam's tests send it everywhere)
+    openai: str = SAME  # SAME or MAPPED
+    cli: bool = False  # a `tandem generate` flag, --name-with-dashes
+
+
+def param(default: Any, doc: str, example: Any, *, openai: str = SAME,
+          cli: bool = False) -> Any:
+    return field(default=default, metadata={"param": Param(doc, example, openai, cli)})
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-N logprobs per generated token; 0: only the sampled one
-    skip_special_tokens: bool = True
-    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many outputs
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
-    response_format: ResponseFormat | None = None
-    # Router side only: keep the stop string that ended the sample in its text.
-    include_stop_str_in_output: bool = False
-    # Prefix-cache namespace: cached blocks are shared only between equal salts ("" is one).
-    cache_salt: str = ""
+    n: int = param(1, "samples per prompt", 2, cli=True)
+    max_tokens: int = param(16, "tokens to generate per sample", 5, openai=MAPPED, cli=True)
+    temperature: float = param(1.0, "0 = greedy", 0.5, cli=True)
+    top_p: float = param(1.0, "nucleus sampling: the smallest set of tokens with this much "
+                         "probability, in (0, 1]", 0.9, cli=True)
+    top_k: int = param(0, "the k likeliest tokens only (0: off)", 40, openai=MAPPED, cli=True)
+    min_p: float = param(0.0, "tokens at least this fraction of the likeliest one's "
+                         "probability (0: off)", 0.05, cli=True)
+    repetition_penalty: float = param(1.0, "logits of tokens already in prompt or output "
+                                      "shrunk by this factor (1: off)", 1.2, cli=True)
+    presence_penalty: float = param(0.0, "subtracted from the logit of every token already "
+                                    "generated, in [-2, 2]", 0.5, cli=True)
+    frequency_penalty: float = param(0.0, "subtracted once per occurrence in the output, in "
+                                     "[-2, 2]", 0.5, cli=True)
+    seed: int | None = param(None, "seed of the sample's randomness (reproducible across "
+                             "workers)", 7, cli=True)
+    stop: tuple[str, ...] = param((), "stop strings, cut from the text", ("\n\n",),
+                                  openai=MAPPED, cli=True)
+    stop_token_ids: tuple[int, ...] = param((), "token ids that end a sample", (3,), cli=True)
+    ignore_eos: bool = param(False, "go on past the end-of-sequence token", True, cli=True)
+    logprobs: int | None = param(None, "top-N log-probabilities per generated token (0: the "
+                                 "sampled token's only)", 2, openai=MAPPED, cli=True)
+    skip_special_tokens: bool = param(True, "leave special tokens out of the text", False)
+    min_tokens: int = param(0, "end-of-sequence and stop_token_ids held back until this many "
+                            "tokens", 1, cli=True)
+    logit_bias: tuple[tuple[int, float], ...] = param(
+        (), "token id -> added to its logit, in [-100, 100]", ((5, 1.5),), openai=MAPPED)
+    response_format: ResponseFormat | None = param(  # noqa: RUF009 - a frozen example
+        None, "structured output, enforced by a grammar", ResponseFormat("json_object"),
+        openai=MAPPED)
+    # Router side only: the detokenizer there applies stop strings.
+    include_stop_str_in_output: bool = param(False, "keep the stop string that ended a sample "
+                                             "in its text", True)
+    # Cached blocks are shared only between equal salts ("" is one; API keys add their own).
+    cache_salt: str = param("", "prefix-cache namespace: requests share cached prompt blocks "
+                            "only with requests of the same salt", "tenant-a")
     # Admission order under load: lower first (vLLM's convention), then the scheduler's policy.
     priority: int = 0
 
@@ -190,6 +234,16 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def request_params() -> tuple[Any, ...]:
+    """The dataclass fields of SamplingParams that a request sets (those declared with
+    `param`), in declaration order; the others are the engine's own."""
+    return tuple(f for f in fields(SamplingParams) if "param" in f.metadata)
+
+
+def param_spec(f: Any) -> Param:
+    return f.metadata["param"]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ from grpc_status import rpc_status
 
 from router_svc.frontend import ModelNotFound
 from router_svc.orchestrator import RouterError
+from runtime.convert import FORMAT_ONEOF
 from tandem.errors import InvalidArgument, Overloaded
+from tandem.v1 import common_pb2
 
 DOMAIN = "tandem"
 RETRY_AFTER_S = 1
@@ -74,15 +76,16 @@ def failure_of(e: BaseException) -> Failure | None:
     return None
 
 
-# Engine field names -> paths in tandem.v1.GenerateRequest (the sampling parameters are
-# params.<name>; the prompt is whichever of text / token_ids the request set).
-_SAMPLING_FIELDS = frozenset((
-    "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "logprobs", "skip_special_tokens"))
+# Engine field names -> paths in tandem.v1.GenerateRequest: every request parameter is
+# params.<its proto field> (response_format: the member of that oneof the request set); the
+# prompt is whichever of text / token_ids the request set.
+_SAMPLING_FIELDS = frozenset(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
-def grpc_field(field: str, prompt_field: str = "prompt") -> str:
+def grpc_field(field: str, prompt_field: str = "prompt",
+               format_field: str | None = None) -> str:
+    if field == FORMAT_ONEOF:
+        return f"params.{format_field or 'json_schema'}"
     if field in _SAMPLING_FIELDS:
         return f"params.{field}"
     return prompt_field if field == "prompt" else field

@@ -8,7 +8,7 @@ from contextlib import aclosing
 from router_svc.api_errors import abort, end_call, failure_of, grpc_field
 from router_svc.frontend import MAX_REQUEST_ID_CHARS, Frontend, ModelNotFound
 from router_svc.orchestrator import RouterError
-from runtime.convert import logprobs_to_proto, params_from_proto
+from runtime.convert import FORMAT_ONEOF, logprobs_to_proto, params_from_proto
 from runtime.request_trace import ApiCall
 from runtime.security import tenant_of
 from tandem.errors import InvalidArgument, Overloaded
@@ -59,7 +59,9 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                 fe.refused(scoped, e, api)
             f = failure_of(e)
             prompt_field = request.WhichOneof("prompt") or "prompt"
-            end_call(context, f, grpc_field(f.field, prompt_field) if f.field else None)
+            fmt_field = request.params.WhichOneof(FORMAT_ONEOF)
+            end_call(context, f, grpc_field(f.field, prompt_field, fmt_field) if f.field
+                     else None)
 
     async def ListModels(self, request, context):  # noqa: N802
         return api_pb2.ListModelsResponse(models=[self._info()])

@@ -247,15 +247,16 @@ class OpenAIApi:
             refuse(body.echo and body.logprobs is not None, "echo",
                     "is not supported together with logprobs")
             refuse(body.suffix, "suffix", "is not supported")
-            refuse(body.best_of is not None and body.best_of != body.n, "best_of",
-                    "is only supported equal to n")
             fe.check_chars(req.prompt_chars(body.prompt))  # before the tokenizer runs
             prompt = await fe.run_off_loop(req.completion_prompt, fe, body.prompt)
-            max_tokens = body.max_tokens if body.max_tokens is not None else \
-                req.remaining(fe, prompt)
+            # Unset: the engine's default; null: whatever the context leaves (as vLLM).
+            max_tokens = body.max_tokens if body.max_tokens is not None or \
+                "max_tokens" not in body.model_fields_set else req.remaining(fe, prompt)
             params = fe.for_tenant(req.sampling_params(body, max_tokens, body.logprobs,
                                                        req.request_format(body)),
                                    _tenant(request))
+            refuse(body.best_of is not None and body.best_of != params.n, "best_of",
+                   "is only supported equal to n")
             await fe.check(prompt, params)  # n and the rest before anything is sized by them
             echo = req.echo_text(fe, body.prompt, prompt) if body.echo else ""
         except (InvalidArgument, ApiError) as e:

@@ -9,16 +9,20 @@ No field is silently ignored: a field these models do not declare is refused by 
 from __future__ import annotations
 
 import json
+import typing
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, create_model
 
 from engine.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_ENTRIES,
+    SAME,
     ResponseFormat,
     SamplingParams,
+    param_spec,
+    request_params,
 )
 from router_svc import chat_request
 from router_svc.chat_output import ChatOutputSpec
@@ -55,40 +59,59 @@ HARMLESS_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "safet
                              "prompt_cache_key"})
 
 
-class _SamplingFields(BaseModel):
-    """Fields both endpoints share. Any other field is refused by name (see _refuse_unknown)
-    unless it is one of HARMLESS_FIELDS."""
+# The request parameters OpenAI spells its own way, mapped by hand below: engine field -> the
+# OpenAI fields that set it. Every other parameter of SamplingParams is an OpenAI field of its
+# own name and type, derived (_derived_fields); tests/unit/test_params_seam.py holds the two sets
+# equal to the declaration's.
+MAPPED_FIELDS = {
+    "max_tokens": ("max_tokens", "max_completion_tokens"),
+    "top_k": ("top_k",),  # vLLM spells "off" -1
+    "stop": ("stop",),  # one string or a list
+    "logprobs": ("logprobs", "top_logprobs"),  # completions: a count; chat: a flag and a count
+    "logit_bias": ("logit_bias",),  # keys are token ids as strings
+    "response_format": ("response_format", "guided_json"),
+}
+
+
+class _MappedFields(BaseModel):
+    """Fields both endpoints share, declared by hand. Any other field is refused by name (see
+    _refuse_unknown) unless it is one of HARMLESS_FIELDS."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    # vLLM extras
     top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of a json_schema
-    cache_salt: str | None = None  # vLLM's: a prefix-cache namespace of the caller's choosing
+
+
+def _derived_fields() -> dict[str, Any]:
+    """One optional field per request parameter that OpenAI (or vLLM's extras) names as the
+    engine does; unset (None) leaves the engine's default."""
+    hints = typing.get_type_hints(SamplingParams)
+    out: dict[str, Any] = {}
+    for f in request_params():
+        if param_spec(f).openai != SAME:
+            continue
+        hint = hints[f.name]
+        if typing.get_origin(hint) is tuple:  # a JSON array
+            hint = list[typing.get_args(hint)[0]]  # type: ignore[misc]
+        out[f.name] = (hint | None, None)
+    return out
+
+
+DERIVED_FIELDS = tuple(_derived_fields())
+_SamplingFields = create_model("_SamplingFields", __base__=_MappedFields,  # type: ignore[call-overload]
+                               **_derived_fields())
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -141,7 +164,7 @@ def unknown_field(req: BaseModel) -> str | None:
     return next((k for k in req.model_extra or {} if k not in HARMLESS_FIELDS), None)
 
 
-def request_format(req: _SamplingFields) -> ResponseFormat | None:
+def request_format(req: Any) -> ResponseFormat | None:
     fmt = chat_request.response_format(req.response_format)
     if req.guided_json is None:
         return fmt
@@ -163,24 +186,21 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
         raise InvalidArgument("logit_bias", "keys must be token ids") from None
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None,
-                     response_format: ResponseFormat | None = None) -> SamplingParams:
+def sampling_params(req: Any, max_tokens: int | None, logprobs: int | None,
+                    response_format: ResponseFormat | None = None) -> SamplingParams:
+    """The SamplingParams of an OpenAI request: the derived fields as they are, the mapped ones
+    as given here (max_tokens None: the engine's default)."""
     refuse(req.stream_options is not None and not req.stream, "stream_options",
-            "is only allowed with stream=true")
-    kw: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed"):
-        if (v := getattr(req, name)) is not None:
-            kw[name] = v
+           "is only allowed with stream=true")
+    kw: dict[str, Any] = {name: v for name in DERIVED_FIELDS
+                          if (v := getattr(req, name)) is not None}
     if req.top_k is not None:
         kw["top_k"] = 0 if req.top_k == -1 else req.top_k  # vLLM spells "off" -1
-    return SamplingParams(n=req.n, max_tokens=max_tokens, stop=req.stop or (),
-                          stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-                          logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-                          min_tokens=req.min_tokens, logit_bias=_logit_bias(req.logit_bias),
-                          include_stop_str_in_output=req.include_stop_str_in_output,
-                          response_format=response_format, cache_salt=req.cache_salt or "",
-                          **kw)
+    if max_tokens is not None:
+        kw["max_tokens"] = max_tokens
+    return SamplingParams(stop=req.stop or (), logprobs=logprobs,
+                          logit_bias=_logit_bias(req.logit_bias),
+                          response_format=response_format, **kw)
 
 
 def remaining(fe: Frontend, prompt: list[int]) -> int:

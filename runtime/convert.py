@@ -13,64 +13,68 @@ from engine.sampling_params import (
     ResponseFormat,
     SamplingParams,
     TokenLogprobs,
+    request_params,
 )
 from kvtransfer.descriptor import PoolDescriptor
 from tandem.errors import InvalidArgument
 from tandem.v1 import common_pb2, worker_pb2
 
+# The proto's oneof that carries SamplingParams.response_format; every other request
+# parameter is the proto field of its own name (tests/unit/test_params_seam.py holds them equal).
+FORMAT_ONEOF = "response_format"
+
 
 def params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset fields take SamplingParams' defaults; bad values raise InvalidArgument naming the
-    field (as SamplingParams does). The lists' lengths are checked before they are copied."""
+    """Unset fields take SamplingParams' defaults (a proto3 scalar without presence at zero is
+    unset); bad values raise InvalidArgument naming the field (as SamplingParams does). The
+    lists' lengths are checked before they are copied."""
     for name, items, limit in (("stop", p.stop, MAX_STOP_ENTRIES),
                                ("stop_token_ids", p.stop_token_ids, MAX_STOP_ENTRIES),
                                ("logit_bias", p.logit_bias, MAX_LOGIT_BIAS_ENTRIES)):
         if len(items) > limit:
             raise InvalidArgument(name, f"at most {limit} entries, got {len(items)}")
-    kw = dict(
-        n=p.n or 1,
-        max_tokens=p.max_tokens or 16,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        stop=tuple(p.stop),
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        min_tokens=p.min_tokens,
-        logit_bias=tuple(sorted(p.logit_bias.items())),
-        include_stop_str_in_output=p.include_stop_str_in_output,
-        response_format=_format_from_proto(p),
-        cache_salt=p.cache_salt,
-    )
-    for name in ("temperature", "top_p", "repetition_penalty", "seed", "logprobs",
-                 "skip_special_tokens"):
-        if p.HasField(name):
-            kw[name] = getattr(p, name)
+    kw: dict = {}
+    for f in request_params():
+        if f.name == FORMAT_ONEOF:
+            kw[f.name] = _format_from_proto(p)
+            continue
+        desc = p.DESCRIPTOR.fields_by_name[f.name]
+        value = getattr(p, f.name)
+        if _is_map(desc):
+            kw[f.name] = tuple(sorted(value.items()))
+        elif desc.is_repeated:
+            kw[f.name] = tuple(value)
+        elif p.HasField(f.name) if desc.has_presence else value:
+            kw[f.name] = value
     return SamplingParams(**kw)
 
 
 def params_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
-    p = common_pb2.SamplingParams(
-        n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-        min_p=s.min_p, repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        skip_special_tokens=s.skip_special_tokens)
-    if s.seed is not None:
-        p.seed = s.seed
-    if s.logprobs is not None:
-        p.logprobs = s.logprobs
-    p.min_tokens = s.min_tokens
-    p.logit_bias.update(dict(s.logit_bias))
-    p.include_stop_str_in_output = s.include_stop_str_in_output
-    p.cache_salt = s.cache_salt
-    fmt = s.response_format
+    p = common_pb2.SamplingParams()
+    for f in request_params():
+        value = getattr(s, f.name)
+        if f.name == FORMAT_ONEOF:
+            _format_to_proto(p, value)
+        elif value is None:
+            continue
+        elif _is_map(p.DESCRIPTOR.fields_by_name[f.name]):
+            getattr(p, f.name).update(dict(value))  # stored as (key, value) pairs
+        elif isinstance(value, tuple):
+            getattr(p, f.name).extend(value)
+        else:
+            setattr(p, f.name, value)
+    return p
+
+
+def _is_map(desc) -> bool:
+    return desc.message_type is not None and desc.message_type.GetOptions().map_entry
+
+
+def _format_to_proto(p: common_pb2.SamplingParams, fmt: ResponseFormat | None) -> None:
     if fmt is not None and fmt.type == "json_object":
         p.json_object = True
     elif fmt is not None:
         p.json_schema = fmt.schema or ""
-    return p
 
 
 def _format_from_proto(p: common_pb2.SamplingParams) -> ResponseFormat | None:

@@ -6,44 +6,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tandem.v1 import api_pb2, common_pb2
+from tandem.client.params import SamplingParams
+from tandem.v1 import api_pb2
 
 Prompt = str | Sequence[int]  # text, or token ids
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """tandem.v1.SamplingParams. None (and the zero defaults) take the server's defaults."""
-
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float | None = None  # 0: greedy
-    top_p: float | None = None
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: Sequence[str] = ()
-    stop_token_ids: Sequence[int] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-N per token (0: the sampled token's only)
-    skip_special_tokens: bool | None = None
-    cache_salt: str = ""  # prefix-cache namespace: cached prompts are shared only within one
-
-    def to_proto(self) -> common_pb2.SamplingParams:
-        p = common_pb2.SamplingParams(
-            n=self.n, max_tokens=self.max_tokens, top_k=self.top_k, min_p=self.min_p,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos, cache_salt=self.cache_salt)
-        for name in ("temperature", "top_p", "repetition_penalty", "seed", "logprobs",
-                     "skip_special_tokens"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(p, name, value)
-        return p
 
 
 @dataclass(frozen=True)

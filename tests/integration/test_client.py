@@ -116,14 +116,21 @@ def test_deadline_mid_stream(client):
 def test_errors_name_the_field_as_the_http_api_does(cluster, client):
     """The same refusal through gRPC and HTTP: one reason, the field under each API's name."""
     http = f"http://127.0.0.1:{cluster.router.http_port}/v1/completions"
+    # Every parameter is params.<name> over gRPC (the client takes each of them).
     cases = [({"temperature": -1.0}, "params.temperature", "temperature"),
-             ({"n": 99}, "params.n", "n")]
+             ({"n": 99}, "params.n", "n"),
+             ({"max_tokens": 4, "min_tokens": 9}, "params.min_tokens", "min_tokens"),
+             ({"logit_bias": {99999: 1.0}}, "params.logit_bias", "logit_bias"),
+             ({"cache_salt": "s" * 300}, "params.cache_salt", "cache_salt")]
     for kw, grpc_field, http_param in cases:
         with pytest.raises(tc.InvalidArgumentError) as e:
             client.generate([1, 2, 3], **kw)
         assert (e.value.field, e.value.reason) == (grpc_field, "INVALID_VALUE")
         body = httpx.post(http, json={"prompt": [1, 2, 3], **kw}).json()["error"]
         assert (body["param"], body["code"]) == (http_param, e.value.reason.lower())
+    with pytest.raises(tc.InvalidArgumentError) as e:
+        client.generate([1, 2, 3], json_schema={"type": "bogus"})
+    assert e.value.field == "params.json_schema"
     with pytest.raises(tc.InvalidArgumentError) as e:
         client.generate([1] * 5000)
     assert e.value.field == "token_ids"
