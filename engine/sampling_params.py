@@ -171,8 +171,9 @@ class SamplingParams:
     # Cached blocks are shared only between equal salts ("" is one; API keys add their own).
     cache_salt: str = param("", "prefix-cache namespace: requests share cached prompt blocks "
                             "only with requests of the same salt", "tenant-a")
-    # Admission order under load: lower first (vLLM's convention), then the scheduler's policy.
-    priority: int = 0
+    # Then the scheduler's policy (engine/wait_queue.py).
+    priority: int = param(0, "admission order under load: lower first (vLLM's convention)", -1,
+                          cli=True)
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples (hashable, immutable).

@@ -60,6 +60,8 @@ class SamplingParams:
     include_stop_str_in_output: bool | None = None
     # prefix-cache namespace: requests share cached prompt blocks only with requests of the same salt ['']
     cache_salt: str | None = None
+    # admission order under load: lower first (vLLM's convention) [0]
+    priority: int | None = None
 
     def to_proto(self) -> common_pb2.SamplingParams:
         return params_to_proto(self)
