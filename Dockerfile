@@ -40,10 +40,10 @@ COPY . .
 # Not editable: the final stage takes /opt/tandem alone, without the source tree.
 # The smoke test imports every service module (`tandem --help` builds all their parsers); no
 # GPU is needed to import torch, triton or cupy.
-# `structured`: xgrammar, for response_format and tool_choice required (it keeps this torch).
+# xgrammar (structured outputs) is a dependency: it keeps this torch.
 # `nixl`: the nixl transport between hosts (deploy/k8s uses it); `import nixl` picks the CUDA 13
 # build that matches this torch.
-RUN pip install ".[gpu,structured,nixl]" \
+RUN pip install ".[gpu,nixl]" \
  && python -c "import torch, cupy, xgrammar, nixl._api; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
  && tandem --help > /dev/null
 

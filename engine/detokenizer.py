@@ -25,6 +25,7 @@ Two stages per token:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,7 +74,11 @@ class IncrementalDetokenizer:
         self.output_token_ids: list[int] = []
         self.stopped = False
         self.stop_reason: str | None = None
+        self.stop_at: int | None = None  # where the stop string starts in the output's text
         self._flushed = False
+        # Per output token: the stable text before it (where its own text starts).
+        self._token_starts: list[int] = []
+        self._stable = 0
 
     @property
     def text(self) -> str:
@@ -93,7 +98,9 @@ class IncrementalDetokenizer:
             # One token at a time, so a stop in the middle of a multi-token push leaves
             # output_token_ids ending at the token that completed it.
             self.output_token_ids.append(tid)
+            self._token_starts.append(self._stable)
             new = self._step(tid)
+            self._stable += len(new)
             if new:
                 out.append(self._emit(new, final=False))
                 if self.stopped:
@@ -111,6 +118,11 @@ class IncrementalDetokenizer:
         self._flushed = True
         rest = self._decode(self._ids, skip_special_tokens=self._skip)
         return self._emit(rest[len(self._prefix_text):], final=True)
+
+    def tokens_before(self, chars: int) -> int:
+        """How many output tokens start before character `chars` of the output's text (with
+        stop_at: the tokens whose text the stop string did not remove)."""
+        return bisect.bisect_left(self._token_starts, chars)
 
     # -- token ids -> stable text ---------------------------------------------------------
 
@@ -151,6 +163,7 @@ class IncrementalDetokenizer:
         if hit is not None:
             cut, reason = hit
             self.stopped, self.stop_reason = True, reason
+            self.stop_at = len(self.text) + cut  # `_held` follows the text emitted so far
             self._held = ""
             return self._add(buf[:cut])
         keep = 0 if final else _partial_stop_len(buf, self._stop)

@@ -22,12 +22,13 @@ Compiling takes from milliseconds to seconds (a large vocabulary, a big schema):
 thread of its own (`submit`), and the engine holds the request back until its grammar is ready,
 so the step loop never waits for it.
 
-xgrammar is an optional dependency (the `structured` extra), imported on first use.
+xgrammar is imported on first use (it is slow to import).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EXTRA = "structured"
+XGRAMMAR = "xgrammar>=0.2.8,<0.3"  # a dependency (pyproject.toml); missing only where removed
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
 
 
@@ -57,25 +58,83 @@ def xgrammar() -> Any:
     except ImportError:
         raise InvalidArgument(
             "response_format", "structured outputs need the xgrammar package, which is not "
-            f"installed here: pip install 'tandem[{EXTRA}]'") from None
+            f"installed here: pip install '{XGRAMMAR}'") from None
     return xgr
 
 
 def check_schema(fmt: ResponseFormat) -> None:
-    """Refuse a schema xgrammar cannot turn into a grammar (no tokenizer needed: the router
-    calls this to answer 400 before any worker sees the request)."""
-    if fmt.schema is not None:
-        _check_schema_text(fmt.schema)
+    """Refuse a response format xgrammar cannot turn into a grammar, or any when xgrammar is
+    missing (no tokenizer needed: the router calls this to answer 400 before any worker sees
+    the request)."""
+    _check_format(fmt.type, fmt.schema, fmt.after)
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
-def _check_schema_text(schema: str) -> None:
+def _check_format(kind: str, schema: str | None, after: str) -> None:
     xgrammar()  # ImportError first, naming the extra
     try:
-        schema_grammar(schema)
+        format_grammar(ResponseFormat(kind, schema, after))
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with its reason
         raise InvalidArgument("response_format", f"the schema cannot be used: "
                               f"{_reason(e)}") from None
+
+
+# JSON Schema keywords the grammar enforces exactly (every output it allows validates), checked
+# against sampled outputs by tests/unit/test_grammar.py; annotations change nothing. A strict
+# schema with any other keyword is refused naming it: xgrammar ignores uniqueItems, if/then,
+# dependentRequired and more, writes not, allOf and contains approximately, lets a maxLength
+# beside a pattern or format go, and its formats admit invalid values (a 31st of November, an
+# IPv4 address with leading zeros).
+ENFORCED_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems",
+    "minItems", "maxItems", "enum", "const", "anyOf", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "$ref", "$defs",
+    "definitions"})
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id",
+                         "$comment", "deprecated", "readOnly", "writeOnly"})
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")  # name -> subschema
+_SCHEMA_LISTS = ("anyOf", "prefixItems")
+
+
+def unenforced_keyword(schema: Any, path: str = "") -> str | None:
+    """The path of the first keyword in `schema` that the grammar would not enforce exactly
+    (e.g. "properties.tags.uniqueItems"), or None."""
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        where = f"{path}.{key}" if path else key
+        if key in ANNOTATIONS:
+            continue
+        if key not in ENFORCED_KEYWORDS:
+            return where
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            found = next((w for name, sub in value.items()
+                          if (w := unenforced_keyword(sub, f"{where}.{name}"))), None)
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            found = next((w for i, sub in enumerate(value)
+                          if (w := unenforced_keyword(sub, f"{where}[{i}]"))), None)
+        elif key in ("items", "additionalProperties"):
+            found = unenforced_keyword(value, where)
+        else:
+            found = None
+        if found:
+            return found
+    if "pattern" in schema:  # xgrammar lets a length beside a pattern go
+        length = next((k for k in ("minLength", "maxLength") if k in schema), None)
+        if length is not None:
+            return f"{path}.{length}" if path else length
+    return None
+
+
+def check_strict(schema_text: str, field: str = "response_format") -> None:
+    """Refuse a strict schema whose every keyword the grammar cannot enforce, naming the
+    first such keyword: never an output that a strict schema's validator would refuse."""
+    where = unenforced_keyword(json.loads(schema_text))
+    if where is not None:
+        keyword = where.rsplit(".", 1)[-1]
+        raise InvalidArgument(field, f"the strict schema's keyword {keyword!r} (at {where}) is "
+                              "not enforced by the grammar; remove it, or set strict to false "
+                              "to have the rest enforced")
 
 
 class GrammarState:
@@ -141,8 +200,8 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(eos_token_ids)
         self.cache_size = cache_size
         self._compiler: Any = None
-        self._cache: OrderedDict[tuple[str, str | None], Any] = OrderedDict()
-        self._pending: dict[tuple[str, str | None], Future] = {}
+        self._cache: OrderedDict[tuple[str, str | None, str], Any] = OrderedDict()
+        self._pending: dict[tuple[str, str | None, str], Future] = {}
         self._lock = threading.Lock()  # the cache and the pending compiles
         self._executor: ThreadPoolExecutor | None = None
         self.num_compiled = 0
@@ -172,7 +231,7 @@ class GrammarCompiler:
         """The compiled grammar of `fmt`, now if cached, else from the compile thread (one
         compile per schema however many requests wait for it). Its exception is an
         InvalidArgument if the schema cannot be compiled."""
-        key = (fmt.type, fmt.schema)
+        key = (fmt.type, fmt.schema, fmt.after)
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:
@@ -191,9 +250,9 @@ class GrammarCompiler:
         """The compiled grammar of `fmt`, waiting for it; InvalidArgument if it cannot be."""
         return self.submit(fmt).result()
 
-    def _compile(self, key: tuple[str, str | None], fmt: ResponseFormat) -> Any:
+    def _compile(self, key: tuple[str, str | None, str], fmt: ResponseFormat) -> Any:
         try:
-            compiled = self._get_compiler().compile_grammar(schema_grammar(fmt.schema))
+            compiled = self._get_compiler().compile_grammar(format_grammar(fmt))
         except Exception as e:  # xgrammar raises RuntimeError with its reason
             with self._lock:
                 self._pending.pop(key, None)
@@ -230,6 +289,19 @@ _STRICT_CHARS = r"\0-\x1f\ud800-\udfff"
 def _strict_strings(ebnf: str) -> str:
     ebnf = ebnf.replace(_CONTROL, _STRICT_CHARS)
     return ebnf.replace(_LOOSE_CHARS, r'[^\"\\' + _STRICT_CHARS + "]")
+
+
+def format_grammar(fmt: ResponseFormat) -> Any:
+    """The grammar of `fmt`: its kind's, from the start, or once the output holds `fmt.after`
+    (free text up to that text's first occurrence, which must come: xgrammar's structural tag,
+    matched on the text, however the model's tokens split it)."""
+    grammar = schema_grammar(fmt.schema)
+    if not fmt.after:
+        return grammar
+    return xgrammar().Grammar.from_structural_tag(json.dumps({
+        "type": "structural_tag", "format": {"type": "sequence", "elements": [
+            {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": fmt.after},
+            {"type": "grammar", "grammar": str(grammar)}]}}))
 
 
 def schema_grammar(schema: str | None) -> Any:

@@ -18,6 +18,9 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias: [-100, 100]
 # JSON text on the wire, which the client also takes as an object).
 FORMAT_KINDS: dict[str, type] = {"json_object": bool, "json_schema": dict}
 RESPONSE_FORMATS = tuple(FORMAT_KINDS)
+# Beside the kind, on the wire and in the client: where the grammar starts (ResponseFormat.after).
+FORMAT_AFTER = "grammar_after"
+MAX_AFTER_CHARS = 64
 # A schema's text at most: compiling is one thread for every request, so one caller's giant
 # schema must not hold up everyone else's grammars.
 MAX_SCHEMA_CHARS = 64 * 1024
@@ -84,10 +87,15 @@ def _check_types(p: SamplingParams) -> None:
 class ResponseFormat:
     """Structured output: the sample must be JSON (`json_object`) or JSON valid against a schema
     (`json_schema`, the schema as JSON text). The grammar is compiled once per distinct schema
-    text and enforced by masking the logits (engine/grammar.py)."""
+    text and enforced by masking the logits (engine/grammar.py).
+
+    `after`: the grammar applies once the output contains this text, which may come only once
+    (the end of a reasoning section a chat template opened: "</think>"); before it the text is
+    free, but the sample cannot end. Empty: from the first token."""
 
     type: str
     schema: str | None = None
+    after: str = ""
 
     def __post_init__(self) -> None:
         if self.type not in RESPONSE_FORMATS:
@@ -96,6 +104,9 @@ class ResponseFormat:
         if (self.type == "json_schema") != (self.schema is not None):
             raise InvalidArgument("response_format", "a schema goes with type json_schema, "
                                   "and only with it")
+        if not isinstance(self.after, str) or len(self.after) > MAX_AFTER_CHARS:
+            raise InvalidArgument(FORMAT_AFTER, f"must be a string of at most "
+                                  f"{MAX_AFTER_CHARS} characters")
         if self.schema is not None:
             if len(self.schema) > MAX_SCHEMA_CHARS:
                 raise InvalidArgument("response_format", f"the schema is {len(self.schema)} "
@@ -163,8 +174,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = param(
         (), "token id -> added to its logit, in [-100, 100]", ((5, 1.5),), openai=MAPPED)
     response_format: ResponseFormat | None = param(  # noqa: RUF009 - a frozen example
-        None, "structured output, enforced by a grammar", ResponseFormat("json_object"),
-        openai=MAPPED)
+        None, "structured output, enforced by a grammar",
+        ResponseFormat("json_object", None, "</think>"), openai=MAPPED)
     # Router side only: the detokenizer there applies stop strings.
     include_stop_str_in_output: bool = param(False, "keep the stop string that ended a sample "
                                              "in its text", True)
@@ -279,6 +290,7 @@ class RequestLimits:
         if not prompt:
             raise InvalidArgument("prompt", "must not be empty")
         self.check_length(len(prompt))  # before any work proportional to the prompt
+        self.check_max_tokens(len(prompt), params.max_tokens)
         self.check_ids(ids_field, prompt)
         if params.n > self.max_n:
             raise InvalidArgument("n", f"must be <= {self.max_n}, got {params.n}")
@@ -290,6 +302,15 @@ class RequestLimits:
                 "prompt", f"{num_tokens} tokens; this model serves at most "
                 f"{self.max_model_len} tokens in all, prompt included, so at most "
                 f"{self.max_model_len - 1}")
+
+    def check_max_tokens(self, prompt_tokens: int, max_tokens: int) -> None:
+        """The outputs asked for must fit beside the prompt: never silently fewer (as vLLM)."""
+        room = self.max_model_len - prompt_tokens
+        if max_tokens > room:
+            raise InvalidArgument(
+                "max_tokens", f"{max_tokens} tokens asked for, but this model serves at most "
+                f"{self.max_model_len} tokens in all and the prompt has {prompt_tokens}, so at "
+                f"most {room}")
 
     def check_ids(self, field: str, ids: Sequence[int]) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

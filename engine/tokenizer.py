@@ -9,6 +9,7 @@ detokenizer decodes through the same backend, so a streamed text and a one-shot 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,11 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = _eos_token_ids(self.model_dir, hf.eos_token_id)
         self.bos_token_id: int | None = hf.bos_token_id
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
+        # A byte-level vocabulary (GPT-2's, Llama 3's) spells each byte as one character.
+        spec = json.loads(backend.to_str())
+        self._byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
+        self._added = {a["id"] for a in spec.get("added_tokens") or ()}
         # A plain token to decode in front of another, see token_text().
         anchor = self.backend.encode("a", add_special_tokens=False).ids
         self._anchor: list[int] = anchor[-1:]
@@ -91,6 +97,23 @@ class Tokenizer:
             self._token_text[token_id] = text
         return text
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, for logprobs' `bytes`: a byte-fallback token
+        (<0xF0>) or a byte-level token ("ð") is its byte or bytes, however little of a UTF-8
+        character that is, so the tokens' bytes laid end to end are the text's. Cached."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            piece = self.backend.id_to_token(token_id) or ""
+            if _BYTE_FALLBACK.fullmatch(piece):
+                raw = bytes([int(piece[3:5], 16)])
+            elif self._byte_level and token_id not in self._added and \
+                    all(c in _UNICODE_TO_BYTE for c in piece):
+                raw = bytes(_UNICODE_TO_BYTE[c] for c in piece)
+            else:
+                raw = self.token_text(token_id).encode()
+            self._token_bytes[token_id] = raw
+        return raw
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
@@ -118,6 +141,27 @@ class Tokenizer:
         except Exception as e:  # jinja2 errors, including the template's own raise_exception
             raise InvalidArgument("messages", f"the chat template rejected them: {e}") from e
         return list(ids)
+
+
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> character map of byte-level vocabularies: printable bytes are their own
+    character, the others shifted past 255."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _validate_messages(messages: Any) -> None:

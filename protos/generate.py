@@ -93,6 +93,7 @@ def client_params() -> str:
     format as one field per kind, as on the wire), each None by default."""
     sys.path.insert(0, str(PACKAGE_ROOT))
     from engine.sampling_params import (  # noqa: PLC0415 - the repository's own code
+        FORMAT_AFTER,
         FORMAT_KINDS,
         SamplingParams,
         param_spec,
@@ -107,6 +108,9 @@ def client_params() -> str:
             for kind, kind_type in FORMAT_KINDS.items():
                 lines += [f"    # {spec.doc}: {kind.replace('_', ' ')}",
                           f"    {kind}: {_FORMAT_TYPES[kind_type]} = None"]
+            lines += ["    # with a response format: the grammar applies once the output "
+                      "contains this text",
+                      f"    {FORMAT_AFTER}: str | None = None"]
             continue
         default = f" [{f.default!r}]" if f.default not in (None, ()) else ""
         lines += [f"    # {spec.doc}{default}",

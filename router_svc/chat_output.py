@@ -31,6 +31,8 @@ class ChatOutputSpec:
     tool_name: str | None = None  # named
     marker_id: int | None = None  # a tool-call marker token that decodes to nothing
     marker_text: str = ""
+    # auto: the functions offered; a call to any other is text, not a call (None: unchecked)
+    tool_names: frozenset[str] | None = None
 
 
 @dataclass
@@ -63,6 +65,10 @@ class ChatChoice:
         calls: list[ToolCall] = []
         if self.tools is not None:
             rest, calls = self.tools.finish()
+            names = self.spec.tool_names
+            if names is not None and any(c.name not in names for c in calls):
+                # Not a call of ours (a JSON answer read as one): the text, as written.
+                rest, calls = self.tools.held, []
             content += rest
         elif self.spec.tool_mode in ("required", "named"):
             parsed = (parse_required(self.held) if self.spec.tool_mode == "required"

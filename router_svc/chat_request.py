@@ -11,11 +11,13 @@ tool_choice and the grammar:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from engine.grammar import check_strict
 from engine.sampling_params import ResponseFormat
 from engine.tokenizer import Tokenizer
 from router_svc.chat_output import ChatOutputSpec
@@ -33,26 +35,49 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "doc
 MISTRAL_MARKER = "[TOOL_CALLS]"
 
 
+def only_keys(value: dict, allowed: frozenset[str] | set[str], where: str) -> None:
+    """No silently ignored field at any level: a key of `value` outside `allowed` is refused,
+    named by its path (e.g. response_format.json_schema.foo)."""
+    extra = next((k for k in value if k not in allowed), None)
+    if extra is not None:
+        raise InvalidArgument(f"{where}.{extra}", "is not supported by this server")
+
+
+_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+_JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
+
+
 def response_format(value: Any, field: str = "response_format") -> ResponseFormat | None:
-    """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}."""
+    """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}. A
+    strict json_schema must use only keywords the grammar enforces (engine/grammar.py); with
+    strict false or unset, those it enforces are, and the others are not."""
     if value is None:
         return None
     if not isinstance(value, dict):
         raise InvalidArgument(field, "must be an object with a type")
     kind = value.get("type")
+    if kind not in _FORMAT_KEYS:
+        raise InvalidArgument(field, f"type must be text, json_object or json_schema, got "
+                              f"{kind!r}")
+    only_keys(value, _FORMAT_KEYS[kind], field)
     if kind == "text":
         return None
     if kind == "json_object":
         return ResponseFormat("json_object")
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict):
-            raise InvalidArgument(field, "json_schema must be an object with a name and a schema")
-        schema = spec.get("schema", ANY_OBJECT)
-        if not isinstance(schema, dict | bool):
-            raise InvalidArgument(field, "json_schema.schema must be a JSON Schema object")
-        return ResponseFormat("json_schema", json.dumps(schema))
-    raise InvalidArgument(field, f"type must be text, json_object or json_schema, got {kind!r}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidArgument(field, "json_schema must be an object with a name and a schema")
+    only_keys(spec, _JSON_SCHEMA_KEYS, f"{field}.json_schema")
+    strict = spec.get("strict", False)
+    if not isinstance(strict, bool) and strict is not None:
+        raise InvalidArgument(f"{field}.json_schema.strict", "must be true or false")
+    schema = spec.get("schema", ANY_OBJECT)
+    if not isinstance(schema, dict | bool):
+        raise InvalidArgument(field, "json_schema.schema must be a JSON Schema object")
+    text = json.dumps(schema)
+    if strict:
+        check_strict(text, field)
+    return ResponseFormat("json_schema", text)
 
 
 @dataclass(frozen=True)
@@ -61,7 +86,14 @@ class Tool:
     parameters: dict | None
 
 
+_TOOL_KEYS = frozenset({"type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+
+
 def parse_tools(tools: Any) -> list[Tool]:
+    """The function tools. A function with strict true must use only keywords the grammar
+    enforces, which it does when tool_choice is required or names it (with auto, calls are read
+    from the model's own text as written)."""
     if tools is None:
         return []
     if not isinstance(tools, list):
@@ -73,6 +105,8 @@ def parse_tools(tools: Any) -> list[Tool]:
                 or not isinstance(fn, dict):
             raise InvalidArgument("tools", f"[{i}] must be {{\"type\": \"function\", "
                                   "\"function\": {...}}")
+        only_keys(t, _TOOL_KEYS, f"tools[{i}]")
+        only_keys(fn, _FUNCTION_KEYS, f"tools[{i}].function")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
             raise InvalidArgument("tools", f"[{i}].function.name must be 1-64 letters, digits, "
@@ -83,6 +117,10 @@ def parse_tools(tools: Any) -> list[Tool]:
                                   "object")
         if any(o.name == name for o in out):
             raise InvalidArgument("tools", f"[{i}]: function {name!r} is listed twice")
+        if fn.get("strict") not in (None, True, False):
+            raise InvalidArgument(f"tools[{i}].function.strict", "must be true or false")
+        if fn.get("strict") and params is not None:
+            check_strict(json.dumps(params), f"tools[{i}].function.parameters")
         out.append(Tool(name, params))
     return out
 
@@ -97,6 +135,9 @@ def tool_choice_mode(choice: Any, tools: list[Tool]) -> tuple[str, str | None]:
         return choice, None
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
+    if isinstance(fn, dict):
+        only_keys(choice, {"type", "function"}, "tool_choice")
+        only_keys(fn, {"name"}, "tool_choice.function")
     if not isinstance(name, str):
         raise InvalidArgument("tool_choice", "must be none, auto, required or "
                               "{\"type\": \"function\", \"function\": {\"name\": ...}}")
@@ -124,10 +165,13 @@ def tool_grammar(tools: list[Tool], mode: str, name: str | None,
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Tool turns as chat templates read them: an assistant turn that only calls tools has
-    content "" (templates trim it), and each call's arguments are an object, not JSON text."""
+    """Turns as chat templates read them: `developer` (OpenAI's instruction role, which
+    templates do not know) is `system`; an assistant turn that only calls tools has content ""
+    (templates trim it), and each call's arguments are an object, not JSON text."""
     out = []
     for i, m in enumerate(messages):
+        if m.get("role") == "developer":
+            m = {**m, "role": "system"}
         calls = m.get("tool_calls")
         if calls is not None:
             if m.get("role") != "assistant" or not isinstance(calls, list):
@@ -168,13 +212,67 @@ def template_kwargs(value: Any) -> dict[str, Any]:
 
 
 def output_spec(tok: Tokenizer, architecture: str, prompt: list[int], mode: str,
-                name: str | None) -> ChatOutputSpec:
+                name: str | None, tools: list[Tool] = (), family: str | None = None
+                ) -> ChatOutputSpec:
+    """How the answer is read. `family`: the tool-call syntax, when the tools were shown by
+    DEFAULT_TOOLS_PROMPT rather than the model's own template (else detected)."""
     template = getattr(tok.hf, "chat_template", None)
     template = template if isinstance(template, str) else None
     reasoning = uses_reasoning(template)
     in_reasoning = reasoning and tok.decode(
         prompt[-8:], skip_special_tokens=False).rstrip().endswith(THINK_START)
-    family = detect_family(template, architecture) if mode == "auto" else None
+    if mode != "auto":
+        family = None
+    elif family is None:
+        family = detect_family(template, architecture)
     marker_id = tok.backend.token_to_id(MISTRAL_MARKER) if family == "mistral" else None
     return ChatOutputSpec(reasoning, in_reasoning, mode, family, name, marker_id,
-                          MISTRAL_MARKER if marker_id is not None else "")
+                          MISTRAL_MARKER if marker_id is not None else "",
+                          frozenset(t.name for t in tools))
+
+
+# -- tools for a template that cannot show them ---------------------------------------------------
+_PROBE = "tandem_probe_function"
+
+
+@functools.lru_cache(maxsize=16)
+def template_shows_tools(tok: Tokenizer) -> bool:
+    """Whether the model's chat template writes the tools it is given into the prompt (many,
+    SmolLM2's among them, drop them without a word)."""
+    probe = [{"type": "function", "function": {"name": _PROBE, "parameters": ANY_OBJECT}}]
+    try:
+        ids = tok.apply_chat_template([{"role": "user", "content": "x"}], tools=probe)
+    except InvalidArgument:
+        return False
+    return _PROBE in tok.decode(ids, skip_special_tokens=False)
+
+
+DEFAULT_TOOLS_FAMILY = "hermes"
+DEFAULT_TOOLS_PROMPT = (
+    "You may call functions. Their definitions (JSON Schema) are:\n{tools}\nTo call one, "
+    "answer with <tool_call>{{\"name\": <the function's name>, \"arguments\": <an object of "
+    "its arguments>}}</tool_call> (one such block per call) and nothing else.")
+
+
+def with_default_tools(messages: list[dict[str, Any]], tools: list[dict]) -> list[dict[str, Any]]:
+    """The conversation with the tools shown in plain text, for a template that cannot show
+    them: DEFAULT_TOOLS_PROMPT at the end of the first system message (or as a system message
+    of its own), earlier calls as <tool_call> blocks in their assistant turns, and tool results
+    as user turns in <tool_response> blocks (as Qwen2.5's template writes them)."""
+    prompt = DEFAULT_TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.get("function", t))
+                                                         for t in tools))
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.get("tool_calls"):
+            blocks = "".join(f"<tool_call>{json.dumps(c['function'])}</tool_call>"
+                             for c in m["tool_calls"])
+            m = {"role": "assistant", "content": (m.get("content") or "") + blocks}
+        elif m.get("role") == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n"
+                                            "</tool_response>"}
+        out.append(m)
+    if out and out[0].get("role") == "system":
+        out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}".lstrip()}
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    return out

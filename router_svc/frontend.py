@@ -212,6 +212,7 @@ class Frontend:
                                            params.stop) if self.tokenizer else _NoText()
                     for _ in range(params.n)]
             done: set[int] = set()
+            sent = [0] * params.n  # tokens each sample's deltas carried so far
             # aclosing: leaving early closes the workers' legs now, not at garbage collection.
             updates = self.orchestrator.run(request_id, prompt, params, timeout, record.context)
             async with aclosing(updates):
@@ -232,9 +233,12 @@ class Frontend:
                             d.finish_reason, d.stop_reason = "stop", step.stop_reason
                             if params.include_stop_str_in_output:
                                 d.text += step.stop_reason or ""
+                            _keep_tokens_of_text(d, det, sent[s.index],
+                                                 params.include_stop_str_in_output)
                         elif s.finish_reason is not None:
                             d.text += det.flush()
                             d.finish_reason = s.finish_reason
+                        sent[s.index] += len(d.token_ids)
                         record.text(d.index, d.text)
                         if d.finish_reason is not None:
                             done.add(s.index)
@@ -255,6 +259,17 @@ class Frontend:
         finally:
             self.active -= 1
             record.end(params.n, usage.completion_tokens, usage.cached_prompt_tokens, error)
+
+
+def _keep_tokens_of_text(d: Delta, det: IncrementalDetokenizer, sent: int,
+                         with_stop_str: bool) -> None:
+    """A sample cut by a stop string: its delta's tokens (and their logprobs) end with the last
+    one whose text is still in the answer; those the stop string removed go too."""
+    if det.stop_at is None:
+        return
+    end = det.stop_at + (len(det.stop_reason or "") if with_stop_str else 0)
+    keep = max(0, det.tokens_before(end) - sent)
+    d.token_ids, d.logprobs = d.token_ids[:keep], d.logprobs[:keep]
 
 
 def _operation(request_id: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from contextlib import aclosing
 
+from engine.grammar import check_strict
 from router_svc.api_errors import abort, end_call, failure_of, grpc_field
 from router_svc.frontend import MAX_REQUEST_ID_CHARS, Frontend, ModelNotFound
 from router_svc.orchestrator import RouterError
@@ -34,6 +35,9 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
             params = fe.for_tenant(params_from_proto(request.params), tenant)
+            fmt = params.response_format
+            if fmt is not None and fmt.type == "json_schema":  # always strict over gRPC
+                check_strict(fmt.schema or "{}", "json_schema")
             if request.WhichOneof("prompt") == "text":
                 fe.check_chars(len(request.text))  # before the tokenizer, which is slow on MBs
                 prompt = await fe.run_off_loop(fe.encode, request.text)

@@ -71,7 +71,13 @@ from router_svc.http_guard import (
     ApiKeyAuth,
     BodyGuard,
 )
-from router_svc.openai_objects import ChatShaper, CompletionShaper, Shaper, Step
+from router_svc.openai_objects import (
+    ChatShaper,
+    CompletionShaper,
+    Shaper,
+    Step,
+    StreamExtras,
+)
 from router_svc.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -124,6 +130,13 @@ def _validation_error(frontend: Frontend) -> Callable[[Request, Exception],
         return error.response()
 
     return handle
+
+
+def _extras(body: CompletionRequest | ChatCompletionRequest) -> StreamExtras:
+    opts = body.stream_options
+    tier = "default" if (body.model_extra or {}).get("service_tier") is not None else None
+    return StreamExtras(bool(opts and opts.continuous_usage_stats),
+                        bool(opts and opts.include_obfuscation), tier)
 
 
 def _tenant(request: Request) -> str:
@@ -266,7 +279,7 @@ class OpenAIApi:
             return error.response()
         shaper = CompletionShaper(fe.tokenizer, f"cmpl-{uuid.uuid4().hex}", fe.model.id,
                                    params.n, body.logprobs is not None, body.stream,
-                                   self._include_usage(body), echo=echo)
+                                   self._include_usage(body), _extras(body), echo=echo)
         return await self._respond(request, body.stream, shaper, prompt, params, {},
                                    _api_call(request, body.stream))
 
@@ -288,7 +301,7 @@ class OpenAIApi:
             return error.response()
         shaper = ChatShaper(fe.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", fe.model.id,
                              plan.params.n, body.logprobs, body.stream,
-                             self._include_usage(body), output=plan.output)
+                             self._include_usage(body), _extras(body), output=plan.output)
         return await self._respond(request, body.stream, shaper, plan.prompt, plan.params,
                                    names, _api_call(request, body.stream, body.messages))
 
@@ -311,10 +324,10 @@ class OpenAIApi:
                     "give a prompt or messages")
             if body.messages is not None:
                 fe.check_chars(req.messages_chars(body.messages), "messages")
-                msgs = chat_request.template_messages(req.chat_messages(body.messages))
-                kwargs = chat_request.template_kwargs(body.chat_template_kwargs)
-                ids = await fe.run_off_loop(lambda: fe.tokenizer.apply_chat_template(
-                    msgs, body.add_generation_prompt, tools=body.tools, **kwargs))
+                tools = body.tools if chat_request.parse_tools(body.tools) else None
+                ids, _ = await fe.run_off_loop(lambda: req.chat_prompt(
+                    fe, body.messages, tools, body.chat_template_kwargs,
+                    body.add_generation_prompt))
             else:
                 fe.check_chars(len(body.prompt or ""))
                 ids = await fe.run_off_loop(fe.tokenizer.encode, body.prompt or "",

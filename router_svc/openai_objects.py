@@ -4,8 +4,10 @@ them."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from engine.sampling_params import TokenLogprobs
 from engine.tokenizer import Tokenizer
@@ -13,6 +15,18 @@ from router_svc.chat_output import ChatChoice, ChatOutputSpec
 from router_svc.frontend import Delta, Usage
 
 Step = tuple[list[Delta], Usage]
+
+
+@dataclass(frozen=True)
+class StreamExtras:
+    """What a request asked of its response objects beyond the choices: usage in every chunk
+    (stream_options.continuous_usage_stats), an `obfuscation` field in each chunk
+    (stream_options.include_obfuscation), and the service tier it was served at (echoed when
+    the request named one: there is one tier, "default")."""
+
+    continuous_usage: bool = False
+    obfuscation: bool = False
+    service_tier: str | None = None
 
 
 def _usage(u: Usage) -> dict:
@@ -29,10 +43,12 @@ class Shaper(ABC):
     chunk_object: str
 
     def __init__(self, tok: Tokenizer, id_: str, model: str, n: int, want_logprobs: bool,
-                 stream: bool, include_usage: bool) -> None:
+                 stream: bool, include_usage: bool, options: StreamExtras | None = None
+                 ) -> None:
         self.tok, self.id, self.model, self.n = tok, id_, model, n
         self.want_logprobs, self.stream = want_logprobs, stream
         self.include_usage = stream and include_usage
+        self.extras = options or StreamExtras()
         self.created = int(time.time())
         self.text = [""] * n
         self.finish: list[str | None] = [None] * n
@@ -43,8 +59,14 @@ class Shaper(ABC):
     def _chunk(self, choices: list[dict]) -> dict:
         c = {"id": self.id, "object": self.chunk_object, "created": self.created,
              "model": self.model, "choices": choices}
-        if self.include_usage:
+        if self.extras.continuous_usage:  # the running totals, in every chunk
+            c["usage"] = _usage(self.usage)
+        elif self.include_usage:
             c["usage"] = None
+        if self.extras.service_tier is not None:
+            c["service_tier"] = self.extras.service_tier
+        if self.extras.obfuscation:  # random length: a chunk's size says less of its text
+            c["obfuscation"] = secrets.token_urlsafe(16)[:secrets.randbelow(16) + 1]
         return c
 
     def add(self, step: Step) -> list[dict]:
@@ -88,9 +110,12 @@ class Shaper(ABC):
         return []
 
     def final(self) -> dict:
-        return {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": [self.choice(i) for i in range(self.n)],
-                "usage": _usage(self.usage)}
+        out = {"id": self.id, "object": self.object, "created": self.created,
+               "model": self.model, "choices": [self.choice(i) for i in range(self.n)],
+               "usage": _usage(self.usage)}
+        if self.extras.service_tier is not None:
+            out["service_tier"] = self.extras.service_tier
+        return out
 
     @abstractmethod
     def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
@@ -174,8 +199,9 @@ class ChatShaper(Shaper):
                 "finish_reason": finish}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
-        text = self.tok.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        # bytes: the token's own (part of a character, for a byte token), not its text's.
+        return {"token": self.tok.token_text(token_id), "logprob": logprob,
+                "bytes": list(self.tok.token_bytes(token_id))}
 
     def _logprobs(self, lps: list[TokenLogprobs]) -> dict | None:
         if not self.want_logprobs:

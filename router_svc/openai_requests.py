@@ -8,6 +8,7 @@ No field is silently ignored: a field these models do not declare is refused by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import typing
 from dataclasses import dataclass
@@ -28,14 +29,17 @@ from router_svc import chat_request
 from router_svc.chat_output import ChatOutputSpec
 from router_svc.frontend import Frontend
 from router_svc.json_body import MAX_TOTAL_ITEMS, BodyLimits
+from router_svc.reasoning import END as THINK_END
 from tandem.errors import InvalidArgument
 
 
 # Strict types throughout: "yes" is not a bool and true is not a number (pydantic would coerce).
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
+    include_obfuscation: bool = False  # OpenAI's: a random-length `obfuscation` in each chunk
 
 
 MAX_MESSAGES = 4096
@@ -232,16 +236,33 @@ def prompt_chars(prompt: Any) -> int:
     return len(prompt) if isinstance(prompt, str) else 0
 
 
+MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id",
+                          "reasoning_content", "refusal"})
+_CALL_KEYS = frozenset({"id", "type", "function"})
+
+
 def messages_chars(messages: list[dict[str, Any]]) -> int:
     """Characters of the messages' text content, and checks each message's shape: an object
-    whose role is a string and whose content is a string, a list of parts, or absent."""
+    whose role is a string and whose content is a string, a list of parts, or absent; no key
+    this server would ignore."""
     total = 0
     for i, m in enumerate(messages):
+        refuse(not isinstance(m, dict), "messages", f"[{i}] must be an object")
+        chat_request.only_keys(m, MESSAGE_KEYS, f"messages[{i}]")
         refuse(not isinstance(m.get("role"), str), "messages", f"[{i}].role must be a string")
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            if isinstance(call, dict):
+                chat_request.only_keys(call, _CALL_KEYS, f"messages[{i}].tool_calls[{j}]")
+                if isinstance(call.get("function"), dict):
+                    chat_request.only_keys(call["function"], {"name", "arguments"},
+                                           f"messages[{i}].tool_calls[{j}].function")
         content = m.get("content")
         if isinstance(content, str):
             total += len(content)
         elif isinstance(content, list):
+            for j, p in enumerate(content):
+                if isinstance(p, dict):
+                    chat_request.only_keys(p, {"type", "text"}, f"messages[{i}].content[{j}]")
             total += sum(len(p["text"]) for p in content
                          if isinstance(p, dict) and isinstance(p.get("text"), str))
         else:
@@ -263,6 +284,20 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m = {**m, "content": "\n".join(texts)}
         out.append(m)
     return out
+
+
+def chat_prompt(fe: Frontend, messages: list[dict[str, Any]], tools: list[dict] | None,
+                kwargs: Any, add_generation_prompt: bool = True) -> tuple[list[int], str | None]:
+    """The prompt of a conversation, and the tool-call syntax to read the answer in when the
+    tools had to be shown in plain text (the template would drop them; else None)."""
+    msgs = chat_request.template_messages(chat_messages(messages))
+    family = None
+    if tools and not chat_request.template_shows_tools(fe.tokenizer):
+        msgs = chat_request.with_default_tools(msgs, tools)
+        tools, family = None, chat_request.DEFAULT_TOOLS_FAMILY
+    ids = fe.tokenizer.apply_chat_template(msgs, add_generation_prompt, tools=tools,
+                                           **chat_request.template_kwargs(kwargs))
+    return ids, family
 
 
 @dataclass(frozen=True)
@@ -287,15 +322,16 @@ def chat_plan(fe: Frontend, body: ChatCompletionRequest, names: dict[str, str]) 
     if grammar is not None:
         refuse(fmt is not None, "response_format", f"cannot be combined with tool_choice {mode}")
         fmt, names["response_format"] = grammar, "tools"
-    prompt = fe.tokenizer.apply_chat_template(
-        chat_request.template_messages(chat_messages(body.messages)),
-        tools=body.tools if tools else None,
-        **chat_request.template_kwargs(body.chat_template_kwargs))
+    prompt, family = chat_prompt(fe, body.messages, body.tools if tools else None,
+                                 body.chat_template_kwargs)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     if max_tokens is None:
         max_tokens = remaining(fe, prompt)
+    output = chat_request.output_spec(fe.tokenizer, fe.model.architecture, prompt, mode, name,
+                                      tools, family)
+    if fmt is not None and output.in_reasoning:  # the template opened the reasoning section
+        fmt = dataclasses.replace(fmt, after=THINK_END)
     params = sampling_params(body, max_tokens,
                              (body.top_logprobs or 0) if body.logprobs else None, fmt)
-    output = chat_request.output_spec(fe.tokenizer, fe.model.architecture, prompt, mode, name)
     return ChatPlan(prompt, params, output)

@@ -60,27 +60,27 @@ class SchemaChecker:
     async def check(self, fmt: ResponseFormat, field: str = "response_format") -> None:
         """InvalidArgument naming `field` if `fmt`'s grammar cannot be built, or not within the
         budget."""
-        if fmt.schema is None:
-            return  # json_object: one fixed grammar
-        key = hashlib.sha256(fmt.schema.encode()).digest()
+        # Every kind, json_object too: a checker without xgrammar refuses them all.
+        spec = json.dumps([fmt.type, fmt.schema, fmt.after])
+        key = hashlib.sha256(spec.encode()).digest()
         if key in self._verdicts:
             self._verdicts.move_to_end(key)
             verdict = self._verdicts[key]
         else:
             task = self._checking.get(key)
             if task is None:
-                task = self._checking[key] = asyncio.ensure_future(self._check(key, fmt.schema))
+                task = self._checking[key] = asyncio.ensure_future(self._check(key, spec))
                 task.add_done_callback(lambda _: self._checking.pop(key, None))
             verdict = await asyncio.shield(task)  # a caller leaving leaves the check running
         if verdict is not None:
             raise InvalidArgument(field, verdict)
 
-    async def _check(self, key: bytes, schema: str) -> str | None:
+    async def _check(self, key: bytes, spec: str) -> str | None:
         async with self._slots:
             checker = self._idle.pop() if self._idle else await _Checker.start(self.argv)
             self.num_checked += 1
             try:
-                verdict = await asyncio.wait_for(checker.ask(schema), self.budget_s)
+                verdict = await asyncio.wait_for(checker.ask(spec), self.budget_s)
             except TimeoutError:
                 verdict = (f"the schema's grammar takes longer than {self.budget_s:g} s to "
                            "build (the router's --grammar-budget)")
@@ -131,8 +131,9 @@ class _Checker:
             raise
         return checker
 
-    async def ask(self, schema: str) -> str | None:
-        self.proc.stdin.write(json.dumps(schema).encode() + b"\n")
+    async def ask(self, spec: str) -> str | None:
+        """`spec`: a format as the JSON text of [type, schema, after]."""
+        self.proc.stdin.write(spec.encode() + b"\n")
         await self.proc.stdin.drain()
         line = await self.proc.stdout.readline()
         if not line:
@@ -147,7 +148,8 @@ class _Checker:
 
 # -- the checker process -----------------------------------------------------------------------
 def _serve(model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
-    """Answer each schema (a JSON string per line on stdin) with {"refused": reason or null}."""
+    """Answer each format ([type, schema, after] as JSON, one per line on stdin) with
+    {"refused": reason or null}."""
     from engine.grammar import GrammarCompiler  # noqa: PLC0415 - the process's only work
 
     with contextlib.suppress(OSError):
@@ -163,7 +165,7 @@ def _serve(model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
         refused = unavailable
         if refused is None:
             try:
-                compiler.compile(ResponseFormat("json_schema", json.loads(line)))
+                compiler.compile(ResponseFormat(*json.loads(line)))
             except InvalidArgument as e:
                 refused = e.message
         _reply({"refused": refused})

@@ -178,6 +178,7 @@ class StreamingToolParser:
         self.text = ""  # everything fed
         self.sent = 0  # characters of `text` streamed as content
         self.holding = False  # a call may have started at `sent`: hold the rest
+        self.held = ""  # at finish(): the text held since then
 
     def feed(self, delta: str) -> str:
         """The content this text makes safe to stream."""
@@ -200,10 +201,10 @@ class StreamingToolParser:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The content not streamed yet and the calls (none: the held text is content)."""
-        held = self.text[self.sent:]
+        self.held = self.text[self.sent:]
         self.sent = len(self.text)
-        content, calls = PARSERS[self.family](held)
-        return (content, calls) if calls else (held, [])
+        content, calls = PARSERS[self.family](self.held)
+        return (content, calls) if calls else (self.held, [])
 
     def _send(self, end: int) -> str:
         out = self.text[self.sent:end]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.sampling_params import (
+    FORMAT_AFTER,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_STOP_ENTRIES,
@@ -75,20 +76,25 @@ def _format_to_proto(p: common_pb2.SamplingParams, fmt: ResponseFormat | None) -
         p.json_object = True
     elif fmt is not None:
         p.json_schema = fmt.schema or ""
+    if fmt is not None:
+        setattr(p, FORMAT_AFTER, fmt.after)
 
 
 def _format_from_proto(p: common_pb2.SamplingParams) -> ResponseFormat | None:
-    which = p.WhichOneof("response_format")
-    if which == "json_object":
-        if not p.json_object:
-            raise InvalidArgument("json_object", "set it to true, or leave it unset")
-        return ResponseFormat("json_object")
-    if which == "json_schema":
-        try:
-            return ResponseFormat("json_schema", p.json_schema)
-        except InvalidArgument as e:
-            raise InvalidArgument("json_schema", e.message) from None
-    return None
+    which = p.WhichOneof(FORMAT_ONEOF)
+    after = getattr(p, FORMAT_AFTER)
+    if which is None:
+        if after:
+            raise InvalidArgument(FORMAT_AFTER, "goes with a response format (json_object or "
+                                  "json_schema)")
+        return None
+    if which == "json_object" and not p.json_object:
+        raise InvalidArgument("json_object", "set it to true, or leave it unset")
+    try:
+        return ResponseFormat(which, p.json_schema if which == "json_schema" else None, after)
+    except InvalidArgument as e:
+        raise InvalidArgument(which if e.field == "response_format" else e.field,
+                              e.message) from None
 
 
 def logprobs_to_proto(lp: TokenLogprobs | None) -> common_pb2.TokenLogprobs:

@@ -29,6 +29,9 @@ from pathlib import Path
 
 import grpc
 import structlog
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from runtime.cluster_roles import peer_name, role_of
 from tandem.errors import InvalidArgument
@@ -40,6 +43,7 @@ API_KEY_FILE_ENV = "TANDEM_API_KEY_FILE"
 
 # Probes (kubelet, compose healthchecks, `tandem health`) carry no key: health stays open.
 OPEN_GRPC_SERVICES = ("grpc.health.v1.Health",)
+UNAUTHENTICATED_REASON = "INVALID_API_KEY"
 
 
 # -- mutual TLS between the cluster's own processes ----------------------------------------------
@@ -185,6 +189,10 @@ class ApiKeys:
 
     def tenant(self, authorization: bytes | str | None) -> str | None:
         given = authorization.encode() if isinstance(authorization, str) else authorization
+        # "Bearer <key>", the scheme in any case (RFC 7235), one or more spaces after it.
+        scheme, _, token = (given or b"").partition(b" ")
+        if scheme.lower() == b"bearer":
+            given = b"Bearer " + token.lstrip(b" ")
         digest = hashlib.sha256(given or b"").digest()
         found = None
         for want in self._digests:  # every key compared: the time says nothing of which matched
@@ -250,8 +258,20 @@ async def _unauthenticated(context: grpc.aio.ServicerContext, method: str) -> No
     # Logged (and traced, by the tracing interceptors outside this one) like every refusal.
     log.warning("call done", call=method, outcome="refused", error_type="UNAUTHENTICATED",
                 error="missing or incorrect API key")
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or incorrect API key "
-                        "(send 'authorization: Bearer <key>' metadata)")
+    # With google.rpc.ErrorInfo, as every error of the public API (reason INVALID_API_KEY: the
+    # HTTP API's code, invalid_api_key, in upper case).
+    status = rpc_status.to_status(status_pb2.Status(
+        code=grpc.StatusCode.UNAUTHENTICATED.value[0],
+        message="missing or incorrect API key (send 'authorization: Bearer <key>' metadata)",
+        details=[_packed(error_details_pb2.ErrorInfo(reason=UNAUTHENTICATED_REASON,
+                                                     domain="tandem"))]))
+    await context.abort(status.code, status.details, status.trailing_metadata)
+
+
+def _packed(msg) -> any_pb2.Any:
+    out = any_pb2.Any()
+    out.Pack(msg)
+    return out
 
 
 def _refusing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:

@@ -56,6 +56,8 @@ class SamplingParams:
     json_object: bool | None = None
     # structured output, enforced by a grammar: json schema
     json_schema: str | Mapping[str, Any] | None = None
+    # with a response format: the grammar applies once the output contains this text
+    grammar_after: str | None = None
     # keep the stop string that ended a sample in its text [False]
     include_stop_str_in_output: bool | None = None
     # prefix-cache namespace: requests share cached prompt blocks only with requests of the same salt ['']

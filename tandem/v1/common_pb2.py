@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xc5\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12<\n\nlogit_bias\x18\x11 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x15\n\x0bjson_object\x18\x13 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x12\n\ncache_salt\x18\x15 \x01(\t\x12\x10\n\x08priority\x18\x16 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x11\n\x0fresponse_formatB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\rTokenLogprobs\x12#\n\x07sampled\x18\x01 \x01(\x0b\x32\x12.tandem.v1.Logprob\x12\x1f\n\x03top\x18\x02 \x03(\x0b\x32\x12.tandem.v1.Logprobb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xdc\x05\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12<\n\nlogit_bias\x18\x11 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12\x15\n\x0bjson_object\x18\x13 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x14 \x01(\tH\x00\x12\x12\n\ncache_salt\x18\x15 \x01(\t\x12\x10\n\x08priority\x18\x16 \x01(\x05\x12\x15\n\rgrammar_after\x18\x17 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x11\n\x0fresponse_formatB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\",\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\rTokenLogprobs\x12#\n\x07sampled\x18\x01 \x01(\x0b\x32\x12.tandem.v1.Logprob\x12\x1f\n\x03top\x18\x02 \x03(\x0b\x32\x12.tandem.v1.Logprobb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=747
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=585
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=633
-  _globals['_LOGPROB']._serialized_start=749
-  _globals['_LOGPROB']._serialized_end=793
-  _globals['_TOKENLOGPROBS']._serialized_start=795
-  _globals['_TOKENLOGPROBS']._serialized_end=880
+  _globals['_SAMPLINGPARAMS']._serialized_end=770
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=608
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=656
+  _globals['_LOGPROB']._serialized_start=772
+  _globals['_LOGPROB']._serialized_end=816
+  _globals['_TOKENLOGPROBS']._serialized_start=818
+  _globals['_TOKENLOGPROBS']._serialized_end=903
 # @@protoc_insertion_point(module_scope)

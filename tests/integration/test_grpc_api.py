@@ -80,7 +80,7 @@ def test_n_samples_interleave_with_their_index(cluster):
 
 
 def test_deadline_mid_stream_ends_deadline_exceeded(cluster):
-    params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
 
     async def main():
         async with grpc.aio.insecure_channel(cluster.router.address) as ch:
@@ -97,7 +97,7 @@ def test_deadline_mid_stream_ends_deadline_exceeded(cluster):
 
 
 def test_client_cancel(cluster):
-    params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
 
     async def main():
         async with grpc.aio.insecure_channel(cluster.router.address) as ch:

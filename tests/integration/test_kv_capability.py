@@ -353,7 +353,7 @@ def test_a_worker_abort_ends_the_stream(cluster):
     """Abort on the decode worker, mid-stream: the request's stream ends ABORTED (through the
     router to the client), it does not hang; its blocks are freed."""
     d = cluster.workers("decode")[0]
-    long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
 
     async def main():
         async with grpc.aio.insecure_channel(cluster.router.address) as rch, \

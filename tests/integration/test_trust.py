@@ -107,6 +107,7 @@ def test_grpc_without_the_key_is_unauthenticated(cluster):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await generate(cluster, request([5, 6, 7]), metadata)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+            assert tc.error_from_rpc(e.value).reason == "INVALID_API_KEY"  # ErrorInfo
         async with router_channel(cluster) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await api_pb2_grpc.TandemStub(ch).ListModels(api_pb2.ListModelsRequest())
@@ -114,10 +115,16 @@ def test_grpc_without_the_key_is_unauthenticated(cluster):
         for key in KEYS:  # every key in the file is accepted
             chunks = await generate(cluster, request([5, 6, 7]), auth(key))
             assert sum(len(c.token_ids) for c in chunks) == 4
+        chunks = await generate(cluster, request([5, 6, 7]),
+                                (("authorization", f"bearer {KEYS[0]}"),))
+        assert sum(len(c.token_ids) for c in chunks) == 4
     asyncio.run(main())
     with https(cluster) as client:
         r = client.post(url(cluster, "/v1/completions"), json={"prompt": [5], "max_tokens": 1})
-    assert_openai_error(r, 401)
+        assert_openai_error(r, 401)
+        r = client.post(url(cluster, "/v1/completions"), json={"prompt": [5], "max_tokens": 1},
+                        headers={"Authorization": f"bearer {KEYS[0]}"})
+        assert r.status_code == 200, r.text
 
 
 def test_both_public_ports_speak_tls_only(cluster):

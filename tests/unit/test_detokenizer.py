@@ -299,3 +299,16 @@ def test_push_after_flush_is_an_error(demo):
     assert det.flush() == ""
     with pytest.raises(RuntimeError):
         det.push(bytes_of("b"))
+
+
+def test_the_tokens_a_stop_string_removed_are_told_apart(demo):
+    """stop_at and tokens_before: which output tokens still have text in the answer (their
+    logprobs are reported), and which only made up the stop string or came after it."""
+    det = IncrementalDetokenizer(demo, [], True, ("STOP",))
+    det.push(bytes_of("ab STOP cd"))
+    assert det.stop_at == 3 and det.tokens_before(det.stop_at) == 3
+    assert det.tokens_before(det.stop_at + len("STOP")) == 7  # include_stop_str_in_output
+    det = IncrementalDetokenizer(demo, [], True, ("X",))
+    for b in bytes_of("é X!"):  # a character of two tokens before the stop
+        det.push([b])
+    assert det.text == "é " and det.stop_at == 2 and det.tokens_before(2) == 3

@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import builtins
 import json
+import random
 
+import jsonschema
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.demo import EOT_ID, VOCAB_SIZE, demo_model_dir
-from engine.grammar import GrammarCompiler, bitmask_width, check_schema, fill_bitmask
+from engine.grammar import (
+    GrammarCompiler,
+    bitmask_width,
+    check_schema,
+    check_strict,
+    fill_bitmask,
+    unenforced_keyword,
+)
 from engine.sampler import Sampler, SampleRow
 from engine.sampling_params import ResponseFormat, SamplingParams
 from tandem.errors import InvalidArgument
@@ -205,4 +214,93 @@ def test_missing_xgrammar_names_the_extra(monkeypatch):
     fresh = GrammarCompiler(demo_model_dir(), PADDED_VOCAB, [EOT_ID])
     with pytest.raises(InvalidArgument) as e:
         fresh.compile(ResponseFormat("json_object"))
-    assert e.value.field == "response_format" and "tandem[structured]" in e.value.message
+    assert e.value.field == "response_format" and "xgrammar" in e.value.message
+    # The router's check refuses json_object as it does a schema (it used to pass it on to a
+    # worker, which failed on it).
+    with pytest.raises(InvalidArgument) as e:
+        check_schema(ResponseFormat("json_object", None, "</end>"))
+    assert e.value.field == "response_format"
+
+
+def _accept_text(state, text: str) -> bool:
+    return all(state.accept(b) for b in text.encode())
+
+
+def test_a_grammar_after_a_text_applies_from_its_end(compiler):
+    """ResponseFormat.after: free text (a reasoning section the prompt opened) until the text
+    that ends it, then the grammar; the sample cannot end before."""
+    fmt = ResponseFormat("json_schema", ENUM.schema, after="</think>")
+    s = compiler.state(fmt)
+    assert EOT_ID not in _allowed(s)
+    assert _accept_text(s, 'so: "ab" or </thin or "cd"? ')  # free, even JSON-like text
+    assert EOT_ID not in _allowed(s)
+    assert _accept_text(s, "</think>")
+    assert _allowed(s) == {ord('"')}  # the grammar, from here on
+    assert _accept_text(s, '"cd"') and _allowed(s) == {EOT_ID} and s.accept(EOT_ID)
+    plain = compiler.state(ENUM)
+    assert not _accept_text(plain, "so")  # without `after`: the grammar from the first token
+
+
+# -- strict schemas: every keyword enforced, or the schema refused naming it -------------------
+STRICT_SCHEMAS = [
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": -3, "maximum": 40,
+                                            "multipleOf": 3},
+                                      "x": {"type": "number", "exclusiveMinimum": 0,
+                                            "exclusiveMaximum": 2}},
+     "required": ["n", "x"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "string", "minLength": 2, "maxLength": 3},
+     "minItems": 1, "maxItems": 3},
+    {"type": "array", "prefixItems": [{"const": "a"}, {"enum": [1, None, True]}],
+     "items": False},
+    {"anyOf": [{"type": "string", "pattern": "^[a-c]{1,3}$"}, {"type": "boolean"},
+               {"$ref": "#/$defs/pair"}],
+     "$defs": {"pair": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                   "maximum": 9}, "minItems": 2,
+                        "maxItems": 2}}},
+    {"type": "object", "title": "t", "description": "d",
+     "properties": {"tag": {"type": ["string", "null"], "maxLength": 2, "default": None}},
+     "required": ["tag"], "additionalProperties": False},
+]
+
+
+def _walk(state, rng: random.Random, limit: int = 400) -> str:
+    """A random path through the grammar (the demo's ids are bytes): closing characters
+    favoured, so strings and numbers end."""
+    out = bytearray()
+    for _ in range(limit):
+        allowed = _allowed(state)
+        if EOT_ID in allowed and (allowed == {EOT_ID} or rng.random() < 0.5):
+            return out.decode()
+        choices = sorted(t for t in allowed if t < 256)
+        closing = [t for t in choices if chr(t) in '"]},']
+        token = rng.choice(closing if closing and rng.random() < 0.4 else choices)
+        assert state.accept(token)
+        out.append(token)
+    raise AssertionError(f"no end after {limit} bytes: {out[:80]!r}")
+
+
+@pytest.mark.parametrize("schema", STRICT_SCHEMAS)
+def test_every_output_of_a_strict_schema_validates(compiler, schema):
+    assert unenforced_keyword(schema) is None
+    fmt = ResponseFormat("json_schema", json.dumps(schema))
+    rng = random.Random(1)
+    for _ in range(25):
+        jsonschema.validate(json.loads(_walk(compiler.state(fmt), rng)), schema)
+
+
+@pytest.mark.parametrize(("schema", "where"), [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "object", "properties": {"a": {"not": {"const": 1}}}}, "properties.a.not"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
+    ({"type": "array", "contains": {"const": 1}}, "contains"),
+    ({"type": "string", "format": "date"}, "format"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "maxLength"),
+    ({"anyOf": [{"type": "string", "format": "ipv4"}]}, "anyOf[0].format"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+])
+def test_a_strict_schema_with_a_keyword_not_enforced_is_refused_naming_it(schema, where):
+    assert unenforced_keyword(schema) == where
+    with pytest.raises(InvalidArgument) as e:
+        check_strict(json.dumps(schema))
+    assert e.value.field == "response_format" and where in e.value.message

@@ -15,6 +15,7 @@ import pytest
 from cli.generate import add_sampling_args, sampling_params
 from cli.main import flag_name
 from engine.sampling_params import (
+    FORMAT_AFTER,
     FORMAT_KINDS,
     MAPPED,
     SAME,
@@ -58,7 +59,7 @@ def _example(name: str) -> SamplingParams:
 
 
 def test_the_proto_has_a_field_for_each_parameter_and_no_other():
-    wire = {f.name for f in SIMPLE} | set(FORMAT_KINDS)
+    wire = {f.name for f in SIMPLE} | set(FORMAT_KINDS) | {FORMAT_AFTER}
     assert set(PROTO.fields_by_name) == wire
     oneof = PROTO.oneofs_by_name[FORMAT_ONEOF]
     assert [f.name for f in oneof.fields] == list(FORMAT_KINDS)
@@ -105,7 +106,8 @@ def test_each_parameter_crosses_the_wire(f):
 def _client_kwargs(f: dataclasses.Field) -> dict:
     example = param_spec(f).example
     if isinstance(example, ResponseFormat):
-        return {example.type: example.schema if example.schema is not None else True}
+        return {example.type: example.schema if example.schema is not None else True,
+                FORMAT_AFTER: example.after}
     if f.name == "logit_bias":
         return {f.name: dict(example)}
     return {f.name: example}
@@ -125,7 +127,8 @@ def test_the_client_dataclass_is_generated_fresh_from_the_declaration():
 
 def _order(wire_name: str) -> int:
     names = [f.name for f in PARAMS]
-    return names.index(FORMAT_ONEOF if wire_name in FORMAT_KINDS else wire_name)
+    wire_name = FORMAT_ONEOF if wire_name in (*FORMAT_KINDS, FORMAT_AFTER) else wire_name
+    return names.index(wire_name)
 
 
 @pytest.mark.parametrize("f", PARAMS, ids=lambda f: f.name)

@@ -44,7 +44,7 @@ def checker(model_dir, budget_s: float) -> SchemaChecker:
 
 def app_with(model_dir, schemas: SchemaChecker):
     fe = Frontend(Tokenizer(model_dir), orchestrator=None,
-                  model=ModelInfo("m", "llama", 256, 320, "float32", 16), schemas=schemas)
+                  model=ModelInfo("m", "llama", 1 << 17, 320, "float32", 16), schemas=schemas)
     return build_app(fe, WorkerSet([], [], []))
 
 

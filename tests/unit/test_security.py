@@ -29,8 +29,12 @@ def test_each_key_is_its_own_tenant_and_a_wrong_key_none():
     a, b = keys.tenant(b"Bearer alpha"), keys.tenant("Bearer beta")
     assert a and b and a != b
     assert keys.tenant(b"Bearer alpha") == a  # stable
-    for bad in (None, b"", b"alpha", b"Bearer alph", b"Bearer alphaa", b"bearer alpha"):
+    for bad in (None, b"", b"alpha", b"Bearer alph", b"Bearer alphaa", b"Basic alpha",
+                b"Beare alpha", b"Bearer"):
         assert keys.tenant(bad) is None, bad
+    # The scheme is case-insensitive (RFC 7235), with one space or more after it.
+    for spelt in (b"bearer alpha", b"BEARER alpha", b"bEaReR  alpha"):
+        assert keys.tenant(spelt) == a, spelt
     assert "alpha" not in a  # the tenant id does not carry the key
 
 

@@ -29,6 +29,19 @@ def test_roundtrip(demo, sp, bpe, text):
         assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_laid_end_to_end_are_the_text(demo, sp, bpe, text):
+    """logprobs' `bytes`: a token that holds part of a character (a byte-fallback <0xF0>, a
+    byte-level token) gives its own bytes, not those of U+FFFD."""
+    for tok in (demo, sp, bpe):
+        ids = tok.encode(text, add_special_tokens=False)
+        got = b"".join(tok.token_bytes(i) for i in ids)
+        # SentencePiece writes the first word's space that a lone decode strips.
+        assert got.decode() in (text, " " + text), (tok.model_dir, text)
+    emoji = demo.encode("😀", add_special_tokens=False)
+    assert [demo.token_bytes(i) for i in emoji] == [b"\xf0", b"\x9f", b"\x98", b"\x80"]
+
+
 def test_demo_ids_are_bytes_and_bos_is_added(demo):
     assert demo.encode("hé", add_special_tokens=False) == [ord("h"), 0xC3, 0xA9]
     assert demo.encode("hé") == [BOS_ID, ord("h"), 0xC3, 0xA9]
