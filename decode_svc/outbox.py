@@ -37,6 +37,7 @@ class Outbox:
         self._num_cached_tokens: list[int] = []
         self._with_logprobs: list[bool] = []
         self._logprobs: list = []  # common_pb2.TokenLogprobs, one per token of those entries
+        self._prompt_logprobs: list[worker_pb2.PromptLogprobs] = []
         self._updates: list[worker_pb2.RequestUpdate] = []
 
     def tokens(self, outs: list[SeqOutput], with_logprobs: bool = False) -> None:
@@ -51,6 +52,10 @@ class Outbox:
             self._with_logprobs.append(with_logprobs)
             if with_logprobs:
                 self._logprobs += [logprobs_to_proto(lp) for lp in o.new_logprobs]
+            if o.prompt_logprobs is not None:
+                self._prompt_logprobs.append(worker_pb2.PromptLogprobs(
+                    request_id=o.request_id,
+                    logprobs=[logprobs_to_proto(lp) for lp in o.prompt_logprobs]))
         self._ready.set()
 
     def update(self, update: worker_pb2.RequestUpdate) -> None:
@@ -71,7 +76,8 @@ class Outbox:
         self._ready.clear()
         if self.empty():
             return None
-        msg = worker_pb2.StreamResponse(updates=self._updates)
+        msg = worker_pb2.StreamResponse(updates=self._updates,
+                                        prompt_logprobs=self._prompt_logprobs)
         cols = msg.tokens
         cols.request_id.extend(self._request_id)
         cols.sample_index.extend(self._sample_index)

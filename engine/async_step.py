@@ -92,7 +92,8 @@ class StepPipeline:
             return False
         for seq in batch.seqs:
             p = seq.params
-            if seq.pending_forks or p.logprobs is not None or p.has_penalties:
+            if seq.pending_forks or p.logprobs is not None or p.has_penalties or \
+                    p.prompt_logprobs is not None:
                 return False
         return True
 

@@ -75,7 +75,7 @@ def _check_format(kind: str, schema: str | None, after: str) -> None:
     try:
         format_grammar(ResponseFormat(kind, schema, after))
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with its reason
-        raise InvalidArgument("response_format", f"the schema cannot be used: "
+        raise InvalidArgument("response_format", f"the {_what(kind)} cannot be used: "
                               f"{_reason(e)}") from None
 
 
@@ -258,8 +258,8 @@ class GrammarCompiler:
                 self._pending.pop(key, None)
             if isinstance(e, InvalidArgument):
                 raise
-            raise InvalidArgument("response_format", f"the schema cannot be compiled: "
-                                  f"{_reason(e)}") from None
+            raise InvalidArgument("response_format", f"the {_what(fmt.type)} cannot be "
+                                  f"compiled: {_reason(e)}") from None
         with self._lock:  # cached before it stops pending: no second compile in between
             self._pending.pop(key, None)
             self.num_compiled += 1
@@ -295,13 +295,28 @@ def format_grammar(fmt: ResponseFormat) -> Any:
     """The grammar of `fmt`: its kind's, from the start, or once the output holds `fmt.after`
     (free text up to that text's first occurrence, which must come: xgrammar's structural tag,
     matched on the text, however the model's tokens split it)."""
-    grammar = schema_grammar(fmt.schema)
+    grammar = _kind_grammar(fmt)
     if not fmt.after:
         return grammar
     return xgrammar().Grammar.from_structural_tag(json.dumps({
         "type": "structural_tag", "format": {"type": "sequence", "elements": [
             {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": fmt.after},
             {"type": "grammar", "grammar": str(grammar)}]}}))
+
+
+def _kind_grammar(fmt: ResponseFormat) -> Any:
+    xgr = xgrammar()
+    spec = fmt.schema
+    if fmt.type in ("json_object", "json_schema"):
+        return schema_grammar(spec)
+    if fmt.type == "regex":
+        return xgr.Grammar.from_regex(spec)
+    if fmt.type == "choice":  # one alternative per string, each a literal
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(spec))
+        return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+    if fmt.type == "grammar":
+        return xgr.Grammar.from_ebnf(spec)
+    return xgr.Grammar.from_structural_tag(spec)  # structural_tag
 
 
 def schema_grammar(schema: str | None) -> Any:
@@ -372,6 +387,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
         if logits.is_cuda:
             idx = idx.pin_memory().to(logits.device, non_blocking=True)
         logits[:, vocab_size:].index_fill_(0, idx, float("-inf"))
+
+
+def _what(kind: str) -> str:
+    return "schema" if kind.startswith("json") else kind.replace("_", " ")
 
 
 def _reason(e: Exception) -> str:

@@ -17,8 +17,8 @@ class KVCacheManager:
     def prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of seq. At least one token is always left to compute
         (its logits give the next token), so hits stop at (num_tokens - 1) // block_size."""
-        if not self.pool.enable_prefix_caching:
-            return []
+        if not self.pool.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt logprobs: every position's logits are computed
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = seq.full_block_hashes(self.block_size, max_blocks * self.block_size)
         return self.pool.lookup(hashes)

@@ -40,6 +40,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    # params.prompt_logprobs: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -108,6 +110,8 @@ class LLM:
 
     def _on_output(self, st: _RequestState, out: SeqOutput) -> None:
         sample = st.sample(out.sample_index)
+        if out.prompt_logprobs is not None:
+            st.prompt_logprobs = out.prompt_logprobs
         sample.token_ids.extend(out.new_token_ids)
         if st.params.logprobs is not None:
             sample.logprobs.extend(out.new_logprobs)
@@ -136,6 +140,7 @@ class _RequestState:
         self.prompt = prompt
         self.tokenizer = tokenizer
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
         self.samples = [CompletionOutput(i, "", [], None, [] if params.logprobs is not None
                                          else None) for i in range(params.n)]
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -154,7 +159,8 @@ class _RequestState:
 
     def result(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_ids, self.samples,
-                             self.num_cached_tokens, self.prompt)
+                             self.num_cached_tokens, self.prompt,
+                             prompt_logprobs=self.prompt_logprobs)
 
 
 def _maybe_tokenizer(engine: LLMEngine) -> Tokenizer | None:

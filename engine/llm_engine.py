@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
+from engine import prompt_logprobs
 from engine.async_step import PLACEHOLDER, StepPipeline
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
@@ -320,9 +321,12 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+        prompt = prompt_logprobs.rows(batch)
         t = time.perf_counter()
-        result = self.runner.execute(batch, rows, row_index)
+        result = self.runner.execute(batch, rows, row_index + prompt.token_index)
         execute_s = time.perf_counter() - t
+        if result.extra_logits is not None:
+            prompt_logprobs.record(prompt, result.extra_logits)
         now = time.monotonic()
         num_prompt_tokens = 0
         for seq in samplers:
@@ -390,7 +394,8 @@ class LLMEngine:
     def _output(self, seq: Sequence, tokens: list[int], lps: list) -> SeqOutput:
         return SeqOutput(seq.request_id, seq.sample_index, tokens, lps, seq.finish_reason,
                          seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens,
-                         timing=seq.timing() if seq.finish_reason is not None else None)
+                         timing=seq.timing() if seq.finish_reason is not None else None,
+                         prompt_logprobs=prompt_logprobs.take(seq))
 
     # -- the handoff's halves ----------------------------------------------------------------
     def _handoff(self, seq: Sequence, tokens: list[int], lps: list) -> SeqOutput:

@@ -268,12 +268,18 @@ class ModelRunner:
         logits, greedy = self.forward(inputs, fill)
         if before_sample is not None:
             before_sample()
+        extra = None
+        if len(row_token_index) > len(rows):  # rows past the sampled ones: prompt logprobs
+            extra, logits = logits[len(rows):], logits[:len(rows)]
+            greedy = greedy[:len(rows)] if greedy is not None else None
         if defer:
             tokens = self.sampler.sample(logits, rows, greedy)[0]
             if tokens is greedy:  # a CUDA graph's output buffer: the next replay rewrites it
                 tokens = tokens.clone()
             return PendingTokens(tokens)
-        return self.sampler(logits, rows, greedy)
+        out = self.sampler(logits, rows, greedy)
+        out.extra_logits = extra
+        return out
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, fill: TokenFill | None = None

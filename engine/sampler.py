@@ -47,6 +47,8 @@ class SampleRow:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # Logits of rows asked for beyond the sampled ones (prompt logprobs), on the device.
+    extra_logits: torch.Tensor | None = None
 
 
 class Sampler:

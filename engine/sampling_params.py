@@ -16,7 +16,9 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one bias: [-100, 100]
 # The kinds of structured output, as a request names them (the members of the proto's oneof
 # response_format and the Python client's fields): kind -> the type of its value there (dict:
 # JSON text on the wire, which the client also takes as an object).
-FORMAT_KINDS: dict[str, type] = {"json_object": bool, "json_schema": dict}
+FORMAT_KINDS: dict[str, type] = {"json_object": bool, "json_schema": dict, "regex": str,
+                                 "choice": list, "grammar": str, "structural_tag": dict}
+MAX_CHOICES = 1024
 RESPONSE_FORMATS = tuple(FORMAT_KINDS)
 # Beside the kind, on the wire and in the client: where the grammar starts (ResponseFormat.after).
 FORMAT_AFTER = "grammar_after"
@@ -35,7 +37,7 @@ MAX_STOP_CHARS = 4096  # one stop string
 MAX_LOGIT_BIAS_ENTRIES = 1024
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
-_UINT32_FIELDS = ("n", "max_tokens", "top_k", "min_tokens", "logprobs")
+_UINT32_FIELDS = ("n", "max_tokens", "top_k", "min_tokens", "logprobs", "prompt_logprobs")
 
 
 def _check_types(p: SamplingParams) -> None:
@@ -49,7 +51,7 @@ def _check_types(p: SamplingParams) -> None:
             raise InvalidArgument(name, f"must be a finite number, got {v}")
     for name in (*_UINT32_FIELDS, "seed"):
         v = getattr(p, name)
-        if v is None and name in ("logprobs", "seed"):
+        if v is None and name in ("logprobs", "prompt_logprobs", "seed"):
             continue
         if isinstance(v, bool) or not isinstance(v, int):
             raise InvalidArgument(name, f"must be an integer, got {type(v).__name__}")
@@ -85,9 +87,16 @@ def _check_types(p: SamplingParams) -> None:
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """Structured output: the sample must be JSON (`json_object`) or JSON valid against a schema
-    (`json_schema`, the schema as JSON text). The grammar is compiled once per distinct schema
-    text and enforced by masking the logits (engine/grammar.py).
+    """Structured output, enforced by a grammar that masks the logits (engine/grammar.py),
+    compiled once per distinct format. `type` and its `schema` (the kind's text):
+
+        json_object     None: any JSON object
+        json_schema     JSON valid against this JSON Schema (JSON text)
+        regex           text matching this regular expression
+        choice          exactly one of these strings (a JSON array of strings)
+        grammar         text of this EBNF grammar (xgrammar's dialect, GBNF-like: root ::= ...)
+        structural_tag  xgrammar's structural tag (JSON text: {"type": "structural_tag",
+                        "format": {...}}): free text with tagged parts in their own grammars
 
     `after`: the grammar applies once the output contains this text, which may come only once
     (the end of a reasoning section a chat template opened: "</think>"); before it the text is
@@ -101,22 +110,38 @@ class ResponseFormat:
         if self.type not in RESPONSE_FORMATS:
             raise InvalidArgument("response_format", f"type must be one of "
                                   f"{', '.join(RESPONSE_FORMATS)}, got {self.type!r}")
-        if (self.type == "json_schema") != (self.schema is not None):
-            raise InvalidArgument("response_format", "a schema goes with type json_schema, "
-                                  "and only with it")
+        if (self.type == "json_object") != (self.schema is None):
+            raise InvalidArgument("response_format", f"{self.type} takes "
+                                  f"{'no' if self.type == 'json_object' else 'a'} "
+                                  "specification")
         if not isinstance(self.after, str) or len(self.after) > MAX_AFTER_CHARS:
             raise InvalidArgument(FORMAT_AFTER, f"must be a string of at most "
                                   f"{MAX_AFTER_CHARS} characters")
         if self.schema is not None:
-            if len(self.schema) > MAX_SCHEMA_CHARS:
-                raise InvalidArgument("response_format", f"the schema is {len(self.schema)} "
-                                      f"characters long; at most {MAX_SCHEMA_CHARS} are served")
-            try:
-                parsed = json.loads(self.schema)
-            except (TypeError, ValueError) as e:
-                raise InvalidArgument("response_format", f"the schema is not JSON: {e}") from None
-            if not isinstance(parsed, dict | bool):
-                raise InvalidArgument("response_format", "the schema must be a JSON object")
+            self._check_spec(self.schema)
+
+    def _check_spec(self, spec: str) -> None:
+        what = "schema" if self.type == "json_schema" else self.type
+        if not isinstance(spec, str) or not spec:
+            raise InvalidArgument("response_format", f"the {what} must be non-empty text")
+        if len(spec) > MAX_SCHEMA_CHARS:
+            raise InvalidArgument("response_format", f"the {what} is {len(spec)} characters "
+                                  f"long; at most {MAX_SCHEMA_CHARS} are served")
+        if FORMAT_KINDS[self.type] not in (dict, list):
+            return
+        try:
+            parsed = json.loads(spec)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument("response_format", f"the {what} is not JSON: {e}") from None
+        if self.type == "json_schema" and not isinstance(parsed, dict | bool):
+            raise InvalidArgument("response_format", "the schema must be a JSON object")
+        if self.type == "structural_tag" and not isinstance(parsed, dict):
+            raise InvalidArgument("response_format", "the structural tag must be a JSON object")
+        if self.type == "choice" and (
+                not isinstance(parsed, list) or not 1 <= len(parsed) <= MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in parsed)):
+            raise InvalidArgument("response_format", f"choice must be 1 to {MAX_CHOICES} "
+                                  "non-empty strings")
 
 
 # How a parameter reaches each surface. The engine's SamplingParams below is the one
@@ -185,6 +210,8 @@ class SamplingParams:
     # Then the scheduler's policy (engine/wait_queue.py).
     priority: int = param(0, "admission order under load: lower first (vLLM's convention)", -1,
                           cli=True)
+    prompt_logprobs: int | None = param(None, "top-N log-probabilities at each prompt token "
+                                        "after the first (0: the prompt token's only)", 1)
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples (hashable, immutable).
@@ -215,8 +242,10 @@ class SamplingParams:
         if not -2 <= self.frequency_penalty <= 2:
             raise InvalidArgument("frequency_penalty",
                                   f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidArgument("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                raise InvalidArgument(name, f"must be in [0, {MAX_LOGPROBS}], got {v}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidArgument("seed", f"must be in [0, 2**63), got {self.seed}")
         if any(not s for s in self.stop):

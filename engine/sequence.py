@@ -96,6 +96,9 @@ class Sequence:
         # Each of those passes: (start, end) time.monotonic() and the prompt tokens it computed.
         self.prefill_chunks: list[tuple[float, float, int]] = []
         self.logprobs: list[TokenLogprobs | None] = []
+        # params.prompt_logprobs: per prompt token after the first (engine/prompt_logprobs.py)
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs_sent = False
         self.remote: RemoteKV | None = None
         # Decode role: a pull of this sequence's prompt KV still in flight outside the engine's
         # stream (PendingPull, engine/kv_handoff.py); not scheduled until it is done.
@@ -183,6 +186,8 @@ class SeqOutput:
     handoff: Handoff | None = None
     error: str | None = None
     timing: RequestTiming | None = None  # on a sample's last output only
+    # params.prompt_logprobs: the prompt's (tokens 1..), on the request's first output only
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass

@@ -78,7 +78,8 @@ class PrefillServicer(WorkerServicer):
                                      num_tokens=h.num_tokens, lease_id=h.lease_id,
                                      lease_ttl_ms=int(h.lease_ttl_s * 1000),
                                      instance_id=self.instance_id),
-            num_cached_tokens=h.num_cached_tokens)
+            num_cached_tokens=h.num_cached_tokens,
+            prompt_logprobs=[logprobs_to_proto(lp) for lp in out.prompt_logprobs or ()])
 
     async def ClaimLease(self, request, context):  # noqa: N802
         await checked(context, check_lease_id, request.lease_id)

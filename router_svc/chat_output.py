@@ -4,7 +4,9 @@ calls, as the text streams.
     text ─▶ ReasoningParser ─▶ reasoning_content deltas
                             └▶ content ─▶ tool mode none:      content deltas
                                           auto:                StreamingToolParser (model syntax)
-                                          required / named:    held; the grammar's JSON at the end
+                                          required / named:    held: the grammar's JSON
+                                          held calls ─▶ ToolCallStreamer: name, then
+                                                        arguments deltas as they are written
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from router_svc.tool_parsers import (
     parse_named,
     parse_required,
 )
+from router_svc.tool_stream import ToolCallStreamer
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,8 @@ class ChatOutputSpec:
 class MessageDelta:
     content: str = ""
     reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # at the end: every call
+    call_deltas: list[dict] = field(default_factory=list)  # OpenAI tool_call deltas to stream
 
 
 class ChatChoice:
@@ -48,6 +52,10 @@ class ChatChoice:
         self.reasoner = ReasoningParser(spec.in_reasoning) if spec.reasoning else None
         self.tools = (StreamingToolParser(spec.tool_family)
                       if spec.tool_mode == "auto" and spec.tool_family else None)
+        self.streamer = (ToolCallStreamer(spec.tool_name if spec.tool_mode == "named" else None,
+                                          spec.tool_names if self.tools is not None else None)
+                         if self.tools is not None or spec.tool_mode in ("required", "named")
+                         else None)
         self.held = ""  # required / named: the grammar's JSON, read at the end
         self.content = ""
         self.reasoning: str | None = "" if spec.in_reasoning else None
@@ -57,27 +65,45 @@ class ChatChoice:
         s = self.spec
         if s.marker_id is not None and s.marker_id in token_ids and s.marker_text not in text:
             text = s.marker_text + text  # a special token the detokenizer skipped
-        return self._record(*self._split(text, final=False))
+        delta = self._record(*self._split(text, final=False))
+        if self.streamer is not None:
+            delta.call_deltas = self.streamer.update(self._held_text())
+        return delta
+
+    def _held_text(self) -> str:
+        """The text calls are read from: the grammar's JSON, or the model's text from where a
+        call may have started."""
+        if self.tools is not None:
+            return self.tools.text[self.tools.sent:] if self.tools.holding else ""
+        return self.held
 
     def finish(self) -> MessageDelta:
-        """At the sample's end: what was held, and the tool calls."""
+        """At the sample's end: what was held, and the tool calls (what of them was not
+        streamed yet goes in call_deltas)."""
+        held = self._held_text()
         reasoning, content = self._split("", final=True)
         calls: list[ToolCall] = []
+        streamed = self.streamer is not None and bool(self.streamer.sent)
         if self.tools is not None:
             rest, calls = self.tools.finish()
             names = self.spec.tool_names
             if names is not None and any(c.name not in names for c in calls):
                 # Not a call of ours (a JSON answer read as one): the text, as written.
                 rest, calls = self.tools.held, []
-            content += rest
+            content += "" if streamed else rest
         elif self.spec.tool_mode in ("required", "named"):
             parsed = (parse_required(self.held) if self.spec.tool_mode == "required"
                       else parse_named(self.spec.tool_name or "", self.held))
-            if parsed is None:  # cut short (length): what was written is all there is
+            if parsed is None and not streamed:  # cut short (length): what was written is all
                 content += self.held
             else:
-                calls = parsed
+                calls = parsed or []
         delta = self._record(reasoning, content)
+        if streamed:  # the calls as they were streamed, their arguments' last pieces
+            delta.call_deltas = self.streamer.update(held)
+            calls = self.streamer.calls(held)
+        else:
+            delta.call_deltas = [c.openai(k) for k, c in enumerate(calls)]
         self.tool_calls = delta.tool_calls = calls
         return delta
 

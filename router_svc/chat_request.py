@@ -43,27 +43,33 @@ def only_keys(value: dict, allowed: frozenset[str] | set[str], where: str) -> No
         raise InvalidArgument(f"{where}.{extra}", "is not supported by this server")
 
 
-_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"},
+                "structural_tag": {"type", "format"}}
 _JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 
 
 def response_format(value: Any, field: str = "response_format") -> ResponseFormat | None:
-    """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}. A
-    strict json_schema must use only keywords the grammar enforces (engine/grammar.py); with
-    strict false or unset, those it enforces are, and the others are not."""
+    """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", ...}, or
+    xgrammar's structural tag {"type": "structural_tag", "format": {...}}. A strict json_schema
+    must use only keywords the grammar enforces (engine/grammar.py); with strict false or
+    unset, those it enforces are, and the others are not."""
     if value is None:
         return None
     if not isinstance(value, dict):
         raise InvalidArgument(field, "must be an object with a type")
     kind = value.get("type")
     if kind not in _FORMAT_KEYS:
-        raise InvalidArgument(field, f"type must be text, json_object or json_schema, got "
-                              f"{kind!r}")
+        raise InvalidArgument(field, f"type must be text, json_object, json_schema or "
+                              f"structural_tag, got {kind!r}")
     only_keys(value, _FORMAT_KEYS[kind], field)
     if kind == "text":
         return None
     if kind == "json_object":
         return ResponseFormat("json_object")
+    if kind == "structural_tag":
+        if not isinstance(value.get("format"), dict):
+            raise InvalidArgument(f"{field}.format", "must be an object (xgrammar's format)")
+        return ResponseFormat("structural_tag", json.dumps(value))
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         raise InvalidArgument(field, "json_schema must be an object with a name and a schema")

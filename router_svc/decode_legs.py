@@ -130,7 +130,10 @@ class DecodeLegs:
             yield Update([SampleUpdate(i, [tok], [lps[i]] if want_lp else [None],
                                        resp.finish_reasons[i] or None)
                           for i, tok in enumerate(resp.first_token_ids)],
-                         len(self.prompt), resp.num_cached_tokens)
+                         len(self.prompt), resp.num_cached_tokens,
+                         list(logprobs_from_proto(resp.prompt_logprobs,
+                                                  len(resp.prompt_logprobs)))
+                         if self.params.prompt_logprobs is not None else None)
             if len(self.done) == self.params.n:
                 return
             refused: dict[str, str] = {}  # workers that refused this request, and why

@@ -40,6 +40,8 @@ class Delta:
     logprobs: list[TokenLogprobs | None]
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: str | None = None  # the stop string that ended the sample
+    # params.prompt_logprobs: prompt tokens 1.., on each sample's first delta
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -213,11 +215,15 @@ class Frontend:
                     for _ in range(params.n)]
             done: set[int] = set()
             sent = [0] * params.n  # tokens each sample's deltas carried so far
+            prompt_sent = False
             # aclosing: leaving early closes the workers' legs now, not at garbage collection.
             updates = self.orchestrator.run(request_id, prompt, params, timeout, record.context)
             async with aclosing(updates):
                 async for update in updates:
                     usage.cached_prompt_tokens = update.num_cached_tokens
+                    # Once: a request moved to another worker may bring them again.
+                    prompt_lps = None if prompt_sent else update.prompt_logprobs
+                    prompt_sent = prompt_sent or prompt_lps is not None
                     deltas = []
                     new_tokens = 0
                     for s in update.samples:
@@ -228,7 +234,8 @@ class Frontend:
                         record.sample_tokens_add(s.index, len(s.token_ids))
                         det = dets[s.index]
                         step = det.push(s.token_ids)
-                        d = Delta(s.index, s.token_ids, step.text_delta, s.logprobs)
+                        d = Delta(s.index, s.token_ids, step.text_delta, s.logprobs,
+                                  prompt_logprobs=prompt_lps)
                         if step.stopped:
                             d.finish_reason, d.stop_reason = "stop", step.stop_reason
                             if params.include_stop_str_in_output:

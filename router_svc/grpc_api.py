@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from contextlib import aclosing
 
+import tandem
 from engine.grammar import check_strict
+from router_svc import prompt_batch
 from router_svc.api_errors import abort, end_call, failure_of, grpc_field
 from router_svc.frontend import MAX_REQUEST_ID_CHARS, Frontend, ModelNotFound
 from router_svc.orchestrator import RouterError
@@ -38,14 +40,14 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
             fmt = params.response_format
             if fmt is not None and fmt.type == "json_schema":  # always strict over gRPC
                 check_strict(fmt.schema or "{}", "json_schema")
-            if request.WhichOneof("prompt") == "text":
-                fe.check_chars(len(request.text))  # before the tokenizer, which is slow on MBs
-                prompt = await fe.run_off_loop(fe.encode, request.text)
-            else:  # a message under gRPC's 4 MB limit can hold 4M ids: counted before copied
-                fe.check_ids_count(len(request.token_ids.ids))
-                prompt = list(request.token_ids.ids)
+            prompts = await self._prompts(request)
             # aclosing: a cancelled call closes the request's legs at once.
-            steps = fe.stream(scoped, prompt, params, context.time_remaining(), api=api)
+            if len(prompts) == 1:
+                steps = fe.stream(scoped, prompts[0], params, context.time_remaining(), api=api)
+            else:
+                steps = prompt_batch.merged(
+                    [fe.stream(f"{scoped}-{i}", p, params, context.time_remaining(), api=api)
+                     for i, p in enumerate(prompts)], params.n)
             async with aclosing(steps):
                 async for deltas, usage in steps:
                     u = api_pb2.Usage(prompt_tokens=usage.prompt_tokens,
@@ -57,7 +59,9 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                             logprobs=[logprobs_to_proto(lp) for lp in d.logprobs]
                             if params.logprobs is not None else [],
                             finish_reason=d.finish_reason or "",
-                            stop_reason=d.stop_reason or "", usage=u)
+                            stop_reason=d.stop_reason or "", usage=u,
+                            prompt_logprobs=[logprobs_to_proto(lp) for lp in
+                                             d.prompt_logprobs or ()] if d.index == 0 else [])
         except (InvalidArgument, ModelNotFound, Overloaded, RouterError) as e:
             if steps is None:  # refused before the Frontend saw it: traced here
                 fe.refused(scoped, e, api)
@@ -67,8 +71,30 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
             end_call(context, f, grpc_field(f.field, prompt_field, fmt_field) if f.field
                      else None)
 
+    async def _prompts(self, request: api_pb2.GenerateRequest) -> list[list[int]]:
+        """The request's prompt, or prompts, as token ids; each checked for its length before
+        it is tokenized or copied."""
+        which = request.WhichOneof("prompt")
+        if which == "prompts":
+            prompt_batch.check_count(len(request.prompts.prompts))
+            given = list(request.prompts.prompts)
+        else:
+            given = [request]
+        out = []
+        for p in given:
+            if p.WhichOneof("prompt" if which != "prompts" else "kind") == "text":
+                self.frontend.check_chars(len(p.text))  # before the tokenizer: slow on MBs
+                out.append(await self.frontend.run_off_loop(self.frontend.encode, p.text))
+            else:  # a message under gRPC's 4 MB limit can hold 4M ids: counted before copied
+                self.frontend.check_ids_count(len(p.token_ids.ids))
+                out.append(list(p.token_ids.ids))
+        return out
+
     async def ListModels(self, request, context):  # noqa: N802
         return api_pb2.ListModelsResponse(models=[self._info()])
+
+    async def GetVersion(self, request, context):  # noqa: N802
+        return api_pb2.GetVersionResponse(version=tandem.__version__)
 
     async def GetModelInfo(self, request, context):  # noqa: N802
         try:

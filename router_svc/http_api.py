@@ -34,7 +34,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -51,8 +50,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+import tandem
 from engine.sampling_params import SamplingParams
-from router_svc import chat_request
+from router_svc import chat_request, prompt_batch, responses_api
 from router_svc import openai_requests as req
 from router_svc.frontend import Frontend, ModelNotFound
 from router_svc.http_errors import (
@@ -84,6 +84,7 @@ from router_svc.openai_requests import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from router_svc.responses_api import ResponsesRequest, ResponsesShaper, ResponseStore, Stored
 from router_svc.workers import WorkerSet
 from runtime.request_trace import ApiCall
 from runtime.security import ApiKeys, PublicTls
@@ -144,10 +145,6 @@ def _tenant(request: Request) -> str:
 
 
 # -- request -> engine -------------------------------------------------------------------------
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
-
-
 class _ClientGone(Exception):
     pass
 
@@ -233,15 +230,19 @@ class Shutdown:
 
 class OpenAIApi:
     def __init__(self, frontend: Frontend, workers: WorkerSet,
-                 shutdown: Shutdown | None = None) -> None:
+                 shutdown: Shutdown | None = None,
+                 responses_store: ResponseStore | None = None) -> None:
         self.frontend = frontend
         self.workers = workers
         self.shutdown = shutdown or Shutdown()
+        self.stored = responses_store if responses_store is not None else ResponseStore()
 
     def routes(self) -> APIRouter:
         r = APIRouter()
         r.add_api_route("/v1/completions", self.completions, methods=["POST"])
         r.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        r.add_api_route("/v1/responses", self.responses, methods=["POST"])
+        r.add_api_route("/v1/responses/{response_id}", self.get_response, methods=["GET"])
         r.add_api_route("/v1/models", self.list_models, methods=["GET"])
         r.add_api_route("/v1/models/{model:path}", self.get_model, methods=["GET"])
         r.add_api_route("/tokenize", self.tokenize, methods=["POST"])
@@ -250,44 +251,64 @@ class OpenAIApi:
         r.add_api_route("/health/ready", self.ready, methods=["GET"])
         r.add_api_route("/health/live", self.live, methods=["GET"])
         r.add_api_route("/workers", self.worker_states, methods=["GET"])
+        r.add_api_route("/version", self.version, methods=["GET"])
         return r
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         fe = self.frontend
+        names: dict[str, str] = {}
         try:
             self._check_model(body.model)
             refuse_unknown(body)
-            refuse(body.echo and body.logprobs is not None, "echo",
-                    "is not supported together with logprobs")
+            names["response_format"] = req.format_field(body)
             refuse(body.suffix, "suffix", "is not supported")
             fe.check_chars(req.prompt_chars(body.prompt))  # before the tokenizer runs
-            prompt = await fe.run_off_loop(req.completion_prompt, fe, body.prompt)
-            # Unset: the engine's default; null: whatever the context leaves (as vLLM).
-            max_tokens = body.max_tokens if body.max_tokens is not None or \
-                "max_tokens" not in body.model_fields_set else req.remaining(fe, prompt)
-            params = fe.for_tenant(req.sampling_params(body, max_tokens, body.logprobs,
-                                                       req.request_format(body)),
-                                   _tenant(request))
-            refuse(body.best_of is not None and body.best_of != params.n, "best_of",
+            prompts = await fe.run_off_loop(req.completion_prompts, fe, body.prompt)
+            params = [self._completion_params(body, p, _tenant(request)) for p in prompts]
+            refuse(body.best_of is not None and body.best_of != params[0].n, "best_of",
                    "is only supported equal to n")
-            await fe.check(prompt, params)  # n and the rest before anything is sized by them
-            echo = req.echo_text(fe, body.prompt, prompt) if body.echo else ""
+            for p, q in zip(prompts, params):  # n and the rest before anything is sized by them
+                await fe.check(p, q)
+            echo = [req.echo_text(fe, g, p) if body.echo else ""
+                    for g, p in zip(req.given_prompts(body.prompt), prompts)]
         except (InvalidArgument, ApiError) as e:
-            error = api_error(e)
+            error = api_error(e, names)
             fe.refused(f"cmpl-{uuid.uuid4().hex}", error, _api_call(request, body.stream),
                        "text_completion")
             return error.response()
+        n = params[0].n
         shaper = CompletionShaper(fe.tokenizer, f"cmpl-{uuid.uuid4().hex}", fe.model.id,
-                                   params.n, body.logprobs is not None, body.stream,
-                                   self._include_usage(body), _extras(body), echo=echo)
-        return await self._respond(request, body.stream, shaper, prompt, params, {},
-                                   _api_call(request, body.stream))
+                                  n * len(prompts), body.logprobs is not None, body.stream,
+                                  self._include_usage(body), _extras(body), echo=echo,
+                                  prompts=prompts, per_prompt=n,
+                                  prompt_logprobs=body.prompt_logprobs is not None)
+        api = _api_call(request, body.stream)
+        if len(prompts) == 1:
+            gen = fe.stream(shaper.id, prompts[0], params[0], api=api)
+        else:
+            gen = prompt_batch.merged([fe.stream(f"{shaper.id}-{i}", p, q, api=api)
+                                       for i, (p, q) in enumerate(zip(prompts, params))], n)
+        return await self._respond(request, body.stream, shaper, gen, names)
+
+    def _completion_params(self, body: CompletionRequest, prompt: list[int],
+                           tenant: str) -> SamplingParams:
+        fe = self.frontend
+        # Unset: the engine's default; null: whatever the context leaves (as vLLM).
+        max_tokens = body.max_tokens if body.max_tokens is not None or \
+            "max_tokens" not in body.model_fields_set else req.remaining(fe, prompt)
+        params = fe.for_tenant(req.sampling_params(body, max_tokens, body.logprobs,
+                                                   req.request_format(body)), tenant)
+        if body.echo and body.logprobs is not None:  # the prompt's tokens lead them
+            params = dataclasses.replace(params, prompt_logprobs=max(
+                params.prompt_logprobs or 0, body.logprobs))
+        return params
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         fe = self.frontend
         max_name = "max_completion_tokens" if body.max_completion_tokens is not None \
             else "max_tokens"
-        names = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_name}
+        names = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_name,
+                 "response_format": req.format_field(body)}
         try:
             self._check_model(body.model)
             refuse_unknown(body)
@@ -301,9 +322,55 @@ class OpenAIApi:
             return error.response()
         shaper = ChatShaper(fe.tokenizer, f"chatcmpl-{uuid.uuid4().hex}", fe.model.id,
                              plan.params.n, body.logprobs, body.stream,
-                             self._include_usage(body), _extras(body), output=plan.output)
-        return await self._respond(request, body.stream, shaper, plan.prompt, plan.params,
-                                   names, _api_call(request, body.stream, body.messages))
+                             self._include_usage(body), _extras(body), output=plan.output,
+                             prompt=plan.prompt,
+                             prompt_logprobs=plan.params.prompt_logprobs is not None)
+        gen = fe.stream(shaper.id, plan.prompt, plan.params,
+                        api=_api_call(request, body.stream, body.messages))
+        return await self._respond(request, body.stream, shaper, gen, names)
+
+    async def responses(self, body: ResponsesRequest, request: Request) -> Response:
+        """The Responses API over the chat path (router_svc/responses_api.py)."""
+        fe = self.frontend
+        rid, tenant = f"resp_{uuid.uuid4().hex}", _tenant(request)
+        names = dict(responses_api.NAMES)
+        try:
+            self._check_model(body.model)
+            refuse_unknown(body)
+            earlier: list[dict[str, Any]] = []
+            if body.previous_response_id is not None:
+                stored = self.stored.get(body.previous_response_id, tenant)
+                if stored is None:
+                    raise InvalidArgument("previous_response_id", f"no response "
+                                          f"{body.previous_response_id!r} is stored here")
+                earlier = stored.conversation
+            conversation = earlier + responses_api.input_messages(body.input)
+            chat = responses_api.chat_request(body, conversation)
+            fe.check_chars(req.messages_chars(chat.messages), "input")
+            plan = await fe.run_off_loop(req.chat_plan, fe, chat, names)
+            plan = dataclasses.replace(plan, params=fe.for_tenant(plan.params, tenant))
+            await fe.check(plan.prompt, plan.params)
+        except (InvalidArgument, ApiError) as e:
+            error = api_error(e, names)
+            fe.refused(rid, error, _api_call(request, body.stream), "chat")
+            return error.response()
+
+        def keep(response: dict[str, Any]) -> None:
+            if body.store:
+                self.stored.put(rid, Stored(tenant, conversation +
+                                            responses_api.output_messages(response), response))
+
+        shaper = ResponsesShaper(fe.tokenizer, rid, fe.model.id, body.stream, plan,
+                                 responses_api.echo_fields(body), keep)
+        gen = fe.stream(rid, plan.prompt, plan.params, operation="chat",
+                        api=_api_call(request, body.stream, chat.messages))
+        return await self._respond(request, body.stream, shaper, gen, names)
+
+    async def get_response(self, response_id: str, request: Request) -> Response:
+        stored = self.stored.get(response_id, _tenant(request))
+        if stored is None:
+            return responses_api.not_found(response_id).response()
+        return JSONResponse(stored.response)
 
     async def list_models(self) -> dict:
         return {"object": "list", "data": [self._model_card()]}
@@ -358,6 +425,10 @@ class OpenAIApi:
         return JSONResponse({"status": "ok" if ok else "unavailable"},
                             status_code=200 if ok else 503)
 
+    async def version(self) -> Response:
+        """The server's version (vLLM's /version; gRPC GetVersion)."""
+        return JSONResponse({"version": tandem.__version__})
+
     async def live(self) -> Response:
         """Liveness: the process serves (it answered). Never depends on the workers."""
         return JSONResponse({"status": "ok"})
@@ -383,12 +454,11 @@ class OpenAIApi:
     def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
         return bool(body.stream_options and body.stream_options.include_usage)
 
-    async def _respond(self, request: Request, stream: bool, shaper: Shaper, prompt: list[int],
-                       params: SamplingParams, names: dict[str, str],
-                       api: ApiCall | None = None) -> Response:
-        """Run the request. The status code is settled by the first step: validation,
-        admission and the choice of workers all happen before it."""
-        gen = self.frontend.stream(shaper.id, prompt, params, api=api)
+    async def _respond(self, request: Request, stream: bool, shaper: Shaper,
+                       gen: AsyncIterator[Step], names: dict[str, str]) -> Response:
+        """Run the request (`gen`: its Frontend stream, not started). The status code is
+        settled by the first step: validation, admission and the choice of workers all happen
+        before it."""
         try:
             with self.shutdown.track():
                 if not stream:
@@ -423,23 +493,23 @@ class OpenAIApi:
                       names: dict[str, str]) -> AsyncIterator[str]:
         try:
             for c in shaper.start():
-                yield _sse(c)
+                yield shaper.sse(c)
             step = first
             while step is not None:
                 for c in shaper.add(step):
-                    yield _sse(c)
+                    yield shaper.sse(c)
                 with self.shutdown.track():
                     step = await anext(gen, None)
-            if shaper.include_usage:
-                yield _sse(shaper.usage_chunk())
-            yield _sse("[DONE]")
+            for c in shaper.end():
+                yield shaper.sse(c)
         except Exception as e:  # noqa: BLE001 - mid-stream: the status line is long gone
-            yield _sse(api_error(e, names).body())
+            for c in shaper.failed(api_error(e, names)):
+                yield shaper.sse(c)
         except asyncio.CancelledError:
             if not self.shutdown.ended_by_it():
                 raise
-            yield _sse(self.shutdown.error().body())
-            yield _sse("[DONE]")
+            for c in shaper.failed(self.shutdown.error(), ended=True):
+                yield shaper.sse(c)
         finally:
             await gen.aclose()  # type: ignore[attr-defined]
 
@@ -476,10 +546,11 @@ def _auth_refused(frontend: Frontend) -> Callable[[dict[str, Any]], None]:
 def build_app(frontend: Frontend, workers: WorkerSet, api_keys: ApiKeys | None = None,
               routes: Sequence[BaseRoute] = (),
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              shutdown: Shutdown | None = None) -> FastAPI:
+              shutdown: Shutdown | None = None,
+              responses_store: ResponseStore | None = None) -> FastAPI:
     app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None,
                   openapi_url=None, **_framework_telemetry_off())
-    app.include_router(OpenAIApi(frontend, workers, shutdown).routes())
+    app.include_router(OpenAIApi(frontend, workers, shutdown, responses_store).routes())
     app.router.routes.extend(routes)
     app.add_exception_handler(RequestValidationError, _validation_error(frontend))
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -576,11 +647,12 @@ class HttpServer:
                  api_keys: ApiKeys | None = None, *, routes: Sequence[BaseRoute] = (),
                  grace_s: float = 5.0, tls: PublicTls | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+                 responses_store: ResponseStore | None = None) -> None:
         self._shutdown = Shutdown()
         self._grace_s = grace_s
         self.app = build_app(frontend, workers, api_keys, routes, max_body_bytes,
-                             self._shutdown)
+                             self._shutdown, responses_store)
         ssl = {"ssl_certfile": str(tls.cert), "ssl_keyfile": str(tls.key)} if tls else {}
         self._server = _Server(uvicorn.Config(
             self.app, host=host, port=port, lifespan="off", access_log=False,

@@ -4,6 +4,7 @@ them."""
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from abc import ABC, abstractmethod
@@ -13,6 +14,7 @@ from engine.sampling_params import TokenLogprobs
 from engine.tokenizer import Tokenizer
 from router_svc.chat_output import ChatChoice, ChatOutputSpec
 from router_svc.frontend import Delta, Usage
+from router_svc.http_errors import ApiError
 
 Step = tuple[list[Delta], Usage]
 
@@ -106,6 +108,19 @@ class Shaper(ABC):
     def usage_chunk(self) -> dict:
         return {**self._chunk([]), "usage": _usage(self.usage)}
 
+    # -- server-sent events ----------------------------------------------------------------
+    @staticmethod
+    def sse(obj: dict | str) -> str:
+        return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+    def end(self) -> list[dict | str]:
+        """The events after the last step: the usage chunk when asked for, then [DONE]."""
+        return [*([self.usage_chunk()] if self.include_usage else []), "[DONE]"]
+
+    def failed(self, error: ApiError, ended: bool = False) -> list[dict | str]:
+        """The events of a stream that failed mid-way (`ended`: the server ended it)."""
+        return [error.body(), *(["[DONE]"] if ended else [])]
+
     def start(self) -> list[dict]:
         return []
 
@@ -127,41 +142,118 @@ class Shaper(ABC):
 
 
 class CompletionShaper(Shaper):
+    """Completions, of one prompt or several (choice i is prompt i // per_prompt's sample
+    i % per_prompt). echo: each prompt's text before its choices'; with logprobs, its tokens
+    lead the choice's logprobs (the first with none: nothing comes before it), from the prompt
+    logprobs the request then asks for. prompt_logprobs (vLLM's): per choice, in vLLM's shape.
+    Streaming with both echo and logprobs, a prompt's echo waits for its logprobs (they come
+    with its first tokens)."""
+
     object = chunk_object = "text_completion"
 
-    def __init__(self, *args, echo: str = "", **kwargs) -> None:
+    def __init__(self, *args, echo: list[str] | None = None,
+                 prompts: list[list[int]] | None = None, per_prompt: int = 0,
+                 prompt_logprobs: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.echo = echo  # the prompt's text, written before each choice's (echo=true)
+        self.per_prompt = per_prompt or self.n
+        self.prompts = prompts or [[]] * (self.n // self.per_prompt)
+        self.echo = echo or [""] * len(self.prompts)  # each prompt's text (echo=true)
+        self.want_prompt_logprobs = prompt_logprobs
+        self.prompt_lps: dict[int, list[TokenLogprobs]] = {}  # per prompt
+        self.echo_waits = any(self.echo) and self.want_logprobs
+
+    def _prompt_of(self, choice: int) -> int:
+        return choice // self.per_prompt
 
     def start(self) -> list[dict]:
-        if not self.echo:
+        if not any(self.echo) or self.echo_waits:
             return []
-        return [self._chunk([{"index": i, "text": self.echo, "logprobs": None,
-                              "finish_reason": None}]) for i in range(self.n)]
+        return [self._echo_chunk(i) for i in range(self.n)]
 
-    def _logprobs(self, lps: list[TokenLogprobs], offsets: list[int]) -> dict | None:
+    def _echo_chunk(self, i: int) -> dict:
+        return self._chunk([{"index": i, "text": self.echo[self._prompt_of(i)],
+                             "logprobs": self._echo_logprobs(self._prompt_of(i)),
+                             "finish_reason": None}])
+
+    def add(self, step: Step) -> list[dict]:
+        deltas, _ = step
+        chunks = []
+        for d in deltas:
+            p = self._prompt_of(d.index)
+            if d.prompt_logprobs is not None and p not in self.prompt_lps:
+                self.prompt_lps[p] = d.prompt_logprobs
+                if self.echo_waits and self.stream:  # this prompt's echo, now with its logprobs
+                    chunks += [self._echo_chunk(i) for i in range(p * self.per_prompt,
+                                                                  (p + 1) * self.per_prompt)]
+        return chunks + super().add(step)
+
+    def _echo_logprobs(self, p: int) -> dict | None:
+        """Prompt p's tokens in the legacy logprobs shape (offsets within its echo)."""
+        if not self.want_logprobs:
+            return None
+        lps = self.prompt_lps.get(p, [])
+        tokens = [self.tok.token_text(t) for t in self.prompts[p]]
+        offsets, at = [], 0
+        for text in tokens:
+            offsets.append(min(at, len(self.echo[p])))
+            at += len(text)
+        return {"tokens": tokens, "token_logprobs": [None, *(lp.sampled.logprob for lp in lps)],
+                "top_logprobs": [None, *(self._top(lp) for lp in lps)], "text_offset": offsets}
+
+    def _top(self, lp: TokenLogprobs) -> dict[str, float]:
+        top: dict[str, float] = {}
+        for t in lp.top:  # most likely first; ids that read the same keep the likelier
+            top.setdefault(self.tok.token_text(t.token_id), t.logprob)
+        top.setdefault(self.tok.token_text(lp.sampled.token_id), lp.sampled.logprob)
+        return top
+
+    def _logprobs(self, i: int, lps: list[TokenLogprobs], offsets: list[int]) -> dict | None:
         """Legacy completions logprobs: top_logprobs holds the top N and the sampled token."""
         if not self.want_logprobs:
             return None
-        tokens = [self.tok.token_text(lp.sampled.token_id) for lp in lps]
-        tops = []
-        for text, lp in zip(tokens, lps, strict=True):
-            top: dict[str, float] = {}
-            for t in lp.top:  # most likely first; ids that read the same keep the likelier
-                top.setdefault(self.tok.token_text(t.token_id), t.logprob)
-            top.setdefault(text, lp.sampled.logprob)
-            tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [lp.sampled.logprob for lp in lps],
-                "top_logprobs": tops, "text_offset": offsets}
+        shift = len(self.echo[self._prompt_of(i)])  # offsets count from the whole text's start
+        return {"tokens": [self.tok.token_text(lp.sampled.token_id) for lp in lps],
+                "token_logprobs": [lp.sampled.logprob for lp in lps],
+                "top_logprobs": [self._top(lp) for lp in lps],
+                "text_offset": [o + shift for o in offsets]}
 
     def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
-        return {"index": d.index, "text": d.text, "logprobs": self._logprobs(lps, offsets),
-                "finish_reason": d.finish_reason}
+        out = {"index": d.index, "text": d.text, "logprobs": self._logprobs(d.index, lps, offsets),
+               "finish_reason": d.finish_reason}
+        if self.want_prompt_logprobs and d.prompt_logprobs is not None:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.tok, self.prompts[self._prompt_of(d.index)], d.prompt_logprobs)
+        return out
 
     def choice(self, i: int) -> dict:
-        return {"index": i, "text": self.echo + self.text[i],
-                "logprobs": self._logprobs(self.logprobs[i], self.offsets[i]),
-                "finish_reason": self.finish[i]}
+        p = self._prompt_of(i)
+        logprobs = self._logprobs(i, self.logprobs[i], self.offsets[i])
+        if logprobs is not None and self.echo[p]:
+            head = self._echo_logprobs(p)
+            logprobs = {k: head[k] + logprobs[k] for k in logprobs}
+        out = {"index": i, "text": self.echo[p] + self.text[i], "logprobs": logprobs,
+               "finish_reason": self.finish[i]}
+        if self.want_prompt_logprobs:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(self.tok, self.prompts[p],
+                                                          self.prompt_lps.get(p, []))
+        return out
+
+
+def vllm_prompt_logprobs(tok: Tokenizer | None, prompt: list[int],
+                         lps: list[TokenLogprobs]) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id:
+    {logprob, rank, decoded_token}}, the prompt's own token first, then the top N (rank: its
+    place among them; null for a prompt token not among them)."""
+    out: list[dict | None] = [None]
+    for lp in lps:
+        ranks = {t.token_id: r for r, t in enumerate(lp.top, 1)}
+        entry = {}
+        for item in (lp.sampled, *lp.top):
+            entry.setdefault(str(item.token_id), {
+                "logprob": item.logprob, "rank": ranks.get(item.token_id),
+                "decoded_token": tok.token_text(item.token_id) if tok is not None else None})
+        out.append(entry)
+    return out
 
 
 class ChatShaper(Shaper):
@@ -170,9 +262,32 @@ class ChatShaper(Shaper):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, *args, output: ChatOutputSpec | None = None, **kwargs) -> None:
+    def __init__(self, *args, output: ChatOutputSpec | None = None, prompt: list[int] = (),
+                 prompt_logprobs: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.choices = [ChatChoice(output or ChatOutputSpec()) for _ in range(self.n)]
+        self.prompt = list(prompt)
+        self.want_prompt_logprobs = prompt_logprobs  # vLLM's, at the response's top level
+        self.prompt_lps: list[TokenLogprobs] | None = None
+
+    def add(self, step: Step) -> list[dict]:
+        deltas, _ = step
+        first = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+        chunks = []
+        if first is not None and self.prompt_lps is None:
+            self.prompt_lps = first
+            if self.stream and self.want_prompt_logprobs:
+                chunks.append({**self._chunk([]), "prompt_logprobs": self._prompt_logprobs()})
+        return chunks + super().add(step)
+
+    def _prompt_logprobs(self) -> list[dict | None]:
+        return vllm_prompt_logprobs(self.tok, self.prompt, self.prompt_lps or [])
+
+    def final(self) -> dict:
+        out = super().final()
+        if self.want_prompt_logprobs:
+            out["prompt_logprobs"] = self._prompt_logprobs()
+        return out
 
     def step_choice(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict | None:
         choice = self.choices[d.index]
@@ -182,19 +297,19 @@ class ChatShaper(Shaper):
             end = choice.finish()
             md.content += end.content
             md.reasoning += end.reasoning
-            md.tool_calls = end.tool_calls
+            md.call_deltas += end.call_deltas
             if end.tool_calls and finish == "stop":
                 finish = "tool_calls"
             self.finish[d.index] = finish
-        if not (md.content or md.reasoning or md.tool_calls or finish is not None or lps):
+        if not (md.content or md.reasoning or md.call_deltas or finish is not None or lps):
             return None
         delta: dict = {}
         if md.reasoning:
             delta["reasoning_content"] = md.reasoning
         if md.content:
             delta["content"] = md.content
-        if md.tool_calls:
-            delta["tool_calls"] = [c.openai(k) for k, c in enumerate(md.tool_calls)]
+        if md.call_deltas:
+            delta["tool_calls"] = md.call_deltas
         return {"index": d.index, "delta": delta, "logprobs": self._logprobs(lps),
                 "finish_reason": finish}
 

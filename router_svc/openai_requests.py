@@ -25,7 +25,7 @@ from engine.sampling_params import (
     param_spec,
     request_params,
 )
-from router_svc import chat_request
+from router_svc import chat_request, prompt_batch
 from router_svc.chat_output import ChatOutputSpec
 from router_svc.frontend import Frontend
 from router_svc.json_body import MAX_TOTAL_ITEMS, BodyLimits
@@ -73,7 +73,8 @@ MAPPED_FIELDS = {
     "stop": ("stop",),  # one string or a list
     "logprobs": ("logprobs", "top_logprobs"),  # completions: a count; chat: a flag and a count
     "logit_bias": ("logit_bias",),  # keys are token ids as strings
-    "response_format": ("response_format", "guided_json"),
+    "response_format": ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                        "guided_choice", "guided_grammar"),
 }
 
 
@@ -90,7 +91,12 @@ class _MappedFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     top_k: int | None = None
     response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of a json_schema
+    # vLLM's spellings of a structured output (request_format)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 def _derived_fields() -> dict[str, Any]:
@@ -168,19 +174,67 @@ def unknown_field(req: BaseModel) -> str | None:
     return next((k for k in req.model_extra or {} if k not in HARMLESS_FIELDS), None)
 
 
+# vLLM's spellings of a structured output beside OpenAI's response_format (one per request):
+# structured_outputs {json | regex | choice | grammar | structural_tag | json_object: ...},
+# and the older guided_json, guided_regex, guided_choice, guided_grammar.
+_STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                     "grammar": "grammar", "structural_tag": "structural_tag",
+                     "json_object": "json_object"}
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def format_field(req: Any) -> str:
+    """The field that gave the request's structured output (its errors are named so)."""
+    return next((name for name in _FORMAT_FIELDS if getattr(req, name) is not None),
+                "response_format")
+
+
+_FORMAT_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
+
+
 def request_format(req: Any) -> ResponseFormat | None:
-    fmt = chat_request.response_format(req.response_format)
-    if req.guided_json is None:
-        return fmt
-    refuse(fmt is not None, "guided_json", "give response_format or guided_json, not both")
-    schema = req.guided_json
-    if isinstance(schema, str):
+    """The request's structured output, from whichever one field names it."""
+    given = [name for name in _FORMAT_FIELDS if getattr(req, name) is not None]
+    refuse(len(given) > 1, given[-1] if given else "", f"give one of {', '.join(given)}")
+    if not given:
+        return None
+    name = given[0]
+    if name == "response_format":
+        return chat_request.response_format(req.response_format)
+    if name == "structured_outputs":
+        spec = req.structured_outputs
+        chat_request.only_keys(spec, set(_STRUCTURED_KINDS), name)
+        refuse(len(spec) != 1, name, f"give exactly one of {', '.join(_STRUCTURED_KINDS)}")
+        key, value = next(iter(spec.items()))
+        return structured_format(_STRUCTURED_KINDS[key], value, f"{name}.{key}")
+    return structured_format(_STRUCTURED_KINDS[_GUIDED[name]], getattr(req, name), name)
+
+
+def structured_format(kind: str, value: Any, field: str) -> ResponseFormat | None:
+    """A format of `kind` from its value as vLLM's fields give it (a schema as an object or
+    JSON text, a regex, a list of choices, a grammar's text, a structural tag)."""
+    if kind == "json_object":
+        refuse(value is not True, field, "set it to true, or leave it out")
+        return ResponseFormat("json_object")
+    if kind in ("json_schema", "structural_tag") and isinstance(value, str):
         try:
-            schema = json.loads(schema)
+            value = json.loads(value)
         except ValueError:
-            raise InvalidArgument("guided_json", "is not JSON") from None
-    return chat_request.response_format({"type": "json_schema",
-                                         "json_schema": {"schema": schema}}, "guided_json")
+            raise InvalidArgument(field, "is not JSON") from None
+    if kind == "json_schema":
+        return chat_request.response_format({"type": "json_schema",
+                                             "json_schema": {"schema": value}}, field)
+    if kind == "structural_tag":
+        return chat_request.response_format(value, field)
+    if kind == "choice":
+        refuse(not isinstance(value, list), field, "must be a list of strings")
+        value = json.dumps(value)
+    refuse(not isinstance(value, str), field, "must be a string")
+    try:
+        return ResponseFormat(kind, value)
+    except InvalidArgument as e:
+        raise InvalidArgument(field, e.message) from None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -212,17 +266,21 @@ def remaining(fe: Frontend, prompt: list[int]) -> int:
     return max(1, fe.model.max_model_len - len(prompt))
 
 
-def completion_prompt(fe: Frontend, prompt: Any) -> list[int]:
+def given_prompts(prompt: Any) -> list[Any]:
+    """The prompts of a completions request: a text, token ids, or a list of either (the batch
+    form)."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        refuse(len(prompt) != 1, "prompt", f"one prompt per request, got {len(prompt)}")
-        prompt = prompt[0]
-    return fe.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_batch.check_count(len(prompt))
+        return list(prompt)
+    return [prompt]
+
+
+def completion_prompts(fe: Frontend, prompt: Any) -> list[list[int]]:
+    return [fe.encode(p) if isinstance(p, str) else list(p) for p in given_prompts(prompt)]
 
 
 def echo_text(fe: Frontend, given: Any, prompt: list[int]) -> str:
-    """The prompt as the client sent it: its text, or the decode of its token ids."""
-    if isinstance(given, list) and given and isinstance(given[0], str):
-        given = given[0]
+    """A prompt as the client sent it: its text, or the decode of its token ids."""
     if isinstance(given, str):
         return given
     refuse(fe.tokenizer is None, "echo", "this model has no tokenizer to write the prompt")

@@ -20,6 +20,7 @@ from router_svc.liveness import LoopLag
 from router_svc.membership import Membership, config_from_args
 from router_svc.no_torch import keep_torch_out
 from router_svc.orchestrator import Orchestrator
+from router_svc.responses_api import DEFAULT_STORE, ResponseStore
 from router_svc.routing import DEFAULT_POLICY, POLICIES, make_policy
 from router_svc.schema_check import DEFAULT_BUDGET_S, SchemaChecker
 from router_svc.workers import FaultMetrics, WorkerSet
@@ -121,6 +122,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a structured-output schema's grammar (response_format, tools "
                         "with tool_choice required or named) may take to build, checked in a "
                         "process of its own; a slower one is refused (400)")
+    p.add_argument("--responses-store", type=int, default=DEFAULT_STORE,
+                   help="responses the Responses API keeps in memory for previous_response_id "
+                        "and GET /v1/responses/{id}, least recently used dropped first "
+                        "(0: none kept)")
     p.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                    help="gRPC server reflection on the public port, for grpcurl and other "
                         "tools (default: on; --no-reflection turns it off)")
@@ -148,6 +153,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
                               "prefill and decode workers go together")
     if args.max_body_bytes < 1:
         raise InvalidArgument("--max-body-bytes", f"must be >= 1, got {args.max_body_bytes}")
+    if args.responses_store < 0:
+        raise InvalidArgument("--responses-store", f"must be >= 0, got {args.responses_store}")
     if not args.grammar_budget > 0:
         raise InvalidArgument("--grammar-budget", f"must be > 0, got {args.grammar_budget}")
     if not args.http_read_timeout > 0:
@@ -217,7 +224,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
                           routes=[Route("/metrics", metrics, methods=["GET"])],
                           grace_s=args.grace, tls=public_tls,
                           max_body_bytes=args.max_body_bytes,
-                          read_timeout_s=args.http_read_timeout)
+                          read_timeout_s=args.http_read_timeout,
+                          responses_store=ResponseStore(args.responses_store))
         http_port = await http.start()
 
     def ready() -> None:

@@ -60,9 +60,21 @@ class Update:
     samples: list[SampleUpdate]
     num_prompt_tokens: int
     num_cached_tokens: int
+    # params.prompt_logprobs: prompt tokens 1.., with the request's first tokens
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
-def _by_request(cols: worker_pb2.TokenColumns) -> list[tuple[str, Update]]:
+def _by_request(resp: worker_pb2.StreamResponse) -> list[tuple[str, Update]]:
+    """_tokens_by_request, each request's prompt logprobs on its first update."""
+    out = _tokens_by_request(resp.tokens)
+    for pl in resp.prompt_logprobs:
+        first = next((u for rid, u in out if rid == pl.request_id), None)
+        if first is not None:
+            first.prompt_logprobs = list(logprobs_from_proto(pl.logprobs, len(pl.logprobs)))
+    return out
+
+
+def _tokens_by_request(cols: worker_pb2.TokenColumns) -> list[tuple[str, Update]]:
     """A message's token columns as one Update per request and step, in order (a request
     appears again when the message carries more than one of its steps: each step lists every
     sample it advanced, so a sample seen twice starts the next one)."""
@@ -161,7 +173,7 @@ class WorkerStream:
             f"stream to {self.address} ended")
         try:
             async for resp in call:
-                for rid, update in _by_request(resp.tokens):  # tokens first, then ends
+                for rid, update in _by_request(resp):  # tokens first, then ends
                     inbox = self._inboxes.get(rid)
                     if inbox is not None:
                         inbox.put_nowait(update)

@@ -3,10 +3,12 @@ servicers call these."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 from engine.sampling_params import (
     FORMAT_AFTER,
+    FORMAT_KINDS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_STOP_ENTRIES,
@@ -72,12 +74,16 @@ def _is_map(desc) -> bool:
 
 
 def _format_to_proto(p: common_pb2.SamplingParams, fmt: ResponseFormat | None) -> None:
-    if fmt is not None and fmt.type == "json_object":
-        p.json_object = True
-    elif fmt is not None:
-        p.json_schema = fmt.schema or ""
-    if fmt is not None:
-        setattr(p, FORMAT_AFTER, fmt.after)
+    if fmt is None:
+        return
+    kind = FORMAT_KINDS[fmt.type]
+    if kind is bool:
+        setattr(p, fmt.type, True)
+    elif kind is list:  # a message of one repeated field
+        getattr(p, fmt.type).choices.extend(json.loads(fmt.schema or "[]"))
+    else:
+        setattr(p, fmt.type, fmt.schema or "")
+    setattr(p, FORMAT_AFTER, fmt.after)
 
 
 def _format_from_proto(p: common_pb2.SamplingParams) -> ResponseFormat | None:
@@ -85,13 +91,15 @@ def _format_from_proto(p: common_pb2.SamplingParams) -> ResponseFormat | None:
     after = getattr(p, FORMAT_AFTER)
     if which is None:
         if after:
-            raise InvalidArgument(FORMAT_AFTER, "goes with a response format (json_object or "
-                                  "json_schema)")
+            raise InvalidArgument(FORMAT_AFTER, "goes with a response format")
         return None
-    if which == "json_object" and not p.json_object:
-        raise InvalidArgument("json_object", "set it to true, or leave it unset")
+    kind = FORMAT_KINDS[which]
+    if kind is bool and not getattr(p, which):
+        raise InvalidArgument(which, "set it to true, or leave it unset")
+    spec = None if kind is bool else (json.dumps(list(getattr(p, which).choices))
+                                      if kind is list else getattr(p, which))
     try:
-        return ResponseFormat(which, p.json_schema if which == "json_schema" else None, after)
+        return ResponseFormat(which, spec, after)
     except InvalidArgument as e:
         raise InvalidArgument(which if e.field == "response_format" else e.field,
                               e.message) from None

@@ -240,6 +240,7 @@ def pack_outputs(outputs: list[SeqOutput]) -> tuple[list[PlainOutput], list[SeqO
     whole: list[SeqOutput] = []
     for o in outputs:
         if (o.finish_reason is None and o.error is None and o.timing is None
+                and o.prompt_logprobs is None
                 and (not o.new_logprobs or o.new_logprobs[0] is None)):
             plain.append((o.request_id, o.sample_index, o.new_token_ids, o.num_prompt_tokens,
                           o.num_cached_tokens, o.num_output_tokens))

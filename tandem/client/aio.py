@@ -99,6 +99,11 @@ class AsyncClient:
         resp = await self._unary(self._stub.ListModels, api_pb2.ListModelsRequest(), timeout)
         return [model_from_proto(m) for m in resp.models]
 
+    async def version(self, *, timeout: float | None = None) -> str:
+        """The server's version."""
+        resp = await self._unary(self._stub.GetVersion, api_pb2.GetVersionRequest(), timeout)
+        return resp.version
+
     async def model_info(self, model: str = "", *, timeout: float | None = None) -> ModelInfo:
         return model_from_proto(await self._unary(
             self._stub.GetModelInfo, api_pb2.GetModelInfoRequest(model=model), timeout))

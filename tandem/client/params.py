@@ -56,6 +56,14 @@ class SamplingParams:
     json_object: bool | None = None
     # structured output, enforced by a grammar: json schema
     json_schema: str | Mapping[str, Any] | None = None
+    # structured output, enforced by a grammar: regex
+    regex: str | None = None
+    # structured output, enforced by a grammar: choice
+    choice: Sequence[str] | None = None
+    # structured output, enforced by a grammar: grammar
+    grammar: str | None = None
+    # structured output, enforced by a grammar: structural tag
+    structural_tag: str | Mapping[str, Any] | None = None
     # with a response format: the grammar applies once the output contains this text
     grammar_after: str | None = None
     # keep the stop string that ended a sample in its text [False]
@@ -64,6 +72,8 @@ class SamplingParams:
     cache_salt: str | None = None
     # admission order under load: lower first (vLLM's convention) [0]
     priority: int | None = None
+    # top-N log-probabilities at each prompt token after the first (0: the prompt token's only)
+    prompt_logprobs: int | None = None
 
     def to_proto(self) -> common_pb2.SamplingParams:
         return params_to_proto(self)

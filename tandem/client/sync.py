@@ -103,6 +103,10 @@ class Client:
         resp = self._unary(self._stub.ListModels, api_pb2.ListModelsRequest(), timeout)
         return [model_from_proto(m) for m in resp.models]
 
+    def version(self, *, timeout: float | None = None) -> str:
+        """The server's version."""
+        return self._unary(self._stub.GetVersion, api_pb2.GetVersionRequest(), timeout).version
+
     def model_info(self, model: str = "", *, timeout: float | None = None) -> ModelInfo:
         return model_from_proto(self._unary(
             self._stub.GetModelInfo, api_pb2.GetModelInfoRequest(model=model), timeout))

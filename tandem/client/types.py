@@ -9,7 +9,9 @@ from typing import Any
 from tandem.client.params import SamplingParams
 from tandem.v1 import api_pb2
 
-Prompt = str | Sequence[int]  # text, or token ids
+# Text, token ids, or several prompts (a list of either): sample j of prompt i comes as index
+# i * n + j.
+Prompt = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class Chunk:
     finish_reason: str | None  # on the sample's last chunk: stop | length | abort
     stop_reason: str | None  # the stop string that ended the sample
     usage: Usage
+    # prompt_logprobs asked for: prompt tokens after the first, on the request's first chunk
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass
@@ -62,6 +66,7 @@ class Completion:
     request_id: str
     samples: list[Sample]
     usage: Usage
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -89,8 +94,12 @@ def generate_request(prompt: Prompt, params: SamplingParams | None, model: str,
                                   params=(params or SamplingParams()).to_proto())
     if isinstance(prompt, str):
         req.text = prompt
+    elif prompt and not isinstance(prompt[0], int):
+        req.prompts.prompts.extend(api_pb2.Prompt(text=p) if isinstance(p, str) else
+                                   api_pb2.Prompt(token_ids=api_pb2.TokenIds(ids=p))
+                                   for p in prompt)
     else:
-        req.token_ids.ids.extend(prompt)
+        req.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
     return req
 
 
@@ -105,15 +114,20 @@ def tokenize_request(text: str | None, messages: Sequence[Mapping[str, str]] | N
     return api_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
 
 
+def _logprobs(items) -> tuple[TokenLogprobs, ...]:
+    return tuple(TokenLogprobs(Logprob(lp.sampled.token_id, lp.sampled.logprob),
+                               tuple(Logprob(t.token_id, t.logprob) for t in lp.top))
+                 for lp in items)
+
+
 def chunk_from_proto(r: api_pb2.GenerateResponse) -> Chunk:
     return Chunk(
         request_id=r.request_id, index=r.index, token_ids=tuple(r.token_ids), text=r.text,
-        logprobs=tuple(TokenLogprobs(Logprob(lp.sampled.token_id, lp.sampled.logprob),
-                                     tuple(Logprob(t.token_id, t.logprob) for t in lp.top))
-                       for lp in r.logprobs),
+        logprobs=_logprobs(r.logprobs),
         finish_reason=r.finish_reason or None, stop_reason=r.stop_reason or None,
         usage=Usage(r.usage.prompt_tokens, r.usage.completion_tokens,
-                    r.usage.cached_prompt_tokens))
+                    r.usage.cached_prompt_tokens),
+        prompt_logprobs=_logprobs(r.prompt_logprobs))
 
 
 def model_from_proto(m: api_pb2.ModelInfo) -> ModelInfo:
@@ -127,6 +141,7 @@ class Collector:
         self.request_id = ""
         self.samples: dict[int, Sample] = {}
         self.usage = Usage()
+        self.prompt_logprobs: list[TokenLogprobs] = []
 
     def add(self, chunks: Iterable[Chunk] | Chunk) -> None:
         for c in [chunks] if isinstance(chunks, Chunk) else chunks:
@@ -138,7 +153,8 @@ class Collector:
             s.finish_reason = c.finish_reason or s.finish_reason
             s.stop_reason = c.stop_reason or s.stop_reason
             self.usage = c.usage
+            self.prompt_logprobs += c.prompt_logprobs
 
     def result(self) -> Completion:
         return Completion(self.request_id, [self.samples[i] for i in sorted(self.samples)],
-                          self.usage)
+                          self.usage, self.prompt_logprobs)

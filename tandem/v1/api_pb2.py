@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import common_pb2 as tandem_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tandem/v1/api.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\tB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xcf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x13\n\x11ListModelsRequest\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"{\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\"o\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r2\xa5\x02\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tandem/v1/api.proto\x12\ttandem.v1\x1a\x16tandem/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12(\n\x07prompts\x18\x06 \x01(\x0b\x32\x15.tandem.v1.PromptListH\x00\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\tB\x08\n\x06prompt\"J\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x42\x06\n\x04kind\"0\n\nPromptList\x12\"\n\x07prompts\x18\x01 \x03(\x0b\x32\x11.tandem.v1.Prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x82\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"\x13\n\x11ListModelsRequest\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"{\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\"o\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x13\n\x11GetVersionRequest\"%\n\x12GetVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r2\xf0\x02\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nGetVersion\x12\x1c.tandem.v1.GetVersionRequest\x1a\x1d.tandem.v1.GetVersionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=58
   _globals['_TOKENIDS']._serialized_end=81
   _globals['_GENERATEREQUEST']._serialized_start=84
-  _globals['_GENERATEREQUEST']._serialized_end=247
-  _globals['_USAGE']._serialized_start=249
-  _globals['_USAGE']._serialized_end=336
-  _globals['_GENERATERESPONSE']._serialized_start=339
-  _globals['_GENERATERESPONSE']._serialized_end=546
-  _globals['_LISTMODELSREQUEST']._serialized_start=548
-  _globals['_LISTMODELSREQUEST']._serialized_end=567
-  _globals['_LISTMODELSRESPONSE']._serialized_start=569
-  _globals['_LISTMODELSRESPONSE']._serialized_end=627
-  _globals['_GETMODELINFOREQUEST']._serialized_start=629
-  _globals['_GETMODELINFOREQUEST']._serialized_end=665
-  _globals['_MODELINFO']._serialized_start=667
-  _globals['_MODELINFO']._serialized_end=790
-  _globals['_TOKENIZEREQUEST']._serialized_start=792
-  _globals['_TOKENIZEREQUEST']._serialized_end=903
-  _globals['_CHATMESSAGE']._serialized_start=905
-  _globals['_CHATMESSAGE']._serialized_end=949
-  _globals['_CHATMESSAGES']._serialized_start=951
-  _globals['_CHATMESSAGES']._serialized_end=1007
-  _globals['_TOKENIZERESPONSE']._serialized_start=1009
-  _globals['_TOKENIZERESPONSE']._serialized_end=1046
-  _globals['_TANDEM']._serialized_start=1049
-  _globals['_TANDEM']._serialized_end=1342
+  _globals['_GENERATEREQUEST']._serialized_end=289
+  _globals['_PROMPT']._serialized_start=291
+  _globals['_PROMPT']._serialized_end=365
+  _globals['_PROMPTLIST']._serialized_start=367
+  _globals['_PROMPTLIST']._serialized_end=415
+  _globals['_USAGE']._serialized_start=417
+  _globals['_USAGE']._serialized_end=504
+  _globals['_GENERATERESPONSE']._serialized_start=507
+  _globals['_GENERATERESPONSE']._serialized_end=765
+  _globals['_LISTMODELSREQUEST']._serialized_start=767
+  _globals['_LISTMODELSREQUEST']._serialized_end=786
+  _globals['_LISTMODELSRESPONSE']._serialized_start=788
+  _globals['_LISTMODELSRESPONSE']._serialized_end=846
+  _globals['_GETMODELINFOREQUEST']._serialized_start=848
+  _globals['_GETMODELINFOREQUEST']._serialized_end=884
+  _globals['_MODELINFO']._serialized_start=886
+  _globals['_MODELINFO']._serialized_end=1009
+  _globals['_TOKENIZEREQUEST']._serialized_start=1011
+  _globals['_TOKENIZEREQUEST']._serialized_end=1122
+  _globals['_CHATMESSAGE']._serialized_start=1124
+  _globals['_CHATMESSAGE']._serialized_end=1168
+  _globals['_CHATMESSAGES']._serialized_start=1170
+  _globals['_CHATMESSAGES']._serialized_end=1226
+  _globals['_GETVERSIONREQUEST']._serialized_start=1228
+  _globals['_GETVERSIONREQUEST']._serialized_end=1247
+  _globals['_GETVERSIONRESPONSE']._serialized_start=1249
+  _globals['_GETVERSIONRESPONSE']._serialized_end=1286
+  _globals['_TOKENIZERESPONSE']._serialized_start=1288
+  _globals['_TOKENIZERESPONSE']._serialized_end=1325
+  _globals['_TANDEM']._serialized_start=1328
+  _globals['_TANDEM']._serialized_end=1696
 # @@protoc_insertion_point(module_scope)

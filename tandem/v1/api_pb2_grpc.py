@@ -54,6 +54,11 @@ class TandemStub:
                 request_serializer=tandem_dot_v1_dot_api__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_api__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.GetVersion = channel.unary_unary(
+                '/tandem.v1.Tandem/GetVersion',
+                request_serializer=tandem_dot_v1_dot_api__pb2.GetVersionRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_api__pb2.GetVersionResponse.FromString,
+                _registered_method=True)
 
 
 class TandemServicer:
@@ -84,6 +89,13 @@ class TandemServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetVersion(self, request, context):
+        """The server's version (as HTTP GET /version).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TandemServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +118,11 @@ def add_TandemServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=tandem_dot_v1_dot_api__pb2.TokenizeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_api__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'GetVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetVersion,
+                    request_deserializer=tandem_dot_v1_dot_api__pb2.GetVersionRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_api__pb2.GetVersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +233,33 @@ class Tandem:
             '/tandem.v1.Tandem/Tokenize',
             tandem_dot_v1_dot_api__pb2.TokenizeRequest.SerializeToString,
             tandem_dot_v1_dot_api__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Tandem/GetVersion',
+            tandem_dot_v1_dot_api__pb2.GetVersionRequest.SerializeToString,
+            tandem_dot_v1_dot_api__pb2.GetVersionResponse.FromString,
             options,
             channel_credentials,
             insecure,

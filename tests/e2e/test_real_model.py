@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
+import openai
 import pytest
 import torch
 import transformers
@@ -147,3 +148,25 @@ def test_chat_answers_a_factual_question(stack):
     assert "Paris" in answer, answer
     asyncio.run(stack.wait_idle())
 
+
+def test_responses_api_continues_a_conversation(stack):
+    """The Responses API through the `openai` client: a second turn over previous_response_id
+    sees the first (where the model's quality matters: a random model cannot show it), and a
+    streamed turn's events add up to its text."""
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{stack.router.http_port}/v1",
+                       api_key="unused", max_retries=0, timeout=120) as client:
+        first = client.responses.create(model=MODEL, temperature=0, max_output_tokens=24,
+                                        input="I live in Paris.")
+        question = "Which city do I live in?"
+        second = client.responses.create(model=MODEL, temperature=0, max_output_tokens=24,
+                                         previous_response_id=first.id, input=question)
+        alone = client.responses.create(model=MODEL, temperature=0, max_output_tokens=24,
+                                        input=question)
+        assert "Paris" in second.output_text, second.output_text
+        assert "Paris" not in alone.output_text, alone.output_text  # it came from turn one
+        events = list(client.responses.create(model=MODEL, temperature=0, stream=True,
+                                              max_output_tokens=16,
+                                              input="What is the capital of France?"))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert "Paris" in text and events[-1].response.output_text == text
+    asyncio.run(stack.wait_idle())

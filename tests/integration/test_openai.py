@@ -263,10 +263,10 @@ BAD_COMPLETIONS = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"logprobs": 21}, "logprobs"),
     ({"presence_penalty": 3}, "presence_penalty"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
     ({"best_of": 3}, "best_of"),
     ({"prompt": [1] * 1024}, "prompt"),  # the model serves 1024 tokens, prompt included
-    ({"prompt": ["one", "two"]}, "prompt"),
+    ({"prompt": ["one"] * 257}, "prompt"),  # at most 256 prompts in one request
     ({"prompt": [1, 99999]}, "prompt"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
     ({"extra_body": {"temperature": "hot"}}, "temperature"),  # pydantic's own check

@@ -164,8 +164,9 @@ def test_tool_choice_required_returns_valid_tool_calls(client, model):
         model=model, messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=300,
         parallel_tool_calls=False, stream=True, seed=2))
     deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].id.startswith("call_")
-    jsonschema.validate(json.loads(deltas[0].function.arguments),
+    assert {d.index for d in deltas} == {0} and deltas[0].id.startswith("call_")
+    assert all(d.id is None for d in deltas[1:])  # then its arguments, in pieces
+    jsonschema.validate(json.loads("".join(d.function.arguments for d in deltas)),
                         TOOL_SCHEMAS[deltas[0].function.name])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
@@ -184,8 +185,8 @@ def test_tool_choice_required_returns_valid_tool_calls(client, model):
 
 
 @pytest.mark.parametrize(("kw", "param"), [
-    ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
-    ({"extra_body": {"guided_regex": "a+"}}, "guided_regex"),
+    ({"extra_body": {"prompt_logprobs": -1}}, "prompt_logprobs"),
+    ({"extra_body": {"guided_regex": "(a"}}, "guided_regex"),
     ({"extra_body": {"tool_choice": "required"}}, "tool_choice"),  # completions take no tools
     ({"extra_body": {"response_format": _fmt({"type": "bogus"})}}, "response_format"),
     ({"extra_body": {"response_format": {"type": "yaml"}}}, "response_format"),

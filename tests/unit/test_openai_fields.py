@@ -11,7 +11,6 @@ import json
 
 import httpx
 import pytest
-from surface_model import build_surface_model, tag_ids
 
 from engine.demo import build_demo_checkpoint
 from engine.sampling_params import Logprob, SamplingParams, TokenLogprobs
@@ -21,6 +20,7 @@ from router_svc.frontend import Frontend, ModelInfo
 from router_svc.http_api import build_app
 from router_svc.worker_stream import SampleUpdate, Update
 from router_svc.workers import WorkerSet
+from surface_model import build_surface_model, tag_ids
 
 MAX_MODEL_LEN = 1024
 
@@ -32,9 +32,11 @@ class Scripted:
         self.steps: list[list[tuple[list[int], str | None]]] = []  # per step: per sample
         self.with_logprobs = False
         self.seen: list[SamplingParams] = []
+        self.prompts: list[list[int]] = []
 
     async def run(self, request_id, prompt, params, timeout, context):
         self.seen.append(params)
+        self.prompts.append(prompt)
         for step in self.steps:
             samples = [SampleUpdate(i, ids, [_lp(t) if self.with_logprobs else None
                                              for t in ids], finish)
@@ -271,3 +273,131 @@ def test_stream_options_and_service_tier_are_acted_on(tokenizers):
     assert "service_tier" not in call(tokenizers["demo"], "/v1/completions",
                                       {"prompt": [5, 6], "max_tokens": 3}, script).json()
 
+
+# -- prompt logprobs on a colocated worker's stream; structured outputs' spellings --------------
+def test_prompt_logprobs_travel_with_a_colocated_workers_first_tokens():
+    from decode_svc.outbox import Outbox
+    from engine.sequence import SeqOutput
+    from router_svc.worker_stream import _by_request
+
+    lps = [TokenLogprobs(Logprob(2, -1.5), (Logprob(7, -0.5),)), _lp(3)]
+    outbox = Outbox()
+    outbox.tokens([SeqOutput("r", 0, [5], [None], None, 3, 0, 1, prompt_logprobs=lps),
+                   SeqOutput("s", 0, [6], [None], None, 3, 0, 1)])
+    msg = asyncio.run(outbox.take())
+    got = dict(_by_request(msg))
+    assert got["r"].prompt_logprobs == lps and got["s"].prompt_logprobs is None
+
+
+@pytest.mark.parametrize(("body", "kind", "spec"), [
+    ({"structured_outputs": {"regex": "a+"}}, "regex", "a+"),
+    ({"guided_regex": "a+"}, "regex", "a+"),
+    ({"structured_outputs": {"choice": ["x", "y"]}}, "choice", '["x", "y"]'),
+    ({"guided_choice": ["x"]}, "choice", '["x"]'),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, "grammar", 'root ::= "a"'),
+    ({"structured_outputs": {"json": {"type": "integer"}}}, "json_schema", '{"type": "integer"}'),
+    ({"structured_outputs": {"json_object": True}}, "json_object", None),
+])
+def test_structured_output_spellings(tokenizers, body, kind, spec):
+    script = Scripted()
+    script.steps = [[(list(b"a"), "stop")]]
+    r = call(tokenizers["demo"], "/v1/completions", {"prompt": [5], "max_tokens": 4, **body},
+             script)
+    assert r.status_code == 200, r.text
+    fmt = script.seen[0].response_format
+    assert (fmt.type, fmt.schema) == (kind, spec)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs"),
+])
+def test_structured_output_refusals_name_the_field(tokenizers, body, param):
+    refused(call(tokenizers["demo"], "/v1/completions",
+                 {"prompt": [5], "max_tokens": 4, **body}), param)
+
+
+# -- the Responses API ----------------------------------------------------------------------
+def _events(text: str) -> list[dict]:
+    out = []
+    for block in text.strip().split("\n\n"):
+        kind, data = block.split("\n", 1)
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}"
+        out.append(event)
+    return out
+
+
+def test_responses_text_turn_streamed_in_its_events(tokenizers):
+    script = Scripted()
+    script.steps = [[(list(b"Hel"), None)], [(list(b"lo"), "stop")]]
+    r = call(tokenizers["demo"], "/v1/responses",
+             {"input": "hi", "instructions": "Be brief.", "stream": True}, script)
+    events = _events(r.text)
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    done = events[-1]["response"]
+    assert done["status"] == "completed" and done["instructions"] == "Be brief."
+    assert done["output"][0]["content"][0]["text"] == "Hello"
+    assert "".join(e.get("delta", "") for e in events) == "Hello"
+
+
+def test_responses_function_calls_and_a_conversation_over_previous_response_id(tokenizers):
+    surface = tokenizers["surface"]
+    script = Scripted()
+    script.steps = [[(list(b'[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'),
+                      "stop")]]
+    tool = {"type": "function", "name": "get_weather",
+            "parameters": WEATHER["function"]["parameters"]}
+    fe = Frontend(surface, orchestrator=script,
+                  model=ModelInfo("m", "llama", MAX_MODEL_LEN, 512, "float32", 16))
+
+    async def main():
+        transport = httpx.ASGITransport(app=build_app(fe, WorkerSet([], [], [])))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            first = (await client.post("/v1/responses", json={
+                "input": "weather?", "tools": [tool], "tool_choice": "required"})).json()
+            call_item = first["output"][0]
+            script.steps = [[(list(b"It is mild."), "stop")]]
+            second = (await client.post("/v1/responses", json={
+                "previous_response_id": first["id"], "tools": [tool],
+                "input": [{"type": "function_call_output", "call_id": call_item["call_id"],
+                           "output": "12 C"}]})).json()
+            got = (await client.get(f"/v1/responses/{second['id']}")).json()
+            missing = await client.post("/v1/responses", json={
+                "input": "x", "previous_response_id": "resp_nope"})
+            return first, second, got, missing
+
+    first, second, got, missing = asyncio.run(main())
+    assert first["output"][0]["type"] == "function_call"
+    assert first["output"][0]["name"] == "get_weather"
+    assert json.loads(first["output"][0]["arguments"]) == {"city": "Oslo"}
+    assert second["output"][0]["content"][0]["text"] == "It is mild." and got == second
+    # The second turn's prompt held the first turn, its call and the tool's answer.
+    prompt = surface.decode(script.prompts[1], skip_special_tokens=False)
+    assert "weather?" in prompt and "get_weather" in prompt and "12 C" in prompt
+    assert missing.status_code == 400 and \
+        missing.json()["error"]["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"background": True}, "background"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input[0].content[0].type"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+])
+def test_responses_refuse_what_they_do_not_serve_by_name(tokenizers, body, param):
+    refused(call(tokenizers["demo"], "/v1/responses", {"input": "hi", **body}), param)

@@ -54,7 +54,7 @@ def test_columns_read_back_as_one_update_per_request_and_step(requests, rnd):
                 (o.sample_index, o.new_token_ids, o.finish_reason.value if o.finish_reason
                  else None) for o in outs]))
     msg = worker_pb2.StreamResponse.FromString(take(outbox).SerializeToString())
-    got = _by_request(msg.tokens)
+    got = _by_request(msg)
     assert [(rid, [(s.index, s.token_ids, s.finish_reason) for s in u.samples])
             for rid, u in got] == expected
     for rid, u in got:
@@ -70,7 +70,7 @@ def test_ends_and_failures_follow_the_tokens_and_the_outbox_empties():
                                                    "KV transfer failed")))
     msg = take(outbox)
     assert [(rid, [s.token_ids for s in u.samples]) for rid, u in
-            _by_request(msg.tokens)] == [("a", [[5]])]
+            _by_request(msg)] == [("a", [[5]])]
     assert [(u.request_id, u.done, u.error_message) for u in msg.updates] == \
         [("a", True, ""), ("b", True, "KV transfer failed")]
     outbox.close()

@@ -71,6 +71,57 @@ def test_parsers_whole_and_streamed(family, text, content, calls):
             assert p.marker not in streamed
 
 
+def _streamed_calls(spec: ChatOutputSpec, text: str, size: int) -> tuple[list, list, str]:
+    """Feed `text` in pieces of `size` through a choice: (the calls the deltas build, in
+    order, the deltas, the content streamed)."""
+    choice = ChatChoice(spec)
+    deltas, content = [], ""
+    for i in range(0, len(text), size):
+        md = choice.feed(text[i:i + size], [])
+        deltas += md.call_deltas
+        content += md.content
+    end = choice.finish()
+    deltas += end.call_deltas
+    content += end.content
+    built: dict[int, list[str]] = {}
+    for d in deltas:
+        fn = d["function"]
+        if "name" in fn:
+            built[d["index"]] = [fn["name"], fn["arguments"]]
+        else:
+            built[d["index"]][1] += fn["arguments"]
+    return [(name, json.loads(args)) for name, args in built.values()], deltas, content
+
+
+@pytest.mark.parametrize(("family", "text", "content", "calls"),
+                         [c for c in CASES if c[3]])
+def test_auto_calls_stream_their_arguments_as_written(family, text, content, calls):
+    spec = ChatOutputSpec(tool_mode="auto", tool_family=family)
+    for size in (1, 4, len(text)):
+        got, deltas, streamed = _streamed_calls(spec, text, size)
+        assert got == calls and streamed.strip() == content.strip()
+        if size == 1 and "[ARGS]" not in text:  # pieces while written (not only at the end)
+            assert len(deltas) > 2 * len(calls)
+
+
+def test_required_and_named_calls_stream_as_the_grammar_writes_them():
+    required = ('[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
+                '{"name": "get_time", "arguments": {"zone": "utc"}}]')
+    for size in (1, 3, len(required)):
+        got, deltas, content = _streamed_calls(ChatOutputSpec(tool_mode="required"),
+                                               required, size)
+        assert got == [("get_weather", WEATHER), ("get_time", TIME)] and content == ""
+    got, deltas, _ = _streamed_calls(ChatOutputSpec(tool_mode="named", tool_name="get_time"),
+                                     '{"zone": "utc"}', 2)
+    assert got == [("get_time", TIME)] and len(deltas) > 3
+    # auto: a call to a function not offered is never streamed; it ends as text.
+    spec = ChatOutputSpec(tool_mode="auto", tool_family="llama3_json",
+                          tool_names=frozenset({"get_time"}))
+    text = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+    got, deltas, content = _streamed_calls(spec, text, 3)
+    assert got == [] and deltas == [] and content == text
+
+
 def test_required_and_named_forms():
     calls = parse_required('[{"name": "get_time", "arguments": {"zone": "utc"}}]')
     assert _calls(calls) == [("get_time", TIME)]
@@ -161,8 +212,12 @@ def test_chat_shaper_streams_reasoning_content_and_tool_calls():
         assert "".join(d.get("reasoning_content", "") for d in deltas) == "hmm"
         assert "".join(d.get("content", "") for d in deltas[1:]) == "Sure."
         calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-        assert [tc["index"] for tc in calls] == [0] and calls[0]["id"] == \
-            msg["tool_calls"][0]["id"]
+        # The name first, then the arguments in pieces as they were written.
+        assert {tc["index"] for tc in calls} == {0} and len(calls) > 2
+        assert calls[0]["id"] == msg["tool_calls"][0]["id"]
+        assert calls[0]["function"] == {"name": "get_time", "arguments": ""}
+        assert all("id" not in tc and "name" not in tc["function"] for tc in calls[1:])
+        assert json.loads("".join(tc["function"]["arguments"] for tc in calls)) == TIME
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
