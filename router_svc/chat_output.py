@@ -90,7 +90,9 @@ class ChatChoice:
             if names is not None and any(c.name not in names for c in calls):
                 # Not a call of ours (a JSON answer read as one): the text, as written.
                 rest, calls = self.tools.held, []
-            content += "" if streamed else rest
+            # Streamed calls stand. When the whole text reads as calls too, `rest` is the text
+            # after them; when it does not, `rest` is the text the calls were streamed from.
+            content += rest if calls or not streamed else ""
         elif self.spec.tool_mode in ("required", "named"):
             parsed = (parse_required(self.held) if self.spec.tool_mode == "required"
                       else parse_named(self.spec.tool_name or "", self.held))

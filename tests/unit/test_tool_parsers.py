@@ -104,6 +104,18 @@ def test_auto_calls_stream_their_arguments_as_written(family, text, content, cal
             assert len(deltas) > 2 * len(calls)
 
 
+def test_text_after_a_streamed_call_is_kept():
+    """The text a model writes after its calls is content, as it is when nothing streams."""
+    text = ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}'
+            '\n</tool_call>\nDone.')
+    whole = StreamingToolParser("hermes")
+    expected = whole.feed(text) + whole.finish()[0]
+    for size in (1, 4, len(text)):
+        got, _, content = _streamed_calls(
+            ChatOutputSpec(tool_mode="auto", tool_family="hermes"), text, size)
+        assert got == [("get_time", TIME)] and content == expected
+
+
 def test_required_and_named_calls_stream_as_the_grammar_writes_them():
     required = ('[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
                 '{"name": "get_time", "arguments": {"zone": "utc"}}]')
