@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from engine.sampling_params import (
     FORMAT_AFTER,
     FORMAT_KINDS,
+    MAX_CHOICES,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_STOP_ENTRIES,
@@ -96,6 +97,9 @@ def _format_from_proto(p: common_pb2.SamplingParams) -> ResponseFormat | None:
     kind = FORMAT_KINDS[which]
     if kind is bool and not getattr(p, which):
         raise InvalidArgument(which, "set it to true, or leave it unset")
+    if kind is list and len(getattr(p, which).choices) > MAX_CHOICES:  # before the copy
+        raise InvalidArgument(which, f"at most {MAX_CHOICES} entries, got "
+                              f"{len(getattr(p, which).choices)}")
     spec = None if kind is bool else (json.dumps(list(getattr(p, which).choices))
                                       if kind is list else getattr(p, which))
     try:

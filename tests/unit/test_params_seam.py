@@ -18,6 +18,7 @@ from engine.sampling_params import (
     FORMAT_AFTER,
     FORMAT_KINDS,
     MAPPED,
+    MAX_CHOICES,
     SAME,
     ResponseFormat,
     SamplingParams,
@@ -28,6 +29,7 @@ from router_svc import openai_requests
 from router_svc.api_errors import grpc_field
 from runtime.convert import FORMAT_ONEOF, params_from_proto, params_to_proto
 from tandem.client import SamplingParams as ClientParams
+from tandem.errors import InvalidArgument
 from tandem.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,3 +195,16 @@ def test_the_cli_flags_are_the_declared_ones():
             argv = [flag_name(f.name), str(example)]
         assert sampling_params(p.parse_args(argv)) == _example(f.name), f.name
     assert sampling_params(p.parse_args([])) == SamplingParams()
+
+
+def test_each_format_kind_crosses_the_wire_and_a_choice_list_is_bounded():
+    for kind, spec in (("regex", "a+"), ("choice", '["x", "y"]'), ("grammar", 'root ::= "a"'),
+                       ("structural_tag", '{"type": "structural_tag", "format": {}}')):
+        fmt = ResponseFormat(kind, spec, "</think>")
+        assert params_from_proto(params_to_proto(SamplingParams(response_format=fmt))) \
+            .response_format == fmt
+    p = common_pb2.SamplingParams()
+    p.choice.choices.extend(["a"] * (MAX_CHOICES + 1))
+    with pytest.raises(InvalidArgument) as e:
+        params_from_proto(p)
+    assert e.value.field == "choice" and str(MAX_CHOICES) in e.value.message
