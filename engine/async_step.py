@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine import prompt_logprobs
 from engine.sampler import SampleRow
 from engine.sequence import FinishReason, SeqOutput, Sequence, StepResult, StopCheck
 from engine.step_tokens import PendingTokens, TokenFill
@@ -84,16 +85,17 @@ class StepPipeline:
         """Whether this batch may run while the previous step's tokens are unknown: not with
         preemption (a victim's placeholder is resolved before it is ever recomputed), nor a
         row that needs its sample's tokens on the host (penalties, logprobs) or forks its
-        samples (n > 1, first token). A grammar's row takes the previous step's tokens before
-        its sampling is launched (the module's doc). The engine also asks its KV pulls: one
-        that writes the pool outside this stream at once must find no step in flight (it may
-        still write blocks freed since)."""
+        samples (n > 1, first token), nor a prompt chunk whose prompt logprobs are still to
+        compute (their logits are read on the host). A grammar's row takes the previous step's
+        tokens before its sampling is launched (the module's doc). The engine also asks its KV
+        pulls: one that writes the pool outside this stream at once must find no step in
+        flight (it may still write blocks freed since)."""
         if batch.preempted:
             return False
         for seq in batch.seqs:
             p = seq.params
             if seq.pending_forks or p.logprobs is not None or p.has_penalties or \
-                    p.prompt_logprobs is not None:
+                    prompt_logprobs.pending(seq):
                 return False
         return True
 

@@ -34,6 +34,14 @@ def wanted(seq: Sequence) -> bool:
     return seq.params.prompt_logprobs is not None
 
 
+def pending(seq: Sequence) -> bool:
+    """Whether the sequence's next step may compute prompt positions whose logprobs are still
+    missing (such a step needs its logits on the host: it is not pipelined). A decode worker's
+    sequence, whose prompt KV was pulled, never does."""
+    return wanted(seq) and seq.num_computed_tokens < seq.num_prompt_tokens - 1 and \
+        len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1
+
+
 def rows(batch: ScheduledBatch) -> PromptRows:
     out = PromptRows()
     offset = 0

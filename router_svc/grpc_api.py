@@ -48,12 +48,19 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                 steps = prompt_batch.merged(
                     [fe.stream(f"{scoped}-{i}", p, params, context.time_remaining(), api=api)
                      for i, p in enumerate(prompts)], params.n)
+            with_prompt_lps: set[int] = set()  # the samples that carried them
             async with aclosing(steps):
                 async for deltas, usage in steps:
                     u = api_pb2.Usage(prompt_tokens=usage.prompt_tokens,
                                       completion_tokens=usage.completion_tokens,
                                       cached_prompt_tokens=usage.cached_prompt_tokens)
                     for d in deltas:
+                        # Once per prompt, on its first sample's first chunk (sample j of
+                        # prompt i is index i * n + j; every sample's first step has them).
+                        prompt_lps = d.prompt_logprobs if d.index % params.n == 0 and \
+                            d.index not in with_prompt_lps else None
+                        if prompt_lps is not None:
+                            with_prompt_lps.add(d.index)
                         yield api_pb2.GenerateResponse(
                             request_id=rid, index=d.index, token_ids=d.token_ids, text=d.text,
                             logprobs=[logprobs_to_proto(lp) for lp in d.logprobs]
@@ -61,7 +68,7 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                             finish_reason=d.finish_reason or "",
                             stop_reason=d.stop_reason or "", usage=u,
                             prompt_logprobs=[logprobs_to_proto(lp) for lp in
-                                             d.prompt_logprobs or ()] if d.index == 0 else [])
+                                             prompt_lps or ()])
         except (InvalidArgument, ModelNotFound, Overloaded, RouterError) as e:
             if steps is None:  # refused before the Frontend saw it: traced here
                 fe.refused(scoped, e, api)

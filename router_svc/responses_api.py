@@ -58,8 +58,9 @@ class _Declared(BaseModel):
 
 
 # The chat endpoint's sampling fields of the same name (temperature, top_p, seed, top_k, ...),
-# but n: one output per response.
-_SAMPLING = tuple(n for n in req.DERIVED_FIELDS if n != "n")
+# but n (one output per response) and prompt_logprobs (a response has no place for them):
+# those two are refused as unknown fields.
+_SAMPLING = tuple(n for n in req.DERIVED_FIELDS if n not in ("n", "prompt_logprobs"))
 ResponsesRequest = create_model(  # type: ignore[call-overload]
     "ResponsesRequest", __base__=_Declared,
     **{n: (f.annotation, None) for n, f in req.CompletionRequest.model_fields.items()

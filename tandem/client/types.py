@@ -45,7 +45,8 @@ class Chunk:
     finish_reason: str | None  # on the sample's last chunk: stop | length | abort
     stop_reason: str | None  # the stop string that ended the sample
     usage: Usage
-    # prompt_logprobs asked for: prompt tokens after the first, on the request's first chunk
+    # prompt_logprobs asked for: prompt tokens after the first, on the first chunk of each
+    # prompt's first sample (index i * n for prompt i)
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
@@ -57,6 +58,8 @@ class Sample:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | None = None
+    # prompt_logprobs asked for: on each prompt's first sample (index i * n), its prompt's
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -66,11 +69,16 @@ class Completion:
     request_id: str
     samples: list[Sample]
     usage: Usage
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         return self.samples[0].text if self.samples else ""
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs]:
+        """The (first) prompt's logprobs; with several prompts, prompt i's are on
+        samples[i * n]."""
+        return self.samples[0].prompt_logprobs if self.samples else []
 
 
 @dataclass(frozen=True)
@@ -141,7 +149,6 @@ class Collector:
         self.request_id = ""
         self.samples: dict[int, Sample] = {}
         self.usage = Usage()
-        self.prompt_logprobs: list[TokenLogprobs] = []
 
     def add(self, chunks: Iterable[Chunk] | Chunk) -> None:
         for c in [chunks] if isinstance(chunks, Chunk) else chunks:
@@ -153,8 +160,8 @@ class Collector:
             s.finish_reason = c.finish_reason or s.finish_reason
             s.stop_reason = c.stop_reason or s.stop_reason
             self.usage = c.usage
-            self.prompt_logprobs += c.prompt_logprobs
+            s.prompt_logprobs += c.prompt_logprobs
 
     def result(self) -> Completion:
         return Completion(self.request_id, [self.samples[i] for i in sorted(self.samples)],
-                          self.usage, self.prompt_logprobs)
+                          self.usage)

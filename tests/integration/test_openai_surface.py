@@ -190,8 +190,12 @@ def test_a_list_of_prompts_is_one_request_over_both_apis(client, model, grpc_cli
     for i, single in enumerate(singles):
         assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == \
             single.choices[0].text
-    out = grpc_client.generate(prompts, max_tokens=5, temperature=0, ignore_eos=True)
+    out = grpc_client.generate(prompts, max_tokens=5, temperature=0, ignore_eos=True,
+                               prompt_logprobs=0)
     assert [s.text for s in out.samples] == [s.choices[0].text for s in singles]
+    # Each prompt's logprobs, on its first sample.
+    assert [len(s.prompt_logprobs) for s in out.samples] == \
+        [s.usage.prompt_tokens - 1 for s in singles]
     with pytest.raises(openai.BadRequestError) as e:  # one bad prompt refuses them all
         client.completions.create(model=model, prompt=[[1, 2], [99999]], max_tokens=2)
     assert e.value.body["param"] == "prompt"

@@ -398,6 +398,8 @@ def test_responses_function_calls_and_a_conversation_over_previous_response_id(t
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input[0].content[0].type"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),  # a response has no place for them
+    ({"n": 2}, "n"),
 ])
 def test_responses_refuse_what_they_do_not_serve_by_name(tokenizers, body, param):
     refused(call(tokenizers["demo"], "/v1/responses", {"input": "hi", **body}), param)
