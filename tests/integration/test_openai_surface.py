@@ -229,6 +229,11 @@ def test_regex_choice_grammar_and_structural_tag_over_both_apis(client, model, g
     out = grpc_client.generate("x", max_tokens=40, seed=2, regex=r"[a-c]{2,4}-\d\d")
     assert re.fullmatch(r"[a-c]{2,4}-\d\d", out.text)
     assert grpc_client.generate("x", max_tokens=20, choice=["up", "down"]).text in ("up", "down")
+    assert re.fullmatch(r"\([1-9](\+[1-9])*\)",
+                        grpc_client.generate("x", max_tokens=40, seed=3, grammar=grammar).text)
+    body = grpc_client.generate("x", max_tokens=60, seed=4, structural_tag=tag).text
+    assert body.startswith("<answer>") and body.endswith("</answer>")
+    jsonschema.validate(json.loads(body[len("<answer>"):-len("</answer>")]), SCHEMA)
     with pytest.raises(tc.InvalidArgumentError) as e:
         grpc_client.generate("x", max_tokens=4, regex="(unclosed")
     assert e.value.field == "params.regex"
