@@ -67,7 +67,7 @@ def test_prefix_affinity_and_spread(cluster):
 
 
 def test_killed_workers_are_taken_out(cluster):
-    long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)  # within 1024
     short = SamplingParams(temperature=0, max_tokens=8)
 
     async def main():
@@ -127,7 +127,7 @@ def test_full_router_answers_resource_exhausted(tiny_models, tmp_path):
     c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=WORKER_ARGS,
                 router_args=["--http-port", "-1", "--max-requests", "2"]).start()
     try:
-        long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+        long = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)  # within 1024
 
         async def main():
             async with grpc.aio.insecure_channel(c.router.address) as ch:
