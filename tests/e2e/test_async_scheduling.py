@@ -188,7 +188,9 @@ def test_preemption_same_tokens(tiny_models):
 
 def test_max_model_len_ends_samples_in_flight(tiny_models):
     short = _make(tiny_models, max_model_len=48)
-    out = both(short, PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    # Each asks for all the context leaves (more is refused): they end in flight at 48.
+    out = both(short, PROMPTS, [SamplingParams(temperature=0, max_tokens=48 - len(p),
+                                               ignore_eos=True) for p in PROMPTS])
     assert [len(PROMPTS[i]) + len(o[0][0]) for i, o in enumerate(out)] == [48] * len(PROMPTS)
 
 
