@@ -11,7 +11,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 export TANDEM_CACHE_DIR=/tmp/tandem-cache
-export PYTHONSAFEPATH=1  # a script's directory (benchmarks/ has kernels.py) never shadows packages
+export PYTHONSAFEPATH=1  # a script's directory (benchmarks/kernels/, ...) never shadows packages
 {
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   nvidia-smi topo -m
@@ -22,7 +22,7 @@ B8=benchmarks/configs/llama-3.1-8b
 Q32=benchmarks/configs/qwen2.5-32b
 # 1,000 ShareGPT-like requests at once through the router and one colocated worker on cuda:0
 # (after `--`: engine flags, e.g. --tensor-parallel-size 2)
-SERVE="python3 benchmarks/serve.py --launch colocated --dtype bfloat16 --load-format dummy --devices cuda:0 --workload sharegpt --num-requests 1000 --rate inf --no-progress"
+SERVE="python3 benchmarks/serving/serve.py --launch colocated --dtype bfloat16 --load-format dummy --devices cuda:0 --workload sharegpt --num-requests 1000 --rate inf --no-progress"
 LIMIT=${LIMIT:-560}
 DEADLINE=$(( $(date +%s) + LIMIT ))
 

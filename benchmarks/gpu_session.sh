@@ -21,6 +21,11 @@ run() {  # run NAME CMD...: log, time, never stop the session
   tail -n 25 "$OUT/$name.txt"
 }
 
+serve_in() {  # serve_in TREE: serve.py's path in that checkout (flat before benchmarks/ had sub-folders)
+  if [ -f "$1/benchmarks/serving/serve.py" ]; then echo benchmarks/serving/serve.py
+  else echo benchmarks/serve.py; fi
+}
+
 for stage in "$@"; do
   case $stage in
     correctness)
@@ -29,10 +34,10 @@ for stage in "$@"; do
       run generate_8b python3 -m cli.main generate --model benchmarks/configs/llama-3.1-8b \
         --load-format dummy --device cuda --dtype bfloat16 --max-model-len 4096 \
         --prompt-token-ids 1,2,3,4,5,6,7,8 --prompt-token-ids 9,10,11 --max-tokens 16 --json ;;
-    kernels) run kernels python3 benchmarks/kernels.py --out "$OUT/kernels.json" ;;
-    transfer) run kv_transfer python3 benchmarks/kv_transfer.py --ttft-model benchmarks/configs/llama-3.1-8b --out "$OUT/kv_transfer.json" ;;
+    kernels) run kernels python3 benchmarks/kernels/paged_kernels.py --out "$OUT/kernels.json" ;;
+    transfer) run kv_transfer python3 benchmarks/transfer/kv_transfer.py --ttft-model benchmarks/configs/llama-3.1-8b --out "$OUT/kv_transfer.json" ;;
     # Needs nixl-cu13 and nixl (meta) wheels installed into /tmp/site (README: the GPU run).
-    transfer_nixl) run kv_transfer_nixl python3 benchmarks/kv_transfer.py --nixl \
+    transfer_nixl) run kv_transfer_nixl python3 benchmarks/transfer/kv_transfer.py --nixl \
         --out "$OUT/kv_transfer_nixl.json" ;;
     transfer_nixl_env)  # issue 28: UCX settings that may change its cuda_ipc path (nixl in /tmp/site)
       # (measured and left out: UCX_PROTO_ENABLE=n fails with NIXL_ERR_BACKEND,
@@ -40,18 +45,18 @@ for stage in "$@"; do
       for v in "protoinfo:UCX_PROTO_INFO=y" "rails1:UCX_MAX_RNDV_RAILS=1" \
                "get_zcopy:UCX_RNDV_SCHEME=get_zcopy" "put_zcopy:UCX_RNDV_SCHEME=put_zcopy"; do
         # shellcheck disable=SC2086  # an empty setting leaves env with no assignment
-        run "nixl_env_${v%%:*}" env ${v#*:} python3 benchmarks/kv_transfer.py --nixl --repeats 20 \
+        run "nixl_env_${v%%:*}" env ${v#*:} python3 benchmarks/transfer/kv_transfer.py --nixl --repeats 20 \
           --out "$OUT/nixl_env_${v%%:*}.json"
       done ;;
     fp8_blocks)  # issue 20: the per-block cost of a scattered pull, 16- against 32-token blocks
       for bs in 16 32; do
-        run "fp8_blocks_$bs" python3 benchmarks/kv_transfer.py --kv-cache-dtype auto fp8 \
+        run "fp8_blocks_$bs" python3 benchmarks/transfer/kv_transfer.py --kv-cache-dtype auto fp8 \
           --block-size $bs --repeats 20 --sweep --out "$OUT/fp8_blocks_$bs.json"
       done ;;
-    sweep) run kv_sweep python3 benchmarks/kv_transfer.py --sweep --repeats 10 --out "$OUT/kv_sweep.json" ;;
+    sweep) run kv_sweep python3 benchmarks/transfer/kv_transfer.py --sweep --repeats 10 --out "$OUT/kv_sweep.json" ;;
     profile)  # where each kind of step's device time goes, by kernel kind (PROFILE_VARIANTS)
       # shellcheck disable=SC2086  # the variants are words
-      run step_profile python3 benchmarks/step_profile.py --variants ${PROFILE_VARIANTS:-bf16 fp8-w} \
+      run step_profile python3 benchmarks/engine/step_profile.py --variants ${PROFILE_VARIANTS:-bf16 fp8-w} \
         --out "$OUT/step_profile.json" ;;
     offline)  # the offline engine's 1,000-request 8B runs, one process each, in the order given:
       # OFFLINE_RUNS="name|workload flags|engine flags;..." e.g.
@@ -60,62 +65,62 @@ for stage in "$@"; do
       for spec in "${runs[@]}"; do
         IFS='|' read -r name wl eng <<< "$spec"
         # shellcheck disable=SC2086  # flags are words
-        run "offline_$name" python3 benchmarks/serve.py --mode offline --model "$B8" --dtype bfloat16 \
+        run "offline_$name" python3 benchmarks/serving/serve.py --mode offline --model "$B8" --dtype bfloat16 \
           --load-format dummy --devices cuda:0 --num-requests 1000 --no-progress --gpu-time-every 0 \
           $wl --out "$OUT/offline_$name.json" -- $eng
         grep -E "requests in|floors|steps:|^ +(prefill|mixed|decode|all)" "$OUT/offline_$name.txt" \
           >> "$OUT/offline_table.txt"
       done ;;
-    decode) run decode_step_8b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b \
+    decode) run decode_step_8b python3 benchmarks/engine/decode_step.py --model benchmarks/configs/llama-3.1-8b \
         --batch 1 64 --context 1024 --out "$OUT/decode_step_8b.json"
-      run decode_step_1b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.2-1b \
+      run decode_step_1b python3 benchmarks/engine/decode_step.py --model benchmarks/configs/llama-3.2-1b \
         --batch 1 64 256 --context 1024 --out "$OUT/decode_step_1b.json" ;;
-    sched) run scheduler_overhead python3 benchmarks/scheduler_overhead.py ;;
+    sched) run scheduler_overhead python3 benchmarks/engine/scheduler_overhead.py ;;
     kernels_gpu) run kernels_gpu python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/gpu/test_paged_attention_gpu.py \
         tests/gpu/test_small_kernels_gpu.py tests/gpu/test_attention_backend_gpu.py ;;
-    decode8b) run decode_step_8b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b \
+    decode8b) run decode_step_8b python3 benchmarks/engine/decode_step.py --model benchmarks/configs/llama-3.1-8b \
         --batch 1 64 --context 1024 --out "$OUT/decode_step_8b.json" ;;
-    decode_ops) run decode_ops timeout 120 python3 benchmarks/decode_ops.py --batches 1 64 --context 1024 \
+    decode_ops) run decode_ops timeout 120 python3 benchmarks/kernels/decode_ops.py --batches 1 64 --context 1024 \
         --out "$OUT/decode_ops.json" ;;
     ratio4)  # every 4-GPU prefill:decode layout, two workloads (prompt-heavy at two rates)
-      run ratio4 python3 benchmarks/ratio.py --model benchmarks/configs/llama-3.1-8b --dtype bfloat16 \
+      run ratio4 python3 benchmarks/serving/ratio.py --model benchmarks/configs/llama-3.1-8b --dtype bfloat16 \
         --load-format dummy --gpus 4 --layouts 1P3D 2P2D 3P1D 4C --workloads prompt-heavy decode-heavy \
         --rates-for prompt-heavy=12,24 --rates-for decode-heavy=24 --num-requests 100 \
         --slo-ttft-ms 1000 --slo-itl-ms 50 --no-progress --out-dir "$OUT/ratio4" ;;
-    tokenpath) CUDA_VISIBLE_DEVICES= run token_path env OUT="$OUT/tokenpath" bash benchmarks/token_path.sh --client-procs 1 ;;
+    tokenpath) CUDA_VISIBLE_DEVICES= run token_path env OUT="$OUT/tokenpath" bash benchmarks/serving/token_path.sh --client-procs 1 ;;
     servepath)  # services against the offline engine on GPUs (SERVE_MODELS: which configs)
       for m in ${SERVE_MODELS:-llama-3.2-1b llama-3.1-8b}; do
         common=(--model benchmarks/configs/$m --dtype bfloat16 --load-format dummy --workload sharegpt
                 --num-requests 1000 --no-progress)
         # Unmeasured first: a fresh machine compiles Triton kernels on first use (cached on disk
         # for every later process); whichever path ran first would pay for it.
-        run "warm_$m" python3 benchmarks/serve.py --mode offline "${common[@]}" --devices cuda:0 \
+        run "warm_$m" python3 benchmarks/serving/serve.py --mode offline "${common[@]}" --devices cuda:0 \
           --gpu-time-every 0
-        run "offline_$m" python3 benchmarks/serve.py --mode offline "${common[@]}" --devices cuda:0 \
+        run "offline_$m" python3 benchmarks/serving/serve.py --mode offline "${common[@]}" --devices cuda:0 \
           --gpu-time-every 0 --out "$OUT/offline_$m.json"
-        run "colocated_$m" python3 benchmarks/serve.py --launch colocated "${common[@]}" --devices cuda:0 \
+        run "colocated_$m" python3 benchmarks/serving/serve.py --launch colocated "${common[@]}" --devices cuda:0 \
           --rate inf --out "$OUT/colocated_$m.json"
-        run "disagg_$m" python3 benchmarks/serve.py --launch disaggregated --num-prefill 1 --num-decode 1 \
+        run "disagg_$m" python3 benchmarks/serving/serve.py --launch disaggregated --num-prefill 1 --num-decode 1 \
           "${common[@]}" --devices cuda:0,cuda:1 --rate inf --out "$OUT/disagg_$m.json"
       done ;;
     fp8)  # issue 20: FP8 KV cache and FP8 weights (Llama-3.1-8B config, dummy weights)
       run fp8_gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fp8_gpu.py -rA
-      run fp8_gemv timeout 600 python3 benchmarks/fp8_gemv.py --sweep
-      run fp8_decode_8b python3 benchmarks/decode_step.py --model benchmarks/configs/llama-3.1-8b \
+      run fp8_gemv timeout 600 python3 benchmarks/kernels/fp8_gemv.py --sweep
+      run fp8_decode_8b python3 benchmarks/engine/decode_step.py --model benchmarks/configs/llama-3.1-8b \
         --batch 1 64 256 --context 1024 --variants bf16 fp8-kv fp8-w fp8-w+kv \
         --out "$OUT/fp8_decode_8b.json"
-      run fp8_transfer python3 benchmarks/kv_transfer.py --kv-cache-dtype auto fp8 \
+      run fp8_transfer python3 benchmarks/transfer/kv_transfer.py --kv-cache-dtype auto fp8 \
         --ttft-model benchmarks/configs/llama-3.1-8b --out "$OUT/fp8_transfer.json"
       common=(--model benchmarks/configs/llama-3.1-8b --dtype bfloat16 --load-format dummy
               --workload sharegpt --num-requests 1000 --no-progress --devices cuda:0 --gpu-time-every 0)
-      run fp8_warm python3 benchmarks/serve.py --mode offline "${common[@]}" -- --kv-cache-dtype fp8 --quantization fp8
+      run fp8_warm python3 benchmarks/serving/serve.py --mode offline "${common[@]}" -- --kv-cache-dtype fp8 --quantization fp8
       for v in "bf16:" "fp8kv:--kv-cache-dtype fp8" "fp8wkv:--kv-cache-dtype fp8 --quantization fp8"; do
         # shellcheck disable=SC2086  # the flags split on purpose
-        run "fp8_offline_${v%%:*}" python3 benchmarks/serve.py --mode offline "${common[@]}" \
+        run "fp8_offline_${v%%:*}" python3 benchmarks/serving/serve.py --mode offline "${common[@]}" \
           --out "$OUT/fp8_offline_${v%%:*}.json" -- ${v#*:}
       done
       if [ -n "${FP8_ACCURACY_MODEL:-}" ]; then  # a real checkpoint (SmolLM2-135M-Instruct)
-        run fp8_accuracy python3 benchmarks/fp8_accuracy.py --model "$FP8_ACCURACY_MODEL" \
+        run fp8_accuracy python3 benchmarks/engine/fp8_accuracy.py --model "$FP8_ACCURACY_MODEL" \
           --device cuda --out "$OUT/fp8_accuracy.json"
       fi ;;
     defaults)  # issue 23 item 5: batch cap and token budget for the 8B config on one GPU
@@ -125,12 +130,12 @@ for stage in "$@"; do
                "s512_b8k:--max-num-seqs 512 --max-num-batched-tokens 8192"; do
         for w in "fixed:--workload fixed --prompt-len 220 --output-len 190" "sg0:--workload sharegpt --seed 0"; do
           # shellcheck disable=SC2086  # the flags split on purpose; engine flags after --
-          run "defaults_${w%%:*}_${v%%:*}" python3 benchmarks/serve.py --mode offline "${common[@]}" \
+          run "defaults_${w%%:*}_${v%%:*}" python3 benchmarks/serving/serve.py --mode offline "${common[@]}" \
             ${w#*:} --out "$OUT/defaults_${w%%:*}_${v%%:*}.json" -- ${v#*:}
         done
       done ;;
     structured)  # issue 18: json_schema against unconstrained (needs a tokenizer directory)
-      run structured python3 benchmarks/structured.py --model $B8 --tokenizer "${STRUCTURED_TOKENIZER:?}" \
+      run structured python3 benchmarks/engine/structured.py --model $B8 --tokenizer "${STRUCTURED_TOKENIZER:?}" \
         --device cuda:0 --num-requests 256 --max-tokens 256 --rounds 3 --schema unbounded \
         --breakdown --out "$OUT/structured.json" ;;
     pulls)  # decode workers beside KV pulls (needs 2 GPUs): in-stream pulls' tests, then 1P+1D
@@ -140,7 +145,7 @@ for stage in "$@"; do
         tests/gpu/test_kvtransfer_gpu.py tests/gpu/test_disagg_gpu.py
       for tree in "$PWD" ${BASE:+"$BASE"}; do
         tag=$([ "$tree" = "$PWD" ] && echo head || echo base)
-        (cd "$tree" && PYTHONPATH=/tmp/site:$tree run "pulls_$tag" python3 benchmarks/serve.py \
+        (cd "$tree" && PYTHONPATH=/tmp/site:$tree run "pulls_$tag" python3 "$(serve_in "$tree")" \
           --launch disaggregated --num-prefill 1 --num-decode 1 --model $B8 --dtype bfloat16 \
           --load-format dummy --workload sharegpt --num-requests 600 --rate 20 30 --no-progress \
           --devices cuda:0,cuda:1 --out "$OUT/pulls_$tag.json")
@@ -154,28 +159,28 @@ for stage in "$@"; do
       common=(--model $B8 --dtype bfloat16 --load-format dummy --num-requests 1000 --no-progress)
       one_gpu() {  # TAG TREE: offline then colocated on cuda:0 from TREE
         # shellcheck disable=SC2086  # flags are words
-        (cd "$2" && PYTHONPATH=/tmp/site:$2 run "offline_$1" python3 benchmarks/serve.py --mode offline \
+        (cd "$2" && PYTHONPATH=/tmp/site:$2 run "offline_$1" python3 "$(serve_in "$2")" --mode offline \
           "${common[@]}" $wl --devices cuda:0 --gpu-time-every 0 --out "$OUT/offline_$1.json" -- ${LAYOUT_FLAGS:-}
-         PYTHONPATH=/tmp/site:$2 run "colocated_$1" python3 benchmarks/serve.py --launch colocated \
+         PYTHONPATH=/tmp/site:$2 run "colocated_$1" python3 "$(serve_in "$2")" --launch colocated \
           "${common[@]}" $wl --devices cuda:0 --rate inf --out "$OUT/colocated_$1.json" -- ${LAYOUT_FLAGS:-})
       }
       (export CUDA_VISIBLE_DEVICES=0
        # unmeasured first: Triton compiles its kernels once per machine (cached on disk after)
        # shellcheck disable=SC2086
-       run layout_warm python3 benchmarks/serve.py --mode offline "${common[@]}" --workload fixed \
+       run layout_warm python3 benchmarks/serving/serve.py --mode offline "${common[@]}" --workload fixed \
          --prompt-len 64 --output-len 16 --devices cuda:0 --gpu-time-every 0 -- ${LAYOUT_FLAGS:-}
        one_gpu head "$PWD"
        [ -n "${BASE:-}" ] && one_gpu base "$BASE") &
       lane0=$!
       (export CUDA_VISIBLE_DEVICES=1
-       run fp8kv_decode python3 benchmarks/decode_step.py --model $B8 --batch 1 16 64 256 512 \
+       run fp8kv_decode python3 benchmarks/engine/decode_step.py --model $B8 --batch 1 16 64 256 512 \
          --context 1024 --variants bf16 fp8-kv --out "$OUT/fp8kv_decode.json") &
       wait $lane0 $!
       # shellcheck disable=SC2086
-      run layout_1p1d python3 benchmarks/serve.py --launch disaggregated --num-prefill 1 --num-decode 1 \
+      run layout_1p1d python3 benchmarks/serving/serve.py --launch disaggregated --num-prefill 1 --num-decode 1 \
         "${common[@]}" $wl --devices cuda:0,cuda:1 --rate inf --out "$OUT/layout_1p1d.json" -- ${LAYOUT_FLAGS:-}
       # shellcheck disable=SC2086
-      run layout_2c python3 benchmarks/serve.py --launch colocated --num-both 2 \
+      run layout_2c python3 benchmarks/serving/serve.py --launch colocated --num-both 2 \
         "${common[@]}" $wl --devices cuda:0,cuda:1 --rate inf --out "$OUT/layout_2c.json" -- ${LAYOUT_FLAGS:-} ;;
     pack) tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . ;;
     *) echo "unknown stage $stage" ;;

@@ -20,12 +20,12 @@ PARTS=${*:-tests parity step serve pool32 serve32}
 for part in $PARTS; do
   case $part in
     tests) step tests python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 -m gpu tests/gpu/test_tensor_parallel_gpu.py ;;
-    parity) step parity python3 benchmarks/tensor_parallel.py parity --model $B8 --out "$R/parity.json" ;;
-    step) step step python3 benchmarks/tensor_parallel.py step --model $B8 --batch 1 64 --context 1024 --out "$R/step.json" ;;
+    parity) step parity python3 benchmarks/engine/tensor_parallel.py parity --model $B8 --out "$R/parity.json" ;;
+    step) step step python3 benchmarks/engine/tensor_parallel.py step --model $B8 --batch 1 64 --context 1024 --out "$R/step.json" ;;
     serve)
       step serve_tp1 $SERVE --model $B8 --label tp1 --log-dir "$R/logs_serve_tp1" --out "$R/serve_tp1.json"
       step serve_tp2 $SERVE --model $B8 --label tp2 --log-dir "$R/logs_serve_tp2" --out "$R/serve_tp2.json" -- --tensor-parallel-size 2 ;;
-    pool32) step pool32 python3 benchmarks/tensor_parallel.py pool --model $Q32 --max-model-len 4096 --out "$R/pool32.json" ;;
+    pool32) step pool32 python3 benchmarks/engine/tensor_parallel.py pool --model $Q32 --max-model-len 4096 --out "$R/pool32.json" ;;
     serve32) step serve32_tp2 $SERVE --model $Q32 --label qwen32-tp2 --log-dir "$R/logs_serve32" --out "$R/serve32_tp2.json" -- --tensor-parallel-size 2 ;;
     *) echo "unknown part $part" >> "$OUT/summary.txt" ;;
   esac

@@ -132,7 +132,7 @@ class MixedGraphRunner:
     """Steps with prefill chunks (chunks alone, or beside decodes) replayed from CUDA graphs.
 
     An eager step costs the host a few hundred kernel launches, 30-50 ms on a GPU box's CPU
-    for an 8B model (benchmarks/step_profile.py --host-profile): more than the GPU time of a
+    for an 8B model (benchmarks/engine/step_profile.py --host-profile): more than the GPU time of a
     step of a few hundred tokens, which then waits on its launches. One graph per token count
     on MIXED_SIZES replays the forward pass, the LM head over the rows that sample and their
     argmax. What makes a step's shape fixed: the decode kernel runs over all S sequence rows,

@@ -337,7 +337,7 @@ def fill_bitmask(states: list[GrammarState], bitmask: torch.Tensor, rows: list[i
 
     # One accept_token call a row. xgrammar's batch_accept_token is no faster: it runs the same
     # matcher code one row after another on this thread, and its wrapper's per-row conversions
-    # cost more than the calls it saves (benchmarks/grammar_step.py, 2-core VM, 256 rows:
+    # cost more than the calls it saves (benchmarks/engine/grammar_step.py, 2-core VM, 256 rows:
     # 0.74 ms a step serial, 0.82 ms batched, beside a 37 ms fill).
     for s in states:
         s.flush()

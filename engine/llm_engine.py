@@ -116,7 +116,7 @@ class LLMEngine:
         self.last_execute_s = 0.0
         # Observer, when set: called at the end of every step with the step's outputs, after
         # last_step and last_execute_s are set, on the caller's thread and outside the step's
-        # timing. How benchmarks/offline.py reads per-step facts while LLM.generate runs.
+        # timing. How benchmarks/serving/offline.py reads per-step facts while LLM.generate runs.
         self.on_step: Callable[[list[SeqOutput]], None] | None = None
 
     def _runner(self, config: EngineConfig, cache, sched, pool_factory, progress: bool

@@ -48,7 +48,7 @@ from kernels._common import (
 
 
 class Fp8GemvConfig(NamedTuple):
-    """Tile sizes (benchmarks/fp8_gemv.py overrides them). block_n is the widest slice of
+    """Tile sizes (benchmarks/kernels/fp8_gemv.py overrides them). block_n is the widest slice of
     output channels a program owns; the launcher halves it while cdiv(N, block_n) is below
     programs_per_sm * SMs. gemv_*: the M == 1 path; dot_*: M > 1, 16 rows a tile."""
 

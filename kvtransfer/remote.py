@@ -45,7 +45,7 @@ IPC_LAZY_ENABLE_PEER_ACCESS = 1
 # A pull of at most this many runs is one cudaMemcpyAsync per run (the copy engines move a run
 # at the rate of one large peer copy, plus a few microseconds each); more, and one copy_blocks
 # launch. On 2x H100, a 2k-token prompt launched behind a busy stream, as a decode worker
-# launches it (`benchmarks/kv_transfer.py`; BENCHMARKS.md "Runs of adjacent blocks"): the
+# launches it (`benchmarks/transfer/kv_transfer.py`; BENCHMARKS.md "Runs of adjacent blocks"): the
 # kernel 0.73 ms bf16 / 0.38 FP8 on any ids; the copy engines 0.68 / 0.35 for one run,
 # 0.71-0.72 / 0.38 for 8, 0.74-0.75 / 0.41 for 16; their host time ~half the kernel's.
 MAX_COPY_RUNS = 8

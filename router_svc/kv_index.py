@@ -10,7 +10,7 @@ leading hashes present under that worker's bit: `match` walks them once for ever
 Bounded: at most `max_blocks` hashes. Past that the oldest tenth of the entries (by insertion)
 goes, as one rebuild: the map is a routing hint, and a hint lost only costs a cache-blind
 placement, never a wrong answer (a worker recomputes or pulls what it does not have). Memory,
-measured with tracemalloc (benchmarks/multiturn.py --index-memory): about 78 bytes per hash, so
+measured with tracemalloc (benchmarks/serving/multiturn.py --index-memory): about 78 bytes per hash, so
 78 MB for 1M cached blocks, whatever the number of workers (up to 60 in one small int each).
 """
 

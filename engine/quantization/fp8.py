@@ -33,7 +33,7 @@ from tandem.errors import InvalidArgument, ModelLoadError
 MIN_CAPABILITY = (8, 9)  # Ada, Hopper and later have FP8 tensor cores
 _MIN_AMAX = 1e-6  # kernels/fp8_quant.py MIN_AMAX
 # Up to this many token rows fp8_linear runs the weight-only kernel. Measured on an H100
-# (benchmarks/fp8_gemv.py, the four Llama-3.1-8B projections): at 1 row the kernel's CUDA-core
+# (benchmarks/kernels/fp8_gemv.py, the four Llama-3.1-8B projections): at 1 row the kernel's CUDA-core
 # path reads the weight at 1.8-2.6 TB/s, 1.1-2.1x faster than torch._scaled_mm with its
 # activation quantization; at 16 rows its tensor-core path (the same cost for any 2-16 rows,
 # one 16-row tile) is 0.6-0.73x of _scaled_mm. So: one row, the batch-1 decode step.

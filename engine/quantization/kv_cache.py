@@ -11,7 +11,7 @@ any KV is written: 1.0 (vLLM's default), or the calibrated scales an FP8 checkpo
 (`CheckpointKVScales`, below). A scale computed at write time would differ between the blocks
 of one sequence, between requests sharing a prefix block, and between a prefill and a decode
 worker whose pages are copied byte for byte; static scales are the same on every worker by
-construction, so pages move unchanged. benchmarks/fp8_accuracy.py measures what 1.0 costs
+construction, so pages move unchanged. benchmarks/engine/fp8_accuracy.py measures what 1.0 costs
 against per-(layer, head) scales calibrated on a prefill.
 
 Checkpoint scales. FP8 checkpoints from the common tools carry, per decoder layer N, a K and a

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import engine.attention.torch_backend as torch_backend
-from benchmarks.fp8_accuracy import Accuracy, build, compare, score
 from engine.llm import LLM
 from engine.quantization.fp8 import Fp8Linear, quantize_weight
 from engine.sampling_params import SamplingParams
+from engine.scoring import Accuracy, build, compare, score
 from tandem.errors import InvalidArgument, ModelLoadError
 
 # The tiny Llama (2 layers, 2 KV heads) over 128 fixed random tokens, teacher-forced: prefill

@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.fp8_accuracy import build, score
 from engine.config import ModelConfig
 from engine.llm import LLM
 from engine.loader import build_model, load_weights
 from engine.parallel import TPState, rank_heads
 from engine.quantization.kv_cache import CheckpointKVScales, KVScales
 from engine.sampling_params import SamplingParams
+from engine.scoring import build, score
 from tandem.errors import ModelLoadError
 
 # [layer, KV head]. Head 1 of layer 0 and head 0 of layer 1 clamp (their K values reach ~6.7,

@@ -20,10 +20,10 @@ needs_fp8_mma = pytest.mark.skipif(
     reason="FP8 matmuls need compute capability >= 8.9")
 
 if torch.cuda.is_available():
-    from benchmarks.fp8_accuracy import build, compare, score
     from engine.llm import LLM
     from engine.quantization.fp8 import Fp8Linear, fp8_linear, linear_path, quantize_weight
     from engine.sampling_params import SamplingParams
+    from engine.scoring import build, compare, score
     from kernels import (
         fp8_gemv,
         fp8_gemv_ref,

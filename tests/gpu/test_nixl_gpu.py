@@ -21,8 +21,8 @@ pytest.importorskip("nixl._api", reason="the nixl package is not installed: pip 
 
 
 def test_nixl_reads_scattered_vram_blocks_across_processes_exactly() -> None:
-    from benchmarks.kv_transfer_blocks import as_bytes, blocks_match
-    from benchmarks.kv_transfer_nixl import nixl_producer
+    from kv_patterns import as_bytes, blocks_match, nixl_producer
+
     from kvtransfer.nixl import NixlEndpoint
 
     src = "cuda:0"

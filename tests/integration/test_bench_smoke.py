@@ -1,7 +1,8 @@
-"""The serving benchmarks run end to end on the CPU with a tiny Llama: serve.py against a stack it
-launches (colocated and disaggregated), serve.py --mode offline, hf_baseline.py (static batches
-and transformers' continuous batching), and ratio.py's layouts and report. Each JSON must show
-every request completed with exactly the workload's token counts."""
+"""The benchmarks run end to end on the CPU with a tiny Llama, each by its path as a user runs it:
+serve.py against a stack it launches (colocated and disaggregated), serve.py --mode offline,
+hf_baseline.py (static batches and transformers' continuous batching), and the engine and
+robustness benchmarks' small versions. Each JSON must show every request completed with exactly
+the workload's token counts. (The benchmarks' own helpers are tested in benchmarks/tests/.)"""
 
 from __future__ import annotations
 
@@ -14,9 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import ratio
-from benchmarks.workloads import sharegpt_like
-
 ROOT = Path(__file__).resolve().parents[2]
 N = 8
 WORKLOAD = ["--workload", "sharegpt", "--num-requests", str(N), "--sharegpt-max-len", "48",
@@ -25,11 +23,14 @@ ENGINE = ["--", "--num-blocks", "256", "--max-num-batched-tokens", "64"]
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 
 
-def expected_tokens(vocab: int = 512) -> int:
-    return sum(r.max_tokens for r in sharegpt_like(N, vocab, seed=3, max_len=48))
+# The output tokens WORKLOAD asks for of the tiny models' 512-token vocabulary (its requests'
+# max_tokens summed): fixed, so a change in how the benchmarks draw a workload shows here too.
+EXPECTED_TOKENS = 344
 
 
 def run(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs benchmarks/<script> by its path, as its docstring says to (the tests import nothing
+    from benchmarks/)."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -46,7 +47,7 @@ def check_latencies(s: dict) -> None:
 def test_serve_launches_the_stack_and_counts_every_token(tiny_models, tmp_path, launch):
     out = tmp_path / "serve.json"
     layout = ["--num-prefill", "1", "--num-decode", "1"] if launch == "disaggregated" else []
-    run("serve.py", "--launch", launch, *layout, "--model", str(tiny_models["llama"]),
+    run("serving/serve.py", "--launch", launch, *layout, "--model", str(tiny_models["llama"]),
         "--devices", "cpu", "--dtype", "float32", *WORKLOAD, "--rate", "inf", "40",
         "--warmup", "2", "--client-procs", "2" if launch == "disaggregated" else "1",
         "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000", "--no-progress", "--out", str(out),
@@ -59,7 +60,7 @@ def test_serve_launches_the_stack_and_counts_every_token(tiny_models, tmp_path, 
     for run_ in r["runs"]:
         s = run_["summary"]
         assert s["completed"] == N and s["failed"] == 0, s["errors"]
-        assert s["output_tokens"] == s["expected_output_tokens"] == expected_tokens()
+        assert s["output_tokens"] == s["expected_output_tokens"] == EXPECTED_TOKENS
         assert [q["output_tokens"] for q in run_["requests"]] == \
             [q["expected_tokens"] for q in run_["requests"]]
         check_latencies(s)
@@ -78,12 +79,12 @@ def test_serve_launches_the_stack_and_counts_every_token(tiny_models, tmp_path, 
 
 def test_serve_offline_reports_kv_waste_against_static_batches(tiny_models, tmp_path):
     out = tmp_path / "offline.json"
-    run("serve.py", "--mode", "offline", "--model", str(tiny_models["llama"]), "--devices", "cpu",
+    run("serving/serve.py", "--mode", "offline", "--model", str(tiny_models["llama"]), "--devices", "cpu",
         "--dtype", "float32", *WORKLOAD, "--static-batch-size", "8", "--no-progress",
         "--out", str(out), *ENGINE)
     r = json.loads(out.read_text())
     assert r["completed"] == N and not r["wrong_length"]
-    assert r["output_tokens"] == r["expected_output_tokens"] == expected_tokens()
+    assert r["output_tokens"] == r["expected_output_tokens"] == EXPECTED_TOKENS
     check_latencies(r)
     kv = r["kv"]
     assert 2 <= kv["peak_running_seqs"] <= N
@@ -103,68 +104,22 @@ def test_serve_offline_reports_kv_waste_against_static_batches(tiny_models, tmp_
     assert kinds["decode"]["steps"] > 0 and kinds["decode"]["tokens"] >= kinds["decode"]["steps"]
     assert kinds["prefill"]["steps"] + kinds["mixed"]["steps"] > 0
     total = sum(kinds[k]["tokens"] for k in ("decode", "mixed", "prefill"))
-    assert total >= expected_tokens() - N  # every output token but the first is a decode token
+    assert total >= EXPECTED_TOKENS - N  # every output token but the first is a decode token
     # GPU busy time is measured on CUDA only.
     assert all(kinds[k]["profiled"] == 0 for k in ("decode", "mixed", "prefill"))
 
 
-def test_offline_recorder_reads_steps_through_the_engine_observer(tiny_models, monkeypatch):
-    """offline.py's StepRecorder sees every step through LLMEngine.on_step (no wrapping): the
-    profiler (replaced here, as it needs CUDA) covers exactly every Nth step, from the first,
-    and the observer is gone afterwards."""
-    from benchmarks import step_recorder as offline
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-
-    calls = []
-    monkeypatch.setattr(offline, "_start_profiler", lambda rec: calls.append(rec.steps) or "p")
-    monkeypatch.setattr(offline, "_stop_profiler", lambda rec, prof: (0.001, 0.002))
-    # Pipelined steps, as on a GPU (on the CPU they are off by default).
-    llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32", progress=False,
-              async_scheduling=True)
-    finished = []
-    rec = offline.StepRecorder(llm.engine, 3, on_finished=finished.append)
-    rec.attach()
-    outs = llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8, ignore_eos=True,
-                                                           temperature=0))
-    rec.detach()
-    assert llm.engine.on_step is None
-    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
-    # 8 steps, and (pipelined) a ninth call that takes the last step's tokens.
-    assert rec.steps == 9 and rec.calls_without_batch == 1
-    assert sum(finished) == 4 and len(rec.done) == 4
-    assert calls == [0, 3, 6, 9]  # started before steps 0, 3, 6 and the call after the last
-    kinds = rec.step_account()
-    assert sum(kinds[k]["profiled"] for k in offline.STEP_KINDS) == 3
-    assert 0 < rec.execute_s < rec.step_s
-
-    # Windows of 4 steps (as for pipelined steps on a GPU): one from step 0, the next armed at
-    # the first multiple of 3 after it closed (6), cut short by the run's end; each set against
-    # its device span, not its steps' wall time.
-    calls.clear()
-    rec = offline.StepRecorder(llm.engine, 3, gpu_window=4)
-    rec.attach()
-    llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=8, ignore_eos=True,
-                                                    temperature=0))
-    rec.detach()
-    assert calls == [0, 6]
-    assert [(n, w, b) for n, w, b in rec.windows] == [(4, 0.002, 0.001), (3, 0.002, 0.001)]
-    acct = rec.step_account()
-    assert acct["all"]["profiled"] == 7 and acct["all"]["host_share"] == pytest.approx(0.5)
-    assert acct["all"]["gpu_busy_ms_mean"] == pytest.approx(2 * 0.001 / 7 * 1e3)
-
-
 def test_hf_baseline_static_and_continuous_batching(tiny_models, tmp_path):
     out = tmp_path / "hf.json"
-    run("hf_baseline.py", "--model", str(tiny_models["llama"]), "--device", "cpu", "--mode",
+    run("serving/hf_baseline.py", "--model", str(tiny_models["llama"]), "--device", "cpu", "--mode",
         "both", *WORKLOAD, "--batch-size", "4", "--cb-num-blocks", "64", "--cb-block-size", "16",
         "--cb-max-batch-tokens", "128", "--no-progress", "--out", str(out))
     r = json.loads(out.read_text())
-    assert r["card"] == "cpu" and r["workload_stats"]["output_tokens"] == expected_tokens()
+    assert r["card"] == "cpu" and r["workload_stats"]["output_tokens"] == EXPECTED_TOKENS
     for mode in ("static", "cb"):
         s = r[mode]
         assert s["completed"] == N and not s["partial"], s
-        assert s["output_tokens"] == expected_tokens()
+        assert s["output_tokens"] == EXPECTED_TOKENS
         check_latencies(s)
     assert r["static"]["batches"] == 2
     # Static rows decode their batch's longest output: more computed than asked for.
@@ -175,65 +130,22 @@ def test_hf_baseline_static_cache(tiny_models, tmp_path):
     """--cache static: generate with transformers' static cache (compiled on CUDA only), the
     first batch run once untimed; the same tokens counted."""
     out = tmp_path / "hf_static.json"
-    run("hf_baseline.py", "--model", str(tiny_models["llama"]), "--device", "cpu", "--mode",
+    run("serving/hf_baseline.py", "--model", str(tiny_models["llama"]), "--device", "cpu", "--mode",
         "static", "--cache", "static", *WORKLOAD, "--batch-size", "4", "--no-progress",
         "--out", str(out))
     s = json.loads(out.read_text())["static"]
     assert s["cache"] == "static" and s["completed"] == N and not s["partial"], s
-    assert s["output_tokens"] == expected_tokens() and s["batches"] == 2
+    assert s["output_tokens"] == EXPECTED_TOKENS and s["batches"] == 2
     check_latencies(s)
 
 
-def test_ratio_layouts_and_report(tmp_path):
-    assert ratio.derived_layouts(4) == ["1P3D", "2P2D", "3P1D", "4C"]
-    assert ratio.derived_layouts(2) == ["1P1D", "2C"]
-    lay = ratio.parse_layout("1P2D")
-    assert lay.roles == ["prefill", "decode", "decode"] and lay.gpus == 3
-    assert ratio.parse_layout("2c").roles == ["both", "both"]
-    het = ratio.parse_layout("1Ptp2_2D")
-    assert (het.gpus, het.devices("cuda"), het.label()) == (
-        4, ["cuda:0", "cuda:2", "cuda:3"], "1P(TP2):2D")
-    assert het.role_args() == {"prefill": ["--tensor-parallel-size", "2"]}
-    het = ratio.parse_layout("2P1Dtp2")
-    assert (het.devices("cuda"), het.label()) == (["cuda:0", "cuda:1", "cuda:2"], "2P:1D(TP2)")
-    assert ratio.parse_layout("2Ctp2").devices("cuda") == ["cuda:0", "cuda:2"]
-    for bad in ("2X", "1Ptp22D", "tp2C"):
-        with pytest.raises(SystemExit):
-            ratio.parse_layout(bad)
-
-    def run_(rate, duration, ttft):
-        rows = [{"ok": True, "ttft_ms": ttft, "itl_p90_ms": 1.0} for _ in range(4)]
-        lat = {"p50": ttft, "p99": ttft}
-        summary = {"rate": rate, "completed": 4, "num_requests": 4, "duration_s": duration,
-                   "request_throughput": 4 / duration, "output_throughput": 40 / duration,
-                   "ttft_ms": lat, "itl_ms": {"p50": 1.0, "p99": 1.0}, "goodput": 4 / duration,
-                   "slo_attainment": 1.0,
-                   "slo": {"ttft_ms": 10, "itl_ms": 10, "per_request_itl": "p90"}}
-        return summary, rows
-
-    # 1P1D carries more within a 10 ms TTFT (5 req/s at rate 4), but its TTFT there is 5 ms.
-    for name, runs in (("1P1D", [run_(2.0, 2.0, 1.0), run_(4.0, 0.8, 5.0), run_("inf", 0.1, 9)]),
-                       ("2C", [run_(2.0, 2.0, 1.0), run_(4.0, 1.0, 2.0)])):
-        (tmp_path / f"layout-{name}.json").write_text(json.dumps({
-            "layout": name, "card": "cpu", "model": "m",
-            "workloads": {"prompt-heavy": [s for s, _ in runs]},
-            "requests": {"prompt-heavy": [rows for _, rows in runs]}}))
-    rep = ratio.report(tmp_path)
-    assert rep["best"]["prompt-heavy"]["layout"] == "1P1D"  # rate inf's 40 req/s is no load
-    assert len(rep["rows"]) == 5
-    assert (tmp_path / "goodput-prompt-heavy.png").exists() == HAS_MPL
-    strict = ratio.report(tmp_path, (3.0, 10.0, "p90"))
-    assert strict["best"]["prompt-heavy"] == {"layout": "2C", "max_goodput": 4.0,
-                                              "mean_goodput": 3.0}
-
-
 def test_structured_benchmark_counts_every_token(tiny_models, tmp_path):
-    """benchmarks/structured.py on the CPU: both kinds decode every token, the grammar is
+    """benchmarks/engine/structured.py on the CPU: both kinds decode every token, the grammar is
     compiled once, and the JSON names the card; pipelined steps (as on a GPU) with the
     breakdown's timers in place."""
     model = str(tiny_models["llama"])
     out = tmp_path / "structured.json"
-    run("structured.py", "--model", model, "--tokenizer", model, "--device", "cpu",
+    run("engine/structured.py", "--model", model, "--tokenizer", model, "--device", "cpu",
         "--dtype", "float32", "--num-requests", "3", "--prompt-len", "6", "--max-tokens", "12",
         "--rounds", "1", "--max-num-batched-tokens", "64", "--async-scheduling", "--breakdown",
         "--out", str(out), timeout=300)
@@ -245,10 +157,10 @@ def test_structured_benchmark_counts_every_token(tiny_models, tmp_path):
 
 @pytest.mark.parametrize("schema", ["bounded", "unbounded"])
 def test_grammar_step_benchmark_replays_every_variant(tiny_models, tmp_path, schema):
-    """benchmarks/grammar_step.py with the demo's tokenizer: every variant replays the same
+    """benchmarks/engine/grammar_step.py with the demo's tokenizer: every variant replays the same
     walks through the grammar (none breaks it) and the JSON names the machine and schema."""
     out = tmp_path / "grammar_step.json"
-    run("grammar_step.py", "--tokenizer", str(tiny_models["llama"]), "--rows", "2", "3",
+    run("engine/grammar_step.py", "--tokenizer", str(tiny_models["llama"]), "--rows", "2", "3",
         "--steps", "6", "--rounds", "2", "--schema", schema, "--out", str(out))
     r = json.loads(out.read_text())
     assert r["machine"] and r["steps"] == 6 and set(r["median"]) == {"2", "3"}
@@ -259,10 +171,10 @@ def test_grammar_step_benchmark_replays_every_variant(tiny_models, tmp_path, sch
 
 
 def test_multiturn_moves_only_new_blocks_with_reuse(tiny_models, tmp_path):
-    """benchmarks/multiturn.py, reuse off then on: turn 2 pulls its whole prompt without reuse
+    """benchmarks/serving/multiturn.py, reuse off then on: turn 2 pulls its whole prompt without reuse
     and only its new blocks with it; the outputs agree."""
     out = tmp_path / "multiturn.json"
-    run("multiturn.py", "--model", str(tiny_models["llama"]), "--num-prefill", "1",
+    run("serving/multiturn.py", "--model", str(tiny_models["llama"]), "--num-prefill", "1",
         "--num-decode", "1", "--num-conversations", "2", "--turns", "2", "--first-tokens", "40",
         "--new-tokens", "20", "--output-tokens", "12", "--rate", "100", "--out", str(out),
         "--", "--num-blocks", "128", timeout=300)
@@ -276,12 +188,12 @@ def test_multiturn_moves_only_new_blocks_with_reuse(tiny_models, tmp_path):
 
 
 def test_cold_start_benchmark_runs_every_pass(tiny_models, tmp_path):
-    """benchmarks/cold_start.py on the CPU: four passes of prefill-only requests, each timed,
+    """benchmarks/engine/cold_start.py on the CPU: four passes of prefill-only requests, each timed,
     and the Triton cache counted (empty here: the CPU runs no compiled kernels)."""
     out = tmp_path / "cold.json"
     cache = tmp_path / "triton"
     cache.mkdir()
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cold_start.py"),
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "engine" / "cold_start.py"),
                            "--model", str(tiny_models["llama"]), "--device", "cpu",
                            "--dtype", "float32", "--load-format", "auto", "--max-model-len",
                            "256", "--long", "100", "--count", "2", "--out", str(out)],
@@ -297,10 +209,10 @@ def test_cold_start_benchmark_runs_every_pass(tiny_models, tmp_path):
 
 
 def test_step_profile_times_every_step_kind(tmp_path):
-    """benchmarks/step_profile.py --smoke: each step kind of each variant run and timed (the
+    """benchmarks/engine/step_profile.py --smoke: each step kind of each variant run and timed (the
     CPU has no device times to split by kernel)."""
     out = tmp_path / "steps.json"
-    proc = run("step_profile.py", "--smoke", "--variants", "bf16", "--out", str(out), timeout=240)
+    proc = run("engine/step_profile.py", "--smoke", "--variants", "bf16", "--out", str(out), timeout=240)
     rows = json.loads(out.read_text())["bf16"]["rows"]
     assert [r["step"] for r in rows] == ["prefill 64", "mixed 20+4", "decode 1", "decode 4"]
     assert all(r["wall_ms"] > 0 for r in rows)
@@ -308,11 +220,11 @@ def test_step_profile_times_every_step_kind(tmp_path):
 
 
 def test_flood_benchmark_counts_every_request(tmp_path):
-    """benchmarks/flood.py end to end, small: `tandem up` with the demo model, two floods of 30
+    """benchmarks/robustness/flood.py end to end, small: `tandem up` with the demo model, two floods of 30
     requests (one kind each) from two client processes; every request OK, no worker failed
     over, the router's loop lag read."""
     out = tmp_path / "flood.json"
-    run("flood.py", "--floods", "2", "--requests", "30", "--mix", "in-turn", "--clients", "2",
+    run("robustness/flood.py", "--floods", "2", "--requests", "30", "--mix", "in-turn", "--clients", "2",
         "--burners", "0", "--out", str(out), timeout=240)
     r = json.loads(out.read_text())
     assert r["summary"]["ok"] == 60 and r["summary"]["failed"] == 0

@@ -197,7 +197,7 @@ def test_hung_decode_worker_is_found_and_its_streams_move(tiny_models, tmp_path,
         assert results == expected
         events = router_events(c)
         # Found by the router's poll (--worker-timeout), not by the channel's pings: the time
-        # it took is a figure (benchmarks/hung_worker.py, BENCHMARKS.md), not asserted here.
+        # it took is a figure (benchmarks/robustness/hung_worker.py, BENCHMARKS.md), not asserted here.
         assert any("answered no poll" in e for e in events), events[-20:]
     finally:
         c.stop()

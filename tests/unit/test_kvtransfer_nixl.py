@@ -1,7 +1,7 @@
 """The nixl transport on the CPU: the pool handle and descriptor (no agent), the errors that name
 the extra when the package is missing, and DRAM pools registered with real NIXL agents (UCX over
 the loopback device): pulls of scattered block ids, ids and layouts refused by name, concurrent
-pulls, and the benchmark's nixl rows. Cancelled, timed-out and failed pulls are in
+pulls. Cancelled, timed-out and failed pulls are in
 test_kvtransfer_nixl_faults.py.
 
 UCX is held to the loopback device here (UCX_NET_DEVICES=lo, set by nixl_pools). Every test
@@ -218,31 +218,6 @@ def test_the_process_endpoint_runs_a_progress_thread_only_where_it_serves(monkey
     finally:
         server.close()
         monkeypatch.setattr(nixl, "_default", None)
-
-
-@needs_nixl
-def test_the_benchmarks_nixl_rows_move_the_right_bytes_on_the_cpu() -> None:
-    """benchmarks/kv_transfer.py --nixl runs unattended on a GPU box; its producer process and
-    READ and WRITE loops (benchmarks/kv_transfer_nixl.py) are the same code on host memory,
-    checked here (the WRITE rows read back what they wrote)."""
-    import argparse
-    import random
-
-    from benchmarks.kv_transfer_nixl import measure_nixl
-
-    shape = dict(num_blocks=32, **SHAPE)
-    rng = random.Random(1)
-    rows = measure_nixl(argparse.Namespace(warmup=1, repeats=2, seed=0), "cpu", "cpu", shape,
-                        "bfloat16", rng.sample(range(32), 16), rng.sample(range(32), 16))
-    names = {"nixl READ, scattered blocks (NixlRemotePool.pull)",
-             "nixl READ, adjacent blocks, one descriptor each", "nixl READ, 8 runs of 2 blocks",
-             "nixl READ, adjacent blocks (1 run: one descriptor)",
-             "nixl WRITE, scattered blocks (NixlRemotePool.push)",
-             "nixl WRITE, 8 runs of 2 blocks", "nixl WRITE, adjacent blocks (1 run: one descriptor)"}
-    assert set(rows) == {f"{n} [{label}]" for n in names
-                         for label in ("progress thread", "no progress thread",
-                                       "4 posting threads")}
-    assert all(r["correct"] and r["gbps"] > 0 for r in rows.values()), rows
 
 
 def test_a_prefill_worker_without_the_package_exits_naming_the_extra(tmp_path) -> None:

@@ -84,7 +84,7 @@ def test_split_heuristic():
     assert decode_num_splits(1, 8, 512, sms) == 2
     assert decode_num_splits(1, 8, 100, sms) == 1
     assert 1 <= decode_num_splits(16, 8, 8192, sms) <= 3
-    # The policy's knobs (what benchmarks/decode_ops.py sweeps).
+    # The policy's knobs (what benchmarks/kernels/decode_ops.py sweeps).
     assert decode_num_splits(1, 8, 1024, sms, policy=SplitPolicy(min_split_tiles=1)) == 16
     assert decode_num_splits(1, 8, 1024, sms, policy=SplitPolicy(min_split_tiles=8)) == 2
     assert decode_num_splits(1, 8, 32768, sms, policy=SplitPolicy(programs_per_sm=1)) == 17

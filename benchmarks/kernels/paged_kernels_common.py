@@ -1,0 +1,72 @@
+"""What the parts of benchmarks/kernels/paged_kernels.py share: the attention shapes (Llama-3.1-8B's, or tiny
+for --smoke), timing from captured graphs over input copies that exceed the L2, the memory
+check, and the copy bandwidth every share is taken of.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.lib.timing import copy_bandwidth, eager_time, graph_time
+
+L2_WORKING_SET = 256 << 20  # bytes of distinct inputs per timed graph (H100 L2: 50 MiB)
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+LLAMA_8B = Shape(32, 8, 128, torch.bfloat16)
+SMOKE = Shape(8, 2, 64, torch.float32)
+
+
+# ----------------------------------------------------------------------------- timing
+
+def bench(fns: list[Callable[[], object]], device: torch.device, reps: int,
+          min_calls: int = 20) -> float:
+    """Seconds per call, cycling through fns (one per input copy). On CUDA the calls run
+    from one captured graph; if capture fails they run eagerly (with launch overhead)."""
+    for f in fns:
+        f()  # compile, warm up
+    calls = fns * max(1, math.ceil(min_calls / len(fns)))
+    if device.type == "cuda":
+        try:
+            return graph_time(calls, reps)
+        except RuntimeError as e:  # a path that cannot be captured
+            print(f"  (graph capture failed, timing eagerly: {str(e).splitlines()[0]})")
+            torch.cuda.synchronize()
+    return eager_time(calls, max(1, reps // 3) if device.type == "cpu" else reps, device)
+
+
+def copies_for(nbytes: int) -> int:
+    """How many copies of an input of nbytes make the timed working set exceed the L2."""
+    if not torch.cuda.is_available():
+        return 1
+    return max(1, min(32, math.ceil(L2_WORKING_SET / max(nbytes, 1))))
+
+
+def fits(nbytes: int, device: torch.device, slack: int = 2 << 30) -> bool:
+    if device.type != "cuda":
+        return nbytes < (4 << 30)
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes + slack < free
+
+
+# ----------------------------------------------------------------------------- copy bandwidth
+
+def copy_bound(device: torch.device, reps: int, smoke: bool) -> dict[str, float]:
+    nbytes = (16 << 20) if smoke else (1 << 30)
+    gbps = copy_bandwidth(device, nbytes, max(3, reps // 4))
+    return {"bytes": nbytes, "seconds": 2 * nbytes / gbps / 1e9, "gbps": gbps}

@@ -1,0 +1,250 @@
+"""Multi-turn conversations through a disaggregated stack: how much KV moves from prefill to
+decode, and how many prompt tokens prefill computes, per turn, with decode-side prefix reuse on
+and off.
+
+    # CPU, shm (the default): 40 conversations x 6 turns, 2 prefill + 2 decode workers
+    python benchmarks/serving/multiturn.py --num-conversations 40 --reuse both
+    # GPUs, CUDA IPC: one worker per GPU
+    python benchmarks/serving/multiturn.py --device cuda --transport cuda_ipc \\
+        --model benchmarks/configs/llama-3.2-1b --dtype bfloat16 --load-format dummy \\
+        --num-conversations 200 --first-tokens 1024 --new-tokens 128 --output-tokens 128
+    # the router's map of cached blocks: bytes per block hash, for 1M hashes
+    python benchmarks/serving/multiturn.py --index-memory
+
+Conversation c, turn t: the prompt is everything so far (turn 1's prompt, every earlier answer
+and user message) plus `--new-tokens` random tokens; the answer is `--output-tokens` tokens
+(greedy, ignore_eos). Turns go in waves: every conversation's turn t, sent at a steady
+`--rate` requests per second in an order of its own (shuffled with --seed: conversations do not
+take turns in a fixed order, and a fixed one would hand a round-robin router each conversation
+to the same worker every turn), then the next turn once all have answered. Per turn, from the
+workers' counters (GetLoad) over the wave: KV bytes and blocks the decode workers pulled,
+prompt tokens the prefill workers computed; from the client: TTFT (send -> first token).
+
+`--reuse off` starts the decode workers with --no-prefix-caching: every turn pulls its whole
+prompt, as before decode-side reuse (the prefill workers' own prefix cache stays on in both).
+`--reuse both` runs off, then on, on fresh stacks, and also reports whether the outputs agree.
+`--routing-policy` picks the router's (default: its own, prefix-affinity); `least-loaded`, blind
+to what workers cache, is the baseline that shows what routing on caches buys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.lib.common import counters, percentile  # noqa: E402
+from router_svc.routing import POLICIES  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--model", default="tandem-demo")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cuda: worker i on cuda:i (mod the GPUs there are)")
+    p.add_argument("--transport", default=None, choices=["shm", "cuda_ipc", "nixl"],
+                   help="default: shm on the CPU, cuda_ipc on GPUs")
+    p.add_argument("--num-prefill", type=int, default=2)
+    p.add_argument("--num-decode", type=int, default=2)
+    p.add_argument("--num-conversations", type=int, default=40)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--first-tokens", type=int, default=256, help="turn 1's prompt")
+    p.add_argument("--new-tokens", type=int, default=64, help="each later turn's user message")
+    p.add_argument("--output-tokens", type=int, default=32, help="each answer")
+    p.add_argument("--rate", type=float, default=8.0, help="requests per second in a wave")
+    p.add_argument("--reuse", default="both", choices=["on", "off", "both"])
+    p.add_argument("--routing-policy", default=None, choices=sorted(POLICIES),
+                   help="the router's --routing-policy (default: the router's default)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="JSON results")
+    p.add_argument("--log-dir", type=Path, default=None)
+    p.add_argument("--index-memory", action="store_true",
+                   help="only measure the router's KV map: bytes per cached block hash")
+    p.add_argument("worker_args", nargs="*", help="after --: flags for every worker")
+    return p
+
+
+# -- the workload ----------------------------------------------------------------------------
+def conversations(a: argparse.Namespace, vocab: int) -> list[list[list[int]]]:
+    """Per conversation, per turn, the tokens the user adds (turn 1: the whole first prompt)."""
+    rng = random.Random(a.seed)
+    # Byte-level and demo vocabularies start with specials at the top: stay below them.
+    hi = min(vocab, 256) - 1
+    return [[[rng.randint(1, hi) for _ in range(a.first_tokens if t == 0 else a.new_tokens)]
+             for t in range(a.turns)] for _ in range(a.num_conversations)]
+
+
+async def one(stub, prompt: list[int], max_tokens: int) -> dict:
+    from tandem.v1 import api_pb2, common_pb2
+
+    msg = api_pb2.GenerateRequest(
+        token_ids=api_pb2.TokenIds(ids=prompt),
+        params=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                         temperature=0.0))
+    t0 = time.monotonic()
+    ttft, tokens, cached = None, [], 0
+    async for chunk in stub.Generate(msg, timeout=600):
+        if chunk.token_ids and ttft is None:
+            ttft = time.monotonic() - t0
+        tokens += chunk.token_ids
+        cached = chunk.usage.cached_prompt_tokens or cached
+    return {"ttft": ttft, "tokens": tokens, "cached": cached}
+
+
+async def run_waves(stack, a: argparse.Namespace, convs: list[list[list[int]]]) -> dict:
+    import grpc
+
+    from tandem.v1 import api_pb2_grpc
+
+    history: list[list[int]] = [[] for _ in convs]
+    turns, outputs = [], []
+    rng = random.Random(a.seed)
+    async with grpc.aio.insecure_channel(stack.router.address) as ch:
+        stub = api_pb2_grpc.TandemStub(ch)
+        for t in range(a.turns):
+            prompts = [h + c[t] for h, c in zip(history, convs)]
+            place = rng.sample(range(len(prompts)), len(prompts))  # conversation -> its place
+            before = await counters(stack)
+
+            async def send(k: int, prompt: list[int]) -> dict:
+                await asyncio.sleep(k / a.rate)  # a steady rate within the wave
+                return await one(stub, prompt, a.output_tokens)
+
+            results = await asyncio.gather(*(send(place[i], p) for i, p in enumerate(prompts)))
+            after = await counters(stack)
+            n = len(prompts)
+            ttfts = [r["ttft"] * 1e3 for r in results]
+            turns.append({
+                "turn": t + 1, "prompt_tokens": sum(map(len, prompts)) / n,
+                "new_tokens": sum(len(c[t]) for c in convs) / n
+                + (a.output_tokens if t else 0),
+                "kv_bytes": (after["bytes"] - before["bytes"]) / n,
+                "kv_blocks": (after["blocks"] - before["blocks"]) / n,
+                "computed": (after["computed"] - before["computed"]) / n,
+                "cached": sum(r["cached"] for r in results) / n,
+                "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99)})
+            outputs.append([r["tokens"] for r in results])
+            history = [p + r["tokens"] for p, r in zip(prompts, results)]
+            print(f"  turn {t + 1}: {turns[-1]['kv_bytes'] / 1024:.1f} KiB pulled, "
+                  f"{turns[-1]['computed']:.0f} tokens computed per request", flush=True)
+    return {"turns": turns, "outputs": outputs}
+
+
+def launch(a: argparse.Namespace, reuse: bool):
+    from cli.launcher import LocalStack
+
+    roles = ["prefill"] * a.num_prefill + ["decode"] * a.num_decode
+    if a.device == "cuda":
+        import torch
+
+        gpus = max(1, torch.cuda.device_count())
+        devices = [f"cuda:{i % gpus}" for i in range(len(roles))]
+    else:
+        devices = ["cpu"] * len(roles)
+    transport = a.transport or ("shm" if a.device == "cpu" else "cuda_ipc")
+    common = ["--dtype", a.dtype, "--load-format", a.load_format, "--max-model-len",
+              str(a.max_model_len), *a.worker_args]
+    decode = [] if reuse else ["--no-prefix-caching"]
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    block_size = (["--block-size", a.worker_args[a.worker_args.index("--block-size") + 1]]
+                  if "--block-size" in a.worker_args else [])
+    stack = LocalStack(a.model, roles, devices, worker_args=common,
+                       role_args={"prefill": ["--transport", transport], "decode": decode},
+                       router_args=["--grpc-port", "0", "--http-port", "-1",
+                                    "--max-model-len", str(a.max_model_len), *block_size,
+                                    *(["--routing-policy", a.routing_policy]
+                                      if a.routing_policy else [])],
+                       log_dir=a.log_dir / ("reuse-on" if reuse else "reuse-off")
+                       if a.log_dir else None, env=env)
+    return stack.start(), devices, transport
+
+
+def print_table(runs: dict[str, dict]) -> None:
+    off, on = runs.get("off"), runs.get("on")
+    print()
+    print(f"{'turn':>4}{'prompt':>8}{'new':>6} | {'KiB moved':>10}{'blocks':>8}"
+          f"{'computed':>9}{'TTFT p50':>9}{'p99':>7}" + (" | reuse on" if off and on else ""))
+    for label, run in runs.items():
+        print(f"-- reuse {label}")
+        for t in run["turns"]:
+            ratio = ""
+            if label == "on" and off:
+                base = off["turns"][t["turn"] - 1]["kv_bytes"]
+                ratio = f"  {base / t['kv_bytes']:.1f}x fewer bytes" if t["kv_bytes"] else \
+                    "  (nothing moved)"
+            print(f"{t['turn']:>4}{t['prompt_tokens']:>8.0f}{t['new_tokens']:>6.0f} | "
+                  f"{t['kv_bytes'] / 1024:>10.1f}{t['kv_blocks']:>8.1f}{t['computed']:>9.1f}"
+                  f"{t['ttft_p50']:>9.0f}{t['ttft_p99']:>7.0f}{ratio}")
+
+
+def index_memory(n: int = 1_000_000, workers: int = 8) -> float:
+    """Bytes per hash of the router's KVIndex holding n hashes spread over `workers` workers
+    (each hash a fresh int, as the protobuf decoder makes them)."""
+    import tracemalloc
+
+    from router_svc.kv_index import KVIndex
+
+    rng = random.Random(0)
+    batches = [[rng.getrandbits(64) - (1 << 63) for _ in range(n // workers)]
+               for _ in range(workers)]
+    tracemalloc.start()
+    idx = KVIndex(max_blocks=2 * n)
+    base = tracemalloc.get_traced_memory()[0]
+    for slot, hashes in enumerate(batches):
+        idx.apply(slot, (int(str(h)) for h in hashes), [])  # fresh int objects
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return used / len(idx)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.index_memory:
+        per = index_memory()
+        print(f"router KV map: {per:.1f} bytes per cached block hash, "
+              f"{per:.0f} MB for 1M blocks")
+        return 0
+    from benchmarks.lib.common import model_vocab
+
+    vocab, _ = model_vocab(a.model)
+    convs = conversations(a, vocab)
+    runs: dict[str, dict] = {}
+    meta: dict = {}
+    for label in (["off", "on"] if a.reuse == "both" else [a.reuse]):
+        print(f"reuse {label}: starting {a.num_prefill} prefill + {a.num_decode} decode "
+              f"workers", flush=True)
+        stack, devices, transport = launch(a, label == "on")
+        try:
+            runs[label] = asyncio.run(run_waves(stack, a, convs))
+        finally:
+            stack.stop()
+        meta = {"devices": devices, "transport": transport}
+    print_table(runs)
+    if len(runs) == 2:
+        same = sum(x == y for t_off, t_on in zip(runs["off"]["outputs"], runs["on"]["outputs"])
+                   for x, y in zip(t_off, t_on))
+        total = sum(len(t) for t in runs["on"]["outputs"])
+        print(f"\noutputs identical with and without reuse: {same}/{total}")
+        meta["identical_outputs"] = [same, total]
+    if a.out:
+        report = {"args": {k: str(v) for k, v in vars(a).items()}, **meta,
+                  "runs": {k: v["turns"] for k, v in runs.items()}}
+        a.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
