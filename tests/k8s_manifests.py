@@ -1,6 +1,6 @@
 """deploy/k8s as the manifest tests read it: every document, lookups by kind and name, a
 container's flags, ports and probes, and the cluster mutual-TLS pieces (the Secret, its
-files and how a pod mounts them, the README's commands that create it)."""
+files and how a pod mounts them, the deployment guide's commands that create it)."""
 
 from __future__ import annotations
 
@@ -232,8 +232,9 @@ def _documented(text: str) -> Documented:
 
 
 def _k8s_readme() -> str:
-    readme = (ROOT / "README.md").read_text()
-    return readme.split("## Deploying on Kubernetes", 1)[1].split("\n## ", 1)[0]
+    """The Kubernetes section of the deployment guide (docs/deployment.md)."""
+    guide = (ROOT / "docs" / "deployment.md").read_text()
+    return guide.split("## Kubernetes", 1)[1].split("\n## ", 1)[0]
 
 
 def _keys(sources: list[str]) -> list[str]:

@@ -1,6 +1,7 @@
 """The README's main command brings the stack up, and its curl, `tandem health` (in the activated
-venv) and openai examples work as written (only the ports differ, so the test does not collide
-with a stack already running); its install overrides pick torch's index as it says."""
+venv), openai and gRPC examples work as written (only the ports differ, so the test does not
+collide with a stack already running); the install overrides of docs/installing.md pick torch's
+index as it says; the security guide's TLS example runs; every .md file the docs name exists."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
 VENV_PYTHON = ROOT / ".venv" / "bin" / "python"  # what `make install` made: the README's venv
 
 
@@ -26,12 +28,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def block_after(marker: str, lang: str) -> str:
-    """The first fenced code block of `lang` after `marker` in the README."""
-    start = README.index(marker)
-    m = re.compile(rf"```{lang}\n(.*?)```", re.S).search(README, start)
+def block_after(marker: str, lang: str, text: str = README) -> str:
+    """The first fenced code block of `lang` after `marker` in `text` (the README by default)."""
+    start = text.index(marker)
+    m = re.compile(rf"```{lang}\n(.*?)```", re.S).search(text, start)
     assert m, f"no {lang} block after {marker!r}"
     return m.group(1)
+
+
+def test_readme_is_a_front_page():
+    """README: what Tandem is, the two commands, an example of each API and links; the rest is
+    in the guides under docs/."""
+    assert len(README.splitlines()) <= 250
 
 
 def test_readme_two_commands_are_make_targets():
@@ -97,6 +105,15 @@ def test_tandem_up_and_readme_examples(tmp_path):
                              timeout=60, env=env, cwd=tmp_path)
         assert res.returncode == 0, res.stderr
         assert res.stdout.strip() == "The capital of France is Paris.", res.stdout
+
+        # The gRPC example: the same greedy answer as curl's, then a stream.
+        snippet = block_after("## Calling it over gRPC", "python")
+        (tmp_path / "grpc_hello.py").write_text(snippet.replace("127.0.0.1:50051",
+                                                                f"127.0.0.1:{grpc_port}"))
+        res = subprocess.run([str(VENV_PYTHON), "grpc_hello.py"], capture_output=True, text=True,
+                             timeout=60, env=env, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.splitlines()[0] == json.loads(quoted).strip(), res.stdout
     finally:
         up.send_signal(signal.SIGINT)  # Ctrl-C: drain and stop everything
         code = up.wait(60)
@@ -114,7 +131,7 @@ def _make_install_commands(env: dict[str, str], *overrides: str) -> list[str]:
 
 def test_make_install_takes_cpu_torch_from_the_index_the_readme_names():
     index = re.search(r"the Makefile takes torch from the\s+PyTorch CPU index, `(\S+)`",
-                      README).group(1)
+                      (DOCS / "installing.md").read_text()).group(1)
     plain = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     plain["PIP_CONFIG_FILE"] = os.devnull  # a machine where pip has no sources configured
     torch_line = next(c for c in _make_install_commands(plain) if "torch==" in c)
@@ -131,11 +148,13 @@ def test_make_install_takes_cpu_torch_from_the_index_the_readme_names():
 
 
 def test_readme_tls_example_runs_as_written(tmp_path):
-    """The Security section's `tandem up` with TLS and an API key: its commands in a shell
-    (the venv first on PATH, as once activated), only the ports changed."""
+    """The security guide's `tandem up` with TLS and an API key: its commands in a shell (the
+    venv first on PATH, as once activated), only the ports changed."""
     http, grpc_port = free_port(), free_port()
-    start = block_after("**With `tandem up`**", "bash")
-    calls = block_after("With it running, from another shell in the same directory", "bash")
+    guide = (DOCS / "security.md").read_text()
+    start = block_after("## With `tandem up`", "bash", guide)
+    calls = block_after("With it running, from another shell in the same directory", "bash",
+                        guide)
     up_line = next(line for line in start.splitlines() if line.startswith("tandem up "))
     ports = f" --http-port {http} --grpc-port {grpc_port}"
     setup = start.replace(up_line, up_line.split("#")[0].rstrip() + ports + " > up.log 2>&1 &")
@@ -164,6 +183,18 @@ def test_readme_tls_example_runs_as_written(tmp_path):
                      for ext in ("key", "pem"))])
 
 
-def test_readme_names_only_files_the_repository_has():
-    for name in set(re.findall(r"[\w./-]+\.md\b", README)):
-        assert (ROOT / name).exists() or name.startswith("http"), name
+def test_docs_name_only_files_the_repository_has():
+    """Every .md name in README.md, docs/*.md, BENCHMARKS.md and benchmarks/README.md (a link's
+    target relative to its file; a bare name relative to the repository root), and every
+    relative link's target (any file), exists."""
+    docs = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "benchmarks" / "README.md",
+            *sorted(DOCS.glob("*.md"))]
+    for doc in docs:
+        text = doc.read_text()
+        links = {m for m in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+                 if not m.startswith(("http://", "https://", "mailto:"))}
+        for link in links:
+            assert (doc.parent / link).exists(), f"{doc.name}: link to {link}"
+        for name in set(re.findall(r"[\w./-]+\.md\b", text)) - links:
+            assert name.startswith("http") or (ROOT / name).exists() or (
+                doc.parent / name).exists(), f"{doc.name}: {name}"

@@ -160,12 +160,10 @@ def test_models_tokenize_and_reflection_by_default(cluster, client):
     assert files.file_descriptor_response.file_descriptor_proto  # what grpcurl describes
 
 
-# -- the README's section, as written ------------------------------------------------------------
+# -- the gRPC guide's examples, as written (docs/grpc.md) -----------------------------------------
 def readme_block(lang: str, index: int = 0) -> str:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("## Calling it over gRPC")
-    section = readme[start:readme.index("\n## ", start + 1)]
-    return re.findall(rf"```{lang}\n(.*?)```", section, re.S)[index]
+    guide = (ROOT / "docs" / "grpc.md").read_text()
+    return re.findall(rf"```{lang}\n(.*?)```", guide, re.S)[index]
 
 
 def test_readme_python_example(cluster):
@@ -178,7 +176,7 @@ def test_readme_python_example(cluster):
 
 
 def test_readme_grpcurl_call_through_reflection(cluster):
-    """The README's grpcurl request, sent by buf curl (installed with buf; grpcurl too where
+    """The gRPC guide's grpcurl request, sent by buf curl (installed with buf; grpcurl too where
     it is installed): both learn the schema from the router's reflection alone."""
     cmd = readme_block("bash").replace("\\\n", " ").splitlines()[1]
     args = shlex.split(cmd)

@@ -199,13 +199,13 @@ def test_the_mtls_check_catches_each_missing_piece(deployment, what, mutate) -> 
     assert _mtls_problems(d), what
 
 
-@pytest.mark.parametrize("where", ["kustomization.yaml", "README.md"])
+@pytest.mark.parametrize("where", ["kustomization.yaml", "docs/deployment.md"])
 def test_the_documented_secrets_are_the_ones_the_pods_mount(where) -> None:
     """Each Secret a pod mounts is made as documented, with the keys the pod reads: a cluster
     Secret per role with that role's certificate alone, all from one `tandem certs` run; the
     public one comes from another run (another CA: it opens nothing on the workers), and no key
     goes on kubectl's command line."""
-    text = (K8S / where).read_text() if where != "README.md" else _k8s_readme()
+    text = (K8S / where).read_text() if where != "docs/deployment.md" else _k8s_readme()
     doc = _documented(text)
     cluster_dirs = set()
     for d, secret in SECRETS.items():
