@@ -185,8 +185,8 @@ def test_readme_tls_example_runs_as_written(tmp_path):
 
 def test_docs_name_only_files_the_repository_has():
     """Every .md name in README.md, docs/*.md, BENCHMARKS.md and benchmarks/README.md (a link's
-    target relative to its file; a bare name relative to the repository root), and every
-    relative link's target (any file), exists."""
+    target relative to its file; a bare name relative to the repository root), every relative
+    link's target (any file), and every link's #anchor in a Markdown file, exists."""
     docs = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "benchmarks" / "README.md",
             *sorted(DOCS.glob("*.md"))]
     for doc in docs:
@@ -198,3 +198,14 @@ def test_docs_name_only_files_the_repository_has():
         for name in set(re.findall(r"[\w./-]+\.md\b", text)) - links:
             assert name.startswith("http") or (ROOT / name).exists() or (
                 doc.parent / name).exists(), f"{doc.name}: {name}"
+        for link, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
+            target = doc.parent / link if link else doc
+            if target.suffix == ".md" and target.exists():
+                assert anchor in _anchors(target), f"{doc.name}: link to {link}#{anchor}"
+
+
+def _anchors(md: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation dropped,
+    spaces as hyphens."""
+    return {re.sub(r"[^\w\- ]", "", m.strip().lower()).replace(" ", "-")
+            for m in re.findall(r"^#+ (.+)$", md.read_text(), re.M)}
