@@ -46,6 +46,7 @@ from engine.parallel import (
     init_tp,
     leave_group,
 )
+from kvtransfer import transports
 from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 RENDEZVOUS_TIMEOUT_S = 600.0  # the slowest rank's model load is inside it
 LEAVE_TIMEOUT_S = 30.0  # for the group's teardown, then for the other ranks to exit
 # Transports whose pools a rank maps as tensors (kvtransfer/tp_pull.py copies heads out of them).
-TP_TRANSPORTS = ("shm", "cuda_ipc")
+TP_TRANSPORTS = transports.tensor_transports()
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,8 @@ class RankKV:
         n, layers, _, bs, heads, dim = shape
         self.pool = allocate_pool(num_blocks=n, num_layers=layers, block_size=bs,
                                   num_kv_heads=heads, head_dim=dim, dtype=dtype, device=device,
-                                  transport=self.transport or "shm")
+                                  transport=self.transport
+                                  or transports.default_for(str(device)))
         return self.pool.tensor
 
     # -- commands (every rank runs its own part) -------------------------------------------
@@ -269,9 +271,10 @@ class RankKV:
             return
         if any(d.transport not in TP_TRANSPORTS for d in descriptors):
             raise InvalidArgument("transport", "a handoff between tensor-parallel workers moves "
-                                  f"heads over {' or '.join(TP_TRANSPORTS)}; a nixl pool is "
-                                  "pulled only between workers of one rank each")
-        device = "cpu" if descriptors[0].transport == "shm" else self.local.device
+                                  f"heads over {' or '.join(TP_TRANSPORTS)}; a pool of "
+                                  "another transport is pulled only between workers of one "
+                                  "rank each")
+        device = transports.map_device(descriptors[0].transport, self.local.device)
         pools = [open_remote_pool(d, device) for d in descriptors]
         self.peers[address] = (instance_id, pools)
         if old is not None:

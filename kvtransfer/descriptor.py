@@ -14,16 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvtransfer import transports
 from tandem.errors import InvalidArgument, LayoutMismatch
-
-TRANSPORTS = ("shm", "cuda_ipc", "nixl")
 
 # Bytes per element of each dtype Tandem stores KV in: the model dtypes (engine.config.DTYPES)
 # and e4m3 (--kv-cache-dtype fp8; its scales are static, the same on every worker, so FP8
 # pages move unchanged like any other).
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
-
-CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
 # The fields two pools must share to exchange blocks, in the order they are checked.
 # num_blocks may differ: each side addresses only its own block ids.
@@ -75,26 +72,11 @@ class PoolDescriptor:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgument(name, f"must be a positive int, got {value!r}")
-        if self.transport not in TRANSPORTS:
-            raise InvalidArgument(
-                "transport", f"must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        transports.entry(self.transport)  # a registered transport, or named as the field
         # Messages below describe the handle's type and length, never its bytes.
         if not isinstance(self.handle, bytes) or not self.handle:
             raise InvalidArgument("handle", "must be non-empty bytes")
-        if self.transport == "cuda_ipc":
-            if len(self.handle) != CUDA_IPC_HANDLE_BYTES:
-                raise InvalidArgument("handle", f"a cuda_ipc handle is {CUDA_IPC_HANDLE_BYTES} "
-                                                f"bytes, got {len(self.handle)}")
-            if self.device_index < 0:
-                raise InvalidArgument("device_index", f"a cuda_ipc pool lives on a CUDA device, "
-                                                      f"got {self.device_index}")
-        elif self.transport == "nixl":
-            if self.device_index < -1:
-                raise InvalidArgument("device_index", f"a nixl pool is in host memory (-1) or on "
-                                                      f"a CUDA device, got {self.device_index}")
-        elif self.device_index != -1:
-            raise InvalidArgument("device_index", f"a shm pool is on the CPU (-1), "
-                                                  f"got {self.device_index}")
+        transports.check_placement(self.transport, self.handle, self.device_index)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:

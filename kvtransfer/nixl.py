@@ -1,4 +1,4 @@
-"""The "nixl" transport: KV blocks between hosts over NVIDIA NIXL (UCX underneath: RDMA,
+"""The "nixl" transport (`TRANSPORT`): KV blocks between hosts over NVIDIA NIXL (UCX underneath: RDMA,
 NVLink/cuda_ipc, TCP, shared memory; UCX picks what the two ends share).
 
 Each worker process has one NIXL agent (`default_endpoint()`, an `NixlEndpoint`). A prefill
@@ -42,6 +42,8 @@ import torch
 
 from kvtransfer.descriptor import PoolDescriptor
 from kvtransfer.nixl_remote import NixlHandle, NixlRemotePool
+from kvtransfer.pool import Allocation
+from kvtransfer.remote import Finished, TransferStats
 from kvtransfer.runs import block_runs
 from tandem.errors import InvalidArgument
 
@@ -397,3 +399,150 @@ def allocate_nixl_pool(nbytes: int, device: torch.device,
         endpoint.deregister(tensor)
 
     return tensor, memory, handle, device_index, on_close
+
+
+# -- the transport -----------------------------------------------------------------------------
+class NixlTransport:
+    name = "nixl"
+
+    def allocate(self, nbytes: int, device: torch.device) -> Allocation:
+        return Allocation(*allocate_nixl_pool(nbytes, device))
+
+    def open(self, desc: PoolDescriptor, device: Any) -> NixlRemotePool:
+        """Nothing to map: reads go through this process's endpoint, made to read only."""
+        return default_endpoint(serves=False).connect(desc)
+
+    def pull(self, remote: NixlRemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
+             dst_block_ids: Sequence[int], deadline: float | None = None) -> TransferStats:
+        """One READ, waited for; past `deadline` cancelled and TimeoutError raised."""
+        n = len(src_block_ids)
+        start = time.perf_counter()
+        remote.pull(local, src_block_ids, dst_block_ids, deadline=deadline)
+        return TransferStats(num_blocks=n, bytes=n * remote.descriptor.block_bytes,
+                             seconds=time.perf_counter() - start if n else 0.0)
+
+    def puller(self, local: torch.Tensor) -> NixlPuller:
+        return NixlPuller(local)
+
+
+TRANSPORT = NixlTransport()
+
+# NIXL READs in flight share the link: posted all at once on a slow one, each takes as long as
+# all of them, and every one outlives its lease (2x H100, UCX over TCP at 0.4 GB/s: 247 of 300
+# requests failed). So a decode core's pulls are posted oldest first while the bytes in flight
+# would move in INFLIGHT_S at the rate the last pulls moved (at least INFLIGHT_MIN bytes, and
+# always one pull); the others wait, their leases renewed by the worker meanwhile.
+INFLIGHT_S = 1.0
+INFLIGHT_MIN = 256 << 20
+
+
+class NixlPuller:
+    """A decode core's pulls over NIXL into `local`: the pulls not ended, oldest first, and the
+    rate the last ones moved at (bytes a second, posting to seen done; a running average)."""
+
+    def __init__(self, local: torch.Tensor) -> None:
+        self.local = local
+        self.queue: list[NixlPull] = []
+        self.rate: float | None = None
+
+    def start(self, remote: NixlRemotePool, src_block_ids: list[int],
+              dst_block_ids: list[int], deadline: Any) -> NixlPull | Finished:
+        """A pull to poll (its READ posted by a later poll), or, with nothing to move, one
+        that is over."""
+        if not src_block_ids:
+            return Finished(TransferStats(0, 0, 0.0))
+        pull = NixlPull(self, remote, src_block_ids, dst_block_ids, deadline)
+        self.queue.append(pull)
+        return pull
+
+
+class NixlPull:
+    """A pull over NIXL, a Transfer that completes outside the engine's stream (the engine
+    polls it between steps, its sequence unscheduled): its READ is posted once the engine's
+    stream has passed the pull's making (a step in flight may still write blocks freed since)
+    and the older pulls are posted, within the bytes in flight the link allows; it ends once
+    (done, failed, past `deadline()`, or cancelled because its request ended)."""
+
+    outside_stream = True
+
+    def __init__(self, puller: NixlPuller, pool: NixlRemotePool, src_block_ids: list[int],
+                 dst_block_ids: list[int], deadline: Any) -> None:
+        self.puller, self.pool, self.deadline = puller, pool, deadline
+        self.src, self.dst = src_block_ids, dst_block_ids
+        self.local = puller.local
+        self.gate: Any = None  # CUDA: an event after the work the stream holds now
+        if self.local.is_cuda:
+            with torch.cuda.device(self.local.device):
+                self.gate = torch.cuda.Event()
+                self.gate.record()
+        self.transfer: Transfer | None = None
+        self.posted = 0.0
+        self.seconds = 0.0
+        self.ended = False
+        self.error: Exception | None = None
+
+    def done(self) -> bool:
+        if self.ended:
+            if self.error is not None:
+                raise self.error
+            return True
+        try:
+            if self.transfer is None:
+                if (self.gate is not None and not self.gate.query()) or not self.may_post():
+                    return self._in_time()
+                self.posted = time.perf_counter()
+                self.transfer = self.pool.start_pull(self.local, self.src, self.dst)
+            if not self.pool.endpoint.poll(self.transfer):
+                return self._in_time()
+        except Exception as e:
+            self._end(e)
+            raise
+        self._end(None)
+        return True
+
+    def wait(self) -> None:
+        while not self.done():
+            time.sleep(MAX_POLL_S)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.src) * self.pool.descriptor.block_bytes
+
+    def may_post(self) -> bool:
+        """Every older pull posted, and this one's bytes within what may be in flight (or
+        nothing in flight)."""
+        in_flight = 0
+        for pull in self.puller.queue:
+            if pull is self:
+                break
+            if pull.transfer is None:
+                return False
+            in_flight += pull.nbytes
+        rate = self.puller.rate
+        cap = max(INFLIGHT_MIN, rate * INFLIGHT_S if rate is not None else 0)
+        return in_flight == 0 or in_flight + self.nbytes <= cap
+
+    def cancel(self) -> None:
+        if not self.ended:
+            self._end(RuntimeError("the request ended before its KV arrived"))
+
+    def stats(self) -> TransferStats:
+        return TransferStats(len(self.src), self.nbytes if self.error is None else 0,
+                             self.seconds)
+
+    def _in_time(self) -> bool:
+        if time.monotonic() > self.deadline():
+            raise TimeoutError("the KV pull did not complete before the lease's deadline")
+        return False
+
+    def _end(self, error: Exception | None) -> None:
+        self.ended, self.error = True, error
+        if self.transfer is not None and error is not None:
+            self.pool.endpoint.abandon(self.transfer)  # cancelled, or outwaited
+        self.puller.queue.remove(self)
+        if self.transfer is not None:
+            self.seconds = time.perf_counter() - self.posted
+        if error is None and self.seconds > 0:
+            rate = self.nbytes / self.seconds
+            old = self.puller.rate
+            self.puller.rate = rate if old is None else 0.7 * old + 0.3 * rate

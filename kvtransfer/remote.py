@@ -16,31 +16,19 @@ one copy_blocks kernel launch moves them all.
 
 from __future__ import annotations
 
-import functools
-import mmap
-import os
 import time
-import weakref
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from kvtransfer import transports
 from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.pool import (
-    SHM_DIR,
-    SHM_PREFIX,
-    TORCH_DTYPES,
-    MappedPool,
-    device_memory_tensor,
-    on_device,
-)
+from kvtransfer.pool import RemotePool  # the peers' pools this module copies from
 from kvtransfer.runs import block_runs
 from tandem.errors import InvalidArgument
-
-# cudaIpcMemLazyEnablePeerAccess: map memory of another GPU by enabling peer access as needed.
-IPC_LAZY_ENABLE_PEER_ACCESS = 1
 
 # A pull of at most this many runs is one cudaMemcpyAsync per run (the copy engines move a run
 # at the rate of one large peer copy, plus a few microseconds each); more, and one copy_blocks
@@ -49,12 +37,6 @@ IPC_LAZY_ENABLE_PEER_ACCESS = 1
 # kernel 0.73 ms bf16 / 0.38 FP8 on any ids; the copy engines 0.68 / 0.35 for one run,
 # 0.71-0.72 / 0.38 for 8, 0.74-0.75 / 0.41 for 16; their host time ~half the kernel's.
 MAX_COPY_RUNS = 8
-
-
-class RemotePool(MappedPool):
-    """A peer's pool mapped here; `tensor` lives on the device it was opened on (for cuda_ipc
-    that may be peer memory). Opened once per peer and kept; close() unmaps it once no tensor
-    view is left. Never unlinks or frees the peer's memory."""
 
 
 @dataclass(frozen=True)
@@ -71,52 +53,35 @@ class TransferStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def open_remote_pool(desc: PoolDescriptor, device: torch.device | str) -> RemotePool:
-    """Map a peer's pool: attach its shared-memory segment ("shm", device must be the CPU) or
-    open its CUDA IPC handle on `device` ("cuda_ipc"; same GPU or a peer GPU of this host).
-    A "nixl" pool is not mapped: this returns a kvtransfer.nixl_remote.NixlRemotePool, which
-    pull_blocks reads from over NIXL (any host, any device).
+def open_remote_pool(desc: PoolDescriptor, device: torch.device | str) -> Any:
+    """Map a peer's pool on `device`, over its transport (kvtransfer/transports.py): a
+    RemotePool for a transport that maps it (a shared-memory segment on the CPU; a CUDA IPC
+    handle on this GPU or a peer GPU of this host), or what the transport reads through (NIXL:
+    a kvtransfer.nixl_remote.NixlRemotePool, any host, any device). pull_blocks takes either.
 
     Check the layout against your own pool first (`check_compatible`). Errors carry the
     descriptor's redacted fields, never its handle.
     """
-    device = torch.device(device)
-    if desc.transport == "nixl":  # nothing to map: reads go through this process's NIXL agent
-        from kvtransfer.nixl import default_endpoint  # noqa: PLC0415 - optional extra
-
-        return default_endpoint(serves=False).connect(desc)  # type: ignore[return-value]
-    if desc.transport == "shm":
-        if device.type != "cpu":
-            raise InvalidArgument("transport", f"a shm pool is mapped on the CPU, not on {device}")
-        tensor, memory = _open_shm(desc)
-    else:
-        if device.type != "cuda":
-            raise InvalidArgument("transport", f"a cuda_ipc pool is mapped on a CUDA device, "
-                                               f"not on {device}")
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        tensor, memory = _open_cuda_ipc(desc, index)
-    tensor = tensor.view(TORCH_DTYPES[desc.dtype]).view(desc.shape)
-    return RemotePool(tensor, desc, memory)
+    return transports.load(desc.transport).open(desc, device)
 
 
-def pull_blocks(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
+def pull_blocks(remote: Any, local: torch.Tensor, src_block_ids: Sequence[int],
                 dst_block_ids: Sequence[int], deadline: float | None = None) -> TransferStats:
     """Copy blocks `src_block_ids[i]` of the remote pool into blocks `dst_block_ids[i]` of
-    `local` (a pool tensor of the same layout, on the device the remote pool was opened on).
+    `local` (a pool tensor of the same layout, on the device the remote pool was opened on),
+    over the pool's transport, and wait: when this returns, the blocks are in place and the
+    peer may reuse its blocks (release the lease). Past `deadline` (time.monotonic()) a
+    transport that can stall on a peer (NIXL) cancels and raises TimeoutError; local copies
+    take no deadline."""
+    return transports.load(remote.descriptor.transport).pull(remote, local, src_block_ids,
+                                                             dst_block_ids, deadline)
 
-    CPU: one index_select + index_copy_. CUDA: one launch of kernels.copy_blocks on the current
-    stream, then a wait for that stream: when this returns, the blocks are in place and the
-    peer may reuse its blocks (release the lease).
 
-    nixl: one NIXL READ, waited for; past `deadline` (time.monotonic()) it is cancelled and
-    TimeoutError raised (the local copies above take no deadline: they cannot stall on a peer).
-    """
-    if remote.descriptor.transport == "nixl":
-        n = len(src_block_ids)
-        start = time.perf_counter()
-        remote.pull(local, src_block_ids, dst_block_ids, deadline=deadline)  # type: ignore[attr-defined]
-        return TransferStats(num_blocks=n, bytes=n * remote.descriptor.block_bytes,
-                             seconds=time.perf_counter() - start if n else 0.0)
+def copy_mapped(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
+                dst_block_ids: Sequence[int]) -> TransferStats:
+    """pull_blocks between pools mapped as tensors. CPU: one index_select + index_copy_.
+    CUDA: the copies launched on the current stream (launch_pull), then a wait for that
+    stream."""
     src_pool = remote.tensor
     _check_pull(src_pool, local, src_block_ids, dst_block_ids)
     n = len(src_block_ids)
@@ -137,9 +102,34 @@ def pull_blocks(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence
                          seconds=seconds)
 
 
+class Finished:
+    """A pull that was over when it started (a copy waited for): a Transfer
+    (kvtransfer/transports.py) that is done."""
+
+    outside_stream = False
+
+    def __init__(self, stats: TransferStats) -> None:
+        self._stats = stats
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+    def stats(self) -> TransferStats:
+        return self._stats
+
+
 class PendingPull:
     """A pull launched on a CUDA stream and not waited for: events around it tell when it is
-    done and how long it took on the device."""
+    done and how long it took on the device. A Transfer (kvtransfer/transports.py) in the
+    stream's order: the engine's next step, launched after it, reads the blocks."""
+
+    outside_stream = False
 
     def __init__(self, num_blocks: int, nbytes: int, start: torch.cuda.Event,
                  end: torch.cuda.Event) -> None:
@@ -151,6 +141,9 @@ class PendingPull:
 
     def wait(self) -> None:
         self.end.synchronize()
+
+    def cancel(self) -> None:
+        self.wait()  # a copy on the stream runs to its end
 
     def stats(self) -> TransferStats:
         """Once done: the copy's device time (from the stream reaching it to its end)."""
@@ -231,50 +224,3 @@ def _copy_blocks_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor,
         raise RuntimeError("pull_blocks on CUDA needs the gather kernel "
                            f"kernels.copy_blocks.copy_blocks, which cannot be imported: {e}") from e
     return copy_blocks
-
-
-def _open_shm(desc: PoolDescriptor) -> tuple[torch.Tensor, weakref.finalize]:
-    """Map a peer's segment, read-write, as /dev/shm/<name> (what shm_open does on Linux).
-
-    Not through SharedMemory(name): before Python 3.13 that registers the segment with this
-    process's resource tracker, which unlinks it when this process exits, pulling the pool
-    from under its owner (cpython gh-82300). Unregistering right after is no cure: a process
-    that shares its owner's tracker (a multiprocessing child of a common parent, or the owner
-    itself) would drop the owner's own entry. Mapping the file never involves the tracker.
-    """
-    name = desc.shm_name
-    if "/" in name or not name.startswith(SHM_PREFIX):
-        raise InvalidArgument("handle", "is not the name of a Tandem shm pool")  # name withheld
-    try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-    except OSError as e:  # its text would carry the path, i.e. the name
-        raise RuntimeError(f"cannot open shm pool {desc.redacted()}: {e.strerror}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size < desc.pool_bytes:
-            raise InvalidArgument("num_blocks", f"segment of {size} bytes is smaller than the "
-                                                f"described pool ({desc.pool_bytes} bytes)")
-        mapping = mmap.mmap(fd, desc.pool_bytes)
-    finally:
-        os.close(fd)  # the mapping stays valid without the descriptor
-    # The tensor holds `mapping`; nothing calls mapping.close(), so it is unmapped when the last
-    # view is gone. The finalizer only observes that (RemotePool.mapped).
-    unmapped = weakref.finalize(mapping, lambda: None)
-    return torch.frombuffer(mapping, dtype=torch.uint8), unmapped
-
-
-def _open_cuda_ipc(desc: PoolDescriptor, index: int) -> tuple[torch.Tensor, weakref.finalize]:
-    import cupy  # noqa: PLC0415 - only the cuda_ipc transport needs cupy
-
-    runtime = cupy.cuda.runtime
-    try:
-        with cupy.cuda.Device(index):
-            ptr = runtime.ipcOpenMemHandle(desc.handle, IPC_LAZY_ENABLE_PEER_ACCESS)
-    except runtime.CUDARuntimeError as e:
-        # str(e) is the CUDA error name and text; the handle stays out of the message.
-        raise RuntimeError(
-            f"cannot open the CUDA IPC handle of pool {desc.redacted()} on cuda:{index}: {e}. "
-            "The owner must be another process on this host, sharing its IPC namespace "
-            "(docker: ipc: host)") from e
-    close = functools.partial(on_device, index, runtime.ipcCloseMemHandle, ptr)
-    return device_memory_tensor(ptr, desc.pool_bytes, index, close)

@@ -19,6 +19,7 @@ import time
 
 import grpc
 
+from kvtransfer import transports
 from kvtransfer.descriptor import check_compatible
 from kvtransfer.lease import Claim, LeaseClaims, prompt_digest
 from runtime.cluster_roles import caller_identity
@@ -157,7 +158,7 @@ def lease_life(args: argparse.Namespace) -> tuple[float, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    transport = args.transport or ("shm" if args.device == "cpu" else "cuda_ipc")
+    transport = args.transport or transports.default_for(args.device)
     ttl, life = lease_life(args)
     return main_worker(args, "prefill", PrefillServicer, transport=transport,
                        lease_ttl_s=ttl, lease_max_life_s=life)
@@ -166,10 +167,8 @@ def run(args: argparse.Namespace) -> int:
 def add_lease_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
     """--transport, --lease-ttl and --lease-max-life (`tandem worker` adds them with a note that
     they are for the prefill role: `prefix`)."""
-    p.add_argument("--transport", choices=["shm", "cuda_ipc", "nixl"], default=None,
-                   help=f"{prefix}how decode workers reach this pool (default: shm on cpu, "
-                        "cuda_ipc on cuda; nixl: over NIXL/UCX, from other hosts too, needs the "
-                        "nixl extra)")
+    p.add_argument("--transport", choices=transports.names(), default=None,
+                   help=f"{prefix}how decode workers reach this pool: {transports.describe()}")
     p.add_argument("--lease-ttl", type=float, default=30.0,
                    help=f"{prefix}seconds a finished prompt's blocks stay pinned for a decode "
                         "worker, counted from the prefill and again from each renewal by the "

@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.lib.common import counters, percentile  # noqa: E402
+from kvtransfer import transports  # noqa: E402
 from router_svc.routing import POLICIES  # noqa: E402
 
 
@@ -54,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cuda: worker i on cuda:i (mod the GPUs there are)")
-    p.add_argument("--transport", default=None, choices=["shm", "cuda_ipc", "nixl"],
-                   help="default: shm on the CPU, cuda_ipc on GPUs")
+    p.add_argument("--transport", default=None, choices=transports.names(),
+                   help=f"default: {transports.default_for('cpu')} on the CPU, "
+                        f"{transports.default_for('cuda')} on GPUs")
     p.add_argument("--num-prefill", type=int, default=2)
     p.add_argument("--num-decode", type=int, default=2)
     p.add_argument("--num-conversations", type=int, default=40)
@@ -154,7 +156,7 @@ def launch(a: argparse.Namespace, reuse: bool):
         devices = [f"cuda:{i % gpus}" for i in range(len(roles))]
     else:
         devices = ["cpu"] * len(roles)
-    transport = a.transport or ("shm" if a.device == "cpu" else "cuda_ipc")
+    transport = a.transport or transports.default_for(a.device)
     common = ["--dtype", a.dtype, "--load-format", a.load_format, "--max-model-len",
               str(a.max_model_len), *a.worker_args]
     decode = [] if reuse else ["--no-prefix-caching"]

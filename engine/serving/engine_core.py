@@ -62,6 +62,7 @@ from engine.serving.core_messages import (
     portable,
 )
 from engine.serving.kv_pulls import KVPulls
+from kvtransfer import transports
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,9 @@ class EngineCore:
         self.pool: Any = None  # this core's pool, when peers map it (prefill)
         pool_factory = self._allocate_shared_pool if spec.role == "prefill" else None
         # Tensor parallelism: the other ranks share their own pools the same way (prefill).
-        tp_options = {"pool_transport": (spec.transport or "shm") if pool_factory else None}
+        # How peers reach this core's pool (prefill), kvtransfer/transports.py's.
+        self.transport = spec.transport or transports.default_for(spec.config.device)
+        tp_options = {"pool_transport": self.transport if pool_factory else None}
         if spec.cpu_threads is not None:
             tp_options["cpu_threads"] = spec.cpu_threads
         # A rank that dies takes the core with it (its worker exits 1 and is restarted): the
@@ -253,7 +256,7 @@ class EngineCore:
         n, layers, _, bs, heads, dim = shape
         pool = allocate_pool(num_blocks=n, num_layers=layers, block_size=bs, num_kv_heads=heads,
                              head_dim=dim, dtype=dtype, device=device,
-                             transport=self.spec.transport or "shm")
+                             transport=self.transport)
         self.pool = pool
         return pool.tensor
 

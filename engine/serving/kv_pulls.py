@@ -5,20 +5,18 @@ them, and the leases it holds until their one LeaseDone.
                                                                      └─▶ settle: one LeaseDone,
                                                                          with the pull's figures
 
-The engine calls `pull` and `drop` (the puller and dropper of its PromptPulls,
-engine/kv_handoff.py); the worker turns each LeaseDone into a Release on the prefill worker.
+The engine calls `pull`, `drop` and `in_stream` (this object is its DecodeConnector's
+transport side, engine/kv_connector.py); the worker turns each LeaseDone into a Release on the
+prefill worker.
 
-A pull over CUDA IPC is launched on the engine's stream and not waited for (`launch_pull`): the
-next step, launched after it, reads the blocks in stream order, so pipelined steps go on
-(`in_stream`, which the engine asks); its lease is settled once the copy is done (`poll`, each
-loop of the engine core; `flush` before the core idles, maps a peer's pool anew, or closes).
-
-A pull over NIXL completes outside the stream: it is a `NixlPull` the engine polls between
-steps (its sequence is not scheduled meanwhile; engine/kv_handoff.py), so the steps of the
-other requests go on while it moves. Its READ is posted once the stream has passed the point
-where the pull was made (a step in flight may still write blocks freed since) and the pulls
-before it are posted, with no more bytes in flight than the link moves in about a second
-(NIXL_INFLIGHT_S), and its lease is settled when it ends.
+Every pull is one `Pull` in one list, from its start to its one settlement, whatever its
+transport (kvtransfer/transports.py): the transport starts it (a Transfer) and says when it
+ends. A copy done at once (shm, heads between tensor-parallel sizes) is settled at once; one
+launched on the engine's stream (cuda_ipc) is settled once done (`poll`, each loop of the engine
+core, in launch order; `flush` before the core idles, maps a peer's pool anew, or closes): the
+next step, launched after it, reads the blocks in stream order, so pipelined steps go on. One
+that completes outside the stream (NIXL) is returned to the engine, which polls it between steps
+(its sequence is not scheduled meanwhile), and is settled when it ends.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from typing import Any
 
 from engine.sequence import RemoteKV
 from engine.serving.core_messages import LeaseDone, LeasesRenewed, MapPool
+from kvtransfer import transports
 from kvtransfer.runs import block_runs
 
 
@@ -39,21 +38,18 @@ class KVPulls:
         # Rank 0's side of a handoff that moves heads between tensor-parallel sizes.
         self.rank_kv = rank_kv
         self.events = events
-        # address -> (instance id, RemotePool): the pool of the prefill process there now
+        # address -> (instance id, the peer's pool as its transport opened it): the pool of
+        # the prefill process there now
         self.peers: dict[str, tuple[str, Any]] = {}
         # The leases this core owns, token -> request id, from Add until their one LeaseDone
         # (pulled, failed, or the request ended first): settled by popping.
         self.leases_held: dict[str, str] = {}
         # Held leases their prefill worker renewed since (LeasesRenewed): token -> deadline.
         self.renewed_deadlines: dict[str, float] = {}
-        self.outside: list[NixlPull] = []  # NIXL pulls not ended, oldest first
-        # Bytes a second the last NIXL pulls moved (posting to seen done; a running average):
-        # how many bytes may be in flight at once (NixlPull.may_post)
-        self.nixl_rate: float | None = None
+        self.pulls: list[Pull] = []  # started and not ended, oldest first
+        self.pullers: dict[str, Any] = {}  # transport name -> its puller into this pool
         self.blocks_pulled = self.bytes_pulled = self.runs_pulled = 0
         self.pull_seconds = 0.0
-        # (lease, start ns, PendingPull, runs)
-        self.pending: list[tuple[RemoteKV, int, Any, int]] = []
 
     def hold(self, kv: RemoteKV, request_id: str) -> None:
         self.leases_held[kv.lease_id] = request_id
@@ -95,118 +91,101 @@ class KVPulls:
         if old is not None and old[0] == instance_id:
             return
         self.flush()  # no copy still reads the mapping about to close
-        device = "cpu" if descriptor.transport == "shm" else self.engine.runner.device
+        device = transports.map_device(descriptor.transport, self.engine.runner.device)
         self.peers[address] = (instance_id, open_remote_pool(descriptor, device))
         if old is not None:
             with contextlib.suppress(Exception):
                 old[1].close()
 
     def pull(self, kv: RemoteKV, src_block_ids: list[int], dst_block_ids: list[int]
-             ) -> NixlPull | None:
+             ) -> Pull | None:
         """Copy blocks src_block_ids of the lease (those of the prompt this worker's prefix
-        cache does not hold: possibly none) into dst_block_ids, then settle the lease; over
-        NIXL, start it and return the NixlPull to poll."""
-        from kvtransfer.remote import pull_blocks  # noqa: PLC0415 - torch, in the core only
-
-        if kv.address in self.rank_kv.peers:
-            return self._pull_heads(kv, src_block_ids, dst_block_ids)
+        cache does not hold: possibly none) into dst_block_ids; its lease is settled once the
+        pull ends. Returns the Pull when it completes outside the engine's stream (the engine
+        polls it), else None."""
         start_ns = time.time_ns()
-        stats = error = None
-        runs = len(block_runs(src_block_ids, dst_block_ids) or ())
-        instance, pool = self.peers.get(kv.address, ("", None))
+        heads = kv.address in self.rank_kv.peers
+        runs = 0 if heads else len(block_runs(src_block_ids, dst_block_ids) or ())
+        transport = ""
         try:
-            if pool is None:
-                raise RuntimeError(f"the KV pool of {kv.address} is not mapped")
-            if instance != kv.instance_id:
-                raise RuntimeError(f"the prefill worker at {kv.address} restarted: the "
-                                   "lease's KV went with it")
-            if time.monotonic() > self.deadline(kv):
-                raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
-            if pool.descriptor.transport == "cuda_ipc":  # in stream order; settled when done
-                from kvtransfer.remote import launch_pull  # noqa: PLC0415 - torch, in the core
-
-                self.pending.append((kv, start_ns, launch_pull(
-                    pool, self.engine.runner.pool, src_block_ids, dst_block_ids), runs))
-                return None
-            if pool.descriptor.transport == "nixl" and src_block_ids:  # polled by the engine
-                pull = NixlPull(self, kv, pool, src_block_ids, dst_block_ids, runs, start_ns)
-                self.outside.append(pull)
-                return pull
-            stats = pull_blocks(pool, self.engine.runner.pool, src_block_ids, dst_block_ids,
-                                deadline=self.deadline(kv))
-            return None
+            if heads:
+                transfer, transport = self._pull_heads(kv, src_block_ids, dst_block_ids)
+            else:
+                transfer, transport = self._start(kv, src_block_ids, dst_block_ids)
         except Exception as e:
-            error = e
+            self.settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
+                        num_blocks=len(src_block_ids), num_runs=runs, nbytes=0, seconds=0.0,
+                        transport=transport, error=f"{type(e).__name__}: {e}")
             raise
-        finally:
-            if error is not None or stats is not None:  # else started: settled when done
-                self.settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
-                            num_blocks=len(src_block_ids), num_runs=runs,
-                            nbytes=stats.bytes if stats else 0,
-                            seconds=stats.seconds if stats else 0.0,
-                            transport=pool.descriptor.transport if pool is not None else "",
-                            error=f"{type(error).__name__}: {error}" if error is not None
-                            else None)
+        pull = Pull(self, kv, transfer, transport, len(src_block_ids), runs, start_ns)
+        self.pulls.append(pull)
+        if pull.outside:
+            return pull
+        self.poll()  # done at once (a CPU copy): settled now
+        return None
+
+    def _start(self, kv: RemoteKV, src_block_ids: list[int], dst_block_ids: list[int]
+               ) -> tuple[Any, str]:
+        """The pull started over the peer's transport, after the checks every one needs."""
+        instance, pool = self.peers.get(kv.address, ("", None))
+        if pool is None:
+            raise RuntimeError(f"the KV pool of {kv.address} is not mapped")
+        name = pool.descriptor.transport
+        if instance != kv.instance_id:
+            raise RuntimeError(f"the prefill worker at {kv.address} restarted: the "
+                               "lease's KV went with it")
+        if time.monotonic() > self.deadline(kv):
+            raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
+        puller = self.pullers.get(name)
+        if puller is None:
+            puller = self.pullers[name] = transports.load(name).puller(self.engine.runner.pool)
+        return puller.start(pool, src_block_ids, dst_block_ids,
+                            lambda: self.deadline(kv)), name
 
     def _pull_heads(self, kv: RemoteKV, src_block_ids: list[int],
-                    dst_block_ids: list[int]) -> None:
+                    dst_block_ids: list[int]) -> tuple[Any, str]:
         """Tensor parallelism on either side: every rank copies its heads from the prefill
-        ranks holding them (kvtransfer/tp_pull.py); the lease, one for every rank, is settled
-        once all ranks are done."""
-        start_ns = time.time_ns()
-        stats: list[Any] = []
-        error = None
+        ranks holding them (kvtransfer/tp_pull.py), done when this returns; the lease, one for
+        every rank, is settled once all ranks are done."""
+        from kvtransfer.remote import Finished, TransferStats  # noqa: PLC0415 - torch
+
+        pools = self.rank_kv.peers.get(kv.address, ("", []))[1]
+        name = pools[0].descriptor.transport if pools else ""
         args = (kv.address, kv.instance_id, src_block_ids, dst_block_ids)
-        try:
-            if time.monotonic() > self.deadline(kv):
-                raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
-            group = self.engine.tp_group
-            local = lambda: self.rank_kv.pull(*args)  # noqa: E731
-            stats = group.call("pull", args, local) if group is not None else [local()]
-        except Exception as e:
-            error = e
-            raise
-        finally:
-            pools = self.rank_kv.peers.get(kv.address, ("", []))[1]
-            self.settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
-                        num_blocks=len(src_block_ids), nbytes=sum(s.bytes for s in stats),
-                        seconds=max((s.seconds for s in stats), default=0.0),
-                        transport=pools[0].descriptor.transport if pools else "",
-                        error=f"{type(error).__name__}: {error}" if error is not None else None)
+        if time.monotonic() > self.deadline(kv):
+            raise TimeoutError("the prefill worker's lease ran out before the KV was pulled")
+        group = self.engine.tp_group
+        local = lambda: self.rank_kv.pull(*args)  # noqa: E731
+        stats = group.call("pull", args, local) if group is not None else [local()]
+        return Finished(TransferStats(len(src_block_ids), sum(s.bytes for s in stats),
+                                      max((s.seconds for s in stats), default=0.0))), name
 
     def in_stream(self, kv: RemoteKV) -> bool:
-        """Whether kv's pull may start while a step is in flight: over CUDA IPC (a launch on
-        the engine's stream), shared memory (a CPU copy, done when it returns) or NIXL (posted
-        once the stream has passed the step, and waited for by its sequence alone); not
-        between tensor-parallel sizes."""
+        """Whether kv's pull may start while a step is in flight: over any transport once its
+        pool is mapped (a launch on the engine's stream, a CPU copy done when it returns, or a
+        READ posted once the stream has passed the step and waited for by its sequence alone);
+        not between tensor-parallel sizes."""
         if kv.address in self.rank_kv.peers:
             return False
-        pool = self.peers.get(kv.address, ("", None))[1]
-        return pool is not None and pool.descriptor.transport in ("cuda_ipc", "shm", "nixl")
+        return self.peers.get(kv.address, ("", None))[1] is not None
 
     def poll(self) -> None:
-        """Settle the leases whose in-stream copy is done (in launch order)."""
-        while self.pending and self.pending[0][2].done():
-            self._settle_pending(*self.pending.pop(0))
+        """Settle the pulls in the stream's order that are done (in launch order); those
+        outside it are the engine's to poll."""
+        for pull in [p for p in self.pulls if not p.outside]:
+            if not pull.done():
+                break
 
     def flush(self) -> None:
-        """Wait for every in-stream copy and every NIXL pull (each ends by its lease's deadline
-        at the latest), and settle their leases."""
-        while self.pending:
-            kv, start_ns, pull, runs = self.pending.pop(0)
+        """Wait for every pull (one outside the stream ends by its lease's deadline at the
+        latest), and settle their leases."""
+        for pull in [p for p in self.pulls if not p.outside]:
             pull.wait()
-            self._settle_pending(kv, start_ns, pull, runs)
-        while self.outside:
-            for nixl_pull in list(self.outside):
+        while outside := [p for p in self.pulls if p.outside]:
+            for pull in outside:
                 with contextlib.suppress(Exception):  # its engine sees the error
-                    nixl_pull.done()
-            time.sleep(NIXL_POLL_S if self.outside else 0)
-
-    def _settle_pending(self, kv: RemoteKV, start_ns: int, pull: Any, runs: int) -> None:
-        stats = pull.stats()
-        self.settle(kv, pulled=True, start_ns=start_ns, end_ns=time.time_ns(),
-                    num_blocks=stats.num_blocks, num_runs=runs, nbytes=stats.bytes,
-                    seconds=stats.seconds, transport="cuda_ipc", error=None)
+                    pull.done()
+            time.sleep(POLL_S if self.pulls else 0)
 
     def drop(self, kv: RemoteKV) -> None:
         self.settle(kv)
@@ -225,10 +204,10 @@ class KVPulls:
 
     def close(self) -> None:
         """Unmap the peers' pools (those rank_kv maps are its own to close), once no copy
-        reads them (NIXL pulls in flight cancelled)."""
-        for nixl_pull in list(self.outside):
+        reads them (pulls outside the stream cancelled)."""
+        for pull in [p for p in self.pulls if p.outside]:
             with contextlib.suppress(Exception):
-                nixl_pull.cancel()
+                pull.cancel()
         with contextlib.suppress(Exception):
             self.flush()
         for _, pool in self.peers.values():
@@ -236,99 +215,57 @@ class KVPulls:
                 pool.close()
 
 
-# How often `flush` looks at NIXL pulls in flight.
-NIXL_POLL_S = 1e-4
-# NIXL READs in flight share the link: posted all at once on a slow one, each takes as long as
-# all of them, and every one outlives its lease (2x H100, UCX over TCP at 0.4 GB/s: 247 of 300
-# requests failed). So pulls are posted oldest first while the bytes in flight would move in
-# NIXL_INFLIGHT_S at the rate the last pulls moved (at least NIXL_INFLIGHT_MIN bytes, and
-# always one pull); the others wait, their leases renewed by the worker meanwhile.
-NIXL_INFLIGHT_S = 1.0
-NIXL_INFLIGHT_MIN = 256 << 20
+# How often `flush` looks at pulls outside the stream in flight.
+POLL_S = 1e-4
 
 
-class NixlPull:
-    """A pull over NIXL in flight (engine/kv_handoff.py PendingPull): its READ posted once the
-    engine's stream has passed the pull's making, polled by the engine between steps; its lease
-    settled once, when it ends (done, failed, past the lease's deadline, or cancelled because
-    its request ended)."""
+class Pull:
+    """One pull of a held lease's blocks, from its start to its one settlement: its
+    transport's Transfer, and what its LeaseDone reports. The engine polls one that completes
+    outside its stream (engine/sequence.py PendingPull: done, cancel)."""
 
-    def __init__(self, owner: KVPulls, kv: RemoteKV, pool: Any, src_block_ids: list[int],
-                 dst_block_ids: list[int], runs: int, start_ns: int) -> None:
-        self.owner, self.kv, self.pool, self.runs = owner, kv, pool, runs
-        self.src, self.dst, self.start_ns = src_block_ids, dst_block_ids, start_ns
-        self.local = owner.engine.runner.pool
-        self.gate: Any = None  # CUDA: an event after the work the stream holds now
-        if self.local.is_cuda:
-            import torch  # noqa: PLC0415 - torch, in the core only
-
-            with torch.cuda.device(self.local.device):
-                self.gate = torch.cuda.Event()
-                self.gate.record()
-        self.transfer: Any = None
-        self.posted = 0.0
+    def __init__(self, owner: KVPulls, kv: RemoteKV, transfer: Any, transport: str,
+                 num_blocks: int, runs: int, start_ns: int) -> None:
+        self.owner, self.kv, self.transfer, self.transport = owner, kv, transfer, transport
+        self.num_blocks, self.runs, self.start_ns = num_blocks, runs, start_ns
+        self.outside: bool = transfer.outside_stream
         self.ended = False
         self.error: Exception | None = None
 
     def done(self) -> bool:
+        """Whether it ended, without waiting; raises its error if it failed."""
         if self.ended:
             if self.error is not None:
                 raise self.error
             return True
         try:
-            if self.transfer is None:
-                if (self.gate is not None and not self.gate.query()) or not self.may_post():
-                    return self._in_time()
-                self.posted = time.perf_counter()
-                self.transfer = self.pool.start_pull(self.local, self.src, self.dst)
-            if not self.pool.endpoint.poll(self.transfer):
-                return self._in_time()
+            finished = self.transfer.done()
         except Exception as e:
             self._end(e)
             raise
-        self._end(None)
-        return True
+        if finished:
+            self._end(None)
+        return finished
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.src) * self.pool.descriptor.block_bytes
-
-    def may_post(self) -> bool:
-        """Every older pull posted, and this one's bytes within what may be in flight (or
-        nothing in flight)."""
-        in_flight = 0
-        for pull in self.owner.outside:
-            if pull is self:
-                break
-            if pull.transfer is None:
-                return False
-            in_flight += pull.nbytes
-        rate = self.owner.nixl_rate
-        cap = max(NIXL_INFLIGHT_MIN, rate * NIXL_INFLIGHT_S if rate is not None else 0)
-        return in_flight == 0 or in_flight + self.nbytes <= cap
+    def wait(self) -> None:
+        """Block until it ended (settled either way)."""
+        with contextlib.suppress(Exception):  # recorded; done() raises it
+            self.transfer.wait()
+        with contextlib.suppress(Exception):
+            self.done()
 
     def cancel(self) -> None:
+        """Its request ended first: stopped, and settled with that as its error."""
         if not self.ended:
+            self.transfer.cancel()
             self._end(RuntimeError("the request ended before its KV arrived"))
-
-    def _in_time(self) -> bool:
-        if time.monotonic() > self.owner.deadline(self.kv):
-            raise TimeoutError("the KV pull did not complete before the lease's deadline")
-        return False
 
     def _end(self, error: Exception | None) -> None:
         self.ended, self.error = True, error
-        if self.transfer is not None and error is not None:
-            self.pool.endpoint.abandon(self.transfer)  # cancelled, or outwaited
-        self.owner.outside.remove(self)
-        n = len(self.src)
-        seconds = time.perf_counter() - self.posted if self.transfer is not None else 0.0
-        if error is None and seconds > 0:
-            rate = self.nbytes / seconds
-            old = self.owner.nixl_rate
-            self.owner.nixl_rate = rate if old is None else 0.7 * old + 0.3 * rate
+        self.owner.pulls.remove(self)
+        stats = self.transfer.stats()
         self.owner.settle(self.kv, pulled=True, start_ns=self.start_ns, end_ns=time.time_ns(),
-                          num_blocks=n, num_runs=self.runs,
-                          nbytes=self.nbytes if error is None else 0,
-                          seconds=seconds, transport="nixl",
+                          num_blocks=self.num_blocks, num_runs=self.runs,
+                          nbytes=stats.bytes if error is None else 0, seconds=stats.seconds,
+                          transport=self.transport,
                           error=None if error is None else f"{type(error).__name__}: {error}")

@@ -29,6 +29,10 @@ class FakeLaunch:
 
 
 class FakePending:
+    """A launched copy (kvtransfer/remote.py PendingPull): a Transfer in the stream's order."""
+
+    outside_stream = False
+
     def __init__(self, n: int) -> None:
         self.n, self.finished, self.waited = n, False, False
 
@@ -90,7 +94,7 @@ def test_cuda_ipc_pulls_settle_when_their_copy_is_done(monkeypatch):
     assert [m.request_id for m in events.sent] == ["r0", "r1", "r2"]
     kp.flush()
     kp.poll()
-    assert len(events.sent) == 3 and not kp.pending and not kp.leases_held
+    assert len(events.sent) == 3 and not kp.pulls and not kp.leases_held
     assert kp.blocks_pulled == 6 and kp.runs_pulled == 4 and events.sent[2].num_runs == 2
     assert kp.pull_seconds == pytest.approx(sum(e.seconds for e in events.sent))
 

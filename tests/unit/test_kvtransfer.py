@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from kvtransfer.descriptor import LAYOUT_FIELDS, PoolDescriptor, check_compatible
-from kvtransfer.pool import SHM_DIR, allocate_pool
+from kvtransfer.pool import allocate_pool
 from kvtransfer.remote import open_remote_pool, pull_blocks
+from kvtransfer.shm import SHM_DIR
 from tandem.errors import InvalidArgument, LayoutMismatch
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""A decode core's pulls over NIXL (engine/serving/kv_pulls.py NixlPull), with real NIXL agents
+"""A decode core's pulls over NIXL (engine/serving/kv_pulls.py, kvtransfer/nixl.py NixlPull), with real NIXL agents
 over the loopback device: a pull is started and polled, lands exactly and settles its lease
 once; one held in flight and cancelled (its request ended), or past its lease's deadline,
 releases its transfer once and settles with the error; flush waits for pulls in flight; pulls
@@ -61,9 +61,9 @@ def test_a_pull_is_started_polled_and_settled_once(core) -> None:
     kv = _lease(0, src)
     kp.hold(kv, "r0")
     pull = kp.pull(kv, src, dst)
-    assert pull is not None and kp.outside == [pull] and kp.in_stream(kv)
+    assert pull is not None and kp.pulls == [pull] and pull.outside and kp.in_stream(kv)
     _poll(pull)
-    assert pull.done() and kp.outside == []  # done stays done
+    assert pull.done() and kp.pulls == []  # done stays done
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(local[d], pool.tensor[s])
     (done,) = sent
@@ -99,7 +99,7 @@ def test_a_pull_held_in_flight_ends_once_with_its_transfer_released(core, how) -
         error = "TimeoutError: the KV pull did not complete before the lease's deadline"
     (done,) = sent
     assert (done.request_id, done.error, done.nbytes) == ("r0", error, 0)
-    assert gated.released == {0: 1} and kp.outside == [] and kp.blocks_pulled == 0
+    assert gated.released == {0: 1} and kp.pulls == [] and kp.blocks_pulled == 0
     gated.gate.set()
     kv = _lease(1, src)
     kp.hold(kv, "r1")
@@ -144,7 +144,7 @@ def test_flush_waits_for_pulls_in_flight(core) -> None:
         kp.hold(kv, f"r{i}")
         pulls.append(kp.pull(kv, src, [10 + 2 * i, 11 + 2 * i]))
     kp.flush()
-    assert kp.outside == [] and [m.request_id for m in sent] == ["r0", "r1", "r2"]
+    assert kp.pulls == [] and [m.request_id for m in sent] == ["r0", "r1", "r2"]
     assert all(p.done() for p in pulls) and torch.equal(local[15], pool.tensor[7])
 
 
@@ -153,11 +153,11 @@ def test_pulls_are_posted_oldest_first_within_the_bytes_the_link_moves(core, mon
     """With at most two blocks' bytes in flight (the link's last rate unknown), the first of
     three two-block pulls is posted and the others wait, in order, until it is done; with a
     rate that moves them all in the time allowed, all are posted at once."""
-    from engine.serving import kv_pulls
+    from kvtransfer import nixl
 
     kp, pool, local, sent, gated = core
     block = pool.descriptor.block_bytes
-    monkeypatch.setattr(kv_pulls, "NIXL_INFLIGHT_MIN", 2 * block)
+    monkeypatch.setattr(nixl, "INFLIGHT_MIN", 2 * block)
     gated.gate.clear()
     pulls = []
     for i in range(3):
@@ -166,21 +166,22 @@ def test_pulls_are_posted_oldest_first_within_the_bytes_the_link_moves(core, mon
         pulls.append(kp.pull(kv, [2 * i, 2 * i + 1], [20 + 2 * i, 21 + 2 * i]))
     for _ in range(3):
         assert not any(p.done() for p in pulls)
-    assert len(gated.made) == 1 and [p.transfer is not None for p in pulls] == [True, False, False]
+    posted = [p.transfer.transfer is not None for p in pulls]
+    assert len(gated.made) == 1 and posted == [True, False, False]
     gated.gate.set()
     for p in pulls:
         _poll(p)
-    assert [m.request_id for m in sent] == ["r0", "r1", "r2"] and kp.nixl_rate > 0
+    assert [m.request_id for m in sent] == ["r0", "r1", "r2"] and kp.pullers["nixl"].rate > 0
     assert torch.equal(local[25], pool.tensor[5])
     gated.gate.clear()
-    kp.nixl_rate = 6 * block / kv_pulls.NIXL_INFLIGHT_S
+    kp.pullers["nixl"].rate = 6 * block / nixl.INFLIGHT_S
     later = []
     for i in range(3, 6):
         kv = _lease(i, [2 * i, 2 * i + 1])
         kp.hold(kv, f"r{i}")
         later.append(kp.pull(kv, [2 * i, 2 * i + 1], [20 + 2 * i, 21 + 2 * i]))
     assert not any(p.done() for p in later)
-    assert all(p.transfer is not None for p in later) and len(gated.made) == 6
+    assert all(p.transfer.transfer is not None for p in later) and len(gated.made) == 6
     gated.gate.set()
     for p in later:
         _poll(p)
