@@ -9,7 +9,7 @@ Roles share this one engine:
            engine keeps the prompt's full blocks its own prefix cache holds, allocates blocks
            for the rest, has its puller copy only those in, and decodes.
 The engine owns the objects that hold each part's state: the prefill and decode halves of that
-handoff (`leases`, `pulls`: engine/kv_handoff.py) and the pipelined steps (`pipeline`:
+handoff (`kv_connector`, its role's: engine/kv_connector.py) and the pipelined steps (`pipeline`:
 engine/async_step.py); this file holds the loop and the requests' outputs, which every role
 shares.
 
@@ -37,7 +37,7 @@ from engine.async_step import PLACEHOLDER, StepPipeline
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.grammar import GrammarCompiler
-from engine.kv_handoff import PromptLeases, PromptPulls, PullDone
+from engine.kv_connector import PullDone, connector_for
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner, PoolFactory
 from engine.model_source import resolve_model
@@ -101,9 +101,9 @@ class LLMEngine:
                                         list(self.eos_token_ids))
         # Requests held back until their grammar is compiled (in arrival order).
         self.compiling: list[tuple[Sequence, Future]] = []
-        # The handoff's halves: the prefill role's leases, the decode role's pulls.
-        self.leases = PromptLeases(self.block_pool)
-        self.pulls = PromptPulls(cache.block_size, self.model_config.vocab_size, max_len)
+        # The handoff, as this role sees it: the prefill role's leases, the decode role's pulls.
+        self.kv_connector = connector_for(config.role, self.block_pool, cache.block_size,
+                                          self.model_config.vocab_size, max_len)
         self.pipeline = StepPipeline(self.runner, self.scheduler, self.stops, self._finish,
                                      enabled=self._pipelined(config))
         self.requests: dict[str, list[Sequence]] = {}
@@ -196,7 +196,7 @@ class LLMEngine:
                            params: SamplingParams, remote: RemoteKV) -> None:
         """Decode role: the prompt's KV and first token(s) come from a prefill worker."""
         self.validate(request_id, prompt_token_ids, params)
-        self.pulls.check(prompt_token_ids, params, remote)
+        self.kv_connector.check(prompt_token_ids, params, remote)
         seq = Sequence(request_id, prompt_token_ids, params)
         seq.remote = remote
         self._add(seq)
@@ -251,27 +251,29 @@ class LLMEngine:
                 or self.pipeline.inflight is not None)
 
     def is_idle(self) -> bool:
-        return not self.requests and not len(self.leases) and self.block_pool.is_idle()
+        return (not self.requests and not len(self.kv_connector)
+                and self.block_pool.is_idle())
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         t0 = time.perf_counter()
-        if len(self.leases):
-            self.leases.expire()
+        connector = self.kv_connector
+        if len(connector):
+            connector.expire()
         outputs = self._grammars_ready() if self.compiling else []
-        if self.pulls.waiting:
+        if connector.waiting:
             outputs += self._poll_pulls()
         batch = self.scheduler.schedule()
         pipe = self.pipeline
         pipelined = (bool(batch.seqs) and pipe.enabled and pipe.can_launch(batch)
-                     and self.pulls.ordered(batch.pulls))
+                     and connector.ordered(batch.pulls))
         prev = pipe.take_inflight()
         ran: list[StepResult] = []
         if prev is not None and not pipelined:  # synchronous: the step in flight first
             ran.append(pipe.resolve(prev))
             batch.drop_finished()
             prev = None
-        outputs += self._pulled(self.pulls.start(batch.pulls))
+        outputs += self._pulled(connector.start(batch.pulls))
         if batch.seqs:
             try:
                 ran.append(pipe.launch(batch, prev) if pipelined else self._run(batch))
@@ -286,7 +288,7 @@ class LLMEngine:
             ran.append(pipe.resolve(prev))
         for r in ran:
             outputs += r.outputs
-        if self.pulls.waiting:  # the step in flight resolved: a pull waiting on it may start
+        if connector.waiting:  # the step in flight resolved: a pull waiting on it may start
             outputs += self._poll_pulls(idle=not batch.seqs)
         self.scheduler.remove_finished()
         self.last_execute_s = sum(r.execute_s for r in ran)
@@ -381,7 +383,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:  # a step in flight's
             seq.token_ids.pop()
-        self.pulls.drop(seq)
+        self.kv_connector.drop(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
@@ -401,7 +403,7 @@ class LLMEngine:
     def _handoff(self, seq: Sequence, tokens: list[int], lps: list) -> SeqOutput:
         """Prefill role: pin the prompt's blocks under a lease and end the request here."""
         now = time.monotonic()
-        lease, ttl = self.leases.hold(seq.block_ids, now), self.leases.ttl_s
+        lease, ttl = self.kv_connector.hold(seq.block_ids, now)
         reasons = []
         for tok in tokens:
             seq.token_ids.append(tok)  # as the decode side will see it
@@ -419,8 +421,8 @@ class LLMEngine:
     def _poll_pulls(self, idle: bool = False) -> list[SeqOutput]:
         """Decode role: start decoding the requests whose pull is done; fail those whose pull
         failed. `idle`: nothing else to run, so wait a little for one instead of spinning."""
-        outputs = self._pulled(self.pulls.poll())
-        if idle and self.pulls.waiting and not outputs:
+        outputs = self._pulled(self.kv_connector.poll())
+        if idle and self.kv_connector.waiting and not outputs:
             time.sleep(PULL_POLL_S)
         return outputs
 

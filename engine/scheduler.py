@@ -38,7 +38,7 @@ from engine.kv_manager import KVCacheManager
 from engine.sequence import Sequence, Status
 from engine.wait_queue import WaitQueue, remaining_outputs
 
-# Decode role: requests whose KV is still arriving (over NIXL, engine/kv_handoff.py) hold their
+# Decode role: requests whose KV is still arriving (over NIXL, engine/kv_connector.py) hold their
 # blocks and cannot be preempted; with this many at the start of a step, no request whose KV
 # is remote is admitted in it (a slow link fails fewer leases, and running requests keep blocks).
 MAX_PULLING = 32

@@ -62,7 +62,7 @@ class RemoteKV:
 
 class PendingPull(Protocol):
     """Decode role: a pull of a prompt's KV that completes outside the engine's stream (NIXL),
-    as a KVPuller returns it (engine/kv_handoff.py)."""
+    as a KVPuller returns it (engine/kv_connector.py)."""
 
     def done(self) -> bool:
         """Whether the blocks are in place, without waiting; raises if the pull failed (and
@@ -101,7 +101,7 @@ class Sequence:
         self.prompt_logprobs_sent = False
         self.remote: RemoteKV | None = None
         # Decode role: a pull of this sequence's prompt KV still in flight outside the engine's
-        # stream (PendingPull, engine/kv_handoff.py); not scheduled until it is done.
+        # stream (PendingPull, engine/kv_connector.py); not scheduled until it is done.
         self.kv_pull: PendingPull | None = None
         self.num_preemptions = 0
         # Samples still to fork off this sequence when its first token is sampled (n > 1).

@@ -88,8 +88,9 @@ class EngineCore:
         tp_options["on_rank_exit"] = _rank_exited
         self.engine = LLMEngine(spec.config, pool_factory=pool_factory, progress=False,
                                 tp_options=tp_options)
-        self.engine.leases.ttl_s = spec.lease_ttl_s
-        self.engine.leases.max_life_s = spec.lease_max_life_s
+        connector = self.engine.kv_connector
+        if spec.role == "prefill":  # its connector owns the leases on handed-off prompts
+            connector.ttl_s, connector.max_life_s = spec.lease_ttl_s, spec.lease_max_life_s
         # Rank 0's side of a handoff that moves heads between tensor-parallel sizes: used for
         # every peer when this worker has several ranks, or for a peer that has.
         from engine.tp_group import RankKV  # noqa: PLC0415 - torch, in the core only
@@ -105,7 +106,7 @@ class EngineCore:
         # Decode role: the prefill pools, the pulls from them, and the leases they settle.
         self.kv = KVPulls(self.engine, self.rank_kv, events)
         if spec.role == "decode":
-            self.engine.pulls.connect(self.kv.pull, self.kv.drop, self.kv.in_stream)
+            connector.connect(self.kv.pull, self.kv.drop, self.kv.in_stream)
         # The router routes on what this worker's prefix cache holds: record its changes.
         self.engine.block_pool.kv_events = {}
         # Batches of calls, each what the pipe held when the input thread read it.
@@ -152,8 +153,8 @@ class EngineCore:
                 break
             if not engine.has_work():
                 self.kv.flush()  # the leases of the last in-stream pulls
-                if len(engine.leases):
-                    engine.leases.expire(time.monotonic())
+                if len(engine.kv_connector):
+                    engine.kv_connector.expire(time.monotonic())
                 kv = self._kv_events()
                 if kv is not None:
                     self.events.send(kv)
@@ -238,10 +239,10 @@ class EngineCore:
         return aborted
 
     def _release(self, cmd: Release) -> bool:
-        return self.engine.leases.release(cmd.lease_id)
+        return self.engine.kv_connector.release(cmd.lease_id)
 
     def _renew(self, cmd: Renew) -> list[float]:
-        return self.engine.leases.renew(cmd.lease_ids)
+        return self.engine.kv_connector.renew(cmd.lease_ids)
 
     def _take_snapshot(self, _: TakeSnapshot) -> EngineSnapshot:
         return self._snapshot()
@@ -264,7 +265,7 @@ class EngineCore:
         e = self.engine
         pool = e.block_pool
         return EngineSnapshot(e.num_running(), e.num_waiting(), pool.num_free, pool.num_blocks,
-                              len(e.leases), len(e.requests), e.num_requests_added,
+                              len(e.kv_connector), len(e.requests), e.num_requests_added,
                               pool.block_size, pool.prefix_queries, pool.prefix_hits,
                               e.scheduler.num_preemptions, e.scheduler.num_prompt_tokens_computed,
                               self.kv.blocks_pulled, self.kv.bytes_pulled,

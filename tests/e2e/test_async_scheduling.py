@@ -297,7 +297,7 @@ def test_kv_pulls_in_stream_order_keep_steps_pipelined(tiny_models):
             eng.runner.pool[torch.tensor(dst, dtype=torch.long)] = \
                 prefill.runner.pool[torch.tensor(src, dtype=torch.long)]
 
-        eng.pulls.connect(pull, in_stream=lambda kv: True)
+        eng.kv_connector.connect(pull, in_stream=lambda kv: True)
         pulls_in_flight = [0]
 
         def on_step(_outs):
@@ -325,6 +325,6 @@ def test_kv_pulls_in_stream_order_keep_steps_pipelined(tiny_models):
     assert a == s and all(len(t) == 24 for t in a.values())
     assert overlapped >= 4
     for h in handoffs.values():
-        assert prefill.leases.release(h.lease_id)
+        assert prefill.kv_connector.release(h.lease_id)
     assert prefill.is_idle()
     prefill.shutdown()

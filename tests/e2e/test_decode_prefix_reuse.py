@@ -34,7 +34,7 @@ class Link:
                                              max_num_batched_tokens=max_num_batched_tokens),
                                 progress=False)
         self.pulls: list[tuple[list[int], list[int]]] = []
-        self.decode.pulls.connect(self._pull)
+        self.decode.kv_connector.connect(self._pull)
 
     def _pull(self, remote: RemoteKV, src: list[int], dst: list[int]) -> None:
         self.pulls.append((list(src), list(dst)))
@@ -62,8 +62,8 @@ class Link:
         out = list(handoff.first_token_ids)
         for o in _until_done(self.decode, rid):
             out += o.new_token_ids
-        assert self.prefill.leases.release(handoff.lease_id)  # exactly once: a second is refused
-        assert not self.prefill.leases.release(handoff.lease_id)
+        assert self.prefill.kv_connector.release(handoff.lease_id)  # exactly once: a second is refused
+        assert not self.prefill.kv_connector.release(handoff.lease_id)
         return out
 
     def assert_idle(self) -> None:
@@ -161,7 +161,7 @@ def test_shared_blocks_survive_preemption(model):
     for src, _ in small.pulls[1:]:
         assert len(src) == cdiv(len(branches[0]), BS) - kept
     for h in handoffs:
-        assert small.prefill.leases.release(h.lease_id)
+        assert small.prefill.kv_connector.release(h.lease_id)
     for link in (roomy, small):
         link.assert_idle()
         link.close()

@@ -45,7 +45,7 @@ def engines(tiny_models):
         decode.runner.pool[torch.tensor(dst, dtype=torch.long)] = \
             prefill.runner.pool[torch.tensor(src, dtype=torch.long)]
 
-    decode.pulls.connect(pull)
+    decode.kv_connector.connect(pull)
     yield offline, prefill, decode
     for e in (offline.engine, prefill, decode):
         assert e.is_idle()
@@ -73,7 +73,7 @@ def resume(prefill: LLMEngine, decode: LLMEngine, rid: str, params: SamplingPara
     got = [list(s) for s in so_far]
     for o in _until_done(decode, rid):
         got[o.sample_index] += o.new_token_ids
-    assert prefill.leases.release(handoff.lease_id)
+    assert prefill.kv_connector.release(handoff.lease_id)
     return got
 
 

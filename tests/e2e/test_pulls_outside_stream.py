@@ -1,4 +1,4 @@
-"""A decode engine whose pulls complete outside its stream (engine/kv_handoff.py PendingPull, as
+"""A decode engine whose pulls complete outside its stream (engine/kv_connector.py PendingPull, as
 over NIXL): a pulling request is neither scheduled nor preempted until its pull is done, the
 others decode meanwhile, and the tokens are those of a decode engine whose pulls are done at
 once; a request that ends while its pull is in flight cancels it (once) before its blocks are
@@ -31,7 +31,7 @@ def handoffs(tiny_models):
     out = prefill_all(prefill, PROMPTS, PARAMS)
     yield model, prefill, out
     for h in out.values():
-        assert prefill.leases.release(h.lease_id)
+        assert prefill.kv_connector.release(h.lease_id)
     assert prefill.is_idle()
     prefill.shutdown()
 
@@ -80,7 +80,7 @@ def _decode(handoffs, polls: dict[int, int], fail: frozenset[int] = frozenset(),
         pulls[f"r{i}"] = SlowPull(copy, polls[i], fail=i in fail)
         return pulls[f"r{i}"]
 
-    eng.pulls.connect(puller)
+    eng.kv_connector.connect(puller)
     out, errors, pulling = {}, {}, []
     for i, prompt in enumerate(PROMPTS):
         h = hs[f"r{i}"]
@@ -92,7 +92,7 @@ def _decode(handoffs, polls: dict[int, int], fail: frozenset[int] = frozenset(),
         for i, at in (abort_at or {}).items():
             if at == step:
                 assert eng.abort(f"r{i}")
-        waiting_on = {s.request_id for s, _ in eng.pulls.waiting}
+        waiting_on = {s.request_id for s, _ in eng.kv_connector.waiting}
         decoded = set()
         for o in eng.step():
             out[o.request_id] += o.new_token_ids
@@ -102,7 +102,7 @@ def _decode(handoffs, polls: dict[int, int], fail: frozenset[int] = frozenset(),
                 errors[o.request_id] = o.error
         pulling.append((waiting_on, decoded))
         step += 1
-    assert eng.is_idle() and eng.block_pool.is_idle() and not eng.pulls.waiting
+    assert eng.is_idle() and eng.block_pool.is_idle() and not eng.kv_connector.waiting
     eng.shutdown()
     return out, errors, pulls, pulling
 

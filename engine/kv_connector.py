@@ -1,15 +1,22 @@
-"""The two halves of a KV handoff, each an object LLMEngine owns (engine/llm_engine.py):
+"""The scheduler side of a KV handoff: one `KVConnector` per engine, chosen by its role
+(`connector_for`), which the engine loop (engine/llm_engine.py) calls the same way whatever
+the role:
 
-    prefill  PromptLeases: a finished prompt's blocks pinned under a lease (`hold`) until the
-             decode side releases it or it expires; its blocks go back to the pool then.
-    decode   PromptPulls: a request whose prompt KV lives on a prefill worker is checked on
-             arrival (`check`); once scheduled, `start` has the puller copy in the blocks this
-             worker's prefix cache does not hold; a pull that completes outside the engine's
-             stream (NIXL) is polled (`poll`); a request that ends first has its lease let go
-             or its pull stopped (`drop`).
+    prefill       PrefillConnector: hold a finished prompt's blocks under a lease (`hold`) until
+                  the decode side releases it (`release`) or it expires (`renew`, `expire`);
+                  its blocks go back to the pool then. The lease table lives here.
+    decode, both  DecodeConnector: a request whose prompt KV lives on a prefill worker is
+                  checked on arrival (`check`); the scheduler allocates its blocks at admission
+                  (KVCacheManager.allocate_for_pull: the prompt's blocks its prefix cache holds,
+                  fresh ones for the rest); `start` has the transport side pull the fresh ones;
+                  one that completes outside the engine's stream (NIXL) is polled (`poll`); a
+                  request that ends first has its lease let go or its pull stopped (`drop`).
 
-Each reports what happened; the engine turns it into outputs (a Handoff at the end of a prefill,
-the first token(s) recorded once a pull is done, an error for a pull that failed).
+The transport side (which pool, which transport, the copies and their leases' LeaseDone) is
+the engine core's (engine/serving/kv_pulls.py), plugged in with `connect`; without it no
+remote prompt's pull can start (a "both" worker's engine). Each reports what happened; the
+engine turns it into outputs (a Handoff at the end of a prefill, the first token(s) recorded
+once a pull is done, an error for a pull that failed).
 """
 
 from __future__ import annotations
@@ -37,7 +44,63 @@ KVPuller = Callable[[RemoteKV, list[int], list[int]], "PendingPull | None"]
 KVDropper = Callable[[RemoteKV], None]
 
 
-class PromptLeases:
+class KVConnector:
+    """What the engine loop asks of its handoff, whatever the role. The defaults are a role's
+    that holds no leases and pulls nothing."""
+
+    # Requests whose pull the engine polls (completes outside the stream): none
+    waiting: list[tuple[Sequence, RemoteKV]] | tuple[()] = ()
+
+    def __len__(self) -> int:
+        """Leases held (each pins a prompt's blocks)."""
+        return 0
+
+    # -- prefill: a finished prompt's blocks ---------------------------------------------------
+    def hold(self, block_ids: list[int], now: float) -> tuple[str, float]:
+        """Pin these blocks (their references pass to a new lease): its id and time to live."""
+        raise RuntimeError(f"{type(self).__name__} holds no prompts for a decode worker")
+
+    def release(self, lease_id: str) -> bool:
+        """A decode worker has its copy: the lease's blocks go back. Unknown ids: False."""
+        return False
+
+    def renew(self, lease_ids: Iterable[str], now: float | None = None) -> list[float]:
+        """Seconds each lease has left after a renewal, 0.0 for one not live."""
+        return [0.0 for _ in lease_ids]
+
+    def expire(self, now: float | None = None) -> int:
+        """Let go of leases past their deadline: how many."""
+        return 0
+
+    # -- decode: a remote prompt's blocks ------------------------------------------------------
+    def check(self, prompt: list[int], params: SamplingParams, remote: RemoteKV) -> None:
+        raise InvalidArgument("kv", "this engine takes no prompt computed elsewhere")
+
+    def ordered(self, seqs: list[Sequence]) -> bool:
+        """Whether these admitted requests' pulls are all ordered with the steps on the device
+        (a step may be in flight while they start)."""
+        return not seqs
+
+    def start(self, seqs: list[Sequence]) -> list[PullDone]:
+        """Pull admitted requests' KV into the blocks the scheduler allocated them."""
+        return []
+
+    def poll(self) -> list[PullDone]:
+        """Pulls outside the stream that ended, without waiting."""
+        return []
+
+    def drop(self, seq: Sequence) -> None:
+        """A request ends: what it still holds at its source is let go."""
+
+
+def connector_for(role: str, block_pool: BlockPool, block_size: int, vocab_size: int,
+                  max_model_len: int) -> KVConnector:
+    if role == "prefill":
+        return PrefillConnector(block_pool)
+    return DecodeConnector(block_size, vocab_size, max_model_len)
+
+
+class PrefillConnector(KVConnector):
     """Prefill role: the leases on finished prompts' blocks, one reference on each block while
     its lease lives (kvtransfer/lease.py's LeaseTable); granted, released and expired here."""
 
@@ -51,12 +114,10 @@ class PromptLeases:
     def __len__(self) -> int:
         return len(self.table)
 
-    def hold(self, block_ids: list[int], now: float) -> str:
-        """Pin these blocks (their references pass to the lease) under a new lease: its id."""
-        return self.table.grant(block_ids, self.ttl_s, now, self.max_life_s)
+    def hold(self, block_ids: list[int], now: float) -> tuple[str, float]:
+        return self.table.grant(block_ids, self.ttl_s, now, self.max_life_s), self.ttl_s
 
     def release(self, lease_id: str) -> bool:
-        """The decode side has its copy. Unknown or late releases are ignored."""
         blocks = self.table.release(lease_id)
         if blocks is None:
             return False
@@ -88,9 +149,9 @@ class PullDone(NamedTuple):
     error: str | None = None
 
 
-class PromptPulls:
+class DecodeConnector(KVConnector):
     """Decode role: the pulls of remote prompts' KV. The puller, dropper and `in_stream` come
-    from the serving core (`connect`); without a puller no remote request is admitted."""
+    from the serving core (`connect`)."""
 
     def __init__(self, block_size: int, vocab_size: int, max_model_len: int) -> None:
         self.block_size = block_size
@@ -102,7 +163,7 @@ class PromptPulls:
         # on beside it); None: no pull is (engine/async_step.py).
         self.in_stream: Callable[[RemoteKV], bool] | None = None
         # Sequences (and their KV's source) whose pull completes outside the stream (NIXL)
-        self.waiting: list[tuple[Sequence, RemoteKV]] = []
+        self.waiting = []
 
     def connect(self, puller: KVPuller, dropper: KVDropper | None = None,
                 in_stream: Callable[[RemoteKV], bool] | None = None) -> None:
@@ -142,14 +203,12 @@ class PromptPulls:
 
     # -- in the loop ---------------------------------------------------------------------------
     def ordered(self, seqs: list[Sequence]) -> bool:
-        """Whether every one of these admitted requests' pulls is ordered with the steps on the
-        device, so a step may be in flight while they start."""
         return not seqs or (self.in_stream is not None
                             and all(self.in_stream(s.remote) for s in seqs))
 
     def start(self, seqs: list[Sequence]) -> list[PullDone]:
-        """Pull admitted requests' KV in; they decode from the next step. Those whose pull
-        completes outside the stream wait (`poll`), unscheduled."""
+        """They decode from the next step; those whose pull completes outside the stream wait
+        (`poll`), unscheduled."""
         done = []
         for seq in seqs:
             remote, seq.remote = seq.remote, None
@@ -171,7 +230,6 @@ class PromptPulls:
         return done
 
     def poll(self) -> list[PullDone]:
-        """The waiting pulls that are done or failed, without waiting for any."""
         done: list[PullDone] = []
         still = []
         for seq, remote in self.waiting:
@@ -193,8 +251,8 @@ class PromptPulls:
         return done
 
     def drop(self, seq: Sequence) -> None:
-        """A request ends: a lease never pulled is let go, a pull in flight stopped (nothing may
-        write its blocks once they are freed)."""
+        """A lease never pulled is let go, a pull in flight stopped (nothing may write its
+        blocks once they are freed)."""
         if seq.remote is not None:
             remote, seq.remote = seq.remote, None
             if self.dropper is not None:

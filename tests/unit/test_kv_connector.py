@@ -1,0 +1,41 @@
+"""The scheduler side of a KV handoff (engine/kv_connector.py), one connector per engine by
+role: the prefill role's owns the lease table (a held prompt's blocks go back to the pool once,
+at release or expiry, never at a renewal); the other roles' hold nothing and refuse to hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_pool import BlockPool
+from engine.kv_connector import DecodeConnector, KVConnector, PrefillConnector, connector_for
+
+
+def _connector(role: str, pool: BlockPool) -> KVConnector:
+    return connector_for(role, pool, block_size=4, vocab_size=32, max_model_len=64)
+
+
+def test_the_prefill_connector_owns_the_leases():
+    pool = BlockPool(8, 4)
+    conn = _connector("prefill", pool)
+    assert isinstance(conn, PrefillConnector) and conn.waiting == () and conn.poll() == []
+    conn.ttl_s, conn.max_life_s = 10.0, 25.0
+    a, b = pool.allocate(3), pool.allocate(2)
+    lease_a, ttl = conn.hold(a, now=100.0)
+    lease_b, _ = conn.hold(b, now=100.0)
+    assert ttl == 10.0 and len(conn) == 2 and pool.num_free == 3
+    assert conn.renew([lease_b, "unknown"], now=105.0) == [10.0, 0.0]
+    assert conn.release(lease_a) and not conn.release(lease_a)  # once
+    assert pool.num_free == 6 and len(conn) == 1
+    assert conn.expire(now=114.0) == 0 and conn.expire(now=115.5) == 1  # renewed to 115
+    assert pool.is_idle() and len(conn) == 0 and conn.renew([lease_b], now=116.0) == [0.0]
+
+
+@pytest.mark.parametrize("role", ["decode", "both"])
+def test_other_roles_hold_no_leases(role):
+    pool = BlockPool(8, 4)
+    conn = _connector(role, pool)
+    assert isinstance(conn, DecodeConnector) and len(conn) == 0
+    with pytest.raises(RuntimeError, match="holds no prompts"):
+        conn.hold(pool.allocate(1), now=0.0)
+    assert not conn.release("L") and conn.renew(["L"]) == [0.0] and conn.expire() == 0
+    assert conn.start([]) == [] and conn.poll() == [] and conn.ordered([])
