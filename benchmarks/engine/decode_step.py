@@ -49,7 +49,8 @@ def run_batch(engine: LLMEngine, batch: int, context: int, steps: int, graphs: b
     if not graphs:
         runner.graphs = None
     try:
-        params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - context,
+                                ignore_eos=True)
         g = torch.Generator().manual_seed(batch)
         for i in range(batch):
             prompt = torch.randint(1, vocab, (context,), generator=g).tolist()

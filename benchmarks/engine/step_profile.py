@@ -19,6 +19,7 @@ a tiny model on the CPU (no device times) so the script is tested in CI.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import statistics
@@ -83,7 +84,7 @@ class Steps:
         from engine.sampling_params import SamplingParams
 
         self.engine, self.a = engine, a
-        self.params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
+        self.params = SamplingParams(temperature=0, ignore_eos=True)  # max_tokens: per prompt
         self.rng = random.Random(0)
         self.vocab = engine.model_config.vocab_size
         self.n = 0
@@ -94,7 +95,9 @@ class Steps:
     def _add(self, tokens: int) -> str:
         self.n += 1
         rid = f"r{self.n}"
-        self.engine.add_request(rid, self._prompt(tokens), self.params)
+        # as many tokens as the context leaves (the engine refuses more)
+        params = dataclasses.replace(self.params, max_tokens=self.engine.max_model_len - tokens)
+        self.engine.add_request(rid, self._prompt(tokens), params)
         return rid
 
     def decodes(self, batch: int) -> None:

@@ -97,7 +97,8 @@ def decode_steps(engine, batch: int, context: int, steps: int, graphs: bool) -> 
     if not graphs:
         runner.graphs = None
     try:
-        params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - context,
+                                ignore_eos=True)
         g = torch.Generator().manual_seed(batch)
         for i in range(batch):
             engine.add_request(f"b{batch}-{i}-{graphs}", torch.randint(
