@@ -94,8 +94,9 @@ class StepPipeline:
             return False
         for seq in batch.seqs:
             p = seq.params
-            if seq.pending_forks or p.logprobs is not None or p.has_penalties or \
-                    prompt_logprobs.pending(seq):
+            # spec_token_ids: drafts, of which a verify step keeps 1 to k + 1 tokens
+            if (seq.pending_forks or p.logprobs is not None or p.has_penalties
+                    or prompt_logprobs.pending(seq) or seq.spec_token_ids):
                 return False
         return True
 

@@ -15,6 +15,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 MAX_N = 16  # samples per request (n), the default limit of workers and router alike
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8: e4m3
 QUANTIZATIONS = ("fp8",)  # weights; an FP8 checkpoint is recognised without the flag
+SPECULATIVE_METHODS = ("ngram", "draft")  # engine/spec_decode/
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,34 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: `method` proposes up to `num_tokens` draft tokens per running
+    sequence, the model scores them in one step (engine/spec_decode/)."""
+
+    method: str
+    num_tokens: int = 3
+    draft_model: str | None = None
+    max_batch: int = 32  # no speculation in a step with more running sequences
+    ngram_max: int = 4  # prompt lookup: the longest suffix matched
+    ngram_min: int = 2  # ... and the shortest
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidArgument("speculative_method", f"must be one of "
+                                  f"{', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_tokens <= 16:
+            raise InvalidArgument("num_speculative_tokens",
+                                  f"must be in [1, 16], got {self.num_tokens}")
+        if (self.method == "draft") != bool(self.draft_model):
+            raise InvalidArgument("draft_model", "is required with speculative_method draft, "
+                                  "and only with it")
+        if self.max_batch < 1:
+            raise InvalidArgument("speculative_max_batch", f"must be >= 1, got {self.max_batch}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidArgument("ngram_min", "must be in [1, ngram_max]")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLM(...)` and the workers accept, validated."""
 
@@ -215,6 +244,13 @@ class EngineConfig:
     quantization: str | None = None
     # Ranks (processes, one device each) the model is split over (engine/parallel.py).
     tensor_parallel_size: int = 1
+    # Speculative decoding (engine/spec_decode/): a proposer's drafts checked by the model in
+    # one step. None: off.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
+    draft_model: str | None = None  # method draft: a smaller checkpoint, same tokenizer
+    # Back-off: no speculation in a step with more running sequences than this.
+    speculative_max_batch: int = 32
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -240,10 +276,19 @@ class EngineConfig:
                                   f"must be >= 1, got {self.tensor_parallel_size}")
         # Build the narrow configs now so that bad values fail at construction.
         self.cache_config()
+        self.speculative_config()
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_blocks, self.memory_fraction,
                            self.cpu_kv_bytes, self.enable_prefix_caching)
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative_method is None:
+            if self.draft_model is not None:
+                raise InvalidArgument("draft_model", "goes with speculative_method draft")
+            return None
+        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens,
+                                 self.draft_model, self.speculative_max_batch)
 
     def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
         max_len = min(self.max_model_len or model.max_model_len, model.max_model_len)

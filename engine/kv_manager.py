@@ -112,6 +112,24 @@ class KVCacheManager:
         seq.num_cached_tokens = len(hits) * self.block_size
         return True
 
+    def rewind(self, seq: Sequence, num_computed: int) -> None:
+        """Speculative decoding: a verify step wrote KV past what was accepted; the sequence's
+        computed length moves back to `num_computed` and the blocks past it are freed (the
+        stale KV left in its last block is overwritten by the next steps, never read: attention
+        stops at the context length). Nothing is copied.
+
+            before:  [ b0 | b1 ...xx | b2 xxx ]     x: KV of rejected drafts
+            after:   [ b0 | b1 ...   ]           b2 back to the pool
+
+        Only blocks this step allocated are freed: they hold no accepted token, so none is
+        shared or in the prefix cache."""
+        keep = cdiv(num_computed, self.block_size)
+        assert keep <= len(seq.block_ids), "rewound past the blocks the sequence holds"
+        if keep < len(seq.block_ids):
+            self.pool.free(seq.block_ids[keep:])
+            del seq.block_ids[keep:]
+        seq.num_computed_tokens = num_computed
+
     def free(self, seq: Sequence) -> None:
         self.pool.free(seq.block_ids)
         seq.block_ids = []

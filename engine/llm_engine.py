@@ -55,6 +55,7 @@ from engine.sequence import (
     StepStats,
     StopCheck,
 )
+from engine.spec_decode.speculator import Speculator
 from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,10 @@ class LLMEngine:
         self.max_model_len = max_len
         self.limits = RequestLimits(self.model_config.vocab_size, max_len, config.max_n)
         self.stops = StopCheck(frozenset(self.model_config.eos_token_ids), max_len)
+        # Speculative decoding (engine/spec_decode/); never in role prefill (first tokens only).
+        spec = config.speculative_config()
+        self.spec = (Speculator.build(spec, target=self.runner)
+                     if spec is not None and config.role != "prefill" else None)
         # Structured outputs; loads the tokenizer and xgrammar only when a grammar arrives.
         self.grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size,
                                         list(self.eos_token_ids))
@@ -263,12 +268,14 @@ class LLMEngine:
         outputs = self._grammars_ready() if self.compiling else []
         if connector.waiting:
             outputs += self._poll_pulls()
+        ran: list[StepResult] = []
+        if self.spec is not None:
+            ran += self._speculate()
         batch = self.scheduler.schedule()
         pipe = self.pipeline
         pipelined = (bool(batch.seqs) and pipe.enabled and pipe.can_launch(batch)
                      and connector.ordered(batch.pulls))
         prev = pipe.take_inflight()
-        ran: list[StepResult] = []
         if prev is not None and not pipelined:  # synchronous: the step in flight first
             ran.append(pipe.resolve(prev))
             batch.drop_finished()
@@ -300,6 +307,16 @@ class LLMEngine:
             self.on_step(outputs)
         return outputs
 
+    def _speculate(self) -> list[StepResult]:
+        """Drafts for this step's decodes (engine/spec_decode/). They continue each
+        sequence's last token, so a pipelined step in flight is resolved first."""
+        ran = []
+        if self.pipeline.inflight is not None and self.spec.active(len(self.scheduler.running)):
+            ran.append(self.pipeline.resolve(self.pipeline.take_inflight()))
+            self.scheduler.remove_finished()
+        self.spec.propose(self.scheduler.running, self.max_model_len)
+        return ran
+
     def _run(self, batch: ScheduledBatch) -> StepResult:
         """One synchronous step: its outputs, tokens sampled, and prompt tokens of the
         sequences sampling their first."""
@@ -310,6 +327,11 @@ class LLMEngine:
         penalties = any(s.params.has_penalties for s in batch.seqs)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             offset += n
+            if seq.spec_token_ids:  # a verify row: one row per position (spec_decode/)
+                samplers.append(seq)
+                rows += self.spec.rows(seq, penalties)
+                row_index += range(offset - n, offset)
+                continue
             if seq.num_computed_tokens + n < seq.num_tokens:
                 continue  # a prefill chunk that does not reach the end samples nothing
             samplers.append(seq)
@@ -341,6 +363,12 @@ class LLMEngine:
         outputs: list[SeqOutput] = []
         r = 0
         for seq in samplers:
+            if seq.spec_token_ids:
+                k = 1 + len(seq.spec_token_ids)
+                outputs.append(self._verified(seq, result.token_ids[r:r + k],
+                                              result.logprobs[r:r + k]))
+                r += k
+                continue
             k = seq.num_samples
             toks, lps = result.token_ids[r:r + k], result.logprobs[r:r + k]
             r += k
@@ -351,6 +379,23 @@ class LLMEngine:
             for s, tok, lp in zip([seq, *children], toks, lps):
                 outputs.append(self._append(s, tok, lp))
         return StepResult(outputs, len(rows), num_prompt_tokens, execute_s)
+
+    def _verified(self, seq: Sequence, tokens: list[int], lps: list) -> SeqOutput:
+        """A verify row's tokens kept (engine/spec_decode/speculator.py), each appended and
+        checked for a stop as a one-token step's is; then the sequence's computed length is
+        its tokens but the last (whose KV the next step writes) and rejected drafts' blocks go
+        back to the pool."""
+        m = self.spec.accept(seq, tokens)
+        kept, kept_lps = [], []
+        for tok, lp in zip(tokens[:m], lps[:m]):
+            if self._append(seq, tok, lp).new_token_ids:
+                kept.append(tok)
+                kept_lps.append(lp)
+            if seq.is_finished:
+                return self._output(seq, kept, kept_lps)
+        self.kv.rewind(seq, seq.num_tokens - 1)
+        self.kv.cache_full_blocks(seq)
+        return self._output(seq, kept, kept_lps)
 
     def _fork(self, parent: Sequence, tokens: list[int], lps: list) -> list[Sequence]:
         if not tokens:
@@ -389,6 +434,8 @@ class LLMEngine:
         seq.finish_time = time.monotonic()
         self.kv.free(seq)
         self.runner.release(seq.seq_id)
+        if self.spec is not None:
+            self.spec.release(seq)
         seqs = self.requests.get(seq.request_id)
         if seqs is not None and all(s.is_finished for s in seqs) and not seq.pending_forks:
             del self.requests[seq.request_id]

@@ -322,6 +322,8 @@ class ModelRunner:
                 slots.append(blocks[start // bs] * bs + start % bs)
             else:
                 token_ids.extend(seq.token_ids[start:end])
+                if end > len(seq.token_ids):  # a verify row: its drafts after its last token
+                    token_ids.extend(seq.spec_token_ids[:end - len(seq.token_ids)])
                 positions.extend(range(start, end))
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)

@@ -61,7 +61,8 @@ def _check_types(p: SamplingParams) -> None:
             not -MAX_PRIORITY <= p.priority <= MAX_PRIORITY:
         raise InvalidArgument("priority", f"must be an integer in [-{MAX_PRIORITY}, "
                               f"{MAX_PRIORITY}], got {p.priority!r}")
-    for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+    for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                 "speculative"):
         if not isinstance(getattr(p, name), bool):
             raise InvalidArgument(name, f"must be true or false, got "
                                   f"{type(getattr(p, name)).__name__}")
@@ -212,6 +213,9 @@ class SamplingParams:
                           cli=True)
     prompt_logprobs: int | None = param(None, "top-N log-probabilities at each prompt token "
                                         "after the first (0: the prompt token's only)", 1)
+    # False: this sample decodes one token per step even where the worker speculates.
+    speculative: bool = param(True, "let the worker speculate on this sample (the output is the "
+                              "same either way; speculation only changes the speed)", False)
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples (hashable, immutable).

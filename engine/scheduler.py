@@ -68,6 +68,11 @@ class ScheduledBatch:
             self.seqs = [self.seqs[i] for i in keep]
             self.num_new_tokens = [self.num_new_tokens[i] for i in keep]
 
+    @property
+    def num_verifies(self) -> int:
+        """Sequences whose draft tokens this step scores (engine/spec_decode/)."""
+        return sum(1 for s in self.seqs if s.spec_token_ids)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
@@ -108,7 +113,8 @@ class Scheduler:
             seq = running[i]
             computed = seq.num_computed_tokens
             n = len(seq.token_ids) - computed
-            if n == 1 and computed % bs and ref_counts[seq.block_ids[-1]] == 1:
+            if (n == 1 and computed % bs and ref_counts[seq.block_ids[-1]] == 1
+                    and not seq.spec_token_ids):
                 # A decode with room in its own last block: nothing to allocate (hot path).
                 decodes.append(seq)
                 budget -= 1
@@ -119,7 +125,9 @@ class Scheduler:
                 pulling += seq.kv_pull is not None
                 i += 1
                 continue
-            if n > 1 and not self._on_path(seq, horizon, paced):
+            if seq.spec_token_ids:  # a decode with drafts to verify: 1 + k positions
+                n = self._fit_draft(seq, budget, batch.copies)
+            elif n > 1 and not self._on_path(seq, horizon, paced):
                 n = min(n, paced)
                 if n <= 0:  # this step's paced share is spent: the next step goes on
                     i += 1
@@ -177,6 +185,17 @@ class Scheduler:
         batch.num_new_tokens = [1] * len(decodes) + [n for _, n in chunks]
         return batch
 
+    def _fit_draft(self, seq: Sequence, budget: int, copies: list[tuple[int, int]]) -> int:
+        """A speculating decode's tokens this step: its last token and as many of its drafts
+        as the budget and the free blocks allow (the drafts cut to fit; speculation never
+        preempts anyone, nor takes the watermark's blocks)."""
+        draft = seq.spec_token_ids
+        del draft[max(budget - 1, 0):]
+        reserve = self.watermark if self.waiting else 0
+        while draft and not self.kv.allocate_slots(seq, 1 + len(draft), (), copies, reserve):
+            draft.pop()
+        return 1 + len(draft)
+
     def _pace(self) -> tuple[int, int]:
         """(horizon, paced budget) for this step; policy fcfs, or nothing to pace: (0, the
         whole budget), which puts every sequence on the path. The horizon is the longest
@@ -224,6 +243,7 @@ class Scheduler:
         same."""
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -237,6 +257,8 @@ class Scheduler:
         engine/async_step.py)."""
         bs = self.kv.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.spec_token_ids:  # a verify row: what it keeps is known once its drafts
+                continue  # are checked (LLMEngine._verified), its length set then
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 seq.num_prefill_chunks += 1
                 k = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)

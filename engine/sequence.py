@@ -108,6 +108,12 @@ class Sequence:
         self.pending_forks = params.n - 1
         # Structured output: the grammar's matcher, advanced with every output token appended.
         self.grammar: GrammarState | None = None
+        # Speculative decoding (engine/spec_decode/): draft tokens after token_ids that the
+        # next step scores (never in token_ids: only accepted tokens join them), and this
+        # sample's drafts proposed and accepted so far.
+        self.spec_token_ids: list[int] = []
+        self.spec_proposed = 0
+        self.spec_accepted = 0
 
     @property
     def num_tokens(self) -> int:
@@ -163,7 +169,8 @@ class Sequence:
         assert self.finish_time is not None, "timing() is for finished sequences"
         return RequestTiming(self.arrival_time, self.first_scheduled_time,
                              self.first_token_time, self.finish_time, self.num_prefill_chunks,
-                             self.num_preemptions, tuple(self.prefill_chunks))
+                             self.num_preemptions, tuple(self.prefill_chunks),
+                             self.spec_proposed, self.spec_accepted)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}#{self.sample_index}, tokens={self.num_tokens}, "
@@ -237,6 +244,9 @@ class RequestTiming:
     num_preemptions: int
     # Each forward pass that computed prompt tokens: (start, end, prompt tokens computed).
     prefill_chunks: tuple[tuple[float, float, int], ...] = ()
+    # Speculative decoding: draft tokens proposed for this sample, and of them accepted.
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     @property
     def queue_s(self) -> float | None:

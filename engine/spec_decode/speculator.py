@@ -1,0 +1,183 @@
+"""The engine's speculative decoding: drafts proposed before a step, scored in it, accepted
+after it. One object, the engine's (`LLMEngine.spec`), which owns the proposer and the counters.
+
+A step with drafts (a "verify" step) is an ordinary step in which a speculating decode carries
+1 + k tokens instead of one, like a prefill chunk: its last token and its k drafts, at
+positions L-1 .. L+k-1, KV written for all of them through the same paged attention:
+
+    token_ids:   t0 t1 ... t(L-1) | d0 d1 d2        (drafts in spec_token_ids, not token_ids)
+    rows:                 r0        r1 r2 r3         row j samples output position L+j
+    sampled:              x0        x1 x2 x3
+
+Each row j samples exactly as a one-token step at that position would (the same SampleRow:
+penalties over the outputs with d0..d(j-1) taken, logit_bias, min_tokens at its position, the
+grammar's matcher advanced over d0..d(j-1), temperature, top-k/p, min-p, and a seeded row's
+noise drawn for that output position). Accepted: x0 .. xa, where a is the first j with
+xj != dj (or k). Row j's context is the true one exactly when d0..d(j-1) were accepted, so
+every kept token was sampled from the model's own distribution given the tokens before it:
+
+  - greedy: the longest prefix of drafts equal to the model's argmax, plus the next argmax;
+  - sampling: draft dj is kept with probability p(dj) (the chance xj == dj), and on rejection
+    the token kept is xj given xj != dj, i.e. drawn from p with dj removed and renormalised:
+    the standard rejection rule for a draft proposed with certainty (q(dj) = 1: accept with
+    min(1, p/q), else sample the residual max(0, p - q)). The output's distribution is the
+    model's; a seeded request's tokens are even the same as without speculation, whatever
+    was drafted, since position P's noise is seeded by P alone (engine/sampler.py).
+
+Logprobs are row j's raw log-softmax at the kept token, as a one-token step reports them. Stop
+tokens, max_tokens and stop strings apply token by token to the kept tokens (the engine's
+_append, the router's detokenizer); tokens after a stop are dropped.
+
+Rejected positions' KV is dropped by moving the sequence's computed length back
+(KVCacheManager.rewind): blocks allocated for them only are freed, nothing is copied.
+
+Back-off: speculation costs compute that large batches need; no sequence speculates in a step
+with more than `max_batch` running sequences (engine/config.py SpeculativeConfig).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from engine.async_step import PLACEHOLDER
+from engine.config import SpeculativeConfig
+from engine.sampler import SampleRow
+from engine.sequence import Sequence
+from engine.spec_decode.ngram import NgramProposer
+from engine.spec_decode.proposer import ProposeInput, Proposer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecCounters:
+    """What speculation did, engine-wide (metrics)."""
+
+    num_verifies: int = 0  # (sequence, step) pairs that scored drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # Per draft position j: drafts at j scored, and of them accepted.
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_verifies += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        while len(self.drafted_at) < num_drafts:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for j in range(num_drafts):
+            self.drafted_at[j] += 1
+            self.accepted_at[j] += j < num_accepted
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.counters = SpecCounters()
+        # seq_id -> grammar states for rows 1..k (row j's advanced over drafts 0..j-1)
+        self._grammars: dict[int, list] = {}
+        self._drafted = False  # the last propose() gave some sequence a draft
+
+    @classmethod
+    def build(cls, config: SpeculativeConfig, **draft_options) -> Speculator:
+        if config.method == "ngram":
+            return cls(config, NgramProposer(config.ngram_min, config.ngram_max))
+        from engine.spec_decode.draft_model import DraftModelProposer  # noqa: PLC0415
+
+        return cls(config, DraftModelProposer(config, **draft_options))
+
+    # -- before the step -----------------------------------------------------------------
+    def active(self, num_running: int) -> bool:
+        """The per-step back-off: speculate only in batches this small."""
+        return 0 < num_running <= self.config.max_batch
+
+    def propose(self, running: list[Sequence], max_model_len: int) -> int:
+        """Drafts for the running sequences that may speculate (spec_token_ids set), or none
+        at all when the batch is too large; the number of sequences given one."""
+        if self._drafted:  # a draft left unscheduled last step is stale or unwanted now
+            for seq in running:
+                seq.spec_token_ids = []
+            self._grammars.clear()
+            self._drafted = False
+        if not self.active(len(running)):
+            return 0
+        seqs, room = [], []
+        for seq in running:
+            k = self._room(seq, max_model_len)
+            if k > 0:
+                seqs.append(seq)
+                room.append(k)
+        if not seqs:
+            return 0
+        drafts = self.proposer.propose(ProposeInput(seqs, room))
+        n = 0
+        for seq, draft in zip(seqs, drafts):
+            if seq.grammar is not None and draft:
+                draft = self._vet(seq, draft)
+            seq.spec_token_ids = list(draft)
+            n += bool(draft)
+        self._drafted = n > 0
+        return n
+
+    def _room(self, seq: Sequence, max_model_len: int) -> int:
+        """Drafts seq may take: 0 unless it is decoding (its last token known, nothing else
+        to compute, no samples to fork), at most k, and never past max_tokens or the model's
+        length (the last kept token is sampled, not drafted: hence the - 1)."""
+        p = seq.params
+        if (not p.speculative or seq.pending_forks or seq.kv_pull is not None
+                or seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < 1
+                or seq.token_ids[-1] == PLACEHOLDER):
+            return 0
+        return min(self.config.num_tokens, p.max_tokens - seq.num_output_tokens - 1,
+                   max_model_len - seq.num_tokens - 1)
+
+    def _vet(self, seq: Sequence, draft: list[int]) -> list[int]:
+        """A structured output's drafts, cut before the first one its grammar refuses (it
+        could never be accepted: the row's mask excludes it); the matcher states of rows
+        1..len(draft) kept for its rows."""
+        states = []
+        state = seq.grammar
+        for j, tok in enumerate(draft):
+            state = state.fork()
+            if state.broken or not state.accept(tok):
+                draft = draft[:j]
+                break
+            states.append(state)
+        self._grammars[seq.seq_id] = states
+        return draft
+
+    # -- the step ------------------------------------------------------------------------
+    def rows(self, seq: Sequence, penalties: bool) -> list[SampleRow]:
+        """The 1 + k rows a verify sequence samples, row j at output position
+        num_output_tokens + j as if drafts 0..j-1 were its outputs already."""
+        draft = seq.spec_token_ids
+        prompt = seq.token_ids[:seq.num_prompt_tokens] if penalties else None
+        outputs = seq.output_token_ids if penalties else None
+        grammars = [seq.grammar, *self._grammars.pop(seq.seq_id, ())] \
+            if seq.grammar is not None else [None] * (1 + len(draft))
+        pos = seq.num_output_tokens
+        return [SampleRow(seq.params, seq.sample_index, pos + j, prompt,
+                          outputs + draft[:j] if outputs is not None else None, grammars[j])
+                for j in range(1 + len(draft))]
+
+    # -- after it ------------------------------------------------------------------------
+    def accept(self, seq: Sequence, sampled: Seq[int]) -> int:
+        """How many of the 1 + k sampled tokens seq keeps: the drafts the model sampled too,
+        then its own next token. Clears the draft and counts."""
+        draft, seq.spec_token_ids = seq.spec_token_ids, []
+        a = 0
+        while a < len(draft) and sampled[a] == draft[a]:
+            a += 1
+        self.counters.record(len(draft), a)
+        seq.spec_proposed += len(draft)
+        seq.spec_accepted += a
+        return a + 1
+
+    def release(self, seq: Sequence) -> None:
+        self._grammars.pop(seq.seq_id, None)
+        self.proposer.release(seq)
