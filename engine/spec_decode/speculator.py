@@ -138,13 +138,13 @@ class Speculator:
 
     def _vet(self, seq: Sequence, draft: list[int]) -> list[int]:
         """A structured output's drafts, cut before the first one its grammar refuses (it
-        could never be accepted: the row's mask excludes it); the matcher states of rows
-        1..len(draft) kept for its rows."""
+        could never be accepted: the row's mask excludes it) or that ends it (no row may come
+        after the end); the matcher states of rows 1..len(draft) kept for its rows."""
         states = []
         state = seq.grammar
         for j, tok in enumerate(draft):
             state = state.fork()
-            if state.broken or not state.accept(tok):
+            if state.broken or not state.accept(tok) or state.terminated:
                 draft = draft[:j]
                 break
             states.append(state)
