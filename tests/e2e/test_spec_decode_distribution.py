@@ -20,7 +20,7 @@ from engine.spec_decode.proposer import ProposeInput
 VOCAB = 8
 PROMPT = [1, 4, 2, 6]
 SAMPLES = 3000
-DRAFT = [3, 5]
+DRAFT = [4, 6]  # likely tokens: drafts often kept
 PARAMS = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
 
 
