@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import SCHEDULING_POLICIES, EngineConfig
+from engine.config import SCHEDULING_POLICIES, SPECULATIVE_METHODS, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +55,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N devices, one process each (cuda:K at N: "
                         "cuda:K .. cuda:K+N-1; on the CPU N processes)")
+    g.add_argument("--speculative-method", default=None, choices=list(SPECULATIVE_METHODS),
+                   help="speculative decoding (docs/speculative.md): ngram proposes drafts "
+                        "by prompt lookup, draft by a smaller model (--draft-model); off "
+                        "by default")
+    g.add_argument("--num-speculative-tokens", type=int, default=3,
+                   help="draft tokens per sequence and step")
+    g.add_argument("--draft-model", default=None,
+                   help="with --speculative-method draft: a checkpoint with the model's "
+                        "tokenizer")
+    g.add_argument("--speculative-max-batch", type=int, default=32,
+                   help="no speculation in a step with more running sequences than this")
     g.add_argument("--enable-prefix-caching", action="store_true", default=True,
                    help="reuse KV blocks of shared prompt prefixes (the default)")
     g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
@@ -74,4 +85,7 @@ def engine_config(args: argparse.Namespace, role: str = "both") -> EngineConfig:
         mixed_cuda_graphs=not args.no_mixed_cuda_graphs,
         async_scheduling=args.async_scheduling,
         kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-        tensor_parallel_size=args.tensor_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
+        speculative_max_batch=args.speculative_max_batch)

@@ -215,10 +215,26 @@ class _EngineCounters:
                  s.prefix_queries * s.block_size),
                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
                  s.prefix_hits * s.block_size),
-                ("num_preemptions", "Sequences preempted (blocks ran out)", s.num_preemptions)):
+                ("num_preemptions", "Sequences preempted (blocks ran out)", s.num_preemptions),
+                ("spec_decode_num_draft_tokens", "Draft tokens scored by speculative decoding",
+                 s.spec_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens the model accepted",
+                 s.spec_accepted_tokens)):
             family = CounterMetricFamily(f"tandem:{name}", doc, labels=self.labels)
             family.add_metric(self.values, value)
             yield family
+        # Per draft position: the acceptance rate at j is accepted[j] / drafted[j].
+        for name, doc, counts in (
+                ("spec_decode_num_drafts_per_pos", "Drafts scored at each draft position",
+                 s.spec_drafted_at),
+                ("spec_decode_num_accepted_per_pos", "Drafts accepted at each draft position",
+                 s.spec_accepted_at)):
+            if counts:
+                family = CounterMetricFamily(f"tandem:{name}", doc,
+                                             labels=[*self.labels, "position"])
+                for j, value in enumerate(counts):
+                    family.add_metric([*self.values, str(j)], value)
+                yield family
 
 
 class _LeasedBlocks:

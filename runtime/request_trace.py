@@ -334,6 +334,9 @@ class WorkerSpan:
                 if t.first_token is not None and mine > 1 else None
             attrs.update(timing_attrs(t.queue_s, t.first_token_s, tpot))
             attrs["tandem.preemptions"] = t.num_preemptions
+            if t.spec_proposed:  # speculative decoding (docs/speculative.md)
+                attrs["tandem.spec.draft_tokens"] = t.spec_proposed
+                attrs["tandem.spec.accepted_tokens"] = t.spec_accepted
             phase_spans(self.tracer, self.span, t, self.role,
                         **{"tandem.output_tokens": mine})
         elif p.first_output is not None:

@@ -80,6 +80,12 @@ class EngineSnapshot:
     kv_bytes_pulled: int = 0
     kv_runs_pulled: int = 0  # the copies those blocks took (kvtransfer/runs.py)
     kv_pull_seconds: float = 0.0  # the time those pulls took (LeaseDone.seconds, summed)
+    # Speculative decoding (engine/spec_decode/): draft tokens scored and accepted, and per
+    # draft position j, drafts at j scored and accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_drafted_at: tuple[int, ...] = ()
+    spec_accepted_at: tuple[int, ...] = ()
 
     @property
     def idle(self) -> bool:

@@ -264,12 +264,16 @@ class EngineCore:
     def _snapshot(self) -> EngineSnapshot:
         e = self.engine
         pool = e.block_pool
+        spec = e.spec.counters if e.spec is not None else None
         return EngineSnapshot(e.num_running(), e.num_waiting(), pool.num_free, pool.num_blocks,
                               len(e.kv_connector), len(e.requests), e.num_requests_added,
                               pool.block_size, pool.prefix_queries, pool.prefix_hits,
                               e.scheduler.num_preemptions, e.scheduler.num_prompt_tokens_computed,
                               self.kv.blocks_pulled, self.kv.bytes_pulled,
-                              self.kv.runs_pulled, self.kv.pull_seconds)
+                              self.kv.runs_pulled, self.kv.pull_seconds,
+                              *((spec.num_draft_tokens, spec.num_accepted_tokens,
+                                 tuple(spec.drafted_at), tuple(spec.accepted_at))
+                                if spec is not None else ()))
 
     def _kv_events(self) -> KVEvents | None:
         stored, removed = self.engine.block_pool.take_events()

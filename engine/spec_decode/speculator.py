@@ -87,7 +87,7 @@ class Speculator:
     def build(cls, config: SpeculativeConfig, **draft_options) -> Speculator:
         if config.method == "ngram":
             return cls(config, NgramProposer(config.ngram_min, config.ngram_max))
-        from engine.spec_decode.draft_model import DraftModelProposer  # noqa: PLC0415
+        from engine.spec_decode.draft_model import DraftModelProposer  # noqa: PLC0415 - a second model, only when asked for
 
         return cls(config, DraftModelProposer(config, **draft_options))
 

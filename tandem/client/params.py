@@ -74,6 +74,8 @@ class SamplingParams:
     priority: int | None = None
     # top-N log-probabilities at each prompt token after the first (0: the prompt token's only)
     prompt_logprobs: int | None = None
+    # let the worker speculate on this sample (the output is the same either way; speculation only changes the speed) [True]
+    speculative: bool | None = None
 
     def to_proto(self) -> common_pb2.SamplingParams:
         return params_to_proto(self)
