@@ -206,6 +206,9 @@ class SpeculativeConfig:
         if (self.method == "draft") != bool(self.draft_model):
             raise InvalidArgument("draft_model", "is required with speculative_method draft, "
                                   "and only with it")
+        if self.method == "draft":  # the flag and the interface are in place, not the runner
+            raise InvalidArgument("speculative_method", "draft (a draft model's proposals) is "
+                                  "not served yet; ngram is")
         if self.max_batch < 1:
             raise InvalidArgument("speculative_max_batch", f"must be >= 1, got {self.max_batch}")
         if not 1 <= self.ngram_min <= self.ngram_max:

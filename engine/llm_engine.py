@@ -99,7 +99,7 @@ class LLMEngine:
         self.stops = StopCheck(frozenset(self.model_config.eos_token_ids), max_len)
         # Speculative decoding (engine/spec_decode/); never in role prefill (first tokens only).
         spec = config.speculative_config()
-        self.spec = (Speculator.build(spec, target=self.runner)
+        self.spec = (Speculator.build(spec)
                      if spec is not None and config.role != "prefill" else None)
         # Structured outputs; loads the tokenizer and xgrammar only when a grammar arrives.
         self.grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size,

@@ -84,12 +84,10 @@ class Speculator:
         self._drafted = False  # the last propose() gave some sequence a draft
 
     @classmethod
-    def build(cls, config: SpeculativeConfig, **draft_options) -> Speculator:
-        if config.method == "ngram":
-            return cls(config, NgramProposer(config.ngram_min, config.ngram_max))
-        from engine.spec_decode.draft_model import DraftModelProposer  # noqa: PLC0415 - a second model, only when asked for
-
-        return cls(config, DraftModelProposer(config, **draft_options))
+    def build(cls, config: SpeculativeConfig) -> Speculator:
+        """The configured method's proposer (SpeculativeConfig refuses the others)."""
+        assert config.method == "ngram"
+        return cls(config, NgramProposer(config.ngram_min, config.ngram_max))
 
     # -- before the step -----------------------------------------------------------------
     def active(self, num_running: int) -> bool:

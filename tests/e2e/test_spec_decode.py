@@ -315,6 +315,8 @@ def test_config_errors_name_the_field(tiny_models):
         EngineConfig("m", speculative_method="ngram", num_speculative_tokens=0)
     with pytest.raises(InvalidArgument, match="draft_model"):
         EngineConfig("m", speculative_method="draft")
+    with pytest.raises(InvalidArgument, match="not served yet"):
+        EngineConfig("m", speculative_method="draft", draft_model="small")
     with pytest.raises(InvalidArgument, match="draft_model"):
         EngineConfig("m", draft_model="x")
     with pytest.raises(InvalidArgument, match="speculative"):

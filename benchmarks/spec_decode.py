@@ -1,0 +1,195 @@
+"""Speculative decoding: what it buys at batch 1 and what it costs.
+
+Three measurements, each in one engine and one run (docs/speculative.md):
+
+  latency    batch-1 end-to-end latency of greedy requests with and without speculation on
+             prompts that quote or edit their input (benchmarks/data/spec_decode_prompts.jsonl,
+             chat template applied), alternating the two on the same engine (the per-request
+             opt-out `speculative=False` is the baseline); acceptance rate per draft position,
+             tokens per step, speed-up.
+  verify     the cost of a verify step of 1 + k tokens against a one-token decode step at
+             batch 1, context --context (drafts that are never accepted, so every step scores
+             k + 1 positions), e.g. for the Llama-3.1-8B config with dummy weights.
+  throughput a fixed workload at batch 64 and 256 with and without --speculative-method (the
+             back-off keeps large batches from speculating): output tokens per second.
+
+    python benchmarks/spec_decode.py latency --model smollm2-135m-instruct --device cuda
+    python benchmarks/spec_decode.py verify --model benchmarks/configs/llama-3.1-8b \
+        --load-format dummy --device cuda -k 3
+    python benchmarks/spec_decode.py throughput --model benchmarks/configs/llama-3.1-8b \
+        --load-format dummy --device cuda --batch 64 256
+
+Each prints a table and, with --out, writes the figures with the device's name as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import device_name
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.proposer import ProposeInput
+from engine.tokenizer import Tokenizer
+
+PROMPTS = Path(__file__).resolve().parent / "data" / "spec_decode_prompts.jsonl"
+
+
+def engine_for(a: argparse.Namespace, **overrides) -> LLMEngine:
+    dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
+    kw = dict(model=a.model, device=a.device, dtype=dtype, load_format=a.load_format,
+              speculative_method="ngram", num_speculative_tokens=a.k,
+              max_model_len=a.max_model_len)
+    kw.update(overrides)
+    return LLMEngine(EngineConfig(**kw), progress=False)
+
+
+def run_one(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams
+            ) -> tuple[float, int, int]:
+    """(seconds, output tokens, engine steps) of one request run alone."""
+    steps = 0
+    tokens = 0
+    t0 = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    while engine.has_work():
+        for o in engine.step():
+            tokens += len(o.new_token_ids)
+        steps += 1
+    return time.perf_counter() - t0, tokens, steps
+
+
+def latency(a: argparse.Namespace) -> dict:
+    engine = engine_for(a)
+    tok = Tokenizer(engine.model_dir)
+    texts = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
+    rows = []
+    spec = SamplingParams(temperature=0, max_tokens=a.max_tokens)
+    plain = SamplingParams(temperature=0, max_tokens=a.max_tokens, speculative=False)
+    c = engine.spec.counters
+    for i, item in enumerate(texts[:a.num_prompts]):
+        prompt = tok.apply_chat_template([{"role": "user", "content": item["text"]}])
+        for r in range(a.warmup):
+            run_one(engine, f"w{i}-{r}", prompt, plain)
+            run_one(engine, f"ws{i}-{r}", prompt, spec)
+        base_s, with_s = [], []
+        for r in range(a.repeats):  # alternating, so drift hits both alike
+            s, n_plain, steps_plain = run_one(engine, f"p{i}-{r}", prompt, plain)
+            base_s.append(s)
+            drafted, accepted = c.num_draft_tokens, c.num_accepted_tokens
+            s, n_spec, steps_spec = run_one(engine, f"s{i}-{r}", prompt, spec)
+            with_s.append(s)
+            drafted, accepted = c.num_draft_tokens - drafted, c.num_accepted_tokens - accepted
+        rows.append({"kind": item["kind"], "tokens": n_spec,
+                     "plain_s": statistics.median(base_s), "spec_s": statistics.median(with_s),
+                     "acceptance": accepted / drafted if drafted else 0.0,
+                     "tokens_per_step": n_spec / max(steps_spec, 1),
+                     "plain_tokens_per_step": n_plain / max(steps_plain, 1)})
+    print(f"{'prompt':<10} {'tokens':>6} {'plain ms':>9} {'spec ms':>9} {'speed-up':>8} "
+          f"{'accept':>7} {'tok/step':>8}")
+    for r in rows:
+        print(f"{r['kind']:<10} {r['tokens']:>6} {1e3 * r['plain_s']:>9.1f} "
+              f"{1e3 * r['spec_s']:>9.1f} {r['plain_s'] / r['spec_s']:>7.2f}x "
+              f"{r['acceptance']:>7.2f} {r['tokens_per_step']:>8.2f}")
+    total_plain = sum(r["plain_s"] for r in rows)
+    total_spec = sum(r["spec_s"] for r in rows)
+    per_pos = [acc / d if d else 0.0 for acc, d in zip(c.accepted_at, c.drafted_at)]
+    print(f"all: {total_plain / total_spec:.2f}x faster; acceptance per draft position "
+          + " ".join(f"{x:.2f}" for x in per_pos))
+    return {"rows": rows, "speedup": total_plain / total_spec, "acceptance_per_position": per_pos}
+
+
+class NeverRight:
+    """k drafts that the model never samples (a token outside its vocabulary would be refused:
+    these are real ids, each one the token just sampled, which a random model almost never
+    repeats k times): every verify step scores k + 1 positions and keeps one token."""
+
+    def propose(self, inp: ProposeInput) -> list[list[int]]:
+        return [[s.token_ids[-1]] * k for s, k in zip(inp.seqs, inp.max_tokens)]
+
+    def release(self, seq) -> None:
+        pass
+
+
+def verify(a: argparse.Namespace) -> dict:
+    engine = engine_for(a)
+    engine.spec.proposer = NeverRight()
+    vocab = engine.model_config.vocab_size
+    prompt = [(7 * j) % (vocab - 1) + 1 for j in range(a.context)]
+    out = {}
+    for name, opt_in in (("decode", False), ("verify", True)):
+        times = []
+        params = SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True,
+                                speculative=opt_in)
+        engine.add_request(name, prompt, params)
+        while engine.has_work():
+            engine.step()
+            s = engine.last_step
+            if s is not None and s.num_seqs and s.num_tokens == (1 + a.k if opt_in else 1):
+                times.append(engine.last_execute_s)
+        out[name] = statistics.median(times[a.warmup:]) if len(times) > a.warmup else None
+    ratio = out["verify"] / out["decode"]
+    print(f"batch 1, context {a.context}: one-token step {1e3 * out['decode']:.3f} ms, "
+          f"verify step of 1+{a.k} {1e3 * out['verify']:.3f} ms, ratio {ratio:.3f}")
+    return {**out, "ratio": ratio, "context": a.context, "k": a.k}
+
+
+def throughput(a: argparse.Namespace) -> dict:
+    rows = []
+    for method in (None, "ngram"):
+        engine = engine_for(a, speculative_method=method)
+        vocab = engine.model_config.vocab_size
+        for batch in a.batch:
+            params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+            for i in range(batch):
+                engine.add_request(f"{method}-{batch}-{i}",
+                                   [(11 * i + 3 * j) % (vocab - 1) + 1 for j in range(a.context)],
+                                   params)
+            tokens = 0
+            t0 = time.perf_counter()
+            while engine.has_work():
+                tokens += sum(len(o.new_token_ids) for o in engine.step())
+            rows.append({"method": method or "off", "batch": batch,
+                         "tokens_per_s": tokens / (time.perf_counter() - t0)})
+        del engine
+    print(f"{'speculation':<12} {'batch':>6} {'tokens/s':>10}")
+    for r in rows:
+        print(f"{r['method']:<12} {r['batch']:>6} {r['tokens_per_s']:>10.1f}")
+    return {"rows": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["latency", "verify", "throughput"])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("-k", type=int, default=3, help="draft tokens per step")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--num-prompts", type=int, default=10, help="latency: prompts of the set")
+    p.add_argument("--repeats", type=int, default=3, help="latency: runs of each, median")
+    p.add_argument("--warmup", type=int, default=1, help="runs (steps for verify) not timed")
+    p.add_argument("--context", type=int, default=1024, help="verify, throughput: prompt length")
+    p.add_argument("--steps", type=int, default=50, help="verify: steps timed")
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256], help="throughput")
+    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    a = p.parse_args(argv)
+    result = {"latency": latency, "verify": verify, "throughput": throughput}[a.what](a)
+    if a.out is not None:
+        a.out.write_text(json.dumps({"what": a.what, "device": device_name(a.device),
+                                     "model": a.model, "k": a.k, "command": sys.argv,
+                                     **result}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
