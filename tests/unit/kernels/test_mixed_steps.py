@@ -43,3 +43,60 @@ def test_mixed_step_buffers_give_the_eager_tokens(tiny_models):
     got, replays = greedy(model, "mixed")
     assert replays > 0
     assert got == expected
+
+
+def test_verify_steps_replay_mixed_graphs(tiny_models):
+    """Speculative decoding's verify steps (a decode carrying 1 + k tokens: a chunk with
+    context, engine/spec_decode/) are mixed steps: replayed from the mixed-step buffers, they
+    give the tokens of a run without speculation."""
+    model = str(tiny_models["llama"])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model, device="cpu", dtype="float32", progress=False, num_blocks=128)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    llm = LLM(model, device="cpu", dtype="float32", progress=False, num_blocks=128,
+              max_num_batched_tokens=40, speculative_method="ngram",
+              num_speculative_tokens=3)
+    runner = llm.engine.runner
+    runner.backend = TritonAttentionBackend(runner.pool, runner.num_heads,
+                                            runner.config.head_dim ** -0.5)
+    runner.prefill_block_q = runner.backend.prefill_block_q
+    runner.mixed_graphs = MixedGraphRunner(runner.model, runner.backend, 40, 512, 64,
+                                           torch.device("cpu"))
+    spec = llm.engine.spec
+    spec.proposer = Answers({tuple(p): e for p, e in zip(PROMPTS, expected)})
+    replayed = []  # per step with verify rows: whether it replayed a mixed-step graph
+    seen = [0, 0]  # verify rows and replays before the step
+
+    def on_step(_outs) -> None:
+        now = [spec.counters.num_verifies, runner.mixed_graphs.replays]
+        if now[0] > seen[0]:
+            replayed.append(now[1] > seen[1])
+        seen[:] = now
+
+    llm.engine.on_step = on_step
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert llm.engine.is_idle()
+    assert got == expected
+    assert len(replayed) >= 3 and all(replayed), replayed
+    assert spec.counters.num_accepted_tokens > 0
+
+
+class Answers:
+    """Proposes each sequence's known continuation, its second draft token wrong: every
+    verify step keeps some drafts and rejects others."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]]) -> None:
+        self.answers = answers
+
+    def propose(self, inp) -> list[list[int]]:
+        out = []
+        for seq, k in zip(inp.seqs, inp.max_tokens):
+            n = seq.num_output_tokens
+            draft = list(self.answers[tuple(seq.token_ids[:seq.num_prompt_tokens])][n:n + k])
+            if len(draft) > 1:
+                draft[1] = (draft[1] + 1) % 250
+            out.append(draft)
+        return out
+
+    def release(self, seq) -> None:
+        pass
