@@ -9,9 +9,9 @@ Roles share this one engine:
            engine keeps the prompt's full blocks its own prefix cache holds, allocates blocks
            for the rest, has its puller copy only those in, and decodes.
 The engine owns the objects that hold each part's state: the prefill and decode halves of that
-handoff (`kv_connector`, its role's: engine/kv_connector.py) and the pipelined steps (`pipeline`:
-engine/async_step.py); this file holds the loop and the requests' outputs, which every role
-shares.
+handoff (`kv_connector`, its role's: engine/kv_connector.py), the pipelined steps (`pipeline`:
+engine/async_step.py) and speculative decoding (`spec`: engine/spec_decode/, None when off);
+this file holds the loop and the requests' outputs, which every role shares.
 
 Pipelined steps (`async_scheduling`, on by default on CUDA; engine/async_step.py): `step()` schedules
 and launches step N+1 while the device runs step N (N+1's placeholder ids filled on the device
@@ -19,8 +19,9 @@ from N's sampled tokens), then waits for N's tokens and returns N's outputs, one
 than a synchronous step. A step runs synchronously, exactly as without the flag (the step in
 flight resolved first, its finished sequences dropped from the batch), in role prefill, with
 tensor parallelism, and when its batch has a KV pull outside the device's stream order (NIXL),
-a preemption, or a sequence with penalties, logprobs or samples still to fork (n > 1). A step with a grammar row takes step N's
-tokens after launching its forward pass and before its sampling (the mask needs them).
+a preemption, or a sequence with penalties, logprobs, samples still to fork (n > 1) or drafts
+to verify. A step with a grammar row takes step N's tokens after launching its forward pass
+and before its sampling (the mask needs them).
 """
 
 from __future__ import annotations
