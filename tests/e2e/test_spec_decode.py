@@ -233,7 +233,7 @@ def test_decode_role_speculates(tiny_models):
     decode = LLMEngine(EngineConfig(model, role="decode", speculative_method="ngram",
                                     num_speculative_tokens=K), progress=False)
     decode.spec.proposer = Oracle(answers_of(PROMPTS, base), 512)
-    decode.pulls.connect(lambda remote, src, dst: decode.runner.pool.__setitem__(
+    decode.kv_connector.connect(lambda remote, src, dst: decode.runner.pool.__setitem__(
         torch.tensor(dst, dtype=torch.long), prefill.runner.pool[torch.tensor(src)]))
     decode.on_step = lambda outs: check_blocks(decode)
     got = []
@@ -246,7 +246,7 @@ def test_decode_role_speculates(tiny_models):
         tokens = list(h.first_token_ids)
         for o in _drain(decode, f"r{i}"):
             tokens += o.new_token_ids
-        assert prefill.leases.release(h.lease_id)
+        assert prefill.kv_connector.release(h.lease_id)
         got.append([tokens])
     assert got == base
     assert decode.spec.counters.num_accepted_tokens > 0
