@@ -5,7 +5,7 @@
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl,
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, defaults, structured,
-# pulls, profile, offline, layouts, pack.
+# pulls, profile, offline, layouts, compare, spec, pack.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 R=$OUT  # each stage's log straight in $OUT
@@ -182,6 +182,29 @@ for stage in "$@"; do
       # shellcheck disable=SC2086
       run layout_2c python3 benchmarks/serving/serve.py --launch colocated --num-both 2 \
         "${common[@]}" $wl --devices cuda:0,cuda:1 --rate inf --out "$OUT/layout_2c.json" -- ${LAYOUT_FLAGS:-} ;;
+    compare)  # the offline engine from this tree and from the BASE checkout, in turn on cuda:0
+      # (COMPARE_WORKLOAD, engine flags COMPARE_FLAGS), after one unmeasured warm-up run
+      wl=${COMPARE_WORKLOAD:---workload sharegpt --seed 0}
+      common=(--model $B8 --dtype bfloat16 --load-format dummy --num-requests 1000 --no-progress
+              --devices cuda:0 --gpu-time-every 0)
+      # shellcheck disable=SC2086  # flags are words
+      run compare_warm python3 "$(serve_in "$PWD")" --mode offline "${common[@]}" --workload fixed \
+        --prompt-len 64 --output-len 16 -- ${COMPARE_FLAGS:-}
+      for tree in "${BASE:?set BASE}" "$PWD" "$BASE" "$PWD"; do
+        tag=$([ "$tree" = "$PWD" ] && echo head || echo base)
+        # shellcheck disable=SC2086
+        (cd "$tree" && PYTHONPATH=/tmp/site:$tree run "compare_$tag" python3 "$(serve_in "$tree")" \
+          --mode offline "${common[@]}" $wl -- ${COMPARE_FLAGS:-})
+        grep -E "requests in" "$OUT/compare_$tag.txt" | sed "s/^/$tag: /" >> "$OUT/compare_table.txt"
+      done ;;
+    spec)  # speculative decoding: a verify step's cost (8B config), throughput at batch 64 and
+      # 256, and batch-1 latency on a real model (SPEC_MODEL: a checkpoint or .gguf) when set
+      run spec_verify python3 benchmarks/engine/spec_decode.py verify --model $B8 \
+        --load-format dummy --device cuda -k 3 --out "$OUT/spec_verify.json"
+      [ -n "${SPEC_MODEL:-}" ] && run spec_latency python3 benchmarks/engine/spec_decode.py latency \
+        --model "$SPEC_MODEL" --device cuda --out "$OUT/spec_latency.json"
+      run spec_throughput python3 benchmarks/engine/spec_decode.py throughput --model $B8 \
+        --load-format dummy --device cuda --batch 64 256 --out "$OUT/spec_throughput.json" ;;
     pack) tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -13,10 +13,10 @@ Three measurements, each in one engine and one run (docs/speculative.md):
   throughput a fixed workload at batch 64 and 256 with and without --speculative-method (the
              back-off keeps large batches from speculating): output tokens per second.
 
-    python benchmarks/spec_decode.py latency --model smollm2-135m-instruct --device cuda
-    python benchmarks/spec_decode.py verify --model benchmarks/configs/llama-3.1-8b \
+    python benchmarks/engine/spec_decode.py latency --model smollm2-135m-instruct --device cuda
+    python benchmarks/engine/spec_decode.py verify --model benchmarks/configs/llama-3.1-8b \
         --load-format dummy --device cuda -k 3
-    python benchmarks/spec_decode.py throughput --model benchmarks/configs/llama-3.1-8b \
+    python benchmarks/engine/spec_decode.py throughput --model benchmarks/configs/llama-3.1-8b \
         --load-format dummy --device cuda --batch 64 256
 
 Each prints a table and, with --out, writes the figures with the device's name as JSON.
@@ -31,16 +31,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import device_name
+from benchmarks.lib.common import device_name
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.proposer import ProposeInput
 from engine.tokenizer import Tokenizer
 
-PROMPTS = Path(__file__).resolve().parent / "data" / "spec_decode_prompts.jsonl"
+PROMPTS = Path(__file__).resolve().parents[1] / "data" / "spec_decode_prompts.jsonl"
 
 
 def engine_for(a: argparse.Namespace, **overrides) -> LLMEngine:
