@@ -183,8 +183,11 @@ for stage in "$@"; do
       run layout_2c python3 benchmarks/serving/serve.py --launch colocated --num-both 2 \
         "${common[@]}" $wl --devices cuda:0,cuda:1 --rate inf --out "$OUT/layout_2c.json" -- ${LAYOUT_FLAGS:-} ;;
     compare)  # the offline engine from this tree and from the BASE checkout, in turn on cuda:0
-      # (COMPARE_WORKLOAD, engine flags COMPARE_FLAGS), after one unmeasured warm-up run
+      # (COMPARE_WORKLOAD, engine flags COMPARE_FLAGS), after one unmeasured warm-up run;
+      # COMPARE_MODE=colocated: router + one colocated worker instead of the offline engine
       wl=${COMPARE_WORKLOAD:---workload sharegpt --seed 0}
+      mode=(--mode offline)
+      [ "${COMPARE_MODE:-}" = colocated ] && mode=(--launch colocated --rate inf)
       common=(--model $B8 --dtype bfloat16 --load-format dummy --num-requests 1000 --no-progress
               --devices cuda:0 --gpu-time-every 0)
       # shellcheck disable=SC2086  # flags are words
@@ -194,8 +197,8 @@ for stage in "$@"; do
         tag=$([ "$tree" = "$PWD" ] && echo head || echo base)
         # shellcheck disable=SC2086
         (cd "$tree" && PYTHONPATH=/tmp/site:$tree run "compare_$tag" python3 "$(serve_in "$tree")" \
-          --mode offline "${common[@]}" $wl -- ${COMPARE_FLAGS:-})
-        grep -E "requests in" "$OUT/compare_$tag.txt" | sed "s/^/$tag: /" >> "$OUT/compare_table.txt"
+          "${mode[@]}" "${common[@]}" $wl -- ${COMPARE_FLAGS:-})
+        grep -E "requests in|^ +inf" "$OUT/compare_$tag.txt" | sed "s/^/$tag: /" >> "$OUT/compare_table.txt"
       done ;;
     spec)  # speculative decoding: a verify step's cost (8B config), throughput at batch 64 and
       # 256, and batch-1 latency on a real model (SPEC_MODEL: a checkpoint or .gguf) when set
