@@ -312,6 +312,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         rows: list[int] = []
         mirror_row = self.block_tables.row
+        as_decodes = _verifies_as_decodes(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             end = start + n
@@ -326,20 +327,26 @@ class ModelRunner:
                     token_ids.extend(seq.spec_token_ids[:end - len(seq.token_ids)])
                 positions.extend(range(start, end))
                 slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            rows.append(mirror_row(seq))
+            row = mirror_row(seq)
+            if as_decodes:  # one decode row per position, each seeing the keys up to its own
+                seq_lens.extend(range(start + 1, end + 1))
+                rows.extend([row] * n)
+            else:
+                seq_lens.append(end)
+                rows.append(row)
         width = max(len(s.block_ids) for s in batch.seqs)
+        query_lens = [1] * len(token_ids) if as_decodes else list(batch.num_new_tokens)
+        num_decodes = len(token_ids) if as_decodes else batch.num_decodes
         # Rank 0 decides for every tensor-parallel rank: all must run the same collectives.
-        decode_only = batch.num_decodes == len(batch.seqs)
+        decode_only = num_decodes == len(seq_lens)
         use_graph = (self.graphs is not None and decode_only
-                     and self.graphs.can_run(len(batch.seqs), width))
+                     and self.graphs.can_run(len(seq_lens), width))
         use_mixed = (self.mixed_graphs is not None and not decode_only
                      and self.mixed_graphs.can_run(len(token_ids), len(batch.seqs),
                                                    len(row_token_index), width))
-        return StepInputs(token_ids, positions, slots, seq_lens, list(batch.num_new_tokens),
-                          batch.num_decodes, row_token_index,
-                          self.block_tables.gather(rows, width), list(batch.copies), use_graph,
-                          use_mixed)
+        return StepInputs(token_ids, positions, slots, seq_lens, query_lens, num_decodes,
+                          row_token_index, self.block_tables.gather(rows, width),
+                          list(batch.copies), use_graph, use_mixed)
 
     def _inputs(self, batch: ScheduledBatch, row_token_index: list[int]):
         return self._device_inputs(self.step_inputs(batch, row_token_index))
@@ -415,6 +422,34 @@ class StepInputs:
     copies: list[tuple[int, int]] = field(default_factory=list)
     use_graph: bool = False  # a pure decode step that a captured CUDA graph replays
     use_mixed_graph: bool = False  # a step with prefill chunks that a captured graph replays
+
+
+def _verifies_as_decodes(batch: ScheduledBatch) -> bool:
+    """Whether this step runs as a decode step although some sequences carry drafts: every
+    sequence decodes one token or verifies drafts (engine/spec_decode/), and some verify.
+
+    A verify row of k drafts after its last token at position L then becomes 1 + k decode
+    rows on the sequence's block table, row i at position L + i with a context of L + i + 1:
+
+        position  0 .. L-1 | L    L+1  L+2  L+3
+        row 0     context  | q                     context L + 1
+        row 1     context  | k    q                context L + 2
+        row 2     context  | k    k    q           context L + 3
+        row 3     context  | k    k    k    q      context L + 4
+
+    Every row's KV is stored before any row attends (as in every step), so row i reads the
+    drafts before it from the pool; each row ends up with exactly the keys and the causal
+    mask the chunk's query i has. The flattened token order is the chunk's, so the sampled
+    rows' indices mean what they meant. Such a step runs through the decode attention kernel
+    and replays the decode CUDA graph of its row count, where a chunk would take the prefill
+    kernel and a mixed-step graph; a step with prompt chunks as well stays a mixed step."""
+    verifies = False
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        if n > 1:
+            if not seq.spec_token_ids or seq.num_computed_tokens + n <= len(seq.token_ids):
+                return False
+            verifies = True
+    return verifies
 
 
 def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

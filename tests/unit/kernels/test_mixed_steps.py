@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.triton_backend import TritonAttentionBackend
-from engine.cuda_graphs import MixedGraphRunner
+from engine.cuda_graphs import CudaGraphRunner, MixedGraphRunner
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -45,10 +45,12 @@ def test_mixed_step_buffers_give_the_eager_tokens(tiny_models):
     assert got == expected
 
 
-def test_verify_steps_replay_mixed_graphs(tiny_models):
-    """Speculative decoding's verify steps (a decode carrying 1 + k tokens: a chunk with
-    context, engine/spec_decode/) are mixed steps: replayed from the mixed-step buffers, they
-    give the tokens of a run without speculation."""
+def test_verify_steps_replay_decode_graphs(tiny_models):
+    """Speculative decoding's verify steps (a decode carrying 1 + k tokens, engine/spec_decode/)
+    whose only multi-token chunks are verify rows run as decode steps of 1 + k rows per
+    verifying sequence (engine/model_runner.py _verifies_as_decodes): replayed from the decode
+    CUDA graphs' buffers, not the mixed-step ones, they give the tokens of a run without
+    speculation. Verify rows beside prompt chunks stay mixed steps and give them too."""
     model = str(tiny_models["llama"])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = LLM(model, device="cpu", dtype="float32", progress=False, num_blocks=128)
@@ -60,24 +62,32 @@ def test_verify_steps_replay_mixed_graphs(tiny_models):
     runner.backend = TritonAttentionBackend(runner.pool, runner.num_heads,
                                             runner.config.head_dim ** -0.5)
     runner.prefill_block_q = runner.backend.prefill_block_q
+    runner.graphs = CudaGraphRunner(runner.model, runner.backend, 16, 64, torch.device("cpu"))
     runner.mixed_graphs = MixedGraphRunner(runner.model, runner.backend, 40, 512, 64,
                                            torch.device("cpu"))
     spec = llm.engine.spec
     spec.proposer = Answers({tuple(p): e for p, e in zip(PROMPTS, expected)})
-    replayed = []  # per step with verify rows: whether it replayed a mixed-step graph
-    seen = [0, 0]  # verify rows and replays before the step
+    # Per step with verify rows: (prompt chunks beside them, decode replays, mixed replays).
+    steps: list[tuple[bool, int, int]] = []
+    execute = runner.execute
 
-    def on_step(_outs) -> None:
-        now = [spec.counters.num_verifies, runner.mixed_graphs.replays]
-        if now[0] > seen[0]:
-            replayed.append(now[1] > seen[1])
-        seen[:] = now
+    def watched(batch, rows, row_token_index, *args, **kwargs):
+        before = runner.graphs.replays, runner.mixed_graphs.replays
+        out = execute(batch, rows, row_token_index, *args, **kwargs)
+        if batch.num_verifies:
+            chunks = any(n > 1 and not s.spec_token_ids
+                         for s, n in zip(batch.seqs, batch.num_new_tokens))
+            steps.append((chunks, runner.graphs.replays - before[0],
+                          runner.mixed_graphs.replays - before[1]))
+        return out
 
-    llm.engine.on_step = on_step
+    runner.execute = watched
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert llm.engine.is_idle()
     assert got == expected
-    assert len(replayed) >= 3 and all(replayed), replayed
+    verify_only = [s for s in steps if not s[0]]
+    assert len(verify_only) >= 3 and all(s[1:] == (1, 0) for s in verify_only), steps
+    assert all(s[1:] == (0, 1) for s in steps if s[0]), steps
     assert spec.counters.num_accepted_tokens > 0
 
 
