@@ -1,6 +1,6 @@
 """Speculative decoding: what it buys at batch 1 and what it costs.
 
-Three measurements, each in one engine and one run (docs/speculative.md):
+Three measurements (docs/speculative.md):
 
   latency    batch-1 end-to-end latency of greedy requests with and without speculation on
              prompts that quote or edit their input (benchmarks/data/spec_decode_prompts.jsonl,
@@ -9,9 +9,11 @@ Three measurements, each in one engine and one run (docs/speculative.md):
              tokens per step, speed-up.
   verify     the cost of a verify step of 1 + k tokens against a one-token decode step at
              batch 1, context --context (drafts that are never accepted, so every step scores
-             k + 1 positions), e.g. for the Llama-3.1-8B config with dummy weights.
+             k + 1 positions), e.g. for the Llama-3.1-8B config with dummy weights; and what
+             the timed steps ran as: a decode CUDA graph, a mixed-step graph, or eagerly.
   throughput a fixed workload at batch 64 and 256 with and without --speculative-method (the
-             back-off keeps large batches from speculating): output tokens per second.
+             back-off keeps large batches from speculating): output tokens per second; each
+             configuration in a child process of its own (--method runs one in this one).
 
     python benchmarks/engine/spec_decode.py latency --model smollm2-135m-instruct --device cuda
     python benchmarks/engine/spec_decode.py verify --model benchmarks/configs/llama-3.1-8b \
@@ -27,7 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -118,51 +122,105 @@ class NeverRight:
         pass
 
 
+def replays(engine: LLMEngine) -> tuple[int, int]:
+    """Steps replayed so far from the decode and from the mixed-step CUDA graphs."""
+    runner = engine.runner
+    return (runner.graphs.replays if runner.graphs is not None else 0,
+            runner.mixed_graphs.replays if runner.mixed_graphs is not None else 0)
+
+
+def graph_kind(before: tuple[int, int], after: tuple[int, int]) -> str:
+    """What one step ran as: a decode graph, a mixed-step graph, or eagerly."""
+    if after[0] > before[0]:
+        return "decode"
+    return "mixed" if after[1] > before[1] else "eager"
+
+
 def verify(a: argparse.Namespace) -> dict:
     engine = engine_for(a)
     engine.spec.proposer = NeverRight()
     vocab = engine.model_config.vocab_size
     prompt = [(7 * j) % (vocab - 1) + 1 for j in range(a.context)]
-    out = {}
+    out: dict = {}
+    kinds: dict[str, dict[str, int]] = {}  # per step kind: timed steps per graph kind
     for name, opt_in in (("decode", False), ("verify", True)):
         times = []
+        kinds[name] = {}
         params = SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True,
                                 speculative=opt_in)
         engine.add_request(name, prompt, params)
         while engine.has_work():
+            before = replays(engine)
             engine.step()
             s = engine.last_step
             if s is not None and s.num_seqs and s.num_tokens == (1 + a.k if opt_in else 1):
                 times.append(engine.last_execute_s)
+                if len(times) > a.warmup:
+                    kind = graph_kind(before, replays(engine))
+                    kinds[name][kind] = kinds[name].get(kind, 0) + 1
         out[name] = statistics.median(times[a.warmup:]) if len(times) > a.warmup else None
     ratio = out["verify"] / out["decode"]
+    ran = {name: " + ".join(f"{kind} {n}" for kind, n in sorted(k.items()))
+           for name, k in kinds.items()}
     print(f"batch 1, context {a.context}: one-token step {1e3 * out['decode']:.3f} ms, "
-          f"verify step of 1+{a.k} {1e3 * out['verify']:.3f} ms, ratio {ratio:.3f}")
-    return {**out, "ratio": ratio, "context": a.context, "k": a.k}
+          f"verify step of 1+{a.k} {1e3 * out['verify']:.3f} ms, ratio {ratio:.3f}; "
+          f"steps timed by graph kind: one-token {ran['decode']}, verify {ran['verify']}")
+    return {**out, "ratio": ratio, "context": a.context, "k": a.k, "graph_kinds": kinds}
 
 
 def throughput(a: argparse.Namespace) -> dict:
+    """Each configuration in a process of its own: an engine's GPU memory (its pool sized to
+    what is free, its CUDA graphs) is not all given back when it is dropped, so a second
+    engine in the same process would find too little. --method runs one configuration here."""
+    if a.method is not None:
+        return {"rows": throughput_rows(a, None if a.method == "off" else a.method)}
     rows = []
-    for method in (None, "ngram"):
-        engine = engine_for(a, speculative_method=method)
-        vocab = engine.model_config.vocab_size
-        for batch in a.batch:
-            params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
-            for i in range(batch):
-                engine.add_request(f"{method}-{batch}-{i}",
-                                   [(11 * i + 3 * j) % (vocab - 1) + 1 for j in range(a.context)],
-                                   params)
-            tokens = 0
-            t0 = time.perf_counter()
-            while engine.has_work():
-                tokens += sum(len(o.new_token_ids) for o in engine.step())
-            rows.append({"method": method or "off", "batch": batch,
-                         "tokens_per_s": tokens / (time.perf_counter() - t0)})
-        del engine
+    with tempfile.TemporaryDirectory() as tmp:
+        for method in ("off", "ngram"):
+            out = Path(tmp) / f"{method}.json"
+            cmd = [sys.executable, __file__, *without_option(sys.argv[1:], "--out"),
+                   "--method", method, "--out", str(out)]
+            print(f"=== speculation {method}: {' '.join(cmd[1:])}", flush=True)
+            if subprocess.run(cmd).returncode != 0:
+                sys.exit(f"throughput with speculation {method} failed")
+            rows += json.loads(out.read_text())["rows"]
     print(f"{'speculation':<12} {'batch':>6} {'tokens/s':>10}")
     for r in rows:
         print(f"{r['method']:<12} {r['batch']:>6} {r['tokens_per_s']:>10.1f}")
     return {"rows": rows}
+
+
+def without_option(argv: list[str], name: str) -> list[str]:
+    """argv without option `name` and its value (`name value` or `name=value`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return out
+
+
+def throughput_rows(a: argparse.Namespace, method: str | None) -> list[dict]:
+    """Output tokens per second of the fixed workload at each --batch, in one engine."""
+    engine = engine_for(a, speculative_method=method)
+    vocab = engine.model_config.vocab_size
+    rows = []
+    for batch in a.batch:
+        params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(f"{method}-{batch}-{i}",
+                               [(11 * i + 3 * j) % (vocab - 1) + 1 for j in range(a.context)],
+                               params)
+        tokens = 0
+        t0 = time.perf_counter()
+        while engine.has_work():
+            tokens += sum(len(o.new_token_ids) for o in engine.step())
+        rows.append({"method": method or "off", "batch": batch,
+                     "tokens_per_s": tokens / (time.perf_counter() - t0)})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -182,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=1024, help="verify, throughput: prompt length")
     p.add_argument("--steps", type=int, default=50, help="verify: steps timed")
     p.add_argument("--batch", type=int, nargs="+", default=[64, 256], help="throughput")
+    p.add_argument("--method", choices=["off", "ngram"], default=None,
+                   help="throughput: this configuration only, in this process (by default "
+                        "each runs in a child process of its own)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     a = p.parse_args(argv)
     result = {"latency": latency, "verify": verify, "throughput": throughput}[a.what](a)
