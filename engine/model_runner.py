@@ -312,7 +312,11 @@ class ModelRunner:
         seq_lens: list[int] = []
         rows: list[int] = []
         mirror_row = self.block_tables.row
-        as_decodes = _verifies_as_decodes(batch)
+        width = max(len(s.block_ids) for s in batch.seqs)
+        # Verify rows as decode rows, unless there are decode graphs and too few rows in them
+        # (the mixed-step graphs may hold the step as chunks).
+        as_decodes = _verifies_as_decodes(batch) and (
+            self.graphs is None or self.graphs.can_run(batch.num_tokens, width))
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             end = start + n
@@ -334,7 +338,6 @@ class ModelRunner:
             else:
                 seq_lens.append(end)
                 rows.append(row)
-        width = max(len(s.block_ids) for s in batch.seqs)
         query_lens = [1] * len(token_ids) if as_decodes else list(batch.num_new_tokens)
         num_decodes = len(token_ids) if as_decodes else batch.num_decodes
         # Rank 0 decides for every tensor-parallel rank: all must run the same collectives.

@@ -7,6 +7,7 @@ list) those of the torch backend. The captured graphs themselves: tests/gpu/test
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.attention.triton_backend import TritonAttentionBackend
@@ -45,12 +46,14 @@ def test_mixed_step_buffers_give_the_eager_tokens(tiny_models):
     assert got == expected
 
 
-def test_verify_steps_replay_decode_graphs(tiny_models):
+@pytest.mark.parametrize("graph_rows", [16, 8])
+def test_verify_steps_replay_decode_graphs(tiny_models, graph_rows):
     """Speculative decoding's verify steps (a decode carrying 1 + k tokens, engine/spec_decode/)
     whose only multi-token chunks are verify rows run as decode steps of 1 + k rows per
     verifying sequence (engine/model_runner.py _verifies_as_decodes): replayed from the decode
     CUDA graphs' buffers, not the mixed-step ones, they give the tokens of a run without
-    speculation. Verify rows beside prompt chunks stay mixed steps and give them too."""
+    speculation. Verify rows beside prompt chunks, or more rows than the decode graphs hold
+    (graph_rows 8), stay mixed steps and give them too."""
     model = str(tiny_models["llama"])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = LLM(model, device="cpu", dtype="float32", progress=False, num_blocks=128)
@@ -62,13 +65,15 @@ def test_verify_steps_replay_decode_graphs(tiny_models):
     runner.backend = TritonAttentionBackend(runner.pool, runner.num_heads,
                                             runner.config.head_dim ** -0.5)
     runner.prefill_block_q = runner.backend.prefill_block_q
-    runner.graphs = CudaGraphRunner(runner.model, runner.backend, 16, 64, torch.device("cpu"))
+    runner.graphs = CudaGraphRunner(runner.model, runner.backend, graph_rows, 64,
+                                    torch.device("cpu"))
     runner.mixed_graphs = MixedGraphRunner(runner.model, runner.backend, 40, 512, 64,
                                            torch.device("cpu"))
     spec = llm.engine.spec
     spec.proposer = Answers({tuple(p): e for p, e in zip(PROMPTS, expected)})
-    # Per step with verify rows: (prompt chunks beside them, decode replays, mixed replays).
-    steps: list[tuple[bool, int, int]] = []
+    # Per step with verify rows: whether it has prompt chunks too, whether it should run as
+    # decode rows, and (decode replays, mixed replays) in it.
+    steps: list[tuple[bool, bool, tuple[int, int]]] = []
     execute = runner.execute
 
     def watched(batch, rows, row_token_index, *args, **kwargs):
@@ -77,17 +82,19 @@ def test_verify_steps_replay_decode_graphs(tiny_models):
         if batch.num_verifies:
             chunks = any(n > 1 and not s.spec_token_ids
                          for s, n in zip(batch.seqs, batch.num_new_tokens))
-            steps.append((chunks, runner.graphs.replays - before[0],
-                          runner.mixed_graphs.replays - before[1]))
+            steps.append((chunks, not chunks and batch.num_tokens <= graph_rows,
+                          (runner.graphs.replays - before[0],
+                           runner.mixed_graphs.replays - before[1])))
         return out
 
     runner.execute = watched
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert llm.engine.is_idle()
     assert got == expected
-    verify_only = [s for s in steps if not s[0]]
-    assert len(verify_only) >= 3 and all(s[1:] == (1, 0) for s in verify_only), steps
-    assert all(s[1:] == (0, 1) for s in steps if s[0]), steps
+    assert all(ran == ((1, 0) if as_decodes else (0, 1)) for _, as_decodes, ran in steps), steps
+    assert sum(as_decodes for _, as_decodes, _ in steps) >= (3 if graph_rows == 16 else 1), steps
+    if graph_rows == 8:  # verify-only steps too large for the decode graphs replayed mixed ones
+        assert any(not chunks and not as_decodes for chunks, as_decodes, _ in steps), steps
     assert spec.counters.num_accepted_tokens > 0
 
 
