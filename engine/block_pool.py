@@ -14,13 +14,16 @@ block takes it out of the free queue again ("touch").
 KV events (a serving worker's, for the router): with `kv_events` set to a dict, every hash
 published to the cache and every hash evicted from it is recorded there (hash -> True stored,
 False evicted; only the last change of a hash counts) until `take_events` collects them.
+
+Host tier (engine/host_kv_tier.py): with `on_evict` set, a cached block being reallocated is
+reported as (block, hash) before its entry goes, while its KV is still in the pool.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -55,6 +58,8 @@ class BlockPool:
         self.prefix_hits = 0
         # Changes of the cached set since take_events (None: not recorded).
         self.kv_events: dict[int, bool] | None = None
+        # Called with (block, hash) when allocate evicts a cached block (None: nobody keeps it).
+        self.on_evict: Callable[[int, int], None] | None = None
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -82,6 +87,9 @@ class BlockPool:
         out = []
         for _ in range(n):
             block, _ = self.free_queue.popitem(last=False)
+            h = self.block_hash[block]
+            if h is not None and self.on_evict is not None:
+                self.on_evict(block, h)
             self._evict(block)
             self.ref_counts[block] = 1
             out.append(block)

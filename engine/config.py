@@ -254,6 +254,9 @@ class EngineConfig:
     draft_model: str | None = None  # method draft: a smaller checkpoint, same tokenizer
     # Back-off: no speculation in a step with more running sequences than this.
     speculative_max_batch: int = 32
+    # Host-memory KV tier under the prefix cache (engine/host_kv_tier.py), in GiB. None: a
+    # share of the available host memory on CUDA, off on the CPU; 0: off.
+    host_kv_cache_gb: float | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -277,9 +280,28 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise InvalidArgument("tensor_parallel_size",
                                   f"must be >= 1, got {self.tensor_parallel_size}")
+        self._check_host_tier()
         # Build the narrow configs now so that bad values fail at construction.
         self.cache_config()
         self.speculative_config()
+
+    def _check_host_tier(self) -> None:
+        gb = self.host_kv_cache_gb
+        if gb is None or gb == 0:
+            return
+        if not gb > 0:
+            raise InvalidArgument("host_kv_cache_gb", f"must be >= 0, got {gb}")
+        if not self.enable_prefix_caching:
+            raise InvalidArgument("host_kv_cache_gb", "needs the prefix cache (it keeps the "
+                                                      "blocks the prefix cache evicts)")
+        if self.tensor_parallel_size > 1:
+            raise InvalidArgument("host_kv_cache_gb", "is not supported with "
+                                                      "tensor_parallel_size > 1 yet")
+
+    def host_tier_enabled(self) -> bool:
+        """Whether the engine may have a host tier (its size decides in the end)."""
+        return (self.enable_prefix_caching and self.tensor_parallel_size == 1
+                and self.host_kv_cache_gb != 0)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_blocks, self.memory_fraction,

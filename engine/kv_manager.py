@@ -1,7 +1,10 @@
 """Per-sequence block bookkeeping on top of the BlockPool: prefix hits, slot allocation,
-copy-on-write of a shared partial block, forks, and publishing full blocks to the cache."""
+copy-on-write of a shared partial block, forks, and publishing full blocks to the cache. With a
+host tier (engine/host_kv_tier.py), prefix hits continue into it."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 from engine.block_pool import BlockPool
 from engine.config import cdiv
@@ -9,10 +12,25 @@ from engine.sequence import Sequence
 from kvtransfer.runs import order_like
 
 
+class HostTier(Protocol):
+    """What the prefix match needs of a host tier (engine/host_kv_tier.py HostKVTier)."""
+
+    def lookup(self, block_hash: int) -> int | None: ...
+    def pin(self, slots: list[int]) -> None: ...
+    def unpin(self, slots: list[int]) -> None: ...
+    def restore(self, slot: int, block: int) -> None: ...
+    def count_misses(self, n: int) -> None: ...
+    def offload(self, block: int, block_hash: int) -> None: ...
+
+
 class KVCacheManager:
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, host: HostTier | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
+        # The host tier keeps what the pool evicts; prefix hits continue into it.
+        self.host = host if pool.enable_prefix_caching else None
+        if self.host is not None:
+            pool.on_evict = self.host.offload
 
     def prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of seq. At least one token is always left to compute
@@ -21,7 +39,54 @@ class KVCacheManager:
             return []  # prompt logprobs: every position's logits are computed
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = seq.full_block_hashes(self.block_size, max_blocks * self.block_size)
-        return self.pool.lookup(hashes)
+        return self._from_host(hashes, self.pool.lookup(hashes),
+                               cdiv(seq.num_tokens, self.block_size))
+
+    def _from_host(self, hashes: list[int], hits: list[int], total_blocks: int) -> list[int]:
+        """`hits` continued past the pool's cached blocks: a block the pool still caches (past
+        a gap) is taken as it is; one the host tier holds is copied into a fresh block, which
+        is published in the prefix cache under its hash and left free and cached, for
+        allocate_slots (or allocate_for_pull) to revive like any hit. Nothing is restored
+        unless the pool has room for every block of the prompt's `total_blocks` still to
+        place: a request that cannot be admitted now copies nothing.
+
+            hashes:  [ h0 | h1 | h2 | h3 | h4 | h5 ]
+            pool:    [ b7 | b2 | -- | b9 | -- | -- ]     hits [b7, b2]
+            host:    [    |    | s4 |    | s1 | -- ]
+            result:  [ b7 | b2 | new <- s4 | b9 | new <- s1 ]     (h5: computed)
+        """
+        host = self.host
+        if host is None or len(hits) == len(hashes):
+            return hits
+        pool = self.pool
+        chain: list[int | None] = []  # past the hits: a pool block, or None (from a slot)
+        slots: list[int] = []
+        for h in hashes[len(hits):]:
+            b = pool.cached.get(h)
+            if b is None:
+                slot = host.lookup(h)
+                if slot is None:
+                    break
+                slots.append(slot)
+            chain.append(b)
+        host.count_misses(len(hashes) - len(hits) - len(chain))
+        kept = hits + [b for b in chain if b is not None]
+        revived = sum(1 for b in kept if pool.ref_counts[b] == 0)
+        if not slots or pool.num_free - revived < total_blocks - len(kept):
+            return hits
+        host.pin(slots)  # the evictions below must not reuse a slot still to be read
+        pool.incref(kept)  # ... nor take a block of this prefix
+        fresh = iter(zip(slots, pool.allocate(len(slots))))
+        out = list(hits)
+        for h, b in zip(hashes[len(hits):], chain):
+            if b is None:
+                slot, b = next(fresh)
+                host.restore(slot, b)
+                pool.cache_block(b, h)
+            out.append(b)
+        host.unpin(slots)
+        pool.free(out)
+        return out
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (),
                        copies: list[tuple[int, int]] | None = None, reserve: int = 0) -> bool:
@@ -84,7 +149,8 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching:
             return []
         hashes = seq.full_block_hashes(self.block_size, seq.num_prompt_tokens)
-        return self.pool.lookup(hashes)
+        return self._from_host(hashes, self.pool.lookup(hashes),
+                               cdiv(seq.num_prompt_tokens, self.block_size))
 
     def allocate_for_pull(self, seq: Sequence, hits: list[int], reserve: int = 0) -> bool:
         """Decode role: the prompt's blocks, the first len(hits) of them shared from this

@@ -39,6 +39,7 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.grammar import GrammarCompiler
 from engine.kv_connector import PullDone, connector_for
+from engine.host_kv_tier import host_tier_for
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner, PoolFactory
 from engine.model_source import resolve_model
@@ -91,7 +92,10 @@ class LLMEngine:
         self.runner.peers = self.tp_group
         self.block_pool = BlockPool(self.runner.num_blocks, cache.block_size,
                                     cache.enable_prefix_caching)
-        self.kv = KVCacheManager(self.block_pool)
+        # Host-memory tier under the prefix cache (engine/host_kv_tier.py); None when off.
+        self.host_tier = host_tier_for(self.runner.pool, config.host_kv_cache_gb,
+                                       enabled=config.host_tier_enabled())
+        self.kv = KVCacheManager(self.block_pool, self.host_tier)
         # A sequence can never outgrow the whole pool.
         max_len = min(sched.max_model_len, self.runner.num_blocks * cache.block_size)
         self.scheduler = Scheduler(dataclasses.replace(sched, max_model_len=max_len), self.kv)
@@ -273,6 +277,8 @@ class LLMEngine:
         if self.spec is not None:
             ran += self._speculate()
         batch = self.scheduler.schedule()
+        if self.host_tier is not None:  # its copies, before anything writes these blocks
+            self.host_tier.flush(wait=not connector.ordered(batch.pulls))
         pipe = self.pipeline
         pipelined = (bool(batch.seqs) and pipe.enabled and pipe.can_launch(batch)
                      and connector.ordered(batch.pulls))

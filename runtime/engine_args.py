@@ -24,6 +24,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--memory-fraction", "--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of free memory (after profiling) for the KV pool")
+    g.add_argument("--host-kv-cache-gb", type=float, default=None,
+                   help="host-memory KV tier under the prefix cache, in GiB (docs/"
+                        "host-kv-tier.md): blocks the pool evicts are kept there and copied "
+                        "back on a prefix hit; 0: off. Default: a tenth of the available "
+                        "host memory on CUDA, off on the CPU")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=512, help="sequences in one step")
@@ -88,4 +93,5 @@ def engine_config(args: argparse.Namespace, role: str = "both") -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
-        speculative_max_batch=args.speculative_max_batch)
+        speculative_max_batch=args.speculative_max_batch,
+        host_kv_cache_gb=args.host_kv_cache_gb)

@@ -1,0 +1,196 @@
+"""A host-memory tier under the prefix cache: full blocks the GPU pool evicts are kept in host
+memory (pinned on CUDA), and a prompt whose prefix continues past the GPU's cached blocks gets
+the rest copied back into fresh pool blocks instead of computing it.
+
+    device pool (BlockPool)                     host tier (an LRU of slots)
+    cached free block reallocated ──D2H copy──▶  slot keyed by the block's chained hash
+    prefix match past the pool's hits ◀─H2D──    slot copied into a fresh block, published
+                                                 in the prefix cache under the same hash
+
+Keys are the prefix cache's chained hashes (engine/block_pool.py hash_block, salted at the root
+by cache_salt), so a host slot matches exactly the prompts the pool's entry matched: a salted
+prefix is never served to another salt from either tier.
+
+Copies are recorded while the scheduler allocates (evictions, restores) and issued, in the
+order recorded, by `flush` before the step runs. On CUDA they run on a side stream that first
+waits for the work already queued on the step's stream (a step in flight may still be writing
+an evicted block), and the step's stream waits for them in turn: no host wait, the copies
+overlap whatever the device runs before. On the CPU they are plain copies.
+
+The inclusive tier keeps a slot after restoring it: the block evicted again later costs no copy.
+FP8 pools hold per-(layer, KV head) scales, fixed for the pool's life (engine/quantization/
+kv_cache.py): a block's bytes are valid under them wherever they are kept, so the tier copies
+the bytes alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+# Default size: this share of the host memory available when the engine starts (CUDA only).
+AUTO_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class HostTierStats:
+    """Counters in blocks (hits: blocks restored; misses: blocks of prompts found in neither
+    tier once the lookup reached the host), bytes in use and the tier's size."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0  # slots dropped from the LRU to make room
+    stored: int = 0  # blocks copied in
+    bytes_used: int = 0
+    capacity_bytes: int = 0
+
+
+class HostBlockIndex:
+    """The tier's bookkeeping, torch-free: hash -> slot in LRU order (oldest first), free slots,
+    and slots pinned while a restore from them is still to be issued (never reused then)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.lru: OrderedDict[int, int] = OrderedDict()
+        self.free_slots = list(range(capacity - 1, -1, -1))  # pop() gives slot 0 first
+        self.pinned: set[int] = set()
+        self.hits = self.misses = self.evictions = self.stored = 0
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    def get(self, block_hash: int) -> int | None:
+        """The slot holding this prefix (now most recently used), or None."""
+        slot = self.lru.get(block_hash)
+        if slot is not None:
+            self.lru.move_to_end(block_hash)
+        return slot
+
+    def put(self, block_hash: int) -> int | None:
+        """A slot to copy a block with this hash into, or None when nothing is to be copied:
+        the tier holds the prefix already (touched), or every slot is pinned."""
+        if block_hash in self.lru:
+            self.lru.move_to_end(block_hash)
+            return None
+        slot = self.free_slots.pop() if self.free_slots else self._evict_lru()
+        if slot is None:
+            return None
+        self.lru[block_hash] = slot
+        self.stored += 1
+        return slot
+
+    def _evict_lru(self) -> int | None:
+        for h, slot in self.lru.items():
+            if slot not in self.pinned:
+                del self.lru[h]
+                self.evictions += 1
+                return slot
+        return None
+
+
+class HostKVTier:
+    """The tier of one engine's pool: the host tensor, the index, and the copies still to be
+    issued. `offload` is the BlockPool's eviction hook; KVCacheManager calls `lookup`, `pin`,
+    `restore` and `unpin`; the engine calls `flush` once per step, after scheduling."""
+
+    def __init__(self, pool: torch.Tensor, capacity_blocks: int) -> None:
+        self.pool = pool
+        self.index = HostBlockIndex(capacity_blocks)
+        cuda = pool.is_cuda
+        self.host = torch.empty((capacity_blocks, *pool.shape[1:]), dtype=pool.dtype,
+                                pin_memory=cuda)
+        self.block_bytes = self.host[0].nbytes
+        # (to_host, pool block, slot) in the order the scheduler caused them.
+        self.ops: list[tuple[bool, int, int]] = []
+        self.stream = torch.cuda.Stream(pool.device) if cuda else None
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.host.nbytes
+
+    def stats(self) -> HostTierStats:
+        ix = self.index
+        return HostTierStats(ix.hits, ix.misses, ix.evictions, ix.stored,
+                             len(ix) * self.block_bytes, self.capacity_bytes)
+
+    # -- the pool's side ---------------------------------------------------------------------
+    def offload(self, block: int, block_hash: int) -> None:
+        """A cached block is being reallocated: keep its KV (copied before the step that
+        overwrites it)."""
+        slot = self.index.put(block_hash)
+        if slot is not None:
+            self.ops.append((True, block, slot))
+
+    # -- the prefix match's side -------------------------------------------------------------
+    def lookup(self, block_hash: int) -> int | None:
+        return self.index.get(block_hash)
+
+    def pin(self, slots: list[int]) -> None:
+        self.index.pinned.update(slots)
+
+    def unpin(self, slots: list[int]) -> None:
+        self.index.pinned.difference_update(slots)
+
+    def restore(self, slot: int, block: int) -> None:
+        self.ops.append((False, block, slot))
+        self.index.hits += 1
+
+    def count_misses(self, n: int) -> None:
+        self.index.misses += n
+
+    # -- the engine's side -------------------------------------------------------------------
+    def flush(self, wait: bool = False) -> None:
+        """Issue the recorded copies, in order. `wait`: return only once they are done (a
+        writer outside the step's stream, a NIXL pull, may touch these blocks next)."""
+        if not self.ops:
+            return
+        ops, self.ops = self.ops, []
+        if self.stream is None:
+            self._copy(ops, non_blocking=False)
+            return
+        main = torch.cuda.current_stream(self.pool.device)
+        self.stream.wait_stream(main)  # after the writes already queued (a step in flight)
+        with torch.cuda.stream(self.stream):
+            self._copy(ops, non_blocking=True)
+        main.wait_stream(self.stream)  # the next step reads or overwrites these blocks
+        if wait:
+            self.stream.synchronize()
+
+    @torch.inference_mode()
+    def _copy(self, ops: list[tuple[bool, int, int]], non_blocking: bool) -> None:
+        pool, host = self.pool, self.host
+        for to_host, block, slot in ops:
+            if to_host:
+                host[slot].copy_(pool[block], non_blocking=non_blocking)
+            else:
+                pool[block].copy_(host[slot], non_blocking=non_blocking)
+
+
+def host_tier_bytes(requested_gb: float | None, device: torch.device) -> int:
+    """The tier's size in bytes: the flag's, or by default (None) AUTO_FRACTION of the host
+    memory available now on CUDA and none on the CPU (there the pool is host memory already:
+    a larger pool does the same job without the copies)."""
+    if requested_gb is not None:
+        return int(requested_gb * (1 << 30))
+    if device.type != "cuda":
+        return 0
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+    return int(available * AUTO_FRACTION)
+
+
+def host_tier_for(pool: torch.Tensor, requested_gb: float | None, *,
+                  enabled: bool) -> HostKVTier | None:
+    """The tier for this pool, or None (off: size 0, or `enabled` false)."""
+    if not enabled:
+        return None
+    size = host_tier_bytes(requested_gb, pool.device)
+    capacity = size // pool[0].nbytes
+    return HostKVTier(pool, capacity) if capacity >= 1 else None

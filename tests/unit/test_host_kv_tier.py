@@ -1,0 +1,130 @@
+"""The host tier's bookkeeping and copies on the CPU, with exact block ids and slots: evicted
+cached blocks land in host slots keyed by their chained hash, a prefix match continues into
+them and gets the same bytes back in fresh pool blocks, pinned slots are never reused, and the
+tier never holds more than its capacity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.block_pool import BlockPool
+from engine.host_kv_tier import HostBlockIndex, HostKVTier, host_tier_bytes, host_tier_for
+from engine.kv_manager import KVCacheManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+BS = 4
+
+
+def test_index_lru_order_and_touch():
+    ix = HostBlockIndex(2)
+    assert ix.put(10) == 0 and ix.put(11) == 1
+    assert ix.put(10) is None  # held already: touched, nothing to copy
+    assert ix.put(12) == 1  # 11 was the least recently used
+    assert ix.get(11) is None and ix.get(10) == 0 and ix.get(12) == 1
+    assert ix.evictions == 1 and ix.stored == 3 and len(ix) == 2
+
+
+def test_index_never_reuses_a_pinned_slot():
+    ix = HostBlockIndex(2)
+    ix.put(1), ix.put(2)
+    ix.pinned.update({0, 1})
+    assert ix.put(3) is None  # no room: the block is dropped, no slot overwritten
+    ix.pinned.discard(1)
+    assert ix.put(3) == 1 and ix.get(1) == 0
+
+
+def _setup(num_blocks: int, capacity: int):
+    pool = BlockPool(num_blocks, BS)
+    data = torch.zeros(num_blocks, 1, 2, BS, 1, 2)
+    tier = HostKVTier(data, capacity)
+    return pool, data, tier, KVCacheManager(pool, tier)
+
+
+def _run_prompt(kv: KVCacheManager, data: torch.Tensor, tier: HostKVTier, tokens: list[int],
+                salt: str = "") -> Sequence:
+    """Admit, 'compute' (each block's KV: a value derived from its tokens), publish, finish."""
+    seq = Sequence("r", tokens, SamplingParams(max_tokens=1, cache_salt=salt))
+    hits = kv.prefix_hits(seq)
+    assert kv.allocate_slots(seq, len(tokens) - len(hits) * BS, hits)
+    tier.flush()
+    for i in range(len(hits), len(seq.block_ids)):
+        data[seq.block_ids[i]] = float(sum(tokens[i * BS:(i + 1) * BS]) + 1000 * len(salt))
+    seq.num_computed_tokens = len(tokens)
+    kv.cache_full_blocks(seq)
+    return seq
+
+
+def test_evicted_blocks_come_back_with_their_bytes():
+    pool, data, tier, kv = _setup(num_blocks=4, capacity=8)
+    a = list(range(1, 14))  # 3 full blocks + 1 token
+    seq = _run_prompt(kv, data, tier, a)
+    want = [data[b].clone() for b in seq.block_ids[:3]]
+    kv.free(seq)
+    other = _run_prompt(kv, data, tier, list(range(100, 116)))  # takes all 4 blocks
+    tier.flush()
+    assert not any(h in pool.cached for h in seq.block_hashes[:3])
+    assert tier.stats().stored == 3 and len(tier.index) == 3
+    kv.free(other)
+
+    again = Sequence("r2", a, SamplingParams(max_tokens=1))
+    hits = kv.prefix_hits(again)
+    assert len(hits) == 3 and tier.stats().hits == 3
+    assert kv.allocate_slots(again, 1, hits)
+    tier.flush()
+    assert again.num_cached_tokens == 12
+    for b, w in zip(again.block_ids[:3], want):
+        assert torch.equal(data[b], w)
+    kv.free(again)
+    assert pool.is_idle() and not tier.index.pinned and not tier.ops
+
+
+def test_no_restore_when_the_prompt_cannot_fit():
+    pool, data, tier, kv = _setup(num_blocks=4, capacity=8)
+    a = list(range(1, 14))
+    kv.free(_run_prompt(kv, data, tier, a))
+    kv.free(_run_prompt(kv, data, tier, list(range(100, 116))))
+    held = pool.allocate(2)  # 2 free: the prompt's 4 blocks cannot be placed
+    tier.flush()
+    assert kv.prefix_hits(Sequence("r2", a, SamplingParams(max_tokens=1))) == []
+    assert tier.stats().hits == 0 and not tier.ops
+    pool.free(held)
+    assert pool.is_idle()
+
+
+def test_a_salted_prefix_never_matches_another_salt_from_the_host():
+    pool, data, tier, kv = _setup(num_blocks=4, capacity=8)
+    a = list(range(1, 14))
+    kv.free(_run_prompt(kv, data, tier, a, salt="tenant-a"))
+    kv.free(_run_prompt(kv, data, tier, list(range(100, 116))))
+    assert len(tier.index) == 3
+    for salt in ("", "tenant-b"):
+        seq = Sequence("r", a, SamplingParams(max_tokens=1, cache_salt=salt))
+        assert kv.prefix_hits(seq) == []
+    assert tier.stats().hits == 0
+    seq = Sequence("r", a, SamplingParams(max_tokens=1, cache_salt="tenant-a"))
+    assert len(kv.prefix_hits(seq)) == 3
+    tier.flush()
+    assert pool.is_idle()
+
+
+def test_tier_size_from_the_flag():
+    pool = torch.zeros(8, 2, 2, BS, 1, 4)
+    block = pool[0].nbytes
+    tier = host_tier_for(pool, 5.5 * block / (1 << 30), enabled=True)
+    assert tier.index.capacity == 5 and tier.capacity_bytes == 5 * block
+    assert host_tier_for(pool, 0.5 * block / (1 << 30), enabled=True) is None
+    assert host_tier_for(pool, 1.0, enabled=False) is None
+    assert host_tier_bytes(None, torch.device("cpu")) == 0  # CPU: off unless asked
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_bad_flag_names_the_field(bad):
+    from engine.config import EngineConfig
+    from tandem.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="host_kv_cache_gb"):
+        EngineConfig(model="m", host_kv_cache_gb=bad)
+    with pytest.raises(InvalidArgument, match="host_kv_cache_gb"):
+        EngineConfig(model="m", host_kv_cache_gb=1.0, enable_prefix_caching=False)
