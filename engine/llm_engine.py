@@ -38,8 +38,8 @@ from engine.async_step import PLACEHOLDER, StepPipeline
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
 from engine.grammar import GrammarCompiler
-from engine.kv_connector import PullDone, connector_for
 from engine.host_kv_tier import host_tier_for
+from engine.kv_connector import PullDone, connector_for
 from engine.kv_manager import KVCacheManager
 from engine.model_runner import ModelRunner, PoolFactory
 from engine.model_source import resolve_model

@@ -1,0 +1,109 @@
+"""The host KV tier in a whole engine (CPU, float32, a tiny random checkpoint): with more
+conversations than the pool holds, turn after turn, outputs are identical with and without the
+tier while the tier computes fewer prompt tokens (the scheduler's counter); a salted prefix is
+never served to another salt from it; its bytes stay within the flag under many evictions; every
+pool ends idle."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 64 * 4  # tiny llama: layers x (K, V) x block x kv heads x dim x fp32
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _engine(model: str, host_blocks: float, num_blocks: int = 24) -> LLMEngine:
+    return LLMEngine(EngineConfig(model, num_blocks=num_blocks, max_model_len=256,
+                                  host_kv_cache_gb=host_blocks * BLOCK_BYTES / (1 << 30)),
+                     progress=False)
+
+
+def _generate(engine: LLMEngine, rid: str, prompt: list[int],
+              params: SamplingParams = GREEDY) -> tuple[list[int], int]:
+    """(output tokens, cached prompt tokens) of one request run alone."""
+    engine.add_request(rid, prompt, params)
+    tokens, cached = [], 0
+    while rid in engine.requests:
+        for o in engine.step():
+            tokens += o.new_token_ids
+            cached = o.num_cached_tokens
+    return tokens, cached
+
+
+def _conversations(engine: LLMEngine, num_convs: int = 6, turns: int = 4) -> list[list[int]]:
+    """Round-robin turns of num_convs chats; each turn's prompt is the whole conversation so
+    far plus a new user message of 20 tokens. 6 chats of up to ~7 blocks: more than 24 blocks."""
+    history = [[(7 * c + 3) % 500 + 1] for c in range(num_convs)]
+    outputs = []
+    for t in range(turns):
+        for c in range(num_convs):
+            history[c] += [(31 * c + 17 * t + k) % 500 + 1 for k in range(20)]
+            out, _ = _generate(engine, f"c{c}t{t}", history[c])
+            history[c] += out
+            outputs.append(out)
+    return outputs
+
+
+def test_conversations_outgrowing_the_pool_match_and_compute_less(tiny_models):
+    model = str(tiny_models["llama"])
+    plain = _engine(model, host_blocks=0)
+    tiered = _engine(model, host_blocks=200)
+    assert plain.host_tier is None and tiered.host_tier is not None
+    want = _conversations(plain)
+    got = _conversations(tiered)
+    assert got == want
+    stats = tiered.host_tier.stats()
+    assert stats.hits > 0 and stats.stored > 0
+    computed = tiered.scheduler.num_prompt_tokens_computed
+    baseline = plain.scheduler.num_prompt_tokens_computed
+    # Every restored block is a block of prompt not computed.
+    assert computed == baseline - 16 * stats.hits, (computed, baseline, stats)
+    for e in (plain, tiered):
+        assert e.is_idle()
+    assert not tiered.host_tier.ops and not tiered.host_tier.index.pinned
+
+
+def test_salted_prefix_is_never_served_to_another_salt(tiny_models):
+    engine = _engine(str(tiny_models["llama"]), host_blocks=64, num_blocks=8)
+    prompt = list(range(1, 50))  # 3 full blocks + 1 token
+    a = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, cache_salt="tenant-a")
+    b = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, cache_salt="tenant-b")
+    first, _ = _generate(engine, "a1", prompt, a)
+    # Other prompts take every block: tenant-a's prefix is now in the host tier alone.
+    for i in range(3):
+        _generate(engine, f"x{i}", [400 + i] * 120)
+    hashes = set(engine.host_tier.index.lru)
+    assert not hashes & set(engine.block_pool.cached)
+    hits = engine.host_tier.stats().hits
+    for rid, params in (("b", b), ("none", GREEDY)):
+        _, cached = _generate(engine, rid, prompt, params)
+        assert cached == 0
+    assert engine.host_tier.stats().hits == hits
+    again, cached = _generate(engine, "a2", prompt, a)
+    assert cached == 48 and again == first
+    assert engine.is_idle()
+
+
+def test_tier_bytes_stay_within_the_flag(tiny_models):
+    flag_blocks = 5.5
+    engine = _engine(str(tiny_models["llama"]), host_blocks=flag_blocks, num_blocks=8)
+    flag_bytes = flag_blocks * BLOCK_BYTES
+    tier = engine.host_tier
+    assert tier.capacity_bytes <= flag_bytes
+    for i in range(20):
+        _generate(engine, f"r{i}", [(13 * i + k) % 500 + 1 for k in range(40)])
+        assert tier.stats().bytes_used <= flag_bytes
+    stats = tier.stats()
+    assert stats.evictions > 0 and len(tier.index) == tier.index.capacity == 5
+    assert engine.is_idle()
+
+
+@pytest.mark.parametrize("gb", [0, None])
+def test_off_on_the_cpu_unless_asked(tiny_models, gb):
+    engine = LLMEngine(EngineConfig(str(tiny_models["llama"]), num_blocks=8, max_model_len=128,
+                                    host_kv_cache_gb=gb), progress=False)
+    assert engine.host_tier is None and engine.block_pool.on_evict is None
