@@ -206,7 +206,7 @@ class _EngineCounters:
         self.labels, self.values = list(labels), list(values)
         self.snapshot: Callable[[], Any] | None = None
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         if self.snapshot is None:
             return
         s = self.snapshot()
@@ -223,6 +223,8 @@ class _EngineCounters:
             family = CounterMetricFamily(f"tandem:{name}", doc, labels=self.labels)
             family.add_metric(self.values, value)
             yield family
+        if s.host_kv_capacity_bytes:
+            yield from self._host_tier(s)
         # Per draft position: the acceptance rate at j is accepted[j] / drafted[j].
         for name, doc, counts in (
                 ("spec_decode_num_drafts_per_pos", "Drafts scored at each draft position",
@@ -235,6 +237,29 @@ class _EngineCounters:
                 for j, value in enumerate(counts):
                     family.add_metric([*self.values, str(j)], value)
                 yield family
+
+
+    def _host_tier(self, s: Any) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """The host KV tier's figures (engine/host_kv_tier.py), where the engine has one:
+        hits and misses in prompt tokens, as the prefix cache's."""
+        for name, doc, value in (
+                ("host_kv_cache_hits", "Prompt tokens copied back from the host KV tier",
+                 s.host_kv_hits * s.block_size),
+                ("host_kv_cache_misses", "Prompt tokens looked up in the host KV tier and "
+                 "found in neither tier", s.host_kv_misses * s.block_size),
+                ("host_kv_cache_evictions", "Blocks dropped from the host KV tier to make "
+                 "room", s.host_kv_evictions)):
+            family = CounterMetricFamily(f"tandem:{name}", doc, labels=self.labels)
+            family.add_metric(self.values, value)
+            yield family
+        for name, doc, value in (
+                ("host_kv_cache_usage_bytes", "Bytes of KV held in the host tier",
+                 s.host_kv_bytes_used),
+                ("host_kv_cache_capacity_bytes", "Size of the host KV tier (its flag)",
+                 s.host_kv_capacity_bytes)):
+            family = GaugeMetricFamily(f"tandem:{name}", doc, labels=self.labels)
+            family.add_metric(self.values, value)
+            yield family
 
 
 class _LeasedBlocks:

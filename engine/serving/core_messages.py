@@ -86,6 +86,12 @@ class EngineSnapshot:
     spec_accepted_tokens: int = 0
     spec_drafted_at: tuple[int, ...] = ()
     spec_accepted_at: tuple[int, ...] = ()
+    # Host KV tier (engine/host_kv_tier.py), in blocks; all 0 when the engine has none.
+    host_kv_hits: int = 0
+    host_kv_misses: int = 0
+    host_kv_evictions: int = 0
+    host_kv_bytes_used: int = 0
+    host_kv_capacity_bytes: int = 0
 
     @property
     def idle(self) -> bool:

@@ -36,7 +36,7 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.serving.core_messages import (
     Abort,
@@ -63,6 +63,9 @@ from engine.serving.core_messages import (
 )
 from engine.serving.kv_pulls import KVPulls
 from kvtransfer import transports
+
+if TYPE_CHECKING:
+    from engine.host_kv_tier import HostKVTier
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +276,8 @@ class EngineCore:
                               self.kv.runs_pulled, self.kv.pull_seconds,
                               *((spec.num_draft_tokens, spec.num_accepted_tokens,
                                  tuple(spec.drafted_at), tuple(spec.accepted_at))
-                                if spec is not None else ()))
+                                if spec is not None else ()),
+                              **_host_tier_fields(e.host_tier))
 
     def _kv_events(self) -> KVEvents | None:
         stored, removed = self.engine.block_pool.take_events()
@@ -345,3 +349,13 @@ def _name_native_thread(name: str) -> None:
     """The calling thread shows as `name` in top, ps and /proc (Linux; elsewhere nothing)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+def _host_tier_fields(tier: HostKVTier | None) -> dict[str, int]:
+    """The host KV tier's counters for the snapshot (none without a tier)."""
+    if tier is None:
+        return {}
+    s = tier.stats()
+    return {"host_kv_hits": s.hits, "host_kv_misses": s.misses,
+            "host_kv_evictions": s.evictions, "host_kv_bytes_used": s.bytes_used,
+            "host_kv_capacity_bytes": s.capacity_bytes}

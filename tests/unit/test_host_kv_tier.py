@@ -128,3 +128,38 @@ def test_bad_flag_names_the_field(bad):
         EngineConfig(model="m", host_kv_cache_gb=bad)
     with pytest.raises(InvalidArgument, match="host_kv_cache_gb"):
         EngineConfig(model="m", host_kv_cache_gb=1.0, enable_prefix_caching=False)
+
+
+def test_metrics_show_the_tier():
+    from engine.serving.core_messages import EngineSnapshot
+    from engine.serving.engine_core import _host_tier_fields
+    from runtime.metrics import Metrics
+
+    pool, data, tier, kv = _setup(num_blocks=4, capacity=2)
+    assert pool.is_idle()
+    a = list(range(1, 14))
+    kv.free(_run_prompt(kv, data, tier, a))
+    kv.free(_run_prompt(kv, data, tier, list(range(100, 116))))  # 3 evicted, 2 slots: 1 dropped
+    # 2 blocks back from the host (their slots pinned: the 2 blocks their restore evicts find no
+    # room), then the 2 new blocks evict 2 more, which replace a's 2 slots.
+    kv.free(_run_prompt(kv, data, tier, a))
+    tier.flush()
+    stats = tier.stats()
+    assert (stats.hits, stats.evictions, stats.bytes_used) == (2, 3, 2 * tier.block_bytes)
+    snap = EngineSnapshot(block_size=BS, **_host_tier_fields(tier))
+    m = Metrics("decode", "m")
+    snaps = [snap]
+    m.bind_engine(lambda: snaps[-1])
+    labels = {"role": "decode", "model_name": "m"}
+
+    def value(name: str) -> float:
+        return m.registry.get_sample_value(f"tandem:{name}", labels)
+
+    assert value("host_kv_cache_hits_total") == 2 * BS
+    assert value("host_kv_cache_misses_total") == stats.misses * BS > 0
+    assert value("host_kv_cache_evictions_total") == 3
+    assert value("host_kv_cache_usage_bytes") == stats.bytes_used
+    assert value("host_kv_cache_capacity_bytes") == tier.capacity_bytes
+    snaps.append(EngineSnapshot(block_size=BS))  # no tier: no such series
+    assert value("host_kv_cache_hits_total") is None
+    assert pool.is_idle()
