@@ -1,16 +1,19 @@
 """The host KV tier in a whole engine (CPU, float32, a tiny random checkpoint): with more
 conversations than the pool holds, turn after turn, outputs are identical with and without the
-tier while the tier computes fewer prompt tokens (the scheduler's counter); a salted prefix is
+tier while the tier computes fewer prompt tokens (the scheduler's counter), and a decode engine
+pulls fewer blocks from its prefill engine; a salted prefix is
 never served to another salt from it; its bytes stay within the flag under many evictions; every
 pool ends idle."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.sequence import RemoteKV
 
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 64 * 4  # tiny llama: layers x (K, V) x block x kv heads x dim x fp32
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -34,7 +37,7 @@ def _generate(engine: LLMEngine, rid: str, prompt: list[int],
     return tokens, cached
 
 
-def _conversations(engine: LLMEngine, num_convs: int = 6, turns: int = 4) -> list[list[int]]:
+def _conversations(engine: LLMEngine | _Disaggregated, num_convs: int = 6, turns: int = 4) -> list[list[int]]:
     """Round-robin turns of num_convs chats; each turn's prompt is the whole conversation so
     far plus a new user message of 20 tokens. 6 chats of up to ~7 blocks: more than 24 blocks."""
     history = [[(7 * c + 3) % 500 + 1] for c in range(num_convs)]
@@ -100,6 +103,61 @@ def test_tier_bytes_stay_within_the_flag(tiny_models):
     stats = tier.stats()
     assert stats.evictions > 0 and len(tier.index) == tier.index.capacity == 5
     assert engine.is_idle()
+
+
+class _Disaggregated:
+    """A prefill engine and a decode engine driven as one engine (add_request, step,
+    requests): the prompt's KV is pulled in-process, the lease released once the request ends."""
+
+    def __init__(self, prefill: LLMEngine, decode: LLMEngine) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.requests = decode.requests
+        self.leases: dict[str, str] = {}
+        self.pulled = 0
+        decode.kv_connector.connect(self._pull)
+
+    def _pull(self, remote: RemoteKV, src: list[int], dst: list[int]) -> None:
+        self.pulled += len(dst)
+        self.decode.runner.pool[torch.tensor(dst, dtype=torch.long)] = \
+            self.prefill.runner.pool[torch.tensor(src, dtype=torch.long)]
+
+    def add_request(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        self.prefill.add_request(rid, prompt, params)
+        outs = []
+        while rid in self.prefill.requests:
+            outs += self.prefill.step()
+        (h,) = [o.handoff for o in outs if o.handoff is not None]
+        self.leases[rid] = h.lease_id
+        self.decode.add_remote_request(rid, prompt, params, RemoteKV(
+            "p", h.lease_id, float("inf"), h.block_ids, h.first_token_ids, h.first_logprobs))
+
+    def step(self) -> list:
+        outs = self.decode.step()
+        for rid in [r for r in self.leases if r not in self.requests]:
+            assert self.prefill.kv_connector.release(self.leases.pop(rid))
+        return outs
+
+
+def _disaggregated_conversations(model: str, host_blocks: float) -> tuple[list, int, LLMEngine]:
+    """The conversations through a prefill engine and a decode engine of 24 blocks (the decode
+    pool evicts); (outputs after each first token, blocks pulled, the decode engine)."""
+    prefill = LLMEngine(EngineConfig(model, role="prefill", max_model_len=256), progress=False)
+    decode = LLMEngine(EngineConfig(model, role="decode", num_blocks=24, max_model_len=256,
+                                    host_kv_cache_gb=host_blocks * BLOCK_BYTES / (1 << 30)),
+                       progress=False)
+    both = _Disaggregated(prefill, decode)
+    outputs = _conversations(both)
+    assert prefill.is_idle() and decode.is_idle()
+    return outputs, both.pulled, decode
+
+
+def test_decode_role_pulls_less_with_the_tier(tiny_models):
+    model = str(tiny_models["llama"])
+    want, pulled_plain, _ = _disaggregated_conversations(model, host_blocks=0)
+    got, pulled_tiered, decode = _disaggregated_conversations(model, host_blocks=200)
+    assert got == want
+    hits = decode.host_tier.stats().hits
+    assert hits > 0 and pulled_tiered == pulled_plain - hits
 
 
 @pytest.mark.parametrize("gb", [0, None])
