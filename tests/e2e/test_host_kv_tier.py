@@ -1,9 +1,8 @@
 """The host KV tier in a whole engine (CPU, float32, a tiny random checkpoint): with more
 conversations than the pool holds, turn after turn, outputs are identical with and without the
 tier while the tier computes fewer prompt tokens (the scheduler's counter), and a decode engine
-pulls fewer blocks from its prefill engine; a salted prefix is
-never served to another salt from it; its bytes stay within the flag under many evictions; every
-pool ends idle."""
+pulls fewer blocks from its prefill engine; a salted prefix is never served to another salt from
+it; its bytes stay within the flag under many evictions; every pool ends idle."""
 
 from __future__ import annotations
 
