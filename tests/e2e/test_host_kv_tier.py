@@ -36,6 +36,15 @@ def _generate(engine: LLMEngine, rid: str, prompt: list[int],
     return tokens, cached
 
 
+def _check_slots(tier) -> None:
+    """Every host slot is either free or holds exactly one hash: none leaked, none shared."""
+    ix = tier.index
+    held = list(ix.lru.values())
+    assert len(held) + len(ix.free_slots) == ix.capacity
+    assert set(held) | set(ix.free_slots) == set(range(ix.capacity))
+    assert not ix.pinned and not tier.ops
+
+
 def _conversations(engine: LLMEngine | _Disaggregated, num_convs: int = 6, turns: int = 4) -> list[list[int]]:
     """Round-robin turns of num_convs chats; each turn's prompt is the whole conversation so
     far plus a new user message of 20 tokens. 6 chats of up to ~7 blocks: more than 24 blocks."""
@@ -66,7 +75,7 @@ def test_conversations_outgrowing_the_pool_match_and_compute_less(tiny_models):
     assert computed == baseline - 16 * stats.hits, (computed, baseline, stats)
     for e in (plain, tiered):
         assert e.is_idle()
-    assert not tiered.host_tier.ops and not tiered.host_tier.index.pinned
+    _check_slots(tiered.host_tier)
 
 
 def test_salted_prefix_is_never_served_to_another_salt(tiny_models):
@@ -101,6 +110,7 @@ def test_tier_bytes_stay_within_the_flag(tiny_models):
         assert tier.stats().bytes_used <= flag_bytes
     stats = tier.stats()
     assert stats.evictions > 0 and len(tier.index) == tier.index.capacity == 5
+    _check_slots(tier)
     assert engine.is_idle()
 
 
@@ -157,6 +167,7 @@ def test_decode_role_pulls_less_with_the_tier(tiny_models):
     assert got == want
     hits = decode.host_tier.stats().hits
     assert hits > 0 and pulled_tiered == pulled_plain - hits
+    _check_slots(decode.host_tier)
 
 
 @pytest.mark.parametrize("gb", [0, None])

@@ -163,3 +163,49 @@ def test_metrics_show_the_tier():
     snaps.append(EngineSnapshot(block_size=BS))  # no tier: no such series
     assert value("host_kv_cache_hits_total") is None
     assert pool.is_idle()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_hit_holds_its_own_prefix_under_churn(seed):
+    """Random prompts sharing prefixes (three salts) through a 6-block pool and a 5-slot tier,
+    two sequences alive at a time: after each admission's copies, every block a prompt got
+    from either tier holds the KV written for that block's hash, and the accounting is exact."""
+    import random
+
+    rng = random.Random(seed)
+    pool, data, tier, kv = _setup(num_blocks=6, capacity=5)
+
+    def kv_of(h: int) -> float:
+        return float(h % 65521)
+
+    stems = [[rng.randrange(1, 50) for _ in range(12)] for _ in range(3)]
+    alive: list[Sequence] = []
+    restored = 0
+    for step in range(120):
+        tokens = rng.choice(stems)[:rng.choice([4, 8, 12])] + [rng.randrange(1, 50)
+                                                                 for _ in range(rng.randrange(1, 6))]
+        seq = Sequence(f"r{step}", tokens, SamplingParams(max_tokens=1,
+                                                          cache_salt=rng.choice(["", "a", "b"])))
+        hits = kv.prefix_hits(seq)
+        if not kv.allocate_slots(seq, len(tokens) - len(hits) * BS, hits):
+            tier.flush()
+            if alive:
+                kv.free(alive.pop(0))
+            continue
+        tier.flush()
+        hashes = seq.full_block_hashes(BS, len(tokens))
+        for i in range(len(hits)):
+            assert data[seq.block_ids[i]].flatten()[0] == kv_of(hashes[i]), (seed, step, i)
+        for i in range(len(hits), len(seq.block_ids)):  # "compute" the rest
+            data[seq.block_ids[i]] = kv_of(hashes[i]) if i < len(hashes) else -1.0
+        seq.num_computed_tokens = len(tokens)
+        kv.cache_full_blocks(seq)
+        alive.append(seq)
+        if len(alive) > 2:
+            kv.free(alive.pop(0))
+        ix = tier.index
+        assert len(ix.lru) + len(ix.free_slots) == ix.capacity and not ix.pinned
+        restored = tier.stats().hits
+    for seq in alive:
+        kv.free(seq)
+    assert pool.is_idle() and restored > 0
