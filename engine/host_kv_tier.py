@@ -33,6 +33,8 @@ import torch
 
 # Default size: this share of the host memory available when the engine starts (CUDA only).
 AUTO_FRACTION = 0.1
+# The tier takes host memory in chunks of about this size, as it fills.
+CHUNK_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -101,17 +103,32 @@ class HostKVTier:
     def __init__(self, pool: torch.Tensor, capacity_blocks: int) -> None:
         self.pool = pool
         self.index = HostBlockIndex(capacity_blocks)
-        cuda = pool.is_cuda
-        self.host = torch.empty((capacity_blocks, *pool.shape[1:]), dtype=pool.dtype,
-                                pin_memory=cuda)
-        self.block_bytes = self.host[0].nbytes
+        self.block_bytes = pool[0].nbytes
+        # Host memory is taken a chunk at a time as slots are first used (slots are handed out
+        # lowest first), not all at start: pinning tens of GiB up front costs seconds.
+        self.chunk_blocks = max(1, min(capacity_blocks, CHUNK_BYTES // self.block_bytes))
+        self.chunks: list[torch.Tensor] = []
         # (to_host, pool block, slot) in the order the scheduler caused them.
         self.ops: list[tuple[bool, int, int]] = []
-        self.stream = torch.cuda.Stream(pool.device) if cuda else None
+        self.stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
 
     @property
     def capacity_bytes(self) -> int:
-        return self.host.nbytes
+        return self.index.capacity * self.block_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host memory taken so far (whole chunks; never above capacity_bytes)."""
+        return sum(c.nbytes for c in self.chunks)
+
+    def slot(self, slot: int) -> torch.Tensor:
+        """The host memory of one slot, its chunk allocated on first use."""
+        c, i = divmod(slot, self.chunk_blocks)
+        while len(self.chunks) <= c:
+            n = min(self.chunk_blocks, self.index.capacity - len(self.chunks) * self.chunk_blocks)
+            self.chunks.append(torch.empty((n, *self.pool.shape[1:]), dtype=self.pool.dtype,
+                                           pin_memory=self.pool.is_cuda))
+        return self.chunks[c][i]
 
     def stats(self) -> HostTierStats:
         ix = self.index
@@ -163,12 +180,12 @@ class HostKVTier:
 
     @torch.inference_mode()
     def _copy(self, ops: list[tuple[bool, int, int]], non_blocking: bool) -> None:
-        pool, host = self.pool, self.host
+        pool = self.pool
         for to_host, block, slot in ops:
             if to_host:
-                host[slot].copy_(pool[block], non_blocking=non_blocking)
+                self.slot(slot).copy_(pool[block], non_blocking=non_blocking)
             else:
-                pool[block].copy_(host[slot], non_blocking=non_blocking)
+                pool[block].copy_(self.slot(slot), non_blocking=non_blocking)
 
 
 def host_tier_bytes(requested_gb: float | None, device: torch.device) -> int:

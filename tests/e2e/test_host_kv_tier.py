@@ -107,7 +107,7 @@ def test_tier_bytes_stay_within_the_flag(tiny_models):
     assert tier.capacity_bytes <= flag_bytes
     for i in range(20):
         _generate(engine, f"r{i}", [(13 * i + k) % 500 + 1 for k in range(40)])
-        assert tier.stats().bytes_used <= flag_bytes
+        assert tier.stats().bytes_used <= flag_bytes and tier.allocated_bytes <= flag_bytes
     stats = tier.stats()
     assert stats.evictions > 0 and len(tier.index) == tier.index.capacity == 5
     _check_slots(tier)

@@ -119,6 +119,25 @@ def test_tier_size_from_the_flag():
     assert host_tier_bytes(None, torch.device("cpu")) == 0  # CPU: off unless asked
 
 
+def test_host_memory_is_taken_as_slots_fill(monkeypatch):
+    import engine.host_kv_tier as hkt
+
+    pool = torch.arange(8 * 16, dtype=torch.float32).reshape(8, 1, 2, BS, 1, 2)
+    block = pool[0].nbytes
+    monkeypatch.setattr(hkt, "CHUNK_BYTES", 2 * block)
+    tier = HostKVTier(pool, 5)  # chunks of 2, 2, 1 slots
+    assert tier.allocated_bytes == 0
+    for b in range(5):
+        tier.offload(b, 100 + b)
+        tier.flush()
+        assert tier.allocated_bytes == 2 * block * (b // 2 + 1) - block * (b == 4)
+        assert tier.allocated_bytes <= tier.capacity_bytes
+    tier.offload(7, 200)  # the LRU slot (0) reused: no new memory
+    tier.flush()
+    assert tier.allocated_bytes == tier.capacity_bytes == 5 * block
+    assert torch.equal(tier.slot(0), pool[7]) and torch.equal(tier.slot(4), pool[4])
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan")])
 def test_bad_flag_names_the_field(bad):
     from engine.config import EngineConfig
