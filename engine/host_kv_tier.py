@@ -96,7 +96,7 @@ class HostBlockIndex:
 
 
 class HostKVTier:
-    """The tier of one engine's pool: the host tensor, the index, and the copies still to be
+    """The tier of one engine's pool: the host chunks, the index, and the copies still to be
     issued. `offload` is the BlockPool's eviction hook; KVCacheManager calls `lookup`, `pin`,
     `restore` and `unpin`; the engine calls `flush` once per step, after scheduling."""
 
