@@ -92,6 +92,11 @@ def decode_args(req: worker_pb2.DecodeRequest, limits: RequestLimits) -> DecodeA
     params = params_from_proto(req.params)
     if params.n > limits.max_n:
         raise InvalidArgument("n", f"must be <= {limits.max_n}, got {params.n}")
+    if not req.HasField("kv") and not req.first_token_ids:  # fresh, prefilled here
+        if req.first_logprobs or req.resume:
+            raise InvalidArgument("first_token_ids", "a request without kv or first tokens "
+                                  "is prefilled and sampled here: it resumes nothing")
+        return DecodeArgs(prompt, params, (), ())
     if len(req.first_token_ids) != params.n:
         raise InvalidArgument("first_token_ids", f"{len(req.first_token_ids)} ids for "
                               f"n={params.n}")

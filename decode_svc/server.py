@@ -37,6 +37,7 @@ from opentelemetry.trace import SpanKind
 from decode_svc.handoff import CORE, WORKER, HeldLease, claim, decode_args
 from decode_svc.lease_renewal import LeaseRenewal
 from decode_svc.outbox import Outbox, failure_message, relay
+from engine.sequence import Replay
 from engine.serving.core_messages import LeaseDone
 from kvtransfer.descriptor import check_compatible
 from runtime.convert import descriptor_from_proto, params_from_proto
@@ -140,7 +141,7 @@ class DecodeServicer(WorkerServicer):
             rid = req.request_id
             # The router handed a decode request's lease over: from here this worker releases
             # it, even when it refuses the request (a token it already holds excepted).
-            lease = self._hold(req.kv) if kind == "decode" else None
+            lease = self._hold(req.kv) if kind == "decode" and req.HasField("kv") else None
             try:
                 self._admit(kind, rid, tasks)
             except WorkerError:
@@ -150,7 +151,9 @@ class DecodeServicer(WorkerServicer):
             # In the request's trace, as the router sent it: its worker span continues there.
             ctx = contextvars.copy_context()
             ctx.run(otel_context.attach, propagate.extract(dict(msg.trace_context)))
-            if lease is None:
+            if kind == "decode" and lease is None:  # no prefill worker could take it
+                run = self._prefill_here(req, out)
+            elif lease is None:
                 run = self._generate(req, out)
             else:
                 lease.context = ctx
@@ -215,6 +218,21 @@ class DecodeServicer(WorkerServicer):
             record.num_samples = params.n  # once checked: the span's end lists each sample
             await self.engine.generate(request.request_id, prompt, params,
                                        relay(out, params.logprobs is not None, record.progress))
+
+    async def _prefill_here(self, request: worker_pb2.DecodeRequest, out: Outbox) -> None:
+        """A decode request without a lease: the router found no prefill worker to take its
+        prompt, so this worker prefills it in chunks and samples its first tokens itself."""
+        with self.telemetry.request_span(span_name(self.role), request.request_id,
+                                         SpanKind.SERVER) as record:
+            args = decode_args(request, self.limits)
+            record.num_samples = args.params.n
+            record.span.set_attribute("tandem.prefill.fallback", True)
+            # Moved here mid-stream: the tokens its client has are recorded, not sampled.
+            replay = Replay(args.first_token_ids, args.first_logprobs,
+                            args.resume_token_ids) if args.first_token_ids else None
+            await self.engine.generate(request.request_id, args.prompt, args.params,
+                                       relay(out, args.params.logprobs is not None,
+                                             record.progress), replay)
 
     async def _decode(self, request: worker_pb2.DecodeRequest, lease: HeldLease,
                       out: Outbox) -> None:

@@ -84,19 +84,21 @@ class StepPipeline:
     def can_launch(self, batch: ScheduledBatch) -> bool:
         """Whether this batch may run while the previous step's tokens are unknown: not with
         preemption (a victim's placeholder is resolved before it is ever recomputed), nor a
-        row that needs its sample's tokens on the host (penalties, logprobs) or forks its
-        samples (n > 1, first token), nor a prompt chunk whose prompt logprobs are still to
-        compute (their logits are read on the host). A grammar's row takes the previous step's
-        tokens before its sampling is launched (the module's doc). The engine also asks its KV
-        pulls: one that writes the pool outside this stream at once must find no step in
-        flight (it may still write blocks freed since)."""
+        row that needs its sample's tokens on the host (penalties, logprobs), forks its
+        samples (n > 1, first token) or records tokens instead of sampling (a replay), nor a
+        prompt chunk whose prompt logprobs are still to compute (their logits are read on the
+        host). A grammar's row takes the previous step's tokens before its sampling is launched
+        (the module's doc). The engine also asks its KV pulls: one that writes the pool outside
+        this stream at once must find no step in flight (it may still write blocks freed
+        since)."""
         if batch.preempted:
             return False
         for seq in batch.seqs:
             p = seq.params
             # spec_token_ids: drafts, of which a verify step keeps 1 to k + 1 tokens
             if (seq.pending_forks or p.logprobs is not None or p.has_penalties
-                    or prompt_logprobs.pending(seq) or seq.spec_token_ids):
+                    or prompt_logprobs.pending(seq) or seq.spec_token_ids
+                    or seq.replay is not None):
                 return False
         return True
 

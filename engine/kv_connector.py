@@ -29,7 +29,7 @@ from typing import NamedTuple
 from engine.block_pool import BlockPool
 from engine.config import cdiv
 from engine.sampling_params import SamplingParams
-from engine.sequence import PendingPull, RemoteKV, Sequence
+from engine.sequence import PendingPull, RemoteKV, Replay, Sequence
 from kvtransfer.lease import LeaseTable
 from tandem.errors import InvalidArgument
 
@@ -75,6 +75,11 @@ class KVConnector:
     # -- decode: a remote prompt's blocks ------------------------------------------------------
     def check(self, prompt: list[int], params: SamplingParams, remote: RemoteKV) -> None:
         raise InvalidArgument("kv", "this engine takes no prompt computed elsewhere")
+
+    def check_outputs(self, prompt: list[int], params: SamplingParams,
+                      handed: RemoteKV | Replay) -> None:
+        raise InvalidArgument("first_token_ids", "this engine takes no request that has "
+                              "outputs already")
 
     def ordered(self, seqs: list[Sequence]) -> bool:
         """Whether these admitted requests' pulls are all ordered with the steps on the device
@@ -173,18 +178,25 @@ class DecodeConnector(KVConnector):
     def check(self, prompt: list[int], params: SamplingParams, remote: RemoteKV) -> None:
         """A remote request's first tokens, block count and resumed outputs, named when wrong
         (its prompt and parameters are the engine's to check)."""
-        if len(remote.first_token_ids) != params.n:
-            raise InvalidArgument("first_token_ids", f"expected {params.n}, got "
-                                  f"{len(remote.first_token_ids)}")
-        vocab = self.vocab_size
-        bad = next((t for t in remote.first_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidArgument("first_token_ids", f"token id {bad} is outside [0, {vocab})")
+        self.check_outputs(prompt, params, remote)
         if len(remote.block_ids) != cdiv(len(prompt), self.block_size):
             raise InvalidArgument("kv.block_ids", f"{len(remote.block_ids)} blocks do not hold "
                                   f"{len(prompt)} tokens")
-        if remote.resume_token_ids:
-            self._check_resume(prompt, params, remote.resume_token_ids)
+
+    def check_outputs(self, prompt: list[int], params: SamplingParams,
+                      handed: RemoteKV | Replay) -> None:
+        """The outputs a request arrives with (first tokens, and each sample's since after a
+        move), named when wrong: a pulled request's, and a replayed one's (prefilled here,
+        engine/llm_engine.py `add_replayed_request`), by the same rules."""
+        if len(handed.first_token_ids) != params.n:
+            raise InvalidArgument("first_token_ids", f"expected {params.n}, got "
+                                  f"{len(handed.first_token_ids)}")
+        vocab = self.vocab_size
+        bad = next((t for t in handed.first_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument("first_token_ids", f"token id {bad} is outside [0, {vocab})")
+        if handed.resume_token_ids:
+            self._check_resume(prompt, params, handed.resume_token_ids)
 
     def _check_resume(self, prompt: list[int], params: SamplingParams,
                       resume: tuple[tuple[int, ...], ...]) -> None:

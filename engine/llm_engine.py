@@ -7,7 +7,9 @@ Roles share this one engine:
            the output carries a Handoff (block ids, first tokens) for a decode worker;
   decode   `add_remote_request` admits a request whose prompt KV lives on a prefill worker; the
            engine keeps the prompt's full blocks its own prefix cache holds, allocates blocks
-           for the rest, has its puller copy only those in, and decodes.
+           for the rest, has its puller copy only those in, and decodes; a request moved here
+           with no prefill worker to hand its KV over (`add_replayed_request`) is prefilled
+           here, then its tokens the client has are recorded, not sampled, and it decodes on.
 The engine owns the objects that hold each part's state: the prefill and decode halves of that
 handoff (`kv_connector`, its role's: engine/kv_connector.py), the pipelined steps (`pipeline`:
 engine/async_step.py) and speculative decoding (`spec`: engine/spec_decode/, None when off);
@@ -19,9 +21,9 @@ from N's sampled tokens), then waits for N's tokens and returns N's outputs, one
 than a synchronous step. A step runs synchronously, exactly as without the flag (the step in
 flight resolved first, its finished sequences dropped from the batch), in role prefill, with
 tensor parallelism, and when its batch has a KV pull outside the device's stream order (NIXL),
-a preemption, or a sequence with penalties, logprobs, samples still to fork (n > 1) or drafts
-to verify. A step with a grammar row takes step N's tokens after launching its forward pass
-and before its sampling (the mask needs them).
+a preemption, or a sequence with penalties, logprobs, samples still to fork (n > 1), drafts
+to verify or tokens to replay. A step with a grammar row takes step N's tokens after launching
+its forward pass and before its sampling (the mask needs them).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from engine.sequence import (
     FinishReason,
     Handoff,
     RemoteKV,
+    Replay,
     SeqOutput,
     Sequence,
     Status,
@@ -211,6 +214,17 @@ class LLMEngine:
         seq.remote = remote
         self._add(seq)
 
+    def add_replayed_request(self, request_id: str, prompt_token_ids: list[int],
+                             params: SamplingParams, replay: Replay) -> None:
+        """A request moved here with the tokens its client has, prefilled here: its prompt is
+        computed in chunks, then each sample's tokens are recorded (not sampled) and it
+        decodes on from there, at the same sample indices and output positions."""
+        self.validate(request_id, prompt_token_ids, params)
+        self.kv_connector.check_outputs(prompt_token_ids, params, replay)
+        seq = Sequence(request_id, prompt_token_ids, params)
+        seq.replay = replay
+        self._add(seq)
+
     def _add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = [seq]
         self._admit(seq)
@@ -330,6 +344,7 @@ class LLMEngine:
         rows: list[SampleRow] = []
         row_index: list[int] = []
         samplers: list[Sequence] = []
+        replays: list[Sequence] = []  # prompts computed here whose outputs the client has
         offset = 0
         penalties = any(s.params.has_penalties for s in batch.seqs)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -341,6 +356,9 @@ class LLMEngine:
                 continue
             if seq.num_computed_tokens + n < seq.num_tokens:
                 continue  # a prefill chunk that does not reach the end samples nothing
+            if seq.replay is not None:
+                replays.append(seq)
+                continue
             samplers.append(seq)
             for k in range(seq.num_samples):
                 rows.append(SampleRow(
@@ -368,6 +386,9 @@ class LLMEngine:
 
         self.scheduler.advance(batch, started, now)
         outputs: list[SeqOutput] = []
+        for seq in replays:
+            replay, seq.replay = seq.replay, None
+            outputs += self._start_decoding(seq, replay)
         r = 0
         for seq in samplers:
             if seq.spec_token_ids:
@@ -493,9 +514,10 @@ class LLMEngine:
                 outputs += self.fail([seq.request_id], "internal error after the KV pull")
         return outputs
 
-    def _start_decoding(self, seq: Sequence, remote: RemoteKV) -> list[SeqOutput]:
-        """A pulled request's prompt is computed; its first token(s) came with the handoff, and
-        after a move from another decode worker each sample's outputs since."""
+    def _start_decoding(self, seq: Sequence, remote: RemoteKV | Replay) -> list[SeqOutput]:
+        """A pulled (or replayed) request's prompt is computed; its first token(s) came with
+        the handoff, and after a move from another decode worker each sample's outputs
+        since."""
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.kv.cache_full_blocks(seq)
         firsts, lps = remote.first_token_ids, remote.first_logprobs

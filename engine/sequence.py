@@ -72,6 +72,18 @@ class PendingPull(Protocol):
         """The request ended first: stop the pull; returns once nothing writes the blocks."""
 
 
+@dataclass(frozen=True)
+class Replay:
+    """A request moved here mid-stream whose prompt is prefilled here (no prefill worker was
+    up to hand its KV over): once the prompt is computed, each sample's tokens the client has
+    are recorded, not sampled again, and their KV computed as a preempted sequence's is. The
+    same fields as RemoteKV's, which engine/llm_engine.py's `_start_decoding` reads."""
+
+    first_token_ids: tuple[int, ...]  # one per sample
+    first_logprobs: tuple[TokenLogprobs | None, ...]
+    resume_token_ids: tuple[tuple[int, ...], ...] = ()  # per sample, outputs after the first
+
+
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  sample_index: int = 0, arrival_time: float | None = None) -> None:
@@ -100,6 +112,8 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs_sent = False
         self.remote: RemoteKV | None = None
+        # Its outputs so far, recorded once its prompt is computed here (Replay).
+        self.replay: Replay | None = None
         # Decode role: a pull of this sequence's prompt KV still in flight outside the engine's
         # stream (PendingPull, engine/kv_connector.py); not scheduled until it is done.
         self.kv_pull: PendingPull | None = None

@@ -12,6 +12,12 @@ serves every sample (they fork on B as they did on A); the alternative, a prefil
 prompt + its outputs, would take n leases and a sampling position the prefill role does not
 have.
 
+With no prefill worker to take the prompt (router_svc/orchestrator.py, Fallback), a leg carries
+no lease: its decode worker prefills the prompt itself and its stream brings the first tokens.
+A request that moves with no prefill worker up carries every sample's tokens so far the same
+way, and its new decode worker prefills the prompt, records those tokens and computes their KV
+(engine Replay), then samples on.
+
 This object owns the request's state across legs: every sample's output so far, which samples
 ended, how often it moved, and the current lease, which it releases unless a decode request
 carried it away (the decode worker releases it then, or it expires with a dead worker).
@@ -86,6 +92,14 @@ async def until_done(call: AsyncIterator[Update], num_samples: int,
         yield held
 
 
+@dataclass(frozen=True)
+class Fallback:
+    """No prefill worker takes this prompt: its decode worker prefills it. `reason`:
+    no_prefill (none is up) or saturated (every one past --prefill-saturation)."""
+
+    reason: str
+
+
 @dataclass(eq=False)
 class _Lease:
     """A prefill lease this router holds (DecodeLegs._lease) until a decode request carries it
@@ -120,22 +134,22 @@ class DecodeLegs:
         """The first tokens (from the prefill), then every decode leg's until all samples
         finish."""
         try:
-            p, resp = await self.orch.prefill(self.rid, self.route, self.wire_params,
-                                              self.deadline, self.ctx)
-            self._first, self._lease = resp, _Lease(p, resp.kv)
-            want_lp = self.params.logprobs is not None
-            lps = logprobs_from_proto(resp.first_logprobs, self.params.n)
-            self.outputs = [[t] for t in resp.first_token_ids]
-            self.done = {i for i, r in enumerate(resp.finish_reasons) if r}
-            yield Update([SampleUpdate(i, [tok], [lps[i]] if want_lp else [None],
-                                       resp.finish_reasons[i] or None)
-                          for i, tok in enumerate(resp.first_token_ids)],
-                         len(self.prompt), resp.num_cached_tokens,
-                         list(logprobs_from_proto(resp.prompt_logprobs,
-                                                  len(resp.prompt_logprobs)))
-                         if self.params.prompt_logprobs is not None else None)
-            if len(self.done) == self.params.n:
-                return
+            self.outputs = [[] for _ in range(self.params.n)]
+            if await self._prefill():
+                resp = self._first
+                want_lp = self.params.logprobs is not None
+                lps = logprobs_from_proto(resp.first_logprobs, self.params.n)
+                self.outputs = [[t] for t in resp.first_token_ids]
+                self.done = {i for i, r in enumerate(resp.finish_reasons) if r}
+                yield Update([SampleUpdate(i, [tok], [lps[i]] if want_lp else [None],
+                                           resp.finish_reasons[i] or None)
+                              for i, tok in enumerate(resp.first_token_ids)],
+                             len(self.prompt), resp.num_cached_tokens,
+                             list(logprobs_from_proto(resp.prompt_logprobs,
+                                                      len(resp.prompt_logprobs)))
+                             if self.params.prompt_logprobs is not None else None)
+                if len(self.done) == self.params.n:
+                    return
             refused: dict[str, str] = {}  # workers that refused this request, and why
             while True:
                 d = self.orch.workers.pick_decode(self.route, "decode", set(refused))
@@ -146,10 +160,8 @@ class DecodeLegs:
                                       "took the request: " + "; ".join(
                                           f"{a}: {why}" for a, why in refused.items()))
                 d = self.orch.pick(d, "decode")
-                if self._lease is None:  # the last leg took it: a fresh one for this leg
-                    p, again = await self.orch.prefill(self.rid, self.route, self.wire_params,
-                                                       self.deadline, self.ctx)
-                    self._lease = _Lease(p, again.kv)
+                if self._lease is None:  # the last leg took it (or had none): a fresh one
+                    await self._prefill()
                 sent = False
                 try:
                     async for update in self._leg(d):
@@ -163,19 +175,43 @@ class DecodeLegs:
             if lease is not None:  # never handed over: still ours
                 self.orch.release_later(lease.worker, lease.kv.lease_id, self.ctx)
 
+    async def _prefill(self) -> bool:
+        """A lease for the next leg from a prefill worker (the first prefill's answer kept for
+        its first tokens), or False: that leg's decode worker prefills the prompt itself (and,
+        for a request that moves, records the tokens its client has)."""
+        got = await self.orch.prefill(self.rid, self.route, self.wire_params, self.deadline,
+                                      self.ctx, may_fall_back=True)
+        if isinstance(got, Fallback):
+            self.orch.workers.metrics.prefill_fallbacks.labels(got.reason).inc()
+            span = trace.get_current_span(self.ctx)
+            span.set_attribute("tandem.prefill.fallback", got.reason)
+            span.add_event("prefill_fallback", {"tandem.reason": got.reason})
+            return False
+        p, resp = got
+        if self._first is None and not any(self.outputs):  # the first tokens' prefill
+            self._first = resp
+        self._lease = _Lease(p, resp.kv)
+        return True
+
     async def _leg(self, d: Worker) -> AsyncIterator[Update]:
-        """One decode request on worker d; the lease goes with it."""
+        """One decode request on worker d; the lease goes with it (none: d prefills)."""
         first, lease = self._first, self._lease
         legs = self.moves + self.retries
         req = worker_pb2.DecodeRequest(
             # A leg of its own on the worker: a worker that hung holds the last one until it
             # hears the cancel, and may be the one this leg goes to.
             request_id=self.rid if legs == 0 else f"{self.rid}.{legs}",
-            prompt_token_ids=self.prompt, params=self.wire_params, kv=lease.kv,
-            first_token_ids=first.first_token_ids, first_logprobs=first.first_logprobs)
-        if any(len(out) > 1 for out in self.outputs):
-            req.resume.extend(worker_pb2.SampleTokens(token_ids=out[1:])
-                              for out in self.outputs)
+            prompt_token_ids=self.prompt, params=self.wire_params)
+        if lease is not None:
+            req.kv.CopyFrom(lease.kv)
+        if all(self.outputs):  # each sample's first token as the client has it (a fallback
+            # leg's came from its decode worker); logprobs as the first prefill answered them
+            req.first_token_ids.extend(out[0] for out in self.outputs)
+            if first is not None:
+                req.first_logprobs.extend(first.first_logprobs)
+            if any(len(out) > 1 for out in self.outputs):
+                req.resume.extend(worker_pb2.SampleTokens(token_ids=out[1:])
+                                  for out in self.outputs)
 
         def sent() -> None:
             """The request is on its way: the lease is the decode worker's to release. Until
@@ -193,7 +229,9 @@ class DecodeLegs:
                          getattr(self.orch, "tracer", None),
                          name="decode_leg", **{"tandem.worker.role": "decode",
                                                "tandem.leg": legs,
-                                               "tandem.request_id": req.request_id}) as traced:
+                                               "tandem.request_id": req.request_id,
+                                               "tandem.prefill.fallback": lease is None}
+                         ) as traced:
             call = d.stream.request(worker_pb2.StreamRequest(decode=req), traced.metadata,
                                     self.orch.remaining(self.deadline), on_sent=sent)
             d.in_flight += 1
@@ -204,7 +242,8 @@ class DecodeLegs:
                             self.outputs[s.index] += s.token_ids
                             if s.finish_reason is not None:
                                 self.done.add(s.index)
-                        update.num_cached_tokens = first.num_cached_tokens  # prefill side's
+                        if first is not None:  # the prefill side's
+                            update.num_cached_tokens = first.num_cached_tokens
                         traced.complete = len(self.done) >= self.params.n
                         yield update
             finally:

@@ -18,6 +18,13 @@ copy (a cancel follows its request on the same call, so the worker sees every re
 asked to cancel). Expiry covers a decode worker that died and a request lost with a broken
 Stream call. The request's timeout is one deadline for all of its legs.
 
+Prefill fallback: when no prefill worker is up (or every one has at least
+--prefill-saturation requests of this router's in flight or waiting), a disaggregated request's
+prompt goes to its decode worker, which prefills it itself in chunks (a decode request without
+a lease); the request's span says so (`tandem.prefill.fallback`: the reason) and
+tandem:prefill_fallbacks counts it. --no-prefill-fallback turns this off (the request then fails
+UNAVAILABLE as with no decode worker).
+
 A request id in flight is refused for a second request (INVALID_ARGUMENT) before anything is
 taken for it: no prefill, no lease.
 """
@@ -35,7 +42,13 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from engine.sampling_params import SamplingParams
-from router_svc.decode_legs import DecodeLegs, RouterError, as_router_error, until_done
+from router_svc.decode_legs import (
+    DecodeLegs,
+    Fallback,
+    RouterError,
+    as_router_error,
+    until_done,
+)
 from router_svc.routing import RouteRequest
 from router_svc.worker_stream import SampleUpdate, StreamBroken, Update
 from router_svc.workers import Worker, WorkerSet, unless_lost
@@ -56,9 +69,13 @@ def _retryable(e: grpc.aio.AioRpcError) -> bool:
 
 
 class Orchestrator:
-    def __init__(self, workers: WorkerSet, max_migrations: int = 3) -> None:
+    def __init__(self, workers: WorkerSet, max_migrations: int = 3,
+                 prefill_saturation: int = 0) -> None:
         self.workers = workers
         self.max_migrations = max_migrations
+        # Requests in flight or waiting on every prefill worker past which a prompt is
+        # prefilled on its decode worker instead (0: only when no prefill worker is up).
+        self.prefill_saturation = prefill_saturation
         self._background: set[asyncio.Task] = set()
         self._active: set[str] = set()  # request ids in flight
         # CLIENT spans of the calls to workers (the Frontend gives it its own).
@@ -128,15 +145,32 @@ class Orchestrator:
                 w.in_flight -= 1
 
     # -- what the legs share -----------------------------------------------------------------
+    def fallback(self, tried: set[str] = frozenset()) -> Fallback | None:
+        """Whether a prompt goes to its decode worker rather than to a prefill worker (none
+        up but those in `tried`, or all saturated); None when fallback is off."""
+        if not self.workers.prefill_fallback:
+            return None
+        up = [w for w in self.workers.by_role("prefill") if w.address not in tried]
+        if not up:
+            return Fallback("no_prefill") if self.workers.by_role("decode") else None
+        bound = self.prefill_saturation
+        if bound and all(w.in_flight + w.load.num_waiting >= bound for w in up):
+            return Fallback("saturated")
+        return None
+
     async def prefill(self, rid: str, route: RouteRequest, params, deadline: float | None,
-                      ctx: Context | None) -> tuple[Worker, worker_pb2.PrefillResponse]:
+                      ctx: Context | None, may_fall_back: bool = False
+                      ) -> tuple[Worker, worker_pb2.PrefillResponse] | Fallback:
         """A prefill on a healthy prefill worker: the first tokens and the lease, now this
         caller's. A worker that fails it UNAVAILABLE (or stops answering) is taken out and
-        another tried. `route`: the request as the routing policy sees it."""
+        another tried. `route`: the request as the routing policy sees it.
+        `may_fall_back`: a Fallback instead when no prefill worker should take it (fallback)."""
         tried: set[str] = set()
         req = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=route.prompt,
                                         params=params)
         while True:
+            if may_fall_back and (fb := self.fallback(tried)) is not None:
+                return fb
             p = self.pick(self.workers.pick_prefill(route, tried), "prefill")
             tried.add(p.address)
             p.in_flight += 1

@@ -91,6 +91,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-migrations", type=int, default=3,
                    help="times a request may move to another decode worker after its worker "
                         "failed mid-stream (0: never; it then fails UNAVAILABLE)")
+    p.add_argument("--prefill-fallback", action=argparse.BooleanOptionalAction, default=True,
+                   help="when no prefill worker is up, decode workers prefill prompts "
+                        "themselves, in chunks (default: on; --no-prefill-fallback: such "
+                        "requests fail UNAVAILABLE)")
+    p.add_argument("--prefill-saturation", type=int, default=0,
+                   help="with prefill fallback: requests in flight or waiting on every prefill "
+                        "worker past which a new prompt is prefilled on its decode worker "
+                        "instead (0: only when no prefill worker is up)")
     p.add_argument("--max-requests", type=int, default=1024,
                    help="requests in flight (queued included) before RESOURCE_EXHAUSTED / 429")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -151,6 +159,9 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     if not learnt.enabled and bool(prefill) != bool(decode):
         raise InvalidArgument("--prefill" if decode else "--decode",
                               "prefill and decode workers go together")
+    if args.prefill_saturation < 0:
+        raise InvalidArgument("--prefill-saturation",
+                              f"must be >= 0, got {args.prefill_saturation}")
     if args.max_body_bytes < 1:
         raise InvalidArgument("--max-body-bytes", f"must be >= 1, got {args.max_body_bytes}")
     if args.responses_store < 0:
@@ -172,8 +183,10 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
                         worker_timeout_s=args.worker_timeout,
                         metrics=FaultMetrics(telemetry.metrics.registry), tls=cluster_tls,
                         kv_index_max_blocks=args.kv_index_max_blocks,
-                        policy=make_policy(args.routing_policy))
-    orchestrator = Orchestrator(workers, max_migrations=args.max_migrations)
+                        policy=make_policy(args.routing_policy),
+                        prefill_fallback=args.prefill_fallback)
+    orchestrator = Orchestrator(workers, max_migrations=args.max_migrations,
+                                prefill_saturation=args.prefill_saturation)
     served, aliases = model_names(args)
     info = Frontend.model_info(served, cfg, args.dtype or "", args.block_size,
                                args.max_model_len, aliases)

@@ -119,6 +119,10 @@ class FaultMetrics:
         self.migrations = Counter("tandem:request_migrations", "Requests moved to another "
                                   "decode worker after their worker failed mid-stream",
                                   registry=reg)
+        self.prefill_fallbacks = Counter(
+            "tandem:prefill_fallbacks", "Prompts prefilled on their decode worker because no "
+            "prefill worker was up (no_prefill) or every one was past --prefill-saturation "
+            "(saturated)", ["reason"], registry=reg)
         self.loop_lag = Histogram("tandem:router_loop_lag_seconds", "How much later than due "
                                   "the router's event loop ran a 0.1 s timer (what a burst "
                                   "costs every request and health answer)", registry=reg,
@@ -147,9 +151,13 @@ class WorkerSet:
                  poll_interval_s: float = 0.5, policy: RoutingPolicy | None = None,
                  block_size: int = 16, worker_timeout_s: float = 3.0,
                  metrics: FaultMetrics | None = None, tls: ClusterTls | None = None,
-                 kv_index_max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+                 kv_index_max_blocks: int = DEFAULT_MAX_BLOCKS,
+                 prefill_fallback: bool = True) -> None:
         self.workers: list[Worker] = []
         self.policy = policy or make_policy()  # picks each leg's worker
+        # With no prefill worker up, decode workers prefill prompts themselves (the router is
+        # ready with decode workers alone): router_svc/orchestrator.py.
+        self.prefill_fallback = prefill_fallback
         self.tls = tls  # mutual TLS with a cluster CA on every worker channel, when set
         self.kv_index = KVIndex(kv_index_max_blocks)
         self._free_slots: list[int] = []
@@ -381,12 +389,13 @@ class WorkerSet:
 
     def ready(self) -> bool:
         """Can a request be served now: at least one path through the workers, a prefill and
-        a decode worker up (neither draining), or a colocated one. What the router's
-        readiness (gRPC health, HTTP /health/ready) says."""
+        a decode worker up (neither draining; a decode worker alone with prefill fallback), or
+        a colocated one. What the router's readiness (gRPC health, HTTP /health/ready) says."""
         def up(role: str) -> bool:
             return any(w.healthy for w in self.by_role(role))
 
-        return (up("prefill") and up("decode")) or up("both")
+        prefill = up("prefill") or (self.prefill_fallback and self.disaggregated)
+        return (prefill and up("decode")) or up("both")
 
     def all_healthy(self) -> bool:
         """Every worker up (draining ones aside), and at least one: a router that learns its

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from engine.sequence import RemoteKV, SeqOutput
+from engine.sequence import RemoteKV, Replay, SeqOutput
 from engine.serving.core_messages import (
     Abort,
     Aborted,
@@ -184,10 +184,12 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, sink: OutputSink) -> None:
+                       params: SamplingParams, sink: OutputSink,
+                       replay: Replay | None = None) -> None:
         """Run one request; `sink` gets its outputs, a list per engine step, until every sample
-        finishes."""
-        await self._run_request(request_id, prompt_token_ids, params, None, sink)
+        finishes. `replay`: the tokens its client has already (a request moved here), recorded
+        once the prompt is computed, not output again."""
+        await self._run_request(request_id, prompt_token_ids, params, None, sink, replay)
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      remote: RemoteKV, sink: OutputSink) -> None:
@@ -211,7 +213,8 @@ class AsyncEngine:
         return outs[-1]
 
     async def _run_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                           remote: RemoteKV | None, sink: OutputSink) -> None:
+                           remote: RemoteKV | None, sink: OutputSink,
+                           replay: Replay | None = None) -> None:
         if request_id in self._requests or self.dead:
             if remote is not None:  # never reaches the core: its lease is done here
                 _hook(self.on_lease_done, LeaseDone(request_id, remote.address, remote.lease_id))
@@ -220,7 +223,7 @@ class AsyncEngine:
             raise InvalidArgument("request_id", f"{request_id!r} is already in use")
         req = self._requests[request_id] = _Request(sink, params.n, self.loop.create_future())
         try:
-            await self.call(Add(request_id, prompt, params, remote))
+            await self.call(Add(request_id, prompt, params, remote, replay))
             await req.done
         finally:
             del self._requests[request_id]

@@ -25,7 +25,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.sampling_params import RequestLimits, SamplingParams
-from engine.sequence import RemoteKV, SeqOutput, StepStats
+from engine.sequence import RemoteKV, Replay, SeqOutput, StepStats
 
 
 @dataclass(frozen=True)
@@ -123,12 +123,15 @@ class LeaseDone:
 # -- commands (worker -> core) --------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Add:
-    """Start a request; `remote`: where its prompt KV is (decode role), else it prefills here."""
+    """Start a request; `remote`: where its prompt KV is (decode role), else it prefills here;
+    `replay`: prefilled here, with the tokens its client has (a request moved with no prefill
+    worker up)."""
 
     request_id: str
     prompt: list[int]
     params: SamplingParams
     remote: RemoteKV | None = None
+    replay: Replay | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -223,6 +223,9 @@ class EngineCore:
     # -- commands ----------------------------------------------------------------------------
     def _add(self, cmd: Add) -> None:
         remote = cmd.remote
+        if cmd.replay is not None:
+            self.engine.add_replayed_request(cmd.request_id, cmd.prompt, cmd.params, cmd.replay)
+            return
         if remote is None:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
             return

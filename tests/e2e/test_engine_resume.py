@@ -2,7 +2,9 @@
 engine pulls the prompt's KV, recomputes the KV of the outputs the client already has, and
 samples on at the same sample indices and output positions. Its full output equals an
 uninterrupted run's, greedy and seeded, n = 1 and n = 2, penalties included, wherever the cut
-falls; samples that had already finished stay finished; every pool ends idle."""
+falls; samples that had already finished stay finished; every pool ends idle. The same holds
+for a request replayed on a decode engine that prefills its prompt itself (Replay: no prefill
+worker was up when it moved)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.sequence import RemoteKV
+from engine.sequence import RemoteKV, Replay
 from tandem.errors import InvalidArgument
 
 PROMPT = [7, 19, 3, 88, 41, 5, 16, 230, 9, 77, 12, 54, 6, 140, 33, 2, 90, 61, 8]  # 1 block + 3
@@ -105,4 +107,40 @@ def test_resume_is_checked_before_any_block(engines):
         add(((3,), (1 << 20,)))  # outside the vocabulary
     with pytest.raises(InvalidArgument, match="resume"):
         add(((3, 4, 5, 6), ()))  # 5 outputs, max_tokens 4
+    assert decode.is_idle()
+
+
+def replay(decode: LLMEngine, rid: str, params: SamplingParams, expected: list[list[int]],
+           cut: int) -> list[list[int]]:
+    """The prompt prefilled on the decode engine itself, each sample's first `cut` outputs
+    replayed as the client's tokens so far; the client's full output."""
+    so_far = [e[:cut] for e in expected]
+    decode.add_replayed_request(rid, PROMPT, params, Replay(
+        tuple(s[0] for s in so_far), (None,) * params.n, tuple(tuple(s[1:]) for s in so_far)))
+    got = [list(s) for s in so_far]
+    for o in _until_done(decode, rid):
+        got[o.sample_index] += o.new_token_ids
+    return got
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replayed_outputs_equal_an_uninterrupted_run(engines, case):
+    offline, _, decode = engines
+    params = CASES[case]
+    (out,) = offline.generate([PROMPT], params)
+    expected = [o.token_ids for o in out.outputs]
+    for cut in (1, 3, 13, max(len(e) for e in expected)):
+        assert replay(decode, f"replay-{case}-{cut}", params, expected, cut) == expected, \
+            f"cut after {cut} tokens"
+    assert decode.is_idle()
+
+
+def test_replay_is_checked_before_any_block(engines):
+    _, _, decode = engines
+    params = SamplingParams(n=2, temperature=0, max_tokens=4)
+    with pytest.raises(InvalidArgument, match="first_token_ids"):
+        decode.add_replayed_request("bad", PROMPT, params, Replay((1,), (None,)))
+    with pytest.raises(InvalidArgument, match="resume"):
+        decode.add_replayed_request("bad", PROMPT, params,
+                                    Replay((1, 2), (None, None), ((3, 4, 5, 6), ())))
     assert decode.is_idle()

@@ -285,13 +285,15 @@ def test_failed_request_is_an_error_on_router_and_decode(cluster, receiver):
 
 
 def test_a_request_a_worker_refuses_is_a_span_in_the_callers_trace(cluster, receiver):
-    """A decode request without a lease, straight on the decode worker's Stream call."""
+    """A decode request whose lease token is malformed, straight on the decode worker's Stream
+    call (one without a lease is not refused: the worker prefills it, prefill fallback)."""
     trace_id, parent = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 
     async def main():
         async def requests():
             yield worker_pb2.StreamRequest(
-                decode=worker_pb2.DecodeRequest(request_id="no-lease", prompt_token_ids=[1, 2]),
+                decode=worker_pb2.DecodeRequest(request_id="bad-lease", prompt_token_ids=[1, 2],
+                                                kv=worker_pb2.KVLocation(lease_id="x" * 65)),
                 trace_context={"traceparent": f"00-{trace_id}-{parent}-01"})
 
         async with grpc.aio.insecure_channel(cluster.workers("decode")[0].address) as ch:
@@ -310,7 +312,7 @@ def test_a_request_a_worker_refuses_is_a_span_in_the_callers_trace(cluster, rece
     (span,) = found
     assert span.name == "decode" and span.kind == SERVER and span.parent_span_id.hex() == parent
     assert has_error(span, "INVALID_ARGUMENT") and "lease" in span.status.message
-    wait_logs(cluster, "no-lease", {"decode0": "decode refused"})
+    wait_logs(cluster, "bad-lease", {"decode0": "decode refused"})
 
 
 async def _collect(call) -> list:

@@ -62,7 +62,7 @@ class FakeOrchestrator:
         self.prefills = 0
         self.released: list[str] = []
 
-    async def prefill(self, rid, route, params, deadline, md):
+    async def prefill(self, rid, route, params, deadline, md, may_fall_back=False):
         self.prefills += 1
         n = params.n
         return None, worker_pb2.PrefillResponse(
