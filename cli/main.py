@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "decode": ("decode_svc.server", "run a decode worker"),
     "worker": ("cli.worker", "run a worker of any role (prefill, decode, both)"),
     "health": ("cli.health", "check a service's gRPC health (exit 0 when SERVING)"),
+    "drain": ("cli.drain", "drain a worker (move or finish its requests), then it exits"),
     "certs": ("cli.certs", "write a throwaway cluster CA and a certificate per role"),
 }
 SERVICE_COMMANDS: dict[str, str] = {name: module for name, (module, _) in COMMANDS.items()}

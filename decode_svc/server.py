@@ -95,8 +95,11 @@ class DecodeServicer(WorkerServicer):
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task] = set()
-        self._sessions: set[Outbox] = set()  # the open Stream calls' outboxes
+        # The open Stream calls: each one's outbox and its requests' tasks, by request id.
+        self._sessions: dict[Outbox, dict[str, asyncio.Task]] = {}
         self._draining = asyncio.Event()
+        self._moving: set[str] = set()  # requests a drain asked their router to move
+        self._settled = asyncio.Event()  # draining, and no request left on any call
         self.layout = worker_pb2.PoolDescriptor(**engine.info.layout)
         # Keeps the held leases alive at their prefill workers while their requests wait
         # (started with the first claim, once the process's telemetry is in place).
@@ -116,6 +119,8 @@ class DecodeServicer(WorkerServicer):
             try:
                 await run
                 out.update(worker_pb2.RequestUpdate(request_id=rid, done=True))
+                if rid in self._moving:  # its router had nowhere to move it
+                    self.drain_tally.finished += 1
             except Exception as e:  # reported to the router as a status
                 failed = failure_message(rid, e)
                 if failed.error_code == grpc.StatusCode.INTERNAL.value[0]:
@@ -125,6 +130,7 @@ class DecodeServicer(WorkerServicer):
                 tasks.pop(rid, None)
                 if not tasks and self._draining.is_set():
                     out.close()
+                    self._settle()
 
         def start(msg: worker_pb2.StreamRequest) -> None:
             try:
@@ -135,6 +141,8 @@ class DecodeServicer(WorkerServicer):
             if kind == "cancel":
                 task = tasks.get(msg.cancel)
                 if task is not None:
+                    if msg.cancel in self._moving:  # its router moved it elsewhere
+                        self.drain_tally.moved += 1
                     task.cancel()
                 return
             req = getattr(msg, kind)
@@ -178,7 +186,7 @@ class DecodeServicer(WorkerServicer):
             out.close()
 
         reader = asyncio.create_task(read())
-        self._sessions.add(out)
+        self._sessions[out] = tasks
         try:
             while True:
                 msg = await out.take()
@@ -187,10 +195,11 @@ class DecodeServicer(WorkerServicer):
                 if out.closing and not tasks and out.empty():  # what came during the write
                     return                                        # goes out first
         finally:
-            self._sessions.discard(out)
+            self._sessions.pop(out, None)
             reader.cancel()
             for task in list(tasks.values()):
                 task.cancel()
+            self._settle()
 
     def _admit(self, kind: str, rid: str, tasks: dict[str, asyncio.Task]) -> None:
         if self._draining.is_set():
@@ -207,6 +216,28 @@ class DecodeServicer(WorkerServicer):
         self._draining.set()
         for out in self._sessions:
             out.close()
+
+    async def evacuate(self) -> None:
+        """Draining with the server up: new requests are refused (UNAVAILABLE: the router
+        sends them elsewhere). A decode worker asks each router to move every request it runs
+        here (RequestUpdate.move) and decodes each on until its router cancels it here (moved)
+        or it finishes (its router had nowhere to move it); a colocated worker's requests
+        finish here. Returns once no request is left."""
+        self._draining.set()
+        if self.role == "decode":
+            for out, tasks in self._sessions.items():
+                for rid in tasks:
+                    self._moving.add(rid)
+                    out.update(worker_pb2.RequestUpdate(request_id=rid, move=True))
+        self._settle()
+        await self._settled.wait()
+
+    def still_held(self) -> int:
+        return sum(len(tasks) for tasks in self._sessions.values())
+
+    def _settle(self) -> None:
+        if self._draining.is_set() and not self.still_held():
+            self._settled.set()
 
     async def _generate(self, request: worker_pb2.GenerateOnWorkerRequest, out: Outbox) -> None:
         params = params_from_proto(request.params)

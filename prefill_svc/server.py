@@ -24,7 +24,14 @@ from kvtransfer.descriptor import check_compatible
 from kvtransfer.lease import Claim, LeaseClaims, prompt_digest
 from runtime.cluster_roles import caller_identity
 from runtime.convert import descriptor_to_proto, logprobs_to_proto, params_from_proto
-from runtime.worker import WorkerServicer, abort_for, add_worker_args, checked, main_worker
+from runtime.worker import (
+    WorkerError,
+    WorkerServicer,
+    abort_for,
+    add_worker_args,
+    checked,
+    main_worker,
+)
 from runtime.worker_inputs import (
     MAX_WORKER_ID_CHARS,
     bounded_id,
@@ -54,6 +61,9 @@ class PrefillServicer(WorkerServicer):
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
         with self.telemetry.request_span("prefill", bounded_id(request.request_id)) as record:
             try:
+                if self.draining:  # the router prefills it elsewhere (or on a decode worker)
+                    raise WorkerError(grpc.StatusCode.UNAVAILABLE,
+                                      f"prefill worker {self.worker_id} drains")
                 check_request_id(request.request_id)
                 check_prompt("prompt_token_ids", request.prompt_token_ids, self.limits)
                 params = params_from_proto(request.params)
@@ -66,6 +76,8 @@ class PrefillServicer(WorkerServicer):
                 record.cause = RuntimeError(out.error or f"prefill ended: {out.finish_reason}")
                 await abort_for(context, record.cause)
             self.telemetry.prefill_done(record, out)
+        if self.draining:
+            self.drain_tally.finished += 1
         h = out.handoff
         self.claims.offer(h.lease_id, Claim(h.block_ids, h.num_tokens,
                                             prompt_digest(request.prompt_token_ids),
@@ -117,6 +129,12 @@ class PrefillServicer(WorkerServicer):
                 self.claims.renewed(lease_id, now + seconds)
         return worker_pb2.RenewLeasesResponse(
             ttl_ms=[int(left.get(i, 0.0) * 1000) for i in ids])
+
+    def still_held(self) -> int:
+        """A draining prefill worker waits for its prompts and for every lease it granted to be
+        released (its decode worker pulled it) or to expire; meanwhile it answers claims,
+        releases and renewals."""
+        return self.engine.num_requests() + self.engine.snapshot.num_leases
 
     async def on_start(self) -> None:
         # Blocks pinned by claimed leases, per holder, read when Prometheus scrapes.

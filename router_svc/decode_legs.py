@@ -22,6 +22,10 @@ This object owns the request's state across legs: every sample's output so far, 
 ended, how often it moved, and the current lease, which it releases unless a decode request
 carried it away (the decode worker releases it then, or it expires with a dead worker).
 
+A decode worker that drains (Drain, SIGTERM) asks for each of its requests to be moved
+(Update.move) and decodes on meanwhile: the leg ends there and the request moves the same way,
+not counted against the bounds below, when another decode worker is up; else it finishes there.
+
 Bounds: a leg that fails after it sent tokens moves the request (UNAVAILABLE: its worker died,
 hung or lost the lease's KV; INTERNAL: gRPC failed inside the worker or its connection) at most
 `max_migrations` times, then the request fails UNAVAILABLE saying so; a leg that fails before
@@ -92,6 +96,16 @@ async def until_done(call: AsyncIterator[Update], num_samples: int,
         yield held
 
 
+class DrainMove(grpc.aio.AioRpcError):
+    """The leg's decode worker drains and asked for the request to be moved, and another decode
+    worker can take it: the leg ends here (its request cancelled on the worker) and the request
+    moves as after a failure, without counting against --max-migrations."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                         f"worker {address} drains")
+
+
 @dataclass(frozen=True)
 class Fallback:
     """No prefill worker takes this prompt: its decode worker prefills it. `reason`:
@@ -124,6 +138,10 @@ class DecodeLegs:
         self.done: set[int] = set()  # samples that ended
         self.moves = 0  # legs that failed after sending tokens
         self.retries = 0  # legs that failed before
+        self.drain_moves = 0  # legs ended because their worker drains (not counted above)
+        # Decode workers that turned a leg of this request away before its first token
+        # (UNAVAILABLE: shutting down, or gone): tried last.
+        self._avoid: set[str] = set()
         self._lease: _Lease | None = None
         self._first: worker_pb2.PrefillResponse | None = None
         # A move under way: the failed worker, its error, the tokens so far (counted once the
@@ -152,7 +170,7 @@ class DecodeLegs:
                     return
             refused: dict[str, str] = {}  # workers that refused this request, and why
             while True:
-                d = self.orch.workers.pick_decode(self.route, "decode", set(refused))
+                d = self._pick(refused)
                 if d is None and refused:
                     # Every decode worker refused it (a KV pool the prefill worker's does not
                     # match, say): their reasons, which name the flag to change, not "none".
@@ -174,6 +192,19 @@ class DecodeLegs:
             lease = self._lease
             if lease is not None:  # never handed over: still ours
                 self.orch.release_later(lease.worker, lease.kv.lease_id, self.ctx)
+
+    def _pick(self, refused: dict[str, str]) -> Worker | None:
+        """The next leg's decode worker: never one that refused the request, one that turned
+        it away only when no other is up."""
+        pick = self.orch.workers.pick_decode
+        return (pick(self.route, "decode", set(refused) | self._avoid)
+                or pick(self.route, "decode", set(refused)))
+
+    def _can_move_from(self, d: Worker) -> bool:
+        """d drains and asks for this request to be moved: whether another decode worker can
+        take it (else d finishes it). d takes no new request from here on."""
+        d.load.draining = True  # as its next poll will say
+        return self.orch.workers.pick_decode(self.route, "decode", {d.address}) is not None
 
     async def _prefill(self) -> bool:
         """A lease for the next leg from a prefill worker (the first prefill's answer kept for
@@ -238,6 +269,10 @@ class DecodeLegs:
             try:
                 async with aclosing(call):
                     async for update in until_done(call, self.params.n, self.done):
+                        if update.move:
+                            if self._can_move_from(d):
+                                raise DrainMove(d.address)
+                            continue
                         for s in update.samples:
                             self.outputs[s.index] += s.token_ids
                             if s.finish_reason is not None:
@@ -253,6 +288,13 @@ class DecodeLegs:
                 refused: dict[str, str]) -> None:
         """After a leg failed: raise if the request cannot go on, else count the move."""
         code = e.code()
+        if isinstance(e, DrainMove):  # planned: not a failure, not counted as one
+            self.drain_moves += 1
+            made = sum(len(out) for out in self.outputs)
+            self._moving = (d, e, made) if sent else None
+            log.info("decode worker %s drains: moving %s with its %d tokens", d.address,
+                     self.rid, made)
+            return
         if isinstance(e, StreamBroken):
             self.orch.workers.mark_down(d)
         # ABORTED: the leg's lease ran too short to pull (a busy worker, a short --lease-ttl);
@@ -283,6 +325,8 @@ class DecodeLegs:
                         made, self.moves, limit)
         else:
             self.retries += 1
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self._avoid.add(d.address)
             if self.retries > limit + len(self.orch.workers.by_role("decode", False)):
                 raise as_router_error(e, f"decode worker {d.address}") from None
             log.warning("decode worker %s failed %s before its first token: prefilling "
@@ -294,6 +338,7 @@ class DecodeLegs:
         """On the request's span: a leg failed and the request goes on elsewhere (`to`: the
         decode worker it moved to)."""
         attrs = {"tandem.worker": d.address, "error.type": e.code().name,
+                 "tandem.move.cause": "drain" if isinstance(e, DrainMove) else "failure",
                  "tandem.moves": self.moves, "tandem.retries": self.retries,
                  "tandem.tokens_so_far": tokens}
         if to is not None:

@@ -129,6 +129,8 @@ class Orchestrator:
                                             traced.metadata, self.remaining(deadline))
                     async with aclosing(call):
                         async for update in until_done(call, params.n):
+                            if update.move:  # nowhere to move a colocated request: it ends there
+                                continue
                             sent = True
                             ended.update(s.index for s in update.samples
                                          if s.finish_reason is not None)

@@ -62,6 +62,9 @@ class Update:
     num_cached_tokens: int
     # params.prompt_logprobs: prompt tokens 1.., with the request's first tokens
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # No tokens: the worker drains and asks for the request to be moved (RequestUpdate.move);
+    # it decodes on until the request is cancelled there.
+    move: bool = False
 
 
 def _by_request(resp: worker_pb2.StreamResponse) -> list[tuple[str, Update]]:
@@ -142,6 +145,9 @@ class WorkerStream:
                     if isinstance(u, grpc.aio.AioRpcError):
                         done = True  # the call broke: nothing left to cancel
                         raise u
+                    if u.move and not u.done:
+                        yield Update([], 0, 0, move=True)
+                        continue
                     if u.done:
                         done = True
                         if u.error_code:

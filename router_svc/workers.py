@@ -78,6 +78,12 @@ class Worker:
     probe_channel: grpc.Channel | None = None
     probe: worker_pb2_grpc.WorkerStub | None = None
 
+    @property
+    def leaving(self) -> bool:
+        """Gone from its membership source, or draining itself (Load.draining): no new
+        requests, and not a failure."""
+        return self.draining or self.load.draining
+
     def as_load(self, cached_blocks: int = 0) -> WorkerLoad:
         """What a routing policy sees of this worker."""
         ld = self.load
@@ -142,7 +148,7 @@ class _WorkerUp:
                               "worker (it answers, it is not draining), else 0",
                               labels=["worker", "role"])
         for w in self.workers.workers:
-            g.add_metric([w.address, w.role], float(w.healthy and not w.draining))
+            g.add_metric([w.address, w.role], float(w.healthy and not w.leaving))
         yield g
 
 
@@ -186,7 +192,7 @@ class WorkerSet:
         return any(w.role == "prefill" for w in self.workers)
 
     def by_role(self, role: str, healthy_only: bool = True) -> list[Worker]:
-        return [w for w in self.workers if w.role == role and not w.draining
+        return [w for w in self.workers if w.role == role and not w.leaving
                 and (w.healthy or not healthy_only)]
 
     def _connect(self, address: str, role: str, dynamic: bool = False) -> Worker:
@@ -400,7 +406,7 @@ class WorkerSet:
     def all_healthy(self) -> bool:
         """Every worker up (draining ones aside), and at least one: a router that learns its
         workers (router_svc.membership) may know none yet. Full capacity, not readiness."""
-        current = [w for w in self.workers if not w.draining]
+        current = [w for w in self.workers if not w.leaving]
         return bool(current) and all(w.healthy for w in current)
 
     def states(self) -> list[dict]:
@@ -408,7 +414,7 @@ class WorkerSet:
         now = time.monotonic()
         return [{"address": w.address, "role": w.role,
                  "state": "lost" if w.lost.is_set() else "up" if w.healthy else "down",
-                 "draining": w.draining, "in_flight": w.in_flight,
+                 "draining": w.leaving, "in_flight": w.in_flight,
                  "last_answer_s": round(now - w.last_seen, 3) if w.last_seen else None,
                  "instance_id": w.instance_id, "worker_id": w.load.worker_id}
                 for w in self.workers]

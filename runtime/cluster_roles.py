@@ -31,10 +31,14 @@ WORKER_ROLES = ("prefill", "decode", "both")
 _NAME_SUFFIX = f".{TRUST_DOMAIN}.internal"
 
 ROUTER, PREFILL, DECODE = "router", "prefill", "decode"
+# Not a role: a caller of the worker's own role. A pod's preStop hook (`tandem drain`) runs
+# with its own certificate, the one its worker holds.
+SELF = "self"
 # Who may call each RPC of tandem.v1.Worker (worker.proto), by the caller's role. The router
 # drives every worker and releases a lease it could not hand on; a decode worker registers with
-# prefill workers and claims, renews and releases the leases the router handed it. Nobody else
-# calls a worker; a method missing here is refused to everyone.
+# prefill workers and claims, renews and releases the leases the router handed it; a worker is
+# drained by a router or from its own pod. Nobody else calls a worker; a method missing here
+# is refused to everyone.
 WORKER_CALLERS: Mapping[str, frozenset[str]] = {
     "Prefill": frozenset({ROUTER}),
     "Stream": frozenset({ROUTER}),
@@ -45,6 +49,7 @@ WORKER_CALLERS: Mapping[str, frozenset[str]] = {
     "ClaimLease": frozenset({DECODE}),
     "RenewLeases": frozenset({DECODE}),
     "Release": frozenset({ROUTER, DECODE}),
+    "Drain": frozenset({ROUTER, SELF}),
 }
 # Services any cluster identity may call: health (probes run with the pod's own certificate)
 # and, when a worker enables it, reflection.
@@ -79,14 +84,16 @@ def caller_identity(context: grpc.aio.ServicerContext) -> str | None:
     return ids[0].decode() if ids else None
 
 
-def allowed(method: str, role: str | None) -> bool:
-    """Whether a caller of `role` may call `method` (/package.Service/Method)."""
+def allowed(method: str, role: str | None, own_role: str | None = None) -> bool:
+    """Whether a caller of `role` may call `method` (/package.Service/Method) on a worker of
+    `own_role`."""
     service, name = _service(method), method.rsplit("/", 1)[-1]
     if service in OPEN_TO_CLUSTER:
         return True
-    if service != WORKER_SERVICE:
+    if service != WORKER_SERVICE or role is None:
         return False
-    return role is not None and role in WORKER_CALLERS.get(name, frozenset())
+    callers = WORKER_CALLERS.get(name, frozenset())
+    return role in callers or (SELF in callers and role == own_role)
 
 
 def _service(method: str) -> str:
@@ -97,23 +104,28 @@ def _service(method: str) -> str:
 class RoleInterceptor(grpc.aio.ServerInterceptor):
     """A worker's side of the roles: every call's caller, as its certificate names it, checked
     against WORKER_CALLERS before the servicer runs; PERMISSION_DENIED otherwise. For servers
-    with cluster TLS (the handshake already refused anyone the cluster CA did not sign)."""
+    with cluster TLS (the handshake already refused anyone the cluster CA did not sign).
+    `role`: the worker's own (SELF in the table)."""
+
+    def __init__(self, role: str | None = None) -> None:
+        self.role = role
 
     async def intercept_service(self, continuation: Callable[..., Awaitable],
                                 details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None or _service(details.method) in OPEN_TO_CLUSTER:
             return handler  # unknown methods: gRPC answers UNIMPLEMENTED
-        return _checked(handler, details.method)
+        return _checked(handler, details.method, self.role)
 
 
-def _checked(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+def _checked(handler: grpc.RpcMethodHandler, method: str,
+             own_role: str | None = None) -> grpc.RpcMethodHandler:
     """`handler`, run only once the caller's role is allowed `method` (the caller is known from
     the call's context, which the interceptor itself never sees)."""
 
     async def deny(context: grpc.aio.ServicerContext) -> bool:
         identity = caller_identity(context)
-        if allowed(method, role_of(identity)):
+        if allowed(method, role_of(identity), own_role):
             return False
         await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                             f"{method.rsplit('/', 1)[-1]} is not for "

@@ -139,9 +139,14 @@ async def serve_until_signal(server: grpc.aio.Server, health_: Health, *, grace_
                              on_stop: Callable[[], Awaitable[None]] | None = None,
                              ready: Callable[[], None] | None = None,
                              stop_event: asyncio.Event | None = None,
-                             drain_also: Sequence[Callable[[], Awaitable[None]]] = ()) -> None:
+                             drain_also: Sequence[Callable[[], Awaitable[None]]] = (),
+                             evacuate: Callable[[float], Awaitable[None]] | None = None
+                             ) -> None:
     """Start, report SERVING, wait for SIGTERM/SIGINT (or stop_event), then drain and stop.
-    `drain_also`: other listeners' graceful stops, run alongside the gRPC server's."""
+    `drain_also`: other listeners' graceful stops, run alongside the gRPC server's.
+    `evacuate(grace_s)`: a worker's drain while the server still takes calls (a decode worker's
+    requests moved away, a prefill worker's leases claimed), within the grace period; the
+    server's graceful stop gets what is left of it."""
     loop = asyncio.get_running_loop()
     stop = stop_event or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -155,7 +160,11 @@ async def serve_until_signal(server: grpc.aio.Server, health_: Health, *, grace_
     t0 = time.monotonic()
     log.info("shutting down: NOT_SERVING, draining in-flight requests", grace_s=grace_s)
     await health_.set(False)
-    await asyncio.gather(server.stop(grace_s), *(drain() for drain in drain_also))
+    if evacuate is not None:
+        await evacuate(grace_s)
+    # At least a second for the calls that saw the evacuation through (Drain's answer).
+    left = max(grace_s - (time.monotonic() - t0), 1.0)
+    await asyncio.gather(server.stop(left), *(drain() for drain in drain_also))
     log.info("drained", seconds=round(time.monotonic() - t0, 3))
     if on_stop is not None:
         await on_stop()

@@ -11,7 +11,9 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -32,6 +34,8 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger(__name__)
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+# How often a drain looks again at what the worker still holds (the engine's snapshot).
+DRAIN_POLL_S = 0.1
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -110,6 +114,15 @@ async def checked(context: grpc.aio.ServicerContext, check: Callable[..., None],
         await abort_for(context, e)
 
 
+@dataclass
+class DrainTally:
+    """What a drain did: requests moved elsewhere, finished here, still held at its end."""
+
+    moved: int = 0
+    finished: int = 0
+    left: int = 0
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     role = "both"
     # Mutual TLS toward peers (decode -> prefill), as run_worker sets it; None: plaintext.
@@ -125,6 +138,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # What the prefix cache holds, for routers (WatchKV); fed by the engine core's events.
         self.kv_events = KVEventHub(engine.snapshot.block_size, self.instance_id)
         engine.on_kv_events = self.kv_events.publish
+        # Draining (Drain, SIGTERM): new requests refused, Load.draining set; `drained` once
+        # the role's evacuation is over (run_worker then stops the server).
+        self.draining = False
+        self.drained = asyncio.Event()
+        self.drain_tally = DrainTally()
+        self.drain_seconds = 0.0
+        self.request_stop: Callable[[], None] = lambda: None  # run_worker sets it
 
     async def Abort(self, request, context):  # noqa: N802 - gRPC method name
         await checked(context, check_request_id, request.request_id)
@@ -140,7 +160,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prefix_cache_hits=s.prefix_hits, dtype=self.engine.spec.config.dtype,
             instance_id=self.instance_id, prompt_tokens_computed=s.prompt_tokens_computed,
             kv_blocks_pulled=s.kv_blocks_pulled, kv_bytes_pulled=s.kv_bytes_pulled,
-            kv_runs_pulled=s.kv_runs_pulled, kv_pull_seconds=s.kv_pull_seconds)
+            kv_runs_pulled=s.kv_runs_pulled, kv_pull_seconds=s.kv_pull_seconds,
+            draining=self.draining)
+
+    async def Drain(self, request, context):  # noqa: N802
+        """Take this worker out without dropping a request (the same as SIGTERM): answered once
+        the evacuation is over, before the server stops."""
+        self.request_stop()
+        await self.drained.wait()
+        t = self.drain_tally
+        return worker_pb2.DrainResponse(moved=t.moved, finished=t.finished, left=t.left,
+                                        seconds=self.drain_seconds)
+
+    async def run_drain(self, grace_s: float) -> None:
+        """Stop taking requests and evacuate (the role's `evacuate`) within `grace_s`, while the
+        server still answers; what is left then is the server's graceful stop's to cut."""
+        self.draining = True
+        t0 = time.monotonic()
+        try:
+            if not self.engine.dead:  # a worker whose core died has nothing to evacuate
+                await asyncio.wait_for(self.evacuate(), grace_s)
+        except TimeoutError:
+            log.warning("drain: the grace period (%.0f s) ran out", grace_s)
+        except EngineDead:
+            log.warning("drain: the engine core died")
+        self.drain_tally.left = self.still_held()
+        self.drain_seconds = time.monotonic() - t0
+        t = self.drain_tally
+        log.info("drained: %d requests moved, %d finished here, %d left, in %.2f s", t.moved,
+                 t.finished, t.left, self.drain_seconds)
+        self.drained.set()
 
     async def WatchKV(self, request, context):  # noqa: N802
         try:
@@ -162,6 +211,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def drain(self) -> None:
         """Hook: shutting down; new calls are refused, in-flight requests finish. Runs alongside
         the server's graceful stop."""
+
+    async def evacuate(self) -> None:
+        """Hook: draining, with the server still up; return once nothing is left here (a
+        colocated worker's requests finish in place: nothing holds their KV elsewhere)."""
+        while self.still_held():
+            await self.engine.refresh()
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    def still_held(self) -> int:
+        """Requests (or leases) this worker holds that a drain waits for."""
+        return self.engine.num_requests()
 
 
 def is_loopback(host: str) -> bool:
@@ -226,7 +286,7 @@ async def run_worker(args: argparse.Namespace, role: str,
         metrics.bind_engine(lambda: engine.snapshot)
         metrics.watch_engine_core(engine.info.pid)
         # With cluster TLS, every call's caller is checked against its role first.
-        roles = [RoleInterceptor()] if tls is not None else []
+        roles = [RoleInterceptor(role)] if tls is not None else []
         server = make_server([*roles, *telemetry.tracing.server_interceptors()])
         # With a cluster CA, a caller without a client certificate it signed is refused.
         port = bind(server, args.host, args.port, tls.server_credentials() if tls else None)
@@ -254,9 +314,11 @@ async def run_worker(args: argparse.Namespace, role: str,
 
         await servicer.on_start()
         metrics.serve(args.host, args.metrics_port)
+        servicer.request_stop = stop.set
         await serve_until_signal(server, health, grace_s=args.grace, on_stop=servicer.on_stop,
                                  ready=ready, stop_event=stop, drain_also=[servicer.drain,
-                                                         servicer.kv_events.close])
+                                                         servicer.kv_events.close],
+                                 evacuate=None if died else servicer.run_drain)
     finally:
         await engine.shutdown()
     return 1 if died else 0

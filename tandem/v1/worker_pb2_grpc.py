@@ -79,6 +79,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.WatchKVRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.WatchKVResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/tandem.v1.Worker/Drain',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -163,6 +168,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Any role: take this worker out without dropping a request, then it exits 0 (SIGTERM does
+        the same). It stops taking new requests at once (Load.draining; refused UNAVAILABLE, so
+        the router retries them elsewhere). A decode worker asks its routers to move every
+        request it runs (RequestUpdate.move) and decodes each until its router takes it away; a
+        prefill worker finishes its prompts and keeps serving ClaimLease, Release and RenewLeases
+        until every lease it granted is released or expired. Answered once that is done (or the
+        worker's --grace ran out), before the worker stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +228,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.WatchKV,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.WatchKVRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.WatchKVResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -455,6 +478,33 @@ class Worker:
             '/tandem.v1.Worker/WatchKV',
             tandem_dot_v1_dot_worker__pb2.WatchKVRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.WatchKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/Drain',
+            tandem_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

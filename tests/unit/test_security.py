@@ -18,7 +18,15 @@ from engine.sequence import Sequence
 from router_svc.frontend import Frontend
 from router_svc.http_guard import BodyGuard
 from router_svc.json_body import BodyError, check_json
-from runtime.cluster_roles import ROLES, WORKER_CALLERS, allowed, peer_name, role_of
+from runtime.cluster_roles import (
+    ROLES,
+    SELF,
+    WORKER_CALLERS,
+    WORKER_ROLES,
+    allowed,
+    peer_name,
+    role_of,
+)
 from runtime.security import ApiKeys, ClusterTls, PublicTls, load_api_keys
 from tandem.errors import InvalidArgument
 
@@ -170,10 +178,16 @@ def test_the_callers_table_covers_every_worker_rpc_and_nothing_else():
 
     service = worker_pb2.DESCRIPTOR.services_by_name["Worker"]
     assert set(WORKER_CALLERS) == {m.name for m in service.methods}
-    assert all(callers <= set(ROLES) and callers for callers in WORKER_CALLERS.values())
+    assert all(callers <= {*ROLES, SELF} and callers for callers in WORKER_CALLERS.values())
     for method, callers in WORKER_CALLERS.items():
         for role in (*ROLES, None):
-            assert allowed(f"/tandem.v1.Worker/{method}", role) == (role in callers)
+            for own in WORKER_ROLES:
+                assert allowed(f"/tandem.v1.Worker/{method}", role, own) == (
+                    role in callers or (SELF in callers and role == own))
+    # A worker is drained by a router or from its own pod (its own role's certificate), not
+    # by a worker of another role.
+    assert allowed("/tandem.v1.Worker/Drain", "decode", "decode")
+    assert not allowed("/tandem.v1.Worker/Drain", "prefill", "decode")
     assert not allowed("/tandem.v1.Worker/SomethingNew", "router")
     assert not allowed("/tandem.v1.Tandem/Generate", "router")  # not a worker's service
     assert allowed("/grpc.health.v1.Health/Check", None)
