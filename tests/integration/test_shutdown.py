@@ -1,10 +1,13 @@
 """SIGTERM to router, prefill and decode (separate processes) in the middle of a load: each
-reports NOT_SERVING, refuses new requests (gRPC UNAVAILABLE, HTTP connection refused) while its
-in-flight streams, gRPC and HTTP, run to their last token, then exits 0 well within its grace."""
+reports NOT_SERVING, refuses new requests (gRPC UNAVAILABLE, HTTP connection refused; workers
+drain, answering polls with Load.draining) while its in-flight streams, gRPC and HTTP, run to
+their last token (the only decode worker has nowhere to move them), then exits 0 well within
+its grace."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
@@ -80,11 +83,22 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tiny_models, tmp_path)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await c.api(channels["router"]).Generate(request(prompts[1], 4)).read()
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-            for name in ("prefill0", "decode0"):
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await worker_pb2_grpc.WorkerStub(channels[name]).GetLoad(
-                        worker_pb2.GetLoadRequest(), timeout=5)
-                assert e.value.code() == grpc.StatusCode.UNAVAILABLE, name
+            # Workers drain (docs/operations.md): they answer polls saying so while they
+            # refuse new work; the only decode worker's streams have nowhere to move. The
+            # prefill worker, with no prompt and no lease left, may have stopped already.
+            load = await worker_pb2_grpc.WorkerStub(channels["decode0"]).GetLoad(
+                worker_pb2.GetLoadRequest(), timeout=5)
+            assert load.draining
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                load = await worker_pb2_grpc.WorkerStub(channels["prefill0"]).GetLoad(
+                    worker_pb2.GetLoadRequest(), timeout=5)
+                assert load.draining
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await worker_pb2_grpc.WorkerStub(channels["prefill0"]).Prefill(
+                    worker_pb2.PrefillRequest(request_id="late", prompt_token_ids=[1, 2, 3],
+                                              params=params_to_proto(SamplingParams())),
+                    timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             with pytest.raises(httpx.ConnectError):
                 await httpx.AsyncClient(timeout=5).post(f"{http_url}/v1/completions",
                                                         json={"prompt": [1, 2, 3],

@@ -127,6 +127,21 @@ def test_probes_and_scrape_annotations_name_ports_the_container_serves(deploymen
     # Drains within the grace the worker is given, before the kubelet's SIGKILL.
     grace = float(_flag(args, "--grace"))
     assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
+    pre_stop = c.get("lifecycle", {}).get("preStop")
+    role = deployment.removeprefix("tandem-")
+    if role in ("prefill", "decode"):
+        # A worker pod drains before its SIGTERM: `tandem drain` on its own port with its own
+        # role's certificate (the one a worker takes Drain from), answered within the
+        # kubelet's grace, which outlasts the worker's --grace.
+        drain = pre_stop["exec"]["command"][2].split()
+        assert drain[:3] == ["exec", "tandem", "drain"]
+        assert drain[3] == f'"$POD_IP:{grpc_port}"'
+        assert _flag(drain, "--cluster-cert") == f"/certs/{role}.pem"
+        assert _flag(drain, "--cluster-server-name") == f"{role}.tandem.internal"
+        timeout = float(_flag(drain, "--timeout"))
+        assert grace < timeout < d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    else:
+        assert pre_stop is None
 
 
 def test_workers_get_a_gpu_each_and_prefill_serves_its_pool_over_nixl() -> None:
