@@ -25,6 +25,7 @@ class Outbox:
     def __init__(self) -> None:
         self._ready = asyncio.Event()
         self.closing = False  # end the call once its requests are done
+        self._drain_note = False  # the router is yet to hear that this worker drains
         self._clear()
 
     def _clear(self) -> None:
@@ -63,10 +64,17 @@ class Outbox:
         self._ready.set()
 
     def empty(self) -> bool:
-        return not self._request_id and not self._updates
+        return not self._request_id and not self._updates and not self._drain_note
 
     def close(self) -> None:
+        """The router closed its side: end the call once its requests are done."""
         self.closing = True
+        self._ready.set()
+
+    def drain(self) -> None:
+        """Tell the router this worker drains (StreamResponse.closing): it sends no new request
+        here and closes its side once its requests here have ended."""
+        self._drain_note = True
         self._ready.set()
 
     async def take(self) -> worker_pb2.StreamResponse | None:
@@ -77,7 +85,8 @@ class Outbox:
         if self.empty():
             return None
         msg = worker_pb2.StreamResponse(updates=self._updates,
-                                        prompt_logprobs=self._prompt_logprobs)
+                                        prompt_logprobs=self._prompt_logprobs,
+                                        closing=self._drain_note)
         cols = msg.tokens
         cols.request_id.extend(self._request_id)
         cols.sample_index.extend(self._sample_index)
@@ -89,6 +98,7 @@ class Outbox:
         cols.with_logprobs.extend(self._with_logprobs)
         cols.logprobs.extend(self._logprobs)
         self._clear()
+        self._drain_note = False  # said once
         return msg
 
 

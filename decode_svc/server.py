@@ -110,8 +110,11 @@ class DecodeServicer(WorkerServicer):
         """All of one router's requests on one call. Each request's tokens go to the call's
         outbox as the engine hands them over; what piled up between two writes (one engine
         step's, usually) goes out as one message. The call ends when the router closes its side
-        and its requests are done, or when the worker drains and they are done; the router
-        leaving cancels them all."""
+        and its requests are done; the router leaving cancels them all. A draining worker asks
+        the router to close its side (StreamResponse.closing) and never ends the call first:
+        a message in flight toward a call the server had ended would go unread (a decode
+        request's lease left pinned until it expires), and gRPC's client would report INTERNAL
+        for the write instead of this worker's answer."""
         out = Outbox()
         tasks: dict[str, asyncio.Task] = {}
 
@@ -128,9 +131,7 @@ class DecodeServicer(WorkerServicer):
                 out.update(failed)
             finally:
                 tasks.pop(rid, None)
-                if not tasks and self._draining.is_set():
-                    out.close()
-                    self._settle()
+                self._settle()
 
         def start(msg: worker_pb2.StreamRequest) -> None:
             try:
@@ -187,6 +188,8 @@ class DecodeServicer(WorkerServicer):
 
         reader = asyncio.create_task(read())
         self._sessions[out] = tasks
+        if self._draining.is_set():  # opened while this worker drains: new requests elsewhere
+            out.drain()
         try:
             while True:
                 msg = await out.take()
@@ -212,10 +215,17 @@ class DecodeServicer(WorkerServicer):
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is in use")
 
     async def drain(self) -> None:
-        """Refuse new requests on open Stream calls; each ends once its requests are done."""
+        """Refuse new requests on open Stream calls and ask each router to close its side;
+        each call ends once its router has and its requests are done (or the server's graceful
+        stop cuts it at the end of the grace period)."""
+        self._start_draining()
+
+    def _start_draining(self) -> None:
+        if self._draining.is_set():
+            return
         self._draining.set()
         for out in self._sessions:
-            out.close()
+            out.drain()
 
     async def evacuate(self) -> None:
         """Draining with the server up: new requests are refused (UNAVAILABLE: the router
@@ -223,7 +233,7 @@ class DecodeServicer(WorkerServicer):
         here (RequestUpdate.move) and decodes each on until its router cancels it here (moved)
         or it finishes (its router had nowhere to move it); a colocated worker's requests
         finish here. Returns once no request is left."""
-        self._draining.set()
+        self._start_draining()
         if self.role == "decode":
             for out, tasks in self._sessions.items():
                 for rid in tasks:

@@ -10,7 +10,11 @@
 
 A per-request server stream would cost one gRPC message (and its wake-ups on both sides) per
 request per step; here a step costs one. The call opens on a request's first use and reopens
-after it ends (the worker drained or restarted). Each request's iterator raises
+after it ends (the worker restarted). A worker that drains never ends a call itself while this
+side may still send on it (a request it never read would leave its lease pinned until expiry):
+it says so (StreamResponse.closing); from then the call carries only cancels of its own
+requests, new ones go on a new call, and this side closes it once those requests have ended.
+Each request's iterator raises
 grpc.aio.AioRpcError with the worker's status, as a per-request call would: the worker's own
 failures, DEADLINE_EXCEEDED past the request's timeout, and StreamBroken (UNAVAILABLE) when the
 call breaks or is abandoned (its worker stopped answering: `abandon`).
@@ -23,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -108,14 +112,30 @@ def _tokens_by_request(cols: worker_pb2.TokenColumns) -> list[tuple[str, Update]
     return out
 
 
+@dataclass(eq=False)
+class _Call:
+    """One Stream call: what this side sends on it (None closes its side) and the requests
+    sent on it that have not ended."""
+
+    outbox: asyncio.Queue[worker_pb2.StreamRequest | None]
+    rids: set[str] = field(default_factory=set)
+    reader: asyncio.Task | None = None
+    closing: bool = False  # the worker drains: no new request here; closed once rids is empty
+    ended: bool = False  # nothing goes out on it any more
+    abandoned: str | None = None  # why abandon() ended it
+
+    def close_when_idle(self) -> None:
+        if self.closing and not self.rids:
+            self.outbox.put_nowait(None)
+
+
 class WorkerStream:
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str) -> None:
         self.stub = stub
         self.address = address
-        self._outbox: asyncio.Queue[worker_pb2.StreamRequest | None] | None = None
+        self._call: _Call | None = None  # the call new requests go on
+        self._calls: set[_Call] = set()  # every call still open (a closing one, the new one)
         self._inboxes: dict[str, asyncio.Queue] = {}
-        self._reader: asyncio.Task | None = None
-        self._abandoned: str | None = None  # why abandon() ended the call
 
     async def request(self, msg: worker_pb2.StreamRequest, metadata: Metadata = None,
                       timeout: float | None = None,
@@ -130,8 +150,9 @@ class WorkerStream:
             msg.trace_context.update(dict(metadata))
         inbox: asyncio.Queue = asyncio.Queue()
         self._inboxes[rid] = inbox
-        outbox = self._open()
-        outbox.put_nowait(msg)
+        call = self._open()
+        call.rids.add(rid)
+        call.outbox.put_nowait(msg)
         if on_sent is not None:
             on_sent()
         done = False
@@ -158,17 +179,21 @@ class WorkerStream:
             raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
         finally:
             del self._inboxes[rid]
-            if not done and self._outbox is outbox:
-                outbox.put_nowait(worker_pb2.StreamRequest(cancel=rid))
+            call.rids.discard(rid)
+            if not done and not call.ended:
+                call.outbox.put_nowait(worker_pb2.StreamRequest(cancel=rid))
+            call.close_when_idle()  # after its cancel
 
-    def _open(self) -> asyncio.Queue:
-        if self._outbox is None:
-            outbox: asyncio.Queue[worker_pb2.StreamRequest | None] = asyncio.Queue()
-            self._outbox = outbox
-            self._reader = asyncio.create_task(self._read(outbox))
-        return self._outbox
+    def _open(self) -> _Call:
+        if self._call is None:
+            call = self._call = _Call(asyncio.Queue())
+            self._calls.add(call)
+            call.reader = asyncio.create_task(self._read(call))
+        return self._call
 
-    async def _read(self, outbox: asyncio.Queue) -> None:
+    async def _read(self, c: _Call) -> None:
+        outbox = c.outbox
+
         async def requests() -> AsyncIterator[worker_pb2.StreamRequest]:
             while (msg := await outbox.get()) is not None:
                 yield msg
@@ -187,6 +212,11 @@ class WorkerStream:
                     inbox = self._inboxes.get(u.request_id)
                     if inbox is not None:
                         inbox.put_nowait(u)
+                if resp.closing and not c.closing:  # the worker drains: new requests elsewhere
+                    c.closing = True
+                    if self._call is c:
+                        self._call = None
+                    c.close_when_idle()
         except grpc.aio.AioRpcError as e:
             error = StreamBroken(grpc.StatusCode.UNAVAILABLE
                                  if e.code() == grpc.StatusCode.CANCELLED else e.code(),
@@ -194,36 +224,40 @@ class WorkerStream:
                                  e.details() or str(e.code()))
             log.warning("stream to worker %s broke: %s", self.address, e.code().name)
         except asyncio.CancelledError:
-            if self._abandoned is None:
+            if c.abandoned is None:
                 raise
             error = StreamBroken(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                 grpc.aio.Metadata(), self._abandoned)
-            self._abandoned = None
+                                 grpc.aio.Metadata(), c.abandoned)
         finally:
             call.cancel()
+            c.ended = True
             # End the request iterator too: gRPC's task that reads it would otherwise wait on
             # the outbox for good, and be destroyed pending (with the generator inside it,
             # "aclose(): asynchronous generator is already running") when collected.
             outbox.put_nowait(None)
+            self._calls.discard(c)
+            if self._call is c:
+                self._call = None
             # Requests sent on this call that have not ended will hear nothing more.
-            if self._outbox is outbox:
-                self._outbox = None
-            for inbox in self._inboxes.values():
-                inbox.put_nowait(error)
+            for rid in c.rids:
+                inbox = self._inboxes.get(rid)
+                if inbox is not None:
+                    inbox.put_nowait(error)
 
     def abandon(self, reason: str) -> None:
-        """Give up on the call now (its worker stopped answering): every request on it fails
-        with StreamBroken(UNAVAILABLE, reason); the next request opens a new call. Cancelling
-        the call also tells the worker, should it come back, to drop what it had."""
-        if self._reader is not None and not self._reader.done():
-            self._abandoned = reason
-            self._reader.cancel()
+        """Give up on the calls now (their worker stopped answering): every request on them
+        fails with StreamBroken(UNAVAILABLE, reason); the next request opens a new call.
+        Cancelling a call also tells the worker, should it come back, to drop what it had."""
+        for c in list(self._calls):
+            if c.reader is not None and not c.reader.done():
+                c.abandoned = reason
+                c.reader.cancel()
 
     async def close(self) -> None:
-        if self._outbox is not None:
-            self._outbox.put_nowait(None)
-            self._outbox = None
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        self._call = None
+        for c in list(self._calls):
+            c.outbox.put_nowait(None)
+            if c.reader is not None:
+                c.reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await c.reader

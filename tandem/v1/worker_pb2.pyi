@@ -155,14 +155,16 @@ class TokenColumns(_message.Message):
     def __init__(self, request_id: _Optional[_Iterable[str]] = ..., sample_index: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Iterable[str]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., with_logprobs: _Optional[_Iterable[bool]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
-    __slots__ = ("updates", "tokens", "prompt_logprobs")
+    __slots__ = ("updates", "tokens", "prompt_logprobs", "closing")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CLOSING_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[RequestUpdate]
     tokens: TokenColumns
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., tokens: _Optional[_Union[TokenColumns, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    closing: bool
+    def __init__(self, updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., tokens: _Optional[_Union[TokenColumns, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., closing: _Optional[bool] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("request_id", "logprobs")

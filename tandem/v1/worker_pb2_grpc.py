@@ -103,7 +103,8 @@ class WorkerServicer:
         its lease, decode; both: prefill and decode here) and cancels; the worker answers with one
         message per engine step holding the new tokens of every request on the call, so a step
         costs one message however many requests it advanced. Cancelling a request, or the call,
-        frees everything it holds.
+        frees everything it holds. The call ends when the router closes its side and its requests
+        are done (a draining worker asks for that: StreamResponse.closing).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
