@@ -1,4 +1,4 @@
-"""The chaos probe's CI version (benchmarks/chaos.py): a supervised 1P+2D stack under steady
+"""The chaos probe's CI version (benchmarks/robustness/chaos.py): a supervised 1P+2D stack under steady
 load while workers are killed, hung and drained at random, one at a time. No request is lost
 (each finishes whole, equal to its fault-free run), every kind of fault happened, and every
 pool ends with no block in use, no lease and no request."""
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_chaos_short(tiny_models, tmp_path):
     out = tmp_path / "chaos.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--model",
+        [sys.executable, str(ROOT / "benchmarks" / "robustness" / "chaos.py"), "--model",
          str(tiny_models["llama"]), "--duration", "20", "--min-faults", "3",
          "--max-duration", "240", "--seed", "2", "--log-dir", str(tmp_path / "logs"),
          "--out", str(out)],

@@ -1,18 +1,18 @@
 """Chaos probe: a supervised stack (router, prefill and decode workers on the CPU, restarted when
 they exit) under steady load while, one at a time, a random worker is killed (SIGKILL), hung
-(SIGSTOP, then SIGCONT a few seconds later) or drained (each kind in turn; the Drain RPC, as `tandem drain` and
-Kubernetes' preStop hook call it). Loopback only; bounded in time (--duration, at most
---max-duration) and count (--max-requests).
+(SIGSTOP, then SIGCONT a few seconds later) or drained (each kind in turn; the Drain RPC, as
+`tandem drain` and Kubernetes' preStop hook call it). Loopback only; bounded in time
+(--duration, at most --max-duration) and count (--max-requests).
 
-    python benchmarks/chaos.py --duration 600 --out chaos.json
-    python benchmarks/chaos.py --duration 30 --min-faults 3       # the CI version's size
+    python benchmarks/robustness/chaos.py --duration 600 --out chaos.json
+    python benchmarks/robustness/chaos.py --duration 30 --min-faults 3    # the CI version's size
 
-Unlike benchmarks/soak.py, which accepts clear errors (503, 429), this probe counts every
-request that does not finish whole as lost: with prefill fallback, moves on failure and drains
-that move requests, none should be. The requests are greedy and seeded (n = 1 and 2), each
-shape run once before any fault: a later run must give exactly that output. At the end, with
-every worker back: each pool's blocks in use, leases and requests (all 0 when nothing leaked).
-Exit code 1 when a request was lost or something leaked.
+Unlike benchmarks/robustness/soak.py, which accepts clear errors (503, 429), this probe counts
+every request that does not finish whole as lost: with prefill fallback, moves on failure and
+drains that move requests, none should be. The requests are greedy and seeded (n = 1 and 2),
+each shape run once before any fault: a later run must give exactly that output. At the end,
+with every worker back: each pool's blocks in use, leases and requests (all 0 when nothing
+leaked). Exit code 1 when a request was lost or something leaked.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 for _p in (ROOT / "protos", ROOT):
     sys.path.insert(0, str(_p))
 
 import grpc  # noqa: E402
 import httpx  # noqa: E402
 
-from benchmarks.soak_report import metric_total  # noqa: E402
+from benchmarks.robustness.soak_report import metric_total  # noqa: E402
 from cli.launcher import LocalStack  # noqa: E402
 from cli.supervisor import RestartPolicy, Supervisor  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
