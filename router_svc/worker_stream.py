@@ -136,6 +136,8 @@ class WorkerStream:
         self._call: _Call | None = None  # the call new requests go on
         self._calls: set[_Call] = set()  # every call still open (a closing one, the new one)
         self._inboxes: dict[str, asyncio.Queue] = {}
+        # Told when the worker says it drains (StreamResponse.closing), before the next poll.
+        self.on_closing: Callable[[], None] | None = None
 
     async def request(self, msg: worker_pb2.StreamRequest, metadata: Metadata = None,
                       timeout: float | None = None,
@@ -217,6 +219,8 @@ class WorkerStream:
                     if self._call is c:
                         self._call = None
                     c.close_when_idle()
+                    if self.on_closing is not None:
+                        self.on_closing()
         except grpc.aio.AioRpcError as e:
             error = StreamBroken(grpc.StatusCode.UNAVAILABLE
                                  if e.code() == grpc.StatusCode.CANCELLED else e.code(),

@@ -84,6 +84,11 @@ class Worker:
         requests, and not a failure."""
         return self.draining or self.load.draining
 
+    def heard_draining(self) -> None:
+        """Its Stream call said it drains (StreamResponse.closing): no new request from now,
+        as its next poll will say."""
+        self.load.draining = True
+
     def as_load(self, cached_blocks: int = 0) -> WorkerLoad:
         """What a routing policy sees of this worker."""
         ld = self.load
@@ -203,8 +208,10 @@ class WorkerSet:
         else:
             slot, self._next_slot = self._next_slot, self._next_slot + 1
         probe = probe_channel(address, self.tls, role)
-        return Worker(address, role, ch, stub, WorkerStream(stub, address), dynamic=dynamic,
-                      slot=slot, probe_channel=probe, probe=worker_pb2_grpc.WorkerStub(probe))
+        w = Worker(address, role, ch, stub, WorkerStream(stub, address), dynamic=dynamic,
+                   slot=slot, probe_channel=probe, probe=worker_pb2_grpc.WorkerStub(probe))
+        w.stream.on_closing = w.heard_draining
+        return w
 
     # -- KV events (what each worker caches) -------------------------------------------------
     def _watch_kv(self, w: Worker) -> None:
@@ -379,6 +386,8 @@ class WorkerSet:
             w.watch.cancel()
 
     def mark_down(self, w: Worker) -> None:
+        if w.leaving:  # going, not failing (a call it refused as it stops): no new request
+            return     # goes there either way, and its polls say when it is back
         if w.healthy:
             log.warning("worker %s (%s) failed a call: taken out", w.address, w.role)
         w.healthy = False

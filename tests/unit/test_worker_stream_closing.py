@@ -1,7 +1,7 @@
 """The router's side of a draining worker's Stream call (StreamResponse.closing): new requests
 go on a new call, the old call carries only its own requests' cancels, and the router closes
 its side of it once those requests have ended, so the worker, which never ends the call
-first, reads everything sent on it."""
+first, reads everything sent on it. The router hears at once that the worker drains."""
 
 from __future__ import annotations
 
@@ -59,8 +59,11 @@ def test_a_closing_call_takes_no_new_request_and_is_closed_once_its_requests_end
             address = f"127.0.0.1:{port}"
             async with grpc.aio.insecure_channel(address) as ch:
                 ws = WorkerStream(worker_pb2_grpc.WorkerStub(ch), address)
+                heard = asyncio.Event()
+                ws.on_closing = heard.set  # the router's: no new request for this worker
                 a = ws.request(generate("a"))
                 assert (await anext(a)).samples[0].token_ids == [7]  # with closing
+                await heard.wait()
                 b = ws.request(generate("b"))
                 assert (await anext(b)).samples[0].token_ids == [7]
                 assert [m.generate.request_id for m in worker.received[1]] == ["b"]
