@@ -97,13 +97,14 @@ async def serve_fake(fake: FakePrefill, tls: ClusterTls | None) -> tuple[grpc.ai
     return server, f"127.0.0.1:{port}"
 
 
-async def attack(cluster: Cluster, holder: str | None, streamer: str | None):
+async def attack(cluster: Cluster, holder: str | None, streamer: str | None,
+                 refused_at_door: bool = False):
     """The attack on a decode worker that has not mapped the prefill worker's pool: the victim's
     prompt is prefilled (its KV sits in the prefill pool under a live lease), the attacker gets
     the pool's descriptor with the key of member `holder`, serves it from its own address with
     that key, and sends the decode worker a request naming that address with the key of member
-    `streamer`. Returns what came back for the forged request: (tokens, status, message), and
-    the calls the fake received."""
+    `streamer` (`refused_at_door`: a key that may not call Stream at all). Returns what came
+    back for the forged request: (tokens, status, message), and the calls the fake received."""
     p, d = cluster.workers("prefill")[0], cluster.workers("decode")[0]
     router, holder_tls = creds(cluster, "router"), creds(cluster, holder) if holder else None
     async with channel(p.address, router, "prefill") as pch:
@@ -124,15 +125,20 @@ async def attack(cluster: Cluster, holder: str | None, streamer: str | None):
             async with channel(d.address, creds(cluster, streamer) if streamer else None,
                                "decode") as dch:
                 tokens, ends = [], []
-                call = worker_pb2_grpc.WorkerStub(dch).Stream(iter([forged]))
-                try:
+                call = worker_pb2_grpc.WorkerStub(dch).Stream()
+                if refused_at_door:
+                    # Refused at the door, on the call's headers: its status is read without
+                    # writing (a grpc.aio client whose write races the server's early status
+                    # reports INTERNAL "Internal error from Core" instead: grpc/grpc#36066).
+                    outcome = [(await call.code(), await call.details())]
+                else:
+                    await call.write(forged)
+                    await call.done_writing()
                     async for msg in call:
                         tokens += list(msg.tokens.token_ids)
                         ends += [u for u in msg.updates if u.done]
                     outcome = [(grpc.StatusCode(_code(u.error_code)), u.error_message)
                                for u in ends]
-                except grpc.aio.AioRpcError as e:  # the call itself refused
-                    outcome = [(e.code(), e.details())]
         finally:
             await server.stop(None)
     finally:
@@ -167,7 +173,8 @@ def test_a_fake_prefill_worker_reads_no_kv_and_the_real_one_is_served_after(clus
     and a request through the router is served from the real prefill worker afterwards."""
     tls = cluster.cluster_certs is not None
     tokens, status, message, calls = asyncio.run(
-        attack(cluster, "decode0" if tls else None, "decode0" if tls else None))
+        attack(cluster, "decode0" if tls else None, "decode0" if tls else None,
+               refused_at_door=tls))
     assert not tokens, tokens
     if tls:
         assert status == grpc.StatusCode.PERMISSION_DENIED and "Stream" in message, message

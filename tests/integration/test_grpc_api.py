@@ -4,6 +4,8 @@ streaming, n > 1, deadlines, cancellation, health, reflection, model info and to
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
 import grpc
@@ -80,18 +82,28 @@ def test_n_samples_interleave_with_their_index(cluster):
 
 
 def test_deadline_mid_stream_ends_deadline_exceeded(cluster):
+    """The deadline passes mid-stream: after the first token the decode worker's engine core is
+    held still (SIGSTOP), so the call cannot finish before its deadline however fast the machine;
+    the client sees DEADLINE_EXCEEDED, and once the core runs again the router's cancel frees
+    the request's blocks (the autouse fixture waits for every pool to be idle)."""
     params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+    core = cluster.engine_core("decode0")
 
     async def main():
         async with grpc.aio.insecure_channel(cluster.router.address) as ch:
-            got = []
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                async for c in cluster.api(ch).Generate(api_pb2.GenerateRequest(
-                        token_ids=api_pb2.TokenIds(ids=[3] * 40), params=params_to_proto(params)),
-                        timeout=1.0):
-                    got.append(c)
-            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert got, "the deadline should expire mid-stream, after some tokens"
+            call = cluster.api(ch).Generate(api_pb2.GenerateRequest(
+                token_ids=api_pb2.TokenIds(ids=[3] * 40), params=params_to_proto(params)),
+                timeout=5.0)
+            first = await call.read()
+            assert first.token_ids, first
+            os.kill(core, signal.SIGSTOP)
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    while (c := await call.read()) is not grpc.aio.EOF:
+                        assert not c.finish_reason, "the call ended although its decoder is held"
+                assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            finally:
+                os.kill(core, signal.SIGCONT)
 
     run(main())
 
