@@ -31,7 +31,7 @@ for stage in "$@"; do
     correctness)
       run gpu_tests python3 -m pytest -q -x -p no:cacheprovider -m "gpu or gpu2" tests/gpu -rA
       TANDEM_TEST_DEVICE=cuda run parity_cuda python3 -m pytest -q -p no:cacheprovider tests/e2e/test_parity.py
-      run generate_8b python3 -m cli.main generate --model benchmarks/configs/llama-3.1-8b \
+      run generate_8b python3 -m tandem.cli.main generate --model benchmarks/configs/llama-3.1-8b \
         --load-format dummy --device cuda --dtype bfloat16 --max-model-len 4096 \
         --prompt-token-ids 1,2,3,4,5,6,7,8 --prompt-token-ids 9,10,11 --max-tokens 16 --json ;;
     kernels) run kernels python3 benchmarks/kernels/paged_kernels.py --out "$OUT/kernels.json" ;;

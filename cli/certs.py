@@ -28,9 +28,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.cluster_roles import ROLES, peer_name, spiffe_id
-from runtime.security import ClusterTls
 from tandem.errors import InvalidArgument
+from tandem.runtime.cluster_roles import ROLES, peer_name, spiffe_id
+from tandem.runtime.security import ClusterTls
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 

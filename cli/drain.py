@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from cli.health import CHANNEL_OPTIONS, credentials, seconds
+from tandem.cli.health import CHANNEL_OPTIONS, credentials, seconds
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 

@@ -6,9 +6,9 @@ import argparse
 import json
 import typing
 
-from engine.sampling_params import SamplingParams, param_spec, request_params
-from runtime.engine_args import add_engine_args, engine_config
+from tandem.engine.sampling_params import SamplingParams, param_spec, request_params
 from tandem.errors import InvalidArgument
+from tandem.runtime.engine_args import add_engine_args, engine_config
 
 
 class _PromptAction(argparse.Action):
@@ -74,7 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise InvalidArgument("prompt", "give at least one --prompt or --prompt-token-ids")
     params = sampling_params(args)
     cfg = engine_config(args)
-    from engine.llm import LLM  # noqa: PLC0415 - torch: after the arguments parsed
+    from tandem.engine.llm import LLM  # noqa: PLC0415 - torch: after the arguments parsed
 
     llm = LLM(cfg.model, **{k: v for k, v in cfg.__dict__.items() if k != "model"},
               progress=not args.json)

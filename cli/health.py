@@ -10,7 +10,7 @@ otherwise (NOT_SERVING, an unknown service, unreachable, too slow). It prints th
                                                        # the name its role's certificate has
 
 docker-compose.yml runs it as every Tandem container's health check. It needs nothing beyond
-grpcio and grpcio-health-checking; `python -m cli.health` runs it without loading the
+grpcio and grpcio-health-checking; `python -m tandem.cli.health` runs it without loading the
 rest of the `tandem` CLI.
 """
 

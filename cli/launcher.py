@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from cli.lifeline import lifeline_env
-from engine.model_source import resolve_model
-from runtime.security import API_KEY_ENV, API_KEY_FILE_ENV, ClusterTls
+from tandem.cli.lifeline import lifeline_env
+from tandem.engine.model_source import resolve_model
+from tandem.runtime.security import API_KEY_ENV, API_KEY_FILE_ENV, ClusterTls
 
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
 ROLE_FLAGS = {"prefill": "--prefill", "decode": "--decode", "both": "--workers"}
@@ -130,7 +130,7 @@ class LocalStack:
         ready = self.log_dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         log = self.log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "cli.main", *argv, "--ready-file", str(ready)]
+        cmd = [sys.executable, "-m", "tandem.cli.main", *argv, "--ready-file", str(ready)]
         if metrics_port:
             cmd += ["--metrics-port", str(metrics_port)]
         # Own session: a terminal's Ctrl-C reaches the launcher, which stops everyone in order.
@@ -247,7 +247,7 @@ class LocalStack:
     def worker_channel(self, p: Proc, options: Sequence[tuple[str, object]] = ()):
         """A channel to worker `p` as the router reaches it: with the router's certificate when
         the stack has a cluster CA, accepting only a certificate of p's role."""
-        from runtime.security import internal_channel  # noqa: PLC0415 - gRPC
+        from tandem.runtime.security import internal_channel  # noqa: PLC0415 - gRPC
 
         return internal_channel(p.address, self.cluster_tls, options,
                                 p.name.rstrip("0123456789"))
@@ -290,7 +290,7 @@ class ThrowawayCa:
     the directory is the files, removed by close()."""
 
     def __init__(self, members: Mapping[str, str]) -> None:
-        from cli.certs import make_cluster_ca  # noqa: PLC0415 - cryptography
+        from tandem.cli.certs import make_cluster_ca  # noqa: PLC0415 - cryptography
 
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._dir: str | None = tempfile.mkdtemp(prefix="tandem-certs-", dir=shm)

@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from cli.lifeline import hold_lifeline
+from tandem.cli.lifeline import hold_lifeline
 from tandem.errors import InvalidArgument, ModelLoadError
 
 
@@ -26,15 +26,15 @@ def flag_name(field: str) -> str:
 # runs, and the line `tandem --help` lists it with (the module's own help; a test holds them
 # equal).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("cli.generate", "generate offline for the given prompts"),
-    "up": ("cli.up", "start router + prefill + decode workers locally"),
-    "router": ("router_svc.server", "run the router (public gRPC + OpenAI HTTP API)"),
-    "prefill": ("prefill_svc.server", "run a prefill worker"),
-    "decode": ("decode_svc.server", "run a decode worker"),
-    "worker": ("cli.worker", "run a worker of any role (prefill, decode, both)"),
-    "health": ("cli.health", "check a service's gRPC health (exit 0 when SERVING)"),
-    "drain": ("cli.drain", "drain a worker (move or finish its requests), then it exits"),
-    "certs": ("cli.certs", "write a throwaway cluster CA and a certificate per role"),
+    "generate": ("tandem.cli.generate", "generate offline for the given prompts"),
+    "up": ("tandem.cli.up", "start router + prefill + decode workers locally"),
+    "router": ("tandem.router_svc.server", "run the router (public gRPC + OpenAI HTTP API)"),
+    "prefill": ("tandem.prefill_svc.server", "run a prefill worker"),
+    "decode": ("tandem.decode_svc.server", "run a decode worker"),
+    "worker": ("tandem.cli.worker", "run a worker of any role (prefill, decode, both)"),
+    "health": ("tandem.cli.health", "check a service's gRPC health (exit 0 when SERVING)"),
+    "drain": ("tandem.cli.drain", "drain a worker (move or finish its requests), then it exits"),
+    "certs": ("tandem.cli.certs", "write a throwaway cluster CA and a certificate per role"),
 }
 SERVICE_COMMANDS: dict[str, str] = {name: module for name, (module, _) in COMMANDS.items()}
 

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cli.launcher import STARTUP_TIMEOUT_S, LocalStack, Proc
+from tandem.cli.launcher import STARTUP_TIMEOUT_S, LocalStack, Proc
 
 
 @dataclass(frozen=True)

@@ -26,14 +26,14 @@ import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from cli.console import Console
-from cli.launcher import LocalStack, StartInterrupted, cpu_threads_each
-from cli.supervisor import RestartPolicy, Supervisor
-from engine.model_source import served_name
-from runtime.engine_args import add_engine_args
-from runtime.lifecycle import check_port_free
-from runtime.security import refuse_api_key_flag
+from tandem.cli.console import Console
+from tandem.cli.launcher import LocalStack, StartInterrupted, cpu_threads_each
+from tandem.cli.supervisor import RestartPolicy, Supervisor
+from tandem.engine.model_source import served_name
 from tandem.errors import InvalidArgument
+from tandem.runtime.engine_args import add_engine_args
+from tandem.runtime.lifecycle import check_port_free
+from tandem.runtime.security import refuse_api_key_flag
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from decode_svc import server as decode_server
-from prefill_svc import server as prefill_server
-from runtime.worker import add_worker_args
+from tandem.decode_svc import server as decode_server
+from tandem.prefill_svc import server as prefill_server
+from tandem.runtime.worker import add_worker_args
 
 
 def add_parser(sub, name: str) -> None:

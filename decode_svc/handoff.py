@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.sampling_params import RequestLimits, SamplingParams, TokenLogprobs
-from engine.sequence import RemoteKV
-from kvtransfer.lease import prompt_digest
-from runtime.convert import logprobs_from_proto, params_from_proto
-from runtime.request_trace import client_call
-from runtime.worker import WorkerError
-from runtime.worker_inputs import check_prompt, check_request_id
+from tandem.engine.sampling_params import RequestLimits, SamplingParams, TokenLogprobs
+from tandem.engine.sequence import RemoteKV
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer.lease import prompt_digest
+from tandem.runtime.convert import logprobs_from_proto, params_from_proto
+from tandem.runtime.request_trace import client_call
+from tandem.runtime.worker import WorkerError
+from tandem.runtime.worker_inputs import check_prompt, check_request_id
 from tandem.v1 import worker_pb2
 
 # Pull only while the lease has this much time left: the prefill side reuses blocks of an

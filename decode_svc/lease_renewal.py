@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from decode_svc.handoff import CORE, LEASE_MARGIN_S, RENEW_AFTER, HeldLease, renew_time
+from tandem.decode_svc.handoff import CORE, LEASE_MARGIN_S, RENEW_AFTER, HeldLease, renew_time
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)

@@ -9,11 +9,11 @@ import asyncio
 
 import grpc
 
-from engine.sequence import SeqOutput
-from engine.serving.async_engine import OutputSink
-from runtime.convert import logprobs_to_proto
-from runtime.request_trace import Progress
-from runtime.worker import WorkerError, status_of
+from tandem.engine.sequence import SeqOutput
+from tandem.engine.serving.async_engine import OutputSink
+from tandem.runtime.convert import logprobs_to_proto
+from tandem.runtime.request_trace import Progress
+from tandem.runtime.worker import WorkerError, status_of
 from tandem.v1 import worker_pb2
 
 

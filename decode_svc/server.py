@@ -34,31 +34,31 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
-from decode_svc.handoff import CORE, WORKER, HeldLease, claim, decode_args
-from decode_svc.lease_renewal import LeaseRenewal
-from decode_svc.outbox import Outbox, failure_message, relay
-from engine.sequence import Replay
-from engine.serving.core_messages import LeaseDone
-from kvtransfer.descriptor import check_compatible
-from runtime.convert import descriptor_from_proto, params_from_proto
-from runtime.lifecycle import GRPC_OPTIONS
-from runtime.local_peers import loopback_ips, pool_owner_listens, split_address
-from runtime.request_trace import client_call
-from runtime.security import internal_channel
-from runtime.telemetry import span_name
-from runtime.worker import (
+from tandem.decode_svc.handoff import CORE, WORKER, HeldLease, claim, decode_args
+from tandem.decode_svc.lease_renewal import LeaseRenewal
+from tandem.decode_svc.outbox import Outbox, failure_message, relay
+from tandem.engine.sequence import Replay
+from tandem.engine.serving.core_messages import LeaseDone
+from tandem.errors import InvalidArgument
+from tandem.kvtransfer.descriptor import check_compatible
+from tandem.runtime.convert import descriptor_from_proto, params_from_proto
+from tandem.runtime.lifecycle import GRPC_OPTIONS
+from tandem.runtime.local_peers import loopback_ips, pool_owner_listens, split_address
+from tandem.runtime.request_trace import client_call
+from tandem.runtime.security import internal_channel
+from tandem.runtime.telemetry import span_name
+from tandem.runtime.worker import (
     WorkerError,
     WorkerServicer,
     add_worker_args,
     main_worker,
 )
-from runtime.worker_inputs import (
+from tandem.runtime.worker_inputs import (
     bounded_id,
     check_prompt,
     check_stream_request,
     check_trace_context,
 )
-from tandem.errors import InvalidArgument
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -33,14 +33,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine import prompt_logprobs
-from engine.sampler import SampleRow
-from engine.sequence import FinishReason, SeqOutput, Sequence, StepResult, StopCheck
-from engine.step_tokens import PendingTokens, TokenFill
+from tandem.engine import prompt_logprobs
+from tandem.engine.sampler import SampleRow
+from tandem.engine.sequence import FinishReason, SeqOutput, Sequence, StepResult, StopCheck
+from tandem.engine.step_tokens import PendingTokens, TokenFill
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
-    from engine.scheduler import ScheduledBatch, Scheduler
+    from tandem.engine.model_runner import ModelRunner
+    from tandem.engine.scheduler import ScheduledBatch, Scheduler
 
 # A token id not yet known on the host (never a real one: ids are checked to be >= 0).
 PLACEHOLDER = -1

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sequence import Sequence
+from tandem.engine.sequence import Sequence
 
 
 class BlockTableMirror:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.models.registry import check_architecture
+from tandem.engine.models.registry import check_architecture
 from tandem.errors import InvalidArgument, ModelLoadError
 
 DTYPES = ("float32", "bfloat16", "float16")

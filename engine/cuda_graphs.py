@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from engine.attention.base import (
+from tandem.engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     forward_context,

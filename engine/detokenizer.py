@@ -29,7 +29,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.tokenizer import Tokenizer
+from tandem.engine.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 # Prompt tokens that seed the decode window: enough context for the first output token.

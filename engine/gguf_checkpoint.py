@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.demo import cache_root, cached_dir
+from tandem.engine.demo import cache_root, cached_dir
 from tandem.errors import ModelLoadError
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.models.layers import CausalLM
+    from tandem.engine.models.layers import CausalLM
 
 FORMAT = 2  # bump when what _build writes changes: a cached directory is never rebuilt
 LINK = "model.gguf"
@@ -111,7 +111,7 @@ def _build(src: Path, out: Path) -> None:
                              "files are supported")
     meta = Metadata(reader)
     arch = meta.get("general.architecture")
-    from engine.models import gguf_model_class  # noqa: PLC0415 - torch (as the tokenizer's)
+    from tandem.engine.models import gguf_model_class  # noqa: PLC0415 - torch (as the tokenizer's)
 
     model = gguf_model_class(arch)
     index = tensor_index(reader, model, arch, meta)
@@ -235,8 +235,8 @@ def llama3_rope_scaling(divisors: np.ndarray, head_dim: int, theta: float) -> di
     s = (original / wavelength - low) / (high - low) is linear in the frequency. Only the
     wavelength bounds matter, so low_freq_factor is taken as 1 and the rest fitted to the ramp;
     the result must reproduce every divisor (else this is not llama3 scaling)."""
-    from engine.config import RopeScaling  # noqa: PLC0415 - torch, for the check only
-    from engine.models.layers import rope_inv_freq  # noqa: PLC0415 - torch, as above
+    from tandem.engine.config import RopeScaling  # noqa: PLC0415 - torch, for the check only
+    from tandem.engine.models.layers import rope_inv_freq  # noqa: PLC0415 - torch, as above
 
     factor = float(divisors.max())
     base = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)

@@ -36,8 +36,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.sampling_params import ResponseFormat
-from engine.tokenizer import Tokenizer, has_tokenizer
+from tandem.engine.sampling_params import ResponseFormat
+from tandem.engine.tokenizer import Tokenizer, has_tokenizer
 from tandem.errors import InvalidArgument
 
 # torch is imported where masks are filled and applied (in an engine, which has it loaded): the

@@ -26,12 +26,12 @@ import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from engine.block_pool import BlockPool
-from engine.config import cdiv
-from engine.sampling_params import SamplingParams
-from engine.sequence import PendingPull, RemoteKV, Replay, Sequence
-from kvtransfer.lease import LeaseTable
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.config import cdiv
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import PendingPull, RemoteKV, Replay, Sequence
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer.lease import LeaseTable
 
 log = logging.getLogger(__name__)
 

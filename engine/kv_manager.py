@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.block_pool import BlockPool
-from engine.config import cdiv
-from engine.sequence import Sequence
-from kvtransfer.runs import order_like
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.config import cdiv
+from tandem.engine.sequence import Sequence
+from tandem.kvtransfer.runs import order_like
 
 
 class HostTier(Protocol):

@@ -10,13 +10,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.grammar import check_schema
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams, TokenLogprobs
-from engine.sequence import FinishReason, SeqOutput
-from engine.tokenizer import Tokenizer, has_tokenizer
+from tandem.engine.config import EngineConfig
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.grammar import check_schema
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams, TokenLogprobs
+from tandem.engine.sequence import FinishReason, SeqOutput
+from tandem.engine.tokenizer import Tokenizer, has_tokenizer
 from tandem.errors import InvalidArgument
 
 Prompt = str | list[int]

@@ -35,20 +35,20 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from engine import prompt_logprobs
-from engine.async_step import PLACEHOLDER, StepPipeline
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig, ModelConfig
-from engine.grammar import GrammarCompiler
-from engine.host_kv_tier import host_tier_for
-from engine.kv_connector import PullDone, connector_for
-from engine.kv_manager import KVCacheManager
-from engine.model_runner import ModelRunner, PoolFactory
-from engine.model_source import resolve_model
-from engine.sampler import SampleRow
-from engine.sampling_params import RequestLimits, SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import (
+from tandem.engine import prompt_logprobs
+from tandem.engine.async_step import PLACEHOLDER, StepPipeline
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.config import EngineConfig, ModelConfig
+from tandem.engine.grammar import GrammarCompiler
+from tandem.engine.host_kv_tier import host_tier_for
+from tandem.engine.kv_connector import PullDone, connector_for
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.model_runner import ModelRunner, PoolFactory
+from tandem.engine.model_source import resolve_model
+from tandem.engine.sampler import SampleRow
+from tandem.engine.sampling_params import RequestLimits, SamplingParams
+from tandem.engine.scheduler import ScheduledBatch, Scheduler
+from tandem.engine.sequence import (
     FinishReason,
     Handoff,
     RemoteKV,
@@ -60,7 +60,7 @@ from engine.sequence import (
     StepStats,
     StopCheck,
 )
-from engine.spec_decode.speculator import Speculator
+from tandem.engine.spec_decode.speculator import Speculator
 from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class LLMEngine:
         # Tensor parallelism: ranks 1.. in processes of their own, this one is rank 0.
         self.tp_group = None
         if config.tensor_parallel_size > 1:
-            from engine.tp_group import start_tp_group  # noqa: PLC0415 - tensor parallelism only
+            from tandem.engine.tp_group import start_tp_group  # noqa: PLC0415 - tensor parallelism only
 
             self.tp_group = start_tp_group(config, self.model_dir, self.model_config, tp_options)
         try:

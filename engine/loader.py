@@ -12,12 +12,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
-from engine import gguf_checkpoint
-from engine.config import ModelConfig
-from engine.models import model_class
-from engine.models.layers import CausalLM, RMSNorm, default_weight_loader
-from engine.parallel import TPState, build_sharded_model
-from engine.quantization.kv_cache import CheckpointKVScales
+from tandem.engine import gguf_checkpoint
+from tandem.engine.config import ModelConfig
+from tandem.engine.models import model_class
+from tandem.engine.models.layers import CausalLM, RMSNorm, default_weight_loader
+from tandem.engine.parallel import TPState, build_sharded_model
+from tandem.engine.quantization.kv_cache import CheckpointKVScales
 from tandem.errors import ModelLoadError
 
 

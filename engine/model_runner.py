@@ -23,29 +23,29 @@ from typing import Protocol
 
 import torch
 
-from engine.attention.base import (
+from tandem.engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     forward_context,
     prefill_tiles,
 )
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.block_table import BlockTableMirror
-from engine.config import CacheConfig, ModelConfig, cdiv
-from engine.cuda_graphs import CudaGraphRunner, MixedGraphRunner
-from engine.loader import build_model, init_dummy_weights, load_weights
-from engine.models.layers import CausalLM
-from engine.parallel import TPState, all_min, kv_heads_per_rank, rank_heads
-from engine.pool_sizing import ProfileRuns, blocks_for_budget
-from engine.quantization import fp8, kv_cache
-from engine.quantization.checkpoint import fp8_scheme
-from engine.sampler import Sampler, SamplerOutput, SampleRow
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
-from engine.step_tokens import PendingTokens, TokenFill
-from kvtransfer.pool import TORCH_DTYPES
+from tandem.engine.attention.torch_backend import TorchAttentionBackend
+from tandem.engine.block_table import BlockTableMirror
+from tandem.engine.config import CacheConfig, ModelConfig, cdiv
+from tandem.engine.cuda_graphs import CudaGraphRunner, MixedGraphRunner
+from tandem.engine.loader import build_model, init_dummy_weights, load_weights
+from tandem.engine.models.layers import CausalLM
+from tandem.engine.parallel import TPState, all_min, kv_heads_per_rank, rank_heads
+from tandem.engine.pool_sizing import ProfileRuns, blocks_for_budget
+from tandem.engine.quantization import fp8, kv_cache
+from tandem.engine.quantization.checkpoint import fp8_scheme
+from tandem.engine.sampler import Sampler, SamplerOutput, SampleRow
+from tandem.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.engine.sequence import Sequence
+from tandem.engine.step_tokens import PendingTokens, TokenFill
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer.pool import TORCH_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class ModelRunner:
         # Query tokens per work item of the GPU's prefill attention (0: the CPU backend).
         self.prefill_block_q = 0
         if self.device.type == "cuda":
-            from kernels.paged_prefill_attention import prefill_block_q  # noqa: PLC0415 - Triton
+            from tandem.kernels.paged_prefill_attention import prefill_block_q  # noqa: PLC0415 - Triton
 
             self.prefill_block_q = prefill_block_q(model_config.head_dim,
                                                    self.num_heads // self.num_kv_heads)
@@ -127,7 +127,7 @@ class ModelRunner:
                                                             self.kv_dtype, self.device)
         self.backend = self._make_backend(self.pool)
         if self.device.type == "cuda":
-            from engine.warm_up import has_fp8_linear, warm_up  # noqa: PLC0415 - Triton, CUDA only
+            from tandem.engine.warm_up import has_fp8_linear, warm_up  # noqa: PLC0415 - Triton, CUDA only
 
             # Every Triton variant a step can launch, compiled now.
             warm_up(self._warm_up_step, self.backend, self.pool, self.block_size, self.dtype,
@@ -197,7 +197,7 @@ class ModelRunner:
     def _make_backend(self, pool: torch.Tensor) -> AttentionBackend:
         scale = self.model.attention_scale
         if pool.is_cuda:
-            from engine.attention.triton_backend import TritonAttentionBackend  # noqa: PLC0415 - Triton, CUDA only
+            from tandem.engine.attention.triton_backend import TritonAttentionBackend  # noqa: PLC0415 - Triton, CUDA only
 
             return TritonAttentionBackend(pool, self.num_heads, scale, self.kv_scales)
         return TorchAttentionBackend(pool, self.num_heads, scale, self.kv_scales)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine import gguf_checkpoint
-from engine.demo import DEMO_NAME, demo_model_dir
+from tandem.engine import gguf_checkpoint
+from tandem.engine.demo import DEMO_NAME, demo_model_dir
 from tandem.errors import ModelLoadError
 
 # Only what serving needs: configs, weights, tokenizer files (not *.bin / *.pth duplicates).

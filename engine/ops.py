@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 
 def _kernels():
-    import kernels  # noqa: PLC0415 - Triton is only needed on CUDA
+    from tandem import kernels  # noqa: PLC0415 - Triton is only needed on CUDA
 
     return kernels
 

@@ -19,7 +19,7 @@ Collectives go through torch.distributed: `group` carries the tensors (NCCL on C
 CPU), `cpu_group` (gloo) the host-side messages of the step.
 
 Weights: each parallel layer's loader narrows the checkpoint tensor to its rank's rows or
-columns; given a lazy safetensors slice (`engine.loader.LazyTensor`) it reads only those.
+columns; given a lazy safetensors slice (`tandem.engine.loader.LazyTensor`) it reads only those.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.config import ModelConfig, cdiv
-from engine.models.layers import (
+from tandem.engine.config import ModelConfig, cdiv
+from tandem.engine.models.layers import (
     MLP,
     Attention,
     CausalLM,
@@ -44,8 +44,8 @@ from engine.models.layers import (
     RotaryEmbedding,
     _check_shape,
 )
-from kvtransfer.tp_pull import kv_head_start, kv_heads_per_rank, rank_heads
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer.tp_pull import kv_head_start, kv_heads_per_rank, rank_heads
 
 # kv_head_start, kv_heads_per_rank, rank_heads: the KV heads each rank holds, one rule for the
 # shards here and for the handoff between sizes (kvtransfer/tp_pull.py).

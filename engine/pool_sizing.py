@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import CacheConfig, cdiv
+from tandem.engine.config import CacheConfig, cdiv
 from tandem.errors import InvalidArgument
 
-log = logging.getLogger("engine.model_runner")
+log = logging.getLogger("tandem.engine.model_runner")
 
 
 @dataclass(frozen=True)

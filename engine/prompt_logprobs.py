@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import Logprob, TokenLogprobs
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from tandem.engine.sampling_params import Logprob, TokenLogprobs
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.engine.sequence import Sequence
 
 
 @dataclass

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling_params import Logprob, SamplingParams, TokenLogprobs
+from tandem.engine.sampling_params import Logprob, SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
-    from engine.grammar import GrammarState
+    from tandem.engine.grammar import GrammarState
 
 _MASK64 = (1 << 64) - 1
 
@@ -84,7 +84,7 @@ class Sampler:
         if any(r.params.logit_bias or r.params.min_tokens > r.position for r in rows):
             logits = self._apply_bias(logits.clone() if logits is raw_logits else logits, rows)
         if bitmask is not None:
-            from engine.grammar import apply_bitmask  # noqa: PLC0415 - xgrammar, when used
+            from tandem.engine.grammar import apply_bitmask  # noqa: PLC0415 - xgrammar, when used
 
             logits = logits.clone() if logits is raw_logits else logits
             apply_bitmask(logits, bitmask, masked_rows, grammar_vocab)
@@ -134,7 +134,7 @@ class Sampler:
         masked = [i for i, r in enumerate(rows) if r.grammar is not None]
         if not masked:
             return None, masked, self.vocab_size
-        from engine.grammar import bitmask_width, fill_bitmask  # noqa: PLC0415 - xgrammar
+        from tandem.engine.grammar import bitmask_width, fill_bitmask  # noqa: PLC0415 - xgrammar
 
         states = [rows[i].grammar for i in masked]
         vocab = states[0].vocab_size  # type: ignore[union-attr]

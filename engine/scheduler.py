@@ -33,10 +33,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
-from engine.kv_manager import KVCacheManager
-from engine.sequence import Sequence, Status
-from engine.wait_queue import WaitQueue, remaining_outputs
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.sequence import Sequence, Status
+from tandem.engine.wait_queue import WaitQueue, remaining_outputs
 
 # Decode role: requests whose KV is still arriving (over NIXL, engine/kv_connector.py) hold their
 # blocks and cannot be preempted; with this many at the start of a step, no request whose KV

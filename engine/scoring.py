@@ -9,12 +9,12 @@ from typing import NamedTuple
 
 import torch
 
-from engine.attention.base import forward_context
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from tandem.engine.attention.base import forward_context
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.engine.sequence import Sequence
 
 
 class Accuracy(NamedTuple):

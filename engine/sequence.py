@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from engine.block_pool import hash_block, salt_root
-from engine.sampling_params import SamplingParams, TokenLogprobs
+from tandem.engine.block_pool import hash_block, salt_root
+from tandem.engine.sampling_params import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
-    from engine.grammar import GrammarState
+    from tandem.engine.grammar import GrammarState
 
 _seq_counter = itertools.count()
 

@@ -1,6 +1,6 @@
 """A tensor-parallel engine: one process per rank, rank 0 the engine's own.
 
-    rank 0 (the LLMEngine's process)               ranks 1 .. N-1 (`python -m engine.tp_group`)
+    rank 0 (the LLMEngine's process)               ranks 1 .. N-1 (`python -m tandem.engine.tp_group`)
     ───────────────────────────────                ─────────────────────────────────────────────
     scheduler, block pool, leases, sampler         a ModelRunner on its shard and its KV pool
     ModelRunner on shard 0, pool of its heads      loop: receive a command from rank 0, run it
@@ -37,17 +37,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner
-from engine.parallel import (
+from tandem.engine.config import EngineConfig, ModelConfig
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.parallel import (
     broadcast_object,
     check_tp_size,
     gather_objects,
     init_tp,
     leave_group,
 )
-from kvtransfer import transports
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer import transports
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class TPGroup:
             for rank in range(1, self.size):
                 spec = RankSpec(config, str(model_dir), rank, self._store.port, pool_transport,
                                 cpu_threads)
-                proc = subprocess.Popen([sys.executable, "-m", "engine.tp_group"],
+                proc = subprocess.Popen([sys.executable, "-m", "tandem.engine.tp_group"],
                                         stdin=subprocess.PIPE, start_new_session=False)
                 proc.stdin.write(pickle.dumps(spec))
                 proc.stdin.close()
@@ -243,7 +243,7 @@ class RankKV:
         self.peers: dict[str, tuple[str, list[Any]]] = {}
 
     def pool_factory(self, shape, dtype, device) -> torch.Tensor:
-        from kvtransfer.pool import allocate_pool  # noqa: PLC0415 - prefill ranks only
+        from tandem.kvtransfer.pool import allocate_pool  # noqa: PLC0415 - prefill ranks only
 
         n, layers, _, bs, heads, dim = shape
         self.pool = allocate_pool(num_blocks=n, num_layers=layers, block_size=bs,
@@ -264,7 +264,7 @@ class RankKV:
     def map(self, address: str, descriptors: list[Any], instance_id: str) -> None:
         """Map every rank's pool of the prefill worker at `address` (replacing an earlier
         instance's mapping there)."""
-        from kvtransfer.remote import open_remote_pool  # noqa: PLC0415 - decode ranks only
+        from tandem.kvtransfer.remote import open_remote_pool  # noqa: PLC0415 - decode ranks only
 
         old = self.peers.get(address)
         if old is not None and old[0] == instance_id:
@@ -286,7 +286,7 @@ class RankKV:
              dst_block_ids: list[int]) -> Any:
         """Copy this rank's heads of a request's blocks from the prefill ranks that hold them.
         Returns TransferStats."""
-        from kvtransfer.tp_pull import pull_heads  # noqa: PLC0415 - decode ranks only
+        from tandem.kvtransfer.tp_pull import pull_heads  # noqa: PLC0415 - decode ranks only
 
         instance, pools = self.peers.get(address, ("", None))
         if pools is None:

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from engine.sequence import Sequence
+from tandem.engine.sequence import Sequence
 
 POLICIES = ("fcfs", "critical-path")
 

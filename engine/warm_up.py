@@ -26,13 +26,13 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention.base import AttentionBackend
+from tandem.engine.attention.base import AttentionBackend
 
 log = logging.getLogger(__name__)
 
 
 def has_fp8_linear(model: torch.nn.Module) -> bool:
-    from engine.quantization.fp8 import Fp8Linear  # noqa: PLC0415 - FP8 models only
+    from tandem.engine.quantization.fp8 import Fp8Linear  # noqa: PLC0415 - FP8 models only
 
     return any(isinstance(m, Fp8Linear) for m in model.modules())
 
@@ -41,8 +41,8 @@ def warm_up(step: Callable[[list[int], list[int]], None], backend: AttentionBack
             pool: torch.Tensor, block_size: int, dtype: torch.dtype, fp8_weights: bool) -> None:
     """`step(lens, last)`: the model runner's eager step of sequences of `lens` new tokens on
     `backend`'s pool (its first blocks), the flattened tokens `last` computing logits."""
-    from kernels.copy_blocks import copy_blocks  # noqa: PLC0415 - Triton, CUDA only
-    from kernels.paged_decode_launch import MAX_SPLITS  # noqa: PLC0415 - Triton, CUDA only
+    from tandem.kernels.copy_blocks import copy_blocks  # noqa: PLC0415 - Triton, CUDA only
+    from tandem.kernels.paged_decode_launch import MAX_SPLITS  # noqa: PLC0415 - Triton, CUDA only
 
     t = time.perf_counter()
     block, num_blocks = block_size, pool.shape[0]

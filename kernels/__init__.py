@@ -4,21 +4,25 @@ Importing this package imports triton; on a machine without a GPU set TRITON_INT
 to run the kernels on CPU tensors (slowly: small shapes only).
 """
 
-from kernels.copy_blocks import copy_blocks, copy_blocks_ref
-from kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_ref
-from kernels.fp8_quant import quant_fp8, quant_fp8_ref
-from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
-from kernels.paged_decode_launch import SplitPolicy, decode_num_splits, decode_workspace_numel
-from kernels.paged_prefill_attention import (
+from tandem.kernels.copy_blocks import copy_blocks, copy_blocks_ref
+from tandem.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_ref
+from tandem.kernels.fp8_quant import quant_fp8, quant_fp8_ref
+from tandem.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
+from tandem.kernels.paged_decode_launch import (
+    SplitPolicy,
+    decode_num_splits,
+    decode_workspace_numel,
+)
+from tandem.kernels.paged_prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_ref,
     prefill_block_q,
 )
-from kernels.rms_norm import RMSNormResidual, rms_norm, rms_norm_ref
-from kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
-from kernels.rotary_store_kv import rotary_store_kv, rotary_store_kv_ref
-from kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
-from kernels.store_kv import store_kv, store_kv_ref
+from tandem.kernels.rms_norm import RMSNormResidual, rms_norm, rms_norm_ref
+from tandem.kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
+from tandem.kernels.rotary_store_kv import rotary_store_kv, rotary_store_kv_ref
+from tandem.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from tandem.kernels.store_kv import store_kv, store_kv_ref
 
 __all__ = [
     "Fp8GemvConfig",

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check, check_same_device, device_guard
+from tandem.kernels._common import check, check_same_device, device_guard
 
 _WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 

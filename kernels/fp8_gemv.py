@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import (
+from tandem.kernels._common import (
     FP8_DTYPE,
     INTERPRET,
     check,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import (
+from tandem.kernels._common import (
     FP8_DTYPE,
     FP8_MAX,
     check,

@@ -46,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check, device_guard, num_sms
-from kernels.paged_decode_launch import (
+from tandem.kernels._common import check, device_guard, num_sms
+from tandem.kernels.paged_decode_launch import (
     DEFAULT_SPLIT_POLICY,
     MAX_SPLITS,
     DecodeConfig,

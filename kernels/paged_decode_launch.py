@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels._common import (
+from tandem.kernels._common import (
     check,
     check_paged_attention,
     check_same_device,

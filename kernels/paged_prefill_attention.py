@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import (
+from tandem.kernels._common import (
     check,
     check_paged_attention,
     check_same_device,

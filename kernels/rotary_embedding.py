@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check, check_last_dim_contiguous, check_same_device, device_guard
+from tandem.kernels._common import check, check_last_dim_contiguous, check_same_device, device_guard
 
 
 @triton.jit

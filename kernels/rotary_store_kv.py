@@ -21,14 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check, check_last_dim_contiguous, check_same_device, device_guard
-from kernels.rotary_embedding import (
+from tandem.kernels._common import check, check_last_dim_contiguous, check_same_device, device_guard
+from tandem.kernels.rotary_embedding import (
     check_rotary_args,
     load_cos_sin,
     rotary_embedding_ref,
     rotate_heads,
 )
-from kernels.store_kv import check_store_kv_args, store_kv_ref, to_cache
+from tandem.kernels.store_kv import check_store_kv_args, store_kv_ref, to_cache
 
 
 # The step's positions and slots are views at offsets that vary with its token count: no

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import (
+from tandem.kernels._common import (
     FP8_MAX,
     check,
     check_kv_scales,

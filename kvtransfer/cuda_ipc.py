@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvtransfer import remote as copies
-from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.pool import TORCH_DTYPES, Allocation, RemotePool
-from kvtransfer.remote import PendingPull, TransferStats
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer import remote as copies
+from tandem.kvtransfer.descriptor import PoolDescriptor
+from tandem.kvtransfer.pool import TORCH_DTYPES, Allocation, RemotePool
+from tandem.kvtransfer.remote import PendingPull, TransferStats
 
 # cudaIpcMemLazyEnablePeerAccess: map memory of another GPU by enabling peer access as needed.
 IPC_LAZY_ENABLE_PEER_ACCESS = 1

@@ -1,7 +1,7 @@
 """What a worker tells a peer about its KV pool: layout, transport, and the handle to map it.
 
 A decode worker asks each prefill worker for its PoolDescriptor once, refuses it when the layout
-differs from its own (`check_compatible`), and maps it with `kvtransfer.remote.open_remote_pool`.
+differs from its own (`check_compatible`), and maps it with `tandem.kvtransfer.remote.open_remote_pool`.
 
 The handle is a capability: whoever holds it can read and write the whole pool. It never appears
 in a repr, a log line or an exception; log `redacted()` instead.
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvtransfer import transports
 from tandem.errors import InvalidArgument, LayoutMismatch
+from tandem.kvtransfer import transports
 
 # Bytes per element of each dtype Tandem stores KV in: the model dtypes (engine.config.DTYPES)
 # and e4m3 (--kv-cache-dtype fp8; its scales are static, the same on every worker, so FP8

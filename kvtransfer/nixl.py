@@ -40,12 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.nixl_remote import NixlHandle, NixlRemotePool
-from kvtransfer.pool import Allocation
-from kvtransfer.remote import Finished, TransferStats
-from kvtransfer.runs import block_runs
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer.descriptor import PoolDescriptor
+from tandem.kvtransfer.nixl_remote import NixlHandle, NixlRemotePool
+from tandem.kvtransfer.pool import Allocation
+from tandem.kvtransfer.remote import Finished, TransferStats
+from tandem.kvtransfer.runs import block_runs
 
 EXTRA = "nixl"
 INSTALL_HINT = f"pip install 'tandem[{EXTRA}]'"

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtransfer.descriptor import PoolDescriptor
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer.descriptor import PoolDescriptor
 
 if TYPE_CHECKING:
-    from kvtransfer.nixl import NixlEndpoint, Transfer
+    from tandem.kvtransfer.nixl import NixlEndpoint, Transfer
 
 
 @dataclass(frozen=True)

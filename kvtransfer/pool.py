@@ -23,9 +23,9 @@ from typing import NamedTuple, Self
 
 import torch
 
-from kvtransfer import transports
-from kvtransfer.descriptor import PoolDescriptor
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer import transports
+from tandem.kvtransfer.descriptor import PoolDescriptor
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                torch.float8_e4m3fn: "float8_e4m3fn"}

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from kvtransfer import transports
-from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.pool import RemotePool  # the peers' pools this module copies from
-from kvtransfer.runs import block_runs
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer import transports
+from tandem.kvtransfer.descriptor import PoolDescriptor
+from tandem.kvtransfer.pool import RemotePool  # the peers' pools this module copies from
+from tandem.kvtransfer.runs import block_runs
 
 # A pull of at most this many runs is one cudaMemcpyAsync per run (the copy engines move a run
 # at the rate of one large peer copy, plus a few microseconds each); more, and one copy_blocks
@@ -219,8 +219,8 @@ def check_block_ids(src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int]
 def _copy_blocks_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                                       None]:
     try:
-        from kernels.copy_blocks import copy_blocks  # noqa: PLC0415 - triton only on CUDA
+        from tandem.kernels.copy_blocks import copy_blocks  # noqa: PLC0415 - triton only on CUDA
     except ImportError as e:
         raise RuntimeError("pull_blocks on CUDA needs the gather kernel "
-                           f"kernels.copy_blocks.copy_blocks, which cannot be imported: {e}") from e
+                           f"tandem.kernels.copy_blocks.copy_blocks, which cannot be imported: {e}") from e
     return copy_blocks

@@ -17,10 +17,10 @@ from multiprocessing.shared_memory import SharedMemory
 
 import torch
 
-from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.pool import TORCH_DTYPES, Allocation, RemotePool
-from kvtransfer.remote import Finished, TransferStats, copy_mapped
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer.descriptor import PoolDescriptor
+from tandem.kvtransfer.pool import TORCH_DTYPES, Allocation, RemotePool
+from tandem.kvtransfer.remote import Finished, TransferStats, copy_mapped
 
 SHM_PREFIX = "tandem-kv-"
 SHM_DIR = "/dev/shm"

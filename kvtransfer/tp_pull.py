@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-from kvtransfer.remote import TransferStats, check_block_ids
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer.remote import TransferStats, check_block_ids
 
 
 # -- which KV heads a rank holds (engine/parallel.py shards the model by the same rule) ----------

@@ -50,11 +50,11 @@ def register(entry: TransportEntry) -> None:
 
 
 # -- the transports, one line each (a CLI default is the first that serves the device) ----------
-register(TransportEntry("shm", "kvtransfer.shm", ("cpu",), "a shared-memory segment, CPU "
+register(TransportEntry("shm", "tandem.kvtransfer.shm", ("cpu",), "a shared-memory segment, CPU "
                         "workers of one host"))
-register(TransportEntry("cuda_ipc", "kvtransfer.cuda_ipc", ("cuda",), "a CUDA IPC handle, GPUs "
+register(TransportEntry("cuda_ipc", "tandem.kvtransfer.cuda_ipc", ("cuda",), "a CUDA IPC handle, GPUs "
                         "of one host (needs cupy)", handle_bytes=64))
-register(TransportEntry("nixl", "kvtransfer.nixl", ("cpu", "cuda"), "NIXL over UCX, from other "
+register(TransportEntry("nixl", "tandem.kvtransfer.nixl", ("cpu", "cuda"), "NIXL over UCX, from other "
                         "hosts too (needs the nixl extra)", maps_tensors=False))
 
 

@@ -19,12 +19,13 @@ import time
 
 import grpc
 
-from kvtransfer import transports
-from kvtransfer.descriptor import check_compatible
-from kvtransfer.lease import Claim, LeaseClaims, prompt_digest
-from runtime.cluster_roles import caller_identity
-from runtime.convert import descriptor_to_proto, logprobs_to_proto, params_from_proto
-from runtime.worker import (
+from tandem.errors import InvalidArgument, LayoutMismatch
+from tandem.kvtransfer import transports
+from tandem.kvtransfer.descriptor import check_compatible
+from tandem.kvtransfer.lease import Claim, LeaseClaims, prompt_digest
+from tandem.runtime.cluster_roles import caller_identity
+from tandem.runtime.convert import descriptor_to_proto, logprobs_to_proto, params_from_proto
+from tandem.runtime.worker import (
     WorkerError,
     WorkerServicer,
     abort_for,
@@ -32,7 +33,7 @@ from runtime.worker import (
     checked,
     main_worker,
 )
-from runtime.worker_inputs import (
+from tandem.runtime.worker_inputs import (
     MAX_WORKER_ID_CHARS,
     bounded_id,
     check_chars,
@@ -40,7 +41,6 @@ from runtime.worker_inputs import (
     check_prompt,
     check_request_id,
 )
-from tandem.errors import InvalidArgument, LayoutMismatch
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)

@@ -92,7 +92,7 @@ def client_params() -> str:
     """The source of tandem/client/params.py: one field per request parameter (the response
     format as one field per kind, as on the wire), each None by default."""
     sys.path.insert(0, str(PACKAGE_ROOT))
-    from engine.sampling_params import (  # noqa: PLC0415 - the repository's own code
+    from tandem.engine.sampling_params import (  # noqa: PLC0415 - the repository's own code
         FORMAT_AFTER,
         FORMAT_KINDS,
         SamplingParams,

@@ -24,10 +24,10 @@ from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from router_svc.frontend import ModelNotFound
-from router_svc.orchestrator import RouterError
-from runtime.convert import FORMAT_ONEOF
 from tandem.errors import InvalidArgument, Overloaded
+from tandem.router_svc.frontend import ModelNotFound
+from tandem.router_svc.orchestrator import RouterError
+from tandem.runtime.convert import FORMAT_ONEOF
 from tandem.v1 import common_pb2
 
 DOMAIN = "tandem"

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router_svc.reasoning import ReasoningParser
-from router_svc.tool_parsers import (
+from tandem.router_svc.reasoning import ReasoningParser
+from tandem.router_svc.tool_parsers import (
     StreamingToolParser,
     ToolCall,
     parse_named,
     parse_required,
 )
-from router_svc.tool_stream import ToolCallStreamer
+from tandem.router_svc.tool_stream import ToolCallStreamer
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.grammar import check_strict
-from engine.sampling_params import ResponseFormat
-from engine.tokenizer import Tokenizer
-from router_svc.chat_output import ChatOutputSpec
-from router_svc.reasoning import START as THINK_START
-from router_svc.reasoning import uses_reasoning
-from router_svc.tool_parsers import detect_family
+from tandem.engine.grammar import check_strict
+from tandem.engine.sampling_params import ResponseFormat
+from tandem.engine.tokenizer import Tokenizer
 from tandem.errors import InvalidArgument
+from tandem.router_svc.chat_output import ChatOutputSpec
+from tandem.router_svc.reasoning import START as THINK_START
+from tandem.router_svc.reasoning import uses_reasoning
+from tandem.router_svc.tool_parsers import detect_family
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 ANY_OBJECT = {"type": "object"}

@@ -47,15 +47,15 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from router_svc.routing import RouteRequest
-from router_svc.worker_stream import SampleUpdate, StreamBroken, Update
-from router_svc.workers import Worker
-from runtime.convert import logprobs_from_proto
-from runtime.request_trace import client_call
+from tandem.router_svc.routing import RouteRequest
+from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update
+from tandem.router_svc.workers import Worker
+from tandem.runtime.convert import logprobs_from_proto
+from tandem.runtime.request_trace import client_call
 from tandem.v1 import worker_pb2
 
 if TYPE_CHECKING:
-    from router_svc.orchestrator import Orchestrator
+    from tandem.router_svc.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 

@@ -12,18 +12,23 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from engine.config import MAX_N, ModelConfig
-from engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
-from engine.grammar import check_schema
-from engine.sampling_params import RequestLimits, ResponseFormat, SamplingParams, TokenLogprobs
-from engine.tokenizer import Tokenizer
-from router_svc.orchestrator import Orchestrator
-from router_svc.request_record import refused_call, router_request
-from router_svc.schema_check import SchemaChecker
-from router_svc.workers import OFF_LOOP_TOKENS
-from runtime.request_trace import ApiCall
-from runtime.telemetry import Telemetry
+from tandem.engine.config import MAX_N, ModelConfig
+from tandem.engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
+from tandem.engine.grammar import check_schema
+from tandem.engine.sampling_params import (
+    RequestLimits,
+    ResponseFormat,
+    SamplingParams,
+    TokenLogprobs,
+)
+from tandem.engine.tokenizer import Tokenizer
 from tandem.errors import InvalidArgument, Overloaded
+from tandem.router_svc.orchestrator import Orchestrator
+from tandem.router_svc.request_record import refused_call, router_request
+from tandem.router_svc.schema_check import SchemaChecker
+from tandem.router_svc.workers import OFF_LOOP_TOKENS
+from tandem.runtime.request_trace import ApiCall
+from tandem.runtime.telemetry import Telemetry
 
 MAX_REQUEST_ID_CHARS = 128
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 from contextlib import aclosing
 
 import tandem
-from engine.grammar import check_strict
-from router_svc import prompt_batch
-from router_svc.api_errors import abort, end_call, failure_of, grpc_field
-from router_svc.frontend import MAX_REQUEST_ID_CHARS, Frontend, ModelNotFound
-from router_svc.orchestrator import RouterError
-from runtime.convert import FORMAT_ONEOF, logprobs_to_proto, params_from_proto
-from runtime.request_trace import ApiCall
-from runtime.security import tenant_of
+from tandem.engine.grammar import check_strict
 from tandem.errors import InvalidArgument, Overloaded
+from tandem.router_svc import prompt_batch
+from tandem.router_svc.api_errors import abort, end_call, failure_of, grpc_field
+from tandem.router_svc.frontend import MAX_REQUEST_ID_CHARS, Frontend, ModelNotFound
+from tandem.router_svc.orchestrator import RouterError
+from tandem.runtime.convert import FORMAT_ONEOF, logprobs_to_proto, params_from_proto
+from tandem.runtime.request_trace import ApiCall
+from tandem.runtime.security import tenant_of
 from tandem.v1 import api_pb2, api_pb2_grpc
 
 

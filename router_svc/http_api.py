@@ -51,11 +51,12 @@ from starlette.routing import BaseRoute, Match
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import tandem
-from engine.sampling_params import SamplingParams
-from router_svc import chat_request, prompt_batch, responses_api
-from router_svc import openai_requests as req
-from router_svc.frontend import Frontend, ModelNotFound
-from router_svc.http_errors import (
+from tandem.engine.sampling_params import SamplingParams
+from tandem.errors import InvalidArgument
+from tandem.router_svc import chat_request, prompt_batch, responses_api
+from tandem.router_svc import openai_requests as req
+from tandem.router_svc.frontend import Frontend, ModelNotFound
+from tandem.router_svc.http_errors import (
     ApiError,
     api_error,
     body_error,
@@ -65,30 +66,29 @@ from router_svc.http_errors import (
     refuse,
     refuse_unknown,
 )
-from router_svc.http_guard import (
+from tandem.router_svc.http_guard import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_READ_TIMEOUT_S,
     ApiKeyAuth,
     BodyGuard,
 )
-from router_svc.openai_objects import (
+from tandem.router_svc.openai_objects import (
     ChatShaper,
     CompletionShaper,
     Shaper,
     Step,
     StreamExtras,
 )
-from router_svc.openai_requests import (
+from tandem.router_svc.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from router_svc.responses_api import ResponsesRequest, ResponsesShaper, ResponseStore, Stored
-from router_svc.workers import WorkerSet
-from runtime.request_trace import ApiCall
-from runtime.security import ApiKeys, PublicTls
-from tandem.errors import InvalidArgument
+from tandem.router_svc.responses_api import ResponsesRequest, ResponsesShaper, ResponseStore, Stored
+from tandem.router_svc.workers import WorkerSet
+from tandem.runtime.request_trace import ApiCall
+from tandem.runtime.security import ApiKeys, PublicTls
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router_svc import openai_requests as req
-from router_svc.api_errors import failure_of
+from tandem.router_svc import openai_requests as req
+from tandem.router_svc.api_errors import failure_of
 
 log = logging.getLogger(__name__)
 

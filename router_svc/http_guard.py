@@ -27,9 +27,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from router_svc.http_errors import ApiError
-from router_svc.json_body import BodyError, BodyLimits, check_json
-from runtime.security import ApiKeys
+from tandem.router_svc.http_errors import ApiError
+from tandem.router_svc.json_body import BodyError, BodyLimits, check_json
+from tandem.runtime.security import ApiKeys
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_READ_TIMEOUT_S = 30.0  # to send a whole request, from its first byte

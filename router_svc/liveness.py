@@ -33,8 +33,8 @@ from typing import Any
 
 import grpc
 
-from runtime.lifecycle import GRPC_OPTIONS
-from runtime.security import ClusterTls
+from tandem.runtime.lifecycle import GRPC_OPTIONS
+from tandem.runtime.security import ClusterTls
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)

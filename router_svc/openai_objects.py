@@ -10,11 +10,11 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from engine.sampling_params import TokenLogprobs
-from engine.tokenizer import Tokenizer
-from router_svc.chat_output import ChatChoice, ChatOutputSpec
-from router_svc.frontend import Delta, Usage
-from router_svc.http_errors import ApiError
+from tandem.engine.sampling_params import TokenLogprobs
+from tandem.engine.tokenizer import Tokenizer
+from tandem.router_svc.chat_output import ChatChoice, ChatOutputSpec
+from tandem.router_svc.frontend import Delta, Usage
+from tandem.router_svc.http_errors import ApiError
 
 Step = tuple[list[Delta], Usage]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, create_model
 
-from engine.sampling_params import (
+from tandem.engine.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_ENTRIES,
     SAME,
@@ -25,12 +25,12 @@ from engine.sampling_params import (
     param_spec,
     request_params,
 )
-from router_svc import chat_request, prompt_batch
-from router_svc.chat_output import ChatOutputSpec
-from router_svc.frontend import Frontend
-from router_svc.json_body import MAX_TOTAL_ITEMS, BodyLimits
-from router_svc.reasoning import END as THINK_END
 from tandem.errors import InvalidArgument
+from tandem.router_svc import chat_request, prompt_batch
+from tandem.router_svc.chat_output import ChatOutputSpec
+from tandem.router_svc.frontend import Frontend
+from tandem.router_svc.json_body import MAX_TOTAL_ITEMS, BodyLimits
+from tandem.router_svc.reasoning import END as THINK_END
 
 
 # Strict types throughout: "yes" is not a bool and true is not a number (pydantic would coerce).

@@ -41,19 +41,19 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from engine.sampling_params import SamplingParams
-from router_svc.decode_legs import (
+from tandem.engine.sampling_params import SamplingParams
+from tandem.router_svc.decode_legs import (
     DecodeLegs,
     Fallback,
     RouterError,
     as_router_error,
     until_done,
 )
-from router_svc.routing import RouteRequest
-from router_svc.worker_stream import SampleUpdate, StreamBroken, Update
-from router_svc.workers import Worker, WorkerSet, unless_lost
-from runtime.convert import params_to_proto
-from runtime.request_trace import client_call
+from tandem.router_svc.routing import RouteRequest
+from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update
+from tandem.router_svc.workers import Worker, WorkerSet, unless_lost
+from tandem.runtime.convert import params_to_proto
+from tandem.runtime.request_trace import client_call
 from tandem.v1 import worker_pb2
 
 __all__ = ["Orchestrator", "RouterError", "SampleUpdate", "Update"]

@@ -17,8 +17,8 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
-from router_svc.frontend import Delta, Usage
 from tandem.errors import InvalidArgument
+from tandem.router_svc.frontend import Delta, Usage
 
 MAX_PROMPTS = 256  # each is a request of its own on the workers
 

@@ -39,7 +39,7 @@ from opentelemetry.semconv._incubating.attributes.gen_ai_attributes import (
 from opentelemetry.semconv.attributes.server_attributes import SERVER_ADDRESS, SERVER_PORT
 from opentelemetry.trace import SpanKind
 
-from runtime.request_trace import (
+from tandem.runtime.request_trace import (
     CANCELLED,
     FAILED,
     FINISHED,
@@ -48,10 +48,10 @@ from runtime.request_trace import (
     input_messages,
     outcome,
 )
-from runtime.telemetry import Telemetry, log_fields, use_context
+from tandem.runtime.telemetry import Telemetry, log_fields, use_context
 
 if TYPE_CHECKING:
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
 

@@ -25,13 +25,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, create_model
 
-from router_svc import openai_requests as req
-from router_svc.chat_output import ChatChoice
-from router_svc.chat_request import only_keys
-from router_svc.frontend import Delta
-from router_svc.http_errors import ApiError
-from router_svc.openai_objects import Shaper, Step, StreamExtras
 from tandem.errors import InvalidArgument
+from tandem.router_svc import openai_requests as req
+from tandem.router_svc.chat_output import ChatChoice
+from tandem.router_svc.chat_request import only_keys
+from tandem.router_svc.frontend import Delta
+from tandem.router_svc.http_errors import ApiError
+from tandem.router_svc.openai_objects import Shaper, Step, StreamExtras
 
 DEFAULT_STORE = 1024  # responses kept for previous_response_id
 

@@ -3,7 +3,7 @@
     Frontend.stream ─check(fmt)─▶ SchemaChecker ── verdict cached (LRU) ───────────────▶ ok / 400
                                        │ not cached: one check per schema text
                                        ▼
-                          checker process (python -m router_svc.schema_check, niced)
+                          checker process (python -m tandem.router_svc.schema_check, niced)
                           the schema's grammar compiled against the model's tokenizer,
                           as a worker compiles it ── answer within budget_s ─▶ verdict
                                                   └─ no answer: killed ─▶ refused, 400
@@ -29,9 +29,9 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-from engine.sampling_params import ResponseFormat
-from runtime.security import API_KEY_ENV, API_KEY_FILE_ENV
+from tandem.engine.sampling_params import ResponseFormat
 from tandem.errors import InvalidArgument
+from tandem.runtime.security import API_KEY_ENV, API_KEY_FILE_ENV
 
 DEFAULT_BUDGET_S = 5.0
 START_TIMEOUT_S = 120.0  # for a checker process to load the tokenizer (not part of any budget)
@@ -45,7 +45,7 @@ class SchemaChecker:
     def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...],
                  budget_s: float = DEFAULT_BUDGET_S, processes: int = 2,
                  cache_size: int = CACHE_SIZE) -> None:
-        self.argv = [sys.executable, "-m", "router_svc.schema_check", str(model_dir),
+        self.argv = [sys.executable, "-m", "tandem.router_svc.schema_check", str(model_dir),
                      str(vocab_size), *map(str, eos_token_ids)]
         self.budget_s = budget_s
         self.processes = processes
@@ -150,7 +150,7 @@ class _Checker:
 def _serve(model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
     """Answer each format ([type, schema, after] as JSON, one per line on stdin) with
     {"refused": reason or null}."""
-    from engine.grammar import GrammarCompiler  # noqa: PLC0415 - the process's only work
+    from tandem.engine.grammar import GrammarCompiler  # noqa: PLC0415 - the process's only work
 
     with contextlib.suppress(OSError):
         os.nice(NICENESS)

@@ -9,23 +9,24 @@ import logging
 import os
 from pathlib import Path
 
-from engine.config import ModelConfig
-from engine.model_source import resolve_model, served_name
-from engine.tokenizer import Tokenizer, has_tokenizer
-from router_svc.frontend import Frontend
-from router_svc.grpc_api import TandemServicer
-from router_svc.http_guard import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
-from router_svc.kv_index import DEFAULT_MAX_BLOCKS
-from router_svc.liveness import LoopLag
-from router_svc.membership import Membership, config_from_args
-from router_svc.no_torch import keep_torch_out
-from router_svc.orchestrator import Orchestrator
-from router_svc.responses_api import DEFAULT_STORE, ResponseStore
-from router_svc.routing import DEFAULT_POLICY, POLICIES, make_policy
-from router_svc.schema_check import DEFAULT_BUDGET_S, SchemaChecker
-from router_svc.workers import FaultMetrics, WorkerSet
-from runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
-from runtime.security import (
+from tandem.engine.config import ModelConfig
+from tandem.engine.model_source import resolve_model, served_name
+from tandem.engine.tokenizer import Tokenizer, has_tokenizer
+from tandem.errors import InvalidArgument
+from tandem.router_svc.frontend import Frontend
+from tandem.router_svc.grpc_api import TandemServicer
+from tandem.router_svc.http_guard import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
+from tandem.router_svc.kv_index import DEFAULT_MAX_BLOCKS
+from tandem.router_svc.liveness import LoopLag
+from tandem.router_svc.membership import Membership, config_from_args
+from tandem.router_svc.no_torch import keep_torch_out
+from tandem.router_svc.orchestrator import Orchestrator
+from tandem.router_svc.responses_api import DEFAULT_STORE, ResponseStore
+from tandem.router_svc.routing import DEFAULT_POLICY, POLICIES, make_policy
+from tandem.router_svc.schema_check import DEFAULT_BUDGET_S, SchemaChecker
+from tandem.router_svc.workers import FaultMetrics, WorkerSet
+from tandem.runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
+from tandem.runtime.security import (
     ApiKeyInterceptor,
     ClusterTls,
     PublicTls,
@@ -34,8 +35,7 @@ from runtime.security import (
     load_api_keys,
     refuse_api_key_flag,
 )
-from runtime.telemetry import Telemetry
-from tandem.errors import InvalidArgument
+from tandem.runtime.telemetry import Telemetry
 from tandem.v1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
         from starlette.responses import Response  # noqa: PLC0415
         from starlette.routing import Route  # noqa: PLC0415
 
-        from router_svc.http_api import HttpServer  # noqa: PLC0415 - FastAPI, HTTP only
+        from tandem.router_svc.http_api import HttpServer  # noqa: PLC0415 - FastAPI, HTTP only
 
         async def metrics(_request) -> Response:
             body, content_type = telemetry.metrics.exposition()

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from router_svc.reasoning import partial_tag_len
+from tandem.router_svc.reasoning import partial_tag_len
 
 FAMILIES = ("llama3_json", "hermes", "mistral")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router_svc.tool_parsers import ToolCall, new_call_id
+from tandem.router_svc.tool_parsers import ToolCall, new_call_id
 
 _ARGS_KEYS = ("arguments", "parameters")
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.sampling_params import TokenLogprobs
-from runtime.convert import logprobs_from_proto
+from tandem.engine.sampling_params import TokenLogprobs
+from tandem.runtime.convert import logprobs_from_proto
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -38,13 +38,13 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from engine.block_pool import hash_block, salt_root
-from router_svc.kv_index import DEFAULT_MAX_BLOCKS, KVIndex
-from router_svc.liveness import Poller, PollResult, Target, probe_channel
-from router_svc.routing import RouteRequest, RoutingPolicy, WorkerLoad, make_policy
-from router_svc.worker_stream import StreamBroken, WorkerStream
-from runtime.lifecycle import GRPC_OPTIONS
-from runtime.security import ClusterTls, internal_channel
+from tandem.engine.block_pool import hash_block, salt_root
+from tandem.router_svc.kv_index import DEFAULT_MAX_BLOCKS, KVIndex
+from tandem.router_svc.liveness import Poller, PollResult, Target, probe_channel
+from tandem.router_svc.routing import RouteRequest, RoutingPolicy, WorkerLoad, make_policy
+from tandem.router_svc.worker_stream import StreamBroken, WorkerStream
+from tandem.runtime.lifecycle import GRPC_OPTIONS
+from tandem.runtime.security import ClusterTls, internal_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

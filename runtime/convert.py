@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from engine.sampling_params import (
+from tandem.engine.sampling_params import (
     FORMAT_AFTER,
     FORMAT_KINDS,
     MAX_CHOICES,
@@ -19,8 +19,8 @@ from engine.sampling_params import (
     TokenLogprobs,
     request_params,
 )
-from kvtransfer.descriptor import PoolDescriptor
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer.descriptor import PoolDescriptor
 from tandem.v1 import common_pb2, worker_pb2
 
 # The proto's oneof that carries SamplingParams.response_format; every other request

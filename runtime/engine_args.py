@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import SCHEDULING_POLICIES, SPECULATIVE_METHODS, EngineConfig
+from tandem.engine.config import SCHEDULING_POLICIES, SPECULATIVE_METHODS, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

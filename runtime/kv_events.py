@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from engine.serving.core_messages import KVEvents
+from tandem.engine.serving.core_messages import KVEvents
 from tandem.v1 import worker_pb2
 
 SNAPSHOT_CHUNK = 65536  # hashes per message of the initial set (512 KiB on the wire)

@@ -22,7 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from engine.sequence import SeqOutput, StepStats
+    from tandem.engine.sequence import SeqOutput, StepStats
 
 # Buckets as vLLM's (vllm/v1/metrics/loggers.py), so dashboards carry over; inter-token latency
 # adds sub-10 ms buckets for fast GPUs.

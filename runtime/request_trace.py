@@ -39,11 +39,11 @@ from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
 from opentelemetry.semconv.attributes.server_attributes import SERVER_ADDRESS, SERVER_PORT
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from engine.serving.async_engine import EngineDead, RequestAborted
+from tandem.engine.serving.async_engine import EngineDead, RequestAborted
 from tandem.errors import InvalidArgument, LayoutMismatch, ModelLoadError, Overloaded
 
 if TYPE_CHECKING:
-    from engine.sequence import RequestTiming, SeqOutput
+    from tandem.engine.sequence import RequestTiming, SeqOutput
 
 FINISHED, CANCELLED, REFUSED, FAILED = "finished", "cancelled", "refused", "failed"
 # Status names that mean the caller's request was refused, not that serving it failed.

@@ -33,8 +33,8 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from runtime.cluster_roles import peer_name, role_of
 from tandem.errors import InvalidArgument
+from tandem.runtime.cluster_roles import peer_name, role_of
 
 log = structlog.get_logger(__name__)
 

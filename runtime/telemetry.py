@@ -68,9 +68,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from runtime.cancel_interceptors import cancel_status_interceptors
-from runtime.metrics import Metrics
-from runtime.request_trace import (
+from tandem.runtime.cancel_interceptors import cancel_status_interceptors
+from tandem.runtime.metrics import Metrics
+from tandem.runtime.request_trace import (
     CANCELLED,
     FINISHED,
     WorkerSpan,
@@ -79,8 +79,8 @@ from runtime.request_trace import (
 )
 
 if TYPE_CHECKING:
-    from engine.sequence import SeqOutput
-    from engine.serving.core_messages import LeaseDone
+    from tandem.engine.sequence import SeqOutput
+    from tandem.engine.serving.core_messages import LeaseDone
 
 log = structlog.get_logger(__name__)
 

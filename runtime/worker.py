@@ -18,17 +18,17 @@ from pathlib import Path
 
 import grpc
 
-from engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
-from engine.serving.core_messages import CoreSpec, LeaseDone
-from runtime.cluster_roles import RoleInterceptor
-from runtime.engine_args import add_engine_args, engine_config
-from runtime.kv_events import KVEventHub, SubscriberLagged
-from runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
-from runtime.security import ClusterTls, add_cluster_tls_args
-from runtime.security import bind as bind_port
-from runtime.telemetry import Telemetry, configure_process_logging
-from runtime.worker_inputs import check_request_id
+from tandem.engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
+from tandem.engine.serving.core_messages import CoreSpec, LeaseDone
 from tandem.errors import InvalidArgument, LayoutMismatch, ModelLoadError, Overloaded
+from tandem.runtime.cluster_roles import RoleInterceptor
+from tandem.runtime.engine_args import add_engine_args, engine_config
+from tandem.runtime.kv_events import KVEventHub, SubscriberLagged
+from tandem.runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
+from tandem.runtime.security import ClusterTls, add_cluster_tls_args
+from tandem.runtime.security import bind as bind_port
+from tandem.runtime.telemetry import Telemetry, configure_process_logging
+from tandem.runtime.worker_inputs import check_request_id
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

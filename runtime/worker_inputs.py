@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sized
 
-from engine.sampling_params import RequestLimits
+from tandem.engine.sampling_params import RequestLimits
 from tandem.errors import InvalidArgument
 from tandem.v1 import worker_pb2
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from cli.launcher import LocalStack, Proc, free_port
+from tandem.cli.launcher import LocalStack, Proc, free_port
 from tandem.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 __all__ = ["WORKER_ARGS", "Cluster", "ClusterProc", "Proc", "free_port", "serve"]

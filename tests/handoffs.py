@@ -3,7 +3,7 @@ off, its KV left pinned under a lease in the prefill engine's pool."""
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 
 def prefill_all(prefill, prompts: list[list[int]], params: SamplingParams) -> dict:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from runtime.security import ClusterTls
+from tandem.runtime.security import ClusterTls
 
 
 @contextlib.asynccontextmanager

@@ -30,13 +30,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
     InMemorySpanExporter,
 )
 
-from router_svc.frontend import Frontend, ModelInfo
-from router_svc.http_api import HttpServer
-from router_svc.worker_stream import SampleUpdate, Update
-from router_svc.workers import WorkerSet
-from runtime.metrics import Metrics
-from runtime.security import ApiKeys
-from runtime.telemetry import Telemetry, Tracing, configure_logging
+from tandem.router_svc.frontend import Frontend, ModelInfo
+from tandem.router_svc.http_api import HttpServer
+from tandem.router_svc.worker_stream import SampleUpdate, Update
+from tandem.router_svc.workers import WorkerSet
+from tandem.runtime.metrics import Metrics
+from tandem.runtime.security import ApiKeys
+from tandem.runtime.telemetry import Telemetry, Tracing, configure_logging
 
 KEY = "check-key"
 TRACEPARENT_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

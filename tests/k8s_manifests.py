@@ -69,7 +69,7 @@ def _probe_argv(probe: dict) -> list[str] | None:
 def _probe_port(c: dict, probe: dict) -> int:
     argv = _probe_argv(probe)
     if argv is not None:
-        from cli.main import build_parser
+        from tandem.cli.main import build_parser
 
         return int(build_parser("health").parse_args(argv).address.rsplit(":", 1)[1])
     (how,) = {"grpc", "tcpSocket", "httpGet"} & probe.keys()

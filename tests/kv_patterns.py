@@ -42,7 +42,7 @@ def blocks_match(pool: torch.Tensor, dst_ids: list[int], src_ids: list[int]) -> 
 def nixl_producer(conn: Connection, device: str, shape: dict[str, int], dtype: str) -> None:
     """A prefill worker's pool with `--transport nixl`: pattern-filled, registered with its
     NIXL agent, its descriptor sent on `conn`, served until the other end says stop."""
-    from kvtransfer.pool import TORCH_DTYPES, allocate_pool
+    from tandem.kvtransfer.pool import TORCH_DTYPES, allocate_pool
 
     pool = allocate_pool(device=device, transport="nixl", dtype=TORCH_DTYPES[dtype], **shape)
     fill_pattern(pool.tensor)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtransfer.descriptor import PoolDescriptor
+from tandem.kvtransfer.descriptor import PoolDescriptor
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # before any agent exists: loopback only
 
@@ -48,8 +48,8 @@ def local_blocks(num_blocks: int, dtype: torch.dtype = torch.float16) -> torch.T
 
 def owner_pool(ep, num_blocks: int, dtype=torch.float16):
     """A pool made like allocate_pool(transport="nixl") does, on a given endpoint; filled."""
-    from kvtransfer import nixl
-    from kvtransfer.pool import DTYPE_NAMES, LocalPool
+    from tandem.kvtransfer import nixl
+    from tandem.kvtransfer.pool import DTYPE_NAMES, LocalPool
 
     desc_shape = (num_blocks, SHAPE["num_layers"], 2, SHAPE["block_size"],
                   SHAPE["num_kv_heads"], SHAPE["head_dim"])

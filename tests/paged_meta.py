@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionMetadata
+from tandem.engine.attention.base import AttentionMetadata
 
 
 def step_metadata(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor,

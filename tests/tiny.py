@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from engine.demo import BOS_ID, END_OF_TEXT_ID, demo_model_dir
+from tandem.engine.demo import BOS_ID, END_OF_TEXT_ID, demo_model_dir
 
 COMMON = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

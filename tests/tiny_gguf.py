@@ -13,8 +13,8 @@ import gguf
 import numpy as np
 from safetensors.torch import load_file
 
-from engine.demo import CHAT_TEMPLATE
-from engine.models.layers import LLAMA_CPP_TENSORS
+from tandem.engine.demo import CHAT_TEMPLATE
+from tandem.engine.models.layers import LLAMA_CPP_TENSORS
 
 # The architecture llama.cpp's converter writes for each (Mistral's files say `llama`).
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",

@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling_params import SamplingParams
 
     cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     t0 = time.perf_counter()

@@ -36,11 +36,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
-from engine.llm import _maybe_tokenizer
-from engine.llm_engine import LLMEngine
-from engine.quantization.kv_cache import FP8_MAX
-from engine.sampling_params import SamplingParams
-from engine.scoring import build, compare, score
+from tandem.engine.llm import _maybe_tokenizer
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.quantization.kv_cache import FP8_MAX
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scoring import build, compare, score
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes "

@@ -34,10 +34,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.engine.structured import SCHEMAS
-from engine.grammar import GrammarCompiler, GrammarState, bitmask_width, fill_bitmask, xgrammar
-from engine.model_source import resolve_model
-from engine.sampling_params import ResponseFormat
-from engine.tokenizer import Tokenizer
+from tandem.engine.grammar import (
+    GrammarCompiler,
+    GrammarState,
+    bitmask_width,
+    fill_bitmask,
+    xgrammar,
+)
+from tandem.engine.model_source import resolve_model
+from tandem.engine.sampling_params import ResponseFormat
+from tandem.engine.tokenizer import Tokenizer
 
 Step = Callable[[list[GrammarState], torch.Tensor, list[int]], tuple[float, float]]
 

@@ -21,12 +21,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.lib.workloads import sharegpt_like
-from engine.block_pool import BlockPool
-from engine.config import SchedulerConfig
-from engine.kv_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, Status
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import Sequence, Status
 
 
 def simulate(num_requests: int, num_blocks: int, block_size: int, max_model_len: int,

@@ -18,12 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.block_pool import BlockPool
-from engine.config import SchedulerConfig
-from engine.kv_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import Sequence
 
 
 def measure(num_seqs: int, steps: int, prompt_len: int, block_size: int,

@@ -38,11 +38,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.lib.common import device_name
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.spec_decode.proposer import ProposeInput
-from engine.tokenizer import Tokenizer
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.spec_decode.proposer import ProposeInput
+from tandem.engine.tokenizer import Tokenizer
 
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "spec_decode_prompts.jsonl"
 

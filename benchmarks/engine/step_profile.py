@@ -63,8 +63,8 @@ def kind_of(name: str) -> str:
 
 
 def build_engine(a: argparse.Namespace, kv: str, quant: str | None, mixed_graphs: bool):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(
         model=a.model, device=a.device, dtype=a.dtype, load_format="dummy",
@@ -81,7 +81,7 @@ class Steps:
     def __init__(self, engine, a: argparse.Namespace) -> None:
         import random
 
-        from engine.sampling_params import SamplingParams
+        from tandem.engine.sampling_params import SamplingParams
 
         self.engine, self.a = engine, a
         self.params = SamplingParams(temperature=0, ignore_eos=True)  # max_tokens: per prompt
@@ -235,7 +235,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.smoke:
-        from engine.demo import demo_model_dir
+        from tandem.engine.demo import demo_model_dir
 
         a.model, a.device, a.dtype = str(demo_model_dir()), "cpu", "float32"
         a.budget, a.prompt_len, a.context, a.steps = 64, 20, 16, 2

@@ -32,9 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.llm import LLM
-from engine.model_source import resolve_model
-from engine.sampling_params import ResponseFormat, SamplingParams
+from tandem.engine.llm import LLM
+from tandem.engine.model_source import resolve_model
+from tandem.engine.sampling_params import ResponseFormat, SamplingParams
 
 RECORD = {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 0, "maximum": 1000000},
@@ -66,7 +66,7 @@ def assemble(model: Path, tokenizer: Path, out: Path, match_vocab: bool = True) 
             shutil.copy(tokenizer / f, out / f)
     cfg = json.loads((model / "config.json").read_text())
     if match_vocab:
-        from engine.tokenizer import Tokenizer
+        from tandem.engine.tokenizer import Tokenizer
 
         hf = Tokenizer(out).hf
         cfg["vocab_size"] = max(hf.get_vocab().values()) + 1

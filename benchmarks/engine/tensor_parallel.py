@@ -41,8 +41,8 @@ def prompts(vocab: int) -> list[list[int]]:
 
 # -- one size, in its own process ---------------------------------------------------------------
 def child(a: argparse.Namespace) -> None:
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(1 if a.device != "cpu" else torch.get_num_threads())
     out: dict = {"tp": a.tp, "dtype": a.dtype}
@@ -74,7 +74,7 @@ def child(a: argparse.Namespace) -> None:
 
 
 def generate(engine, prompt_set: list[list[int]]) -> list[list[int]]:
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for i, p in enumerate(prompt_set):
@@ -90,7 +90,7 @@ def decode_steps(engine, batch: int, context: int, steps: int, graphs: bool) -> 
     """Median wall time of a decode step of `batch` sequences at `context` tokens, and the
     share of it rank 0's GPU spent in NCCL kernels (all-reduce, all-gather; waiting for the
     other rank included)."""
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.sampling_params import SamplingParams
 
     runner = engine.runner
     saved = runner.graphs

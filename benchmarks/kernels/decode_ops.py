@@ -88,19 +88,19 @@ from benchmarks.kernels.decode_ops_common import (  # noqa: E402
     shape_of,
 )
 from benchmarks.kernels.decode_ops_kernels import Attn, cdiv  # noqa: E402
-from engine.attention.base import AttentionMetadata, forward_context  # noqa: E402
-from engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.models.layers import DecoderLayer  # noqa: E402
-from kernels import (  # noqa: E402  (TRITON_INTERPRET must be set first)
+from tandem.engine.attention.base import AttentionMetadata, forward_context  # noqa: E402
+from tandem.engine.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from tandem.engine.config import ModelConfig  # noqa: E402
+from tandem.engine.models.layers import DecoderLayer  # noqa: E402
+from tandem.kernels import (  # noqa: E402  (TRITON_INTERPRET must be set first)
     rms_norm,
     rotary_embedding,
     rotary_store_kv,
     silu_and_mul,
     store_kv,
 )
-from kernels._common import num_sms  # noqa: E402
-from kernels.paged_decode_launch import decode_config, decode_num_splits  # noqa: E402
+from tandem.kernels._common import num_sms  # noqa: E402
+from tandem.kernels.paged_decode_launch import decode_config, decode_num_splits  # noqa: E402
 
 # ----------------------------------------------------------------------------- per-op benchmarks
 

@@ -21,9 +21,13 @@ from benchmarks.kernels.decode_ops_common import (
 )
 from benchmarks.kernels.decode_ops_kernels import Attn, cdiv, new_active_splits, old_active_splits
 from benchmarks.lib.timing import rel_err
-from kernels import SplitPolicy, paged_decode_attention_ref
-from kernels._common import num_sms
-from kernels.paged_decode_launch import DEFAULT_SPLIT_POLICY, decode_config, decode_num_splits
+from tandem.kernels import SplitPolicy, paged_decode_attention_ref
+from tandem.kernels._common import num_sms
+from tandem.kernels.paged_decode_launch import (
+    DEFAULT_SPLIT_POLICY,
+    decode_config,
+    decode_num_splits,
+)
 
 
 def attention_bytes(b: int, ctx: int, shape: Shape) -> int:

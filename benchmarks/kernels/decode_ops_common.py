@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.lib.timing import copy_bandwidth, graph_time
-from engine.config import ModelConfig
+from tandem.engine.config import ModelConfig
 
 TOL = 1e-2
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "llama-3.1-8b" / "config.json"
@@ -182,7 +182,7 @@ def make_kv(shape: Shape, batch: int, ctx: int, capacity: int, copies: int, laye
 
 
 def rope_cache(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
-    from engine.models.layers import RotaryEmbedding
+    from tandem.engine.models.layers import RotaryEmbedding
 
     return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                            cfg.rope_scaling).cos_sin_cache.to(device)

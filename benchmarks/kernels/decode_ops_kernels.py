@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 
 from benchmarks.kernels.decode_ops_common import Shape
-from kernels import SplitPolicy, paged_decode_attention
-from kernels.paged_decode_attention import LOG2E, _attend
-from kernels.paged_decode_launch import (
+from tandem.kernels import SplitPolicy, paged_decode_attention
+from tandem.kernels.paged_decode_attention import LOG2E, _attend
+from tandem.kernels.paged_decode_launch import (
     DEFAULT_SPLIT_POLICY,
     decode_config,
     decode_split_len,

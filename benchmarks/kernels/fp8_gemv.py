@@ -30,7 +30,7 @@ L2_WORKING_SET = 256 << 20
 
 
 def parse_config(text: str):  # type: ignore[no-untyped-def]
-    from kernels import Fp8GemvConfig
+    from tandem.kernels import Fp8GemvConfig
 
     cfg = Fp8GemvConfig()
     for item in filter(None, text.split(",")):
@@ -57,8 +57,8 @@ def main() -> None:
     a = p.parse_args()
     gpu_or_smoke(a.smoke)
     # After gpu_or_smoke: TRITON_INTERPRET must be set before Triton is imported.
-    from engine.quantization.fp8 import linear_path, quantize_activation, quantize_weight
-    from kernels import fp8_gemv
+    from tandem.engine.quantization.fp8 import linear_path, quantize_activation, quantize_weight
+    from tandem.kernels import fp8_gemv
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = parse_config(a.config)

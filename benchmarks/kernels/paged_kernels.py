@@ -67,7 +67,7 @@ gpu_or_smoke(ARGS.smoke)
 from benchmarks.kernels.paged_kernels_cases import bench_copy_blocks, bench_prefill  # noqa: E402
 from benchmarks.kernels.paged_kernels_common import LLAMA_8B, SMOKE, copy_bound  # noqa: E402
 from benchmarks.kernels.paged_kernels_decode import bench_decode, sweep_decode  # noqa: E402
-from kernels._common import num_sms  # noqa: E402
+from tandem.kernels._common import num_sms  # noqa: E402
 
 # ----------------------------------------------------------------------------- report
 

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.kernels.paged_kernels_common import Shape, bench, fits
 from benchmarks.lib.timing import rel_err
-from kernels import copy_blocks, paged_prefill_attention
+from tandem.kernels import copy_blocks, paged_prefill_attention
 
 # ----------------------------------------------------------------------------- prefill
 

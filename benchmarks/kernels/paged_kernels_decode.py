@@ -14,9 +14,9 @@ import torch
 
 from benchmarks.kernels.paged_kernels_common import Shape, bench, copies_for, fits
 from benchmarks.lib.timing import rel_err
-from kernels import paged_decode_attention
-from kernels._common import num_sms
-from kernels.paged_decode_launch import (
+from tandem.kernels import paged_decode_attention
+from tandem.kernels._common import num_sms
+from tandem.kernels.paged_decode_launch import (
     DecodeConfig,
     decode_config,
     decode_num_splits,

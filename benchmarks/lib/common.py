@@ -164,8 +164,8 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 # -- the model and the workload ------------------------------------------------------------------
 def model_vocab(model: str) -> tuple[int, int]:
     """The model's vocabulary size and max_model_len, from its config."""
-    from engine.config import ModelConfig
-    from engine.model_source import resolve_model
+    from tandem.engine.config import ModelConfig
+    from tandem.engine.model_source import resolve_model
 
     cfg = ModelConfig.from_dir(resolve_model(model))
     return cfg.vocab_size, cfg.max_model_len

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cli.launcher import LocalStack
+    from tandem.cli.launcher import LocalStack
 
 
 def metric_totals(metrics_url: str, names: tuple[str, ...]) -> dict[str, float] | None:

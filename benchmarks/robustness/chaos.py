@@ -35,10 +35,10 @@ import grpc  # noqa: E402
 import httpx  # noqa: E402
 
 from benchmarks.robustness.soak_report import metric_total  # noqa: E402
-from cli.launcher import LocalStack  # noqa: E402
-from cli.supervisor import RestartPolicy, Supervisor  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from runtime.convert import params_to_proto  # noqa: E402
+from tandem.cli.launcher import LocalStack  # noqa: E402
+from tandem.cli.supervisor import RestartPolicy, Supervisor  # noqa: E402
+from tandem.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.runtime.convert import params_to_proto  # noqa: E402
 from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 FAULTS = ("kill", "hang", "drain")

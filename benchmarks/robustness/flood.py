@@ -45,8 +45,8 @@ import httpx  # noqa: E402
 from google.rpc import error_details_pb2, status_pb2  # noqa: E402
 
 from benchmarks.robustness.soak_report import metric_total  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from runtime.convert import params_to_proto  # noqa: E402
+from tandem.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.runtime.convert import params_to_proto  # noqa: E402
 from tandem.v1 import api_pb2, api_pb2_grpc  # noqa: E402
 
 KINDS = ("http", "http-stream", "grpc")
@@ -68,12 +68,12 @@ class Stack:
         self.log_dir = log_dir
         self.out = log_dir / "up.out"
         code = Path(args.code).resolve() if args.code else ROOT
-        cmd = [sys.executable, "-m", "cli.main", "up", "--model", args.model,
+        cmd = [sys.executable, "-m", "tandem.cli.main", "up", "--model", args.model,
                "--decode-workers", str(args.decode_workers), "--http-port", str(_free_port()),
                "--grpc-port", str(_free_port()), "--log-dir", str(log_dir), "--device", "cpu",
                *args.up_arg]
         with open(self.out, "w") as f:
-            # -m cli.main from `code`: that checkout's modules come first on sys.path.
+            # -m tandem.cli.main from `code`: that checkout's modules come first on sys.path.
             self.proc = subprocess.Popen(cmd, cwd=code, stdout=f, stderr=subprocess.STDOUT,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1",
                                               "PYTHONPATH": str(code)},

@@ -41,9 +41,9 @@ import grpc  # noqa: E402
 import httpx  # noqa: E402
 
 from benchmarks.lib.common import percentile  # noqa: E402
-from cli.launcher import LocalStack  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from runtime.convert import params_to_proto  # noqa: E402
+from tandem.cli.launcher import LocalStack  # noqa: E402
+from tandem.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.runtime.convert import params_to_proto  # noqa: E402
 from tandem.v1 import api_pb2, api_pb2_grpc  # noqa: E402
 
 KEY = "hostile-router-benchmark-key"

@@ -24,9 +24,9 @@ for _p in (ROOT / "protos", ROOT):
 
 import grpc  # noqa: E402
 
-from cli.launcher import LocalStack  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from runtime.convert import params_to_proto  # noqa: E402
+from tandem.cli.launcher import LocalStack  # noqa: E402
+from tandem.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.runtime.convert import params_to_proto  # noqa: E402
 from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from benchmarks.lib.procstat import engine_cores
 
 if TYPE_CHECKING:
-    from cli.launcher import LocalStack
+    from tandem.cli.launcher import LocalStack
 
 
 def metric_total(text: str, name: str) -> float:

@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.lib.common import counters, percentile  # noqa: E402
-from kvtransfer import transports  # noqa: E402
-from router_svc.routing import POLICIES  # noqa: E402
+from tandem.kvtransfer import transports  # noqa: E402
+from tandem.router_svc.routing import POLICIES  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +146,7 @@ async def run_waves(stack, a: argparse.Namespace, convs: list[list[list[int]]]) 
 
 
 def launch(a: argparse.Namespace, reuse: bool):
-    from cli.launcher import LocalStack
+    from tandem.cli.launcher import LocalStack
 
     roles = ["prefill"] * a.num_prefill + ["decode"] * a.num_decode
     if a.device == "cuda":
@@ -197,7 +197,7 @@ def index_memory(n: int = 1_000_000, workers: int = 8) -> float:
     (each hash a fresh int, as the protobuf decoder makes them)."""
     import tracemalloc
 
-    from router_svc.kv_index import KVIndex
+    from tandem.router_svc.kv_index import KVIndex
 
     rng = random.Random(0)
     batches = [[rng.getrandbits(64) - (1 << 63) for _ in range(n // workers)]

@@ -71,9 +71,9 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # no log lines per profiled step
     import torch
 
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-    from runtime.engine_args import add_engine_args, engine_config
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.runtime.engine_args import add_engine_args, engine_config
 
     device = resolve_devices(a.devices, 1)[0]
     cores = pin_plan(["client", "engine"])["engine"] if a.pin else None
@@ -193,7 +193,7 @@ def triton_variants(device: str) -> int | None:
     """Triton kernel variants this process has compiled (or loaded), on CUDA."""
     if not device.startswith("cuda"):
         return None
-    from kernels import compiled_variants
+    from tandem.kernels import compiled_variants
 
     return sum(compiled_variants().values())
 

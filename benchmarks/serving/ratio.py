@@ -40,7 +40,7 @@ from benchmarks.lib.workloads import add_workload_args, build_workload  # noqa: 
 from benchmarks.serving import serve, serve_client, serve_runs  # noqa: E402
 
 if TYPE_CHECKING:
-    from cli.launcher import LocalStack
+    from tandem.cli.launcher import LocalStack
 
 LAYOUT = re.compile(r"^(?:(\d+)P(?:tp(\d+)_)?(\d+)D(?:tp(\d+))?|(\d+)C(?:tp(\d+))?)$",
                     re.IGNORECASE)
@@ -166,8 +166,8 @@ def greedy_tokens(address: str, prompts: list[list[int]], max_tokens: int) -> li
 
     import grpc
 
-    from engine.sampling_params import SamplingParams
-    from runtime.convert import params_to_proto
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.runtime.convert import params_to_proto
     from tandem.v1 import api_pb2, api_pb2_grpc
 
     params = params_to_proto(SamplingParams(temperature=0, max_tokens=max_tokens,

@@ -67,7 +67,7 @@ from benchmarks.lib.workloads import add_workload_args, build_workload, describe
 from benchmarks.serving import offline  # noqa: E402
 from benchmarks.serving.serve_client import LoadOptions  # noqa: E402
 from benchmarks.serving.serve_runs import plot_rows, print_online, run_rates  # noqa: E402
-from cli.launcher import LocalStack  # noqa: E402
+from tandem.cli.launcher import LocalStack  # noqa: E402
 
 
 # -- launching the stack --------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from benchmarks.lib.workloads import Request
 from benchmarks.serving.serve_client import LoadOptions, Result, send_all
 
 if TYPE_CHECKING:
-    from cli.launcher import LocalStack
+    from tandem.cli.launcher import LocalStack
 
 
 # -- one run: a workload at one rate -------------------------------------------------------------

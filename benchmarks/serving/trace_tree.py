@@ -31,9 +31,9 @@ from opentelemetry.proto.collector.trace.v1 import (  # noqa: E402
 )
 from opentelemetry.proto.trace.v1 import trace_pb2  # noqa: E402
 
-from cli.launcher import LocalStack  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from runtime.convert import params_to_proto  # noqa: E402
+from tandem.cli.launcher import LocalStack  # noqa: E402
+from tandem.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.runtime.convert import params_to_proto  # noqa: E402
 from tandem.v1 import api_pb2, api_pb2_grpc  # noqa: E402
 
 KINDS = {trace_pb2.Span.SPAN_KIND_SERVER: "SERVER", trace_pb2.Span.SPAN_KIND_CLIENT: "CLIENT",

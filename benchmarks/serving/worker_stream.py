@@ -26,8 +26,8 @@ import grpc
 from benchmarks.lib import common, procstat
 from benchmarks.lib.workloads import build_workload
 from benchmarks.serving import serve
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 

@@ -11,8 +11,8 @@ def test_offline_recorder_reads_steps_through_the_engine_observer(monkeypatch):
     profiler (replaced here, as it needs CUDA) covers exactly every Nth step, from the first,
     and the observer is gone afterwards."""
     from benchmarks.serving import step_recorder as offline
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling_params import SamplingParams
 
     calls = []
     monkeypatch.setattr(offline, "_start_profiler", lambda rec: calls.append(rec.steps) or "p")

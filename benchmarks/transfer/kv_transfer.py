@@ -69,8 +69,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 from benchmarks.transfer.kv_transfer_blocks import fill_pattern
 from benchmarks.transfer.kv_transfer_ipc import PULL, PULL_ADJACENT, measure_ipc
 from benchmarks.transfer.kv_transfer_nixl import measure_nixl
-from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.pool import TORCH_DTYPES, allocate_pool
+from tandem.kvtransfer.descriptor import PoolDescriptor
+from tandem.kvtransfer.pool import TORCH_DTYPES, allocate_pool
 
 
 def parse_args() -> argparse.Namespace:
@@ -208,9 +208,9 @@ def prefill_time(args: argparse.Namespace, device: int, kv_cache_dtype: str) -> 
     graphs) prefilling a prompt of --prompt-tokens and sampling one token, median of 5. The
     transfer happens after that first token is sent, so it delays the second token, not the
     first; the ratio says how much of a disaggregated request's start it adds."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=args.ttft_model, device=f"cuda:{device}",
                                     dtype=args.dtype, load_format="dummy",

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from benchmarks.transfer.kv_transfer_blocks import as_bytes, blocks_match, run_ids, summary, time_op
-from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.pool import TORCH_DTYPES, allocate_pool
-from kvtransfer.remote import MAX_COPY_RUNS, launch_pull, open_remote_pool, pull_blocks
+from tandem.kvtransfer.descriptor import PoolDescriptor
+from tandem.kvtransfer.pool import TORCH_DTYPES, allocate_pool
+from tandem.kvtransfer.remote import MAX_COPY_RUNS, launch_pull, open_remote_pool, pull_blocks
 
 PULL = "pull_blocks, scattered blocks (copy_blocks kernel)"
 PULL_ADJACENT = "pull_blocks, adjacent blocks (1 run, copy engines)"
@@ -36,7 +36,7 @@ def measure_ipc(args: argparse.Namespace, desc: PoolDescriptor, src_dev: int, ds
     import cupy
 
     from benchmarks.transfer import cuda_batch
-    from kernels.copy_blocks import copy_blocks
+    from tandem.kernels.copy_blocks import copy_blocks
 
     runtime = cupy.cuda.runtime
     dev = torch.device("cuda", dst_dev)
@@ -194,7 +194,7 @@ def launch_host_us(remote, local: torch.Tensor, src_ids: list[int], dst_ids: lis
 def sweep_copy_configs(src_pool, dst_pool, src_t, dst_t, dev, args, nbytes
                        ) -> dict[str, dict[str, Any]]:
     """Time the copy_blocks kernel alone (no id upload, no sync) under tile configurations."""
-    from kernels.copy_blocks import CopyConfig, copy_blocks
+    from tandem.kernels.copy_blocks import CopyConfig, copy_blocks
 
     out = {}
     for block in (512, 1024, 2048, 4096):

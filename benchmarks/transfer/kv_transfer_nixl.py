@@ -23,8 +23,8 @@ from benchmarks.transfer.kv_transfer_blocks import (
     run_ids,
     summary,
 )
-from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.pool import TORCH_DTYPES, allocate_pool
+from tandem.kvtransfer.descriptor import PoolDescriptor
+from tandem.kvtransfer.pool import TORCH_DTYPES, allocate_pool
 
 
 def nixl_producer(conn: Connection, device: str, shape: dict[str, int], dtype: str) -> None:
@@ -64,7 +64,7 @@ def measure_nixl(args: argparse.Namespace, src: str, dst: str, shape: dict[str, 
     NixlRemotePool.pull and .push wait); with this side's agent running NIXL's progress thread,
     without it (then only the wait's polls progress UCX here: what a decode worker runs), and
     with UCX's thread pool posting a transfer's descriptors from 4 threads, 32 at a time."""
-    from kvtransfer.nixl import NixlEndpoint, load_nixl
+    from tandem.kvtransfer.nixl import NixlEndpoint, load_nixl
 
     def posting_threads() -> NixlEndpoint:
         api = load_nixl()

@@ -26,9 +26,9 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
-from cli.launcher import LocalStack
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.cli.launcher import LocalStack
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 

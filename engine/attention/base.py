@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.quantization.kv_cache import FP8_DTYPE, KVScales
+from tandem.engine.quantization.kv_cache import FP8_DTYPE, KVScales
 
 
 @dataclass

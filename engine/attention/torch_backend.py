@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine import ops
-from engine.attention.base import AttentionBackend, AttentionMetadata, Rope
-from engine.quantization.kv_cache import dequantize_kv, quantize_kv
+from tandem.engine import ops
+from tandem.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
+from tandem.engine.quantization.kv_cache import dequantize_kv, quantize_kv
 
 Scale = torch.Tensor | None  # an FP8 cache's per-KV-head scales, fp32 [H]; None otherwise
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, Rope
-from engine.quantization.kv_cache import KVScales
-from kernels import (
+from tandem.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
+from tandem.engine.quantization.kv_cache import KVScales
+from tandem.kernels import (
     decode_num_splits,
     decode_workspace_numel,
     paged_decode_attention,
@@ -27,8 +27,8 @@ from kernels import (
     rotary_store_kv,
     store_kv,
 )
-from kernels._common import num_sms
-from kernels.paged_decode_launch import DEFAULT_SPLIT_POLICY, decode_config
+from tandem.kernels._common import num_sms
+from tandem.kernels.paged_decode_launch import DEFAULT_SPLIT_POLICY, decode_config
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -6,17 +6,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from engine.models.registry import MODELS, check_architecture
+from tandem.engine.models.registry import MODELS, check_architecture
 from tandem.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from engine.models.layers import CausalLM
+    from tandem.engine.models.layers import CausalLM
 
 
 def model_class(architecture: str) -> type[CausalLM]:
     """The class serving a Hugging Face architecture name (its module imported now)."""
     check_architecture(architecture)
-    module = importlib.import_module(f"engine.models.{MODELS[architecture]}")
+    module = importlib.import_module(f"tandem.engine.models.{MODELS[architecture]}")
     return getattr(module, architecture)
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
-from engine.models.layers import AttentionOptions, CausalLM, DecoderLayer, DecoderModel
+from tandem.engine.config import ModelConfig
+from tandem.engine.models.layers import AttentionOptions, CausalLM, DecoderLayer, DecoderModel
 
 
 def _scalar(cfg: ModelConfig, name: str) -> float:

@@ -19,9 +19,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from engine import ops
-from engine.attention.base import Rope, get_forward_context
-from engine.config import ModelConfig, RopeScaling
+from tandem.engine import ops
+from tandem.engine.attention.base import Rope, get_forward_context
+from tandem.engine.config import ModelConfig, RopeScaling
 from tandem.errors import ModelLoadError
 
 

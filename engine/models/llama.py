@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.models.layers import CausalLM
+from tandem.engine.models.layers import CausalLM
 
 
 class LlamaForCausalLM(CausalLM):

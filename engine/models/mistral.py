@@ -4,7 +4,7 @@ llama.cpp writes Mistral's GGUF files as `llama`: LlamaForCausalLM serves those.
 
 from __future__ import annotations
 
-from engine.models.layers import CausalLM
+from tandem.engine.models.layers import CausalLM
 
 
 class MistralForCausalLM(CausalLM):

@@ -3,7 +3,7 @@ config says (transformers' Qwen2 has no attention_bias field)."""
 
 from __future__ import annotations
 
-from engine.models.layers import CausalLM
+from tandem.engine.models.layers import CausalLM
 
 
 class Qwen2ForCausalLM(CausalLM):

@@ -4,7 +4,7 @@ config's attention_bias asks."""
 
 from __future__ import annotations
 
-from engine.models.layers import CausalLM
+from tandem.engine.models.layers import CausalLM
 
 
 class Qwen3ForCausalLM(CausalLM):

@@ -3,7 +3,7 @@
 class declares everything else about its model (engine/models/layers.py, `CausalLM`).
 
 Plain data, no torch: the router and the launcher read it (ModelConfig refuses an architecture
-not listed here) without loading a model; `engine.models.model_class` imports the module when a
+not listed here) without loading a model; `tandem.engine.models.model_class` imports the module when a
 model is built.
 """
 

@@ -25,9 +25,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from engine.models.layers import CausalLM, MergedLinear
-from engine.quantization.checkpoint import Fp8Scheme
-from engine.quantization.kv_cache import FP8_DTYPE, FP8_MAX
+from tandem.engine.models.layers import CausalLM, MergedLinear
+from tandem.engine.quantization.checkpoint import Fp8Scheme
+from tandem.engine.quantization.kv_cache import FP8_DTYPE, FP8_MAX
 from tandem.errors import InvalidArgument, ModelLoadError
 
 MIN_CAPABILITY = (8, 9)  # Ada, Hopper and later have FP8 tensor cores
@@ -142,7 +142,7 @@ def quantize_activation(x: torch.Tensor, input_scale: torch.Tensor | None
     """x [M, K] -> (e4m3 [M, K], fp32 [M, 1]): kernels/fp8_quant.py on CUDA, its torch
     reference elsewhere."""
     if x.is_cuda:
-        from kernels import quant_fp8  # noqa: PLC0415 - Triton is only needed on CUDA
+        from tandem.kernels import quant_fp8  # noqa: PLC0415 - Triton is only needed on CUDA
 
         return quant_fp8(x, input_scale)
     xf = x.float()
@@ -168,7 +168,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     torch._scaled_mm on x quantized per token or with input_scale. Elsewhere fp32 math."""
     path = linear_path(x.shape[0], x.is_cuda)
     if path == "gemv":
-        from kernels import fp8_gemv  # noqa: PLC0415 - Triton is only needed on CUDA
+        from tandem.kernels import fp8_gemv  # noqa: PLC0415 - Triton is only needed on CUDA
 
         return fp8_gemv(x, w, w_scale, bias)
     x_q, x_s = quantize_activation(x, input_scale)

@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.config import KV_CACHE_DTYPES
+from tandem.engine.config import KV_CACHE_DTYPES
 from tandem.errors import InvalidArgument, ModelLoadError
 
 log = logging.getLogger(__name__)

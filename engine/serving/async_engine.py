@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import RemoteKV, Replay, SeqOutput
-from engine.serving.core_messages import (
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import RemoteKV, Replay, SeqOutput
+from tandem.engine.serving.core_messages import (
     Abort,
     Aborted,
     Add,
@@ -55,7 +55,7 @@ from engine.serving.core_messages import (
     TakeSnapshot,
     unpack_outputs,
 )
-from engine.serving.engine_core import run_core
+from tandem.engine.serving.engine_core import run_core
 from tandem.errors import InvalidArgument, TandemError
 
 log = logging.getLogger(__name__)

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.sampling_params import RequestLimits, SamplingParams
-from engine.sequence import RemoteKV, Replay, SeqOutput, StepStats
+from tandem.engine.config import EngineConfig
+from tandem.engine.sampling_params import RequestLimits, SamplingParams
+from tandem.engine.sequence import RemoteKV, Replay, SeqOutput, StepStats
 
 
 @dataclass(frozen=True)

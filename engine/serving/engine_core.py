@@ -38,7 +38,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from engine.serving.core_messages import (
+from tandem.engine.serving.core_messages import (
     Abort,
     Aborted,
     Add,
@@ -61,11 +61,11 @@ from engine.serving.core_messages import (
     pack_outputs,
     portable,
 )
-from engine.serving.kv_pulls import KVPulls
-from kvtransfer import transports
+from tandem.engine.serving.kv_pulls import KVPulls
+from tandem.kvtransfer import transports
 
 if TYPE_CHECKING:
-    from engine.host_kv_tier import HostKVTier
+    from tandem.engine.host_kv_tier import HostKVTier
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ IDLE_WAIT_S = 0.05  # how often an idle core looks at lease deadlines
 
 class EngineCore:
     def __init__(self, spec: CoreSpec, events: Connection) -> None:
-        from engine.llm_engine import LLMEngine  # noqa: PLC0415 - torch, in the core only
+        from tandem.engine.llm_engine import LLMEngine  # noqa: PLC0415 - torch, in the core only
 
         self.spec = spec
         self.events = events
@@ -96,7 +96,7 @@ class EngineCore:
             connector.ttl_s, connector.max_life_s = spec.lease_ttl_s, spec.lease_max_life_s
         # Rank 0's side of a handoff that moves heads between tensor-parallel sizes: used for
         # every peer when this worker has several ranks, or for a peer that has.
-        from engine.tp_group import RankKV  # noqa: PLC0415 - torch, in the core only
+        from tandem.engine.tp_group import RankKV  # noqa: PLC0415 - torch, in the core only
 
         cfg = self.engine.model_config
         self.rank_kv = RankKV(tp_options["pool_transport"], 0,
@@ -258,7 +258,7 @@ class EngineCore:
 
     # -- helpers -----------------------------------------------------------------------------
     def _allocate_shared_pool(self, shape, dtype, device):
-        from kvtransfer.pool import allocate_pool  # noqa: PLC0415 - torch, in the core only
+        from tandem.kvtransfer.pool import allocate_pool  # noqa: PLC0415 - torch, in the core only
 
         n, layers, _, bs, heads, dim = shape
         pool = allocate_pool(num_blocks=n, num_layers=layers, block_size=bs, num_kv_heads=heads,

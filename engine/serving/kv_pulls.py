@@ -26,10 +26,10 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from engine.sequence import RemoteKV
-from engine.serving.core_messages import LeaseDone, LeasesRenewed, MapPool
-from kvtransfer import transports
-from kvtransfer.runs import block_runs
+from tandem.engine.sequence import RemoteKV
+from tandem.engine.serving.core_messages import LeaseDone, LeasesRenewed, MapPool
+from tandem.kvtransfer import transports
+from tandem.kvtransfer.runs import block_runs
 
 
 class KVPulls:
@@ -71,7 +71,7 @@ class KVPulls:
         the address has a new pool, which replaces the old one's mapping). `descriptor`: one
         pool, or a tensor-parallel prefill worker's pools in rank order; with tensor
         parallelism on either side every rank maps them all."""
-        from kvtransfer.remote import open_remote_pool  # noqa: PLC0415 - torch, in the core only
+        from tandem.kvtransfer.remote import open_remote_pool  # noqa: PLC0415 - torch, in the core only
 
         address, instance_id = cmd.address, cmd.instance_id
         descriptor = cmd.descriptor
@@ -147,7 +147,7 @@ class KVPulls:
         """Tensor parallelism on either side: every rank copies its heads from the prefill
         ranks holding them (kvtransfer/tp_pull.py), done when this returns; the lease, one for
         every rank, is settled once all ranks are done."""
-        from kvtransfer.remote import Finished, TransferStats  # noqa: PLC0415 - torch
+        from tandem.kvtransfer.remote import Finished, TransferStats  # noqa: PLC0415 - torch
 
         pools = self.rank_kv.peers.get(kv.address, ("", []))[1]
         name = pools[0].descriptor.transport if pools else ""

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.sequence import Sequence
-from engine.spec_decode.proposer import ProposeInput
+from tandem.engine.sequence import Sequence
+from tandem.engine.spec_decode.proposer import ProposeInput
 
 
 def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from engine.sequence import Sequence
+    from tandem.engine.sequence import Sequence
 
 
 @dataclass

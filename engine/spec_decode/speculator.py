@@ -41,12 +41,12 @@ import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from engine.async_step import PLACEHOLDER
-from engine.config import SpeculativeConfig
-from engine.sampler import SampleRow
-from engine.sequence import Sequence
-from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.proposer import ProposeInput, Proposer
+from tandem.engine.async_step import PLACEHOLDER
+from tandem.engine.config import SpeculativeConfig
+from tandem.engine.sampler import SampleRow
+from tandem.engine.sequence import Sequence
+from tandem.engine.spec_decode.ngram import NgramProposer
+from tandem.engine.spec_decode.proposer import ProposeInput, Proposer
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ from POLICIES; a policy is added as one module here and one entry below (docs/ar
 
 from __future__ import annotations
 
-from router_svc.routing.least_loaded import LeastLoaded
-from router_svc.routing.policy import RouteRequest, RoutingPolicy, WorkerLoad
-from router_svc.routing.prefix_affinity import PrefixAffinity
 from tandem.errors import InvalidArgument
+from tandem.router_svc.routing.least_loaded import LeastLoaded
+from tandem.router_svc.routing.policy import RouteRequest, RoutingPolicy, WorkerLoad
+from tandem.router_svc.routing.prefix_affinity import PrefixAffinity
 
 POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (PrefixAffinity, LeastLoaded)}
 DEFAULT_POLICY = PrefixAffinity.name

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router_svc.routing.policy import RouteRequest, RoutingPolicy, WorkerLoad
+from tandem.router_svc.routing.policy import RouteRequest, RoutingPolicy, WorkerLoad
 
 
 class PrefixAffinity(RoutingPolicy):

@@ -14,12 +14,12 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.sequence import RemoteKV, SeqOutput
-from engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
-from engine.serving.core_messages import CoreSpec
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import RemoteKV, SeqOutput
+from tandem.engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
+from tandem.engine.serving.core_messages import CoreSpec
 from tandem.errors import InvalidArgument, ModelLoadError
 
 PROMPTS = [[3 + i, 11, 29 + 2 * i, 7] * (1 + i) for i in range(8)]

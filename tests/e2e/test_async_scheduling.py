@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import engine.sequence as sequence_module
-from engine.async_step import PLACEHOLDER
-from engine.llm import LLM
-from engine.sampling_params import ResponseFormat, SamplingParams
+import tandem.engine.sequence as sequence_module
+from tandem.engine.async_step import PLACEHOLDER
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import ResponseFormat, SamplingParams
 
 # TANDEM_TEST_DEVICE=cuda runs the same comparisons on a GPU (CUDA graphs, pinned copies).
 DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")
@@ -108,7 +108,7 @@ def test_pipelined_steps_never_wait_in_the_sampler(llms, monkeypatch):
 def test_no_async_scheduling_flag():
     import argparse
 
-    from runtime.engine_args import add_engine_args, engine_config
+    from tandem.runtime.engine_args import add_engine_args, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -277,9 +277,9 @@ def test_kv_pulls_in_stream_order_keep_steps_pipelined(tiny_models):
     import torch
     from handoffs import prefill_all
 
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sequence import RemoteKV
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.engine.sequence import RemoteKV
 
     model = str(tiny_models["llama"])
     kw = {"max_model_len": 256, "device": DEVICE}

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig, cdiv
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import RemoteKV
+from tandem.engine.config import EngineConfig, cdiv
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import RemoteKV
 
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

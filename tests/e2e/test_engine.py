@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
 from tandem.errors import InvalidArgument, ModelLoadError
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import RemoteKV, Replay
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm import LLM
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import RemoteKV, Replay
 from tandem.errors import InvalidArgument
 
 PROMPT = [7, 19, 3, 88, 41, 5, 16, 230, 9, 77, 12, 54, 6, 140, 33, 2, 90, 61, 8]  # 1 block + 3

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import engine.attention.torch_backend as torch_backend
-from engine.llm import LLM
-from engine.quantization.fp8 import Fp8Linear, quantize_weight
-from engine.sampling_params import SamplingParams
-from engine.scoring import Accuracy, build, compare, score
+import tandem.engine.attention.torch_backend as torch_backend
+from tandem.engine.llm import LLM
+from tandem.engine.quantization.fp8 import Fp8Linear, quantize_weight
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scoring import Accuracy, build, compare, score
 from tandem.errors import InvalidArgument, ModelLoadError
 
 # The tiny Llama (2 layers, 2 KV heads) over 128 fixed random tokens, teacher-forced: prefill
@@ -205,8 +205,8 @@ def test_unsupported_quantization_configs_are_named(tiny_models, tmp_path):
 
 # -- the flags -----------------------------------------------------------------------------------
 def test_generate_and_up_take_the_fp8_flags(tiny_models, capsys):
-    from cli.main import build_parser, main
-    from cli.up import stack_from_args
+    from tandem.cli.main import build_parser, main
+    from tandem.cli.up import stack_from_args
 
     assert main(["generate", "--model", str(tiny_models["llama"]), "--kv-cache-dtype", "fp8",
                  "--quantization", "fp8", "--prompt-token-ids", "5,6,7", "--max-tokens", "4",

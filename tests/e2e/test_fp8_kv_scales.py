@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ModelConfig
-from engine.llm import LLM
-from engine.loader import build_model, load_weights
-from engine.parallel import TPState, rank_heads
-from engine.quantization.kv_cache import CheckpointKVScales, KVScales
-from engine.sampling_params import SamplingParams
-from engine.scoring import build, score
+from tandem.engine.config import ModelConfig
+from tandem.engine.llm import LLM
+from tandem.engine.loader import build_model, load_weights
+from tandem.engine.parallel import TPState, rank_heads
+from tandem.engine.quantization.kv_cache import CheckpointKVScales, KVScales
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scoring import build, score
 from tandem.errors import ModelLoadError
 
 # [layer, KV head]. Head 1 of layer 0 and head 0 of layer 1 clamp (their K values reach ~6.7,
@@ -198,9 +198,9 @@ def test_auto_cache_ignores_the_scales(tiny_models, tmp_path, caplog):
     the checkpoint's without them."""
     plain = tiny_models["llama"]
     ckpt = with_scales(plain, tmp_path / "scaled", spelled("per-head"))
-    with caplog.at_level(logging.INFO, logger="engine.quantization.kv_cache"):
+    with caplog.at_level(logging.INFO, logger="tandem.engine.quantization.kv_cache"):
         llm = LLM(str(ckpt), progress=False)
-    notes = [r.getMessage() for r in caplog.records if r.name == "engine.quantization.kv_cache"]
+    notes = [r.getMessage() for r in caplog.records if r.name == "tandem.engine.quantization.kv_cache"]
     assert len(notes) == 1 and "ignored" in notes[0] and "4 tensors" in notes[0], notes
     assert llm.engine.runner.kv_scales is None
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == \

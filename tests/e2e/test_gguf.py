@@ -16,13 +16,13 @@ import transformers
 from safetensors.torch import load_file
 from tiny_gguf import llama3_rope_freqs, write_gguf
 
-from engine.config import ModelConfig, RopeScaling
-from engine.gguf_checkpoint import llama3_rope_scaling, read_tensors
-from engine.llm import LLM
-from engine.model_source import resolve_model
-from engine.models.layers import rope_inv_freq
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from tandem.engine.config import ModelConfig, RopeScaling
+from tandem.engine.gguf_checkpoint import llama3_rope_scaling, read_tensors
+from tandem.engine.llm import LLM
+from tandem.engine.model_source import resolve_model
+from tandem.engine.models.layers import rope_inv_freq
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tokenizer import Tokenizer
 from tandem.errors import ModelLoadError
 
 Q = gguf.GGMLQuantizationType

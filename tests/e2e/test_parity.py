@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
 from tiny import ARCHS
 
 DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")

@@ -13,10 +13,10 @@ import pytest
 import torch
 from handoffs import prefill_all
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import RemoteKV
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import RemoteKV
 
 DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")
 PROMPTS = [[5 + i, 17, 33 + i, 2 * i + 1] * (3 + 2 * i) for i in range(6)]

@@ -55,7 +55,7 @@ def test_tandem_up_and_readme_examples(tmp_path):
     http, grpc_port = free_port(), free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - closed in finally
-    up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--http-port",
+    up = subprocess.Popen([sys.executable, "-m", "tandem.cli.main", "up", "--http-port",
                            str(http), "--grpc-port", str(grpc_port)],
                           stdout=log, stderr=subprocess.STDOUT, env=env)
     try:

@@ -18,14 +18,14 @@ import json
 import pytest
 import torch
 
-from engine.config import EngineConfig, SpeculativeConfig, cdiv
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import ResponseFormat, SamplingParams
-from engine.sequence import RemoteKV
-from engine.spec_decode.ngram import NgramProposer, lookup
-from engine.spec_decode.proposer import ProposeInput
-from engine.spec_decode.speculator import Speculator
+from tandem.engine.config import EngineConfig, SpeculativeConfig, cdiv
+from tandem.engine.llm import LLM
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import ResponseFormat, SamplingParams
+from tandem.engine.sequence import RemoteKV
+from tandem.engine.spec_decode.ngram import NgramProposer, lookup
+from tandem.engine.spec_decode.proposer import ProposeInput
+from tandem.engine.spec_decode.speculator import Speculator
 from tandem.errors import InvalidArgument
 from tiny import ARCHS
 

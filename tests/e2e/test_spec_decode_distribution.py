@@ -13,9 +13,9 @@ import pytest
 import torch
 import transformers
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.spec_decode.proposer import ProposeInput
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.spec_decode.proposer import ProposeInput
 
 VOCAB = 8
 PROMPT = [1, 4, 2, 6]

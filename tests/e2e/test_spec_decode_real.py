@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from cluster import Cluster
-from engine.gguf_checkpoint import packaged_file
-from engine.llm import LLM
-from engine.model_source import resolve_model
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.engine.gguf_checkpoint import packaged_file
+from tandem.engine.llm import LLM
+from tandem.engine.model_source import resolve_model
+from tandem.engine.sampling_params import SamplingParams
 from tandem.errors import ModelLoadError
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 MODEL = "smollm2-135m-instruct"

@@ -10,8 +10,8 @@ import threading
 import jsonschema
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import ResponseFormat, SamplingParams
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import ResponseFormat, SamplingParams
 from tandem.errors import InvalidArgument
 
 SCHEMA = {"type": "object",
@@ -117,7 +117,7 @@ def test_a_schema_is_built_on_the_compile_thread_never_the_step_loop(tiny_models
     worker's engine core runs its step loop on one thread: add_request leaves the conversion to
     the compile thread. A schema that cannot be built ends its request with the error, and
     the offline API still refuses it before anything starts."""
-    import engine.grammar as grammar
+    import tandem.engine.grammar as grammar
 
     llm = LLM(str(tiny_models["llama"]), progress=False, num_blocks=64)
     engine = llm.engine

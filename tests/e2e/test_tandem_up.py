@@ -32,7 +32,7 @@ def tandem_up(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> 
     and insist that it exits 0."""
     log_path = tmp_path / "up.log"
     with open(log_path, "w") as log:
-        up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--http-port", "0",
+        up = subprocess.Popen([sys.executable, "-m", "tandem.cli.main", "up", "--http-port", "0",
                                "--grpc-port", "0", "--num-blocks", "128", *args],
                               stdout=log, stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

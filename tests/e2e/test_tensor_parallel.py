@@ -9,11 +9,11 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from engine.config import ModelConfig
-from engine.llm import LLM
-from engine.loader import LazyTensor, build_model, load_weights
-from engine.parallel import TPState, kv_head_start, kv_heads_per_rank, rank_heads
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import ModelConfig
+from tandem.engine.llm import LLM
+from tandem.engine.loader import LazyTensor, build_model, load_weights
+from tandem.engine.parallel import TPState, kv_head_start, kv_heads_per_rank, rank_heads
+from tandem.engine.sampling_params import SamplingParams
 
 NEW_TOKENS = 24
 PROMPTS = [[1 + (7 * i + 3 * j) % 250 for j in range(3 + 6 * i)] for i in range(6)]
@@ -127,7 +127,7 @@ def test_kv_heads_per_rank(kv_heads, tp, expected):
 def test_dummy_weights_of_a_shard_are_the_unsharded_models_slices(tiny_models):
     """--load-format dummy draws each tensor whole, so TP N computes what TP 1 does (the GPU
     benchmarks compare TP 2 with TP 1 on dummy weights)."""
-    from engine.loader import init_dummy_weights
+    from tandem.engine.loader import init_dummy_weights
 
     cfg = ModelConfig.from_dir(tiny_models["qwen2"])
     whole = build_model(cfg, torch.float32, torch.device("cpu"))

@@ -26,7 +26,7 @@ class Up:
     def __init__(self, *flags: str) -> None:
         self.http = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "up", "--device", "cpu", "--model",
+            [sys.executable, "-m", "tandem.cli.main", "up", "--device", "cpu", "--model",
              "tandem-demo", "--http-port", str(self.http), "--grpc-port", "0", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)

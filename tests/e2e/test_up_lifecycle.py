@@ -72,7 +72,7 @@ class Up:
     def __init__(self, tiny_models: dict, tmp: Path, *extra: str) -> None:
         self.http, self.grpc = free_port(), free_port()
         self.tmp = tmp
-        self.argv = [sys.executable, "-m", "cli.main", "up", "--device", "cpu", "--model",
+        self.argv = [sys.executable, "-m", "tandem.cli.main", "up", "--device", "cpu", "--model",
                      str(tiny_models["llama"]), "--http-port", str(self.http), "--grpc-port",
                      str(self.grpc), "--log-dir", str(tmp / "logs"), "--num-blocks", "64", *extra]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -88,7 +88,7 @@ class Up:
         def grown() -> bool:
             pids.update(_descendants(root))
             cmdlines = [_cmdline(p) for p in pids]
-            return (sum(b"router" in c and b"cli.main" in c for c in cmdlines) == 1
+            return (sum(b"router" in c and b"tandem.cli.main" in c for c in cmdlines) == 1
                     and sum(b"spawn_main" in c for c in cmdlines) >= 2)
 
         _wait(grown, "the stack's processes never all started")

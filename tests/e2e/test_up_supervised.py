@@ -38,7 +38,7 @@ def _wait(condition, what: str, timeout: float = 180.0) -> None:
 def test_killed_worker_restarts_and_one_that_cannot_stops_the_stack(tiny_models, tmp_path):
     http = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "up", "--device", "cpu", "--model",
+        [sys.executable, "-m", "tandem.cli.main", "up", "--device", "cpu", "--model",
          str(tiny_models["llama"]), "--http-port", str(http), "--grpc-port", "0",
          "--log-dir", str(tmp_path), "--max-restarts", "1", "--restart-window", "600",
          "--worker-arg=--num-blocks=64"],

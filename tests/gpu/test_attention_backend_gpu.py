@@ -15,11 +15,11 @@ from gpu_kernels import BF16, DEV, ON_GPU, TOL, capture, make_pool, rel_err, rop
 pytestmark = ON_GPU
 
 if torch.cuda.is_available():
-    from engine.attention.base import AttentionMetadata, Rope
-    from engine.attention.torch_backend import TorchAttentionBackend
-    from engine.attention.triton_backend import TritonAttentionBackend
-    from kernels import paged_decode_attention_ref, rotary_embedding_ref
     from paged_meta import step_metadata
+    from tandem.engine.attention.base import AttentionMetadata, Rope
+    from tandem.engine.attention.torch_backend import TorchAttentionBackend
+    from tandem.engine.attention.triton_backend import TritonAttentionBackend
+    from tandem.kernels import paged_decode_attention_ref, rotary_embedding_ref
 
 
 @pytest.mark.parametrize("rope", [False, True], ids=["store", "rope-store"])

@@ -20,11 +20,11 @@ needs_fp8_mma = pytest.mark.skipif(
     reason="FP8 matmuls need compute capability >= 8.9")
 
 if torch.cuda.is_available():
-    from engine.llm import LLM
-    from engine.quantization.fp8 import Fp8Linear, fp8_linear, linear_path, quantize_weight
-    from engine.sampling_params import SamplingParams
-    from engine.scoring import build, compare, score
-    from kernels import (
+    from tandem.engine.llm import LLM
+    from tandem.engine.quantization.fp8 import Fp8Linear, fp8_linear, linear_path, quantize_weight
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.engine.scoring import build, compare, score
+    from tandem.kernels import (
         fp8_gemv,
         fp8_gemv_ref,
         paged_decode_attention,
@@ -36,7 +36,7 @@ if torch.cuda.is_available():
         rotary_store_kv,
         rotary_store_kv_ref,
     )
-    from kernels._common import FP8_DTYPE, quantize_fp8_ref
+    from tandem.kernels._common import FP8_DTYPE, quantize_fp8_ref
 
 # -- kernels at 8B shapes ------------------------------------------------------------------------
 def _fp8_pool(seq_lens, block_size=16, hkv=8, d=128):

@@ -13,9 +13,9 @@ import pytest
 import torch
 from gpu_kernels import ON_GPU
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
 
 pytestmark = ON_GPU
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.copy_blocks import copy_blocks
-from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.pool import allocate_pool
-from kvtransfer.remote import launch_pull, open_remote_pool, pull_blocks
+from tandem.kernels.copy_blocks import copy_blocks
+from tandem.kvtransfer.descriptor import PoolDescriptor
+from tandem.kvtransfer.pool import allocate_pool
+from tandem.kvtransfer.remote import launch_pull, open_remote_pool, pull_blocks
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -47,7 +47,7 @@ DTYPE = torch.bfloat16
 # Block b holds (b * 1009 + i) % 251 at flat index i: exact in bf16, different in every block.
 _PRODUCER = textwrap.dedent("""
     import json, pickle, sys, torch
-    from kvtransfer.pool import allocate_pool
+    from tandem.kvtransfer.pool import allocate_pool
     cfg = json.loads(sys.argv[1])
     pool = allocate_pool(device="cuda:0", transport="cuda_ipc", dtype=torch.bfloat16,
                          num_blocks=cfg["num_blocks"], **cfg["shape"])
@@ -167,7 +167,7 @@ def _runs() -> tuple[list[int], list[int]]:
 def test_pull_blocks_moves_runs_on_the_copy_engines(producer: Producer, monkeypatch) -> None:
     """A pull of a few runs of adjacent blocks is one cudaMemcpyAsync per run: the kernel is
     not even loaded (it raises here), and the bytes land exactly."""
-    import kvtransfer.remote as remote_mod
+    import tandem.kvtransfer.remote as remote_mod
 
     def no_kernel():
         raise AssertionError("a pull of 3 runs launched the copy_blocks kernel")
@@ -260,7 +260,7 @@ def test_pull_blocks_from_the_other_gpu(producer: Producer) -> None:
 # reports what happened (as JSON on stdout) instead of raising.
 _ISOLATED_CONSUMER = textwrap.dedent("""
     import json, pickle, sys, torch
-    from kvtransfer.remote import open_remote_pool, pull_blocks
+    from tandem.kvtransfer.remote import open_remote_pool, pull_blocks
     desc, src, dst = pickle.load(sys.stdin.buffer)
     out = {"device_count": torch.cuda.device_count(), "card": torch.cuda.get_device_name(0)}
     data = {}

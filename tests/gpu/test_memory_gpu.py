@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
 from tandem.errors import InvalidArgument
 
 pytestmark = [pytest.mark.gpu,

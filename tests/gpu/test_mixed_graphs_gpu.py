@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -23,7 +23,7 @@ pytest.importorskip("nixl._api", reason="the nixl package is not installed: pip 
 def test_nixl_reads_scattered_vram_blocks_across_processes_exactly() -> None:
     from kv_patterns import as_bytes, blocks_match, nixl_producer
 
-    from kvtransfer.nixl import NixlEndpoint
+    from tandem.kvtransfer.nixl import NixlEndpoint
 
     src = "cuda:0"
     dst = torch.device("cuda", 1 if torch.cuda.device_count() > 1 else 0)

@@ -16,7 +16,7 @@ from gpu_kernels import BF16, DEV, ON_GPU, TOL, capture, make_pool, rel_err
 pytestmark = ON_GPU
 
 if torch.cuda.is_available():
-    from kernels import (
+    from tandem.kernels import (
         SplitPolicy,
         decode_num_splits,
         decode_workspace_numel,
@@ -25,7 +25,7 @@ if torch.cuda.is_available():
         paged_prefill_attention,
         paged_prefill_attention_ref,
     )
-    from kernels._common import num_sms
+    from tandem.kernels._common import num_sms
 
 
 # ----------------------------------------------------------------------------- decode

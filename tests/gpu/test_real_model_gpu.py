@@ -18,9 +18,9 @@ import pytest
 import torch
 import transformers
 
-from engine.gguf_checkpoint import packaged_file
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tandem.engine.gguf_checkpoint import packaged_file
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
 from tandem.errors import ModelLoadError
 
 pytestmark = [pytest.mark.gpu,

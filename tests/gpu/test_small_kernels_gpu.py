@@ -15,7 +15,7 @@ from gpu_kernels import BF16, DEV, ON_GPU, TOL, rel_err, rope_cache
 pytestmark = ON_GPU
 
 if torch.cuda.is_available():
-    from kernels import (
+    from tandem.kernels import (
         copy_blocks,
         copy_blocks_ref,
         rms_norm,

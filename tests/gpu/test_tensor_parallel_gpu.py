@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from cluster import Cluster
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, api_pb2_grpc
 
 pytestmark = [

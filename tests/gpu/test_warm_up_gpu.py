@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -26,7 +26,7 @@ LLAMA_1B = str(Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / 
                          [("auto", None), ("fp8", None), ("fp8", "fp8")],
                          ids=["bf16", "fp8-kv", "fp8-kv+w"])
 def test_requests_compile_nothing_after_start_up(kv_cache_dtype, quantization):
-    from kernels import compiled_variants
+    from tandem.kernels import compiled_variants
 
     if quantization and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 matmuls need compute capability >= 8.9")

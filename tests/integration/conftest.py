@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from traces import Receiver
 
-from engine.llm import LLM
+from tandem.engine.llm import LLM
 
 
 @pytest.fixture(scope="module")

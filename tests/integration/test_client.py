@@ -20,9 +20,9 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster import Cluster
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams as EngineParams
 from tandem import client as tc
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams as EngineParams
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from cluster import Cluster
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]

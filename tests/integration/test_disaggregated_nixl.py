@@ -24,7 +24,7 @@ from test_disaggregated import (  # the same tests, collected here against the n
 )
 
 from cluster import Cluster
-from engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 try:

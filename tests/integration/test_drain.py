@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from cluster import WORKER_ARGS, Cluster
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 PROMPTS = [[(7 * i + 11 * j) % 250 + 1 for j in range(6 + 9 * i)] for i in range(8)]
@@ -102,7 +102,7 @@ def test_rolling_restart_of_both_decode_workers_under_load_drops_nothing(tiny_mo
                 load = Load(c.api(ch))
                 await until_running(c, "decode0")
                 cli = await asyncio.to_thread(subprocess.run, [
-                    sys.executable, "-m", "cli.drain", c.procs["decode0"].address],
+                    sys.executable, "-m", "tandem.cli.drain", c.procs["decode0"].address],
                     capture_output=True, text=True, timeout=300)
                 await restart(h, "decode0")
                 await until_running(c, "decode1")
@@ -169,6 +169,6 @@ def test_a_draining_prefill_worker_keeps_its_leases_until_claimed(tiny_models, t
 def test_tandem_drain_of_an_unreachable_worker_exits_1(tmp_path):
     from cluster import free_port
 
-    done = subprocess.run([sys.executable, "-m", "cli.drain", f"127.0.0.1:{free_port()}",
+    done = subprocess.run([sys.executable, "-m", "tandem.cli.drain", f"127.0.0.1:{free_port()}",
                            "--timeout", "5"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "UNAVAILABLE" in done.stderr

@@ -17,11 +17,11 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cli.supervisor import RestartPolicy, Supervisor
 from cluster import Cluster
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.cli.supervisor import RestartPolicy, Supervisor
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]

@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from cluster import Cluster
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 ENGINE_ARGS = ["--num-blocks", "128", "--max-num-batched-tokens", "64"]

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from proto_strategies import messages
 
 from cluster import Cluster
-from runtime.cluster_roles import WORKER_CALLERS
+from tandem.runtime.cluster_roles import WORKER_CALLERS
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 WORKER_ARGS = ["--num-blocks", "128", "--max-num-batched-tokens", "64"]

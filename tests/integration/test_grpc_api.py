@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cluster import Cluster
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]

@@ -17,11 +17,11 @@ import grpc
 import pytest
 
 from cluster import Cluster
-from engine.config import cdiv
-from engine.sampling_params import SamplingParams
-from router_svc.orchestrator import Orchestrator
-from router_svc.workers import WorkerSet
-from runtime.convert import params_to_proto
+from tandem.engine.config import cdiv
+from tandem.engine.sampling_params import SamplingParams
+from tandem.router_svc.orchestrator import Orchestrator
+from tandem.router_svc.workers import WorkerSet
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 BS = 16

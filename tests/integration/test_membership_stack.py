@@ -13,9 +13,9 @@ import pytest
 from test_disaggregated import PROMPTS, WORKER_ARGS, generate
 
 from cluster import Cluster
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 

@@ -13,8 +13,8 @@ from test_disaggregated import PROMPTS, WORKER_ARGS, generate
 from test_disaggregated_nixl import UCX_LOOPBACK_TCP
 
 from cluster import Cluster
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
 
 try:
     import nixl._api  # noqa: F401

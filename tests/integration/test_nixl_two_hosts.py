@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(4 + 9 * i)] for i in range(6)]
@@ -93,7 +93,7 @@ class Host:
 
 
 def _tandem(*args: str, ready: Path) -> list[str]:
-    return [sys.executable, "-m", "cli.main", *args, "--ready-file", str(ready)]
+    return [sys.executable, "-m", "tandem.cli.main", *args, "--ready-file", str(ready)]
 
 
 def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path) -> None:
@@ -109,8 +109,8 @@ def _wait_ready(proc: subprocess.Popen, ready: Path, log: Path) -> None:
 CLIENT = textwrap.dedent("""
     import asyncio, json, sys, time
     import grpc
-    from engine.sampling_params import SamplingParams
-    from runtime.convert import params_to_proto
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.runtime.convert import params_to_proto
     from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
     router, workers, prompts = sys.argv[1], sys.argv[2].split(","), json.loads(sys.argv[3])
 

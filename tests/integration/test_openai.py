@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from cluster import WORKER_ARGS, Cluster, serve
-from engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 API_KEY = "k"
 PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(4 + 9 * i)] for i in range(4)]

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from cluster import WORKER_ARGS, Cluster
-from router_svc.http_errors import api_error
-from router_svc.orchestrator import RouterError
 from tandem.errors import InvalidArgument, Overloaded
+from tandem.router_svc.http_errors import api_error
+from tandem.router_svc.orchestrator import RouterError
 
 LONG = 1000  # tokens: far longer than any test waits (~3 ms a token on a CPU)
 

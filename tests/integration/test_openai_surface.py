@@ -20,10 +20,10 @@ import openai
 import pytest
 
 from cluster import WORKER_ARGS, Cluster, serve
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from surface_model import build_surface_model, tag_ids
 from tandem import client as tc
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}

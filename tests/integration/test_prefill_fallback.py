@@ -16,8 +16,8 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster import WORKER_ARGS, Cluster
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 # Prompts up to 150 tokens: past the 64-token step budget, so a fallback prefill takes chunks.

@@ -11,7 +11,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster import Cluster
-from runtime.lifecycle import Health
+from tandem.runtime.lifecycle import Health
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_source import resolve_model
+from tandem.engine.model_source import resolve_model
 
 FAKE_WORKER = Path(__file__).resolve().parents[1] / "fake_worker.py"
 # Loaded modules that would mean torch came in: torch itself, what only runs on torch, and
@@ -29,7 +29,7 @@ import json, os, signal, sys, threading, time, urllib.request
 
 import grpc
 
-from cli.main import main
+from tandem.cli.main import main
 
 model, worker, ready, heavy = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
 report = {}

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from cluster import Cluster
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 WORKER_ARGS = ["--num-blocks", "512", "--max-num-batched-tokens", "256"]

@@ -250,8 +250,8 @@ def test_disaggregated_equals_offline_token_for_token(client, model, tiny_models
     """Seeded samples do not depend on the worker: the stack's answer (first token sampled
     under the mask on the prefill worker, the matcher rebuilt from it on the decode worker) is
     the offline engine's, for each of n = 3 samples."""
-    from engine.llm import LLM
-    from engine.sampling_params import ResponseFormat, SamplingParams
+    from tandem.engine.llm import LLM
+    from tandem.engine.sampling_params import ResponseFormat, SamplingParams
 
     schema = SCHEMAS[3]
     offline = LLM(str(tiny_models["llama"]), progress=False, num_blocks=256)

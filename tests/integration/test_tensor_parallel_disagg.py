@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from cluster import Cluster
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 # One torch thread per engine process: two workers of two ranks each share two cores.

@@ -23,8 +23,8 @@ from traces import (
 )
 
 from cluster import serve
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 

@@ -21,13 +21,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from traces import Receiver, Spans, attrs, traced_cluster, wait_trace, wait_traces
 
 from cluster import WORKER_ARGS, Cluster, serve
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
-from router_svc.frontend import Frontend, ModelInfo
-from router_svc.orchestrator import SampleUpdate, Update
-from runtime.convert import descriptor_from_proto, params_to_proto
-from runtime.metrics import Metrics
-from runtime.telemetry import Telemetry, Tracing
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.tokenizer import Tokenizer
+from tandem.router_svc.frontend import Frontend, ModelInfo
+from tandem.router_svc.orchestrator import SampleUpdate, Update
+from tandem.runtime.convert import descriptor_from_proto, params_to_proto
+from tandem.runtime.metrics import Metrics
+from tandem.runtime.telemetry import Telemetry, Tracing
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 SECRET = "zebra-quartz-"  # prompt text that must never reach a span or a log line

@@ -18,11 +18,11 @@ import httpx
 import pytest
 
 import tandem.client as tc
-from cli.certs import make_cluster_ca
 from cluster import Cluster
-from engine.sampling_params import SamplingParams
-from runtime.convert import params_to_proto
-from runtime.security import internal_channel
+from tandem.cli.certs import make_cluster_ca
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
+from tandem.runtime.security import internal_channel
 from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 KEYS = ("key-of-tenant-a", "key-of-tenant-b")
@@ -218,7 +218,7 @@ def test_each_role_calls_only_what_the_table_allows(cluster):
     exactly where WORKER_CALLERS does not list the caller's role (or SELF, the worker's own),
     whatever the worker's role; anything else (an answer, or the servicer's own refusal) where
     it does. Drain is called only where it is refused (elsewhere the worker would drain)."""
-    from runtime.cluster_roles import WORKER_CALLERS, allowed
+    from tandem.runtime.cluster_roles import WORKER_CALLERS, allowed
 
     assert set(HARMLESS) == set(WORKER_CALLERS)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.demo import build_demo_checkpoint
-from engine.tokenizer import Tokenizer
+from tandem.engine.demo import build_demo_checkpoint
+from tandem.engine.tokenizer import Tokenizer
 from tiny_tokenizers import (
     MISTRAL_TEMPLATE,
     build_bytelevel_bpe_tokenizer,
@@ -36,7 +36,7 @@ def bpe(tmp_path_factory) -> Tokenizer:
 def nixl_endpoints():
     """A maker of fresh NIXL endpoints (one agent each, as two processes would have), optionally
     with the agent wrapped (`agent_wrapper(agent)`); each is closed after the test."""
-    from kvtransfer.nixl import NixlEndpoint
+    from tandem.kvtransfer.nixl import NixlEndpoint
 
     made: list[NixlEndpoint] = []
 

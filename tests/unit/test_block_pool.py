@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool, hash_block
-from engine.kv_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from tandem.engine.block_pool import BlockPool, hash_block
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import Sequence
 
 BS = 4
 
@@ -148,8 +148,8 @@ def test_blocks_allocated_for_a_pull_are_ordered_like_the_sources(pool):
     a run here: one copy instead of one per block. Hits keep their place at the front."""
     import time
 
-    from engine.sequence import RemoteKV
-    from kvtransfer.runs import block_runs
+    from tandem.engine.sequence import RemoteKV
+    from tandem.kvtransfer.runs import block_runs
 
     kv = KVCacheManager(pool)
     held = pool.allocate(2)
@@ -164,7 +164,7 @@ def test_blocks_allocated_for_a_pull_are_ordered_like_the_sources(pool):
 
 
 def test_order_like_pairs_each_source_stretch_with_a_range_of_blocks():
-    from kvtransfer.runs import block_runs, order_like
+    from tandem.kvtransfer.runs import block_runs, order_like
 
     src = [10, 9, 8, 7, 30, 31, 32, 5]
     blocks = [203, 100, 50, 101, 102, 200, 201, 202]
@@ -192,7 +192,7 @@ def test_block_hashes_agree_across_processes():
     import subprocess
     import sys
 
-    code = ("from engine.block_pool import hash_block; h = hash_block(None, [1, 2, 3, 4]); "
+    code = ("from tandem.engine.block_pool import hash_block; h = hash_block(None, [1, 2, 3, 4]); "
             "print(h, hash_block(h, [5, 6, 7, 8]))")
     runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True).stdout for _ in range(2)}

@@ -1,4 +1,4 @@
-"""kvtransfer.runs.block_runs: a transfer's block pairs as runs of blocks adjacent on both
+"""tandem.kvtransfer.runs.block_runs: a transfer's block pairs as runs of blocks adjacent on both
 sides (one copy each on the copy engines, one NIXL descriptor each)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtransfer.runs import block_runs, order_like
+from tandem.kvtransfer.runs import block_runs, order_like
 
 
 def _pairs(runs: list[tuple[int, int, int]]) -> set[tuple[int, int]]:

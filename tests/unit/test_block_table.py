@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import random
 
-from engine.block_table import BlockTableMirror
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from tandem.engine.block_table import BlockTableMirror
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import Sequence
 
 
 def test_mirror_tracks_block_lists_through_every_change():

@@ -13,13 +13,13 @@ import sys
 
 import pytest
 
-from cli.main import build_parser
-from cli.up import _devices
-from engine.config import EngineConfig
-from engine.model_source import served_name
-from router_svc.server import model_names
-from runtime.engine_args import engine_config
+from tandem.cli.main import build_parser
+from tandem.cli.up import _devices
+from tandem.engine.config import EngineConfig
+from tandem.engine.model_source import served_name
 from tandem.errors import InvalidArgument
+from tandem.router_svc.server import model_names
+from tandem.runtime.engine_args import engine_config
 
 BAD_ARGUMENTS = [
     (["router", "--model", "tandem-demo"], "--prefill"),
@@ -34,7 +34,7 @@ BAD_ARGUMENTS = [
 
 @pytest.mark.parametrize(("argv", "flag"), BAD_ARGUMENTS)
 def test_bad_arguments_exit_2_naming_the_flag(argv, flag):
-    res = subprocess.run([sys.executable, "-m", "cli.main", *argv], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "tandem.cli.main", *argv], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2, res.stderr
     assert f"argument {flag}:" in res.stderr, res.stderr
@@ -96,7 +96,7 @@ def test_tensor_parallel_workers_take_consecutive_gpus():
 
 
 def test_up_passes_each_role_its_tensor_parallel_size():
-    from cli.up import stack_from_args
+    from tandem.cli.up import stack_from_args
 
     stack, _ = stack_from_args(build_parser("up").parse_args(
         ["up", "--device", "cpu", "--prefill-tensor-parallel-size", "2"]))
@@ -110,7 +110,7 @@ def test_up_passes_each_role_its_tensor_parallel_size():
 
 
 def test_worker_and_generate_take_the_tensor_parallel_size(capsys):
-    from cli.main import main
+    from tandem.cli.main import main
 
     for cmd in ("worker", "prefill", "decode", "generate"):
         args = build_parser(cmd).parse_args([cmd, "--model", "m", "--tensor-parallel-size", "2"])
@@ -133,7 +133,7 @@ def test_help_and_flag_errors_load_no_torch():
     `tandem --help` 19-24 s on a loaded machine)."""
     script = f"""
 import sys
-from cli.main import main
+from tandem.cli.main import main
 codes = []
 for argv, _ in {HELP_AND_ERRORS!r}:
     try:
@@ -150,7 +150,7 @@ print(codes, "torch" in sys.modules)
 
 
 def test_tandem_help_lists_each_subcommand_with_its_own_help():
-    from cli.main import COMMANDS
+    from tandem.cli.main import COMMANDS
 
     for name, (_, summary) in COMMANDS.items():
         listed = " ".join(build_parser(name).format_help().split())
@@ -158,7 +158,7 @@ def test_tandem_help_lists_each_subcommand_with_its_own_help():
 
 
 def test_up_takes_vllms_spellings_and_a_positional_model():
-    from cli.up import chosen_model, stack_from_args
+    from tandem.cli.up import chosen_model, stack_from_args
 
     args = build_parser("up").parse_args(
         ["up", "my-model", "--port", "9000", "--gpu-memory-utilization", "0.5",
@@ -192,7 +192,7 @@ def test_up_takes_vllms_spellings_and_a_positional_model():
     (["up", "--swap-space", "4"], "unrecognized arguments: --swap-space"),
 ])
 def test_up_answers_other_spellings_with_tandems(argv, says, capsys):
-    from cli.main import main
+    from tandem.cli.main import main
 
     try:
         code = main([*argv, "--http-port", "0", "--grpc-port", "0"])  # whatever else runs here
@@ -215,7 +215,7 @@ def test_up_help_shows_defaults(capsys, monkeypatch):
 
 
 def test_built_in_model_names_are_case_insensitive(tmp_path):
-    from engine.model_source import builtin_name, resolve_model
+    from tandem.engine.model_source import builtin_name, resolve_model
 
     assert served_name("SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
     assert builtin_name("Tandem-Demo") == "tandem-demo"
@@ -242,7 +242,7 @@ def test_up_refuses_a_taken_port_before_loading_anything(flag, tmp_path):
     port = holder.getsockname()[1]
     other = "--grpc-port" if flag == "--http-port" else "--http-port"
     try:
-        res = subprocess.run([sys.executable, "-m", "cli.main", "up", "--model",
+        res = subprocess.run([sys.executable, "-m", "tandem.cli.main", "up", "--model",
                               str(tmp_path / "no-such-model"), flag, str(port), other, "0",
                               "--log-dir", str(tmp_path / "logs")],
                              capture_output=True, text=True, timeout=120)
@@ -255,8 +255,8 @@ def test_up_refuses_a_taken_port_before_loading_anything(flag, tmp_path):
 
 def test_a_grpc_server_cannot_share_a_port_in_use():
     """gRPC's default SO_REUSEPORT let a second `tandem up` listen on 50051 beside the first."""
-    from runtime.lifecycle import make_server
-    from runtime.security import bind
+    from tandem.runtime.lifecycle import make_server
+    from tandem.runtime.security import bind
 
     async def main() -> None:
         first, second = make_server(), make_server()
@@ -273,7 +273,7 @@ def test_a_grpc_server_cannot_share_a_port_in_use():
 
 
 def test_a_leases_life_is_ten_times_its_ttl_unless_told_and_never_shorter():
-    from prefill_svc.server import lease_life
+    from tandem.prefill_svc.server import lease_life
 
     parse = build_parser("prefill").parse_args
     assert lease_life(parse(["prefill", "--model", "m"])) == (30.0, 300.0)

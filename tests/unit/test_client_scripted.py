@@ -19,9 +19,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from router_svc.api_errors import failure_of, grpc_field, grpc_status
 from tandem import client as tc
 from tandem.errors import InvalidArgument, Overloaded
+from tandem.router_svc.api_errors import failure_of, grpc_field, grpc_status
 from tandem.v1 import api_pb2, api_pb2_grpc
 
 FAST_RETRY = tc.RetryPolicy(max_attempts=4, initial_backoff_s=0.01, max_backoff_s=0.05)
@@ -239,7 +239,7 @@ def test_tls_without_the_client_certificate_is_refused(pki, mtls_server):
 def test_router_reflection_is_on_unless_turned_off():
     import argparse
 
-    from router_svc.server import add_router_args
+    from tandem.router_svc.server import add_router_args
 
     p = argparse.ArgumentParser()
     add_router_args(p)

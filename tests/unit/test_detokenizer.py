@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.demo import BOS_ID, EOT_ID, VOCAB_SIZE
-from engine.detokenizer import MAX_HELD_TOKENS, DetokenizerStep, IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from tandem.engine.demo import BOS_ID, EOT_ID, VOCAB_SIZE
+from tandem.engine.detokenizer import MAX_HELD_TOKENS, DetokenizerStep, IncrementalDetokenizer
+from tandem.engine.tokenizer import Tokenizer
 
 SETTINGS = settings(max_examples=150, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from decode_svc.handoff import decode_args
-from engine.sampling_params import RequestLimits, SamplingParams
-from router_svc.decode_legs import Fallback
-from router_svc.orchestrator import Orchestrator
-from router_svc.workers import FaultMetrics, Worker, WorkerSet
-from runtime.convert import params_to_proto
+from tandem.decode_svc.handoff import decode_args
+from tandem.engine.sampling_params import RequestLimits, SamplingParams
 from tandem.errors import InvalidArgument
+from tandem.router_svc.decode_legs import Fallback
+from tandem.router_svc.orchestrator import Orchestrator
+from tandem.router_svc.workers import FaultMetrics, Worker, WorkerSet
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import worker_pb2
 
 

@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.demo import EOT_ID, VOCAB_SIZE, demo_model_dir
-from engine.grammar import (
+from tandem.engine.demo import EOT_ID, VOCAB_SIZE, demo_model_dir
+from tandem.engine.grammar import (
     GrammarCompiler,
     bitmask_width,
     check_schema,
@@ -26,8 +26,8 @@ from engine.grammar import (
     fill_bitmask,
     unenforced_keyword,
 )
-from engine.sampler import Sampler, SampleRow
-from engine.sampling_params import ResponseFormat, SamplingParams
+from tandem.engine.sampler import Sampler, SampleRow
+from tandem.engine.sampling_params import ResponseFormat, SamplingParams
 from tandem.errors import InvalidArgument
 
 PADDED_VOCAB = VOCAB_SIZE + 50  # the model's logits wider than the tokenizer

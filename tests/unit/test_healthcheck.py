@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from health_server import health_server
 
-from cli import health as healthcheck
+from tandem.cli import health as healthcheck
 
 WORKER = "tandem.v1.Worker"
 Status = health_pb2.HealthCheckResponse

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.block_pool import BlockPool
-from engine.host_kv_tier import HostBlockIndex, HostKVTier, host_tier_bytes, host_tier_for
-from engine.kv_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.host_kv_tier import HostBlockIndex, HostKVTier, host_tier_bytes, host_tier_for
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import Sequence
 
 BS = 4
 
@@ -120,7 +120,7 @@ def test_tier_size_from_the_flag():
 
 
 def test_host_memory_is_taken_as_slots_fill(monkeypatch):
-    import engine.host_kv_tier as hkt
+    import tandem.engine.host_kv_tier as hkt
 
     pool = torch.arange(8 * 16, dtype=torch.float32).reshape(8, 1, 2, BS, 1, 2)
     block = pool[0].nbytes
@@ -140,7 +140,7 @@ def test_host_memory_is_taken_as_slots_fill(monkeypatch):
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan")])
 def test_bad_flag_names_the_field(bad):
-    from engine.config import EngineConfig
+    from tandem.engine.config import EngineConfig
     from tandem.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match="host_kv_cache_gb"):
@@ -150,9 +150,9 @@ def test_bad_flag_names_the_field(bad):
 
 
 def test_metrics_show_the_tier():
-    from engine.serving.core_messages import EngineSnapshot
-    from engine.serving.engine_core import _host_tier_fields
-    from runtime.metrics import Metrics
+    from tandem.engine.serving.core_messages import EngineSnapshot
+    from tandem.engine.serving.engine_core import _host_tier_fields
+    from tandem.runtime.metrics import Metrics
 
     pool, data, tier, kv = _setup(num_blocks=4, capacity=2)
     assert pool.is_idle()

@@ -14,13 +14,13 @@ import threading
 import httpx
 import pytest
 
-import router_svc.http_guard as http_guard
-from router_svc.frontend import Frontend, ModelInfo
-from router_svc.http_api import HttpServer, build_app
-from router_svc.json_body import MAX_ITEMS, BodyError, BodyLimits, check_json
-from router_svc.openai_requests import MAX_TOOLS
-from router_svc.workers import WorkerSet
-from runtime.security import ApiKeys
+import tandem.router_svc.http_guard as http_guard
+from tandem.router_svc.frontend import Frontend, ModelInfo
+from tandem.router_svc.http_api import HttpServer, build_app
+from tandem.router_svc.json_body import MAX_ITEMS, BodyError, BodyLimits, check_json
+from tandem.router_svc.openai_requests import MAX_TOOLS
+from tandem.router_svc.workers import WorkerSet
+from tandem.runtime.security import ApiKeys
 
 MAX_MODEL_LEN = 64
 KEY = "key-of-a-tenant"

@@ -8,9 +8,9 @@ import threading
 
 import httpx
 
-from router_svc.frontend import Frontend, ModelInfo
-from router_svc.http_api import build_app
-from router_svc.workers import WorkerSet
+from tandem.router_svc.frontend import Frontend, ModelInfo
+from tandem.router_svc.http_api import build_app
+from tandem.router_svc.workers import WorkerSet
 
 
 class _BlockingTokenizer:
@@ -54,8 +54,8 @@ def test_another_caller_is_served_while_a_prompt_is_tokenized():
 def test_a_long_prompts_hashing_and_checks_run_off_the_loop():
     """Work in proportion to a prompt (its block hashes for routing, the check of every token
     id) runs in a worker thread once the prompt is long (OFF_LOOP_TOKENS), on the loop below."""
-    from engine.sampling_params import SamplingParams
-    from router_svc.workers import OFF_LOOP_TOKENS
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.router_svc.workers import OFF_LOOP_TOKENS
 
     ws = WorkerSet([], [], [])
     fe = Frontend(None, orchestrator=None, model=ModelInfo("m", "llama", 1 << 20, 512,

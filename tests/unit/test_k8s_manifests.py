@@ -171,7 +171,7 @@ def test_workers_keep_triton_kernels_in_a_volume_of_the_pod() -> None:
 
 def test_the_worker_and_router_flags_parse_with_the_cli() -> None:
     """Each container's args are a command line the `tandem` CLI accepts."""
-    from cli.main import build_parser
+    from tandem.cli.main import build_parser
 
     parser = build_parser()
     for deployment in ("tandem-prefill", "tandem-decode", "tandem-router"):
@@ -194,7 +194,7 @@ def test_every_variable_a_command_line_uses_is_defined_in_the_container() -> Non
 
 
 def test_the_cli_check_would_catch_a_flag_the_cli_does_not_know() -> None:
-    from cli.main import build_parser
+    from tandem.cli.main import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["prefill", "--model", "m", "--transport", "carrier-pigeon"])

@@ -166,10 +166,10 @@ def test_the_documented_certificate_passes_every_probe_and_the_routers_calls(tmp
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from health_server import health_server
 
-    from cli import health as healthcheck
-    from cli.certs import make_cluster_ca
-    from cli.main import build_parser
-    from runtime.security import ClusterTls, internal_channel
+    from tandem.cli import health as healthcheck
+    from tandem.cli.certs import make_cluster_ca
+    from tandem.cli.main import build_parser
+    from tandem.runtime.security import ClusterTls, internal_channel
 
     doc = _documented(_k8s_readme())
     made = make_cluster_ca(tmp_path, doc.certs[_certs_dir(doc, doc.generic[SECRETS[
@@ -224,10 +224,10 @@ def test_the_router_started_with_the_manifests_flags_serves_tls_only(tmp_path) -
     import httpx
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from cli.certs import make_cluster_ca
-    from cli.main import build_parser
-    from engine.demo import build_demo_checkpoint
-    from router_svc.server import serve
+    from tandem.cli.certs import make_cluster_ca
+    from tandem.cli.main import build_parser
+    from tandem.engine.demo import build_demo_checkpoint
+    from tandem.router_svc.server import serve
     from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
     doc = _documented(_k8s_readme())

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.kv_connector import DecodeConnector, KVConnector, PrefillConnector, connector_for
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.kv_connector import DecodeConnector, KVConnector, PrefillConnector, connector_for
 
 
 def _connector(role: str, pool: BlockPool) -> KVConnector:

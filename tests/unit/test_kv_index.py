@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from engine.serving.core_messages import KVEvents
-from router_svc.kv_index import KVIndex
-from runtime.kv_events import KVEventHub, SubscriberLagged
+from tandem.engine.serving.core_messages import KVEvents
+from tandem.router_svc.kv_index import KVIndex
+from tandem.runtime.kv_events import KVEventHub, SubscriberLagged
 
 
 def test_match_is_each_workers_longest_prefix():
@@ -89,8 +89,8 @@ def test_hub_sends_the_set_then_changes_and_cuts_off_a_laggard():
 
 
 def _workers(role: str, n: int):
-    from router_svc.routing.prefix_affinity import PrefixAffinity
-    from router_svc.workers import Worker, WorkerSet
+    from tandem.router_svc.routing.prefix_affinity import PrefixAffinity
+    from tandem.router_svc.workers import Worker, WorkerSet
 
     ws = WorkerSet([], [], [], policy=PrefixAffinity(balance_slack=2))
     ws.workers = [Worker(f"{role}{i}", role, None, None, None, healthy=True, slot=i)
@@ -99,7 +99,7 @@ def _workers(role: str, n: int):
 
 
 def _route(ws, prompt: list[int], cache_salt: str = ""):
-    from router_svc.routing import RouteRequest
+    from tandem.router_svc.routing import RouteRequest
 
     return RouteRequest(prompt, ws.prefix_hashes(prompt, cache_salt))
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.pool_sizing import kv_pool_blocks
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.pool_sizing import kv_pool_blocks
 
 MiB = 1 << 20
 

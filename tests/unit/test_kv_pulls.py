@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.sequence import RemoteKV
-from engine.serving.kv_pulls import KVPulls
-from kvtransfer.remote import TransferStats
+from tandem.engine.sequence import RemoteKV
+from tandem.engine.serving.kv_pulls import KVPulls
+from tandem.kvtransfer.remote import TransferStats
 
 
 class FakeLaunch:
@@ -71,7 +71,7 @@ def _lease(i: int, address: str = "p:1") -> RemoteKV:
 
 def test_cuda_ipc_pulls_settle_when_their_copy_is_done(monkeypatch):
     launch = FakeLaunch()
-    monkeypatch.setattr("kvtransfer.remote.launch_pull", launch)
+    monkeypatch.setattr("tandem.kvtransfer.remote.launch_pull", launch)
     kp, events = _pulls("cuda_ipc")
     leases = [_lease(i) for i in range(3)]
     for i, kv in enumerate(leases):
@@ -101,7 +101,7 @@ def test_cuda_ipc_pulls_settle_when_their_copy_is_done(monkeypatch):
 
 def test_close_and_a_new_mapping_wait_for_copies_in_flight(monkeypatch):
     launch = FakeLaunch()
-    monkeypatch.setattr("kvtransfer.remote.launch_pull", launch)
+    monkeypatch.setattr("tandem.kvtransfer.remote.launch_pull", launch)
     kp, events = _pulls("cuda_ipc")
     kp.hold(_lease(0), "r0")
     kp.pull(_lease(0), [1], [2])
@@ -111,7 +111,7 @@ def test_close_and_a_new_mapping_wait_for_copies_in_flight(monkeypatch):
 
 def test_a_failed_check_settles_at_once_with_its_error(monkeypatch):
     launch = FakeLaunch()
-    monkeypatch.setattr("kvtransfer.remote.launch_pull", launch)
+    monkeypatch.setattr("tandem.kvtransfer.remote.launch_pull", launch)
     kp, events = _pulls("cuda_ipc")
     stale = RemoteKV("p:1", "L9", time.monotonic() - 1, (1,), (7,), (None,), instance_id="inst")
     kp.hold(stale, "r9")

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtransfer.descriptor import LAYOUT_FIELDS, PoolDescriptor, check_compatible
-from kvtransfer.pool import allocate_pool
-from kvtransfer.remote import open_remote_pool, pull_blocks
-from kvtransfer.shm import SHM_DIR
 from tandem.errors import InvalidArgument, LayoutMismatch
+from tandem.kvtransfer.descriptor import LAYOUT_FIELDS, PoolDescriptor, check_compatible
+from tandem.kvtransfer.pool import allocate_pool
+from tandem.kvtransfer.remote import open_remote_pool, pull_blocks
+from tandem.kvtransfer.shm import SHM_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = dict(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
@@ -265,7 +265,7 @@ def test_open_refuses_a_segment_that_is_not_a_tandem_pool() -> None:
 # pool it is given, pulls blocks into a pool of its own, and sends that pool back.
 _CHILD = textwrap.dedent("""
     import pickle, sys, torch
-    from kvtransfer.remote import open_remote_pool, pull_blocks
+    from tandem.kvtransfer.remote import open_remote_pool, pull_blocks
     desc, src, dst, num_local = pickle.load(sys.stdin.buffer)
     remote = open_remote_pool(desc, "cpu")
     local = torch.zeros((num_local, *desc.shape[1:]), dtype=remote.tensor.dtype)

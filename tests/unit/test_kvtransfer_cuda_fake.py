@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtransfer.cuda_ipc import IPC_LAZY_ENABLE_PEER_ACCESS
-from kvtransfer.pool import allocate_pool
-from kvtransfer.remote import open_remote_pool, pull_blocks
+from tandem.kvtransfer.cuda_ipc import IPC_LAZY_ENABLE_PEER_ACCESS
+from tandem.kvtransfer.pool import allocate_pool
+from tandem.kvtransfer.remote import open_remote_pool, pull_blocks
 
 SHAPE = dict(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
 

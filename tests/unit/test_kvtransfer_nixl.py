@@ -19,16 +19,16 @@ import pytest
 import torch
 from nixl_pools import REPO, SHAPE, fill, local_blocks, needs_nixl, owner_pool
 
-from kvtransfer.descriptor import PoolDescriptor
-from kvtransfer.pool import allocate_pool
-from kvtransfer.remote import pull_blocks
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer.descriptor import PoolDescriptor
+from tandem.kvtransfer.pool import allocate_pool
+from tandem.kvtransfer.remote import pull_blocks
 
 # --- handle and descriptor (no agent) -------------------------------------------------------
 
 
 def test_handle_round_trips_and_garbage_is_refused_without_echoing_it() -> None:
-    from kvtransfer.nixl import NixlHandle
+    from tandem.kvtransfer.nixl import NixlHandle
 
     h = NixlHandle("tandem-host-1-ab", 0x7F00DEAD0000, b"\x00metadata\xff" * 3)
     assert NixlHandle.unpack(h.pack()) == h
@@ -47,7 +47,7 @@ def test_descriptor_takes_nixl_pools_in_host_or_device_memory() -> None:
 
 
 def test_without_the_package_the_error_names_the_extra(monkeypatch) -> None:
-    from kvtransfer import nixl
+    from tandem.kvtransfer import nixl
 
     monkeypatch.setitem(sys.modules, "nixl", None)  # import nixl raises ImportError
     with pytest.raises(nixl.NixlUnavailable, match=r"pip install 'tandem\[nixl\]'"):
@@ -199,7 +199,7 @@ def test_the_process_endpoint_runs_a_progress_thread_only_where_it_serves(monkey
     """A decode worker's endpoint (made by opening a peer's pool) reads without NIXL's progress
     thread and then refuses to serve a pool, by a message; a prefill worker's (made by
     allocating its pool) runs the thread, and reads through it too."""
-    from kvtransfer import nixl
+    from tandem.kvtransfer import nixl
 
     monkeypatch.setattr(nixl, "_default", None)
     reader = nixl.default_endpoint(serves=False)
@@ -230,7 +230,7 @@ def test_a_prefill_worker_without_the_package_exits_naming_the_extra(tmp_path) -
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(shadow.parent), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.main", "prefill", "--model", "tandem-demo", "--device", "cpu",
+        [sys.executable, "-m", "tandem.cli.main", "prefill", "--model", "tandem-demo", "--device", "cpu",
          "--transport", "nixl", "--port", "0", "--num-blocks", "16", "--cpu-threads", "1"],
         capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
     assert proc.returncode != 0

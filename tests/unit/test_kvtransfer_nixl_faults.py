@@ -22,7 +22,7 @@ from nixl_pools import REPO, gated_reader, local_blocks, needs_nixl, owner_pool
 @needs_nixl
 def test_a_cancelled_pull_releases_its_transfer_once_and_the_next_pull_works(
         nixl_endpoints) -> None:
-    from kvtransfer.nixl import PullCancelled
+    from tandem.kvtransfer.nixl import PullCancelled
 
     owner = nixl_endpoints()
     reader, gated = gated_reader(nixl_endpoints)
@@ -54,7 +54,7 @@ def test_a_transfer_that_cannot_be_cancelled_is_waited_for_before_the_pull_retur
         nixl_endpoints) -> None:
     """The caller frees its destination blocks when pull raises: by then nothing may write
     into them."""
-    from kvtransfer.nixl import PullCancelled
+    from tandem.kvtransfer.nixl import PullCancelled
 
     owner = nixl_endpoints()
     reader, gated = gated_reader(nixl_endpoints, refuse_release_while_gated=True)
@@ -88,7 +88,7 @@ _OWNER = textwrap.dedent("""
     os.environ["UCX_NET_DEVICES"] = "lo"
     import torch
     sys.path.insert(0, sys.argv[1])
-    from kvtransfer.pool import allocate_pool
+    from tandem.kvtransfer.pool import allocate_pool
     pool = allocate_pool(num_blocks=8, dtype=torch.float16, device="cpu", transport="nixl",
                          num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
     pool.tensor.view(8, -1)[:] = torch.arange(8, dtype=torch.float16)[:, None]
@@ -103,7 +103,7 @@ def test_a_peer_process_that_vanished_fails_the_pull_instead_of_hanging(
         nixl_endpoints) -> None:
     """The owner is another process (UCX over loopback, as between two hosts' agents); once it
     is killed, a pull raises (NIXL's error, or the deadline) and releases its transfer."""
-    from kvtransfer.nixl import TransferFailed
+    from tandem.kvtransfer.nixl import TransferFailed
 
     child = subprocess.Popen([sys.executable, "-c", _OWNER, str(REPO)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE)

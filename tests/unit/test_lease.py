@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer.lease import Claim, LeaseClaims, LeaseTable, prompt_digest
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer.lease import Claim, LeaseClaims, LeaseTable, prompt_digest
 
 
 def test_lease_release_returns_exactly_its_blocks_once() -> None:

@@ -10,8 +10,8 @@ import asyncio
 import grpc
 import pytest
 
-from decode_svc.handoff import CORE, LEASE_MARGIN_S, WORKER, HeldLease
-from decode_svc.lease_renewal import RETRY_S, LeaseRenewal
+from tandem.decode_svc.handoff import CORE, LEASE_MARGIN_S, WORKER, HeldLease
+from tandem.decode_svc.lease_renewal import RETRY_S, LeaseRenewal
 from tandem.v1 import worker_pb2
 
 

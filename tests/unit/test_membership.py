@@ -7,14 +7,14 @@ import asyncio
 
 import pytest
 
-from router_svc.membership import (
+from tandem.errors import InvalidArgument
+from tandem.router_svc.membership import (
     Membership,
     MembershipConfig,
     config_from_args,
     parse_workers_file,
 )
-from router_svc.workers import WorkerSet
-from tandem.errors import InvalidArgument
+from tandem.router_svc.workers import WorkerSet
 
 
 def test_workers_file_lines_are_role_and_address_with_comments_and_blanks() -> None:
@@ -89,7 +89,7 @@ def test_a_router_that_knows_no_worker_yet_is_not_healthy() -> None:
 
 
 def test_dns_names_resolve_to_every_address_at_the_port() -> None:
-    from router_svc.membership import resolve
+    from tandem.router_svc.membership import resolve
 
     addresses = asyncio.run(resolve("localhost", 50061))  # /etc/hosts: loopback only
     assert addresses and set(addresses) <= {"127.0.0.1:50061", "[::1]:50061"}

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
-from engine.loader import checkpoint_layout, dummy_checkpoint
-from engine.models import gguf_model_class, model_class
-from engine.models.layers import CausalLM
-from engine.models.registry import MODELS
+from tandem.engine.config import ModelConfig
+from tandem.engine.loader import checkpoint_layout, dummy_checkpoint
+from tandem.engine.models import gguf_model_class, model_class
+from tandem.engine.models.layers import CausalLM
+from tandem.engine.models.registry import MODELS
 from tandem.errors import ModelLoadError
 from tiny import ARCHS
 

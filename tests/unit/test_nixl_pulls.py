@@ -14,9 +14,9 @@ import pytest
 import torch
 from nixl_pools import gated_reader, local_blocks, needs_nixl, owner_pool
 
-from engine.sequence import RemoteKV
-from engine.serving.core_messages import LeasesRenewed, MapPool
-from engine.serving.kv_pulls import KVPulls
+from tandem.engine.sequence import RemoteKV
+from tandem.engine.serving.core_messages import LeasesRenewed, MapPool
+from tandem.engine.serving.kv_pulls import KVPulls
 
 
 def _lease(i: int, src: list[int], ttl: float = 60.0) -> RemoteKV:
@@ -28,7 +28,7 @@ def _lease(i: int, src: list[int], ttl: float = 60.0) -> RemoteKV:
 def core(nixl_endpoints, monkeypatch):
     """(KVPulls mapping a nixl pool of 48 blocks, that pool, the local pool, LeaseDones sent,
     the reader's Gated agent): the reader is this process's endpoint, as a decode core's."""
-    from kvtransfer import nixl
+    from tandem.kvtransfer import nixl
 
     owner = nixl_endpoints()
     reader, gated = gated_reader(nixl_endpoints)
@@ -153,7 +153,7 @@ def test_pulls_are_posted_oldest_first_within_the_bytes_the_link_moves(core, mon
     """With at most two blocks' bytes in flight (the link's last rate unknown), the first of
     three two-block pulls is posted and the others wait, in order, until it is done; with a
     rate that moves them all in the time allowed, all are posted at once."""
-    from kvtransfer import nixl
+    from tandem.kvtransfer import nixl
 
     kp, pool, local, sent, gated = core
     block = pool.descriptor.block_bytes

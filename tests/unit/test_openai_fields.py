@@ -12,15 +12,15 @@ import json
 import httpx
 import pytest
 
-from engine.demo import build_demo_checkpoint
-from engine.sampling_params import Logprob, SamplingParams, TokenLogprobs
-from engine.tokenizer import Tokenizer
-from router_svc.chat_output import ChatChoice, ChatOutputSpec
-from router_svc.frontend import Frontend, ModelInfo
-from router_svc.http_api import build_app
-from router_svc.worker_stream import SampleUpdate, Update
-from router_svc.workers import WorkerSet
 from surface_model import build_surface_model, tag_ids
+from tandem.engine.demo import build_demo_checkpoint
+from tandem.engine.sampling_params import Logprob, SamplingParams, TokenLogprobs
+from tandem.engine.tokenizer import Tokenizer
+from tandem.router_svc.chat_output import ChatChoice, ChatOutputSpec
+from tandem.router_svc.frontend import Frontend, ModelInfo
+from tandem.router_svc.http_api import build_app
+from tandem.router_svc.worker_stream import SampleUpdate, Update
+from tandem.router_svc.workers import WorkerSet
 
 MAX_MODEL_LEN = 1024
 
@@ -276,9 +276,9 @@ def test_stream_options_and_service_tier_are_acted_on(tokenizers):
 
 # -- prompt logprobs on a colocated worker's stream; structured outputs' spellings --------------
 def test_prompt_logprobs_travel_with_a_colocated_workers_first_tokens():
-    from decode_svc.outbox import Outbox
-    from engine.sequence import SeqOutput
-    from router_svc.worker_stream import _by_request
+    from tandem.decode_svc.outbox import Outbox
+    from tandem.engine.sequence import SeqOutput
+    from tandem.router_svc.worker_stream import _by_request
 
     lps = [TokenLogprobs(Logprob(2, -1.5), (Logprob(7, -0.5),)), _lp(3)]
     outbox = Outbox()

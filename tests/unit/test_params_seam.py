@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from cli.generate import add_sampling_args, sampling_params
-from cli.main import flag_name
-from engine.sampling_params import (
+from tandem.cli.generate import add_sampling_args, sampling_params
+from tandem.cli.main import flag_name
+from tandem.client import SamplingParams as ClientParams
+from tandem.engine.sampling_params import (
     FORMAT_AFTER,
     FORMAT_KINDS,
     MAPPED,
@@ -25,11 +26,10 @@ from engine.sampling_params import (
     param_spec,
     request_params,
 )
-from router_svc import openai_requests
-from router_svc.api_errors import grpc_field
-from runtime.convert import FORMAT_ONEOF, params_from_proto, params_to_proto
-from tandem.client import SamplingParams as ClientParams
 from tandem.errors import InvalidArgument
+from tandem.router_svc import openai_requests
+from tandem.router_svc.api_errors import grpc_field
+from tandem.runtime.convert import FORMAT_ONEOF, params_from_proto, params_to_proto
 from tandem.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,10 +9,10 @@ import pytest
 import torch
 import transformers
 
-from engine import prompt_logprobs
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from tandem.engine import prompt_logprobs
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import Sequence
 
 PROMPT = [(37 * i) % 500 + 3 for i in range(45)]
 OTHER = [(11 * i) % 500 + 3 for i in range(30)]

@@ -10,15 +10,15 @@ import asyncio
 import grpc
 import pytest
 
-from engine.sampling_params import SamplingParams
-from router_svc.frontend import Frontend, ModelInfo
-from router_svc.grpc_api import TandemServicer
-from router_svc.orchestrator import Orchestrator
-from router_svc.worker_stream import SampleUpdate, Update
-from router_svc.workers import WorkerSet
-from runtime.convert import params_to_proto
-from runtime.lifecycle import make_server
-from runtime.security import ApiKeyInterceptor, ApiKeys, bind
+from tandem.engine.sampling_params import SamplingParams
+from tandem.router_svc.frontend import Frontend, ModelInfo
+from tandem.router_svc.grpc_api import TandemServicer
+from tandem.router_svc.orchestrator import Orchestrator
+from tandem.router_svc.worker_stream import SampleUpdate, Update
+from tandem.router_svc.workers import WorkerSet
+from tandem.runtime.convert import params_to_proto
+from tandem.runtime.lifecycle import make_server
+from tandem.runtime.security import ApiKeyInterceptor, ApiKeys, bind
 from tandem.v1 import api_pb2, api_pb2_grpc
 
 KEYS = ("key-of-tenant-a", "key-of-tenant-b")

@@ -14,17 +14,17 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason, RequestTiming, SeqOutput
-from engine.serving.async_engine import RequestAborted
-from router_svc.decode_legs import RouterError
-from router_svc.frontend import Frontend, ModelInfo
-from router_svc.orchestrator import SampleUpdate, Update
-from router_svc.routing import RouteRequest
-from runtime.metrics import Metrics
-from runtime.request_trace import ApiCall, client_call, input_messages, outcome
-from runtime.telemetry import Telemetry, Tracing
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import FinishReason, RequestTiming, SeqOutput
+from tandem.engine.serving.async_engine import RequestAborted
 from tandem.errors import InvalidArgument
+from tandem.router_svc.decode_legs import RouterError
+from tandem.router_svc.frontend import Frontend, ModelInfo
+from tandem.router_svc.orchestrator import SampleUpdate, Update
+from tandem.router_svc.routing import RouteRequest
+from tandem.runtime.metrics import Metrics
+from tandem.runtime.request_trace import ApiCall, client_call, input_messages, outcome
+from tandem.runtime.telemetry import Telemetry, Tracing
 
 
 @pytest.fixture
@@ -294,8 +294,8 @@ def test_a_cancel_after_the_deadline_is_a_deadline(traced):
 def test_moved_decode_legs_are_client_spans_and_events(traced):
     from test_router_faults import FakeOrchestrator, FakeStream, _run
 
-    from router_svc.decode_legs import DecodeLegs
-    from runtime.convert import params_to_proto
+    from tandem.router_svc.decode_legs import DecodeLegs
+    from tandem.runtime.convert import params_to_proto
 
     exporter, provider = traced
     tracer = provider.get_tracer("test")

@@ -11,12 +11,12 @@ import asyncio
 import grpc
 import pytest
 
-from engine.sampling_params import SamplingParams
-from router_svc.decode_legs import DecodeLegs, RouterError
-from router_svc.routing import RouteRequest
-from router_svc.worker_stream import SampleUpdate, StreamBroken, Update
-from router_svc.workers import FaultMetrics, Worker, WorkerSet, unless_lost
-from runtime.convert import params_to_proto
+from tandem.engine.sampling_params import SamplingParams
+from tandem.router_svc.decode_legs import DecodeLegs, RouterError
+from tandem.router_svc.routing import RouteRequest
+from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update
+from tandem.router_svc.workers import FaultMetrics, Worker, WorkerSet, unless_lost
+from tandem.runtime.convert import params_to_proto
 from tandem.v1 import worker_pb2
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from router_svc.workers import FaultMetrics, WorkerSet
+from tandem.router_svc.workers import FaultMetrics, WorkerSet
 
 FAKE_WORKER = Path(__file__).resolve().parents[1] / "fake_worker.py"
 

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_svc.routing import (
+from tandem.errors import InvalidArgument
+from tandem.router_svc.routing import (
     DEFAULT_POLICY,
     POLICIES,
     RouteRequest,
@@ -22,10 +23,9 @@ from router_svc.routing import (
     WorkerLoad,
     make_policy,
 )
-from router_svc.routing.least_loaded import LeastLoaded
-from router_svc.routing.prefix_affinity import PrefixAffinity
-from router_svc.workers import Worker, WorkerSet
-from tandem.errors import InvalidArgument
+from tandem.router_svc.routing.least_loaded import LeastLoaded
+from tandem.router_svc.routing.prefix_affinity import PrefixAffinity
+from tandem.router_svc.workers import Worker, WorkerSet
 
 REQUEST = RouteRequest(list(range(1, 65)))
 
@@ -115,7 +115,7 @@ def test_the_registry_is_the_flags_choices():
                                                                      "least-loaded"}
     for name, cls in POLICIES.items():
         assert cls.name == name and isinstance(make_policy(name), cls) and cls.summary
-    from router_svc.server import add_router_args
+    from tandem.router_svc.server import add_router_args
 
     p = argparse.ArgumentParser()
     add_router_args(p)

@@ -7,8 +7,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import Sampler, SampleRow
-from engine.sampling_params import SamplingParams
+from tandem.engine.sampler import Sampler, SampleRow
+from tandem.engine.sampling_params import SamplingParams
 
 VOCAB = 32
 

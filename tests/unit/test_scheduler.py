@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.config import SchedulerConfig
-from engine.kv_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import RemoteKV, Sequence, Status
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import RemoteKV, Sequence, Status
 
 BS = 4
 
@@ -124,7 +124,7 @@ def test_a_sequence_whose_kv_is_arriving_is_neither_scheduled_nor_preempted(pool
 
 
 def test_admission_waits_while_too_many_sequences_wait_for_their_kv(monkeypatch):
-    import engine.scheduler as scheduler_module
+    import tandem.engine.scheduler as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "MAX_PULLING", 2)
     pool = BlockPool(num_blocks=32, block_size=BS)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig, ModelConfig, SchedulerConfig
-from engine.kv_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, Status
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.config import EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import Sequence, Status
 from tandem.errors import InvalidArgument
 
 BS = 4

@@ -11,16 +11,16 @@ import json
 import httpx
 import pytest
 
-from engine.config import ModelConfig
-from engine.demo import build_demo_checkpoint
-from engine.sampling_params import ResponseFormat
-from engine.tokenizer import Tokenizer
-from router_svc import schema_check
-from router_svc.frontend import Frontend, ModelInfo
-from router_svc.http_api import build_app
-from router_svc.schema_check import SchemaChecker
-from router_svc.workers import WorkerSet
+from tandem.engine.config import ModelConfig
+from tandem.engine.demo import build_demo_checkpoint
+from tandem.engine.sampling_params import ResponseFormat
+from tandem.engine.tokenizer import Tokenizer
 from tandem.errors import InvalidArgument
+from tandem.router_svc import schema_check
+from tandem.router_svc.frontend import Frontend, ModelInfo
+from tandem.router_svc.http_api import build_app
+from tandem.router_svc.schema_check import SchemaChecker
+from tandem.router_svc.workers import WorkerSet
 
 pytest.importorskip("xgrammar")
 

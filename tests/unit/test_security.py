@@ -11,14 +11,15 @@ import math
 import grpc
 import pytest
 
-from cli.certs import make_cluster_ca
-from engine.block_pool import hash_block, salt_root
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from router_svc.frontend import Frontend
-from router_svc.http_guard import BodyGuard
-from router_svc.json_body import BodyError, check_json
-from runtime.cluster_roles import (
+from tandem.cli.certs import make_cluster_ca
+from tandem.engine.block_pool import hash_block, salt_root
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import Sequence
+from tandem.errors import InvalidArgument
+from tandem.router_svc.frontend import Frontend
+from tandem.router_svc.http_guard import BodyGuard
+from tandem.router_svc.json_body import BodyError, check_json
+from tandem.runtime.cluster_roles import (
     ROLES,
     SELF,
     WORKER_CALLERS,
@@ -27,8 +28,7 @@ from runtime.cluster_roles import (
     peer_name,
     role_of,
 )
-from runtime.security import ApiKeys, ClusterTls, PublicTls, load_api_keys
-from tandem.errors import InvalidArgument
+from tandem.runtime.security import ApiKeys, ClusterTls, PublicTls, load_api_keys
 
 
 # -- API keys ------------------------------------------------------------------------------------
@@ -64,7 +64,7 @@ def test_keys_come_from_the_environment_or_a_file(tmp_path):
 
 
 def test_the_router_and_tandem_up_take_no_key_on_the_command_line():
-    from cli.main import build_parser
+    from tandem.cli.main import build_parser
 
     for argv in (["router", "--model", "m", "--workers", "a:1", "--api-key", "secret"],
                  ["up", "--api-key", "secret"]):
@@ -74,8 +74,8 @@ def test_the_router_and_tandem_up_take_no_key_on_the_command_line():
 
 
 def test_tandem_up_passes_the_key_file_not_the_key(monkeypatch, tmp_path):
-    from cli.main import build_parser
-    from cli.up import stack_from_args
+    from tandem.cli.main import build_parser
+    from tandem.cli.up import stack_from_args
 
     monkeypatch.setenv("TANDEM_API_KEY", "the-secret")
     args = build_parser("up").parse_args(["up", "--device", "cpu", "--api-key-file",
@@ -134,7 +134,7 @@ def test_certs_written_again_replace_what_was_there(tmp_path):
     a link."""
     import os
 
-    from cli.main import build_parser
+    from tandem.cli.main import build_parser
 
     out, elsewhere = tmp_path / "certs", tmp_path / "elsewhere"
     out.mkdir()
@@ -204,8 +204,8 @@ def test_a_caller_checks_the_role_of_the_peer_it_dials(tmp_path):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from health_server import health_server
 
-    from cli import health as healthcheck
-    from runtime.security import internal_channel
+    from tandem.cli import health as healthcheck
+    from tandem.runtime.security import internal_channel
 
     made = make_cluster_ca(tmp_path)
 
@@ -236,7 +236,7 @@ def test_a_worker_without_cluster_tls_listens_on_loopback_unless_insecure(caplog
     """The check runs before the engine loads: a non-loopback --host without TLS is refused
     naming --insecure; with it, or on loopback, the worker starts and says loudly that anyone
     who reaches it may call it."""
-    from runtime.worker import check_exposure, is_loopback
+    from tandem.runtime.worker import check_exposure, is_loopback
 
     assert all(is_loopback(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.3.0.1"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "", "prefill"))
@@ -261,7 +261,7 @@ def test_a_pool_owner_is_known_by_the_socket_it_listens_on():
     import subprocess
     import sys
 
-    from runtime.local_peers import pool_owner_listens
+    from tandem.runtime.local_peers import pool_owner_listens
 
     with socket.socket() as listener, socket.socket() as other:
         listener.bind(("127.0.0.1", 0))

@@ -9,10 +9,10 @@ import grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decode_svc.outbox import Outbox, failure_message
-from engine.sequence import FinishReason, SeqOutput
-from router_svc.worker_stream import _by_request
-from runtime.worker import WorkerError
+from tandem.decode_svc.outbox import Outbox, failure_message
+from tandem.engine.sequence import FinishReason, SeqOutput
+from tandem.router_svc.worker_stream import _by_request
+from tandem.runtime.worker import WorkerError
 from tandem.v1 import worker_pb2
 
 

@@ -15,8 +15,8 @@ import json
 
 import pytest
 
-from engine.demo import BOS_ID, END_OF_TEXT_ID, EOT_ID
-from engine.tokenizer import Tokenizer
+from tandem.engine.demo import BOS_ID, END_OF_TEXT_ID, EOT_ID
+from tandem.engine.tokenizer import Tokenizer
 from tandem.errors import InvalidArgument, ModelLoadError
 from tiny_tokenizers import build_bytelevel_bpe_tokenizer, build_sentencepiece_tokenizer
 
@@ -170,7 +170,7 @@ QWEN_LIKE = (
 def test_tools_tool_turns_and_template_kwargs(demo, tmp_path):
     """Tools reach the template; a tool call's JSON arguments are an object there; template
     kwargs (Qwen3's enable_thinking) are passed; the answer's reading follows the template."""
-    from router_svc.chat_request import output_spec, template_messages
+    from tandem.router_svc.chat_request import output_spec, template_messages
 
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / f).write_bytes((demo.model_dir / f).read_bytes())

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from router_svc.chat_output import ChatChoice, ChatOutputSpec
-from router_svc.reasoning import ReasoningParser, split_reasoning
-from router_svc.tool_parsers import (
+from tandem.router_svc.chat_output import ChatChoice, ChatOutputSpec
+from tandem.router_svc.reasoning import ReasoningParser, split_reasoning
+from tandem.router_svc.tool_parsers import (
     PARSERS,
     StreamingToolParser,
     detect_family,
@@ -198,8 +198,8 @@ def test_chat_choice_mistral_marker_token_restored():
 
 
 def test_chat_shaper_streams_reasoning_content_and_tool_calls():
-    from router_svc.frontend import Delta, Usage
-    from router_svc.openai_objects import ChatShaper
+    from tandem.router_svc.frontend import Delta, Usage
+    from tandem.router_svc.openai_objects import ChatShaper
 
     text = ('<think>hmm</think>\n\nSure.<tool_call>\n{"name": "get_time", "arguments": '
             '{"zone": "utc"}}\n</tool_call>')

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine.attention.torch_backend import paged_attention_torch, paged_decode_torch
+from tandem.engine.attention.torch_backend import paged_attention_torch, paged_decode_torch
 
 
 @pytest.mark.parametrize("gqa", [1, 4])

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.parallel import rank_heads
-from kvtransfer.descriptor import PoolDescriptor, check_compatible
-from kvtransfer.tp_pull import HeadCopy, head_plan, pull_heads
+from tandem.engine.parallel import rank_heads
 from tandem.errors import InvalidArgument, LayoutMismatch
+from tandem.kvtransfer.descriptor import PoolDescriptor, check_compatible
+from tandem.kvtransfer.tp_pull import HeadCopy, head_plan, pull_heads
 
 LAYERS, BS, DIM, BLOCKS = 2, 4, 8, 10
 
@@ -83,8 +83,8 @@ def test_layouts_compare_the_models_heads_and_tp_sizes():
 def test_tensor_parallel_handoffs_refuse_nixl_pools(tmp_path):
     """Heads move between tensor-parallel workers over shm or cuda_ipc; a nixl pool is refused
     by name, before any rank starts or any pool is mapped."""
-    from engine.config import EngineConfig
-    from engine.tp_group import RankKV, TPGroup
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.tp_group import RankKV, TPGroup
 
     with pytest.raises(InvalidArgument, match="transport"):
         TPGroup(EngineConfig(model="m", tensor_parallel_size=2), tmp_path,

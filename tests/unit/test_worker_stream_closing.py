@@ -9,7 +9,7 @@ import asyncio
 
 import grpc
 
-from router_svc.worker_stream import WorkerStream
+from tandem.router_svc.worker_stream import WorkerStream
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from router_svc.worker_stream import StreamBroken, WorkerStream
+from tandem.router_svc.worker_stream import StreamBroken, WorkerStream
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 FAKE_WORKER = Path(__file__).resolve().parents[1] / "fake_worker.py"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels._common import INTERPRET
+from tandem.kernels._common import INTERPRET
 
 
 @pytest.fixture

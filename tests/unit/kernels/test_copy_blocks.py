@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import copy_blocks, copy_blocks_ref
+from tandem.kernels import copy_blocks, copy_blocks_ref
 
 
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.quantization.fp8 import GEMV_MAX_M, linear_path, quantize_weight
-from kernels import Fp8GemvConfig, fp8_gemv, fp8_gemv_ref
-from kernels._common import FP8_DTYPE, FP8_MAX
+from tandem.engine.quantization.fp8 import GEMV_MAX_M, linear_path, quantize_weight
+from tandem.kernels import Fp8GemvConfig, fp8_gemv, fp8_gemv_ref
+from tandem.kernels._common import FP8_DTYPE, FP8_MAX
 
 # Small tiles so that the shapes below have several N tiles with a ragged last one and a
 # ragged last K tile: N = 40 is not a multiple of 16 or 32, K = 200 not one of 64.
@@ -94,8 +94,8 @@ def test_dispatch_rule():
 def test_warm_up_runs_gemv_steps_with_fp8_weights(device, monkeypatch, fp8):
     """Start-up runs eager steps of 1 and of 3 tokens (the kernel at one row, _scaled_mm beyond)
     when the model has FP8 layers; the mixed and prefill steps are too large for the kernel."""
-    from engine.quantization.fp8 import Fp8Linear
-    from engine.warm_up import has_fp8_linear, warm_up
+    from tandem.engine.quantization.fp8 import Fp8Linear
+    from tandem.engine.warm_up import has_fp8_linear, warm_up
 
     layer = torch.nn.Linear(32, 16, device=device)
     model = torch.nn.Sequential(Fp8Linear.from_float(layer) if fp8 else layer)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import (
+from tandem.kernels import (
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_prefill_attention,
@@ -17,8 +17,8 @@ from kernels import (
     store_kv,
     store_kv_ref,
 )
-from kernels._common import FP8_DTYPE, FP8_MAX, quantize_fp8_ref
-from kernels.paged_decode_launch import DecodeConfig, SplitPolicy
+from tandem.kernels._common import FP8_DTYPE, FP8_MAX, quantize_fp8_ref
+from tandem.kernels.paged_decode_launch import DecodeConfig, SplitPolicy
 
 FP8 = FP8_DTYPE
 
@@ -163,14 +163,14 @@ def test_triton_backend_matches_torch_backend_on_an_fp8_pool(seed, device, monke
     with an FP8 pool and uneven per-(layer, KV head) scales: the same bytes stored, the same
     attention out. With rope the two rotate k with different fp32 arithmetic, so a stored
     element may land one e4m3 step apart."""
-    from engine.attention.torch_backend import TorchAttentionBackend
-    from engine.attention.triton_backend import TritonAttentionBackend
-    from engine.config import RopeScaling
-    from engine.models.layers import RotaryEmbedding
-    from engine.quantization.kv_cache import KVScales
     from paged_meta import step_metadata
+    from tandem.engine.attention.torch_backend import TorchAttentionBackend
+    from tandem.engine.attention.triton_backend import TritonAttentionBackend
+    from tandem.engine.config import RopeScaling
+    from tandem.engine.models.layers import RotaryEmbedding
+    from tandem.engine.quantization.kv_cache import KVScales
 
-    monkeypatch.setattr("engine.attention.triton_backend.num_sms", lambda _: 128)  # split-KV
+    monkeypatch.setattr("tandem.engine.attention.triton_backend.num_sms", lambda _: 128)  # split-KV
     num_layers, block_size, hkv, head_dim, num_heads = 2, 16, 2, 64, 8
     query_lens, cached = [1, 1, 13, 6], [290, 40, 0, 25]
     seq_lens = [q + c for q, c in zip(query_lens, cached, strict=True)]

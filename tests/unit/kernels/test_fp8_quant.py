@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import quant_fp8, quant_fp8_ref
-from kernels._common import FP8_MAX
+from tandem.kernels import quant_fp8, quant_fp8_ref
+from tandem.kernels._common import FP8_MAX
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

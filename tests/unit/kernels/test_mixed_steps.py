@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.triton_backend import TritonAttentionBackend
-from engine.cuda_graphs import CudaGraphRunner, MixedGraphRunner
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from tandem.engine.attention.triton_backend import TritonAttentionBackend
+from tandem.engine.cuda_graphs import CudaGraphRunner, MixedGraphRunner
+from tandem.engine.llm import LLM
+from tandem.engine.sampling_params import SamplingParams
 
 PROMPTS = [[(31 * i + 7 * j) % 250 + 1 for j in range(3 + 29 * i)] for i in range(3)]
 PARAMS = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True)

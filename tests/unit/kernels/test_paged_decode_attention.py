@@ -3,15 +3,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import (
+from tandem.kernels import (
     SplitPolicy,
     decode_num_splits,
     decode_workspace_numel,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
-from kernels._common import INTERPRET
-from kernels.paged_decode_launch import DecodeConfig, decode_split_len
+from tandem.kernels._common import INTERPRET
+from tandem.kernels.paged_decode_launch import DecodeConfig, decode_split_len
 
 # Splits of one tile are allowed, so that short contexts exercise the split path.
 ANY_SPLIT = SplitPolicy(min_split_tiles=1)

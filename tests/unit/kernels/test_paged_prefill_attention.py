@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.base import max_prefill_tiles, prefill_tiles
-from kernels import paged_prefill_attention, paged_prefill_attention_ref
-from kernels.paged_prefill_attention import PrefillConfig
+from tandem.engine.attention.base import max_prefill_tiles, prefill_tiles
+from tandem.kernels import paged_prefill_attention, paged_prefill_attention_ref
+from tandem.kernels.paged_prefill_attention import PrefillConfig
 
 
 def _batch(seed: int) -> tuple[list[int], list[int]]:

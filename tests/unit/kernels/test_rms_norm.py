@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import RMSNormResidual, rms_norm, rms_norm_ref
+from tandem.kernels import RMSNormResidual, rms_norm, rms_norm_ref
 
 
 @pytest.mark.parametrize("hidden", [64, 96, 1000])

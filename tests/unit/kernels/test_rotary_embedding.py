@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import rotary_embedding, rotary_embedding_ref
+from tandem.kernels import rotary_embedding, rotary_embedding_ref
 
 
 def _cos_sin_cache(max_pos: int, rotary_dim: int, base: float = 10000.0) -> torch.Tensor:

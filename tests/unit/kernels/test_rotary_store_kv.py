@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import (
+from tandem.kernels import (
     rotary_embedding,
     rotary_store_kv,
     rotary_store_kv_ref,

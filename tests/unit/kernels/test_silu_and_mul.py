@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import silu_and_mul, silu_and_mul_ref
+from tandem.kernels import silu_and_mul, silu_and_mul_ref
 
 
 @pytest.mark.parametrize("inter", [64, 300, 2500])

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import store_kv, store_kv_ref
+from tandem.kernels import store_kv, store_kv_ref
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.base import AttentionMetadata, Rope, forward_context
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.attention.triton_backend import TritonAttentionBackend
-from engine.config import ModelConfig, RopeScaling
-from engine.models.layers import Attention, AttentionOptions, RotaryEmbedding
 from paged_meta import step_metadata
+from tandem.engine.attention.base import AttentionMetadata, Rope, forward_context
+from tandem.engine.attention.torch_backend import TorchAttentionBackend
+from tandem.engine.attention.triton_backend import TritonAttentionBackend
+from tandem.engine.config import ModelConfig, RopeScaling
+from tandem.engine.models.layers import Attention, AttentionOptions, RotaryEmbedding
 
 
 def _step(query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int,
@@ -44,7 +44,7 @@ def _step(query_lens: list[int], seq_lens: list[int], block_size: int, num_block
 @pytest.mark.parametrize("sms", [1, 128], ids=["no-split", "split"])
 def test_matches_torch_backend(seed, device, monkeypatch, query_lens, cached, group, sms, rope):
     # With many SMs for few (sequence, KV head) pairs the decode part takes the split-KV path.
-    monkeypatch.setattr("engine.attention.triton_backend.num_sms", lambda _: sms)
+    monkeypatch.setattr("tandem.engine.attention.triton_backend.num_sms", lambda _: sms)
     num_layers, block_size, num_kv_heads, head_dim = 2, 16, 2, 64
     num_heads = group * num_kv_heads
     seq_lens = [0 if c < 0 else c + q for q, c in zip(query_lens, cached, strict=True)]
@@ -94,7 +94,7 @@ def _split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int
 def test_attention_layer_same_on_both_backends(seed, device, monkeypatch, qk_norm):
     """The model's Attention layer hands its rotary embedding to the backend: the Triton
     backend's fused rotary + store gives the torch backend's output and pool."""
-    monkeypatch.setattr("engine.attention.triton_backend.num_sms", lambda _: 128)
+    monkeypatch.setattr("tandem.engine.attention.triton_backend.num_sms", lambda _: 128)
     cfg = ModelConfig(
         architecture="Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM", vocab_size=64,
         hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4, num_kv_heads=2,
