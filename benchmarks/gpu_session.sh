@@ -3,7 +3,7 @@
 # $OUT/<stage>.txt (and JSON where the script writes one). Usage on the device:
 #   bash benchmarks/gpu_session.sh correctness perf
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl,
-# transfer_nixl_env, fp8_blocks, sweep, decode, sched,
+# transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, defaults, structured,
 # pulls, profile, offline, layouts, compare, spec, pack.
 set -uo pipefail
@@ -35,6 +35,11 @@ for stage in "$@"; do
         --load-format dummy --device cuda --dtype bfloat16 --max-model-len 4096 \
         --prompt-token-ids 1,2,3,4,5,6,7,8 --prompt-token-ids 9,10,11 --max-tokens 16 --json ;;
     kernels) run kernels python3 benchmarks/kernels/paged_kernels.py --out "$OUT/kernels.json" ;;
+    kv_dtype)  # FP8 KV against bf16 KV in the decode kernel, FP8 tile configs swept
+      run decode_kv_dtype python3 benchmarks/kernels/decode_kv_dtype.py --out "$OUT/decode_kv_dtype.json" ;;
+    fp8kv_steps)  # FP8 KV against bf16 KV in whole decode steps (8B config, CUDA graphs)
+      run fp8kv_steps python3 benchmarks/engine/decode_step.py --model benchmarks/configs/llama-3.1-8b \
+        --batch 1 16 64 256 512 --context 1024 --variants bf16 fp8-kv --out "$OUT/fp8kv_steps.json" ;;
     transfer) run kv_transfer python3 benchmarks/transfer/kv_transfer.py --ttft-model benchmarks/configs/llama-3.1-8b --out "$OUT/kv_transfer.json" ;;
     # Needs nixl-cu13 and nixl (meta) wheels installed into /tmp/site (README: the GPU run).
     transfer_nixl) run kv_transfer_nixl python3 benchmarks/transfer/kv_transfer.py --nixl \

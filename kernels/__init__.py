@@ -65,7 +65,7 @@ def compiled_variants() -> dict[str, int]:
 
     counts: dict[str, int] = {}
     for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"kernels.{info.name}")
+        module = importlib.import_module(f"{__name__}.{info.name}")
         for name, obj in vars(module).items():
             if isinstance(obj, JITFunction) and obj.__module__ == module.__name__:
                 n = sum(len(cache[0]) for cache in obj.device_caches.values())

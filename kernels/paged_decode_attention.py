@@ -33,7 +33,9 @@ replay. A sequence with a single active split writes its output directly.
 FP8 caches (e4m3, kernels/_common.py) come with one fp32 scale per KV head for K and for V.
 A program serves one KV head, so dequantizing costs no per-element multiply: K tiles are
 converted to q's dtype and k_scale folds into the softmax scale; V tiles likewise, and v_scale
-multiplies the accumulator once at the end (softmax weights sum V linearly).
+multiplies the accumulator once at the end (softmax weights sum V linearly). With
+DecodeConfig.fp8_dot_f16 the tiles become fp16 instead (exact for e4m3, one conversion) and a
+bf16 q is rounded to fp16 once per program (fp32 queries keep fp32 dot products).
 
 This module holds the kernels, their launcher (`paged_decode_attention`) and the plain-torch
 reference; kernels/paged_decode_launch.py holds the host-side shaping the launcher uses: its
@@ -71,6 +73,7 @@ def _attend(
     stride_bt,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):
     """Online softmax of the group's query heads over tokens [start, end) of one sequence.
     Returns (acc [BLOCK_H, D], running max m [BLOCK_H], running sum l [BLOCK_H]), unnormalised.
@@ -84,6 +87,8 @@ def _attend(
 
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh
                 + offs_d[None, :], mask=head_mask[:, None], other=0.0)
+    if DOT_F16:  # an FP8 cache read as fp16 (exact), q rounded to fp16 once
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -136,6 +141,7 @@ def _paged_decode_kernel(
     stride_os, stride_oh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):
     """No split: one program per (sequence, KV head) over the whole context."""
     seq = tl.program_id(0)
@@ -145,7 +151,7 @@ def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, 0, seq_len,
         scale_log2,
         stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION)
+        stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION, DOT_F16)
 
     # seq_len 0 (padding rows) leaves l_i at 0: write zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -222,6 +228,7 @@ def _paged_decode_split_kernel(
     stride_cs,  # counters [S, Hkv] (KV-head stride 1)
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_F16: tl.constexpr,
     SPLITS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -241,7 +248,8 @@ def _paged_decode_split_kernel(
             q_ptr, k_ptr, v_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, start, end,
             scale_log2,
             stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-            stride_vh, stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION)
+            stride_vh, stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION,
+            DOT_F16)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_safe[:, None]
         offs_h = tl.arange(0, BLOCK_H)
@@ -312,11 +320,13 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
 
-    cfg = config or decode_config(head_dim)
+    fp8 = k_scale is not None
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
+        block_n = (config or decode_config(head_dim, fp8=fp8)).block_n
         num_splits = decode_num_splits(num_seqs, num_kv_heads, bound, num_sms(q.device),
-                                       cfg.block_n, policy)
+                                       block_n, policy)
+    cfg = config or decode_config(head_dim, fp8=fp8, split=num_splits > 1)
     check(1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}]")
     group = num_q_heads // num_kv_heads
     block_h = max(16, triton.next_power_of_2(group))
@@ -330,6 +340,8 @@ def paged_decode_attention(
     )
     tiles = dict(GROUP=group, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
                  HEAD_DIM=head_dim, DOT_PRECISION=precision,
+                 # fp32 queries (CPU runs) keep fp32 dot products: fp16 would round them.
+                 DOT_F16=bool(cfg.fp8_dot_f16 and fp8 and q.dtype != torch.float32),
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     if num_splits == 1:  # no workspace: write the output directly

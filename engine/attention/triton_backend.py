@@ -39,7 +39,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_sms = num_sms(pool.device)
         # Query tokens per prefill work item: the runner lists a step's items (meta.prefill_tiles).
         self.prefill_block_q = prefill_block_q(self.head_dim, num_heads // self.num_kv_heads)
-        self.decode_block_n = decode_config(self.head_dim).block_n
+        self.decode_block_n = decode_config(self.head_dim, fp8=kv_scales is not None).block_n
         # The split heuristic only splits while num_seqs * num_kv_heads is below
         # programs_per_sm * SMs, so the split workspace has a small upper bound: size it once
         # for every batch size.

@@ -94,24 +94,32 @@ def _fp8_context(make_paged_context, lens, num_blocks, block_size, num_kv_heads,
     return fp8, tables, seq_lens, k_scale, v_scale
 
 
+@pytest.mark.parametrize("dot_f16", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("group", [1, 4])
-def test_decode_attention_dequantizes(seed, device, make_paged_context, group, num_splits):
+def test_decode_attention_dequantizes(seed, device, make_paged_context, group, num_splits,
+                                      dot_f16):
+    """Both ways of reading FP8 tiles: converted to q's dtype, or to fp16 (exact) for 16-bit
+    queries (DecodeConfig.fp8_dot_f16, which fp32 queries do not take; the tolerance is then
+    fp16's output rounding)."""
     block_size = [8, 16][seed % 2]
     lens, num_kv_heads, head_dim = [150, 37, 1, 0], 2, 64
     pool, tables, seq_lens, k_scale, v_scale = _fp8_context(
         make_paged_context, lens, 48, block_size, num_kv_heads, head_dim, device)
     k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
     q = torch.randn(len(lens), num_kv_heads * group, head_dim, device=device)
+    if dot_f16:
+        q = q.half()  # the interpreter runs no bf16 dot; fp16 queries take the same path
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, out=out,
-                           num_splits=num_splits, config=DecodeConfig(16, 4, 2),
+                           num_splits=num_splits, config=DecodeConfig(16, 4, 2, dot_f16),
                            policy=SplitPolicy(min_split_tiles=1), k_scale=k_scale,
                            v_scale=v_scale)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 0.125, k_scale,
                                      v_scale)
     msg = f"seed={seed} block_size={block_size}"
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"{msg}\n{m}")
+    tol = dict(atol=1e-2, rtol=1e-2) if dot_f16 else dict(atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out.float(), ref.float(), **tol, msg=lambda m: f"{msg}\n{m}")
     assert torch.all(out[-1] == 0), msg
     # The scales matter: the undequantized reference is far off (outputs ~ v / v_scale).
     raw = paged_decode_attention_ref(q, k_cache.float(), v_cache.float(), tables, seq_lens,
