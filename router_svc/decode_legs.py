@@ -48,6 +48,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from tandem.router_svc.routing import RouteRequest
+from tandem.router_svc.routing.policy import DISAGGREGATED, LOCAL
 from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update
 from tandem.router_svc.workers import Worker
 from tandem.runtime.convert import logprobs_from_proto
@@ -147,6 +148,11 @@ class DecodeLegs:
         # A move under way: the failed worker, its error, the tokens so far (counted once the
         # next leg is sent).
         self._moving: tuple[Worker, grpc.aio.AioRpcError, int] | None = None
+        self._placing = True  # the first prefill asks the routing policy where the request runs
+        # Placed wholly on a decode worker (RoutingPolicy.place): that worker, for the first leg.
+        self._local: Worker | None = None
+        self._local_first = False  # the first leg prefills on its decode worker by placement
+        self._local_leg = False  # ... and has not been sent yet
 
     async def run(self) -> AsyncIterator[Update]:
         """The first tokens (from the prefill), then every decode leg's until all samples
@@ -196,6 +202,10 @@ class DecodeLegs:
     def _pick(self, refused: dict[str, str]) -> Worker | None:
         """The next leg's decode worker: never one that refused the request, one that turned
         it away only when no other is up."""
+        local, self._local = self._local, None
+        if local is not None and local in self.orch.workers.by_role("decode") \
+                and local.address not in refused:
+            return local
         pick = self.orch.workers.pick_decode
         return (pick(self.route, "decode", set(refused) | self._avoid)
                 or pick(self.route, "decode", set(refused)))
@@ -210,6 +220,8 @@ class DecodeLegs:
         """A lease for the next leg from a prefill worker (the first prefill's answer kept for
         its first tokens), or False: that leg's decode worker prefills the prompt itself (and,
         for a request that moves, records the tokens its client has)."""
+        if self._placed_local():
+            return False
         got = await self.orch.prefill(self.rid, self.route, self.wire_params, self.deadline,
                                       self.ctx, may_fall_back=True)
         if isinstance(got, Fallback):
@@ -224,10 +236,31 @@ class DecodeLegs:
         self._lease = _Lease(p, resp.kv)
         return True
 
+    def _placed_local(self) -> bool:
+        """Whether the routing policy places this request wholly on its decode worker (asked
+        once, for the first prefill; a request that moves or retries prefills as it would
+        without placement). The decision and what it weighed go on the request's span and
+        tandem:placements."""
+        if not self._placing:  # run() asks again before the first leg: the same answer
+            local, self._local_leg = self._local_leg, False
+            return local
+        self._placing = False
+        placed = self.orch.workers.place(self.route)
+        if placed is None:
+            return False
+        p = placed.placement
+        self.orch.workers.metrics.placements.labels(p.where, p.reason).inc()
+        trace.get_current_span(self.ctx).set_attributes(p.attributes())
+        if p.local:
+            self._local = placed.decode
+            self._local_first = self._local_leg = True
+        return p.local
+
     async def _leg(self, d: Worker) -> AsyncIterator[Update]:
         """One decode request on worker d; the lease goes with it (none: d prefills)."""
         first, lease = self._first, self._lease
         legs = self.moves + self.retries
+        placed_local = legs == 0 and self._local_first
         req = worker_pb2.DecodeRequest(
             # A leg of its own on the worker: a worker that hung holds the last one until it
             # hears the cancel, and may be the one this leg goes to.
@@ -261,7 +294,10 @@ class DecodeLegs:
                          name="decode_leg", **{"tandem.worker.role": "decode",
                                                "tandem.leg": legs,
                                                "tandem.request_id": req.request_id,
-                                               "tandem.prefill.fallback": lease is None}
+                                               "tandem.prefill.fallback":
+                                                   lease is None and not placed_local,
+                                               "tandem.placement":
+                                                   LOCAL if lease is None else DISAGGREGATED}
                          ) as traced:
             call = d.stream.request(worker_pb2.StreamRequest(decode=req), traced.metadata,
                                     self.orch.remaining(self.deadline), on_sent=sent)

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from tandem.engine.config import ModelConfig
@@ -22,7 +23,8 @@ from tandem.router_svc.membership import Membership, config_from_args
 from tandem.router_svc.no_torch import keep_torch_out
 from tandem.router_svc.orchestrator import Orchestrator
 from tandem.router_svc.responses_api import DEFAULT_STORE, ResponseStore
-from tandem.router_svc.routing import DEFAULT_POLICY, POLICIES, make_policy
+from tandem.router_svc.routing import DEFAULT_POLICY, POLICIES, PlacementOptions, make_policy
+from tandem.router_svc.routing.placement import DEFAULT_KV_BANDWIDTH
 from tandem.router_svc.schema_check import DEFAULT_BUDGET_S, SchemaChecker
 from tandem.router_svc.workers import FaultMetrics, WorkerSet
 from tandem.runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
@@ -109,6 +111,17 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing-policy", choices=sorted(POLICIES), default=DEFAULT_POLICY,
                    help="how each request's workers are picked: " + "; ".join(
                        f"{name}: {policy.summary}" for name, policy in sorted(POLICIES.items())))
+    p.add_argument("--placement-short-prompt", type=int, default=0,
+                   help="cost-placement: a prompt with at most this many tokens its decode "
+                        "worker does not cache is prefilled there, whatever the costs (0: the "
+                        "costs alone decide)")
+    p.add_argument("--placement-interference", type=float, default=1.0,
+                   help="cost-placement: how much the delay a prefill on a decode worker adds "
+                        "to that worker's running requests weighs against the request's own "
+                        "time to first token (priority 0; 0 for priority < 0, 4x for > 0)")
+    p.add_argument("--placement-kv-bandwidth", type=float, default=DEFAULT_KV_BANDWIDTH,
+                   help="cost-placement: bytes per second a KV handoff is assumed to move until "
+                        "the decode workers have measured their own pulls")
     p.add_argument("--kv-index-max-blocks", type=int, default=DEFAULT_MAX_BLOCKS,
                    help="block hashes the router keeps of what its workers cache, for routing "
                         "(about 78 bytes each: 78 MB for the default 1M); past it the oldest "
@@ -145,6 +158,23 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     add_cluster_tls_args(p)
 
 
+def placement_options(args: argparse.Namespace, cfg: ModelConfig) -> PlacementOptions | None:
+    """The --placement-* flags (None: all at their defaults and a policy that places nothing).
+    A KV block's bytes come from the model's shape (16-bit unless --dtype says otherwise) until
+    the decode workers measure them."""
+    try:
+        opts = PlacementOptions(args.placement_short_prompt, args.placement_interference,
+                                args.placement_kv_bandwidth)
+    except ValueError as e:
+        flag = str(e).split(" ", 1)[0]
+        raise InvalidArgument(flag, str(e)) from None
+    if not POLICIES[args.routing_policy].places:
+        return None if opts == PlacementOptions() else opts  # make_policy refuses it
+    itemsize = {"float32": 4, "float64": 8}.get(args.dtype or "", 2)
+    return replace(opts, kv_block_bytes=(cfg.num_layers * 2 * args.block_size
+                                         * cfg.num_kv_heads * cfg.head_dim * itemsize))
+
+
 async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = None,
                 telemetry: Telemetry | None = None) -> None:
     """`telemetry`: the process's logging, tracing and metrics, as run() sets them up (default:
@@ -178,12 +208,13 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer(model_dir) if has_tokenizer(model_dir) else None
+    policy = make_policy(args.routing_policy, placement_options(args, cfg))
     workers = WorkerSet(prefill, decode, both, block_size=args.block_size,
                         poll_interval_s=args.poll_interval,
                         worker_timeout_s=args.worker_timeout,
                         metrics=FaultMetrics(telemetry.metrics.registry), tls=cluster_tls,
                         kv_index_max_blocks=args.kv_index_max_blocks,
-                        policy=make_policy(args.routing_policy),
+                        policy=policy,
                         prefill_fallback=args.prefill_fallback)
     orchestrator = Orchestrator(workers, max_migrations=args.max_migrations,
                                 prefill_saturation=args.prefill_saturation)

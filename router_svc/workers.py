@@ -41,7 +41,13 @@ from prometheus_client.core import GaugeMetricFamily
 from tandem.engine.block_pool import hash_block, salt_root
 from tandem.router_svc.kv_index import DEFAULT_MAX_BLOCKS, KVIndex
 from tandem.router_svc.liveness import Poller, PollResult, Target, probe_channel
-from tandem.router_svc.routing import RouteRequest, RoutingPolicy, WorkerLoad, make_policy
+from tandem.router_svc.routing import (
+    Placement,
+    RouteRequest,
+    RoutingPolicy,
+    WorkerLoad,
+    make_policy,
+)
 from tandem.router_svc.worker_stream import StreamBroken, WorkerStream
 from tandem.runtime.lifecycle import GRPC_OPTIONS
 from tandem.runtime.security import ClusterTls, internal_channel
@@ -93,7 +99,22 @@ class Worker:
         """What a routing policy sees of this worker."""
         ld = self.load
         return WorkerLoad(self.address, self.role, self.in_flight, ld.num_waiting,
-                          ld.num_running, ld.num_free_blocks, cached_blocks)
+                          ld.num_running, ld.num_free_blocks, cached_blocks,
+                          step_seconds=ld.step_seconds,
+                          prompt_token_seconds=ld.prompt_token_seconds,
+                          kv_bandwidth=(ld.kv_bytes_pulled / ld.kv_pull_seconds
+                                        if ld.kv_pull_seconds > 0 else 0.0),
+                          kv_block_bytes=(ld.kv_bytes_pulled // ld.kv_blocks_pulled
+                                          if ld.kv_blocks_pulled else 0))
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A request's placement and the decode worker it was weighed against (its decode leg's,
+    whether it prefills there or pulls)."""
+
+    placement: Placement
+    decode: Worker
 
 
 async def unless_lost(w: Worker, call: grpc.aio.UnaryUnaryCall):
@@ -134,6 +155,11 @@ class FaultMetrics:
             "tandem:prefill_fallbacks", "Prompts prefilled on their decode worker because no "
             "prefill worker was up (no_prefill) or every one was past --prefill-saturation "
             "(saturated)", ["reason"], registry=reg)
+        self.placements = Counter(
+            "tandem:placements", "Requests the routing policy placed (cost-placement): "
+            "disaggregated (prefill worker, then decode worker) or decode (wholly on the decode "
+            "worker), and why (router_svc/routing/placement.py)", ["placement", "reason"],
+            registry=reg)
         self.loop_lag = Histogram("tandem:router_loop_lag_seconds", "How much later than due "
                                   "the router's event loop ran a 0.1 s timer (what a burst "
                                   "costs every request and health answer)", registry=reg,
@@ -471,8 +497,26 @@ class WorkerSet:
         one for a colocated request."""
         return self._pick(self.policy.pick_decode, role, request, exclude)
 
+    def place(self, request: RouteRequest) -> Placed | None:
+        """Where a disaggregated request runs (RoutingPolicy.place), with the decode worker the
+        policy picked for it; None when the policy places nothing, or no prefill or no decode
+        worker is up (the prefill fallback decides then)."""
+        if not self.policy.places:
+            return None
+        p = self._pick_load(self.policy.pick_prefill, "prefill", request, frozenset())
+        d = self._pick_load(self.policy.pick_decode, "decode", request, frozenset())
+        if p is None or d is None:
+            return None
+        return Placed(self.policy.place(request, p[1], d[1], self.block_size), d[0])
+
     def _pick(self, pick: Callable[[RouteRequest, list[WorkerLoad]], WorkerLoad], role: str,
               request: RouteRequest, exclude: Set[str]) -> Worker | None:
+        chosen = self._pick_load(pick, role, request, exclude)
+        return None if chosen is None else chosen[0]
+
+    def _pick_load(self, pick: Callable[[RouteRequest, list[WorkerLoad]], WorkerLoad],
+                   role: str, request: RouteRequest,
+                   exclude: Set[str]) -> tuple[Worker, WorkerLoad] | None:
         candidates = [w for w in self.by_role(role) if w.address not in exclude]
         if not candidates:
             return None
@@ -482,6 +526,6 @@ class WorkerSet:
         chosen = pick(request, loads)
         for w, seen in zip(candidates, loads):
             if seen is chosen:
-                return w
+                return w, seen
         raise TypeError(f"routing policy {self.policy.name!r} picked {chosen!r}, "
                         "not one of the workers it was given")

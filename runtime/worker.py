@@ -27,6 +27,7 @@ from tandem.runtime.kv_events import KVEventHub, SubscriberLagged
 from tandem.runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
 from tandem.runtime.security import ClusterTls, add_cluster_tls_args
 from tandem.runtime.security import bind as bind_port
+from tandem.runtime.step_pace import StepPace
 from tandem.runtime.telemetry import Telemetry, configure_process_logging
 from tandem.runtime.worker_inputs import check_request_id
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -128,6 +129,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     # Mutual TLS toward peers (decode -> prefill), as run_worker sets it; None: plaintext.
     cluster_tls: ClusterTls | None = None
     insecure = False  # --insecure: plaintext beyond loopback
+    pace = StepPace()  # how fast its engine steps lately (run_worker gives each its own)
 
     def __init__(self, engine: AsyncEngine, worker_id: str) -> None:
         self.engine = engine
@@ -161,7 +163,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             instance_id=self.instance_id, prompt_tokens_computed=s.prompt_tokens_computed,
             kv_blocks_pulled=s.kv_blocks_pulled, kv_bytes_pulled=s.kv_bytes_pulled,
             kv_runs_pulled=s.kv_runs_pulled, kv_pull_seconds=s.kv_pull_seconds,
-            draining=self.draining)
+            draining=self.draining, step_seconds=self.pace.step_seconds,
+            prompt_token_seconds=self.pace.prompt_token_seconds)
 
     async def Drain(self, request, context):  # noqa: N802
         """Take this worker out without dropping a request (the same as SIGTERM): answered once
@@ -279,7 +282,13 @@ async def run_worker(args: argparse.Namespace, role: str,
     spec = CoreSpec(engine_config(args, role=role), role, transport, lease_ttl_s,
                     lease_max_life_s, cpu_threads=args.cpu_threads,
                     process_setup=configure_process_logging)
-    engine = AsyncEngine(spec, on_step=metrics.on_step, on_abort=metrics.on_abort,
+    pace = StepPace()
+
+    def on_step(stats, outputs, end) -> None:
+        metrics.on_step(stats, outputs, end)
+        pace.observe(stats)
+
+    engine = AsyncEngine(spec, on_step=on_step, on_abort=metrics.on_abort,
                          on_death=on_death)
     await engine.start()
     try:
@@ -295,6 +304,7 @@ async def run_worker(args: argparse.Namespace, role: str,
         worker_id = args.worker_id or f"{role}@{address}"
         servicer = make_servicer(engine, worker_id, address)
         servicer.telemetry = telemetry
+        servicer.pace = pace
         servicer.cluster_tls = tls
         servicer.insecure = getattr(args, "insecure", False)
         engine.on_lease_done = servicer.lease_done

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 
@@ -48,11 +48,57 @@ class WorkerLoad:
     # How many leading blocks of the request's prompt its prefix cache holds. Filled only for a
     # policy that says `uses_prefix_cache` (it costs a walk of the prompt's hashes); else 0.
     cached_blocks: int = 0
+    # How fast it steps lately (Load.step_seconds, Load.prompt_token_seconds; 0: not yet known)
+    step_seconds: float = 0.0
+    prompt_token_seconds: float = 0.0
+    # Its KV pulls so far (decode role; 0: none yet): bytes per second and bytes per block.
+    kv_bandwidth: float = 0.0
+    kv_block_bytes: int = 0
 
     @property
     def queued(self) -> int:
         """Requests ahead of a new one there: this router's in flight plus the engine's queue."""
         return self.in_flight + self.num_waiting
+
+
+DISAGGREGATED = "disaggregated"  # prefilled on a prefill worker, decoded on a decode worker
+LOCAL = "decode"  # the whole request on its decode worker (it prefills the prompt itself)
+
+
+@dataclass(frozen=True)
+class PlacementInputs:
+    """What the rule weighed (seconds, tokens, blocks), for the trace."""
+
+    slo_class: str
+    prompt_tokens: int
+    uncached_prefill_tokens: int
+    uncached_decode_tokens: int
+    pull_blocks: int
+    transfer_s: float
+    disaggregated_s: float
+    local_s: float
+    harm_local_s: float
+    harm_disaggregated_s: float
+    weight: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    where: str  # DISAGGREGATED | LOCAL
+    reason: str  # short | unmeasured | cheaper_local | cheaper_disaggregated
+    inputs: PlacementInputs | None = None  # None: decided before any cost was weighed
+
+    @property
+    def local(self) -> bool:
+        return self.where == LOCAL
+
+    def attributes(self) -> dict[str, str | int | float]:
+        """Span attributes: the decision and every input it weighed."""
+        attrs: dict[str, str | int | float] = {"tandem.placement": self.where,
+                                               "tandem.placement.reason": self.reason}
+        if self.inputs is not None:
+            attrs.update({f"tandem.placement.{k}": v for k, v in asdict(self.inputs).items()})
+        return attrs
 
 
 class RoutingPolicy(ABC):
@@ -63,6 +109,9 @@ class RoutingPolicy(ABC):
     summary: ClassVar[str]  # one line for `tandem router --help`
     # Whether WorkerLoad.cached_blocks is filled in for this policy.
     uses_prefix_cache: ClassVar[bool] = False
+    # Whether it places requests (place): else every disaggregated request is prefilled on a
+    # prefill worker, while one is up.
+    places: ClassVar[bool] = False
 
     @abstractmethod
     def pick_prefill(self, request: RouteRequest, workers: Sequence[WorkerLoad]) -> WorkerLoad:
@@ -72,3 +121,10 @@ class RoutingPolicy(ABC):
     def pick_decode(self, request: RouteRequest, workers: Sequence[WorkerLoad]) -> WorkerLoad:
         """The worker that generates the request's tokens: a decode worker after a prefill, or
         a colocated (`both`) worker for the whole request. One of `workers` (never empty)."""
+
+    def place(self, request: RouteRequest, prefill: WorkerLoad, decode: WorkerLoad,
+              block_size: int) -> Placement:
+        """Where a disaggregated request runs, given the prefill and decode workers this policy
+        picked for it: prefilled on `prefill` and pulled by `decode`, or wholly on `decode`
+        (router_svc/routing/placement.py). Called only when `places`."""
+        return Placement(DISAGGREGATED, "policy")
