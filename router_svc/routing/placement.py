@@ -14,7 +14,10 @@ them for the trace):
     disaggregated_s = P.queued * P.step_s + uncached_P * P.token_s + transfer_s + D.step_s
     local_s         = D.waiting * D.step_s + uncached_D * D.token_s
     harm_local_s    = D.running * uncached_D * D.token_s      (each running sequence on D
-    harm_disagg_s   = D.running * transfer_s                   waits that long for its tokens)
+    harm_disagg_s   = D.running * transfer_s                   waits that long for its tokens;
+                                                               D.running: its engine's count at
+                                                               its last poll, or this router's
+                                                               requests there if more)
 
     local when   local_s + w * harm_local_s  <  disaggregated_s + w * harm_disagg_s
 
@@ -110,6 +113,7 @@ def _weigh(request: RouteRequest, p: WorkerLoad, d: WorkerLoad, block_size: int,
     bandwidth = d.kv_bandwidth or options.kv_bandwidth
     block_bytes = d.kv_block_bytes or options.kv_block_bytes
     transfer_s = pull_blocks * block_bytes / bandwidth
+    running = max(d.num_running, d.in_flight)  # polls lag; this router's count does not
     cls = slo_class(request.priority)
     weight = {"interactive": 0.0, "standard": options.interference,
               "batch": options.interference * BATCH_INTERFERENCE}[cls]
@@ -119,5 +123,5 @@ def _weigh(request: RouteRequest, p: WorkerLoad, d: WorkerLoad, block_size: int,
         disaggregated_s=(p.queued * p.step_seconds + uncached_p * p.prompt_token_seconds
                          + transfer_s + d.step_seconds),
         local_s=d.num_waiting * d.step_seconds + uncached_d * d.prompt_token_seconds,
-        harm_local_s=d.num_running * uncached_d * d.prompt_token_seconds,
-        harm_disaggregated_s=d.num_running * transfer_s, weight=weight)
+        harm_local_s=running * uncached_d * d.prompt_token_seconds,
+        harm_disaggregated_s=running * transfer_s, weight=weight)
