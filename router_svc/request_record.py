@@ -97,6 +97,7 @@ class RouterRequest:
         self.num_samples = params.n if params is not None else 1
         self.start = time.monotonic()
         self.first_token: float | None = None
+        self.last_token = 0.0  # time.monotonic() of the last update with tokens
         self.admitted = False
         self.ended = False
         self.reasons: dict[int, str] = {}
@@ -140,9 +141,14 @@ class RouterRequest:
         return stack
 
     def tokens(self, n: int) -> None:
-        """Called per update from the workers with the number of new tokens."""
+        """Called per update from the workers with the number of new tokens. After the first,
+        the time since the last update is one inter-token latency (the planner reads them)."""
+        if self.first_token is not None and n and self.admitted:
+            now = time.monotonic()
+            self.metrics.itl.observe(now - self.last_token)
+            self.last_token = now
         if self.first_token is None and n:
-            self.first_token = time.monotonic()
+            self.first_token = self.last_token = time.monotonic()
             self.span.add_event("first_token")
             if self.admitted:
                 self.metrics.ttft.observe(self.first_token - self.start)

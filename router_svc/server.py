@@ -22,6 +22,7 @@ from tandem.router_svc.liveness import LoopLag
 from tandem.router_svc.membership import Membership, config_from_args
 from tandem.router_svc.no_torch import keep_torch_out
 from tandem.router_svc.orchestrator import Orchestrator
+from tandem.router_svc.planner import Planner, PlannerTargets
 from tandem.router_svc.responses_api import DEFAULT_STORE, ResponseStore
 from tandem.router_svc.routing import DEFAULT_POLICY, POLICIES, PlacementOptions, make_policy
 from tandem.router_svc.routing.placement import DEFAULT_KV_BANDWIDTH
@@ -122,6 +123,22 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement-kv-bandwidth", type=float, default=DEFAULT_KV_BANDWIDTH,
                    help="cost-placement: bytes per second a KV handoff is assumed to move until "
                         "the decode workers have measured their own pulls")
+    p.add_argument("--planner-ttft", type=float, default=0.0,
+                   help="planner: the time-to-first-token percentile (seconds) to stay under; "
+                        "with --planner-itl, the router exports the prefill and decode worker "
+                        "counts that meet both as tandem:planner_desired_replicas{role} "
+                        "(0: no planner)")
+    p.add_argument("--planner-itl", type=float, default=0.0,
+                   help="planner: the inter-token-latency percentile (seconds) to stay under")
+    p.add_argument("--planner-percentile", type=float, default=0.9,
+                   help="planner: which percentile of each window the targets hold (0.9: p90)")
+    p.add_argument("--planner-interval", type=float, default=30.0,
+                   help="planner: seconds per window (one decision each)")
+    p.add_argument("--planner-low-water", type=float, default=0.5,
+                   help="planner: below this share of its target (nothing queued), a role "
+                        "gives back one worker")
+    p.add_argument("--planner-min-replicas", type=int, default=1)
+    p.add_argument("--planner-max-replicas", type=int, default=8)
     p.add_argument("--kv-index-max-blocks", type=int, default=DEFAULT_MAX_BLOCKS,
                    help="block hashes the router keeps of what its workers cache, for routing "
                         "(about 78 bytes each: 78 MB for the default 1M); past it the oldest "
@@ -175,6 +192,20 @@ def placement_options(args: argparse.Namespace, cfg: ModelConfig) -> PlacementOp
                                          * cfg.num_kv_heads * cfg.head_dim * itemsize))
 
 
+def planner_targets(args: argparse.Namespace) -> PlannerTargets | None:
+    """The --planner-* flags (None: no planner)."""
+    if not (args.planner_ttft or args.planner_itl):
+        return None
+    if not args.planner_interval > 0:
+        raise InvalidArgument("--planner-interval", f"must be > 0, got {args.planner_interval}")
+    try:
+        return PlannerTargets(args.planner_ttft, args.planner_itl, args.planner_percentile,
+                              args.planner_low_water, args.planner_min_replicas,
+                              args.planner_max_replicas)
+    except ValueError as e:
+        raise InvalidArgument(str(e).split(" ", 1)[0], str(e)) from None
+
+
 async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = None,
                 telemetry: Telemetry | None = None) -> None:
     """`telemetry`: the process's logging, tracing and metrics, as run() sets them up (default:
@@ -216,6 +247,9 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
                         kv_index_max_blocks=args.kv_index_max_blocks,
                         policy=policy,
                         prefill_fallback=args.prefill_fallback)
+    targets = planner_targets(args)
+    planner = (Planner(targets, telemetry.metrics.registry, workers, args.planner_interval)
+               if targets is not None else None)
     orchestrator = Orchestrator(workers, max_migrations=args.max_migrations,
                                 prefill_saturation=args.prefill_saturation)
     served, aliases = model_names(args)
@@ -247,6 +281,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     await workers.start()
     if learnt.enabled:
         await membership.start()
+    if planner is not None:
+        planner.start()
     # gRPC readiness says what HTTP /health/ready says: NOT_SERVING while no path through the
     # workers can take a request (liveness stays SERVING).
     workers.on_health = lambda: health.depend(workers.ready())
@@ -283,6 +319,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
 
     async def stop() -> None:
         await loop_lag.close()
+        if planner is not None:
+            await planner.close()
         if schemas is not None:
             await schemas.close()
         await membership.close()
