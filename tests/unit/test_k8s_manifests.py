@@ -239,3 +239,25 @@ def test_the_documented_secrets_are_the_ones_the_pods_mount(where) -> None:
     for d, secrets in mounted.items():
         pod = _get("Deployment", d)["spec"]["template"]["spec"]
         assert {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} == secrets
+
+
+def test_autoscalers_scale_each_worker_deployment_on_the_routers_planner() -> None:
+    """autoscaling.yaml: one HPA per worker Deployment, on the planner's desired replicas for
+    that role, within the planner's own bounds; the router runs the planner with valid
+    targets and scrapes as Prometheus reaches it."""
+    from tandem.cli.main import build_parser
+    from tandem.router_svc.server import planner_targets
+
+    router_args = [re.sub(r"\$\((\w+)\)", "x", a) for a in _container("tandem-router")["args"]]
+    targets = planner_targets(build_parser().parse_args(router_args))
+    assert targets is not None
+    for role in ("prefill", "decode"):
+        hpa = _get("HorizontalPodAutoscaler", f"tandem-{role}")["spec"]
+        assert hpa["scaleTargetRef"]["name"] == f"tandem-{role}"
+        _get("Deployment", hpa["scaleTargetRef"]["name"])  # exists
+        (metric,) = hpa["metrics"]
+        assert metric["external"]["metric"]["name"] == "tandem_planner_desired_replicas"
+        assert metric["external"]["metric"]["selector"]["matchLabels"] == {"role": role}
+        assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+        assert (hpa["minReplicas"], hpa["maxReplicas"]) == (targets.min_replicas,
+                                                            targets.max_replicas)
