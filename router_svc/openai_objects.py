@@ -38,8 +38,39 @@ def _usage(u: Usage) -> dict:
 
 
 class Shaper(ABC):
-    """Turns Frontend steps into one endpoint's chunks and final object. Keeps per-sample text,
-    finish reasons and logprobs for the non-streaming answer."""
+    """Turns Frontend steps into one endpoint's streamed events and final object: what the HTTP
+    layer (router_svc/http_api.py) calls. ChoiceShaper serves the endpoints whose answer is a
+    list of choices (completions, chat); ResponsesShaper (responses_api.py) the Responses API."""
+
+    @abstractmethod
+    def start(self) -> list[dict]:
+        """The events before the first step."""
+
+    @abstractmethod
+    def add(self, step: Step) -> list[dict]:
+        """Remembers one step for the final object; when streaming, its events."""
+
+    @abstractmethod
+    def end(self) -> list[dict | str]:
+        """The events after the last step."""
+
+    @abstractmethod
+    def failed(self, error: ApiError, ended: bool = False) -> list[dict | str]:
+        """The events of a stream that failed mid-way (`ended`: the server ended it)."""
+
+    @abstractmethod
+    def final(self) -> dict:
+        """The non-streamed answer."""
+
+    @staticmethod
+    def sse(obj: dict | str) -> str:
+        """One event as server-sent events write it."""
+        return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+class ChoiceShaper(Shaper):
+    """Completions and chat: per-sample chunks ("choices") while streaming, and the per-sample
+    text, finish reasons and logprobs kept for the non-streaming answer."""
 
     object: str
     chunk_object: str
@@ -72,7 +103,6 @@ class Shaper(ABC):
         return c
 
     def add(self, step: Step) -> list[dict]:
-        """Remembers one step for the final object; when streaming, its chunks."""
         deltas, self.usage = step
         chunks = []
         for d in deltas:
@@ -87,13 +117,10 @@ class Shaper(ABC):
                 chunks.append(self._chunk([choice]))
         return chunks
 
+    @abstractmethod
     def step_choice(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict | None:
-        """Takes one sample's delta; its entry in a streamed chunk, None when it adds none."""
-        if d.finish_reason is not None:
-            self.finish[d.index] = d.finish_reason
-        if d.text or d.finish_reason is not None or lps:
-            return self.choice_delta(d, lps, offsets)
-        return None
+        """Takes one sample's delta (its finish reason into self.finish); its entry in a
+        streamed chunk, None when it adds none."""
 
     def _offsets(self, lps: list[TokenLogprobs], start: int, end: int) -> list[int]:
         """Where each token starts in the sample's text: its token text laid end to end from
@@ -108,17 +135,11 @@ class Shaper(ABC):
     def usage_chunk(self) -> dict:
         return {**self._chunk([]), "usage": _usage(self.usage)}
 
-    # -- server-sent events ----------------------------------------------------------------
-    @staticmethod
-    def sse(obj: dict | str) -> str:
-        return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
-
     def end(self) -> list[dict | str]:
-        """The events after the last step: the usage chunk when asked for, then [DONE]."""
+        """The usage chunk when asked for, then [DONE]."""
         return [*([self.usage_chunk()] if self.include_usage else []), "[DONE]"]
 
     def failed(self, error: ApiError, ended: bool = False) -> list[dict | str]:
-        """The events of a stream that failed mid-way (`ended`: the server ended it)."""
         return [error.body(), *(["[DONE]"] if ended else [])]
 
     def start(self) -> list[dict]:
@@ -133,15 +154,11 @@ class Shaper(ABC):
         return out
 
     @abstractmethod
-    def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
-        """One choice's entry in a streamed chunk."""
-
-    @abstractmethod
     def choice(self, i: int) -> dict:
         """One choice of the final (non-streamed) response."""
 
 
-class CompletionShaper(Shaper):
+class CompletionShaper(ChoiceShaper):
     """Completions, of one prompt or several (choice i is prompt i // per_prompt's sample
     i % per_prompt). echo: each prompt's text before its choices'; with logprobs, its tokens
     lead the choice's logprobs (the first with none: nothing comes before it), from the prompt
@@ -217,7 +234,11 @@ class CompletionShaper(Shaper):
                 "top_logprobs": [self._top(lp) for lp in lps],
                 "text_offset": [o + shift for o in offsets]}
 
-    def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
+    def step_choice(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict | None:
+        if d.finish_reason is not None:
+            self.finish[d.index] = d.finish_reason
+        if not (d.text or d.finish_reason is not None or lps):
+            return None
         out = {"index": d.index, "text": d.text, "logprobs": self._logprobs(d.index, lps, offsets),
                "finish_reason": d.finish_reason}
         if self.want_prompt_logprobs and d.prompt_logprobs is not None:
@@ -256,7 +277,7 @@ def vllm_prompt_logprobs(tok: Tokenizer | None, prompt: list[int],
     return out
 
 
-class ChatShaper(Shaper):
+class ChatShaper(ChoiceShaper):
     """Chat: each choice's text goes through its ChatChoice (reasoning, tool calls)."""
 
     object = "chat.completion"
@@ -329,9 +350,6 @@ class ChatShaper(Shaper):
     def start(self) -> list[dict]:
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}]) for i in range(self.n)]
-
-    def choice_delta(self, d: Delta, lps: list[TokenLogprobs], offsets: list[int]) -> dict:
-        raise NotImplementedError("ChatShaper.step_choice builds its deltas")
 
     def choice(self, i: int) -> dict:
         return {"index": i, "message": self.choices[i].message(),

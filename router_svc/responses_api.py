@@ -18,6 +18,7 @@ other than messages and function calls (images, files), truncation "auto", n.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,9 +30,9 @@ from tandem.errors import InvalidArgument
 from tandem.router_svc import openai_requests as req
 from tandem.router_svc.chat_output import ChatChoice
 from tandem.router_svc.chat_request import only_keys
-from tandem.router_svc.frontend import Delta
+from tandem.router_svc.frontend import Delta, Usage
 from tandem.router_svc.http_errors import ApiError
-from tandem.router_svc.openai_objects import Shaper, Step, StreamExtras
+from tandem.router_svc.openai_objects import Shaper, Step
 
 DEFAULT_STORE = 1024  # responses kept for previous_response_id
 
@@ -254,7 +255,9 @@ class ResponsesShaper(Shaper):
 
     def __init__(self, tok: Any, id_: str, model: str, stream: bool, plan: req.ChatPlan,
                  echo: dict[str, Any], on_done: Any = None) -> None:
-        super().__init__(tok, id_, model, 1, False, stream, False, StreamExtras())
+        self.id, self.model, self.stream = id_, model, stream
+        self.created = int(time.time())
+        self.usage = Usage()
         self.choice = ChatChoice(plan.output)
         self.echo = echo  # request fields the response object repeats
         self.on_done = on_done
@@ -403,12 +406,6 @@ class ResponsesShaper(Shaper):
 
     def final(self) -> dict:
         return self.response()
-
-    def choice_delta(self, d: Delta, lps: list, offsets: list[int]) -> dict:
-        raise NotImplementedError("ResponsesShaper.add builds its events")
-
-    def choice(self, i: int) -> dict:
-        raise NotImplementedError("ResponsesShaper.final builds the response")
 
 
 def output_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
