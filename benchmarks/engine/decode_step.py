@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.lib.decode_batch import decode_batch, step_times
 from benchmarks.lib.timing import copy_bandwidth
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.sampling_params import SamplingParams
 
 VARIANTS = {  # name -> (--kv-cache-dtype, --quantization)
     "bf16": ("auto", None),
@@ -42,38 +42,18 @@ VARIANTS = {  # name -> (--kv-cache-dtype, --quantization)
 }
 
 
-def run_batch(engine: LLMEngine, batch: int, context: int, steps: int, graphs: bool,
-              vocab: int) -> dict:
+def run_batch(engine: LLMEngine, batch: int, context: int, steps: int, graphs: bool) -> dict:
     runner = engine.runner
-    saved = runner.graphs
-    if not graphs:
-        runner.graphs = None
-    try:
-        params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - context,
-                                ignore_eos=True)
-        g = torch.Generator().manual_seed(batch)
-        for i in range(batch):
-            prompt = torch.randint(1, vocab, (context,), generator=g).tolist()
-            engine.add_request(f"b{batch}-{i}-{graphs}", prompt, params)
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
-                or engine.scheduler.waiting:
-            engine.step()
-        for _ in range(3):
-            engine.step()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-            assert engine.last_step.num_decodes == batch
+
+    def full() -> None:
+        assert engine.last_step.num_decodes == batch
+
+    with decode_batch(engine, batch, context, graphs):
+        times = step_times(engine, steps, full)
         gpu_ms = None
         if graphs and runner.graphs is not None:
             gpu_ms = _graph_replay_ms(runner.graphs, batch)
         busy = _kernel_share(engine, 10)
-    finally:
-        for rid in list(engine.requests):
-            engine.abort(rid)
-        runner.graphs = saved
     step_ms = statistics.median(times) * 1e3
     return {"batch": batch, "graphs": graphs, "step_ms": step_ms,
             "tokens_per_s": batch / (step_ms / 1e3), "forward_gpu_ms": gpu_ms,
@@ -148,7 +128,7 @@ def main() -> None:
     for batch in a.batch:
         floor_ms = (weight_bytes + batch * a.context * kv_token_bytes) / bw * 1e3
         for graphs in (False, True):
-            r = run_batch(engine, batch, a.context, a.steps, graphs, cfg.vocab_size)
+            r = run_batch(engine, batch, a.context, a.steps, graphs)
             r["floor_ms"] = floor_ms
             r["of_floor"] = floor_ms / r["step_ms"]
             rows.append(r)

@@ -90,34 +90,11 @@ def decode_steps(engine, batch: int, context: int, steps: int, graphs: bool) -> 
     """Median wall time of a decode step of `batch` sequences at `context` tokens, and the
     share of it rank 0's GPU spent in NCCL kernels (all-reduce, all-gather; waiting for the
     other rank included)."""
-    from tandem.engine.sampling_params import SamplingParams
+    from benchmarks.lib.decode_batch import decode_batch, step_times
 
-    runner = engine.runner
-    saved = runner.graphs
-    if not graphs:
-        runner.graphs = None
-    try:
-        params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - context,
-                                ignore_eos=True)
-        g = torch.Generator().manual_seed(batch)
-        for i in range(batch):
-            engine.add_request(f"b{batch}-{i}-{graphs}", torch.randint(
-                1, engine.model_config.vocab_size, (context,), generator=g).tolist(), params)
-        while engine.scheduler.waiting or any(
-                s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
-            engine.step()
-        for _ in range(3):
-            engine.step()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        share = collective_share(engine, 10) if runner.device.type == "cuda" else None
-    finally:
-        for rid in list(engine.requests):
-            engine.abort(rid)
-        runner.graphs = saved
+    with decode_batch(engine, batch, context, graphs):
+        times = step_times(engine, steps)
+        share = collective_share(engine, 10) if engine.runner.device.type == "cuda" else None
     step_ms = statistics.median(times) * 1e3
     return {"batch": batch, "graphs": graphs, "step_ms": step_ms,
             "tokens_per_s": batch / (step_ms / 1e3), "collective_share": share}
