@@ -58,6 +58,22 @@ class Cluster(LocalStack):
     def api(self, channel: grpc.aio.Channel) -> api_pb2_grpc.TandemStub:
         return api_pb2_grpc.TandemStub(channel)
 
+    async def streams_under_way(self, channel: grpc.aio.Channel, prompts: Sequence[list[int]],
+                                params, reads: int = 3) -> list:
+        """One Generate call per token-id prompt through the router, each `reads` chunks in:
+        requests decoding when the caller then kills or stops something."""
+        from tandem.runtime.convert import params_to_proto
+        from tandem.v1 import api_pb2
+
+        stub = self.api(channel)
+        calls = [stub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=p),
+                                                       params=params_to_proto(params)))
+                 for p in prompts]
+        for call in calls:
+            for _ in range(reads):
+                await call.read()
+        return calls
+
     async def load(self, proc: Proc) -> worker_pb2.Load:
         async with self.worker_channel(proc) as ch:
             return await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),

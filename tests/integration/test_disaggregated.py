@@ -245,13 +245,7 @@ def test_decode_worker_or_its_engine_core_killed_mid_stream(tiny_models, tmp_pat
 
         async def main():
             async with grpc.aio.insecure_channel(c.router.address) as ch:
-                stub = c.api(ch)
-                calls = [stub.Generate(api_pb2.GenerateRequest(
-                    token_ids=api_pb2.TokenIds(ids=p), params=params_to_proto(params)))
-                    for p in PROMPTS[:4]]
-                for call in calls:
-                    for _ in range(3):
-                        await call.read()
+                calls = await c.streams_under_way(ch, PROMPTS[:4], params)
                 core = c.engine_core("decode0")
                 if victim == "worker":
                     c.kill("decode0")

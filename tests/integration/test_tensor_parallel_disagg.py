@@ -138,13 +138,7 @@ def test_decode_worker_or_its_rank_killed_mid_stream_frees_the_prefill_pool(
 
         async def main():
             async with grpc.aio.insecure_channel(c.router.address) as ch:
-                stub = c.api(ch)
-                calls = [stub.Generate(api_pb2.GenerateRequest(
-                    token_ids=api_pb2.TokenIds(ids=p), params=params_to_proto(params)))
-                    for p in PROMPTS[:3]]
-                for call in calls:
-                    for _ in range(3):
-                        await call.read()
+                calls = await c.streams_under_way(ch, PROMPTS[:3], params)
                 core = c.engine_core("decode0")
                 ranks = children(core)
                 assert len(ranks) == 1, ranks  # rank 1 (rank 0 is the core itself)
