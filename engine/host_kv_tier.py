@@ -62,6 +62,9 @@ class HostBlockIndex:
         self.free_slots = list(range(capacity - 1, -1, -1))  # pop() gives slot 0 first
         self.pinned: set[int] = set()
         self.hits = self.misses = self.evictions = self.stored = 0
+        # Changes of the set of hashes held since take_events (hash -> True held, False
+        # dropped; its last change), for the worker's KV events. None: not recorded.
+        self.events: dict[int, bool] | None = None
 
     def __len__(self) -> int:
         return len(self.lru)
@@ -78,19 +81,35 @@ class HostBlockIndex:
         the tier holds the prefix already (touched), or every slot is pinned."""
         if block_hash in self.lru:
             self.lru.move_to_end(block_hash)
+            self._record(block_hash, True)  # kept: the pool's copy went, this one holds
             return None
         slot = self.free_slots.pop() if self.free_slots else self._evict_lru()
         if slot is None:
             return None
         self.lru[block_hash] = slot
         self.stored += 1
+        self._record(block_hash, True)
         return slot
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        """(hashes now held, hashes dropped) since the last call, a hash in one list at most."""
+        events = self.events
+        if not events:
+            return [], []
+        self.events = {}
+        return ([h for h, held in events.items() if held],
+                [h for h, held in events.items() if not held])
+
+    def _record(self, block_hash: int, held: bool) -> None:
+        if self.events is not None:
+            self.events[block_hash] = held
 
     def _evict_lru(self) -> int | None:
         for h, slot in self.lru.items():
             if slot not in self.pinned:
                 del self.lru[h]
                 self.evictions += 1
+                self._record(h, False)
                 return slot
         return None
 

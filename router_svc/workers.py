@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from tandem.engine.block_pool import hash_block, salt_root
-from tandem.router_svc.kv_index import DEFAULT_MAX_BLOCKS, KVIndex
+from tandem.router_svc.kv_index import DEFAULT_MAX_BLOCKS, KVIndex, TierMatch
 from tandem.router_svc.liveness import Poller, PollResult, Target, probe_channel
 from tandem.router_svc.routing import (
     Placement,
@@ -95,17 +95,18 @@ class Worker:
         as its next poll will say."""
         self.load.draining = True
 
-    def as_load(self, cached_blocks: int = 0) -> WorkerLoad:
+    def as_load(self, cached: TierMatch = TierMatch(0, 0)) -> WorkerLoad:
         """What a routing policy sees of this worker."""
         ld = self.load
         return WorkerLoad(self.address, self.role, self.in_flight, ld.num_waiting,
-                          ld.num_running, ld.num_free_blocks, cached_blocks,
+                          ld.num_running, ld.num_free_blocks, cached.gpu,
                           step_seconds=ld.step_seconds,
                           prompt_token_seconds=ld.prompt_token_seconds,
                           kv_bandwidth=(ld.kv_bytes_pulled / ld.kv_pull_seconds
                                         if ld.kv_pull_seconds > 0 else 0.0),
                           kv_block_bytes=(ld.kv_bytes_pulled // ld.kv_blocks_pulled
-                                          if ld.kv_blocks_pulled else 0))
+                                          if ld.kv_blocks_pulled else 0),
+                          host_blocks=cached.host)
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,8 @@ class WorkerSet:
             async for msg in w.stub.WatchKV(worker_pb2.WatchKVRequest()):
                 if msg.reset:
                     index.clear(w.slot)
-                index.apply(w.slot, msg.stored, msg.removed)
+                    index.set_tier(w.slot, msg.host_tier_id)
+                index.apply(w.slot, msg.stored, msg.removed, msg.host_stored, msg.host_removed)
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
                 log.info("KV events of worker %s (%s) stopped: %s", w.address, w.role,
@@ -485,6 +487,12 @@ class WorkerSet:
         by_slot = self.kv_index.match(hashes, [w.slot for w in candidates if w.slot >= 0])
         return {w.address: by_slot.get(w.slot, 0) for w in candidates}
 
+    def tier_hits(self, candidates: list[Worker], hashes: Sequence[int]) -> dict[str, TierMatch]:
+        """address -> how many leading blocks of the prompt the worker holds on GPU, and how
+        many more it can read from a host tier (its own or its host's shared one)."""
+        by_slot = self.kv_index.match_tiers(hashes, [w.slot for w in candidates if w.slot >= 0])
+        return {w.address: by_slot.get(w.slot, TierMatch(0, 0)) for w in candidates}
+
     def pick_prefill(self, request: RouteRequest,
                      exclude: Set[str] = frozenset()) -> Worker | None:
         """The policy's prefill worker for `request`, among the healthy ones not in `exclude`
@@ -520,9 +528,9 @@ class WorkerSet:
         candidates = [w for w in self.by_role(role) if w.address not in exclude]
         if not candidates:
             return None
-        hits = (self.cached_blocks(candidates, request.block_hashes)
+        hits = (self.tier_hits(candidates, request.block_hashes)
                 if self.policy.uses_prefix_cache else {})
-        loads = [w.as_load(hits.get(w.address, 0)) for w in candidates]
+        loads = [w.as_load(hits.get(w.address, TierMatch(0, 0))) for w in candidates]
         chosen = pick(request, loads)
         for w, seen in zip(candidates, loads):
             if seen is chosen:

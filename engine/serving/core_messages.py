@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.config import EngineConfig
@@ -223,10 +223,15 @@ class Step:
 @dataclass(frozen=True, slots=True)
 class KVEvents:
     """Block hashes the prefix cache stored and evicted (BlockPool.take_events), in the order
-    the worker must apply them: a hash appears in one list at most."""
+    the worker must apply them: a hash appears in one list at most. The host tier's
+    (engine/host_kv_tier.py), where there is one: the hashes it now holds and those it dropped,
+    a set of its own (a block evicted from the pool into the tier is in `removed` and in
+    `host_stored`; one restored to the pool is in `stored` and stays in the tier)."""
 
     stored: list[int]
     removed: list[int]
+    host_stored: list[int] = field(default_factory=list)
+    host_removed: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

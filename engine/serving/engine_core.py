@@ -112,6 +112,8 @@ class EngineCore:
             connector.connect(self.kv.pull, self.kv.drop, self.kv.in_stream)
         # The router routes on what this worker's prefix cache holds: record its changes.
         self.engine.block_pool.kv_events = {}
+        if self.engine.host_tier is not None:  # ... and its host tier
+            self.engine.host_tier.index.events = {}
         # Batches of calls, each what the pipe held when the input thread read it.
         self.commands: queue.SimpleQueue[list[Call]] = queue.SimpleQueue()
         self.handlers = {Add: self._add, Abort: self._abort, Release: self._release,
@@ -284,7 +286,11 @@ class EngineCore:
 
     def _kv_events(self) -> KVEvents | None:
         stored, removed = self.engine.block_pool.take_events()
-        return KVEvents(stored, removed) if stored or removed else None
+        tier = self.engine.host_tier
+        host_stored, host_removed = tier.index.take_events() if tier is not None else ([], [])
+        if not (stored or removed or host_stored or host_removed):
+            return None
+        return KVEvents(stored, removed, host_stored, host_removed)
 
     def _send_snapshot_if_changed(self) -> None:
         snap = self._snapshot()

@@ -2,7 +2,8 @@
 
     request ─▶ RouteRequest {prompt, its block hashes, priority}
     workers ─▶ WorkerLoad per candidate {address, role, load, free blocks,
-                                         leading prompt blocks it caches}
+                                         leading prompt blocks it caches,
+                                         on GPU and in a host tier}
                        │
               RoutingPolicy.pick_prefill / pick_decode
                        │
@@ -54,6 +55,10 @@ class WorkerLoad:
     # Its KV pulls so far (decode role; 0: none yet): bytes per second and bytes per block.
     kv_bandwidth: float = 0.0
     kv_block_bytes: int = 0
+    # How many blocks of the prompt past those it can copy back from a host tier (its own, or
+    # the one the workers of its host share) instead of computing them. Filled like
+    # cached_blocks.
+    host_blocks: int = 0
 
     @property
     def queued(self) -> int:

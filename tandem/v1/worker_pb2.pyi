@@ -283,18 +283,24 @@ class WatchKVRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchKVResponse(_message.Message):
-    __slots__ = ("reset", "stored", "removed", "block_size", "instance_id")
+    __slots__ = ("reset", "stored", "removed", "block_size", "instance_id", "host_stored", "host_removed", "host_tier_id")
     RESET_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_STORED_FIELD_NUMBER: _ClassVar[int]
+    HOST_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_ID_FIELD_NUMBER: _ClassVar[int]
     reset: bool
     stored: _containers.RepeatedScalarFieldContainer[int]
     removed: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     instance_id: str
-    def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    host_stored: _containers.RepeatedScalarFieldContainer[int]
+    host_removed: _containers.RepeatedScalarFieldContainer[int]
+    host_tier_id: str
+    def __init__(self, reset: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., instance_id: _Optional[str] = ..., host_stored: _Optional[_Iterable[int]] = ..., host_removed: _Optional[_Iterable[int]] = ..., host_tier_id: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
