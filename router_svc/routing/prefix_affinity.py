@@ -29,7 +29,6 @@ from collections.abc import Sequence
 
 from tandem.router_svc.routing.policy import RouteRequest, RoutingPolicy, WorkerLoad
 
-
 HOST_HIT_WEIGHT = 0.5  # a block in a host tier, in blocks on the GPU (see above)
 
 
