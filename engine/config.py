@@ -257,6 +257,9 @@ class EngineConfig:
     # Host-memory KV tier under the prefix cache (engine/host_kv_tier.py), in GiB. None: a
     # share of the available host memory on CUDA, off on the CPU; 0: off.
     host_kv_cache_gb: float | None = None
+    # Share the tier with the other workers of this host that give the same name
+    # (engine/shared_host_tier.py); "": the tier is this engine's own.
+    host_kv_share: str = ""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -287,6 +290,13 @@ class EngineConfig:
 
     def _check_host_tier(self) -> None:
         gb = self.host_kv_cache_gb
+        if self.host_kv_share:
+            from tandem.engine.shared_host_tier import segment_path  # noqa: PLC0415 - torch
+
+            segment_path(self.host_kv_share)  # a valid name, or refused naming the field
+            if not gb:
+                raise InvalidArgument("host_kv_share", "needs host_kv_cache_gb > 0, the same on "
+                                                       "every worker sharing the tier")
         if gb is None or gb == 0:
             return
         if not gb > 0:

@@ -121,7 +121,7 @@ class HostKVTier:
 
     def __init__(self, pool: torch.Tensor, capacity_blocks: int) -> None:
         self.pool = pool
-        self.index = HostBlockIndex(capacity_blocks)
+        self.index = self._make_index(capacity_blocks)
         self.block_bytes = pool[0].nbytes
         # Host memory is taken a chunk at a time as slots are first used (slots are handed out
         # lowest first), not all at start: pinning tens of GiB up front costs seconds.
@@ -130,6 +130,17 @@ class HostKVTier:
         # (to_host, pool block, slot) in the order the scheduler caused them.
         self.ops: list[tuple[bool, int, int]] = []
         self.stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
+
+    def _make_index(self, capacity_blocks: int) -> HostBlockIndex:
+        return HostBlockIndex(capacity_blocks)
+
+    @property
+    def tier_id(self) -> str:
+        """The id routers group the workers reading this tier by ("": this worker's own)."""
+        return ""
+
+    def close(self) -> None:
+        """The engine stops (a private tier's memory goes with the process)."""
 
     @property
     def capacity_bytes(self) -> int:
@@ -164,10 +175,11 @@ class HostKVTier:
 
     # -- the prefix match's side -------------------------------------------------------------
     def lookup(self, block_hash: int) -> int | None:
-        return self.index.get(block_hash)
-
-    def pin(self, slots: list[int]) -> None:
-        self.index.pinned.update(slots)
+        """The slot holding this prefix, pinned (never reused) until `unpin`; or None."""
+        slot = self.index.get(block_hash)
+        if slot is not None:
+            self.index.pinned.add(slot)
+        return slot
 
     def unpin(self, slots: list[int]) -> None:
         self.index.pinned.difference_update(slots)
@@ -222,11 +234,19 @@ def host_tier_bytes(requested_gb: float | None, device: torch.device) -> int:
     return int(available * AUTO_FRACTION)
 
 
-def host_tier_for(pool: torch.Tensor, requested_gb: float | None, *,
-                  enabled: bool) -> HostKVTier | None:
-    """The tier for this pool, or None (off: size 0, or `enabled` false)."""
+def host_tier_for(pool: torch.Tensor, requested_gb: float | None, *, enabled: bool,
+                  share: str = "", fingerprint: bytes = b"") -> HostKVTier | None:
+    """The tier for this pool, or None (off: size 0, or `enabled` false). `share`: the name of
+    a tier shared by the workers of this host (engine/shared_host_tier.py), whose blocks mean
+    what `fingerprint` says."""
     if not enabled:
         return None
     size = host_tier_bytes(requested_gb, pool.device)
     capacity = size // pool[0].nbytes
-    return HostKVTier(pool, capacity) if capacity >= 1 else None
+    if capacity < 1:
+        return None
+    if share:
+        from tandem.engine.shared_host_tier import SharedHostKVTier  # noqa: PLC0415 - shared only
+
+        return SharedHostKVTier(pool, capacity, share, fingerprint)
+    return HostKVTier(pool, capacity)

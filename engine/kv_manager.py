@@ -15,8 +15,7 @@ from tandem.kvtransfer.runs import order_like
 class HostTier(Protocol):
     """What the prefix match needs of a host tier (engine/host_kv_tier.py HostKVTier)."""
 
-    def lookup(self, block_hash: int) -> int | None: ...
-    def pin(self, slots: list[int]) -> None: ...
+    def lookup(self, block_hash: int) -> int | None: ...  # the slot, pinned until unpin
     def unpin(self, slots: list[int]) -> None: ...
     def restore(self, slot: int, block: int) -> None: ...
     def count_misses(self, n: int) -> None: ...
@@ -73,8 +72,10 @@ class KVCacheManager:
         kept = hits + [b for b in chain if b is not None]
         revived = sum(1 for b in kept if pool.ref_counts[b] == 0)
         if not slots or pool.num_free - revived < total_blocks - len(kept):
+            host.unpin(slots)
             return hits
-        host.pin(slots)  # the evictions below must not reuse a slot still to be read
+        # The slots are pinned since lookup: the evictions below do not reuse one still to be
+        # read (nor, in a shared tier, does another worker).
         pool.incref(kept)  # ... nor take a block of this prefix
         fresh = iter(zip(slots, pool.allocate(len(slots))))
         out = list(hits)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -60,6 +61,7 @@ from tandem.engine.sequence import (
     StepStats,
     StopCheck,
 )
+from tandem.engine.shared_host_tier import fingerprint
 from tandem.engine.spec_decode.speculator import Speculator
 from tandem.errors import InvalidArgument
 
@@ -96,8 +98,12 @@ class LLMEngine:
         self.block_pool = BlockPool(self.runner.num_blocks, cache.block_size,
                                     cache.enable_prefix_caching)
         # Host-memory tier under the prefix cache (engine/host_kv_tier.py); None when off.
-        self.host_tier = host_tier_for(self.runner.pool, config.host_kv_cache_gb,
-                                       enabled=config.host_tier_enabled())
+        pool = self.runner.pool
+        self.host_tier = host_tier_for(
+            pool, config.host_kv_cache_gb, enabled=config.host_tier_enabled(),
+            share=config.host_kv_share,
+            fingerprint=fingerprint(os.path.realpath(self.model_dir), tuple(pool.shape[1:]),
+                                    str(pool.dtype), config.kv_cache_dtype))
         self.kv = KVCacheManager(self.block_pool, self.host_tier)
         # A sequence can never outgrow the whole pool.
         max_len = min(sched.max_model_len, self.runner.num_blocks * cache.block_size)
@@ -262,7 +268,10 @@ class LLMEngine:
         self.scheduler.remove_finished()
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do at TP 1)."""
+        """Stop the other tensor-parallel ranks (nothing to do at TP 1); leave a shared host
+        tier."""
+        if self.host_tier is not None:
+            self.host_tier.close()
         if self.tp_group is not None:
             self.tp_group.close(before_destroy=self.runner.close)
 

@@ -29,6 +29,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "host-kv-tier.md): blocks the pool evicts are kept there and copied "
                         "back on a prefix hit; 0: off. Default: a tenth of the available "
                         "host memory on CUDA, off on the CPU")
+    g.add_argument("--host-kv-share", default="", metavar="NAME",
+                   help="share the host KV tier with the other workers of this host given the "
+                        "same NAME (docs/host-kv-tier.md); needs --host-kv-cache-gb, the same "
+                        "on each")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step")
     g.add_argument("--max-num-seqs", type=int, default=512, help="sequences in one step")
@@ -94,4 +98,4 @@ def engine_config(args: argparse.Namespace, role: str = "both") -> EngineConfig:
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
         speculative_max_batch=args.speculative_max_batch,
-        host_kv_cache_gb=args.host_kv_cache_gb)
+        host_kv_cache_gb=args.host_kv_cache_gb, host_kv_share=args.host_kv_share)

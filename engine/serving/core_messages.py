@@ -92,6 +92,7 @@ class EngineSnapshot:
     host_kv_evictions: int = 0
     host_kv_bytes_used: int = 0
     host_kv_capacity_bytes: int = 0
+    host_kv_tier_id: str = ""  # a tier shared by the workers of a host: its id
 
     @property
     def idle(self) -> bool:
