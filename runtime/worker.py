@@ -139,7 +139,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.telemetry = Telemetry(self.role)  # run_worker sets the process's
         # What the prefix cache holds, for routers (WatchKV); fed by the engine core's events.
         self.kv_events = KVEventHub(engine.snapshot.block_size, self.instance_id,
-                                    host_tier_id=engine.snapshot.host_kv_tier_id)
+                                    host_tier_id=engine.info.host_tier_id)
         engine.on_kv_events = self.kv_events.publish
         # Draining (Drain, SIGTERM): new requests refused, Load.draining set; `drained` once
         # the role's evacuation is over (run_worker then stops the server).

@@ -58,6 +58,8 @@ class CoreInfo:
     limits: RequestLimits | None = None
     # A tensor-parallel prefill core: the pools of its ranks 1 .. N-1 (`pool` is rank 0's).
     rank_pools: tuple = ()
+    # A host KV tier shared by the workers of a host (engine/shared_host_tier.py): its id.
+    host_tier_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,6 @@ class EngineSnapshot:
     host_kv_evictions: int = 0
     host_kv_bytes_used: int = 0
     host_kv_capacity_bytes: int = 0
-    host_kv_tier_id: str = ""  # a tier shared by the workers of a host: its id
 
     @property
     def idle(self) -> bool:

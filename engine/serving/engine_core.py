@@ -138,7 +138,8 @@ class EngineCore:
         pool = None
         if self.pool is not None:
             pool = self.rank_kv.describe() if tp > 1 else self.pool.descriptor
-        return CoreInfo(layout, os.getpid(), pool, engine.limits, self.rank_pools)
+        tier_id = engine.host_tier.tier_id if engine.host_tier is not None else ""
+        return CoreInfo(layout, os.getpid(), pool, engine.limits, self.rank_pools, tier_id)
 
     # -- the loop ----------------------------------------------------------------------------
     def serve(self, commands: Connection) -> None:
@@ -360,11 +361,11 @@ def _name_native_thread(name: str) -> None:
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
-def _host_tier_fields(tier: HostKVTier | None) -> dict[str, int | str]:
+def _host_tier_fields(tier: HostKVTier | None) -> dict[str, int]:
     """The host KV tier's counters for the snapshot (none without a tier)."""
     if tier is None:
         return {}
     s = tier.stats()
     return {"host_kv_hits": s.hits, "host_kv_misses": s.misses,
             "host_kv_evictions": s.evictions, "host_kv_bytes_used": s.bytes_used,
-            "host_kv_capacity_bytes": s.capacity_bytes, "host_kv_tier_id": tier.tier_id}
+            "host_kv_capacity_bytes": s.capacity_bytes}

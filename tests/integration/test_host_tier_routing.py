@@ -1,0 +1,160 @@
+"""The host KV tier across a stack on 127.0.0.1 (CPU, the tiny llama): two prefill workers of
+one host share a tier (--host-kv-share) under 24-block pools, a third has none. A prefix pushed
+out of one worker's pool is reported moved to the tier (WatchKV), the router prefers a worker
+that can read it there to the cold one, a conversation's next turn on the other worker of the
+host is served from the shared tier (fewer prompt tokens computed, output equal to the offline
+engine's), a salted prefix is served to its own salt only, and every pool ends idle."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+import pytest
+
+from cluster import Cluster
+from tandem.engine.sampling_params import SamplingParams
+from tandem.router_svc.kv_index import TierMatch
+from tandem.router_svc.orchestrator import Orchestrator
+from tandem.router_svc.routing import RouteRequest
+from tandem.router_svc.workers import WorkerSet
+from tandem.runtime.convert import params_to_proto
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+BS = 16
+BLOCK_BYTES = 2 * 2 * BS * 2 * 64 * 4  # tiny llama: layers x (K, V) x block x kv heads x dim
+TIER_GB = f"{200 * BLOCK_BYTES / (1 << 30):.6f}"  # about 200 blocks
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, tmp_path_factory):
+    share = f"test-{uuid.uuid4().hex[:12]}"
+    c = Cluster(tmp_path_factory.mktemp("hosttier"), str(tiny_models["llama"]), prefill=2,
+                decode=1, prefill_args=["--num-blocks", "24", "--host-kv-cache-gb", TIER_GB,
+                                        "--host-kv-share", share],
+                decode_args=["--num-blocks", "128"], router_args=["--http-port", "-1"])
+    # A cold prefill worker beside them: no tier.
+    cold = c.spawn("prefill-cold", ["worker", "--role", "prefill", "--device", "cpu", "--model",
+                                    c.model, "--port", "0", "--num-blocks", "24"])
+    c.start()
+    c.wait_ready([cold])
+    yield c
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+async def direct_prefill(address: str, rid: str, prompt: list[int], salt: str = "") -> None:
+    """A prefill run straight on one worker, its lease released: the prompt's full blocks stay
+    in that worker's prefix cache."""
+    params = SamplingParams(temperature=0, max_tokens=1, cache_salt=salt)
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        resp = await stub.Prefill(worker_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, params=params_to_proto(params)), timeout=60)
+        await stub.Release(worker_pb2.ReleaseRequest(lease_id=resp.kv.lease_id), timeout=10)
+
+
+async def load(address: str) -> worker_pb2.Load:
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
+                                                            timeout=10)
+
+
+async def turn(orch: Orchestrator, rid: str, prompt: list[int],
+               salt: str = "") -> tuple[list[int], int]:
+    """The output tokens, and the prompt tokens the prefill worker had cached."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, cache_salt=salt)
+    tokens, cached = [], None
+    async for u in orch.run(rid, prompt, params, timeout=120):
+        cached = u.num_cached_tokens if cached is None else cached
+        for s in u.samples:
+            tokens += s.token_ids
+    return tokens, cached
+
+
+async def evict_into_tier(ws: WorkerSet, w, prompt: list[int], salt: str, tag: str) -> list[int]:
+    """Seed `prompt` on worker w, then fill w's pool with other prompts until the router's map
+    shows the prompt's blocks gone from w's pool and held in its host tier; the hashes."""
+    hashes = ws.prefix_hashes(prompt, salt)
+    idx = ws.kv_index
+    await direct_prefill(w.address, f"seed-{tag}", prompt, salt)
+    async with asyncio.timeout(120):  # turns a hang into a failure
+        await idx.wait_for(lambda: all(idx.holds(w.slot, h) for h in hashes))
+        for k in range(3):  # 3 x 10 blocks through a 24-block pool
+            await direct_prefill(w.address, f"fill-{tag}-{k}",
+                                 [(13 * i + k) % 250 + 1 for i in range(160)])
+        await idx.wait_for(lambda: not any(idx.holds(w.slot, h) for h in hashes)
+                           and all(idx.holds_on_host(w.slot, h) for h in hashes))
+    return hashes
+
+
+def test_moves_reported_routed_on_and_the_next_turn_served_from_the_shared_tier(cluster,
+                                                                                offline):
+    prompt = [(29 * i + 1) % 250 + 1 for i in range(48)]  # 3 full blocks
+    nxt = [*prompt, 5, 6, 7, 8]
+    want = offline.generate([nxt], GREEDY)[0].outputs[0].token_ids
+
+    async def main():
+        pa_addr, pb_addr = (p.address for p in cluster.workers("prefill"))
+        cold_addr = cluster.procs["prefill-cold"].address
+        # The cold worker before pb: on equal scores the first would win.
+        ws = WorkerSet([pa_addr, cold_addr, pb_addr],
+                       [d.address for d in cluster.workers("decode")], [])
+        await ws.poll_once()
+        try:
+            pa, cold, pb = ws.by_role("prefill")
+            hashes = await evict_into_tier(ws, pa, prompt, "", "plain")
+            idx = ws.kv_index
+            # pb reads the tier pa wrote (one tier id); the cold worker reads none.
+            assert all(idx.holds_on_host(pb.slot, h) for h in hashes)
+            assert not any(idx.holds_on_host(cold.slot, h) for h in hashes)
+            assert ws.tier_hits([pa, cold, pb], ws.prefix_hashes(nxt)) == {
+                pa.address: TierMatch(0, 3), cold.address: TierMatch(0, 0),
+                pb.address: TierMatch(0, 3)}
+            request = RouteRequest(nxt, ws.prefix_hashes(nxt))
+            assert ws.pick_prefill(request, exclude={pa.address}) is pb
+            # The conversation moves off pa: its next turn goes to pb, from the shared tier.
+            pa.draining = True
+            before = await load(pb.address)
+            out, cached = await turn(Orchestrator(ws, max_migrations=3), "moved", nxt)
+            after = await load(pb.address)
+            pa.draining = False
+            return out, cached, after.prompt_tokens_computed - before.prompt_tokens_computed
+        finally:
+            await ws.close()
+
+    out, cached, computed = asyncio.run(main())
+    assert cached == 3 * BS
+    assert computed == len(nxt) - 3 * BS  # only the 4 new tokens were computed
+    assert out == want
+    asyncio.run(cluster.wait_idle(procs=[*cluster.workers(), cluster.procs["prefill-cold"]]))
+
+
+def test_a_salted_prefix_in_the_shared_tier_is_served_to_its_salt_only(cluster):
+    prompt = [(31 * i + 7) % 250 + 1 for i in range(48)]
+    nxt = [*prompt, 9, 10]
+
+    async def main():
+        pa_addr, pb_addr = (p.address for p in cluster.workers("prefill"))
+        ws = WorkerSet([pa_addr, pb_addr], [d.address for d in cluster.workers("decode")], [])
+        await ws.poll_once()
+        try:
+            pa, pb = ws.by_role("prefill")
+            await evict_into_tier(ws, pa, prompt, "tenant-a", "salted")
+            pa.draining = True  # every turn on pb, which never saw the prompt
+            orch = Orchestrator(ws, max_migrations=3)
+            cached = {}
+            before = (await load(pb.address)).num_requests
+            for salt in ("", "tenant-b", "tenant-a"):
+                cached[salt] = (await turn(orch, f"salt-{salt}", nxt, salt))[1]
+            pa.draining = False
+            assert (await load(pb.address)).num_requests == before + 3
+            return cached
+        finally:
+            await ws.close()
+
+    cached = asyncio.run(main())
+    assert cached == {"": 0, "tenant-b": 0, "tenant-a": 3 * BS}
+    asyncio.run(cluster.wait_idle(procs=[*cluster.workers(), cluster.procs["prefill-cold"]]))
