@@ -234,19 +234,15 @@ def host_tier_bytes(requested_gb: float | None, device: torch.device) -> int:
     return int(available * AUTO_FRACTION)
 
 
-def host_tier_for(pool: torch.Tensor, requested_gb: float | None, *, enabled: bool,
-                  share: str = "", fingerprint: bytes = b"") -> HostKVTier | None:
-    """The tier for this pool, or None (off: size 0, or `enabled` false). `share`: the name of
-    a tier shared by the workers of this host (engine/shared_host_tier.py), whose blocks mean
-    what `fingerprint` says."""
+def host_tier_capacity(pool: torch.Tensor, requested_gb: float | None, *, enabled: bool) -> int:
+    """The tier's size for this pool, in blocks (0: off, or `enabled` false)."""
     if not enabled:
-        return None
-    size = host_tier_bytes(requested_gb, pool.device)
-    capacity = size // pool[0].nbytes
-    if capacity < 1:
-        return None
-    if share:
-        from tandem.engine.shared_host_tier import SharedHostKVTier  # noqa: PLC0415 - shared only
+        return 0
+    return host_tier_bytes(requested_gb, pool.device) // pool[0].nbytes
 
-        return SharedHostKVTier(pool, capacity, share, fingerprint)
-    return HostKVTier(pool, capacity)
+
+def host_tier_for(pool: torch.Tensor, requested_gb: float | None, *,
+                  enabled: bool) -> HostKVTier | None:
+    """The tier for this pool, or None (off: size 0, or `enabled` false)."""
+    capacity = host_tier_capacity(pool, requested_gb, enabled=enabled)
+    return HostKVTier(pool, capacity) if capacity >= 1 else None

@@ -41,7 +41,6 @@ from tandem.engine.async_step import PLACEHOLDER, StepPipeline
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.config import EngineConfig, ModelConfig
 from tandem.engine.grammar import GrammarCompiler
-from tandem.engine.host_kv_tier import host_tier_for
 from tandem.engine.kv_connector import PullDone, connector_for
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.model_runner import ModelRunner, PoolFactory
@@ -61,7 +60,7 @@ from tandem.engine.sequence import (
     StepStats,
     StopCheck,
 )
-from tandem.engine.shared_host_tier import fingerprint
+from tandem.engine.shared_host_tier import fingerprint, tier_for
 from tandem.engine.spec_decode.speculator import Speculator
 from tandem.errors import InvalidArgument
 
@@ -99,11 +98,11 @@ class LLMEngine:
                                     cache.enable_prefix_caching)
         # Host-memory tier under the prefix cache (engine/host_kv_tier.py); None when off.
         pool = self.runner.pool
-        self.host_tier = host_tier_for(
+        self.host_tier = tier_for(
             pool, config.host_kv_cache_gb, enabled=config.host_tier_enabled(),
             share=config.host_kv_share,
-            fingerprint=fingerprint(os.path.realpath(self.model_dir), tuple(pool.shape[1:]),
-                                    str(pool.dtype), config.kv_cache_dtype))
+            fp=fingerprint(os.path.realpath(self.model_dir), tuple(pool.shape[1:]),
+                           str(pool.dtype), config.kv_cache_dtype))
         self.kv = KVCacheManager(self.block_pool, self.host_tier)
         # A sequence can never outgrow the whole pool.
         max_len = min(sched.max_model_len, self.runner.num_blocks * cache.block_size)

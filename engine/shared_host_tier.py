@@ -41,7 +41,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tandem.engine.host_kv_tier import HostKVTier
+from tandem.engine.host_kv_tier import HostKVTier, host_tier_capacity, host_tier_for
 from tandem.errors import InvalidArgument
 
 SHM_DIR = "/dev/shm"
@@ -56,6 +56,16 @@ FREE, WRITING, READY = 0, 1, 2
 H_PIDS = 16
 # Table words per slot.
 T_HASH, T_STAMP, T_STATE, T_PINS, T_WORDS = 0, 1, 2, 3, 4
+
+
+def tier_for(pool: torch.Tensor, requested_gb: float | None, *, enabled: bool, share: str,
+             fp: bytes) -> HostKVTier | None:
+    """The engine's host tier: shared under the name `share` (its blocks meaning what `fp`
+    says), or its own when `share` is empty; None when off."""
+    if not share:
+        return host_tier_for(pool, requested_gb, enabled=enabled)
+    capacity = host_tier_capacity(pool, requested_gb, enabled=enabled)
+    return SharedHostKVTier(pool, capacity, share, fp) if capacity >= 1 else None
 
 
 def segment_path(name: str) -> str:
