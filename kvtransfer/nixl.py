@@ -42,7 +42,7 @@ import torch
 
 from tandem.errors import InvalidArgument
 from tandem.kvtransfer.descriptor import PoolDescriptor
-from tandem.kvtransfer.nixl_remote import NixlHandle, NixlRemotePool
+from tandem.kvtransfer.nixl_remote import NixlHandle, NixlRemotePool, Transfer
 from tandem.kvtransfer.pool import Allocation
 from tandem.kvtransfer.remote import Finished, TransferStats
 from tandem.kvtransfer.runs import block_runs
@@ -100,17 +100,6 @@ def _mem(tensor: torch.Tensor) -> tuple[str, int]:
     if tensor.is_cuda:
         return "VRAM", tensor.device.index if tensor.device.index is not None else 0
     return "DRAM", 0
-
-
-@dataclass(eq=False)
-class Transfer:
-    """A posted NIXL transfer: its handle and last known state (PROC, DONE or ERR)."""
-
-    op: str                 # READ | WRITE
-    what: str               # for errors: "N blocks from <peer>"
-    handle: Any
-    state: str = "PROC"
-    released: bool = False
 
 
 @dataclass(eq=False)

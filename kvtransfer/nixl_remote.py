@@ -10,15 +10,41 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from tandem.errors import InvalidArgument
 from tandem.kvtransfer.descriptor import PoolDescriptor
 
-if TYPE_CHECKING:
-    from tandem.kvtransfer.nixl import NixlEndpoint, Transfer
+
+@dataclass(eq=False)
+class Transfer:
+    """A posted NIXL transfer: its handle and last known state (PROC, DONE or ERR)."""
+
+    op: str                 # READ | WRITE
+    what: str               # for errors: "N blocks from <peer>"
+    handle: Any
+    state: str = "PROC"
+    released: bool = False
+
+
+class Endpoint(Protocol):
+    """What a NixlRemotePool asks of the endpoint that connected it (kvtransfer/nixl.py's
+    NixlEndpoint, which imports this module: the pool knows its endpoint by this shape only)."""
+
+    def read(self, remote: NixlRemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
+             dst_block_ids: Sequence[int], deadline: float | None,
+             cancel: threading.Event | None) -> None: ...
+
+    def write(self, remote: NixlRemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
+              dst_block_ids: Sequence[int], deadline: float | None,
+              cancel: threading.Event | None) -> None: ...
+
+    def post(self, op: str, remote: NixlRemotePool, local: torch.Tensor,
+             local_ids: Sequence[int], remote_ids: Sequence[int]) -> Transfer: ...
+
+    def disconnect(self, remote: NixlRemotePool) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -55,7 +81,7 @@ class NixlRemotePool:
     `pull` reads blocks into a local pool. close() releases what connect() made
     (idempotent)."""
 
-    def __init__(self, endpoint: NixlEndpoint, descriptor: PoolDescriptor, peer: str,
+    def __init__(self, endpoint: Endpoint, descriptor: PoolDescriptor, peer: str,
                  base: int) -> None:
         self.endpoint = endpoint
         self.descriptor = descriptor
