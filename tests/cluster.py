@@ -58,6 +58,24 @@ class Cluster(LocalStack):
     def api(self, channel: grpc.aio.Channel) -> api_pb2_grpc.TandemStub:
         return api_pb2_grpc.TandemStub(channel)
 
+    def generate(self, prompts: Sequence[list[int]], params) -> list[list[int]]:
+        """Each token-id prompt through the router's gRPC API at once: the tokens of each."""
+        from tandem.runtime.convert import params_to_proto
+        from tandem.v1 import api_pb2
+
+        async def main() -> list[list[int]]:
+            async with grpc.aio.insecure_channel(self.router.address) as ch:
+                stub = self.api(ch)
+
+                async def one(p: list[int]) -> list[int]:
+                    req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=p),
+                                                  params=params_to_proto(params))
+                    return [t async for c in stub.Generate(req) for t in c.token_ids]
+
+                return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+        return asyncio.run(main())
+
     async def streams_under_way(self, channel: grpc.aio.Channel, prompts: Sequence[list[int]],
                                 params, reads: int = 3) -> list:
         """One Generate call per token-id prompt through the router, each `reads` chunks in:

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import httpx
 import openai
 import pytest
@@ -26,8 +25,6 @@ from tandem.engine.llm import LLM
 from tandem.engine.model_source import resolve_model
 from tandem.engine.sampling_params import SamplingParams
 from tandem.errors import ModelLoadError
-from tandem.runtime.convert import params_to_proto
-from tandem.v1 import api_pb2
 
 MODEL = "smollm2-135m-instruct"
 
@@ -122,20 +119,7 @@ def stack(booting):
 
 
 def test_disaggregated_stack_gives_the_offline_tokens(stack, prompts, expected):
-    async def main():
-        async with grpc.aio.insecure_channel(stack.router.address) as ch:
-            api = stack.api(ch)
-
-            async def one(p):
-                tokens = []
-                async for chunk in api.Generate(api_pb2.GenerateRequest(
-                        token_ids=api_pb2.TokenIds(ids=p), params=params_to_proto(GREEDY))):
-                    tokens.extend(chunk.token_ids)
-                return tokens
-
-            return await asyncio.gather(*(one(p) for p in prompts))
-
-    assert asyncio.run(main()) == expected
+    assert stack.generate(prompts, GREEDY) == expected
     asyncio.run(stack.wait_idle())
 
 

@@ -11,7 +11,6 @@ import asyncio
 import json
 from pathlib import Path
 
-import grpc
 import httpx
 import pytest
 import torch
@@ -22,8 +21,6 @@ from tandem.engine.llm import LLM
 from tandem.engine.model_source import resolve_model
 from tandem.engine.sampling_params import SamplingParams
 from tandem.errors import ModelLoadError
-from tandem.runtime.convert import params_to_proto
-from tandem.v1 import api_pb2
 
 MODEL = "smollm2-135m-instruct"
 
@@ -74,20 +71,7 @@ def test_disaggregated_same_tokens(tmp_path, prompts, expected):
                     decode_args=["--speculative-method", "ngram",
                                  "--num-speculative-tokens", "4"]).start()
     try:
-        async def main():
-            async with grpc.aio.insecure_channel(stack.router.address) as ch:
-                api = stack.api(ch)
-
-                async def one(p):
-                    tokens = []
-                    async for chunk in api.Generate(api_pb2.GenerateRequest(
-                            token_ids=api_pb2.TokenIds(ids=p), params=params_to_proto(GREEDY))):
-                        tokens.extend(chunk.token_ids)
-                    return tokens
-
-                return await asyncio.gather(*(one(p) for p in prompts))
-
-        assert asyncio.run(main()) == expected
+        assert stack.generate(prompts, GREEDY) == expected
         asyncio.run(stack.wait_idle())
         (decode,) = stack.workers("decode")
         text = httpx.get(decode.metrics_url, timeout=5).text

@@ -9,15 +9,12 @@ import importlib.util
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
 from cluster import Cluster
 from tandem.engine.llm import LLM
 from tandem.engine.sampling_params import SamplingParams
-from tandem.runtime.convert import params_to_proto
-from tandem.v1 import api_pb2
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,22 +23,6 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(4 + 37 * i)] for i in range(16)]
-
-
-async def _generate_all(address, prompts, params):
-    async with grpc.aio.insecure_channel(address) as ch:
-        from tandem.v1 import api_pb2_grpc
-
-        stub = api_pb2_grpc.TandemStub(ch)
-
-        async def one(p):
-            toks = []
-            async for c in stub.Generate(api_pb2.GenerateRequest(
-                    token_ids=api_pb2.TokenIds(ids=p), params=params_to_proto(params))):
-                toks.extend(c.token_ids)
-            return toks
-
-        return await asyncio.gather(*(one(p) for p in prompts))
 
 
 def _cluster(tmp, model, worker_args, transport="cuda_ipc"):
@@ -64,7 +45,7 @@ def test_cuda_ipc_matches_colocated(tiny_models, tmp_path, transport):
     c = _cluster(tmp_path, str(tiny_models["llama"]),
                  ["--dtype", "float32", "--num-blocks", "512"], transport).start()
     try:
-        got = asyncio.run(_generate_all(c.router.address, PROMPTS, params))
+        got = c.generate(PROMPTS, params)
         asyncio.run(c.wait_idle())
     finally:
         codes = c.stop()
@@ -82,7 +63,7 @@ def test_8b_bf16_dummy_serves_a_stream(tmp_path):
                    for n in torch.randint(64, 1024, (48,), generator=g)]
         params = SamplingParams(temperature=0.8, max_tokens=64, ignore_eos=True, seed=1)
         t0 = time.perf_counter()
-        got = asyncio.run(_generate_all(c.router.address, prompts, params))
+        got = c.generate(prompts, params)
         dt = time.perf_counter() - t0
         asyncio.run(c.wait_idle())
         print(f"\n8B dummy bf16, P on GPU0 / D on GPU1: {len(prompts)} requests, "

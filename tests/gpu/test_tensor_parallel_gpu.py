@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 import torch
 
 from cluster import Cluster
 from tandem.engine.llm import LLM
 from tandem.engine.sampling_params import SamplingParams
-from tandem.runtime.convert import params_to_proto
-from tandem.v1 import api_pb2, api_pb2_grpc
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,18 +21,6 @@ pytestmark = [
 
 PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(4 + 37 * i)] for i in range(12)]
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
-
-
-async def _generate_all(address, prompts, params):
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = api_pb2_grpc.TandemStub(ch)
-
-        async def one(p):
-            req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=p),
-                                          params=params_to_proto(params))
-            return [t async for c in stub.Generate(req) for t in c.token_ids]
-
-        return await asyncio.gather(*(one(p) for p in prompts))
 
 
 def greedy(path, **kwargs) -> tuple[list[list[int]], int]:
@@ -79,7 +64,7 @@ def test_heterogeneous_tp_over_cuda_ipc_equals_colocated(tiny_models, tmp_path, 
                 decode_args=["--device", d_device, "--tensor-parallel-size", d_tp],
                 router_args=["--http-port", "-1"]).start()
     try:
-        got = asyncio.run(_generate_all(c.router.address, PROMPTS, GREEDY))
+        got = c.generate(PROMPTS, GREEDY)
         asyncio.run(c.wait_idle())
     finally:
         codes = c.stop()
