@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
 import sys
 import time
 from pathlib import Path
@@ -34,12 +32,12 @@ for _p in (ROOT / "protos", ROOT):
 import grpc  # noqa: E402
 import httpx  # noqa: E402
 
+from benchmarks.robustness import fault_stack  # noqa: E402
 from benchmarks.robustness.soak_report import metric_total  # noqa: E402
 from tandem.cli.launcher import LocalStack  # noqa: E402
-from tandem.cli.supervisor import RestartPolicy, Supervisor  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.runtime.convert import params_to_proto  # noqa: E402
-from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+from tandem.v1 import api_pb2, api_pb2_grpc  # noqa: E402
 
 FAULTS = ("kill", "hang", "drain")
 
@@ -116,58 +114,15 @@ class Chaos:
         while True:
             kind = kinds[len(self.faults) % len(kinds)]
             name = self.rng.choice([p.name for p in self.stack.workers()])
-            proc = self.stack.procs[name]
             at = time.monotonic() - t0
             self.faults.append({"kind": kind, "worker": name, "at_s": round(at, 1)})
             print(f"chaos: {at:7.1f} s  {kind} {name}", flush=True)
-            if kind == "hang":
-                os.kill(proc.popen.pid, signal.SIGSTOP)
-                try:
-                    await asyncio.sleep(a.hang)
-                finally:
-                    os.kill(proc.popen.pid, signal.SIGCONT)
-            else:
-                if kind == "kill":
-                    os.kill(proc.popen.pid, signal.SIGKILL)
-                else:
-                    async with grpc.aio.insecure_channel(proc.address) as ch:
-                        r = await worker_pb2_grpc.WorkerStub(ch).Drain(
-                            worker_pb2.DrainRequest(), timeout=120)
-                    self.faults[-1]["drain"] = {"moved": r.moved, "finished": r.finished,
-                                                "left": r.left}
-                # Until the supervisor's restart of it is up.
-                while self.stack.procs[name] is proc or \
-                        not self.stack.procs[name].ready_file.exists():
-                    await asyncio.sleep(0.2)
-            await self.whole()
+            drained = await fault_stack.inject(self.stack, kind, name, a.hang)
+            if drained:
+                self.faults[-1]["drain"] = drained
+            await fault_stack.whole(self.http, "chaos")
             self.recovered += 1
             await asyncio.sleep(a.fault_interval * self.rng.uniform(0.7, 1.3))
-
-    async def whole(self, timeout: float = 300.0) -> None:
-        """Until the router routes to every worker (its /workers)."""
-        deadline = time.monotonic() + timeout
-        while not (await self.http.get("/workers")).json()["all_up"]:
-            if time.monotonic() > deadline:
-                raise SystemExit("chaos: the stack did not come back")
-            await asyncio.sleep(0.2)
-
-    async def pools(self, timeout: float) -> dict[str, dict]:
-        deadline = time.monotonic() + timeout
-        out = {}
-        for p in self.stack.workers():
-            async with grpc.aio.insecure_channel(p.address) as ch:
-                stub = worker_pb2_grpc.WorkerStub(ch)
-                while True:
-                    ld = await stub.GetLoad(worker_pb2.GetLoadRequest(), wait_for_ready=True,
-                                            timeout=max(10.0, deadline - time.monotonic()))
-                    used = ld.num_blocks - ld.num_free_blocks
-                    if not (used or ld.num_leases or ld.num_running or ld.num_waiting) or \
-                            time.monotonic() > deadline:
-                        break
-                    await asyncio.sleep(0.2)
-            out[p.name] = {"blocks_in_use": used, "leases": ld.num_leases,
-                           "running": ld.num_running, "waiting": ld.num_waiting}
-        return out
 
     async def run(self) -> dict:
         a = self.a
@@ -185,8 +140,8 @@ class Chaos:
                 faults.cancel()
                 await asyncio.gather(faults, return_exceptions=True)
             elapsed = time.monotonic() - t0
-            await self.whole()
-            pools = await self.pools(timeout=a.lease_ttl + 30)
+            await fault_stack.whole(http, "chaos")
+            pools = await fault_stack.pools(self.stack, timeout=a.lease_ttl + 30)
             metrics = (await http.get("/metrics")).text
         return {"elapsed_s": round(elapsed, 1), "requests": sent, "ok": self.ok,
                 "lost": self.lost, "faults": self.faults, "pools": pools,
@@ -198,31 +153,12 @@ class Chaos:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chaos.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tandem-demo")
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=2)
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
-    p.add_argument("--max-duration", type=float, default=None,
-                   help="hard bound on the load's seconds (default: 3 x --duration)")
-    p.add_argument("--max-requests", type=int, default=100_000)
-    p.add_argument("--min-faults", type=int, default=3,
-                   help="go on past --duration until this many faults happened")
+    fault_stack.add_stack_flags(p, concurrency=6, shapes=8, min_faults=3, fault_interval=5.0)
     p.add_argument("--faults", type=lambda s: s.split(","), default=list(FAULTS),
                    help=f"comma-separated, among {','.join(FAULTS)}")
-    p.add_argument("--concurrency", type=int, default=6, help="requests in flight")
-    p.add_argument("--shapes", type=int, default=8, help="distinct prompts + parameters")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens a sample")
-    p.add_argument("--first-fault", type=float, default=3.0, help="seconds into the load")
-    p.add_argument("--fault-interval", type=float, default=5.0,
-                   help="seconds between a fault's recovery and the next")
-    p.add_argument("--hang", type=float, default=4.0, help="seconds a worker stays SIGSTOPped")
-    p.add_argument("--lease-ttl", type=float, default=5.0, help="prefill workers' --lease-ttl")
-    p.add_argument("--worker-timeout", type=float, default=2.0, help="router --worker-timeout")
     p.add_argument("--request-timeout", type=float, default=180.0,
                    help="a request slower than this counts as lost")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-dir", type=Path, default=None)
-    p.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     return p
 
 
@@ -231,26 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = set(a.faults) - set(FAULTS)
     if bad:
         raise SystemExit(f"chaos.py: --faults: unknown {', '.join(sorted(bad))}")
-    a.max_duration = a.max_duration or 3 * a.duration
-    roles = ["prefill"] * a.prefill_workers + ["decode"] * a.decode_workers
-    stack = LocalStack(a.model, roles, ["cpu"] * len(roles),
-                       worker_args=["--num-blocks", "512", "--max-num-batched-tokens", "128"],
-                       role_args={"prefill": ["--lease-ttl", str(a.lease_ttl)]},
-                       router_args=["--grpc-port", "0", "--http-port", "0", "--dtype",
-                                    "float32", "--worker-timeout", str(a.worker_timeout)],
-                       log_dir=a.log_dir, grace=30.0)
-    try:
-        stack.start()
-        supervisor = Supervisor(stack, RestartPolicy(max_restarts=10, window_s=60),
-                                say=lambda m: print(f"chaos: supervisor: {m}", flush=True)
-                                ).start()
-        r = asyncio.run(Chaos(a, stack).run())
-        r["restarts"] = {k: v for k, v in supervisor.restarts.items() if v}
-        r["supervisor_failed"] = supervisor.failed
-    finally:
-        codes = stack.stop()
-    r.update(exit_codes=codes, args={k: str(v) for k, v in vars(a).items()},
-             cores=len(os.sched_getaffinity(0)), log_dir=str(stack.log_dir))
+    r = fault_stack.run_supervised(a, "chaos", 30.0, lambda stack: Chaos(a, stack).run())
     leaked = sum(sum(p.values()) for p in r["pools"].values())
     print(f"chaos: {r['requests']} requests in {r['elapsed_s']} s, {r['ok']} whole, "
           f"{len(r['lost'])} lost; faults: "

@@ -26,10 +26,8 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import re
-import signal
 import sys
 import time
 from collections import Counter
@@ -43,12 +41,12 @@ for _p in (ROOT / "protos", ROOT):
 import grpc  # noqa: E402
 import httpx  # noqa: E402
 
+from benchmarks.robustness import fault_stack  # noqa: E402
 from benchmarks.robustness.soak_report import metric_total, report, rss  # noqa: E402
 from tandem.cli.launcher import LocalStack  # noqa: E402
-from tandem.cli.supervisor import RestartPolicy, Supervisor  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.runtime.convert import params_to_proto  # noqa: E402
-from tandem.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+from tandem.v1 import api_pb2, api_pb2_grpc  # noqa: E402
 
 KINDS = ("grpc", "http-stream", "http")
 CLEAR_GRPC = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -232,57 +230,13 @@ class Soak:
         while True:
             kind = kinds[len(self.faults) % 2]
             name = self.rng.choice([p.name for p in self.stack.workers()])
-            proc = self.stack.procs[name]
-            pid = proc.popen.pid
             at = time.monotonic() - t0
             self.faults.append({"kind": kind, "worker": name, "at_s": round(at, 1)})
             print(f"soak: {at:7.1f} s  {kind} {name}", flush=True)
-            if kind == "kill":
-                os.kill(pid, signal.SIGKILL)
-                # Until the supervisor's restart of it is up (the router may not have
-                # noticed the kill yet: its /workers alone could still say all is well).
-                while self.stack.procs[name] is proc or \
-                        not self.stack.procs[name].ready_file.exists():
-                    await asyncio.sleep(0.2)
-            else:
-                self.stopped = name
-                os.kill(pid, signal.SIGSTOP)
-                try:
-                    await asyncio.sleep(a.hang)
-                finally:
-                    os.kill(pid, signal.SIGCONT)
-                    self.stopped = None
-            await self.whole()
+            await fault_stack.inject(self.stack, kind, name, a.hang,
+                                     stopped=lambda n: setattr(self, "stopped", n))
+            await fault_stack.whole(self.http, "soak")
             await asyncio.sleep(a.fault_interval * self.rng.uniform(0.7, 1.3))
-
-    async def whole(self, timeout: float = 300.0) -> None:
-        """Until the router sees every worker up (its /workers)."""
-        deadline = time.monotonic() + timeout
-        while not (await self.http.get("/workers")).json()["all_up"]:
-            if time.monotonic() > deadline:
-                raise SystemExit("soak: the stack did not come back")
-            await asyncio.sleep(0.2)
-
-    async def pools(self, timeout: float) -> dict[str, dict]:
-        """Every worker's pool once idle (or as it is when `timeout` runs out). A worker the
-        last fault killed may still be restarting (the router has not seen it go yet): its
-        GetLoad waits for it to be back on its address."""
-        deadline = time.monotonic() + timeout
-        out = {}
-        for p in self.stack.workers():
-            async with grpc.aio.insecure_channel(p.address) as ch:
-                stub = worker_pb2_grpc.WorkerStub(ch)
-                while True:
-                    ld = await stub.GetLoad(worker_pb2.GetLoadRequest(), wait_for_ready=True,
-                                            timeout=max(10.0, deadline - time.monotonic()))
-                    used = ld.num_blocks - ld.num_free_blocks
-                    idle = not (used or ld.num_leases or ld.num_running or ld.num_waiting)
-                    if idle or time.monotonic() > deadline:
-                        break
-                    await asyncio.sleep(0.2)
-            out[p.name] = {"blocks_in_use": used, "leases": ld.num_leases,
-                           "running": ld.num_running, "waiting": ld.num_waiting}
-        return out
 
     async def run(self) -> dict:
         a = self.a
@@ -301,8 +255,8 @@ class Soak:
                 with contextlib.suppress(asyncio.CancelledError):
                     await faults
             elapsed = time.monotonic() - t0
-            await self.whole()
-            pools = await self.pools(timeout=a.lease_ttl + 30)
+            await fault_stack.whole(http, "soak")
+            pools = await fault_stack.pools(self.stack, timeout=a.lease_ttl + 30)
             router_metrics = (await http.get("/metrics")).text
         return {"elapsed_s": round(elapsed, 1), "requests": sent,
                 "outcomes": dict(self.outcomes), "clear_errors": dict(self.clear),
@@ -320,56 +274,18 @@ def _brief(message: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="soak.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tandem-demo")
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=2)
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
-    p.add_argument("--max-duration", type=float, default=None,
-                   help="hard bound on the load's seconds while --min-faults are awaited "
-                        "(default: 3 x --duration)")
-    p.add_argument("--max-requests", type=int, default=100_000)
-    p.add_argument("--min-faults", type=int, default=2,
-                   help="go on past --duration until this many faults happened")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    p.add_argument("--shapes", type=int, default=12, help="distinct prompts + parameters")
+    fault_stack.add_stack_flags(p, concurrency=8, shapes=12, min_faults=2, fault_interval=8.0)
     p.add_argument("--cancels", type=float, default=0.1, help="share cancelled by the client")
     p.add_argument("--deadlines", type=float, default=0.15,
                    help="share of gRPC requests with a deadline (1-4 s)")
-    p.add_argument("--first-fault", type=float, default=3.0, help="seconds into the load")
-    p.add_argument("--fault-interval", type=float, default=8.0,
-                   help="seconds between a fault's recovery and the next")
-    p.add_argument("--hang", type=float, default=4.0, help="seconds a worker stays SIGSTOPped")
-    p.add_argument("--lease-ttl", type=float, default=5.0, help="prefill workers' --lease-ttl")
-    p.add_argument("--worker-timeout", type=float, default=2.0, help="router --worker-timeout")
     p.add_argument("--client-timeout", type=float, default=120.0,
                    help="HTTP client timeout (a request this slow is unexplained)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-dir", type=Path, default=None)
-    p.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    a.max_duration = a.max_duration or 3 * a.duration
-    roles = ["prefill"] * a.prefill_workers + ["decode"] * a.decode_workers
-    stack = LocalStack(a.model, roles, ["cpu"] * len(roles),
-                       worker_args=["--num-blocks", "512", "--max-num-batched-tokens", "128"],
-                       role_args={"prefill": ["--lease-ttl", str(a.lease_ttl)]},
-                       router_args=["--grpc-port", "0", "--http-port", "0", "--dtype",
-                                    "float32", "--worker-timeout", str(a.worker_timeout)],
-                       log_dir=a.log_dir, grace=5.0)
-    try:
-        stack.start()
-        supervisor = Supervisor(stack, RestartPolicy(max_restarts=10, window_s=60),
-                                say=lambda m: print(f"soak: supervisor: {m}", flush=True)).start()
-        r = asyncio.run(Soak(a, stack).run())
-        r["restarts"] = {k: v for k, v in supervisor.restarts.items() if v}
-        r["supervisor_failed"] = supervisor.failed
-    finally:
-        codes = stack.stop()
-    r.update(exit_codes=codes, args={k: str(v) for k, v in vars(a).items()},
-             cores=len(os.sched_getaffinity(0)), log_dir=str(stack.log_dir))
+    r = fault_stack.run_supervised(a, "soak", 5.0, lambda stack: Soak(a, stack).run())
     print(report(r, a))
     if a.out:
         a.out.write_text(json.dumps(r, indent=2))
