@@ -65,8 +65,9 @@ buf: $(TOOLS_STAMP)
 up: $(STAMP)
 	$(BIN)/tandem up $(ARGS)
 
+# --durations: the slowest tests in the log, to keep the suite inside CI's time.
 test: $(STAMP) $(OLDEST_STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
