@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -67,6 +68,10 @@ class HeldLease:
     # and when to renew it (decode_svc/lease_renewal.py), both moved by each renewal.
     deadline: float = 0.0
     renew_at: float = float("inf")
+    # Live migration: the lease is a decode worker's on a running sequence ("decode"), and
+    # `on_pulled` is told once its KV is here (the router then hands the request over).
+    role: str = "prefill"
+    on_pulled: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -134,11 +139,16 @@ async def claim(stub, lease: HeldLease, args: DecodeArgs, instance_id: str = "")
         raise WorkerError(grpc.StatusCode.UNAVAILABLE,
                           f"prefill worker {lease.address}: {e.details()}") from None
     # Claimed: ours to release from here, whatever happens next.
-    if resp.num_tokens != len(args.prompt):
-        raise InvalidArgument("prompt_token_ids", f"{len(args.prompt)} tokens; the lease holds "
+    moving = lease.role == "decode"
+    known = _sample0_tokens(args) if moving else args.prompt
+    # A prefill lease holds the prompt's KV; a running sequence's (live migration) the
+    # prompt's and some of sample 0's outputs, never its last token (whose KV is not written).
+    top = len(known) - 1 if moving else len(known)
+    if not len(args.prompt) <= resp.num_tokens <= top:
+        raise InvalidArgument("prompt_token_ids", f"{len(known)} tokens; the lease holds "
                               f"the KV of {resp.num_tokens}")
-    if resp.prompt_digest != prompt_digest(args.prompt):
-        raise InvalidArgument("prompt_token_ids", "not the prompt the lease was prefilled for")
+    if resp.prompt_digest != prompt_digest(known[:resp.num_tokens]):
+        raise InvalidArgument("prompt_token_ids", "not the tokens the lease holds the KV of")
     deadline = sent + resp.ttl_ms / 1000 - LEASE_MARGIN_S
     lease.deadline, lease.renew_at = deadline, renew_time(sent, resp.ttl_ms)
     if deadline <= time.monotonic():
@@ -147,5 +157,14 @@ async def claim(stub, lease: HeldLease, args: DecodeArgs, instance_id: str = "")
         raise WorkerError(grpc.StatusCode.ABORTED,
                           f"the lease has {resp.ttl_ms} ms left, too little to pull its KV")
     return RemoteKV(lease.address, lease.lease_id, deadline, tuple(resp.block_ids),
-                        args.first_token_ids, args.first_logprobs, args.resume_token_ids,
-                        instance_id)
+                    args.first_token_ids, args.first_logprobs, args.resume_token_ids,
+                    instance_id, resp.num_tokens if moving else 0, moving)
+
+
+def _sample0_tokens(args: DecodeArgs) -> list[int]:
+    """The prompt and sample 0's outputs the client has: what a lent sequence's KV is of."""
+    if not args.first_token_ids:
+        raise InvalidArgument("first_token_ids", "a running request moving here (kv.role "
+                              "decode) carries the tokens its client has")
+    more = args.resume_token_ids[0] if args.resume_token_ids else ()
+    return [*args.prompt, args.first_token_ids[0], *more]

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextvars
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -41,13 +42,16 @@ from tandem.engine.sequence import Replay
 from tandem.engine.serving.core_messages import LeaseDone
 from tandem.errors import InvalidArgument
 from tandem.kvtransfer.descriptor import check_compatible
+from tandem.kvtransfer.lease import Claim
 from tandem.runtime.convert import descriptor_from_proto, params_from_proto
+from tandem.runtime.lease_rpcs import LeaseRPCs
 from tandem.runtime.lifecycle import GRPC_OPTIONS
 from tandem.runtime.local_peers import loopback_ips, pool_owner_listens, split_address
 from tandem.runtime.request_trace import client_call
 from tandem.runtime.security import internal_channel
 from tandem.runtime.telemetry import span_name
 from tandem.runtime.worker import (
+    DRAIN_POLL_S,
     WorkerError,
     WorkerServicer,
     add_worker_args,
@@ -101,6 +105,12 @@ class DecodeServicer(WorkerServicer):
         self._moving: set[str] = set()  # requests a drain asked their router to move
         self._settled = asyncio.Event()  # draining, and no request left on any call
         self.layout = worker_pb2.PoolDescriptor(**engine.info.layout)
+        # Live migration: the leases this worker lends on its running requests (Register,
+        # ClaimLease, Release, RenewLeases from the decode worker they move to), and which
+        # request each one's token is for until it ends here.
+        self.leases = LeaseRPCs(engine, worker_id, self.instance_id)
+        self._lent: dict[str, str] = {}  # request id -> its lent lease's token
+        self._peer_roles: dict[str, str] = {}  # a peer's address -> its role (TLS name)
         # Keeps the held leases alive at their prefill workers while their requests wait
         # (started with the first claim, once the process's telemetry is in place).
         self._renewing: asyncio.Task | None = None
@@ -131,6 +141,7 @@ class DecodeServicer(WorkerServicer):
                 out.update(failed)
             finally:
                 tasks.pop(rid, None)
+                self._unlend(rid)
                 self._settle()
 
         def start(msg: worker_pb2.StreamRequest) -> None:
@@ -139,6 +150,9 @@ class DecodeServicer(WorkerServicer):
             except InvalidArgument as e:
                 raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             kind = msg.WhichOneof("kind")
+            if kind == "handover":
+                self._hand_over(msg.handover, tasks)
+                return
             if kind == "cancel":
                 task = tasks.get(msg.cancel)
                 if task is not None:
@@ -235,18 +249,25 @@ class DecodeServicer(WorkerServicer):
         finish here. Returns once no request is left."""
         self._start_draining()
         if self.role == "decode":
-            for out, tasks in self._sessions.items():
-                for rid in tasks:
+            for out, tasks in list(self._sessions.items()):
+                for rid in list(tasks):
                     self._moving.add(rid)
-                    out.update(worker_pb2.RequestUpdate(request_id=rid, move=True))
+                    # Its KV lent for the next decode worker to pull (live migration), when
+                    # it has any to lend; else it moves by token replay.
+                    out.update(worker_pb2.RequestUpdate(request_id=rid, move=True,
+                                                        kv=await self._lend(rid)))
         self._settle()
         await self._settled.wait()
+        # Leases lent are released by the decode workers that pulled them (or expire).
+        while (await self.engine.refresh()).num_leases:
+            await asyncio.sleep(DRAIN_POLL_S)
 
     def still_held(self) -> int:
-        return sum(len(tasks) for tasks in self._sessions.values())
+        return (sum(len(tasks) for tasks in self._sessions.values())
+                + self.engine.snapshot.num_leases)
 
     def _settle(self) -> None:
-        if self._draining.is_set() and not self.still_held():
+        if self._draining.is_set() and not any(self._sessions.values()):
             self._settled.set()
 
     async def _generate(self, request: worker_pb2.GenerateOnWorkerRequest, out: Outbox) -> None:
@@ -285,17 +306,23 @@ class DecodeServicer(WorkerServicer):
             # Counted once checked: the span's end lists each sample (n = 2**32 - 1 would be
             # a list of four billion).
             record.num_samples = args.params.n
+            lease.role = request.kv.role or "prefill"
+            if lease.role == "decode":  # live migration: the router hands it over once pulled
+                lease.on_pulled = lambda: out.update(worker_pb2.RequestUpdate(
+                    request_id=request.request_id, ready=True))
+                record.span.set_attribute("tandem.migration.source", lease.address)
             try:
-                await self._peer(lease.address, request.kv.instance_id)
+                await self._peer(lease.address, request.kv.instance_id, lease.role)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     # Pools that cannot pair (the reason names the flag): for the operator to
                     # fix, not for the router to retry elsewhere as if this worker were down.
                     raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
-                                      f"prefill worker {lease.address} refused this decode "
-                                      f"worker's KV pool: {e.details()}") from None
+                                      f"{lease.role} worker {lease.address} refused this "
+                                      f"decode worker's KV pool: {e.details()}") from None
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE,
-                                  f"prefill worker {lease.address}: {e.details()}") from None
+                                  f"{lease.role} worker {lease.address}: {e.details()}"
+                                  ) from None
             remote = await claim(self._stub(lease.address), lease, args,
                                  request.kv.instance_id)
             lease.owner = CORE  # from here the core ends it (LeaseDone), exactly once
@@ -336,22 +363,89 @@ class DecodeServicer(WorkerServicer):
         context = lease.context if lease is not None else None
         if done.pulled:
             self.telemetry.kv_transfer(context, done)
+        if (done.pulled and done.error is None and lease is not None
+                and lease.on_pulled is not None):
+            self.telemetry.metrics.live_migrations.inc()
+            self.telemetry.metrics.migrated_blocks.inc(done.num_blocks)
+            lease.on_pulled()
         self._spawn_release(done.address, done.lease_id, context)
+
+    # -- live migration, source side ---------------------------------------------------------
+    async def _lend(self, rid: str) -> worker_pb2.KVLocation | None:
+        """A lease on request rid's KV for the decode worker it moves to, or None (it has none
+        to lend here: token replay)."""
+        lent = await self.engine.lend(rid)
+        if lent is None:
+            return None
+        self._lent[rid] = lent.lease_id
+        self.leases.offer(lent.lease_id, Claim(lent.block_ids, lent.num_tokens, lent.digest,
+                                               lent.deadline))
+        return worker_pb2.KVLocation(
+            worker_id=self.worker_id, address=self.address, num_tokens=lent.num_tokens,
+            lease_id=lent.lease_id, instance_id=self.instance_id, role="decode",
+            lease_ttl_ms=int(max(lent.deadline - time.monotonic(), 0) * 1000))
+
+    def _unlend(self, rid: str) -> None:
+        """Request rid ended here: a lease lent on it that nobody claimed (its router had
+        nowhere to move it) is released now rather than at its expiry."""
+        lease_id = self._lent.pop(rid, None)
+        if lease_id is not None and self.leases.claims.unclaimed(lease_id):
+            self.leases.claims.forget(lease_id)
+            task = asyncio.get_running_loop().create_task(self.engine.release(lease_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def _hand_over(self, msg: worker_pb2.HandOver, tasks: dict[str, asyncio.Task]) -> None:
+        """Live migration, destination: the router switched request msg.request_id here; its
+        tokens made on the source since it was sent. Checked, then its engine decodes on. An
+        unknown request (ended meanwhile) is ignored."""
+        if msg.request_id not in tasks:
+            return
+        tokens = tuple(tuple(sample.token_ids) for sample in msg.tokens)
+        try:
+            for sample in tokens:
+                if len(sample) > self.limits.max_model_len:
+                    raise InvalidArgument("handover.tokens", f"{len(sample)} tokens")
+                self.limits.check_ids("handover.tokens", sample)
+        except InvalidArgument as e:
+            tasks[msg.request_id].cancel()  # its one update says why
+            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        self.engine.hand_over(msg.request_id, tokens)
+
+    # -- the lease RPCs (a decode worker lends running sequences) -----------------------------
+    async def Register(self, request, context):  # noqa: N802
+        return await self.leases.register(request, context)
+
+    async def ClaimLease(self, request, context):  # noqa: N802
+        return await self.leases.claim(request, context)
+
+    async def Release(self, request, context):  # noqa: N802
+        return await self.leases.release(request, context)
+
+    async def RenewLeases(self, request, context):  # noqa: N802
+        return await self.leases.renew(request, context)
 
     # -- prefill peers -----------------------------------------------------------------------
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
         if ch is None:
-            # With cluster TLS only a prefill worker's certificate is accepted here: whoever
-            # answers at an address a lease names must prove, with its key, to be one.
+            # With cluster TLS only a certificate of the role the lease names is accepted
+            # here (a prefill worker's; a decode worker's for a running sequence it lends):
+            # whoever answers at an address a lease names must prove, with its key, to be one.
+            role = self._peer_roles.get(address, "prefill")
             ch = self._channels[address] = internal_channel(address, self.cluster_tls,
-                                                             GRPC_OPTIONS, "prefill")
+                                                             GRPC_OPTIONS, role)
         return worker_pb2_grpc.WorkerStub(ch)
 
-    async def _peer(self, address: str, instance_id: str) -> None:
+    async def _peer(self, address: str, instance_id: str, role: str = "prefill") -> None:
         """Register with a prefill worker and map its pool in the engine core, on first use and
         again once the worker there restarted (a new instance has a new pool). A lease from an
-        instance that is gone fails its request: its KV went with it."""
+        instance that is gone fails its request: its KV went with it. `role`: the peer's (a
+        decode worker lends running sequences); an address keeps the role it was first
+        dialed as."""
+        if self._peer_roles.setdefault(address, role) != role:
+            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION, f"kv.role: {address} is "
+                              f"a {self._peer_roles[address]} worker, not {role}")
         if self.peers.get(address) == instance_id or (not instance_id and address in self.peers):
             return  # mapped (a lease naming no instance is for the claim to judge)
         async with self._peer_locks.setdefault(address, asyncio.Lock()):

@@ -4,7 +4,9 @@ the role:
 
     prefill       PrefillConnector: hold a finished prompt's blocks under a lease (`hold`) until
                   the decode side releases it (`release`) or it expires (`renew`, `expire`);
-                  its blocks go back to the pool then. The lease table lives here.
+                  its blocks go back to the pool then. The lease table lives here
+                  (LeaseHolder, which a decode connector is too: it lends running
+                  sequences' blocks the same way, for live migration).
     decode, both  DecodeConnector: a request whose prompt KV lives on a prefill worker is
                   checked on arrival (`check`); the scheduler allocates its blocks at admission
                   (KVCacheManager.allocate_for_pull: the prompt's blocks its prefix cache holds,
@@ -102,18 +104,20 @@ def connector_for(role: str, block_pool: BlockPool, block_size: int, vocab_size:
                   max_model_len: int) -> KVConnector:
     if role == "prefill":
         return PrefillConnector(block_pool)
-    return DecodeConnector(block_size, vocab_size, max_model_len)
+    return DecodeConnector(block_pool, block_size, vocab_size, max_model_len)
 
 
-class PrefillConnector(KVConnector):
-    """Prefill role: the leases on finished prompts' blocks, one reference on each block while
-    its lease lives (kvtransfer/lease.py's LeaseTable); granted, released and expired here."""
+class LeaseHolder(KVConnector):
+    """Leases on blocks of this pool, one reference on each block while its lease lives
+    (kvtransfer/lease.py's LeaseTable); granted, released and expired here. A prefill
+    worker's are on finished prompts; a decode worker's on running sequences it lends to
+    another decode worker (live migration)."""
 
     def __init__(self, block_pool: BlockPool, ttl_s: float = 30.0,
                  max_life_s: float | None = None) -> None:
         self.block_pool = block_pool
         self.table = LeaseTable()
-        self.ttl_s = ttl_s  # how long a handed-off prompt's blocks stay pinned
+        self.ttl_s = ttl_s  # how long a lease's blocks stay pinned without a renewal
         self.max_life_s = max_life_s  # renewals never pin them longer (None: no cap)
 
     def __len__(self) -> int:
@@ -140,10 +144,14 @@ class PrefillConnector(KVConnector):
         expired = self.table.expire(time.monotonic() if now is None else now)
         for blocks in expired:
             self.block_pool.free(blocks)
-        if expired:  # no decode worker took these prompts' KV in time (never the lease ids)
+        if expired:  # nobody took these blocks' KV in time (never the lease ids)
             log.warning("%d KV lease(s) expired unreleased; %d blocks returned", len(expired),
                         sum(len(b) for b in expired))
         return len(expired)
+
+
+class PrefillConnector(LeaseHolder):
+    """Prefill role: the leases pinning handed-off prompts' blocks."""
 
 
 class PullDone(NamedTuple):
@@ -154,11 +162,15 @@ class PullDone(NamedTuple):
     error: str | None = None
 
 
-class DecodeConnector(KVConnector):
-    """Decode role: the pulls of remote prompts' KV. The puller, dropper and `in_stream` come
-    from the serving core (`connect`)."""
+class DecodeConnector(LeaseHolder):
+    """Decode role: the pulls of remote prompts' KV (and of running sequences moving here),
+    and the leases on running sequences this worker lends to another decode worker (live
+    migration: LeaseHolder's). The puller, dropper and `in_stream` come from the serving core
+    (`connect`)."""
 
-    def __init__(self, block_size: int, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, block_pool: BlockPool, block_size: int, vocab_size: int,
+                 max_model_len: int) -> None:
+        super().__init__(block_pool)
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -179,9 +191,16 @@ class DecodeConnector(KVConnector):
         """A remote request's first tokens, block count and resumed outputs, named when wrong
         (its prompt and parameters are the engine's to check)."""
         self.check_outputs(prompt, params, remote)
-        if len(remote.block_ids) != cdiv(len(prompt), self.block_size):
+        num_tokens = remote.num_tokens or len(prompt)
+        if remote.num_tokens:  # a running sequence's KV (live migration): prompt and outputs
+            outputs = 1 + len(remote.resume_token_ids[0]) if remote.resume_token_ids else 1
+            if not len(prompt) <= num_tokens < len(prompt) + outputs or (
+                    params.n > 1 and num_tokens != len(prompt)):
+                raise InvalidArgument("kv.num_tokens", f"a lease on {num_tokens} tokens for "
+                                      f"a prompt of {len(prompt)} and {outputs} outputs")
+        if len(remote.block_ids) != cdiv(num_tokens, self.block_size):
             raise InvalidArgument("kv.block_ids", f"{len(remote.block_ids)} blocks do not hold "
-                                  f"{len(prompt)} tokens")
+                                  f"{num_tokens} tokens")
 
     def check_outputs(self, prompt: list[int], params: SamplingParams,
                       handed: RemoteKV | Replay) -> None:

@@ -165,7 +165,9 @@ class KVCacheManager:
         run instead of one per block.
 
         Returns False, changing nothing, when the pool is short."""
-        need = cdiv(seq.num_prompt_tokens, self.block_size) - len(hits)
+        # A running sequence moving here (live migration) brings its outputs' KV too.
+        covered = seq.remote.num_tokens if seq.remote is not None else 0
+        need = cdiv(covered or seq.num_prompt_tokens, self.block_size) - len(hits)
         revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
         if need + revived + reserve > self.pool.num_free:
             return False

@@ -43,6 +43,7 @@ from tandem.engine.config import EngineConfig, ModelConfig
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.kv_connector import PullDone, connector_for
 from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.migration import Migrations, Tokens
 from tandem.engine.model_runner import ModelRunner, PoolFactory
 from tandem.engine.model_source import resolve_model
 from tandem.engine.sampler import SampleRow
@@ -51,6 +52,7 @@ from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import (
     FinishReason,
     Handoff,
+    Lent,
     RemoteKV,
     Replay,
     SeqOutput,
@@ -122,6 +124,10 @@ class LLMEngine:
         # The handoff, as this role sees it: the prefill role's leases, the decode role's pulls.
         self.kv_connector = connector_for(config.role, self.block_pool, cache.block_size,
                                           self.model_config.vocab_size, max_len)
+        # Live migration between decode workers: what this engine lends, what it waits for.
+        self.migrations = Migrations(self.kv_connector, cache.block_size)
+        # Outputs made between steps (a HandOver that failed its request), sent with the next.
+        self.deferred: list[SeqOutput] = []
         self.pipeline = StepPipeline(self.runner, self.scheduler, self.stops, self._finish,
                                      enabled=self._pipelined(config))
         self.requests: dict[str, list[Sequence]] = {}
@@ -279,7 +285,7 @@ class LLMEngine:
         return self.stops.eos_token_ids
 
     def has_work(self) -> bool:
-        return (self.scheduler.has_work() or bool(self.compiling)
+        return (self.scheduler.has_work() or bool(self.compiling) or bool(self.deferred)
                 or self.pipeline.inflight is not None)
 
     def is_idle(self) -> bool:
@@ -293,6 +299,8 @@ class LLMEngine:
         if len(connector):
             connector.expire()
         outputs = self._grammars_ready() if self.compiling else []
+        if self.deferred:
+            outputs, self.deferred = self.deferred + outputs, []
         if connector.waiting:
             outputs += self._poll_pulls()
         ran: list[StepResult] = []
@@ -465,6 +473,8 @@ class LLMEngine:
         while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:  # a step in flight's
             seq.token_ids.pop()
         self.kv_connector.drop(seq)
+        if self.migrations.parked or self.migrations.early:
+            self.migrations.forget(seq.request_id)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
@@ -516,6 +526,9 @@ class LLMEngine:
                 outputs += self.fail([seq.request_id], error)
                 continue
             try:
+                if remote.handover:  # a running sequence moving here: wait for the switch
+                    outputs += self._park(seq, remote)
+                    continue
                 outputs += self._start_decoding(seq, remote)
             except Exception:  # this request's own state: it fails alone
                 log.exception("request %s failed after its KV pull", seq.request_id)
@@ -543,6 +556,49 @@ class LLMEngine:
                 self._append(s, t, None, sampled_here=False)
             if s.is_finished:  # a sample that had finished before the move
                 outputs.append(self._output(s, [], []))
+        return outputs
+
+    # -- live migration (engine/migration.py) ---------------------------------------------------
+    def lend(self, request_id: str) -> Lent | None:
+        """Source: a lease on a running request's KV for another decode worker to pull while
+        this one decodes on; None when it has none to lend (it moves by token replay)."""
+        seqs = self.requests.get(request_id)
+        if not seqs:
+            return None
+        return self.migrations.lend(seqs, self.pipeline.inflight is not None)
+
+    def hand_over(self, request_id: str, tokens: Tokens) -> None:
+        """Destination: the source stopped the request; `tokens`, per sample, are those it
+        made since the request was sent here. Recorded, and it decodes on."""
+        got = self.migrations.take(request_id, tokens, request_id in self.requests)
+        if got is not None:
+            self.deferred += self._resume_moved(*got, tokens)
+
+    def _park(self, seq: Sequence, remote: RemoteKV) -> list[SeqOutput]:
+        """A moving request's KV is pulled: out of the batch until its HandOver."""
+        self.scheduler.running.remove(seq)
+        early = self.migrations.park(seq, remote)
+        return [] if early is None else self._resume_moved(seq, remote, early)
+
+    def _resume_moved(self, seq: Sequence, remote: RemoteKV, tokens: Tokens) -> list[SeqOutput]:
+        """Its tokens recorded as a move's are (the client has them), the KV of those past
+        the lease's recomputed by the next steps, then it samples on."""
+        before = remote.resume_token_ids or ((),) * len(remote.first_token_ids)
+        if len(tokens) != len(before):
+            return self.fail([seq.request_id], f"handover: {len(tokens)} samples, expected "
+                             f"{len(before)}")
+        remote = dataclasses.replace(remote, resume_token_ids=tuple(
+            b + tuple(t) for b, t in zip(before, tokens)))
+        try:
+            self.kv_connector.check_outputs(seq.token_ids[:seq.num_prompt_tokens], seq.params,
+                                            remote)
+        except InvalidArgument as e:
+            return self.fail([seq.request_id], str(e))
+        self.scheduler.running.append(seq)
+        outputs = self._start_decoding(seq, remote)
+        if remote.num_tokens > seq.num_prompt_tokens and not seq.is_finished:
+            seq.num_computed_tokens = remote.num_tokens  # the outputs' KV came too
+            self.kv.cache_full_blocks(seq)
         return outputs
 
     # -- stats -------------------------------------------------------------------------------

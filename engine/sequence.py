@@ -58,6 +58,12 @@ class RemoteKV:
     # The prefill worker process that granted the lease: its pool is the one MapPool mapped
     # for that instance; a lease of an earlier instance (restarted since) cannot be pulled.
     instance_id: str = ""
+    # Live migration: the lease is a decode worker's on a running sequence, holding the KV of
+    # its first num_tokens tokens (prompt and outputs; 0: a prefill lease, the prompt's). The
+    # request waits, pulled, for its HandOver (the tokens made on the source since) before it
+    # decodes (`handover`).
+    num_tokens: int = 0
+    handover: bool = False
 
 
 class PendingPull(Protocol):
@@ -70,6 +76,20 @@ class PendingPull(Protocol):
 
     def cancel(self) -> None:
         """The request ended first: stop the pull; returns once nothing writes the blocks."""
+
+
+@dataclass(frozen=True)
+class Lent:
+    """Live migration, source side: a lease on a running request's KV, for another decode
+    worker to claim and pull while this one decodes on. It holds the blocks of the first
+    `num_tokens` tokens of sample 0 (its prompt and the outputs whose KV is written; the
+    prompt alone when n > 1, each sample's outputs then recomputed at the destination)."""
+
+    lease_id: str  # the capability: never logged
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    digest: bytes  # kvtransfer.lease.prompt_digest of those tokens
+    deadline: float  # time.monotonic()
 
 
 @dataclass(frozen=True)

@@ -19,25 +19,20 @@ import time
 
 import grpc
 
-from tandem.errors import InvalidArgument, LayoutMismatch
+from tandem.errors import InvalidArgument
 from tandem.kvtransfer import transports
-from tandem.kvtransfer.descriptor import check_compatible
-from tandem.kvtransfer.lease import Claim, LeaseClaims, prompt_digest
-from tandem.runtime.cluster_roles import caller_identity
-from tandem.runtime.convert import descriptor_to_proto, logprobs_to_proto, params_from_proto
+from tandem.kvtransfer.lease import Claim, prompt_digest
+from tandem.runtime.convert import logprobs_to_proto, params_from_proto
+from tandem.runtime.lease_rpcs import LeaseRPCs
 from tandem.runtime.worker import (
     WorkerError,
     WorkerServicer,
     abort_for,
     add_worker_args,
-    checked,
     main_worker,
 )
 from tandem.runtime.worker_inputs import (
-    MAX_WORKER_ID_CHARS,
     bounded_id,
-    check_chars,
-    check_lease_id,
     check_prompt,
     check_request_id,
 )
@@ -45,17 +40,15 @@ from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
-MAX_RENEWALS = 4096  # leases one RenewLeases call may name
-
-
 class PrefillServicer(WorkerServicer):
     role = "prefill"
 
     def __init__(self, engine, worker_id: str, address: str) -> None:
         super().__init__(engine, worker_id)
         self.address = address
-        self.pool = engine.info.pool  # the engine core's pool, as peers map it
-        self.claims = LeaseClaims()  # which lease token may read which blocks, once
+        # Register, ClaimLease, Release, RenewLeases: its pool and the leases on it.
+        self.leases = LeaseRPCs(engine, worker_id, self.instance_id)
+        self.claims = self.leases.claims
         self.limits = engine.info.limits
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
@@ -79,9 +72,9 @@ class PrefillServicer(WorkerServicer):
         if self.draining:
             self.drain_tally.finished += 1
         h = out.handoff
-        self.claims.offer(h.lease_id, Claim(h.block_ids, h.num_tokens,
+        self.leases.offer(h.lease_id, Claim(h.block_ids, h.num_tokens,
                                             prompt_digest(request.prompt_token_ids),
-                                            h.lease_deadline), time.monotonic())
+                                            h.lease_deadline))
         return worker_pb2.PrefillResponse(
             first_token_ids=list(h.first_token_ids),
             first_logprobs=[logprobs_to_proto(lp) for lp in h.first_logprobs]
@@ -95,40 +88,16 @@ class PrefillServicer(WorkerServicer):
             prompt_logprobs=[logprobs_to_proto(lp) for lp in out.prompt_logprobs or ()])
 
     async def ClaimLease(self, request, context):  # noqa: N802
-        await checked(context, check_lease_id, request.lease_id)
-        now = time.monotonic()
-        claim = self.claims.claim(request.lease_id, now, caller_identity(context) or "")
-        if claim is None:
-            # One answer for unknown, expired, released and claimed: the token opens nothing.
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "no live, unclaimed lease has this token")
-        return worker_pb2.ClaimLeaseResponse(
-            block_ids=claim.block_ids, num_tokens=claim.num_tokens,
-            prompt_digest=claim.prompt_digest, ttl_ms=int((claim.deadline - now) * 1000))
+        return await self.leases.claim(request, context)
 
     async def Release(self, request, context):  # noqa: N802
-        await checked(context, check_lease_id, request.lease_id)
-        self.claims.forget(request.lease_id)  # before the core frees the blocks
-        return worker_pb2.ReleaseResponse(released=await self.engine.release(request.lease_id))
+        return await self.leases.release(request, context)
 
     async def RenewLeases(self, request, context):  # noqa: N802
-        """Each live lease this caller claimed gets a full time to live from now, up to the end
-        of its life (--lease-max-life). An unclaimed one keeps the deadline it has, and so does
-        one another caller claimed (with cluster TLS, callers are told apart by certificate)."""
-        if len(request.lease_ids) > MAX_RENEWALS:
-            await abort_for(context, InvalidArgument(
-                "lease_ids", f"{len(request.lease_ids)} leases; at most {MAX_RENEWALS} a call"))
-        ids = list(request.lease_ids)
-        for lease_id in ids:
-            await checked(context, check_lease_id, lease_id, "lease_ids")
-        holder, now = caller_identity(context) or "", time.monotonic()
-        mine = [i for i in ids if self.claims.held_by(i, holder, now)]
-        left = dict(zip(mine, await self.engine.renew(mine), strict=True))
-        for lease_id, seconds in left.items():
-            if seconds > 0:
-                self.claims.renewed(lease_id, now + seconds)
-        return worker_pb2.RenewLeasesResponse(
-            ttl_ms=[int(left.get(i, 0.0) * 1000) for i in ids])
+        return await self.leases.renew(request, context)
+
+    async def Register(self, request, context):  # noqa: N802
+        return await self.leases.register(request, context)
 
     def still_held(self) -> int:
         """A draining prefill worker waits for its prompts and for every lease it granted to be
@@ -140,23 +109,6 @@ class PrefillServicer(WorkerServicer):
         # Blocks pinned by claimed leases, per holder, read when Prometheus scrapes.
         self.telemetry.metrics.watch_leases(lambda: self.claims.pinned_by_holder(
             time.monotonic()))
-
-    async def Register(self, request, context):  # noqa: N802
-        await checked(context, check_chars, "decode_worker_id", request.decode_worker_id,
-                      MAX_WORKER_ID_CHARS)
-        mine = self.pool
-        try:
-            check_compatible(mine, request.layout)
-        except LayoutMismatch as e:
-            log.warning("refused registration of %s: %s", request.decode_worker_id, e)
-            await abort_for(context, e)
-        log.info("decode worker %s registered (%s)", request.decode_worker_id,
-                 mine.redacted())
-        return worker_pb2.RegisterResponse(
-            prefill_worker_id=self.worker_id, pool=descriptor_to_proto(mine),
-            instance_id=self.instance_id,
-            rank_pools=[descriptor_to_proto(d) for d in self.engine.info.rank_pools])
-
 
 # A lease's whole life, renewals included, is at most this many times its time to live unless
 # --lease-max-life says otherwise: 5 minutes with the default 30 s, far longer than a pull waits

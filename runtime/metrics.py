@@ -106,6 +106,11 @@ class Metrics:
         self.kv_leases_lost = counter("kv_leases_lost",
                                       "Leases this decode worker held that their prefill worker "
                                       "no longer had when renewed (expired or restarted)")
+        self.live_migrations = counter("live_migrations_in",
+                                       "Running requests moved to this decode worker by "
+                                       "pulling their KV from another (live migration)")
+        self.migrated_blocks = counter("kv_blocks_migrated",
+                                       "KV blocks those live migrations pulled")
         self._engine = _EngineCounters(labels, values)
         reg.register(self._engine)
         self._last_step_end: float | None = None

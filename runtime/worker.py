@@ -165,7 +165,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_blocks_pulled=s.kv_blocks_pulled, kv_bytes_pulled=s.kv_bytes_pulled,
             kv_runs_pulled=s.kv_runs_pulled, kv_pull_seconds=s.kv_pull_seconds,
             draining=self.draining, step_seconds=self.pace.step_seconds,
-            prompt_token_seconds=self.pace.prompt_token_seconds)
+            prompt_token_seconds=self.pace.prompt_token_seconds,
+            kv_blocks_migrated=s.kv_blocks_migrated, migrations_in=s.migrations_in)
 
     async def Drain(self, request, context):  # noqa: N802
         """Take this worker out without dropping a request (the same as SIGTERM): answered once

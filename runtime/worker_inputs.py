@@ -70,6 +70,8 @@ def check_kv(kv: worker_pb2.KVLocation) -> None:
     check_chars("kv.worker_id", kv.worker_id, MAX_WORKER_ID_CHARS)
     check_chars("kv.instance_id", kv.instance_id, MAX_WORKER_ID_CHARS)
     check_lease_id(kv.lease_id, "kv.lease_id")
+    if kv.role not in ("", "prefill", "decode"):
+        raise InvalidArgument("kv.role", f"prefill or decode, got {kv.role[:16]!r}")
 
 
 def check_stream_request(msg: worker_pb2.StreamRequest) -> None:
@@ -81,7 +83,8 @@ def check_stream_request(msg: worker_pb2.StreamRequest) -> None:
         check_request_id(msg.cancel, "cancel")
         return
     if kind is None:
-        raise InvalidArgument("kind", "a Stream message carries generate, decode or cancel")
+        raise InvalidArgument("kind", "a Stream message carries generate, decode, cancel or "
+                              "handover")
     req = getattr(msg, kind)
     check_request_id(req.request_id)
     if kind == "decode":

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.sequence import RemoteKV, Replay, SeqOutput
+from tandem.engine.sequence import Lent, RemoteKV, Replay, SeqOutput
 from tandem.engine.serving.core_messages import (
     Abort,
     Aborted,
@@ -41,9 +41,11 @@ from tandem.engine.serving.core_messages import (
     EngineSnapshot,
     Event,
     Failed,
+    HandOver,
     KVEvents,
     LeaseDone,
     LeasesRenewed,
+    Lend,
     MapPool,
     Ready,
     Release,
@@ -252,6 +254,16 @@ class AsyncEngine:
     def leases_renewed(self, deadlines: list[tuple[str, float]]) -> None:
         """Decode role: tell the core the leases' new deadlines (its pulls wait until then)."""
         self.post(LeasesRenewed(tuple(deadlines)))
+
+    async def lend(self, request_id: str) -> Lent | None:
+        """Decode role, live migration's source: a lease on a running request's KV (None: it
+        has none to lend)."""
+        return await self.call(Lend(request_id))
+
+    def hand_over(self, request_id: str, tokens: tuple[tuple[int, ...], ...]) -> None:
+        """Decode role, live migration's destination: the request decodes on here, with the
+        tokens the source made since it was sent (checked by the caller)."""
+        self.post(HandOver(request_id, tokens))
 
     async def map_pool(self, address: str, descriptor: Any, instance_id: str = "") -> None:
         """Decode role: map a prefill worker's pool in the core (once per address and worker

@@ -3,7 +3,7 @@ the spec the core is built from, one dataclass per command and per event, and a 
 packed for the pipe. Plain Python, no torch: the worker process imports this, never the engine.
 
 Commands (worker → core), each sent as Call(command, call_id); call_id 0 wants no reply:
-    Add, Abort, Release, Renew, LeasesRenewed, MapPool, TakeSnapshot, Stop
+    Add, Abort, Release, Renew, LeasesRenewed, MapPool, Lend, HandOver, TakeSnapshot, Stop
 Events (core → worker):
     Ready | Failed                once, first
     Reply                         a call's result or exception
@@ -94,6 +94,11 @@ class EngineSnapshot:
     host_kv_evictions: int = 0
     host_kv_bytes_used: int = 0
     host_kv_capacity_bytes: int = 0
+    # Live migration (engine/migration.py): blocks pulled from other decode workers (of
+    # kv_blocks_pulled), requests moved in that way, and leases lent on running requests.
+    kv_blocks_migrated: int = 0
+    migrations_in: int = 0
+    migrations_lent: int = 0
 
     @property
     def idle(self) -> bool:
@@ -176,6 +181,23 @@ class MapPool:
 
 
 @dataclass(frozen=True, slots=True)
+class Lend:
+    """Decode role, live migration's source: a lease on a running request's KV (replies a
+    sequence.Lent, or None: it has none to lend and moves by token replay)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class HandOver:
+    """Decode role, live migration's destination: the source stopped the request; per sample,
+    the tokens it made since the request came here. Recorded, and the request decodes on."""
+
+    request_id: str
+    tokens: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class TakeSnapshot:
     """Reply with an EngineSnapshot taken between two steps."""
 
@@ -185,7 +207,8 @@ class Stop:
     """Leave the loop; the process exits."""
 
 
-Command = Add | Abort | Release | Renew | LeasesRenewed | MapPool | TakeSnapshot | Stop
+Command = (Add | Abort | Release | Renew | LeasesRenewed | MapPool | Lend | HandOver
+           | TakeSnapshot | Stop)
 
 
 @dataclass(frozen=True, slots=True)

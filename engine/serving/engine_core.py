@@ -47,8 +47,10 @@ from tandem.engine.serving.core_messages import (
     CoreSpec,
     EngineSnapshot,
     Failed,
+    HandOver,
     KVEvents,
     LeasesRenewed,
+    Lend,
     MapPool,
     Ready,
     Release,
@@ -79,7 +81,10 @@ class EngineCore:
         self.spec = spec
         self.events = events
         self.pool: Any = None  # this core's pool, when peers map it (prefill)
-        pool_factory = self._allocate_shared_pool if spec.role == "prefill" else None
+        # Peers map a prefill pool (prompts' KV) and a decode pool (running sequences that
+        # move to another decode worker: live migration).
+        pool_factory = (self._allocate_shared_pool if spec.role in ("prefill", "decode")
+                        else None)
         # Tensor parallelism: the other ranks share their own pools the same way (prefill).
         # How peers reach this core's pool (prefill), kvtransfer/transports.py's.
         self.transport = spec.transport or transports.default_for(spec.config.device)
@@ -92,7 +97,7 @@ class EngineCore:
         self.engine = LLMEngine(spec.config, pool_factory=pool_factory, progress=False,
                                 tp_options=tp_options)
         connector = self.engine.kv_connector
-        if spec.role == "prefill":  # its connector owns the leases on handed-off prompts
+        if spec.role in ("prefill", "decode"):  # its connector owns the leases it grants
             connector.ttl_s, connector.max_life_s = spec.lease_ttl_s, spec.lease_max_life_s
         # Rank 0's side of a handoff that moves heads between tensor-parallel sizes: used for
         # every peer when this worker has several ranks, or for a peer that has.
@@ -118,7 +123,8 @@ class EngineCore:
         self.commands: queue.SimpleQueue[list[Call]] = queue.SimpleQueue()
         self.handlers = {Add: self._add, Abort: self._abort, Release: self._release,
                          Renew: self._renew, LeasesRenewed: self.kv.renewed,
-                         MapPool: self.kv.map, TakeSnapshot: self._take_snapshot, Stop: self._stop}
+                         MapPool: self.kv.map, Lend: self._lend, HandOver: self._hand_over,
+                         TakeSnapshot: self._take_snapshot, Stop: self._stop}
         self.wake = threading.Event()
         self.stopping = False
         self._last_snapshot: EngineSnapshot | None = None
@@ -253,6 +259,12 @@ class EngineCore:
     def _renew(self, cmd: Renew) -> list[float]:
         return self.engine.kv_connector.renew(cmd.lease_ids)
 
+    def _lend(self, cmd: Lend) -> Any:
+        return self.engine.lend(cmd.request_id)
+
+    def _hand_over(self, cmd: HandOver) -> None:
+        self.engine.hand_over(cmd.request_id, cmd.tokens)
+
     def _take_snapshot(self, _: TakeSnapshot) -> EngineSnapshot:
         return self._snapshot()
 
@@ -283,7 +295,10 @@ class EngineCore:
                               *((spec.num_draft_tokens, spec.num_accepted_tokens,
                                  tuple(spec.drafted_at), tuple(spec.accepted_at))
                                 if spec is not None else ()),
-                              **_host_tier_fields(e.host_tier))
+                              **_host_tier_fields(e.host_tier),
+                              kv_blocks_migrated=self.kv.blocks_migrated,
+                              migrations_in=self.kv.migrations_in,
+                              migrations_lent=e.migrations.num_lent)
 
     def _kv_events(self) -> KVEvents | None:
         stored, removed = self.engine.block_pool.take_events()

@@ -50,6 +50,8 @@ class KVPulls:
         self.pullers: dict[str, Any] = {}  # transport name -> its puller into this pool
         self.blocks_pulled = self.bytes_pulled = self.runs_pulled = 0
         self.pull_seconds = 0.0
+        # Of those, pulled from decode workers: running sequences moving here (live migration)
+        self.blocks_migrated = self.migrations_in = 0
 
     def hold(self, kv: RemoteKV, request_id: str) -> None:
         self.leases_held[kv.lease_id] = request_id
@@ -199,6 +201,9 @@ class KVPulls:
             self.bytes_pulled += pull.get("nbytes", 0)
             self.runs_pulled += pull.get("num_runs", 0)
             self.pull_seconds += pull.get("seconds", 0.0)
+            if kv.handover and pull.get("pulled"):
+                self.blocks_migrated += pull.get("num_blocks", 0)
+                self.migrations_in += 1
         if request_id is not None:
             self.events.send(LeaseDone(request_id, kv.address, kv.lease_id, **pull))
 

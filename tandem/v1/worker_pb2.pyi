@@ -34,20 +34,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class KVLocation(_message.Message):
-    __slots__ = ("worker_id", "address", "num_tokens", "lease_id", "lease_ttl_ms", "instance_id")
+    __slots__ = ("worker_id", "address", "num_tokens", "lease_id", "lease_ttl_ms", "instance_id", "role")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     num_tokens: int
     lease_id: str
     lease_ttl_ms: int
     instance_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., instance_id: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_ids", "first_logprobs", "finish_reasons", "kv", "num_cached_tokens", "prompt_logprobs")
@@ -83,6 +85,14 @@ class DecodeRequest(_message.Message):
     resume: _containers.RepeatedCompositeFieldContainer[SampleTokens]
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., resume: _Optional[_Iterable[_Union[SampleTokens, _Mapping]]] = ...) -> None: ...
 
+class HandOver(_message.Message):
+    __slots__ = ("request_id", "tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tokens: _containers.RepeatedCompositeFieldContainer[SampleTokens]
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[SampleTokens, _Mapping]]] = ...) -> None: ...
+
 class SampleTokens(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -100,7 +110,7 @@ class GenerateOnWorkerRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("generate", "decode", "cancel", "trace_context")
+    __slots__ = ("generate", "decode", "cancel", "handover", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -111,26 +121,32 @@ class StreamRequest(_message.Message):
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     generate: GenerateOnWorkerRequest
     decode: DecodeRequest
     cancel: str
+    handover: HandOver
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, generate: _Optional[_Union[GenerateOnWorkerRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, generate: _Optional[_Union[GenerateOnWorkerRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., handover: _Optional[_Union[HandOver, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RequestUpdate(_message.Message):
-    __slots__ = ("request_id", "done", "error_code", "error_message", "move")
+    __slots__ = ("request_id", "done", "error_code", "error_message", "move", "kv", "ready")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MOVE_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     done: bool
     error_code: int
     error_message: str
     move: bool
-    def __init__(self, request_id: _Optional[str] = ..., done: _Optional[bool] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., move: _Optional[bool] = ...) -> None: ...
+    kv: KVLocation
+    ready: bool
+    def __init__(self, request_id: _Optional[str] = ..., done: _Optional[bool] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., move: _Optional[bool] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class TokenColumns(_message.Message):
     __slots__ = ("request_id", "sample_index", "num_tokens", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "with_logprobs", "logprobs")
@@ -307,7 +323,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_leases", "block_size", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "dtype", "instance_id", "prompt_tokens_computed", "kv_blocks_pulled", "kv_bytes_pulled", "kv_runs_pulled", "kv_pull_seconds", "draining", "step_seconds", "prompt_token_seconds")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_leases", "block_size", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "dtype", "instance_id", "prompt_tokens_computed", "kv_blocks_pulled", "kv_bytes_pulled", "kv_runs_pulled", "kv_pull_seconds", "draining", "step_seconds", "prompt_token_seconds", "kv_blocks_migrated", "migrations_in")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +345,8 @@ class Load(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_IN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -350,4 +368,6 @@ class Load(_message.Message):
     draining: bool
     step_seconds: float
     prompt_token_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., dtype: _Optional[str] = ..., instance_id: _Optional[str] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_blocks_pulled: _Optional[int] = ..., kv_bytes_pulled: _Optional[int] = ..., kv_runs_pulled: _Optional[int] = ..., kv_pull_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., step_seconds: _Optional[float] = ..., prompt_token_seconds: _Optional[float] = ...) -> None: ...
+    kv_blocks_migrated: int
+    migrations_in: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., dtype: _Optional[str] = ..., instance_id: _Optional[str] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_blocks_pulled: _Optional[int] = ..., kv_bytes_pulled: _Optional[int] = ..., kv_runs_pulled: _Optional[int] = ..., kv_pull_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., step_seconds: _Optional[float] = ..., prompt_token_seconds: _Optional[float] = ..., kv_blocks_migrated: _Optional[int] = ..., migrations_in: _Optional[int] = ...) -> None: ...

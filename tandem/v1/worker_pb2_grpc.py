@@ -111,23 +111,24 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClaimLease(self, request, context):
-        """Prefill role: a decode worker presents a lease's token and gets the lease's blocks, once,
-        while the lease lives. An unknown, expired, released or already claimed token is refused
-        with FAILED_PRECONDITION. The decode side copies only the block ids this returns.
+        """Prefill role, and decode role for a running sequence it lends (live migration): a decode
+        worker presents a lease's token and gets the lease's blocks, once, while the lease lives.
+        An unknown, expired, released or already claimed token is refused with
+        FAILED_PRECONDITION. The decode side copies only the block ids this returns.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Prefill role: the decode side has its copy; late or unknown leases are ignored.
+        """Prefill and decode roles: the decode side has its copy; late or unknown leases are ignored.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RenewLeases(self, request, context):
-        """Prefill role: a decode worker keeps the leases it claimed while their requests wait for
+        """Prefill and decode roles: a decode worker keeps the leases it claimed while their requests wait for
         the pull (a busy worker, a slow link): each live, claimed lease gets a full time to live
         from now. Unknown, expired, released and unclaimed leases are not renewed (0 left).
         """
@@ -136,7 +137,8 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Register(self, request, context):
-        """Prefill role: a decode worker asks for the pool descriptor, once per pair. Refused with
+        """Prefill and decode roles: a decode worker asks for the pool descriptor, once per pair
+        (a decode worker's pool, to pull a running sequence that moves to it). Refused with
         FAILED_PRECONDITION, naming the field, when the layouts differ.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -1,6 +1,6 @@
 """The scheduler side of a KV handoff (engine/kv_connector.py), one connector per engine by
-role: the prefill role's owns the lease table (a held prompt's blocks go back to the pool once,
-at release or expiry, never at a renewal); the other roles' hold nothing and refuse to hold."""
+role: each owns a lease table (a held prompt's blocks, or a running sequence's lent for live
+migration, go back to the pool once, at release or expiry, never at a renewal)."""
 
 from __future__ import annotations
 
@@ -31,11 +31,17 @@ def test_the_prefill_connector_owns_the_leases():
 
 
 @pytest.mark.parametrize("role", ["decode", "both"])
-def test_other_roles_hold_no_leases(role):
+def test_decode_connectors_lend_through_the_same_leases(role):
+    """A decode worker lends a running sequence's blocks (live migration) under a lease of the
+    same kind: the blocks' references pass to it and go back once, at release or expiry."""
     pool = BlockPool(8, 4)
     conn = _connector(role, pool)
     assert isinstance(conn, DecodeConnector) and len(conn) == 0
-    with pytest.raises(RuntimeError, match="holds no prompts"):
-        conn.hold(pool.allocate(1), now=0.0)
     assert not conn.release("L") and conn.renew(["L"]) == [0.0] and conn.expire() == 0
+    blocks = pool.allocate(2)
+    pool.incref(blocks)  # the running sequence's and the lease's
+    lease, _ = conn.hold(blocks, now=0.0)
+    pool.free(blocks)  # the sequence ends (moved away)
+    assert len(conn) == 1 and pool.num_free == 6
+    assert conn.release(lease) and pool.is_idle() and len(conn) == 0
     assert conn.start([]) == [] and conn.poll() == [] and conn.ordered([])

@@ -1,0 +1,92 @@
+"""Live migration of a running request between decode workers, as each engine sees it.
+
+    source engine                                    destination engine
+    ─────────────                                    ──────────────────
+    lend(request): a lease on the blocks of the
+    KV written so far (sample 0's first K tokens) ─▶ add_remote_request(remote: the lease,
+    decodes on meanwhile (its last block is                 num_tokens K, handover): admitted,
+    copied on write: the lease's stays as lent)             pulled like a prompt's KV, parked
+                                                     hand_over(request, tokens made since):
+    aborted by its worker once the router has              tokens recorded (not sampled), the
+    switched (the lease still pins its blocks ─────▶       KV past K recomputed, decodes on
+    until the destination's Release, or expiry)
+
+What moves: the KV (pulled), the position (K, then the recorded tokens), and everything the
+sampler reads, rebuilt from the tokens: a seeded sample's noise is a function of (seed, sample
+index, output position), penalties count the tokens, a grammar's matcher accepts them again,
+and stop strings are the router's (it holds the text). Speculative drafts are not moved: the
+destination proposes afresh (drafts never change what is accepted).
+
+This object keeps the destination's parked requests between their pull and their HandOver.
+Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tandem.engine.config import cdiv
+from tandem.engine.kv_connector import LeaseHolder
+from tandem.engine.sequence import Lent, RemoteKV, Sequence, Status
+from tandem.kvtransfer.lease import prompt_digest
+
+Tokens = tuple[tuple[int, ...], ...]  # per sample
+
+
+class Migrations:
+    def __init__(self, connector: LeaseHolder, block_size: int) -> None:
+        self.connector = connector
+        self.block_size = block_size
+        # Destination: requests pulled and waiting for their HandOver, by request id.
+        self.parked: dict[str, tuple[Sequence, RemoteKV]] = {}
+        # Destination: HandOvers that came before their request's pull was done.
+        self.early: dict[str, Tokens] = {}
+        self.num_lent = 0
+
+    # -- source --------------------------------------------------------------------------------
+    def lend(self, seqs: list[Sequence], step_in_flight: bool) -> Lent | None:
+        """A lease on the KV of a running request's tokens written so far, or None when it
+        has none to lend (waiting, prefilling, preempted, its own KV still arriving, forking):
+        it then moves by token replay. `step_in_flight`: a pipelined step writes the KV of each
+        sequence's last computed token now; the lease stops before it."""
+        if any(s.status is not Status.RUNNING or s.remote is not None or s.kv_pull is not None
+               or s.replay is not None or s.pending_forks for s in seqs):
+            return None
+        seq = seqs[0]
+        if len(seqs) > 1 or seq.params.n > 1:
+            num_tokens = seq.num_prompt_tokens  # each sample's outputs recomputed there
+        else:
+            num_tokens = min(seq.num_computed_tokens - step_in_flight, seq.num_tokens - 1)
+        if num_tokens < seq.num_prompt_tokens or any(
+                s.num_computed_tokens < seq.num_prompt_tokens for s in seqs):
+            return None
+        blocks = seq.block_ids[:cdiv(num_tokens, self.block_size)]
+        now = time.monotonic()
+        self.connector.block_pool.incref(blocks)  # the lease's references
+        lease_id, ttl = self.connector.hold(blocks, now)
+        self.num_lent += 1
+        return Lent(lease_id, tuple(blocks), num_tokens,
+                    prompt_digest(seq.token_ids[:num_tokens]), now + ttl)
+
+    # -- destination ---------------------------------------------------------------------------
+    def park(self, seq: Sequence, remote: RemoteKV) -> Tokens | None:
+        """A moving request's KV is in: it waits for its HandOver, unscheduled; the HandOver's
+        tokens if they came first."""
+        early = self.early.pop(seq.request_id, None)
+        if early is None:
+            self.parked[seq.request_id] = (seq, remote)
+        return early
+
+    def take(self, request_id: str, tokens: Tokens, known: bool
+             ) -> tuple[Sequence, RemoteKV] | None:
+        """The parked request a HandOver resumes; None while its pull runs (the tokens kept
+        for `park`) or once it is gone (`known`: the engine still holds it)."""
+        got = self.parked.pop(request_id, None)
+        if got is None and known:
+            self.early[request_id] = tokens
+        return got
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (aborted, failed) whatever its state."""
+        self.parked.pop(request_id, None)
+        self.early.pop(request_id, None)
