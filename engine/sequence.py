@@ -82,8 +82,7 @@ class PendingPull(Protocol):
 class Lent:
     """Live migration, source side: a lease on a running request's KV, for another decode
     worker to claim and pull while this one decodes on. It holds the blocks of the first
-    `num_tokens` tokens of sample 0 (its prompt and the outputs whose KV is written; the
-    prompt alone when n > 1, each sample's outputs then recomputed at the destination)."""
+    `num_tokens` tokens (its prompt and the outputs whose KV is written; n = 1 only)."""
 
     lease_id: str  # the capability: never logged
     block_ids: tuple[int, ...]

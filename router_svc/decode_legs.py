@@ -37,6 +37,8 @@ retried likewise, at most once per decode worker beyond the moves.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -47,9 +49,10 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from tandem.router_svc.live_migration import Handed, LiveMove
 from tandem.router_svc.routing import RouteRequest
 from tandem.router_svc.routing.policy import DISAGGREGATED, LOCAL
-from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update
+from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update, until_done
 from tandem.router_svc.workers import Worker
 from tandem.runtime.convert import logprobs_from_proto
 from tandem.runtime.request_trace import client_call
@@ -75,26 +78,6 @@ def as_router_error(e: grpc.aio.AioRpcError, leg: str) -> RouterError:
     if code == grpc.StatusCode.CANCELLED:
         code = grpc.StatusCode.UNAVAILABLE
     return RouterError(code, f"{leg}: {e.details()}")
-
-
-async def until_done(call: AsyncIterator[Update], num_samples: int,
-                     done: set[int] | None = None) -> AsyncIterator[Update]:
-    """A worker stream's updates. The one that finishes the last sample is held until the
-    stream's end has been read, so a consumer that stops there never cancels a call that was
-    completing (the worker would see a cancel instead of its own clean end)."""
-    done = set(done or ())
-    held: Update | None = None
-    async for update in call:
-        if held is not None:
-            yield held
-            held = None
-        done.update(s.index for s in update.samples if s.finish_reason is not None)
-        if len(done) >= num_samples:
-            held = update
-        else:
-            yield update
-    if held is not None:
-        yield held
 
 
 class DrainMove(grpc.aio.AioRpcError):
@@ -140,6 +123,7 @@ class DecodeLegs:
         self.moves = 0  # legs that failed after sending tokens
         self.retries = 0  # legs that failed before
         self.drain_moves = 0  # legs ended because their worker drains (not counted above)
+        self.live_moves = 0  # of those, moved by pulling their KV (router_svc/live_migration.py)
         # Decode workers that turned a leg of this request away before its first token
         # (UNAVAILABLE: shutting down, or gone): tried last.
         self._avoid: set[str] = set()
@@ -175,7 +159,21 @@ class DecodeLegs:
                 if len(self.done) == self.params.n:
                     return
             refused: dict[str, str] = {}  # workers that refused this request, and why
+            handed: LiveMove | None = None  # a live migration's destination, its call open
             while True:
+                if handed is not None:
+                    d = handed.dst
+                    try:
+                        async for update in self._handed_leg(handed):
+                            yield update
+                        return
+                    except Handed as h:  # its new worker drains too: moved live again
+                        handed = h.move
+                        continue
+                    except grpc.aio.AioRpcError as e:
+                        handed = None
+                        self._failed(d, e, True, refused)
+                        continue
                 d = self._pick(refused)
                 if d is None and refused:
                     # Every decode worker refused it (a KV pool the prefill worker's does not
@@ -192,6 +190,8 @@ class DecodeLegs:
                         sent = True
                         yield update
                     return
+                except Handed as h:
+                    handed = h.move
                 except grpc.aio.AioRpcError as e:
                     self._failed(d, e, sent, refused)
         finally:
@@ -256,18 +256,11 @@ class DecodeLegs:
             self._local_first = self._local_leg = True
         return p.local
 
-    async def _leg(self, d: Worker) -> AsyncIterator[Update]:
-        """One decode request on worker d; the lease goes with it (none: d prefills)."""
-        first, lease = self._first, self._lease
-        legs = self.moves + self.retries
-        placed_local = legs == 0 and self._local_first
-        req = worker_pb2.DecodeRequest(
-            # A leg of its own on the worker: a worker that hung holds the last one until it
-            # hears the cancel, and may be the one this leg goes to.
-            request_id=self.rid if legs == 0 else f"{self.rid}.{legs}",
-            prompt_token_ids=self.prompt, params=self.wire_params)
-        if lease is not None:
-            req.kv.CopyFrom(lease.kv)
+    def decode_request(self, request_id: str) -> worker_pb2.DecodeRequest:
+        """A decode request for the next leg, with the tokens the client has (no lease)."""
+        first = self._first
+        req = worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=self.prompt,
+                                       params=self.wire_params)
         if all(self.outputs):  # each sample's first token as the client has it (a fallback
             # leg's came from its decode worker); logprobs as the first prefill answered them
             req.first_token_ids.extend(out[0] for out in self.outputs)
@@ -276,6 +269,18 @@ class DecodeLegs:
             if any(len(out) > 1 for out in self.outputs):
                 req.resume.extend(worker_pb2.SampleTokens(token_ids=out[1:])
                                   for out in self.outputs)
+        return req
+
+    async def _leg(self, d: Worker) -> AsyncIterator[Update]:
+        """One decode request on worker d; the lease goes with it (none: d prefills)."""
+        lease = self._lease
+        legs = self.moves + self.retries
+        placed_local = legs == 0 and self._local_first
+        # A leg of its own on the worker: a worker that hung holds the last one until it
+        # hears the cancel, and may be the one this leg goes to.
+        req = self.decode_request(self.rid if legs == 0 else f"{self.rid}.{legs}")
+        if lease is not None:
+            req.kv.CopyFrom(lease.kv)
 
         def sent() -> None:
             """The request is on its way: the lease is the decode worker's to release. Until
@@ -304,21 +309,95 @@ class DecodeLegs:
             d.in_flight += 1
             try:
                 async with aclosing(call):
-                    async for update in until_done(call, self.params.n, self.done):
-                        if update.move:
-                            if self._can_move_from(d):
-                                raise DrainMove(d.address)
-                            continue
-                        for s in update.samples:
-                            self.outputs[s.index] += s.token_ids
-                            if s.finish_reason is not None:
-                                self.done.add(s.index)
-                        if first is not None:  # the prefill side's
-                            update.num_cached_tokens = first.num_cached_tokens
-                        traced.complete = len(self.done) >= self.params.n
+                    async for update in self._read(d, until_done(call, self.params.n,
+                                                                 self.done), traced):
                         yield update
             finally:
                 d.in_flight -= 1
+
+    async def _handed_leg(self, move: LiveMove) -> AsyncIterator[Update]:
+        """The leg on a live migration's destination, whose call is open (it said ready and
+        got its HandOver)."""
+        try:
+            async with aclosing(move.updates):
+                async for update in self._read(move.dst, move.updates, move.traced):
+                    yield update
+        finally:
+            with contextlib.suppress(BaseException):
+                await move.call.aclose()
+            move.close()
+
+    async def _read(self, d: Worker, updates: AsyncIterator[Update], traced
+                    ) -> AsyncIterator[Update]:
+        """A leg's updates, each sample's tokens recorded as the client gets them."""
+        first = self._first
+        async for update in self._moves(d, updates):
+            for s in update.samples:
+                self.outputs[s.index] += s.token_ids
+                if s.finish_reason is not None:
+                    self.done.add(s.index)
+            if first is not None:  # the prefill side's
+                update.num_cached_tokens = first.num_cached_tokens
+            traced.complete = len(self.done) >= self.params.n
+            yield update
+
+    async def _moves(self, d: Worker, updates: AsyncIterator[Update]) -> AsyncIterator[Update]:
+        """d's updates, until d drains and asks for the request to move. With a lease on its
+        KV (Update.kv), a live migration starts (router_svc/live_migration.py) and d's tokens
+        stream on until the destination has pulled the KV; then Handed ends this leg, and the
+        request goes on there. Without one, or if the destination fails first, DrainMove (token
+        replay). With no other decode worker up, d finishes the request."""
+        move: LiveMove | None = None
+        nxt: asyncio.Future | None = None
+        handed = False
+        try:
+            while True:
+                if nxt is None:
+                    nxt = asyncio.ensure_future(anext(updates))
+                waits = {nxt} if move is None else {nxt, move.ready}
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if nxt in done:  # d's update first: the client has it before any switch
+                    got, nxt = nxt, None
+                    try:
+                        update = got.result()
+                    except StopAsyncIteration:
+                        return
+                    if not update.move:
+                        yield update
+                    elif move is None and self._can_move_from(d):
+                        move = self._live_move(d, update.kv)
+                        if move is None:
+                            raise DrainMove(d.address)
+                    continue
+                if not move.ready.result():  # the destination failed before its pull ended
+                    log.warning("live migration of %s to %s failed (%s): token replay instead",
+                                self.rid, move.dst.address, move.error)
+                    self.orch.workers.metrics.live_migrations.labels("replayed").inc()
+                    raise DrainMove(d.address)
+                if not move.hand_over():
+                    raise DrainMove(d.address)
+                handed = True
+                self.drain_moves += 1
+                self.live_moves += 1
+                raise Handed(move)
+        finally:
+            if nxt is not None:  # d's updates left unread: its request is cancelled there
+                nxt.cancel()
+                with contextlib.suppress(BaseException):
+                    await nxt
+            if move is not None and not handed:
+                await move.abandon()
+
+    def _live_move(self, d: Worker, kv: worker_pb2.KVLocation | None) -> LiveMove | None:
+        """A live migration from d to another decode worker, started; None when d lent no
+        KV or no other decode worker is up."""
+        if kv is None:
+            return None
+        dst = self.orch.workers.pick_decode(self.route, "decode", {d.address} | self._avoid)
+        if dst is None:
+            return None
+        n = self.moves + self.retries + self.drain_moves + 1
+        return LiveMove(self, d, dst, kv, f"{self.rid}.live{n}")
 
     def _failed(self, d: Worker, e: grpc.aio.AioRpcError, sent: bool,
                 refused: dict[str, str]) -> None:

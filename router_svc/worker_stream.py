@@ -67,8 +67,12 @@ class Update:
     # params.prompt_logprobs: prompt tokens 1.., with the request's first tokens
     prompt_logprobs: list[TokenLogprobs] | None = None
     # No tokens: the worker drains and asks for the request to be moved (RequestUpdate.move);
-    # it decodes on until the request is cancelled there.
+    # it decodes on until the request is cancelled there. `kv`: a lease on the request's KV
+    # there, for the next decode worker to pull (live migration); None: token replay.
     move: bool = False
+    kv: worker_pb2.KVLocation | None = None
+    # No tokens: the KV a decode worker lent is pulled here; hand the request over (HandOver).
+    ready: bool = False
 
 
 def _by_request(resp: worker_pb2.StreamResponse) -> list[tuple[str, Update]]:
@@ -169,7 +173,11 @@ class WorkerStream:
                         done = True  # the call broke: nothing left to cancel
                         raise u
                     if u.move and not u.done:
-                        yield Update([], 0, 0, move=True)
+                        yield Update([], 0, 0, move=True,
+                                     kv=u.kv if u.HasField("kv") else None)
+                        continue
+                    if u.ready and not u.done:
+                        yield Update([], 0, 0, ready=True)
                         continue
                     if u.done:
                         done = True
@@ -185,6 +193,15 @@ class WorkerStream:
             if not done and not call.ended:
                 call.outbox.put_nowait(worker_pb2.StreamRequest(cancel=rid))
             call.close_when_idle()  # after its cancel
+
+    def send(self, rid: str, msg: worker_pb2.StreamRequest) -> bool:
+        """Another message for request rid (a HandOver) on the call it went out on; False
+        when that call has ended (the request's iterator hears why)."""
+        call = next((c for c in self._calls if rid in c.rids), None)
+        if call is None or call.ended:
+            return False
+        call.outbox.put_nowait(msg)
+        return True
 
     def _open(self) -> _Call:
         if self._call is None:
@@ -265,3 +282,23 @@ class WorkerStream:
                 c.reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await c.reader
+
+
+async def until_done(call: AsyncIterator[Update], num_samples: int,
+                     done: set[int] | None = None) -> AsyncIterator[Update]:
+    """A worker stream's updates. The one that finishes the last sample is held until the
+    stream's end has been read, so a consumer that stops there never cancels a call that was
+    completing (the worker would see a cancel instead of its own clean end)."""
+    done = set(done or ())
+    held: Update | None = None
+    async for update in call:
+        if held is not None:
+            yield held
+            held = None
+        done.update(s.index for s in update.samples if s.finish_reason is not None)
+        if len(done) >= num_samples:
+            held = update
+        else:
+            yield update
+    if held is not None:
+        yield held

@@ -1,7 +1,8 @@
 """Drain: a rolling restart of both decode workers of a 1P+2D CPU stack under steady load drops
 nothing. decode0 is drained with `tandem drain` and decode1 with SIGTERM, each while it runs
-requests: each asks the router to move them (the router moves them to the other decode worker,
-token-identical for greedy and seeded sampling), takes no new one, exits 0 and is restarted
+requests: each asks the router to move them (the router moves them to the other decode worker
+by live migration, the KV pulled from the draining worker: token-identical for greedy and
+seeded sampling), takes no new one, exits 0 and is restarted
 before the next. Every request of the load finishes whole, equal to the offline engine's
 output; the router never counts a drained worker as failed; every pool ends idle. A prefill
 worker drains by finishing its prompts and keeping its leases until they are claimed."""
@@ -119,9 +120,12 @@ def test_rolling_restart_of_both_decode_workers_under_load_drops_nothing(tiny_mo
         assert cli.returncode == 0, cli.stderr
         assert "drained" in cli.stdout and " 0 left" in cli.stdout, cli.stdout
         moved = [line["event"] for line in c.router.json_logs()
-                 if line["event"].startswith("decode worker") and "drains: moving" in
-                 line["event"]]
+                 if (line["event"].startswith("decode worker") and "drains: moving" in
+                 line["event"]) or (line["event"].startswith("moved ") and " live from " in
+                 line["event"])]
         assert moved, "no request was moved by a drain"
+        # Moved by live migration (their KV pulled from the draining worker), not replayed.
+        assert any(" live from " in m for m in moved), moved
         # A drain is not a failure: no worker was lost or failed a call, nothing at error level.
         events = [line["event"] for line in c.router.json_logs()]
         assert not any("failed a call" in e or "answered no poll" in e for e in events), events

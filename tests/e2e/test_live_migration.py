@@ -1,0 +1,186 @@
+"""Live migration between decode engines (engine/migration.py), at random points: a running
+request's KV (prompt and generated tokens) is lent by its decode engine, pulled by another
+while the source decodes on, and the request is handed over at a step boundary with the tokens
+the client got since. Hundreds of migrations, back and forth, of greedy, seeded, penalties and
+grammar requests (n = 2 ones run beside them: they are not lent, and move by token replay):
+every client's output equals the offline engine's, the pulls
+moved generated blocks (not only the prompt's), and every pool and lease ends idle. Corrupting
+the pulled blocks changes the outputs: the test reads the KV that moved."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm import LLM
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import ResponseFormat, SamplingParams
+from tandem.engine.sequence import RemoteKV
+
+GRAMMAR = ResponseFormat("json_schema", json.dumps(
+    {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999}},
+     "required": ["id"], "additionalProperties": False}))
+PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+          SamplingParams(temperature=0.9, top_p=0.9, seed=42, max_tokens=24, ignore_eos=True),
+          SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True),
+          SamplingParams(temperature=0.8, seed=3, max_tokens=24, presence_penalty=1.0,
+                         frequency_penalty=0.5, repetition_penalty=1.2, ignore_eos=True),
+          SamplingParams(temperature=1.0, seed=5, max_tokens=24, response_format=GRAMMAR)]
+PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(5 + 5 * i)] for i in range(10)]
+MIGRATIONS = 300  # the acceptance's count
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_models):
+    model = str(tiny_models["llama"])
+    offline = LLM(model, progress=False, max_model_len=256)
+    prefill = LLMEngine(EngineConfig(model, role="prefill", max_model_len=256), progress=False)
+    decodes = {name: LLMEngine(EngineConfig(model, role="decode", max_model_len=256,
+                                            max_num_batched_tokens=16), progress=False)
+               for name in ("A", "B")}
+    pools = {"P": prefill, **decodes}
+    pulled = {"migrated": 0, "with_outputs": 0, "corrupt": False}
+
+    def puller(engine: LLMEngine):
+        def pull(remote: RemoteKV, src: list[int], dst: list[int]) -> None:
+            data = pools[remote.address].runner.pool[torch.tensor(src, dtype=torch.long)]
+            if remote.handover:
+                pulled["migrated"] += len(src)
+                if pulled["corrupt"]:
+                    data = torch.randn_like(data)
+            engine.runner.pool[torch.tensor(dst, dtype=torch.long)] = data
+        return pull
+
+    for engine in decodes.values():
+        engine.kv_connector.connect(puller(engine))
+    yield offline, prefill, decodes, pulled
+    for e in (offline.engine, prefill, *decodes.values()):
+        assert e.is_idle()
+
+
+class Client:
+    """One request as the router sees it: the tokens its client has, which engine owns it,
+    and a migration under way (the destination, its lease, what the client had then)."""
+
+    def __init__(self, rid: str, prompt: list[int], params: SamplingParams, owner: str,
+                 firsts: list[int]) -> None:
+        self.rid, self.prompt, self.params, self.owner = rid, prompt, params, owner
+        self.tokens = [[t] for t in firsts]
+        self.done: set[int] = set()
+        self.move: tuple[str, str, list[int]] | None = None  # dst, lease, tokens sent
+
+
+def start(prefill: LLMEngine, engine: LLMEngine, owner: str, rid: str, prompt: list[int],
+          params: SamplingParams) -> Client:
+    prefill.add_request(rid, prompt, params)
+    (handoff,) = [o.handoff for o in _drain(prefill, rid)]
+    remote = RemoteKV("P", handoff.lease_id, float("inf"), handoff.block_ids,
+                      handoff.first_token_ids, (None,) * params.n)
+    engine.add_remote_request(rid, prompt, params, remote)
+    c = Client(rid, prompt, params, owner, list(handoff.first_token_ids))
+    c.prefill_lease = handoff.lease_id
+    return c
+
+
+def _drain(engine: LLMEngine, rid: str) -> list:
+    outs = []
+    while rid in engine.requests:
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def run_with_migrations(prefill, decodes, requests, rng: random.Random, want: int,
+                        pulled: dict) -> tuple:
+    """Run the requests on A, moving them between A and B at random steps; the clients' outputs
+    and the migrations made."""
+    clients = {rid: start(prefill, decodes["A"], "A", rid, p, params)
+               for rid, p, params in requests}
+    made = 0
+    while any(c.owner is not None for c in clients.values()):
+        for name, engine in decodes.items():
+            for o in engine.step():
+                c = clients[o.request_id]
+                if c.owner != name:  # the source's tokens after the switch: dropped unread
+                    continue
+                assert o.error is None, o.error
+                c.tokens[o.sample_index] += o.new_token_ids
+                if o.finish_reason is not None:
+                    c.done.add(o.sample_index)
+        for c in clients.values():
+            if c.owner is not None and len(c.done) == c.params.n:
+                c.owner = None
+                if c.move is not None:  # finished on the source first: the move is off
+                    dst, lease, _ = c.move
+                    decodes[dst].abort(c.rid)
+                    decodes["B" if dst == "A" else "A"].kv_connector.release(lease)
+                    c.move = None
+            elif c.move is not None and c.rid in decodes[c.move[0]].migrations.parked:
+                dst, lease, sent = c.move  # pulled: switch now (a step boundary)
+                src = c.owner
+                decodes[src].abort(c.rid)
+                decodes[src].kv_connector.release(lease)  # the destination's Release
+                decodes[dst].hand_over(c.rid, tuple(tuple(t[n:]) for t, n in
+                                                    zip(c.tokens, sent)))
+                c.owner, c.move = dst, None
+                made += 1
+        movable = [c for c in clients.values() if c.owner is not None and c.move is None]
+        if movable and made < want and rng.random() < 0.8:
+            c = rng.choice(movable)
+            src = decodes[c.owner]
+            lent = src.lend(c.rid)
+            if lent is not None:
+                pulled["with_outputs"] += lent.num_tokens > len(c.prompt)
+                dst = "B" if c.owner == "A" else "A"
+                remote = RemoteKV(c.owner, lent.lease_id, float("inf"), lent.block_ids,
+                                  tuple(t[0] for t in c.tokens), (None,) * c.params.n,
+                                  tuple(tuple(t[1:]) for t in c.tokens), "",
+                                  lent.num_tokens, True)
+                decodes[dst].add_remote_request(c.rid, c.prompt, c.params, remote)
+                c.move = (dst, lent.lease_id, [len(t) for t in c.tokens])
+    for c in clients.values():
+        assert prefill.kv_connector.release(c.prefill_lease)  # the decode side's Release
+    return {rid: c.tokens for rid, c in clients.items()}, made
+
+
+def test_migrations_at_random_points_are_token_identical(engines):
+    offline, prefill, decodes, pulled = engines
+    requests = [(f"r{i}", p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(PROMPTS)]
+    expected = {rid: [o.token_ids for o in out.outputs] for (rid, _, _), out in zip(
+        requests, offline.generate([p for _, p, _ in requests], [q for _, _, q in requests]))}
+    rng = random.Random(45)
+    made = wave = 0
+    while made < MIGRATIONS:
+        wave += 1
+        got, n = run_with_migrations(prefill, decodes, [(f"{rid}w{wave}", p, q)
+                                                        for rid, p, q in requests],
+                                     rng, MIGRATIONS - made, pulled)
+        made += n
+        for rid, _, _ in requests:
+            assert got[f"{rid}w{wave}"] == expected[rid], f"{rid} in wave {wave}"
+    assert made >= MIGRATIONS
+    # The KV that moved includes generated tokens', not only the prompts'.
+    assert pulled["migrated"] > 0 and pulled["with_outputs"] > MIGRATIONS // 4
+    assert sum(e.migrations.num_lent for e in decodes.values()) >= MIGRATIONS
+
+
+def test_corrupted_pulls_change_the_outputs(engines):
+    """The control: the same migrations with the pulled KV replaced by noise diverge, so the
+    identity above rests on the KV that moved (not on a recomputation)."""
+    _, prefill, decodes, pulled = engines
+    greedy = PARAMS[0]
+    requests = [(f"c{i}", p, greedy) for i, p in enumerate(PROMPTS[:6])]
+    clean, _ = run_with_migrations(prefill, decodes, requests, random.Random(1), 40, pulled)
+    pulled["corrupt"] = True
+    try:
+        noisy, made = run_with_migrations(prefill, decodes, [(f"n{i}", p, q) for i, (_, p, q)
+                                                             in enumerate(requests)],
+                                          random.Random(1), 40, pulled)
+    finally:
+        pulled["corrupt"] = False
+    assert made > 0
+    assert [noisy[f"n{i}"] for i in range(6)] != [clean[f"c{i}"] for i in range(6)]
+
