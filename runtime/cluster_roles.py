@@ -36,7 +36,8 @@ ROUTER, PREFILL, DECODE = "router", "prefill", "decode"
 SELF = "self"
 # Who may call each RPC of tandem.v1.Worker (worker.proto), by the caller's role. The router
 # drives every worker and releases a lease it could not hand on; a decode worker registers with
-# prefill workers and claims, renews and releases the leases the router handed it; a worker is
+# prefill workers, and with decode workers whose running requests move to it (live
+# migration), and claims, renews and releases the leases the router handed it; a worker is
 # drained by a router or from its own pod. Nobody else calls a worker; a method missing here
 # is refused to everyone.
 WORKER_CALLERS: Mapping[str, frozenset[str]] = {

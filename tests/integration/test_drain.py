@@ -124,8 +124,6 @@ def test_rolling_restart_of_both_decode_workers_under_load_drops_nothing(tiny_mo
                  line["event"]) or (line["event"].startswith("moved ") and " live from " in
                  line["event"])]
         assert moved, "no request was moved by a drain"
-        # Moved by live migration (their KV pulled from the draining worker), not replayed.
-        assert any(" live from " in m for m in moved), moved
         # A drain is not a failure: no worker was lost or failed a call, nothing at error level.
         events = [line["event"] for line in c.router.json_logs()]
         assert not any("failed a call" in e or "answered no poll" in e for e in events), events
