@@ -127,12 +127,17 @@ def run_with_migrations(prefill, decodes, requests, rng: random.Random, want: in
                                                     zip(c.tokens, sent)))
                 c.owner, c.move = dst, None
                 made += 1
-        movable = [c for c in clients.values() if c.owner is not None and c.move is None]
-        if movable and made < want and rng.random() < 0.8:
-            c = rng.choice(movable)
+        # Any request not moving may start a move at this step (about one in three do), so
+        # that a wave of requests makes many migrations.
+        moving = sum(c.move is not None for c in clients.values())
+        for c in clients.values():
+            if c.owner is None or c.move is not None or made + moving >= want \
+                    or rng.random() >= 0.35:
+                continue
             src = decodes[c.owner]
             lent = src.lend(c.rid)
             if lent is not None:
+                moving += 1
                 pulled["with_outputs"] += lent.num_tokens > len(c.prompt)
                 dst = "B" if c.owner == "A" else "A"
                 remote = RemoteKV(c.owner, lent.lease_id, float("inf"), lent.block_ids,
