@@ -43,7 +43,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 from opentelemetry import trace
@@ -53,13 +53,10 @@ from tandem.router_svc.live_migration import Handed, LiveMove
 from tandem.router_svc.routing import RouteRequest
 from tandem.router_svc.routing.policy import DISAGGREGATED, LOCAL
 from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update, until_done
-from tandem.router_svc.workers import Worker
+from tandem.router_svc.workers import Worker, WorkerSet
 from tandem.runtime.convert import logprobs_from_proto
 from tandem.runtime.request_trace import client_call
 from tandem.v1 import worker_pb2
-
-if TYPE_CHECKING:
-    from tandem.router_svc.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +95,25 @@ class Fallback:
     reason: str
 
 
+class LegHost(Protocol):
+    """What a request's decode legs ask of the orchestrator that runs them
+    (router_svc/orchestrator.py, which imports this module: the legs know it by this shape)."""
+
+    workers: WorkerSet
+    max_migrations: int
+    tracer: trace.Tracer
+
+    async def prefill(self, rid: str, route: RouteRequest, params, deadline: float | None,
+                      ctx: Context | None, may_fall_back: bool = False
+                      ) -> tuple[Worker, worker_pb2.PrefillResponse] | Fallback: ...
+
+    def pick(self, w: Worker | None, role: str) -> Worker: ...
+
+    def remaining(self, deadline: float | None) -> float | None: ...
+
+    def release_later(self, p: Worker, lease_id: str, ctx: Context | None = None) -> None: ...
+
+
 @dataclass(eq=False)
 class _Lease:
     """A prefill lease this router holds (DecodeLegs._lease) until a decode request carries it
@@ -108,7 +124,7 @@ class _Lease:
 
 
 class DecodeLegs:
-    def __init__(self, orch: Orchestrator, rid: str, route: RouteRequest, params,
+    def __init__(self, orch: LegHost, rid: str, route: RouteRequest, params,
                  wire_params, deadline: float | None, ctx: Context | None) -> None:
         self.orch = orch
         self.rid = rid
@@ -295,7 +311,7 @@ class DecodeLegs:
                 self._event("migrated", src, error, made, to=d.address)
 
         with client_call("/tandem.v1.Worker/Stream", d.address, self.ctx,
-                         getattr(self.orch, "tracer", None),
+                         self.orch.tracer,
                          name="decode_leg", **{"tandem.worker.role": "decode",
                                                "tandem.leg": legs,
                                                "tandem.request_id": req.request_id,

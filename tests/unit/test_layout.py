@@ -175,11 +175,6 @@ print(json.dumps({{"imported": names, "loaded": loaded}}))
 
 
 # -- no circles inside a package --------------------------------------------------------------
-# Circles not broken yet, in modules being reshaped beside this test: the list only shrinks
-# (test_known_circles_are_still_there fails once one is gone, so that its entry goes too).
-KNOWN_CIRCLES = {
-    frozenset({"tandem.router_svc.decode_legs", "tandem.router_svc.orchestrator"}),
-}
 
 
 def _module_name(path: Path) -> str:
@@ -272,14 +267,8 @@ def _all_circles() -> list[tuple[set[str], list[str]]]:
 
 
 def test_no_import_circles_inside_a_package():
-    bad = [f"{sorted(c)}:\n  " + "\n  ".join(edges) for c, edges in _all_circles()
-           if frozenset(c) not in KNOWN_CIRCLES]
+    bad = [f"{sorted(c)}:\n  " + "\n  ".join(edges) for c, edges in _all_circles()]
     assert not bad, "\n".join(bad)
-
-
-def test_known_circles_are_still_there():
-    now = {frozenset(c) for c, _ in _all_circles()}
-    assert not KNOWN_CIRCLES - now, f"broken since, drop from KNOWN_CIRCLES: {KNOWN_CIRCLES - now}"
 
 
 def test_the_circle_check_sees_each_kind_of_import(tmp_path, monkeypatch):
