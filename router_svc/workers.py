@@ -225,7 +225,9 @@ class WorkerSet:
 
     @property
     def disaggregated(self) -> bool:
-        return any(w.role == "prefill" for w in self.workers)
+        """Split workers, not colocated ones: decode workers alone count (a fleet whose roles
+        change may have no prefill worker for a while; prefill fallback serves it then)."""
+        return any(w.role in ("prefill", "decode") for w in self.workers)
 
     def by_role(self, role: str, healthy_only: bool = True) -> list[Worker]:
         return [w for w in self.workers if w.role == role and not w.leaving

@@ -88,6 +88,22 @@ def test_a_router_that_knows_no_worker_yet_is_not_healthy() -> None:
     asyncio.run(main())
 
 
+def test_decode_workers_alone_are_a_split_fleet_that_prefill_fallback_serves() -> None:
+    """A fleet whose roles change may have no prefill worker for a while: its decode workers
+    still take requests (prefilling them themselves), not the colocated path."""
+
+    async def main() -> None:
+        ws = WorkerSet([], [], [])
+        ws.set_members({"decode": {"127.0.0.1:2"}})
+        ws.workers[0].healthy = True
+        assert ws.disaggregated and ws.ready()
+        ws.prefill_fallback = False
+        assert not ws.ready()
+        await ws.close()
+
+    asyncio.run(main())
+
+
 def test_dns_names_resolve_to_every_address_at_the_port() -> None:
     from tandem.router_svc.membership import resolve
 
