@@ -91,7 +91,8 @@ class LocalStack:
                  router_args: Sequence[str] = (), log_dir: Path | str | None = None,
                  echo: bool = False, env: Mapping[str, str] | None = None,
                  grace: float = 5.0, metrics: bool = False,
-                 metrics_port_base: int = 0, cluster_ca: bool = False) -> None:
+                 metrics_port_base: int = 0, cluster_ca: bool = False,
+                 elastic: bool = False) -> None:
         if len(roles) != len(devices):
             raise ValueError(f"{len(roles)} workers but {len(devices)} devices")
         self.model = model
@@ -116,6 +117,11 @@ class LocalStack:
         self.cluster_ca = cluster_ca
         self.cluster_tls: ClusterTls | None = None
         self._certs: ThrowawayCa | None = None  # its files, which stop() removes
+        # elastic: workers may change role while the stack runs (Supervisor.convert). The
+        # router then learns them from a file this stack rewrites (router_svc/membership.py),
+        # not from flags, and every worker slot has a certificate for either role.
+        self.elastic = elastic
+        self.workers_file = self.log_dir / "workers" if elastic else None
         self.procs: dict[str, Proc] = {}
         self.supervisor: Any = None  # the Supervisor that started on this stack, if any
         # Whether to give up starting (a signal, `tandem up`'s output gone): start() raises.
@@ -187,35 +193,80 @@ class LocalStack:
         # model that cannot be had fails before any process starts (ModelLoadError).
         resolve_model(self.model)
         names = self._worker_names()
+        if self.elastic and not set(self.roles) <= {"prefill", "decode"}:
+            raise ValueError(f"role changes take prefill and decode workers, got {self.roles}")
         if self.cluster_ca and self._certs is None:
-            # A certificate for each process, for its role and under its name.
-            self._certs = ThrowawayCa({"router": "router", **dict(zip(names, self.roles))})
+            # A certificate for each process, for its role and under its name; an elastic
+            # stack's worker takes any name prefillK or decodeK (K < its number of workers).
+            members = dict(zip(names, self.roles))
+            if self.elastic:
+                members = {f"{r}{k}": r for r in ("prefill", "decode")
+                           for k in range(len(names))}
+            self._certs = ThrowawayCa({"router": "router", **members})
             self.cluster_tls = self._certs.tls("router")
-
-        def tls_argv(name: str) -> list[str]:
-            return self._certs.tls(name).argv() if self._certs else []
 
         # Workers sharing a GPU size their KV pools from its free memory: start those in turn.
         cuda = [d for d in self.devices if d.startswith("cuda")]
         one_by_one = len(cuda) != len(set(cuda))
         workers: list[tuple[str, Proc]] = []
         for name, role, device in zip(names, self.roles, self.devices):
-            argv = ["worker", "--role", role, "--device", device, "--model", self.model,
-                    "--port", "0", "--grace", str(self.grace)]
-            if device == "cpu":
-                argv += ["--cpu-threads", str(self.cpu_threads)]
-            argv += [*tls_argv(name), *self.worker_args, *self.role_args.get(role, ())]
-            w = self.spawn(name, argv, self._metrics_port(len(workers)))
+            w = self.spawn(name, self.worker_argv(name, role, device),
+                           self._metrics_port(len(workers)))
             workers.append((role, w))
             if one_by_one:
                 self.wait_ready([w])
         self.wait_ready([w for _, w in workers])
         argv = ["router", "--model", self.model, "--grace", str(self.grace),
-                *tls_argv("router")]
-        for role, w in workers:
-            argv += [ROLE_FLAGS[role], w.address]
+                *self._tls_argv("router")]
+        if self.workers_file is not None:
+            self.write_workers_file()
+            # Re-read every second: a role change reaches the router within about that.
+            argv += ["--workers-file", str(self.workers_file), "--membership-interval", "1"]
+        else:
+            for role, w in workers:
+                argv += [ROLE_FLAGS[role], w.address]
         self.wait_ready([self.spawn("router", [*argv, *self.router_args])])
         return self
+
+    def _tls_argv(self, name: str) -> list[str]:
+        return self._certs.tls(name).argv() if self._certs else []
+
+    def worker_argv(self, name: str, role: str, device: str) -> list[str]:
+        """The `tandem worker` command line of worker `name` (its certificate's name)."""
+        argv = ["worker", "--role", role, "--device", device, "--model", self.model,
+                "--port", "0", "--grace", str(self.grace)]
+        if device == "cpu":
+            argv += ["--cpu-threads", str(self.cpu_threads)]
+        return [*argv, *self._tls_argv(name), *self.worker_args, *self.role_args.get(role, ())]
+
+    # -- role changes (elastic stacks) -------------------------------------------------------
+    def write_workers_file(self, without: str | None = None) -> None:
+        """The router's --workers-file: every worker that has an address, but `without`
+        (one being drained). Written whole, then renamed: the router never reads half."""
+        assert self.workers_file is not None, "not an elastic stack"
+        lines = [f"{p.name.rstrip('0123456789')} {p.address}\n" for p in self.workers()
+                 if p.address and p.name != without]
+        tmp = self.workers_file.with_name(self.workers_file.name + ".tmp")
+        tmp.write_text("".join(lines))
+        os.replace(tmp, self.workers_file)
+
+    def replace_worker(self, name: str, role: str) -> Proc:
+        """Start worker `name` (which has exited) again as a `role` worker on its device, under
+        the first free name of that role and on a new port, in its place in the stack.
+        Returns at once; `read_ready` says when it is up."""
+        names = [p.name for p in self.workers()]
+        index = names.index(name)
+        old = self.procs[name]
+        assert old.popen.poll() is not None, f"{name} still runs"
+        new_name = next(f"{role}{k}" for k in range(len(names) + 1)
+                        if f"{role}{k}" not in self.procs)
+        proc = self.spawn(new_name, self.worker_argv(new_name, role, self.devices[index]),
+                          old.metrics_port)
+        # Same place in the order (devices and roles stay aligned with workers()).
+        self.procs = {(new_name if n == name else n): (proc if n == name else p)
+                      for n, p in self.procs.items() if n != new_name}
+        self.roles[index] = role
+        return proc
 
     def _worker_names(self) -> list[str]:
         """prefill0, prefill1, decode0, ...: each worker's name, in `roles` order."""

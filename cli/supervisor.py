@@ -11,6 +11,17 @@ restarted: the supervisor gives up, saying which process and why (`failed`), and
 stops. Every restart is logged and counted (`restarts`); the router counts the restarts it sees
 in its metrics (tandem:worker_restarts_total). A hung process (alive, not answering) is the
 router's to route around (router_svc/workers.py), not restarted here.
+
+On an elastic stack (LocalStack(elastic=True)) it also changes workers' roles, one at a time
+(`convert`, which cli/elastic.py calls on the planner's word):
+
+    convert(decode1, prefill) ──▶ out of the router's workers file; Drain RPC (its requests
+        move to another decode worker, or finish) ──▶ it exits ──▶ started as prefill1 on its
+        device, on a new port ──▶ ready ──▶ in the workers file (the router polls it, then
+        routes to it)
+
+A drained worker's exit is the conversion's, never restarted. A drain that fails while the
+worker still runs gives the conversion up: the worker is put back in the file, as it was.
 """
 
 from __future__ import annotations
@@ -21,7 +32,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
+
 from tandem.cli.launcher import STARTUP_TIMEOUT_S, LocalStack, Proc
+
+ROLES = ("prefill", "decode")  # what a worker can be converted to
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,21 @@ class _Watch:
     restarts: int = 0
 
 
+@dataclass
+class Conversion:
+    """One role change, from asking to done: the supervisor's, one at a time."""
+
+    name: str  # the worker as it was (decode1)
+    role: str  # what it becomes
+    reason: str
+    new_name: str = ""  # once started in its new role (prefill1)
+    address: str = ""  # once that is up
+    drain: threading.Thread | None = None
+    drain_error: str | None = None  # the Drain RPC failed (the worker may still run)
+    done: bool = False
+    failed: str | None = None  # why it was given up
+
+
 class Supervisor:
     def __init__(self, stack: LocalStack, policy: RestartPolicy = RestartPolicy(),
                  say: Callable[[str], None] = print) -> None:
@@ -60,6 +90,11 @@ class Supervisor:
         self._watches = {name: _Watch(name) for name in stack.procs}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # convert() (any thread) against check()
+        self._asked: Conversion | None = None  # convert() asked, check() not yet begun
+        self.conversion: Conversion | None = None  # the one under way, check()'s alone
+        self.conversions: list[Conversion] = []  # ended ones, done or given up
+        self.converted = threading.Condition()  # notified when a conversion ends
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -70,11 +105,113 @@ class Supervisor:
         """One look at every process: note exits, start what waited out its backoff, see
         restarted ones become ready. Returns at once (nothing here waits for a start)."""
         now = time.monotonic() if now is None else now
-        for w in self._watches.values():
+        with self._lock:
+            asked, self._asked = self._asked, None
+        if asked is not None:
+            self._begin(asked)
+        for w in list(self._watches.values()):
             if self.failed is None:
                 self._check(w, self.stack.procs[w.name], now)
 
+    # -- role changes ------------------------------------------------------------------------
+    @property
+    def converting(self) -> bool:
+        with self._lock:
+            return self._asked is not None or self.conversion is not None
+
+    def convert(self, name: str, role: str, reason: str = "asked") -> None:
+        """Ask for worker `name` to become a `role` worker (done by check(): returns at once;
+        `wait_converted` waits for it). One conversion at a time."""
+        if not self.stack.elastic:
+            raise ValueError("role changes need an elastic stack (tandem up --elastic)")
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if name not in self.stack.procs or name == "router":
+            raise ValueError(f"no worker named {name!r}")
+        if name.rstrip("0123456789") == role:
+            raise ValueError(f"{name} is a {role} worker already")
+        with self._lock:
+            if self._asked is not None or self.conversion is not None:
+                raise RuntimeError("a role change is under way: one at a time")
+            self._asked = Conversion(name, role, reason)
+
+    def wait_converted(self, count: int = 1, timeout: float | None = None) -> list[Conversion]:
+        """Until `count` conversions have ended (done or given up); what they were."""
+        with self.converted:
+            if not self.converted.wait_for(lambda: len(self.conversions) >= count, timeout):
+                raise TimeoutError(f"{len(self.conversions)} of {count} role changes ended")
+            return list(self.conversions)
+
+    def _begin(self, c: Conversion) -> None:
+        p = self.stack.procs[c.name]
+        self.conversion = c
+        self.say(f"{c.name} becomes a {c.role} worker ({c.reason}): draining it")
+        self.stack.write_workers_file(without=c.name)  # the router sends it nothing new
+        c.drain = threading.Thread(target=self._drain, args=(c, p), daemon=True,
+                                   name=f"drain {c.name}")
+        c.drain.start()
+
+    def _drain(self, c: Conversion, p: Proc) -> None:
+        """The Drain RPC, as `tandem drain` makes it (answered once the worker is drained; it
+        then exits 0), in a thread: it takes as long as the requests there do."""
+        from tandem.cli.drain import drain  # noqa: PLC0415 - gRPC stubs
+        from tandem.runtime.cluster_roles import peer_name  # noqa: PLC0415
+
+        tls = self.stack.cluster_tls
+        role = c.name.rstrip("0123456789")
+        try:
+            r = drain(p.address, self.stack.grace + 30,
+                      tls.channel_credentials() if tls else None,
+                      peer_name(role) if tls else None)
+        except grpc.RpcError as e:
+            c.drain_error = f"{e.code().name}: {e.details()}"
+        except (OSError, ValueError) as e:  # the certificates could not be read
+            c.drain_error = str(e)
+        else:
+            self.say(f"{c.name} drained in {r.seconds:.1f} s: {r.moved} requests moved, "
+                     f"{r.finished} finished there, {r.left} left")
+
+    def _check_conversion(self, w: _Watch, p: Proc, now: float) -> bool:
+        """The converting worker's step, if `w` is it (True: handled here)."""
+        c = self.conversion
+        if c is None:
+            return False
+        if w.name == c.new_name:
+            if w.starting_since is None or p.popen.poll() is not None \
+                    or not self.stack.read_ready(p):
+                return False  # starting, or failed to: restarted as any process is
+            w.starting_since = None
+            c.address, c.done = p.address, True
+            self.stack.write_workers_file()
+            self.say(f"{c.name} is now {c.new_name}, a {c.role} worker on {p.address} "
+                     f"({c.reason})")
+            self._end(c)
+            return True
+        if w.name != c.name:
+            return False
+        if p.popen.poll() is None:
+            if c.drain is not None and not c.drain.is_alive() and c.drain_error is not None:
+                c.failed = f"drain failed: {c.drain_error}"
+                self.stack.write_workers_file()  # back in, as it was
+                self.say(f"{c.name} stays a {c.name.rstrip('0123456789')} worker: {c.failed}")
+                self._end(c)
+            return True
+        new = self.stack.replace_worker(c.name, c.role)
+        c.new_name = new.name
+        del self._watches[c.name]
+        self._watches[new.name] = _Watch(new.name, starting_since=now)
+        self.say(f"{c.name} exited with {p.popen.returncode}; starting it as {new.name}")
+        return True
+
+    def _end(self, c: Conversion) -> None:
+        self.conversion = None
+        with self.converted:
+            self.conversions.append(c)
+            self.converted.notify_all()
+
     def _check(self, w: _Watch, p: Proc, now: float) -> None:
+        if self._check_conversion(w, p, now):
+            return
         if w.restart_at is not None:
             if now >= w.restart_at:
                 w.restart_at, w.starting_since = None, now

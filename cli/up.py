@@ -23,10 +23,12 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from tandem.cli.console import Console
+from tandem.cli.elastic import Elastic, fetch_metrics
 from tandem.cli.launcher import LocalStack, StartInterrupted, cpu_threads_each
 from tandem.cli.supervisor import RestartPolicy, Supervisor
 from tandem.engine.model_source import served_name
@@ -98,6 +100,13 @@ def add_parser(sub, name: str) -> None:
                    help="restarts of one process within --restart-window before the stack "
                         "gives up and stops (exit code 1)")
     p.add_argument("--restart-window", type=float, default=60.0, help="seconds")
+    p.add_argument("--elastic", action="store_true",
+                   help="workers change role (prefill <-> decode, drained first) to follow the "
+                        "router's planner; needs --router-arg=--planner-ttft=S and "
+                        "--router-arg=--planner-itl=S (docs/elastic.md)")
+    p.add_argument("--elastic-windows", type=int, default=3,
+                   help="with --elastic: planner windows in a row that must want a role change "
+                        "before one worker changes")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every worker, e.g. --worker-arg=--num-blocks=512 "
                         "(repeatable)")
@@ -182,6 +191,8 @@ def stack_from_args(a: argparse.Namespace) -> tuple[LocalStack, str]:
         if size < 1:
             raise InvalidArgument(f"--{'' if role == 'both' else role + '-'}tensor-parallel-size",
                                   f"must be >= 1, got {size}")
+    if a.elastic:
+        check_elastic(a, tp)
     sizes = [tp[r] for r in roles]
     role_args = {r: ["--tensor-parallel-size", str(k)] for r, k in tp.items() if k > 1}
     worker_args = ["--host", "127.0.0.1"]
@@ -207,10 +218,40 @@ def stack_from_args(a: argparse.Namespace) -> tuple[LocalStack, str]:
                        env={"TANDEM_LOG_FORMAT": os.environ.get("TANDEM_LOG_FORMAT", "console")},
                        grace=a.grace, metrics=a.metrics_port_base >= 0,
                        metrics_port_base=max(0, a.metrics_port_base),
-                       cluster_ca=a.cluster_tls)
+                       cluster_ca=a.cluster_tls, elastic=a.elastic)
     # Every rank of a CPU worker is an engine process computing on these cores.
     stack.cpu_threads = cpu_threads_each(sum(k for k, d in zip(sizes, devices) if d == "cpu"))
     return stack, note
+
+
+def check_elastic(a: argparse.Namespace, tp: dict[str, int]) -> None:
+    """--elastic's needs: split workers of one size, and a planner in the router to follow."""
+    if a.both_workers or not a.prefill_workers:
+        raise InvalidArgument("--elastic", "role changes take prefill and decode workers, not "
+                                           "colocated ones")
+    if tp["prefill"] != tp["decode"]:
+        raise InvalidArgument("--elastic", "prefill and decode workers of one tensor-parallel "
+                                           f"size, got {tp['prefill']} and {tp['decode']}")
+    if a.elastic_windows < 1:
+        raise InvalidArgument("--elastic-windows", f"must be >= 1, got {a.elastic_windows}")
+    given = {arg.split("=", 1)[0] for arg in a.router_arg}
+    for flag in ("--planner-ttft", "--planner-itl"):
+        if flag not in given:
+            raise InvalidArgument("--elastic", f"the router's planner is needed: "
+                                               f"--router-arg={flag}=SECONDS")
+    if a.http_port < 0:
+        raise InvalidArgument("--elastic", "the planner is read on the router's HTTP /metrics")
+
+
+def elastic_for(stack: LocalStack, supervisor: Supervisor, args: argparse.Namespace,
+                say) -> Elastic:
+    """The planner's follower for `tandem up --elastic`: zero prefill workers allowed while the
+    router's prefill fallback serves decode workers alone."""
+    fallback = "--no-prefill-fallback" not in args.router_arg
+    scheme = "https" if args.tls_cert else "http"
+    url = f"{scheme}://127.0.0.1:{stack.router.http_port}/metrics"
+    return Elastic(supervisor, url, args.elastic_windows, 0 if fallback else 1, say=say,
+                   fetch=lambda u: fetch_metrics(u, own_tls=bool(args.tls_cert)))
 
 
 def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str:
@@ -237,6 +278,9 @@ def banner(stack: LocalStack, args: argparse.Namespace, device_note: str) -> str
                      f"{_plural(cpu, 'engine core')}, {stack.cpu_threads} torch thread(s) each")
     lines.append(f"  Supervised:  a process that exits is restarted (at most "
                  f"{args.max_restarts} times in {args.restart_window:.0f} s)")
+    if stack.elastic:
+        lines.append(f"  Elastic:     workers change role when the planner wants it "
+                     f"{args.elastic_windows} windows in a row")
     if device_note:
         lines.append(f"  Note: {device_note}.")
     return "\n".join([*lines, "Ctrl-C stops everything.\n"])
@@ -276,13 +320,20 @@ def _serve(stack: LocalStack, args: argparse.Namespace, device_note: str,
         stack.stop()
         return _End(1, failed=True)
     print(banner(stack, args, device_note), flush=True)
+    def say(msg: str) -> None:
+        print(f"tandem up: {msg}", file=sys.stderr, flush=True)
+
     supervisor = Supervisor(stack, RestartPolicy(args.max_restarts, args.restart_window),
-                            say=lambda msg: print(f"tandem up: {msg}", file=sys.stderr,
-                                                  flush=True))
+                            say=say)
+    elastic = elastic_for(stack, supervisor, args, say) if stack.elastic else None
+    next_look = 0.0
     while not stopping.wait(0.2):
         if console.gone():
             break  # as on SIGTERM: nobody reads what it prints, which is no reason to die
         supervisor.check()
+        if elastic is not None and time.monotonic() >= next_look:
+            next_look = time.monotonic() + 1.0  # a planner window is seconds long
+            elastic.check()
         if supervisor.failed is not None:
             print(f"tandem up: {supervisor.failed}; stopping", file=sys.stderr, flush=True)
             stack.stop()

@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,10 @@ class Planner:
                              "planner wants, to meet --planner-ttft and --planner-itl (a "
                              "HorizontalPodAutoscaler scales on it)", ["role"],
                              registry=metrics_registry)
+        # Windows decided so far: a reader of the gauge (`tandem up --elastic`) counts a
+        # decision held over windows by this, however often it reads.
+        self.windows = Counter("tandem:planner_windows", "Planner windows decided",
+                               registry=metrics_registry)
         self._last = {name: read_buckets(metrics_registry, name)
                       for name in (TTFT_METRIC, ITL_METRIC)}
         self.decisions: dict[str, RoleDecision] = {}
@@ -195,6 +199,7 @@ class Planner:
                          _fmt(observed[TTFT_METRIC if role == "prefill" else ITL_METRIC]),
                          self.targets.ttft_s if role == "prefill" else self.targets.itl_s)
         self.decisions = got
+        self.windows.inc()
         return got
 
 

@@ -112,6 +112,9 @@ def test_the_planner_exports_desired_replicas_from_the_routers_histograms():
                if s.name == "tandem:planner_desired_replicas"}
     assert desired == {"prefill": 3, "decode": 2}
     assert planner.step()["prefill"].reason == "idle"  # nothing new in the next window
+    windows = [s.value for f in reg.collect() for s in f.samples
+               if s.name == "tandem:planner_windows_total"]
+    assert windows == [2]  # counted, for a reader that must tell windows apart
 
 
 def test_bad_targets_name_their_flag():
