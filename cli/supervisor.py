@@ -76,6 +76,10 @@ class Conversion:
     address: str = ""  # once that is up
     drain: threading.Thread | None = None
     drain_error: str | None = None  # the Drain RPC failed (the worker may still run)
+    exit_code: int | None = None  # the drained worker's (0: nothing was left behind)
+    moved: int = 0  # what its drain answered: requests moved to other workers...
+    finished: int = 0  # ...finished there, and left behind (cut at its --grace)
+    left: int = 0
     done: bool = False
     failed: str | None = None  # why it was given up
 
@@ -168,6 +172,7 @@ class Supervisor:
         except (OSError, ValueError) as e:  # the certificates could not be read
             c.drain_error = str(e)
         else:
+            c.moved, c.finished, c.left = r.moved, r.finished, r.left
             self.say(f"{c.name} drained in {r.seconds:.1f} s: {r.moved} requests moved, "
                      f"{r.finished} finished there, {r.left} left")
 
@@ -196,6 +201,7 @@ class Supervisor:
                 self.say(f"{c.name} stays a {c.name.rstrip('0123456789')} worker: {c.failed}")
                 self._end(c)
             return True
+        c.exit_code = p.popen.returncode
         new = self.stack.replace_worker(c.name, c.role)
         c.new_name = new.name
         del self._watches[c.name]

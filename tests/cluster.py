@@ -43,13 +43,13 @@ class Cluster(LocalStack):
                  worker_args: Sequence[str] = (), prefill_args: Sequence[str] = (),
                  decode_args: Sequence[str] = (), router_args: Sequence[str] = (),
                  env: dict[str, str] | None = None, metrics: bool = False,
-                 cluster_ca: bool = False) -> None:
+                 cluster_ca: bool = False, elastic: bool = False) -> None:
         roles = ["prefill"] * prefill + ["decode"] * decode + ["both"] * both
         super().__init__(
             model, roles, ["cpu"] * len(roles), worker_args=worker_args,
             role_args={"prefill": prefill_args, "decode": decode_args},
             router_args=["--grpc-port", "0", "--http-port", "0", *router_args],
-            log_dir=tmp, env=env, metrics=metrics, cluster_ca=cluster_ca)
+            log_dir=tmp, env=env, metrics=metrics, cluster_ca=cluster_ca, elastic=elastic)
 
     def start(self) -> Cluster:
         super().start()

@@ -1,0 +1,118 @@
+"""A role change under load (`tandem up --elastic`'s mechanism, cli/supervisor.py): on a
+supervised 1P+2D elastic stack with cluster TLS, a decode worker holding running streams is
+converted to a prefill worker while clients keep sending. Its streams move to the other decode
+worker, no request fails, every output equals the offline engine's, the drained worker exits 0,
+the router learns the new prefill worker from the stack's workers file and sends it prompts,
+and every pool ends idle."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+
+from cluster import WORKER_ARGS, Cluster
+from tandem.cli.supervisor import Supervisor
+from tandem.engine.sampling_params import SamplingParams
+from tandem.runtime.convert import params_to_proto
+from tandem.v1 import api_pb2
+
+# Streams long enough to be running on the converted worker when its drain starts (as in
+# test_faults.py: shorter ones had all ended by then beside busy processes).
+LONG = SamplingParams(temperature=0, max_tokens=320, ignore_eos=True)
+SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LONG_PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(5 + 6 * i)] for i in range(4)]
+LOAD_PROMPTS = [[(13 * i + 5 * j) % 250 + 1 for j in range(4 + 3 * i)] for i in range(6)]
+
+
+async def generate(stub, prompt: list[int], params: SamplingParams) -> list[int]:
+    req = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompt),
+                                  params=params_to_proto(params))
+    return [t async for chunk in stub.Generate(req) for t in chunk.token_ids]
+
+
+async def steady(stub, done: asyncio.Event, results: list, failures: list) -> None:
+    """One client: short requests one after another until `done`."""
+    i = 0
+    while not done.is_set():
+        prompt = LOAD_PROMPTS[i % len(LOAD_PROMPTS)]
+        try:
+            results.append((prompt, await generate(stub, prompt, SHORT)))
+        except grpc.aio.AioRpcError as e:
+            failures.append(f"{e.code().name}: {e.details()}")
+        i += 1
+
+
+async def running_on(c: Cluster, name: str) -> None:
+    """Until worker `name` runs at least one stream (its load polls lag a step or two)."""
+    deadline = time.monotonic() + 60
+    while (await c.load(c.procs[name])).num_running == 0:
+        assert time.monotonic() < deadline, f"nothing ever ran on {name}"
+        await asyncio.sleep(0.05)
+
+
+async def routed(h: httpx.AsyncClient, address: str) -> None:
+    """Until the router's /workers lists `address` as an up prefill worker."""
+    deadline = time.monotonic() + 60
+    while True:
+        workers = (await h.get("/workers")).json()["workers"]
+        if any(w["address"] == address and w["role"] == "prefill" and w["state"] == "up"
+               and not w["draining"] for w in workers):
+            return
+        assert time.monotonic() < deadline, workers
+        await asyncio.sleep(0.05)
+
+
+def test_a_decode_worker_becomes_a_prefill_worker_under_load(tiny_models, tmp_path, offline):
+    c = Cluster(tmp_path, str(tiny_models["llama"]), prefill=1, decode=2,
+                worker_args=WORKER_ARGS, cluster_ca=True, elastic=True).start()
+    supervisor = Supervisor(c).start()
+    try:
+        async def main():
+            async with grpc.aio.insecure_channel(c.router.address) as ch, \
+                    httpx.AsyncClient(base_url=f"http://{c.router.address.split(':')[0]}:"
+                                               f"{c.router.http_port}") as h:
+                stub = c.api(ch)
+                done = asyncio.Event()
+                results: list = []
+                failures: list = []
+                clients = [asyncio.create_task(steady(stub, done, results, failures))
+                           for _ in range(2)]
+                longs = [asyncio.create_task(generate(stub, p, LONG)) for p in LONG_PROMPTS]
+                await running_on(c, "decode1")
+                supervisor.convert("decode1", "prefill", reason="test")
+                (conv,) = await asyncio.to_thread(supervisor.wait_converted, 1, 300)
+                # The router learns it from the workers file and sends it prompts.
+                await routed(h, conv.address)
+                new = c.procs[conv.new_name]
+                deadline = time.monotonic() + 60
+                while (await c.load(new)).num_requests == 0:
+                    assert time.monotonic() < deadline, "no prompt reached the new worker"
+                    fresh = [[200 + k, 9, k + 1, 4] for k in range(4)]
+                    results.extend(zip(fresh, await asyncio.gather(
+                        *(generate(stub, p, SHORT) for p in fresh)), strict=True))
+                done.set()
+                await asyncio.gather(*clients)
+                long_out = await asyncio.gather(*longs)
+                await c.wait_idle(timeout=60)
+                return conv, results, failures, long_out
+
+        conv, results, failures, long_out = asyncio.run(main())
+        assert conv.done and conv.failed is None and conv.exit_code == 0, conv
+        assert conv.new_name == "prefill1" and [p.name for p in c.workers()] == \
+            ["prefill0", "decode0", "prefill1"]  # its slot, its device
+        assert failures == []
+        want = offline.generate(LONG_PROMPTS, LONG)
+        assert long_out == [o.outputs[0].token_ids for o in want]
+        distinct = {tuple(p): p for p, _ in results}
+        ref = dict(zip(distinct, (o.outputs[0].token_ids for o in offline.generate(
+            list(distinct.values()), SHORT)), strict=True))
+        assert all(out == ref[tuple(p)] for p, out in results)
+        assert len(results) > len(LOAD_PROMPTS)
+        # Its streams moved to the other decode worker (and went on there, equal above).
+        assert conv.moved >= 1 and conv.left == 0, conv
+    finally:
+        codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
