@@ -10,7 +10,8 @@ the planner's *share*: of F workers, prefill gets
 bounded to [min_prefill, F - 1]: at least one decode worker always; min_prefill is 0 when the
 router's prefill fallback serves a fleet without prefill workers (decode workers prefill the
 prompts themselves), else 1. A worker changes role when that number differs from the prefill
-workers up, for `windows` planner windows in a row in the same direction, one worker at a time
+workers up and the role it would join is one the planner wants more of than there is (an idle
+fleet, whose planner lowers both roles, keeps its split), for `windows` planner windows in a row in the same direction, one worker at a time
 (cli/supervisor.py: drained, started again in its other role); the count starts again after
 each change, so the next one is judged on windows that saw the new split.
 """
@@ -61,9 +62,11 @@ def decide(desired: Split, actual: Split, min_prefill: int) -> RoleChange | None
     why = (f"planner wants {desired.prefill} prefill and {desired.decode} decode: of "
            f"{fleet} workers, {want} prefill and {fleet - want} decode, now {actual.prefill} "
            f"and {actual.decode}")
-    if want > actual.prefill:
+    # Only toward a role the planner wants more of than there is: a fleet idle or within its
+    # targets (the planner lowering both roles) keeps its split.
+    if want > actual.prefill and desired.prefill > actual.prefill:
         return RoleChange("decode", "prefill", why)
-    if want < actual.prefill:
+    if want < actual.prefill and desired.decode > actual.decode:
         return RoleChange("prefill", "decode", why)
     return None
 

@@ -384,10 +384,12 @@ class WorkerSet:
                     w.healthy = False
                     self._lose(w, r.silent_s)
                 return
-            # A refusal is an answer: draining, or nothing listens there (dead).
+            # A refusal is an answer: draining, or nothing listens there (dead). One leaving
+            # the membership (a role change, scaling in) is expected to go.
             if w.healthy:
-                log.warning("worker %s (%s) is down: %s", w.address, w.role,
-                            r.code.name if r.code else "no answer")
+                (log.info if w.draining else log.warning)(
+                    "worker %s (%s) is down: %s", w.address, w.role,
+                    r.code.name if r.code else "no answer")
             w.healthy = False
             return
         w.load = r.load

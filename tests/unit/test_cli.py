@@ -109,6 +109,33 @@ def test_up_passes_each_role_its_tensor_parallel_size():
                                "both": ["--tensor-parallel-size", "2"]}
 
 
+def test_up_elastic_needs_split_workers_of_one_size_and_the_routers_planner():
+    import pytest
+
+    from tandem.cli.up import stack_from_args
+    from tandem.errors import InvalidArgument
+
+    planner = ["--router-arg=--planner-ttft=2", "--router-arg=--planner-itl=0.1"]
+
+    def stack(*argv: str):
+        return stack_from_args(build_parser("up").parse_args(
+            ["up", "--device", "cpu", "--elastic", *argv]))[0]
+
+    s = stack(*planner)
+    assert s.elastic and s.workers_file is not None
+    for argv, field, says in [
+        ((), "--elastic", "--planner-ttft"),
+        (("--router-arg=--planner-ttft=2",), "--elastic", "--planner-itl"),
+        (("--prefill-workers", "0", "--decode-workers", "0", "--both-workers", "2", *planner),
+         "--elastic", "colocated"),
+        (("--prefill-tensor-parallel-size", "2", *planner), "--elastic", "tensor-parallel"),
+        (("--elastic-windows", "0", *planner), "--elastic-windows", ">= 1"),
+    ]:
+        with pytest.raises(InvalidArgument, match=says) as e:
+            stack(*argv)
+        assert e.value.field == field
+
+
 def test_worker_and_generate_take_the_tensor_parallel_size(capsys):
     from tandem.cli.main import main
 

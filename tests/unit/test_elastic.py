@@ -28,7 +28,9 @@ def direction(change: RoleChange | None) -> tuple[str, str] | None:
     (Split(1, 3), Split(3, 1), 0, ("prefill", "decode")),  # decode-heavy
     (Split(2, 6), Split(1, 3), 0, None),  # the same share at another scale: hold
     (Split(1, 1), Split(2, 2), 0, None),
-    (Split(1, 1), Split(1, 2), 0, ("decode", "prefill")),  # 1.5 of 3 rounds up
+    (Split(2, 2), Split(1, 2), 0, ("decode", "prefill")),  # 1.5 of 3 rounds up
+    (Split(1, 1), Split(1, 2), 0, None),  # idle (both lowered): prefill wants no more
+    (Split(3, 2), Split(1, 2), 0, ("decode", "prefill")),  # TTFT missed, ITL within target
     (Split(8, 1), Split(3, 1), 0, None),  # a decode worker always stays
     (Split(8, 1), Split(1, 1), 1, None),
     (Split(1, 8), Split(1, 3), 0, ("prefill", "decode")),  # fallback covers no prefill worker
