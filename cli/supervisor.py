@@ -111,6 +111,8 @@ class Supervisor:
         now = time.monotonic() if now is None else now
         with self._lock:
             asked, self._asked = self._asked, None
+            if asked is not None:
+                self.conversion = asked
         if asked is not None:
             self._begin(asked)
         for w in list(self._watches.values()):
@@ -148,7 +150,6 @@ class Supervisor:
 
     def _begin(self, c: Conversion) -> None:
         p = self.stack.procs[c.name]
-        self.conversion = c
         self.say(f"{c.name} becomes a {c.role} worker ({c.reason}): draining it")
         self.stack.write_workers_file(without=c.name)  # the router sends it nothing new
         c.drain = threading.Thread(target=self._drain, args=(c, p), daemon=True,
@@ -210,7 +211,8 @@ class Supervisor:
         return True
 
     def _end(self, c: Conversion) -> None:
-        self.conversion = None
+        with self._lock:
+            self.conversion = None
         with self.converted:
             self.conversions.append(c)
             self.converted.notify_all()
