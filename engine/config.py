@@ -195,6 +195,15 @@ class SpeculativeConfig:
     max_batch: int = 32  # no speculation in a step with more running sequences
     ngram_max: int = 4  # prompt lookup: the longest suffix matched
     ngram_min: int = 2  # ... and the shortest
+    # Method draft: the draft model's KV pool, in blocks (None: sized by draft_memory_fraction
+    # of the free device memory on a GPU, by the CPU KV budget on the CPU).
+    draft_num_blocks: int | None = None
+    draft_memory_fraction: float = 0.1
+    # Back-off by acceptance (engine/spec_decode/backoff.py): a sample whose running average
+    # of accepted / proposed drafts falls below min_acceptance stops speculating for
+    # probe_interval steps, then tries again. 0: off.
+    min_acceptance: float = 0.3
+    probe_interval: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -206,9 +215,17 @@ class SpeculativeConfig:
         if (self.method == "draft") != bool(self.draft_model):
             raise InvalidArgument("draft_model", "is required with speculative_method draft, "
                                   "and only with it")
-        if self.method == "draft":  # the flag and the interface are in place, not the runner
-            raise InvalidArgument("speculative_method", "draft (a draft model's proposals) is "
-                                  "not served yet; ngram is")
+        if self.draft_num_blocks is not None and self.draft_num_blocks < 1:
+            raise InvalidArgument("draft_num_blocks", f"must be >= 1, got {self.draft_num_blocks}")
+        if not 0 < self.draft_memory_fraction < 1:
+            raise InvalidArgument("draft_memory_fraction",
+                                  f"must be in (0, 1), got {self.draft_memory_fraction}")
+        if not 0 <= self.min_acceptance <= 1:
+            raise InvalidArgument("speculative_min_acceptance",
+                                  f"must be in [0, 1], got {self.min_acceptance}")
+        if self.probe_interval < 1:
+            raise InvalidArgument("speculative_probe_interval",
+                                  f"must be >= 1, got {self.probe_interval}")
         if self.max_batch < 1:
             raise InvalidArgument("speculative_max_batch", f"must be >= 1, got {self.max_batch}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -254,6 +271,12 @@ class EngineConfig:
     draft_model: str | None = None  # method draft: a smaller checkpoint, same tokenizer
     # Back-off: no speculation in a step with more running sequences than this.
     speculative_max_batch: int = 32
+    # ... nor for a sample whose drafts are rarely accepted (SpeculativeConfig).
+    speculative_min_acceptance: float = 0.3
+    speculative_probe_interval: int = 16
+    # Method draft: the draft model's own KV pool (SpeculativeConfig).
+    draft_num_blocks: int | None = None
+    draft_memory_fraction: float = 0.1
     # Host-memory KV tier under the prefix cache (engine/host_kv_tier.py), in GiB. None: a
     # share of the available host memory on CUDA, off on the CPU; 0: off.
     host_kv_cache_gb: float | None = None
@@ -322,8 +345,15 @@ class EngineConfig:
             if self.draft_model is not None:
                 raise InvalidArgument("draft_model", "goes with speculative_method draft")
             return None
-        return SpeculativeConfig(self.speculative_method, self.num_speculative_tokens,
-                                 self.draft_model, self.speculative_max_batch)
+        if self.speculative_method == "draft" and self.tensor_parallel_size > 1:
+            raise InvalidArgument("draft_model", "a draft model is served at tensor-parallel "
+                                  "size 1 only")
+        return SpeculativeConfig(
+            self.speculative_method, self.num_speculative_tokens, self.draft_model,
+            self.speculative_max_batch, draft_num_blocks=self.draft_num_blocks,
+            draft_memory_fraction=self.draft_memory_fraction,
+            min_acceptance=self.speculative_min_acceptance,
+            probe_interval=self.speculative_probe_interval)
 
     def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
         max_len = min(self.max_model_len or model.max_model_len, model.max_model_len)

@@ -63,6 +63,7 @@ from tandem.engine.sequence import (
     StopCheck,
 )
 from tandem.engine.shared_host_tier import fingerprint, tier_for
+from tandem.engine.spec_decode.draft import DraftProposer, DraftSetup
 from tandem.engine.spec_decode.speculator import Speculator
 from tandem.errors import InvalidArgument
 
@@ -83,6 +84,11 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         cache = config.cache_config()
         sched = config.scheduler_config(self.model_config)
+        # Speculative decoding (engine/spec_decode/); never in role prefill (first tokens only).
+        # A draft model loads first: the model's KV pool is sized from what it leaves.
+        spec = config.speculative_config() if config.role != "prefill" else None
+        draft = (DraftProposer.load(spec, self._draft_setup(config, sched))
+                 if spec is not None and spec.method == "draft" else None)
         # Tensor parallelism: ranks 1.. in processes of their own, this one is rank 0.
         self.tp_group = None
         if config.tensor_parallel_size > 1:
@@ -112,10 +118,7 @@ class LLMEngine:
         self.max_model_len = max_len
         self.limits = RequestLimits(self.model_config.vocab_size, max_len, config.max_n)
         self.stops = StopCheck(frozenset(self.model_config.eos_token_ids), max_len)
-        # Speculative decoding (engine/spec_decode/); never in role prefill (first tokens only).
-        spec = config.speculative_config()
-        self.spec = (Speculator.build(spec)
-                     if spec is not None and config.role != "prefill" else None)
+        self.spec = Speculator.build(spec, draft) if spec is not None else None
         # Structured outputs; loads the tokenizer and xgrammar only when a grammar arrives.
         self.grammars = GrammarCompiler(self.model_dir, self.model_config.vocab_size,
                                         list(self.eos_token_ids))
@@ -154,6 +157,12 @@ class LLMEngine:
             pool_factory=pool_factory, progress=progress,
             kv_cache_dtype_name=config.kv_cache_dtype, quantization=config.quantization,
             tp=self.tp_group.state if self.tp_group is not None else None)
+
+    def _draft_setup(self, config: EngineConfig, sched) -> DraftSetup:
+        return DraftSetup(config.device, config.dtype, config.load_format, config.seed,
+                          config.block_size, config.cpu_kv_bytes, config.cuda_graphs,
+                          sched.max_num_batched_tokens, sched.max_model_len, self.model_dir,
+                          self.model_config.vocab_size)
 
     def _pipelined(self, config: EngineConfig) -> bool:
         """Whether steps may be pipelined: on (by default on CUDA), not in role prefill (its
@@ -290,7 +299,7 @@ class LLMEngine:
 
     def is_idle(self) -> bool:
         return (not self.requests and not len(self.kv_connector)
-                and self.block_pool.is_idle())
+                and self.block_pool.is_idle() and (self.spec is None or self.spec.is_idle()))
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:

@@ -75,6 +75,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tokenizer")
     g.add_argument("--speculative-max-batch", type=int, default=32,
                    help="no speculation in a step with more running sequences than this")
+    g.add_argument("--speculative-min-acceptance", type=float, default=0.3,
+                   help="a sample whose running average of accepted / proposed drafts falls "
+                        "below this stops speculating for --speculative-probe-interval steps, "
+                        "then tries again; 0: never")
+    g.add_argument("--speculative-probe-interval", type=int, default=16,
+                   help="steps a sample with low acceptance sits out before proposing again")
+    g.add_argument("--draft-num-blocks", type=int, default=None,
+                   help="with --draft-model: blocks of the draft model's own KV pool "
+                        "(default: --draft-memory-fraction of the free GPU memory, or the "
+                        "CPU KV budget)")
+    g.add_argument("--draft-memory-fraction", type=float, default=0.1,
+                   help="with --draft-model on a GPU: the share of free memory, after the "
+                        "draft's weights, for its KV pool (the model's pool is sized from "
+                        "what is left)")
     g.add_argument("--enable-prefix-caching", action="store_true", default=True,
                    help="reuse KV blocks of shared prompt prefixes (the default)")
     g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching",
@@ -98,4 +112,7 @@ def engine_config(args: argparse.Namespace, role: str = "both") -> EngineConfig:
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
         speculative_max_batch=args.speculative_max_batch,
+        speculative_min_acceptance=args.speculative_min_acceptance,
+        speculative_probe_interval=args.speculative_probe_interval,
+        draft_num_blocks=args.draft_num_blocks, draft_memory_fraction=args.draft_memory_fraction,
         host_kv_cache_gb=args.host_kv_cache_gb, host_kv_share=args.host_kv_share)

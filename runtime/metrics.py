@@ -224,7 +224,11 @@ class _EngineCounters:
                 ("spec_decode_num_draft_tokens", "Draft tokens scored by speculative decoding",
                  s.spec_draft_tokens),
                 ("spec_decode_num_accepted_tokens", "Draft tokens the model accepted",
-                 s.spec_accepted_tokens)):
+                 s.spec_accepted_tokens),
+                ("spec_decode_num_backoffs", "Times a sample stopped speculating for low "
+                 "acceptance", s.spec_backoffs),
+                ("spec_decode_num_backoff_steps", "Steps samples sat out speculation for low "
+                 "acceptance", s.spec_backoff_steps)):
             family = CounterMetricFamily(f"tandem:{name}", doc, labels=self.labels)
             family.add_metric(self.values, value)
             yield family

@@ -60,3 +60,24 @@ def build_tiny(name: str, out: Path) -> Path:
         if (demo / f).exists():
             shutil.copy(demo / f, out / f)
     return out
+
+
+def build_tiny_draft(target: Path, out: Path, num_layers: int | None = None,
+                     noise: float = 0.0) -> Path:
+    """A draft model for the tiny checkpoint at `target` (same tokenizer): its first
+    `num_layers` decoder layers (all by default), embeddings and head, with Gaussian noise of
+    `noise` times each weight's std added, so that its guesses match the target's often but
+    not always."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(target)
+    if num_layers is not None:
+        model.model.layers = model.model.layers[:num_layers]
+        model.config.num_hidden_layers = num_layers
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * noise * p.std())
+    model.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (target / f).exists():
+            shutil.copy(target / f, out / f)
+    return out

@@ -88,6 +88,10 @@ class EngineSnapshot:
     spec_accepted_tokens: int = 0
     spec_drafted_at: tuple[int, ...] = ()
     spec_accepted_at: tuple[int, ...] = ()
+    # Back-off by acceptance (engine/spec_decode/backoff.py): times a sample stopped
+    # speculating, and (sample, step) pairs it sat out.
+    spec_backoffs: int = 0
+    spec_backoff_steps: int = 0
     # Host KV tier (engine/host_kv_tier.py), in blocks; all 0 when the engine has none.
     host_kv_hits: int = 0
     host_kv_misses: int = 0

@@ -32,7 +32,10 @@ Rejected positions' KV is dropped by moving the sequence's computed length back
 (KVCacheManager.rewind): blocks allocated for them only are freed, nothing is copied.
 
 Back-off: speculation costs compute that large batches need; no sequence speculates in a step
-with more than `max_batch` running sequences (engine/config.py SpeculativeConfig).
+with more than `max_batch` running sequences (engine/config.py SpeculativeConfig). And a sample
+whose drafts are rarely accepted sits out a few steps before proposing again
+(engine/spec_decode/backoff.py), so it does not pay for proposals and verify rows it gains
+little from.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from tandem.engine.async_step import PLACEHOLDER
 from tandem.engine.config import SpeculativeConfig
 from tandem.engine.sampler import SampleRow
 from tandem.engine.sequence import Sequence
+from tandem.engine.spec_decode.backoff import AcceptanceBackOff
 from tandem.engine.spec_decode.ngram import NgramProposer
 from tandem.engine.spec_decode.proposer import ProposeInput, Proposer
 
@@ -79,14 +83,19 @@ class Speculator:
         self.config = config
         self.proposer = proposer
         self.counters = SpecCounters()
+        self.backoff = AcceptanceBackOff(config.min_acceptance, config.probe_interval)
         # seq_id -> grammar states for rows 1..k (row j's advanced over drafts 0..j-1)
         self._grammars: dict[int, list] = {}
         self._drafted = False  # the last propose() gave some sequence a draft
 
     @classmethod
-    def build(cls, config: SpeculativeConfig) -> Speculator:
-        """The configured method's proposer (SpeculativeConfig refuses the others)."""
-        assert config.method == "ngram"
+    def build(cls, config: SpeculativeConfig, draft: Proposer | None = None) -> Speculator:
+        """The configured method's proposer: prompt lookup, or `draft`, the draft model's
+        (engine/spec_decode/draft.py DraftProposer, loaded by the engine before its model so
+        that the model's KV pool is sized from the memory the draft leaves)."""
+        if config.method == "draft":
+            assert draft is not None, "method draft needs the draft model's proposer"
+            return cls(config, draft)
         return cls(config, NgramProposer(config.ngram_min, config.ngram_max))
 
     # -- before the step -----------------------------------------------------------------
@@ -131,8 +140,9 @@ class Speculator:
                 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < 1
                 or seq.token_ids[-1] == PLACEHOLDER):
             return 0
-        return min(self.config.num_tokens, p.max_tokens - seq.num_output_tokens - 1,
-                   max_model_len - seq.num_tokens - 1)
+        k = min(self.config.num_tokens, p.max_tokens - seq.num_output_tokens - 1,
+                max_model_len - seq.num_tokens - 1)
+        return k if k > 0 and self.backoff.allows(seq.seq_id) else 0
 
     def _vet(self, seq: Sequence, draft: list[int]) -> list[int]:
         """A structured output's drafts, cut before the first one its grammar refuses (it
@@ -172,10 +182,17 @@ class Speculator:
         while a < len(draft) and sampled[a] == draft[a]:
             a += 1
         self.counters.record(len(draft), a)
+        self.backoff.record(seq.seq_id, len(draft), a)
         seq.spec_proposed += len(draft)
         seq.spec_accepted += a
         return a + 1
 
     def release(self, seq: Sequence) -> None:
         self._grammars.pop(seq.seq_id, None)
+        self.backoff.release(seq.seq_id)
         self.proposer.release(seq)
+
+    def is_idle(self) -> bool:
+        """Whether the proposer holds nothing (a draft model's KV pool back to idle)."""
+        idle = getattr(self.proposer, "is_idle", None)
+        return idle() if idle is not None else True

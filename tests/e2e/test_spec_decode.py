@@ -315,8 +315,15 @@ def test_config_errors_name_the_field(tiny_models):
         EngineConfig("m", speculative_method="ngram", num_speculative_tokens=0)
     with pytest.raises(InvalidArgument, match="draft_model"):
         EngineConfig("m", speculative_method="draft")
-    with pytest.raises(InvalidArgument, match="not served yet"):
-        EngineConfig("m", speculative_method="draft", draft_model="small")
+    with pytest.raises(InvalidArgument, match="draft_model"):
+        EngineConfig("m", speculative_method="draft", draft_model="small",
+                     tensor_parallel_size=2)
+    with pytest.raises(InvalidArgument, match="draft_num_blocks"):
+        EngineConfig("m", speculative_method="draft", draft_model="small", draft_num_blocks=0)
+    with pytest.raises(InvalidArgument, match="speculative_min_acceptance"):
+        EngineConfig("m", speculative_method="ngram", speculative_min_acceptance=1.5)
+    with pytest.raises(InvalidArgument, match="speculative_probe_interval"):
+        EngineConfig("m", speculative_method="ngram", speculative_probe_interval=0)
     with pytest.raises(InvalidArgument, match="draft_model"):
         EngineConfig("m", draft_model="x")
     with pytest.raises(InvalidArgument, match="speculative"):

@@ -1,0 +1,215 @@
+"""Draft-model speculation (engine/spec_decode/draft.py) and the back-off by acceptance
+(engine/spec_decode/backoff.py): the output is the same with and without them.
+
+The draft checkpoints are built from the tiny llama (tests/tiny.py build_tiny_draft): the
+target itself (every draft must be accepted), and the target with a little noise on its
+weights (drafts accepted often but not always: every accept length from 0 to k happens, so
+the draft's KV is rewound at every offset). After every step each pool holds exactly the
+blocks its sequences' computed tokens need: the model's (check_blocks) and the draft's; both
+end idle after every request.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from test_spec_decode import GREEDY, PROMPTS, SAMPLED, Fixed, _drain, check_blocks, outputs
+
+from tandem.engine.config import EngineConfig, cdiv
+from tandem.engine.llm import LLM
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import RemoteKV
+from tandem.engine.spec_decode.backoff import AcceptanceBackOff
+from tandem.errors import InvalidArgument
+from tiny import build_tiny_draft
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_models, tmp_path_factory) -> dict:
+    """name -> draft checkpoint for the tiny llama: "self" (the target), "noisy"."""
+    target = tiny_models["llama"]
+    root = tmp_path_factory.mktemp("drafts")
+    return {"self": target, "noisy": build_tiny_draft(target, root / "noisy", noise=0.05)}
+
+
+@pytest.fixture(scope="module")
+def base(tiny_models) -> list:
+    return outputs(LLM(str(tiny_models["llama"]), progress=False), PROMPTS, GREEDY)
+
+
+def check_draft_blocks(engine: LLMEngine) -> None:
+    """The draft's pool: each draft sequence holds the blocks its computed tokens need, and
+    the pool counts exactly the blocks they hold."""
+    proposer = engine.spec.proposer
+    held = 0
+    for d in proposer._drafts.values():
+        assert len(d.seq.block_ids) == cdiv(d.seq.num_computed_tokens, proposer.pool.block_size)
+        held += len(d.seq.block_ids)
+    assert proposer.pool.num_used == held
+
+
+def draft_llm(target, draft, **kwargs) -> LLM:
+    kwargs.setdefault("speculative_min_acceptance", 0)
+    llm = LLM(str(target), progress=False, speculative_method="draft", draft_model=str(draft),
+              num_speculative_tokens=K, **kwargs)
+    e = llm.engine
+    e.on_step = lambda outs: (check_blocks(e), check_draft_blocks(e))
+    return llm
+
+
+def test_target_as_its_own_draft_accepts_everything(tiny_models, drafts, base):
+    """Every draft right, so every draft KV the draft computed was right too: with block size
+    4, a token budget of 16 (a 33-token prompt's draft KV caught up over three steps) and a
+    draft pool of 24 blocks (too few for every sequence's draft: drafts of sequences not
+    proposing are dropped, some sequences get none in a step)."""
+    llm = draft_llm(tiny_models["llama"], drafts["self"], block_size=4,
+                    max_num_batched_tokens=16, draft_num_blocks=24)
+    assert outputs(llm, PROMPTS, GREEDY) == base
+    c = llm.engine.spec.counters
+    assert c.num_draft_tokens > len(PROMPTS) * K
+    assert c.num_accepted_tokens == c.num_draft_tokens  # acceptance 1.0
+    assert llm.engine.spec.proposer.is_idle()
+
+
+def test_noisy_draft_same_tokens_every_accept_length(tiny_models, drafts, base):
+    """Drafts rejected at every position (the draft's KV rewound at every offset), block
+    size 4, and steps without speculation between verifies (a back-off quick to pause and to
+    probe again): the same tokens; and every draft is the draft model's own greedy
+    continuation of the sequence (transformers' forward pass of the draft checkpoint over the
+    sequence's tokens), so no KV of a rejected guess was ever read."""
+    llm = draft_llm(tiny_models["llama"], drafts["noisy"], block_size=4,
+                    speculative_min_acceptance=0.6, speculative_probe_interval=2)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(drafts["noisy"]).eval()
+    proposer = llm.engine.spec.proposer
+    propose = proposer.propose
+    checked = []
+
+    def greedy(tokens: list[int], k: int) -> list[int]:
+        tokens = list(tokens)
+        with torch.no_grad():
+            for _ in range(k):
+                tokens.append(int(reference(torch.tensor([tokens])).logits[0, -1].argmax()))
+        return tokens[-k:]
+
+    def checked_propose(inp):
+        got = propose(inp)
+        for seq, k, draft in zip(inp.seqs, inp.max_tokens, got):
+            assert draft == greedy(seq.token_ids, k), seq.token_ids
+            checked.append(k)
+        return got
+
+    proposer.propose = checked_propose
+    assert outputs(llm, PROMPTS, GREEDY) == base
+    assert len(checked) > 50
+    assert llm.engine.spec.backoff.counters.num_pauses > 10
+    c = llm.engine.spec.counters
+    for j in range(K):  # drafts kept and rejected at every position
+        assert 0 < c.accepted_at[j] < c.drafted_at[j]
+    assert llm.engine.spec.proposer.is_idle()
+
+
+def test_noisy_draft_seeded_sampling_identical(tiny_models, drafts):
+    """Sampled requests take the draft's greedy guesses as point drafts: seeded ones give the
+    same tokens as without speculation."""
+    path = tiny_models["llama"]
+    params = [SAMPLED[i % len(SAMPLED)] for i in range(4)]
+    want = outputs(LLM(str(path), progress=False), PROMPTS[:4], params)
+    llm = draft_llm(path, drafts["noisy"])
+    assert outputs(llm, PROMPTS[:4], params) == want
+    assert llm.engine.spec.counters.num_accepted_tokens > 0
+
+
+def test_decode_role_prefills_the_draft_itself(tiny_models, drafts, base):
+    """P/D: the prefill engine has no draft model (first tokens only); the decode engine
+    computes the draft's KV of each prompt at its first proposal and gives the colocated
+    tokens; every pool ends idle."""
+    model, draft = str(tiny_models["llama"]), str(drafts["noisy"])
+    prefill = LLMEngine(EngineConfig(model, role="prefill", speculative_method="draft",
+                                     draft_model=draft), progress=False)
+    assert prefill.spec is None
+    decode = LLMEngine(EngineConfig(model, role="decode", speculative_method="draft",
+                                    draft_model=draft, num_speculative_tokens=K,
+                                    speculative_min_acceptance=0), progress=False)
+    decode.kv_connector.connect(lambda remote, src, dst: decode.runner.pool.__setitem__(
+        torch.tensor(dst, dtype=torch.long), prefill.runner.pool[torch.tensor(src)]))
+    decode.on_step = lambda outs: (check_blocks(decode), check_draft_blocks(decode))
+    got = []
+    for i, prompt in enumerate(PROMPTS[:4]):
+        prefill.add_request(f"r{i}", prompt, GREEDY)
+        (h,) = [o.handoff for o in _drain(prefill, f"r{i}")]
+        remote = RemoteKV("p", h.lease_id, h.lease_deadline, h.block_ids, h.first_token_ids,
+                          h.first_logprobs)
+        decode.add_remote_request(f"r{i}", prompt, GREEDY, remote)
+        tokens = list(h.first_token_ids)
+        for o in _drain(decode, f"r{i}"):
+            tokens += o.new_token_ids
+        assert prefill.kv_connector.release(h.lease_id)
+        got.append([tokens])
+        assert decode.is_idle()  # the draft's pool too
+    assert got == base[:4]
+    assert decode.spec.counters.num_accepted_tokens > 0
+    assert prefill.is_idle()
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_models, drafts, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(drafts["noisy"], other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = list(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(InvalidArgument, match=r"draft_model.*tokenizer"):
+        LLM(str(tiny_models["llama"]), progress=False, speculative_method="draft",
+            draft_model=str(other))
+
+
+# -- back-off by acceptance ----------------------------------------------------------------
+def test_back_off_pauses_and_probes():
+    b = AcceptanceBackOff(min_acceptance=0.3, probe_interval=2)
+    assert b.allows(7)  # a new sample speculates
+    for _ in range(3):
+        b.record(7, 3, 0)
+        assert b.allows(7)  # 0.70, 0.49, 0.34: still over 0.3
+    b.record(7, 3, 0)  # 0.24: paused for two steps
+    assert b.average(7) == pytest.approx(0.7 ** 4)
+    assert [b.allows(7), b.allows(7), b.allows(7)] == [False, False, True]  # then a probe
+    b.record(7, 3, 3)  # the probe kept everything: 0.47, speculating again
+    assert b.allows(7) and b.allows(7)
+    assert (b.counters.num_pauses, b.counters.num_paused_steps) == (1, 2)
+    b.release(7)
+    assert b.average(7) == 1.0
+    off = AcceptanceBackOff(min_acceptance=0, probe_interval=2)
+    for _ in range(10):
+        off.record(1, 3, 0)
+    assert off.allows(1) and off.counters.num_pauses == 0
+
+
+def test_back_off_spares_a_sample_that_accepts_nothing(tiny_models):
+    """A proposer that is never right: with the back-off, the sample verifies far fewer
+    drafts than without; the tokens are the same."""
+    path = str(tiny_models["llama"])
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    runs = {}
+    for min_acceptance in (0, 0.3):
+        llm = LLM(path, progress=False, speculative_method="ngram", num_speculative_tokens=K,
+                  speculative_min_acceptance=min_acceptance, speculative_probe_interval=8)
+        llm.engine.spec.proposer = Fixed([0, 0, 0])  # token 0 is never sampled here
+        runs[min_acceptance] = (outputs(llm, PROMPTS[:1], params), llm.engine.spec)
+    (plain, off), (backed, on) = runs[0], runs[0.3]
+    assert plain == backed
+    assert off.counters.num_accepted_tokens == on.counters.num_accepted_tokens == 0
+    # Without: a verify in every step with room for a draft (outputs 1 .. 46 of 48).
+    assert off.counters.num_verifies == 46
+    # With: four verifies bring the average to 0.24 (paused); each 8-step pause ends in one
+    # probe (steps 13, 22, 31, 40), which keeps nothing and pauses again.
+    assert on.counters.num_verifies == 8
+    assert on.backoff.counters.num_pauses == 5
+    assert on.backoff.counters.num_paused_steps == 4 * 8 + 6
