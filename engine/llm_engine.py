@@ -355,9 +355,12 @@ class LLMEngine:
 
     def _speculate(self) -> list[StepResult]:
         """Drafts for this step's decodes (engine/spec_decode/). They continue each
-        sequence's last token, so a pipelined step in flight is resolved first."""
+        sequence's last token, so a pipelined step in flight is resolved first, unless no
+        sequence may get a draft in this step (the batch too large, every sequence opted
+        out or paused for low acceptance)."""
         ran = []
-        if self.pipeline.inflight is not None and self.spec.active(len(self.scheduler.running)):
+        wanted = self.spec.begin_step(self.scheduler.running)
+        if self.pipeline.inflight is not None and wanted:
             ran.append(self.pipeline.resolve(self.pipeline.take_inflight()))
             self.scheduler.remove_finished()
         self.spec.propose(self.scheduler.running, self.max_model_len)

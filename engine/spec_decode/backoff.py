@@ -9,8 +9,10 @@ below (another pause). With weight 0.3, four verifies that keep nothing pause a 
 
     average:  1.0 → 0.70 → 0.49 → 0.34 → 0.24 < 0.3: paused for probe_interval steps
 
-Plain Python, per sample (seq_id); the speculator asks `allows` before proposing and tells
-`record` what each verify kept.
+Plain Python, per sample (seq_id); the speculator ticks it every step, asks `allows` before
+proposing and tells `record` what each verify kept. A step in which every running sample is
+paused (or opted out) is not a speculating step at all: a pipelined step in flight is not
+resolved for it (engine/llm_engine.py `_speculate`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ WEIGHT = 0.3  # of the latest verify in the running average
 @dataclass
 class _State:
     average: float = 1.0
-    paused: int = 0  # steps still to sit out
+    resume_at: int = 0  # the first step it may propose in again
 
 
 @dataclass
@@ -33,29 +35,33 @@ class BackOffCounters:
 
 
 class AcceptanceBackOff:
+    """Steps are counted by `tick`, once at the start of every engine step; a pause holds for
+    the probe_interval steps after the verify that caused it, whatever the sample did in them
+    (so a pipelined step that is not resolved for drafts counts as well)."""
+
     def __init__(self, min_acceptance: float, probe_interval: int) -> None:
         self.min_acceptance = min_acceptance
         self.probe_interval = probe_interval
         self.counters = BackOffCounters()
+        self.step = 0
         self._states: dict[int, _State] = {}
 
+    def tick(self) -> None:
+        self.step += 1
+
     def allows(self, seq_id: int) -> bool:
-        """Whether the sample may propose in this step; a paused one counts a step down."""
+        """Whether the sample may propose in this step."""
         st = self._states.get(seq_id)
-        if st is None or st.paused == 0:
-            return True
-        st.paused -= 1
-        self.counters.num_paused_steps += 1
-        return False
+        return st is None or st.resume_at <= self.step
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
-        """A verify of `proposed` drafts kept `accepted` of them."""
+        """A verify of `proposed` drafts in this step kept `accepted` of them."""
         if proposed == 0 or self.min_acceptance == 0:
             return
         st = self._states.setdefault(seq_id, _State())
         st.average += WEIGHT * (accepted / proposed - st.average)
         if st.average < self.min_acceptance:
-            st.paused = self.probe_interval
+            st.resume_at = self.step + 1 + self.probe_interval
             self.counters.num_pauses += 1
 
     def average(self, seq_id: int) -> float:

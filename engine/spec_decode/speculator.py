@@ -103,6 +103,23 @@ class Speculator:
         """The per-step back-off: speculate only in batches this small."""
         return 0 < num_running <= self.config.max_batch
 
+    def begin_step(self, running: list[Sequence]) -> bool:
+        """A new step: whether any running sequence may get a draft in it (the batch small
+        enough, and one that neither opted out nor is paused for low acceptance). Counts the
+        paused ones' steps."""
+        backoff = self.backoff
+        backoff.tick()
+        if not self.active(len(running)):
+            return False
+        wanted = False
+        for seq in running:
+            if seq.params.speculative:
+                if backoff.allows(seq.seq_id):
+                    wanted = True
+                else:
+                    backoff.counters.num_paused_steps += 1
+        return wanted
+
     def propose(self, running: list[Sequence], max_model_len: int) -> int:
         """Drafts for the running sequences that may speculate (spec_token_ids set), or none
         at all when the batch is too large; the number of sequences given one."""
@@ -140,9 +157,10 @@ class Speculator:
                 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < 1
                 or seq.token_ids[-1] == PLACEHOLDER):
             return 0
-        k = min(self.config.num_tokens, p.max_tokens - seq.num_output_tokens - 1,
-                max_model_len - seq.num_tokens - 1)
-        return k if k > 0 and self.backoff.allows(seq.seq_id) else 0
+        if not self.backoff.allows(seq.seq_id):
+            return 0
+        return min(self.config.num_tokens, p.max_tokens - seq.num_output_tokens - 1,
+                   max_model_len - seq.num_tokens - 1)
 
     def _vet(self, seq: Sequence, draft: list[int]) -> list[int]:
         """A structured output's drafts, cut before the first one its grammar refuses (it

@@ -174,20 +174,29 @@ def test_draft_with_another_tokenizer_is_refused(tiny_models, drafts, tmp_path):
 # -- back-off by acceptance ----------------------------------------------------------------
 def test_back_off_pauses_and_probes():
     b = AcceptanceBackOff(min_acceptance=0.3, probe_interval=2)
-    assert b.allows(7)  # a new sample speculates
-    for _ in range(3):
-        b.record(7, 3, 0)
-        assert b.allows(7)  # 0.70, 0.49, 0.34: still over 0.3
-    b.record(7, 3, 0)  # 0.24: paused for two steps
+    allowed = []
+
+    def step(proposed: int = 0, accepted: int = 0) -> None:
+        b.tick()
+        allowed.append(b.allows(7))
+        if allowed[-1] and proposed:
+            b.record(7, proposed, accepted)
+
+    for _ in range(4):
+        step(3, 0)  # 0.70, 0.49, 0.34, then 0.24: paused for the next two steps
     assert b.average(7) == pytest.approx(0.7 ** 4)
-    assert [b.allows(7), b.allows(7), b.allows(7)] == [False, False, True]  # then a probe
-    b.record(7, 3, 3)  # the probe kept everything: 0.47, speculating again
-    assert b.allows(7) and b.allows(7)
-    assert (b.counters.num_pauses, b.counters.num_paused_steps) == (1, 2)
+    step(3, 3)
+    step(3, 3)
+    step(3, 3)  # the probe keeps everything: 0.47, speculating again
+    step(3, 0)  # 0.33
+    step(3, 3)
+    assert allowed == [True] * 4 + [False, False] + [True] * 3
+    assert b.counters.num_pauses == 1
     b.release(7)
     assert b.average(7) == 1.0
     off = AcceptanceBackOff(min_acceptance=0, probe_interval=2)
     for _ in range(10):
+        off.tick()
         off.record(1, 3, 0)
     assert off.allows(1) and off.counters.num_pauses == 0
 
@@ -212,4 +221,27 @@ def test_back_off_spares_a_sample_that_accepts_nothing(tiny_models):
     # probe (steps 13, 22, 31, 40), which keeps nothing and pauses again.
     assert on.counters.num_verifies == 8
     assert on.backoff.counters.num_pauses == 5
-    assert on.backoff.counters.num_paused_steps == 4 * 8 + 6
+    assert on.backoff.counters.num_paused_steps == 4 * 8 + 7  # and steps 41 .. 47
+
+
+def test_paused_samples_keep_steps_pipelined(tiny_models):
+    """Pipelined steps: a step in which every sample is paused does not resolve the step in
+    flight for drafts (only probes do), and the tokens are the same."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = outputs(LLM(str(tiny_models["llama"]), progress=False), PROMPTS[:1], params)
+    llm = LLM(str(tiny_models["llama"]), progress=False, speculative_method="ngram",
+              num_speculative_tokens=K, speculative_probe_interval=8, async_scheduling=True)
+    e = llm.engine
+    e.spec.proposer = Fixed([0, 0, 0])
+    speculate, resolved = e._speculate, []  # steps resolved for drafts
+
+    def counted():
+        ran = speculate()
+        resolved.append(len(ran))
+        return ran
+
+    e._speculate = counted
+    assert outputs(llm, PROMPTS[:1], params) == want
+    assert e.spec.backoff.counters.num_pauses >= 4
+    assert 0 < sum(resolved) <= e.spec.counters.num_verifies < 12
+
