@@ -234,6 +234,11 @@ class _EngineCounters:
             yield family
         if s.host_kv_capacity_bytes:
             yield from self._host_tier(s)
+        if s.spec_draft_blocks:
+            family = GaugeMetricFamily("tandem:spec_decode_draft_kv_usage_perc", "Fraction of "
+                                       "the draft model's KV blocks in use", labels=self.labels)
+            family.add_metric(self.values, s.spec_draft_blocks_used / s.spec_draft_blocks)
+            yield family
         # Per draft position: the acceptance rate at j is accepted[j] / drafted[j].
         for name, doc, counts in (
                 ("spec_decode_num_drafts_per_pos", "Drafts scored at each draft position",

@@ -92,6 +92,9 @@ class EngineSnapshot:
     # speculating, and (sample, step) pairs it sat out.
     spec_backoffs: int = 0
     spec_backoff_steps: int = 0
+    # A draft model's own KV pool (engine/spec_decode/draft.py), in blocks; 0 without one.
+    spec_draft_blocks_used: int = 0
+    spec_draft_blocks: int = 0
     # Host KV tier (engine/host_kv_tier.py), in blocks; all 0 when the engine has none.
     host_kv_hits: int = 0
     host_kv_misses: int = 0

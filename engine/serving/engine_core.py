@@ -287,6 +287,7 @@ class EngineCore:
         pool = e.block_pool
         spec = e.spec.counters if e.spec is not None else None
         backoff = e.spec.backoff.counters if e.spec is not None else None
+        draft = e.spec.draft_pool if e.spec is not None else None
         return EngineSnapshot(e.num_running(), e.num_waiting(), pool.num_free, pool.num_blocks,
                               len(e.kv_connector), len(e.requests), e.num_requests_added,
                               pool.block_size, pool.prefix_queries, pool.prefix_hits,
@@ -295,7 +296,8 @@ class EngineCore:
                               self.kv.runs_pulled, self.kv.pull_seconds,
                               *((spec.num_draft_tokens, spec.num_accepted_tokens,
                                  tuple(spec.drafted_at), tuple(spec.accepted_at),
-                                 backoff.num_pauses, backoff.num_paused_steps)
+                                 backoff.num_pauses, backoff.num_paused_steps,
+                                 *((draft.num_used, draft.num_blocks) if draft else ()))
                                 if spec is not None else ()),
                               **_host_tier_fields(e.host_tier),
                               kv_blocks_migrated=self.kv.blocks_migrated,

@@ -45,6 +45,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from tandem.engine.async_step import PLACEHOLDER
+from tandem.engine.block_pool import BlockPool
 from tandem.engine.config import SpeculativeConfig
 from tandem.engine.sampler import SampleRow
 from tandem.engine.sequence import Sequence
@@ -209,6 +210,11 @@ class Speculator:
         self._grammars.pop(seq.seq_id, None)
         self.backoff.release(seq.seq_id)
         self.proposer.release(seq)
+
+    @property
+    def draft_pool(self) -> BlockPool | None:
+        """A draft model's own KV pool (engine/spec_decode/draft.py), None for other methods."""
+        return getattr(self.proposer, "pool", None)
 
     def is_idle(self) -> bool:
         """Whether the proposer holds nothing (a draft model's KV pool back to idle)."""

@@ -11,14 +11,18 @@ end idle after every request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 
+import grpc
+import httpx
 import pytest
 import torch
 import transformers
 from test_spec_decode import GREEDY, PROMPTS, SAMPLED, Fixed, _drain, check_blocks, outputs
 
+from cluster import Cluster
 from tandem.engine.config import EngineConfig, cdiv
 from tandem.engine.llm import LLM
 from tandem.engine.llm_engine import LLMEngine
@@ -26,6 +30,8 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import RemoteKV
 from tandem.engine.spec_decode.backoff import AcceptanceBackOff
 from tandem.errors import InvalidArgument
+from tandem.runtime.convert import params_to_proto
+from tandem.v1 import api_pb2
 from tiny import build_tiny_draft
 
 K = 3
@@ -156,6 +162,41 @@ def test_decode_role_prefills_the_draft_itself(tiny_models, drafts, base):
     assert got == base[:4]
     assert decode.spec.counters.num_accepted_tokens > 0
     assert prefill.is_idle()
+
+
+def test_disaggregated_stack_with_a_draft_model(tiny_models, drafts, base, tmp_path):
+    """A router, a prefill worker and a decode worker started with --speculative-method draft
+    (real processes): the colocated tokens; drafts accepted; the decode worker's pools, the
+    draft's included, back to idle."""
+    stack = Cluster(tmp_path, str(tiny_models["llama"]), metrics=True,
+                    decode_args=["--speculative-method", "draft", "--draft-model",
+                                 str(drafts["noisy"]), "--num-speculative-tokens", str(K),
+                                 "--speculative-min-acceptance", "0"]).start()
+    try:
+        async def main():
+            async with grpc.aio.insecure_channel(stack.router.address) as ch:
+                api = stack.api(ch)
+
+                async def one(p):
+                    tokens = []
+                    async for chunk in api.Generate(api_pb2.GenerateRequest(
+                            token_ids=api_pb2.TokenIds(ids=p), params=params_to_proto(GREEDY))):
+                        tokens.extend(chunk.token_ids)
+                    return [tokens]
+
+                return await asyncio.gather(*(one(p) for p in PROMPTS[:4]))
+
+        assert asyncio.run(main()) == base[:4]
+        asyncio.run(stack.wait_idle())
+        (decode,) = stack.workers("decode")
+        metrics = {line.split()[0].split("{")[0]: float(line.split()[-1])
+                   for line in httpx.get(decode.metrics_url, timeout=5).text.splitlines()
+                   if line.startswith("tandem:spec_decode")}
+        assert metrics["tandem:spec_decode_num_accepted_tokens_total"] > 0, metrics
+        assert metrics["tandem:spec_decode_draft_kv_usage_perc"] == 0.0, metrics
+    finally:
+        codes = stack.stop()
+    assert all(code == 0 for code in codes.values()), codes
 
 
 def test_draft_with_another_tokenizer_is_refused(tiny_models, drafts, tmp_path):
