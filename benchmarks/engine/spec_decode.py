@@ -15,11 +15,16 @@ Three measurements (docs/speculative.md):
              back-off keeps large batches from speculating): output tokens per second; each
              configuration in a child process of its own (--method runs one in this one).
 
+--method draft --draft-model PATH proposes with a draft model (same tokenizer) instead of
+prompt lookup, in latency and throughput; --min-acceptance sets the back-off by acceptance.
+
     python benchmarks/engine/spec_decode.py latency --model smollm2-135m-instruct --device cuda
     python benchmarks/engine/spec_decode.py verify --model benchmarks/configs/llama-3.1-8b \
         --load-format dummy --device cuda -k 3
     python benchmarks/engine/spec_decode.py throughput --model benchmarks/configs/llama-3.1-8b \
         --load-format dummy --device cuda --batch 64 256
+    python benchmarks/engine/spec_decode.py latency --model Qwen/Qwen2.5-7B-Instruct \
+        --method draft --draft-model Qwen/Qwen2.5-0.5B-Instruct --device cuda
 
 Each prints a table and, with --out, writes the figures with the device's name as JSON.
 """
@@ -47,12 +52,15 @@ from tandem.engine.tokenizer import Tokenizer
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "spec_decode_prompts.jsonl"
 
 
-def engine_for(a: argparse.Namespace, **overrides) -> LLMEngine:
+def engine_for(a: argparse.Namespace, method: str | None = "ngram") -> LLMEngine:
+    """An engine speculating with `method` (None: off); draft: --draft-model."""
     dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
+    if method == "draft" and not a.draft_model:
+        sys.exit("--method draft needs --draft-model")
     kw = dict(model=a.model, device=a.device, dtype=dtype, load_format=a.load_format,
-              speculative_method="ngram", num_speculative_tokens=a.k,
-              max_model_len=a.max_model_len)
-    kw.update(overrides)
+              speculative_method=method, num_speculative_tokens=a.k,
+              max_model_len=a.max_model_len, speculative_min_acceptance=a.min_acceptance,
+              draft_model=a.draft_model if method == "draft" else None)
     return LLMEngine(EngineConfig(**kw), progress=False)
 
 
@@ -71,7 +79,9 @@ def run_one(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingPara
 
 
 def latency(a: argparse.Namespace) -> dict:
-    engine = engine_for(a)
+    if a.method == "off":
+        sys.exit("latency compares speculation with its absence: --method ngram or draft")
+    engine = engine_for(a, a.method or "ngram")
     tok = Tokenizer(engine.model_dir)
     texts = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
     rows = []
@@ -176,7 +186,7 @@ def throughput(a: argparse.Namespace) -> dict:
         return {"rows": throughput_rows(a, None if a.method == "off" else a.method)}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for method in ("off", "ngram"):
+        for method in ("off", "ngram", *(("draft",) if a.draft_model else ())):
             out = Path(tmp) / f"{method}.json"
             cmd = [sys.executable, __file__, *without_option(sys.argv[1:], "--out"),
                    "--method", method, "--out", str(out)]
@@ -205,7 +215,7 @@ def without_option(argv: list[str], name: str) -> list[str]:
 
 def throughput_rows(a: argparse.Namespace, method: str | None) -> list[dict]:
     """Output tokens per second of the fixed workload at each --batch, in one engine."""
-    engine = engine_for(a, speculative_method=method)
+    engine = engine_for(a, method)
     vocab = engine.model_config.vocab_size
     rows = []
     for batch in a.batch:
@@ -240,9 +250,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=1024, help="verify, throughput: prompt length")
     p.add_argument("--steps", type=int, default=50, help="verify: steps timed")
     p.add_argument("--batch", type=int, nargs="+", default=[64, 256], help="throughput")
-    p.add_argument("--method", choices=["off", "ngram"], default=None,
-                   help="throughput: this configuration only, in this process (by default "
-                        "each runs in a child process of its own)")
+    p.add_argument("--method", choices=["off", "ngram", "draft"], default=None,
+                   help="latency: the proposer (default ngram); throughput: this "
+                        "configuration only, in this process (by default off, ngram and, "
+                        "with --draft-model, draft, each in a child process of its own)")
+    p.add_argument("--draft-model", default=None,
+                   help="the draft checkpoint of --method draft (same tokenizer as --model)")
+    p.add_argument("--min-acceptance", type=float, default=0.3,
+                   help="--speculative-min-acceptance (the back-off by acceptance; 0: off)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     a = p.parse_args(argv)
     result = {"latency": latency, "verify": verify, "throughput": throughput}[a.what](a)
