@@ -223,7 +223,12 @@ class DraftProposer:
                 wanted.append(i)
         if not rows:  # catching up only: KV written, nothing to guess yet
             rows = [offset - 1]
-        logits, greedy = self.runner.forward(self.runner.step_inputs(batch, rows))
+        try:
+            logits, greedy = self.runner.forward(self.runner.step_inputs(batch, rows))
+        except Exception:  # nothing computed: the blocks allocated for this pass go back
+            for d in batch.seqs:
+                self.kv.rewind(d, d.num_computed_tokens)
+            raise
         if greedy is None or logits.shape[-1] > self.vocab_size:
             greedy = logits[:, :self.vocab_size].argmax(dim=-1)
         picked = greedy.tolist()

@@ -212,6 +212,25 @@ def test_draft_with_another_tokenizer_is_refused(tiny_models, drafts, tmp_path):
             draft_model=str(other))
 
 
+def test_a_failing_proposer_costs_only_drafts(tiny_models, drafts, base, caplog):
+    """The draft model's pass raising (say, out of memory) in some steps: those steps decode
+    without drafts, the others speculate; the same tokens, both pools idle."""
+    llm = draft_llm(tiny_models["llama"], drafts["noisy"])
+    runner = llm.engine.spec.proposer.runner
+    forward, calls = runner.forward, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) % 7 == 0:
+            raise RuntimeError("draft forward failed")
+        return forward(*args, **kwargs)
+
+    runner.forward = flaky
+    assert outputs(llm, PROMPTS[:4], GREEDY) == base[:4]
+    assert llm.engine.spec.counters.num_accepted_tokens > 0
+    assert "proposer failed" in caplog.text
+
+
 # -- back-off by acceptance ----------------------------------------------------------------
 def test_back_off_pauses_and_probes():
     b = AcceptanceBackOff(min_acceptance=0.3, probe_interval=2)
