@@ -15,7 +15,6 @@ import asyncio
 import json
 import shutil
 
-import grpc
 import httpx
 import pytest
 import torch
@@ -30,8 +29,6 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import RemoteKV
 from tandem.engine.spec_decode.backoff import AcceptanceBackOff
 from tandem.errors import InvalidArgument
-from tandem.runtime.convert import params_to_proto
-from tandem.v1 import api_pb2
 from tiny import build_tiny_draft
 
 K = 3
@@ -173,20 +170,7 @@ def test_disaggregated_stack_with_a_draft_model(tiny_models, drafts, base, tmp_p
                                  str(drafts["noisy"]), "--num-speculative-tokens", str(K),
                                  "--speculative-min-acceptance", "0"]).start()
     try:
-        async def main():
-            async with grpc.aio.insecure_channel(stack.router.address) as ch:
-                api = stack.api(ch)
-
-                async def one(p):
-                    tokens = []
-                    async for chunk in api.Generate(api_pb2.GenerateRequest(
-                            token_ids=api_pb2.TokenIds(ids=p), params=params_to_proto(GREEDY))):
-                        tokens.extend(chunk.token_ids)
-                    return [tokens]
-
-                return await asyncio.gather(*(one(p) for p in PROMPTS[:4]))
-
-        assert asyncio.run(main()) == base[:4]
+        assert [[t] for t in stack.generate(PROMPTS[:4], GREEDY)] == base[:4]
         asyncio.run(stack.wait_idle())
         (decode,) = stack.workers("decode")
         metrics = {line.split()[0].split("{")[0]: float(line.split()[-1])
