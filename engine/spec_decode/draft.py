@@ -54,6 +54,9 @@ from tandem.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
+# The longest catch-up run as decode rows (1 + the most draft tokens a step verifies).
+MAX_VERIFY_ROWS = 17
+
 
 @dataclass(frozen=True)
 class DraftSetup:
@@ -223,12 +226,17 @@ class DraftProposer:
                 wanted.append(i)
         if not rows:  # catching up only: KV written, nothing to guess yet
             rows = [offset - 1]
+        moved = _as_verify_rows(batch)
         try:
             logits, greedy = self.runner.forward(self.runner.step_inputs(batch, rows))
         except Exception:  # nothing computed: the blocks allocated for this pass go back
             for d in batch.seqs:
                 self.kv.rewind(d, d.num_computed_tokens)
             raise
+        finally:
+            for d in moved:
+                d.token_ids += d.spec_token_ids
+                d.spec_token_ids = []
         if greedy is None or logits.shape[-1] > self.vocab_size:
             greedy = logits[:, :self.vocab_size].argmax(dim=-1)
         picked = greedy.tolist()
@@ -238,6 +246,24 @@ class DraftProposer:
         for i, tok in zip(wanted, picked):
             out[i] = tok
         return out
+
+
+def _as_verify_rows(batch: ScheduledBatch) -> list[Sequence]:
+    """After a verify that kept every draft, a sample's draft has two tokens to catch up (the
+    last draft and the model's next token), so the first pass would be a mixed step, run
+    eagerly. Such short catch-ups, ending at the sequence's end, are handed to the runner as
+    a verify's are (the first token in token_ids, the rest in spec_token_ids): a pass of only
+    those and one-token rows then runs as decode rows and replays a decode CUDA graph
+    (engine/model_runner.py `_verifies_as_decodes`); the same KV and logits either way.
+    Returns the sequences changed, whose tokens _forward puts back after the pass."""
+    moved = []
+    for d, n in zip(batch.seqs, batch.num_new_tokens):
+        if 1 < n <= MAX_VERIFY_ROWS and d.num_computed_tokens + n == d.num_tokens:
+            cut = d.num_computed_tokens + 1
+            d.spec_token_ids = d.token_ids[cut:]
+            del d.token_ids[cut:]
+            moved.append(d)
+    return moved
 
 
 def check_same_vocabulary(target_dir: Path, target_vocab: int, draft_dir: Path,
