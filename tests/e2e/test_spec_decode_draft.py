@@ -81,6 +81,22 @@ def test_target_as_its_own_draft_accepts_everything(tiny_models, drafts, base):
     assert llm.engine.spec.proposer.is_idle()
 
 
+@pytest.mark.parametrize("target,draft", [("qwen2", "qwen2"), ("qwen3", "qwen3"),
+                                          ("granite", "granite"), ("mistral", "qwen3")])
+def test_other_architectures(tiny_models, target, draft):
+    """Each model as its own draft accepts every draft (tied embeddings and biases, q/k
+    norms, Granite's multipliers in the draft's runner too); a draft of another architecture
+    with the same tokenizer gives the same tokens."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = outputs(LLM(str(tiny_models[target]), progress=False), PROMPTS[:3], params)
+    llm = draft_llm(tiny_models[target], tiny_models[draft])
+    assert outputs(llm, PROMPTS[:3], params) == want
+    c = llm.engine.spec.counters
+    assert c.num_draft_tokens > 0
+    if target == draft:
+        assert c.num_accepted_tokens == c.num_draft_tokens
+
+
 def test_noisy_draft_same_tokens_every_accept_length(tiny_models, drafts, base):
     """Drafts rejected at every position (the draft's KV rewound at every offset), block
     size 4, and steps without speculation between verifies (a back-off quick to pause and to
