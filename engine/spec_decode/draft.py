@@ -113,7 +113,9 @@ class DraftProposer:
                 cfg, cache, device=setup.device, dtype=setup.dtype, model_dir=draft_dir,
                 load_format=setup.load_format, seed=setup.seed,
                 max_num_batched_tokens=setup.max_num_batched_tokens, max_model_len=max_len,
-                max_num_seqs=spec.max_batch, cuda_graphs=setup.cuda_graphs,
+                # Rows of a pass: one per speculating sample (at most max_batch), two for
+                # those catching up after a verify that kept every draft (_as_verify_rows).
+                max_num_seqs=2 * spec.max_batch, cuda_graphs=setup.cuda_graphs,
                 mixed_cuda_graphs=False, progress=False)
         except InvalidArgument as e:  # the pool's sizing: name the draft's own flag
             field = "draft_memory_fraction" if e.field == "memory_fraction" else e.field
