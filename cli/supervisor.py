@@ -160,7 +160,7 @@ class Supervisor:
         """The Drain RPC, as `tandem drain` makes it (answered once the worker is drained; it
         then exits 0), in a thread: it takes as long as the requests there do."""
         from tandem.cli.drain import drain  # noqa: PLC0415 - gRPC stubs
-        from tandem.runtime.cluster_roles import peer_name  # noqa: PLC0415
+        from tandem.runtime.cluster_roles import peer_name  # noqa: PLC0415 - as drain, on use
 
         tls = self.stack.cluster_tls
         role = c.name.rstrip("0123456789")

@@ -10,6 +10,7 @@ import asyncio
 
 import grpc
 import pytest
+from opentelemetry import trace
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router_svc.decode_legs import DecodeLegs, RouterError
@@ -53,7 +54,10 @@ class FakeStream:
 
 
 class FakeOrchestrator:
+    """What DecodeLegs asks of its orchestrator (decode_legs.LegHost), over fake streams."""
+
     def __init__(self, streams: list[FakeStream], max_migrations: int) -> None:
+        self.tracer = trace.get_tracer("test")
         self.workers = WorkerSet([], [], [], metrics=FaultMetrics())
         self.decode = [Worker(f"d{i}", "decode", None, None, s, healthy=True)
                        for i, s in enumerate(streams)]
