@@ -126,6 +126,10 @@ class LeaseHolder(KVConnector):
     def hold(self, block_ids: list[int], now: float) -> tuple[str, float]:
         return self.table.grant(block_ids, self.ttl_s, now, self.max_life_s), self.ttl_s
 
+    def lease_blocks(self, lease_id: str) -> tuple[int, ...] | None:
+        """A live lease's blocks (None if it is not live); a transport's server thread asks."""
+        return self.table.blocks(lease_id)
+
     def release(self, lease_id: str) -> bool:
         blocks = self.table.release(lease_id)
         if blocks is None:

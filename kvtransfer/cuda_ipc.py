@@ -29,7 +29,8 @@ IPC_LAZY_ENABLE_PEER_ACCESS = 1
 class CudaIpcTransport:
     name = "cuda_ipc"
 
-    def allocate(self, nbytes: int, device: torch.device) -> Allocation:
+    def allocate(self, nbytes: int, device: torch.device, block_bytes: int = 0,
+                 site: object = None) -> Allocation:
         if device.type != "cuda":
             raise InvalidArgument("transport", f"a cuda_ipc pool lives on a CUDA device, "
                                                f"not on {device}")
@@ -37,7 +38,8 @@ class CudaIpcTransport:
         tensor, memory, handle = _allocate_cuda(nbytes, index)
         return Allocation(tensor, memory, handle, index)
 
-    def open(self, desc: PoolDescriptor, device: torch.device | str) -> RemotePool:
+    def open(self, desc: PoolDescriptor, device: torch.device | str,
+             site: object = None) -> RemotePool:
         device = torch.device(device)
         if device.type != "cuda":
             raise InvalidArgument("transport", f"a cuda_ipc pool is mapped on a CUDA device, "
@@ -47,7 +49,8 @@ class CudaIpcTransport:
         return RemotePool(tensor.view(TORCH_DTYPES[desc.dtype]).view(desc.shape), desc, memory)
 
     def pull(self, remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
-             dst_block_ids: Sequence[int], deadline: float | None = None) -> TransferStats:
+             dst_block_ids: Sequence[int], deadline: float | None = None,
+             lease_id: str = "") -> TransferStats:
         return copies.copy_mapped(remote, local, src_block_ids, dst_block_ids)
 
     def puller(self, local: torch.Tensor) -> CudaIpcPuller:
@@ -62,7 +65,7 @@ class CudaIpcPuller:
         self.local = local
 
     def start(self, remote: RemotePool, src_block_ids: list[int], dst_block_ids: list[int],
-              deadline: object = None) -> PendingPull:
+              deadline: object = None, lease_id: str = "") -> PendingPull:
         return copies.launch_pull(remote, self.local, src_block_ids, dst_block_ids)
 
 

@@ -115,6 +115,12 @@ class LeaseTable:
             expired.append(list(blocks))
         return expired
 
+    def blocks(self, lease_id: str) -> tuple[int, ...] | None:
+        """A live lease's blocks, or None (released, expired, unknown). Safe to call from
+        another thread than the one driving the table (one dict read): a lease, once gone,
+        never comes back, so blocks read between two calls that both found it were pinned."""
+        return self._blocks.get(lease_id)
+
     def pinned_blocks(self) -> int:
         """How many distinct blocks live leases hold."""
         return len(self._refs)

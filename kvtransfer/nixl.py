@@ -394,15 +394,17 @@ def allocate_nixl_pool(nbytes: int, device: torch.device,
 class NixlTransport:
     name = "nixl"
 
-    def allocate(self, nbytes: int, device: torch.device) -> Allocation:
+    def allocate(self, nbytes: int, device: torch.device, block_bytes: int = 0,
+                 site: object = None) -> Allocation:
         return Allocation(*allocate_nixl_pool(nbytes, device))
 
-    def open(self, desc: PoolDescriptor, device: Any) -> NixlRemotePool:
+    def open(self, desc: PoolDescriptor, device: Any, site: object = None) -> NixlRemotePool:
         """Nothing to map: reads go through this process's endpoint, made to read only."""
         return default_endpoint(serves=False).connect(desc)
 
     def pull(self, remote: NixlRemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
-             dst_block_ids: Sequence[int], deadline: float | None = None) -> TransferStats:
+             dst_block_ids: Sequence[int], deadline: float | None = None,
+             lease_id: str = "") -> TransferStats:
         """One READ, waited for; past `deadline` cancelled and TimeoutError raised."""
         n = len(src_block_ids)
         start = time.perf_counter()
@@ -435,7 +437,8 @@ class NixlPuller:
         self.rate: float | None = None
 
     def start(self, remote: NixlRemotePool, src_block_ids: list[int],
-              dst_block_ids: list[int], deadline: Any) -> NixlPull | Finished:
+              dst_block_ids: list[int], deadline: Any, lease_id: str = "",
+              ) -> NixlPull | Finished:
         """A pull to poll (its READ posted by a later poll), or, with nothing to move, one
         that is over."""
         if not src_block_ids:

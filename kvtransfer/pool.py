@@ -102,9 +102,10 @@ class Allocation(NamedTuple):
 
 def allocate_pool(*, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
                   head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                  transport: str) -> LocalPool:
+                  transport: str, site: transports.WorkerSite | None = None) -> LocalPool:
     """Allocate a zeroed KV pool that peers can map, over one of kvtransfer/transports.py's
-    transports (each says where its pools may live)."""
+    transports (each says where its pools may live); `site`: where this worker runs (default:
+    loopback, no TLS, no leases)."""
     dims = {"num_blocks": num_blocks, "num_layers": num_layers, "block_size": block_size,
             "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     for name, value in dims.items():
@@ -113,9 +114,9 @@ def allocate_pool(*, num_blocks: int, num_layers: int, block_size: int, num_kv_h
     if dtype not in DTYPE_NAMES:
         raise InvalidArgument("dtype", f"must be one of {', '.join(TORCH_DTYPES)}, got {dtype}")
     device = torch.device(device)
-    nbytes = num_blocks * num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
-    tensor, memory, handle, device_index, on_close = \
-        transports.load(transport).allocate(nbytes, device)
+    block_bytes = num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+    tensor, memory, handle, device_index, on_close = transports.load(transport).allocate(
+        num_blocks * block_bytes, device, block_bytes, site or transports.WorkerSite())
     descriptor = PoolDescriptor(dtype=DTYPE_NAMES[dtype], transport=transport, handle=handle,
                                 device_index=device_index, owner_pid=os.getpid(), **dims)
     tensor.zero_()  # as bytes, whatever the KV dtype

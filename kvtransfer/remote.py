@@ -53,28 +53,32 @@ class TransferStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def open_remote_pool(desc: PoolDescriptor, device: torch.device | str) -> Any:
+def open_remote_pool(desc: PoolDescriptor, device: torch.device | str,
+                     site: transports.WorkerSite | None = None) -> Any:
     """Map a peer's pool on `device`, over its transport (kvtransfer/transports.py): a
     RemotePool for a transport that maps it (a shared-memory segment on the CPU; a CUDA IPC
     handle on this GPU or a peer GPU of this host), or what the transport reads through (NIXL:
-    a kvtransfer.nixl_remote.NixlRemotePool, any host, any device). pull_blocks takes either.
+    a kvtransfer.nixl_remote.NixlRemotePool, any host, any device; tcp: a connection, dialed
+    with `site`'s TLS). pull_blocks takes either.
 
     Check the layout against your own pool first (`check_compatible`). Errors carry the
     descriptor's redacted fields, never its handle.
     """
-    return transports.load(desc.transport).open(desc, device)
+    return transports.load(desc.transport).open(desc, device, site or transports.WorkerSite())
 
 
 def pull_blocks(remote: Any, local: torch.Tensor, src_block_ids: Sequence[int],
-                dst_block_ids: Sequence[int], deadline: float | None = None) -> TransferStats:
+                dst_block_ids: Sequence[int], deadline: float | None = None,
+                lease_id: str = "") -> TransferStats:
     """Copy blocks `src_block_ids[i]` of the remote pool into blocks `dst_block_ids[i]` of
     `local` (a pool tensor of the same layout, on the device the remote pool was opened on),
     over the pool's transport, and wait: when this returns, the blocks are in place and the
     peer may reuse its blocks (release the lease). Past `deadline` (time.monotonic()) a
-    transport that can stall on a peer (NIXL) cancels and raises TimeoutError; local copies
-    take no deadline."""
+    transport that can stall on a peer (NIXL, tcp) cancels and raises TimeoutError; local
+    copies take no deadline. `lease_id`: the lease the blocks are under (a transport whose
+    owner serves the blocks itself, tcp, sends only a live lease's blocks)."""
     return transports.load(remote.descriptor.transport).pull(remote, local, src_block_ids,
-                                                             dst_block_ids, deadline)
+                                                             dst_block_ids, deadline, lease_id)
 
 
 def copy_mapped(remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence[int],

@@ -29,14 +29,16 @@ SHM_DIR = "/dev/shm"
 class ShmTransport:
     name = "shm"
 
-    def allocate(self, nbytes: int, device: torch.device) -> Allocation:
+    def allocate(self, nbytes: int, device: torch.device, block_bytes: int = 0,
+                 site: object = None) -> Allocation:
         if device.type != "cpu":
             raise InvalidArgument("transport", f"a shm pool lives on the CPU, not on {device}")
         shm = _create_shm(nbytes)
         tensor, memory = _shm_tensor(shm, nbytes)
         return Allocation(tensor, memory, shm.name.encode(), -1, shm.unlink)
 
-    def open(self, desc: PoolDescriptor, device: torch.device | str) -> RemotePool:
+    def open(self, desc: PoolDescriptor, device: torch.device | str,
+             site: object = None) -> RemotePool:
         device = torch.device(device)
         if device.type != "cpu":
             raise InvalidArgument("transport", f"a shm pool is mapped on the CPU, not on {device}")
@@ -44,7 +46,8 @@ class ShmTransport:
         return RemotePool(tensor.view(TORCH_DTYPES[desc.dtype]).view(desc.shape), desc, memory)
 
     def pull(self, remote: RemotePool, local: torch.Tensor, src_block_ids: Sequence[int],
-             dst_block_ids: Sequence[int], deadline: float | None = None) -> TransferStats:
+             dst_block_ids: Sequence[int], deadline: float | None = None,
+             lease_id: str = "") -> TransferStats:
         return copy_mapped(remote, local, src_block_ids, dst_block_ids)
 
     def puller(self, local: torch.Tensor) -> ShmPuller:
@@ -58,7 +61,7 @@ class ShmPuller:
         self.local = local
 
     def start(self, remote: RemotePool, src_block_ids: list[int], dst_block_ids: list[int],
-              deadline: object = None) -> Finished:
+              deadline: object = None, lease_id: str = "") -> Finished:
         return Finished(copy_mapped(remote, self.local, src_block_ids, dst_block_ids))
 
 

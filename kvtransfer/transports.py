@@ -13,6 +13,10 @@ core's pulls (engine/serving/kv_pulls.py), which only ever talk to a `Transport`
     kvtransfer/cuda_ipc.py  CudaIpcTransport  a CUDA IPC handle; GPUs of one host (cupy)
     kvtransfer/nixl.py      NixlTransport     NIXL over UCX; any host, CPU or GPU (nixl extra)
 
+A transport that serves its pool itself (tcp) learns where its worker runs from a `WorkerSite`
+(the worker's --host, its cluster TLS, the lease table's lookup), handed to every `allocate` and
+`open`; a pull names its lease (`lease_id`), so such a server can refuse blocks outside it.
+
 Plain Python, no torch: the CLI and the descriptor import this; a transport module is imported
 on first use (`load`), and imports its own optional packages (cupy, nixl) only when it runs.
 """
@@ -20,6 +24,7 @@ on first use (`load`), and imports its own optional packages (cupy, nixl) only w
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +43,19 @@ class TransportEntry:
     # rank's heads out of them (kvtransfer/tp_pull.py).
     maps_tensors: bool = True
     handle_bytes: int | None = None  # a handle's fixed length, when it has one
+
+
+@dataclass(frozen=True)
+class WorkerSite:
+    """Where a worker's engine runs, for a transport that listens or dials itself (tcp); the
+    others ignore it. Built once by the engine core (engine/serving/engine_core.py)."""
+
+    host: str = "127.0.0.1"  # the worker's --host: where its own listeners bind
+    tls: Any = None          # its runtime.security.ClusterTls, or None (plain TCP)
+    # Owner side: the blocks of a live lease of this worker's (None once released, expired or
+    # never granted). Called from a transport's own threads: a read of the lease table, no
+    # more.
+    lease_blocks: Callable[[str], Sequence[int] | None] | None = None
 
 
 _REGISTRY: dict[str, TransportEntry] = {}
@@ -120,7 +138,7 @@ def load(name: str) -> Transport:
 
 # -- what a transport module provides ----------------------------------------------------------
 class Transfer(Protocol):
-    """A pull a transport started (`Transport.start_pull`). It ends once: done, or failed
+    """A pull a transport started (`Puller.start`). It ends once: done, or failed
     (done() raises), and only then may its destination blocks be reused or its lease go."""
 
     # The engine waits for it, its request unscheduled, while other requests step (NIXL);
@@ -145,20 +163,27 @@ class Transport(Protocol):
 
     name: str
 
-    def allocate(self, nbytes: int, device: Any) -> Any:
-        """A zeroed shareable allocation of `nbytes` on `device`: a kvtransfer.pool.Allocation
-        (InvalidArgument naming `transport` if it cannot live there)."""
+    def allocate(self, nbytes: int, device: Any, block_bytes: int, site: WorkerSite) -> Any:
+        """A zeroed shareable allocation of `nbytes` (whole blocks of `block_bytes`) on
+        `device`: a kvtransfer.pool.Allocation (InvalidArgument naming `transport` if it
+        cannot live there). Its on_close stops whatever serves it."""
 
-    def open(self, desc: Any, device: Any) -> Any:
+    def open(self, desc: Any, device: Any, site: WorkerSite) -> Any:
         """A peer's pool (PoolDescriptor) as this process reaches it, on `device`: a
         kvtransfer.pool.RemotePool, or what the transport reads through; close() gives it up."""
 
     def pull(self, remote: Any, local: Any, src_block_ids: Any, dst_block_ids: Any,
-             deadline: float | None) -> Any:
-        """Copy blocks src_block_ids[i] of `remote` into dst_block_ids[i] of `local` and wait:
-        TransferStats. Past `deadline` (time.monotonic()), TimeoutError."""
+             deadline: float | None, lease_id: str) -> Any:
+        """Copy blocks src_block_ids[i] (of lease `lease_id`) of `remote` into
+        dst_block_ids[i] of `local` and wait: TransferStats. Past `deadline`
+        (time.monotonic()), TimeoutError."""
 
-    def start_pull(self, remote: Any, local: Any, src_block_ids: Any, dst_block_ids: Any,
-                   deadline: Any) -> Transfer:
-        """The decode core's pull: started, not waited for. `deadline()` is the lease's
-        deadline as of now (renewals move it)."""
+    def puller(self, local: Any) -> Puller:
+        """The decode core's pulls into its pool `local`."""
+
+
+class Puller(Protocol):
+    def start(self, remote: Any, src_block_ids: list[int], dst_block_ids: list[int],
+              deadline: Callable[[], float], lease_id: str) -> Transfer:
+        """The decode core's pull of blocks of lease `lease_id`: started, not waited for.
+        `deadline()` is the lease's deadline as of now (renewals move it)."""

@@ -282,7 +282,7 @@ async def run_worker(args: argparse.Namespace, role: str,
     tls = ClusterTls.from_args(args)  # bad flags fail before the engine loads
     check_exposure(args, tls, role)
     spec = CoreSpec(engine_config(args, role=role), role, transport, lease_ttl_s,
-                    lease_max_life_s, cpu_threads=args.cpu_threads,
+                    lease_max_life_s, args.host, tls, cpu_threads=args.cpu_threads,
                     process_setup=configure_process_logging)
     pace = StepPace()
 

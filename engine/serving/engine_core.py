@@ -88,6 +88,10 @@ class EngineCore:
         # Tensor parallelism: the other ranks share their own pools the same way (prefill).
         # How peers reach this core's pool (prefill), kvtransfer/transports.py's.
         self.transport = spec.transport or transports.default_for(spec.config.device)
+        # Where this worker runs, for a transport that listens or dials itself; its lease
+        # lookup reads the prefill connector's table (made with the engine, after the pool).
+        self.site = transports.WorkerSite(spec.host, spec.tls, lambda lease_id:
+                                          self.engine.kv_connector.lease_blocks(lease_id))
         tp_options = {"pool_transport": self.transport if pool_factory else None}
         if spec.cpu_threads is not None:
             tp_options["cpu_threads"] = spec.cpu_threads
@@ -112,7 +116,7 @@ class EngineCore:
             self.rank_pools = tuple(self.engine.tp_group.call(
                 "describe", (), self.rank_kv.describe)[1:])
         # Decode role: the prefill pools, the pulls from them, and the leases they settle.
-        self.kv = KVPulls(self.engine, self.rank_kv, events)
+        self.kv = KVPulls(self.engine, self.rank_kv, events, self.site)
         if spec.role == "decode":
             connector.connect(self.kv.pull, self.kv.drop, self.kv.in_stream)
         # The router routes on what this worker's prefix cache holds: record its changes.
@@ -278,7 +282,7 @@ class EngineCore:
         n, layers, _, bs, heads, dim = shape
         pool = allocate_pool(num_blocks=n, num_layers=layers, block_size=bs, num_kv_heads=heads,
                              head_dim=dim, dtype=dtype, device=device,
-                             transport=self.transport)
+                             transport=self.transport, site=self.site)
         self.pool = pool
         return pool.tensor
 

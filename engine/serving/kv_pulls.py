@@ -33,8 +33,10 @@ from tandem.kvtransfer.runs import block_runs
 
 
 class KVPulls:
-    def __init__(self, engine: Any, rank_kv: Any, events: Connection) -> None:
+    def __init__(self, engine: Any, rank_kv: Any, events: Connection,
+                 site: transports.WorkerSite | None = None) -> None:
         self.engine = engine  # its runner's pool and device, its tensor-parallel group
+        self.site = site or transports.WorkerSite()  # how a transport dials peers (its TLS)
         # Rank 0's side of a handoff that moves heads between tensor-parallel sizes.
         self.rank_kv = rank_kv
         self.events = events
@@ -94,7 +96,7 @@ class KVPulls:
             return
         self.flush()  # no copy still reads the mapping about to close
         device = transports.map_device(descriptor.transport, self.engine.runner.device)
-        self.peers[address] = (instance_id, open_remote_pool(descriptor, device))
+        self.peers[address] = (instance_id, open_remote_pool(descriptor, device, self.site))
         if old is not None:
             with contextlib.suppress(Exception):
                 old[1].close()
@@ -142,7 +144,7 @@ class KVPulls:
         if puller is None:
             puller = self.pullers[name] = transports.load(name).puller(self.engine.runner.pool)
         return puller.start(pool, src_block_ids, dst_block_ids,
-                            lambda: self.deadline(kv)), name
+                            lambda: self.deadline(kv), kv.lease_id), name
 
     def _pull_heads(self, kv: RemoteKV, src_block_ids: list[int],
                     dst_block_ids: list[int]) -> tuple[Any, str]:
