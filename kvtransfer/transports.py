@@ -12,6 +12,7 @@ core's pulls (engine/serving/kv_pulls.py), which only ever talk to a `Transport`
     kvtransfer/shm.py       ShmTransport      a shared-memory segment; CPU workers of one host
     kvtransfer/cuda_ipc.py  CudaIpcTransport  a CUDA IPC handle; GPUs of one host (cupy)
     kvtransfer/nixl.py      NixlTransport     NIXL over UCX; any host, CPU or GPU (nixl extra)
+    kvtransfer/tcp.py       TcpTransport      a TCP stream the owner serves; CPU workers, any host
 
 A transport that serves its pool itself (tcp) learns where its worker runs from a `WorkerSite`
 (the worker's --host, its cluster TLS, the lease table's lookup), handed to every `allocate` and
@@ -74,6 +75,8 @@ register(TransportEntry("cuda_ipc", "tandem.kvtransfer.cuda_ipc", ("cuda",), "a 
                         "of one host (needs cupy)", handle_bytes=64))
 register(TransportEntry("nixl", "tandem.kvtransfer.nixl", ("cpu", "cuda"), "NIXL over UCX, from other "
                         "hosts too (needs the nixl extra)", maps_tensors=False))
+register(TransportEntry("tcp", "tandem.kvtransfer.tcp", ("cpu",), "a TCP stream the prefill "
+                        "worker serves, CPU workers on any host (no extra)", maps_tensors=False))
 
 
 def names() -> tuple[str, ...]:

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_registry_lists_exactly_the_transports():
-    assert transports.names() == ("shm", "cuda_ipc", "nixl")
+    assert transports.names() == ("shm", "cuda_ipc", "nixl", "tcp")
     assert transports.tensor_transports() == ("shm", "cuda_ipc")
     assert (transports.default_for("cpu"), transports.default_for("cuda:1")) == ("shm",
                                                                                 "cuda_ipc")
@@ -31,7 +31,7 @@ def test_the_registry_lists_exactly_the_transports():
         assert transport.name == name
         for method in ("allocate", "open", "pull", "puller"):
             assert callable(getattr(transport, method)), (name, method)
-    with pytest.raises(InvalidArgument, match=r"^transport: must be one of shm, cuda_ipc, nixl"):
+    with pytest.raises(InvalidArgument, match=r"^transport: must be one of shm, cuda_ipc, nixl, tcp"):
         transports.entry("rdma")
 
 
@@ -56,7 +56,7 @@ def extra_transport(monkeypatch):
 @pytest.mark.parametrize("command", ["prefill", "worker"])
 def test_cli_choices_come_from_the_registry(command, extra_transport):
     action = _transport_action(command)
-    assert tuple(action.choices) == transports.names() == ("shm", "cuda_ipc", "nixl",
+    assert tuple(action.choices) == transports.names() == ("shm", "cuda_ipc", "nixl", "tcp",
                                                            extra_transport)
     assert "tcp_test: a test's" in action.help and "default: shm on cpu" in action.help
 
