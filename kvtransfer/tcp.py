@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import os
 import secrets
 import socket
 import ssl
 import struct
+import tempfile
 import threading
 import time
 import weakref
@@ -52,7 +54,7 @@ from tandem.errors import InvalidArgument
 from tandem.kvtransfer.descriptor import PoolDescriptor
 from tandem.kvtransfer.pool import Allocation
 from tandem.kvtransfer.remote import Finished, TransferStats
-from tandem.kvtransfer.transports import WorkerSite
+from tandem.kvtransfer.transports import SiteTls, WorkerSite
 
 MAGIC = b"TKV1"
 TOKEN_BYTES = 16
@@ -404,21 +406,31 @@ def _shut(sock: socket.socket) -> None:
 
 
 # -- TLS -----------------------------------------------------------------------------------------
-def _server_context(tls: Any) -> ssl.SSLContext:
-    """Mutual TLS with the cluster's CA (`tls`: a runtime.security.ClusterTls)."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(tls.cert, tls.key)
-    ctx.load_verify_locations(tls.ca)
+def _server_context(tls: SiteTls) -> ssl.SSLContext:
+    """Mutual TLS with the cluster's CA: a peer without a certificate it signed is refused in
+    the handshake."""
+    ctx = _context(ssl.PROTOCOL_TLS_SERVER, tls)
     ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
 
 
-def _client_context(tls: Any) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # checks the name and the chain
+def _client_context(tls: SiteTls) -> ssl.SSLContext:
+    return _context(ssl.PROTOCOL_TLS_CLIENT, tls)  # checks the owner's name and chain
+
+
+def _context(protocol: int, tls: SiteTls) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(protocol)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(tls.cert, tls.key)
-    ctx.load_verify_locations(tls.ca)
+    ctx.load_verify_locations(cadata=tls.ca.decode())
+    # ssl loads a certificate and key from files only: a private directory, gone once loaded.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="tandem-tls-", dir=shm) as d:
+        cert, key = os.path.join(d, "cert.pem"), os.path.join(d, "key.pem")
+        for path, data in ((cert, tls.cert), (key, tls.key)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        ctx.load_cert_chain(cert, key)
     return ctx
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tandem.errors import InvalidArgument
@@ -47,12 +47,27 @@ class TransportEntry:
 
 
 @dataclass(frozen=True)
+class SiteTls:
+    """A worker's cluster TLS (the CA, its certificate and key) as PEM bytes: read by the worker,
+    since its engine core cannot open the worker's files (they may be the worker's /dev/fd/N)."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes = field(repr=False)
+
+    @classmethod
+    def read(cls, tls: Any) -> SiteTls:
+        """From a runtime.security.ClusterTls (its ca, cert and key paths)."""
+        return cls(tls.ca.read_bytes(), tls.cert.read_bytes(), tls.key.read_bytes())
+
+
+@dataclass(frozen=True)
 class WorkerSite:
     """Where a worker's engine runs, for a transport that listens or dials itself (tcp); the
     others ignore it. Built once by the engine core (engine/serving/engine_core.py)."""
 
     host: str = "127.0.0.1"  # the worker's --host: where its own listeners bind
-    tls: Any = None          # its runtime.security.ClusterTls, or None (plain TCP)
+    tls: SiteTls | None = None  # its cluster TLS, or None (plain TCP)
     # Owner side: the blocks of a live lease of this worker's (None once released, expired or
     # never granted). Called from a transport's own threads: a read of the lease table, no
     # more.

@@ -21,6 +21,7 @@ import grpc
 from tandem.engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
 from tandem.engine.serving.core_messages import CoreSpec, LeaseDone
 from tandem.errors import InvalidArgument, LayoutMismatch, ModelLoadError, Overloaded
+from tandem.kvtransfer import transports
 from tandem.runtime.cluster_roles import RoleInterceptor
 from tandem.runtime.engine_args import add_engine_args, engine_config
 from tandem.runtime.kv_events import KVEventHub, SubscriberLagged
@@ -282,7 +283,9 @@ async def run_worker(args: argparse.Namespace, role: str,
     tls = ClusterTls.from_args(args)  # bad flags fail before the engine loads
     check_exposure(args, tls, role)
     spec = CoreSpec(engine_config(args, role=role), role, transport, lease_ttl_s,
-                    lease_max_life_s, args.host, tls, cpu_threads=args.cpu_threads,
+                    lease_max_life_s, args.host,
+                    transports.SiteTls.read(tls) if tls is not None else None,
+                    cpu_threads=args.cpu_threads,
                     process_setup=configure_process_logging)
     pace = StepPace()
 

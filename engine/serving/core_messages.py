@@ -38,7 +38,7 @@ class CoreSpec:
     lease_ttl_s: float = 30.0  # prefill: how long a handed-off prompt's blocks stay pinned
     lease_max_life_s: float | None = None  # prefill: renewals never pin them longer
     host: str = "127.0.0.1"  # the worker's --host (a transport that listens binds there)
-    tls: Any = None  # the worker's runtime.security.ClusterTls (a transport that dials uses it)
+    tls: Any = None  # the worker's cluster TLS, kvtransfer.transports.SiteTls (PEM bytes)
     # torch's CPU threads for the model: None is 1 on a GPU (the host only prepares steps) and
     # every core on the CPU. Engine cores that share a CPU each get their share (`tandem up`):
     # more threads than cores, spinning between parallel regions, stall every step for seconds.

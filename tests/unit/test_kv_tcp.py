@@ -19,7 +19,7 @@ from tandem.kvtransfer.descriptor import PoolDescriptor
 from tandem.kvtransfer.lease import LeaseTable
 from tandem.kvtransfer.pool import allocate_pool
 from tandem.kvtransfer.remote import open_remote_pool, pull_blocks
-from tandem.kvtransfer.transports import WorkerSite
+from tandem.kvtransfer.transports import SiteTls, WorkerSite
 from tandem.runtime.cluster_roles import peer_name, spiffe_id
 
 LAYOUT = dict(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16)
@@ -180,7 +180,7 @@ def test_bad_descriptors_and_arguments_name_the_field(owner, table):
             open_remote_pool(PoolDescriptor(transport="tcp", handle=handle, device_index=-1,
                                             **fields), "cpu")
     with pytest.raises(InvalidArgument, match=r"^handle: the pool is served with cluster TLS"):
-        open_remote_pool(desc, "cpu", WorkerSite(tls=object()))
+        open_remote_pool(desc, "cpu", WorkerSite(tls=SiteTls(b"", b"", b"")))
     with pytest.raises(InvalidArgument, match=r"^transport: a tcp pool is served by a "):
         allocate_pool(num_blocks=2, device="cpu", transport="tcp", **LAYOUT)  # no lease table
     lease = table.grant([1], ttl_s=60, now=time.monotonic())
@@ -262,15 +262,15 @@ def test_mutual_tls_serves_decode_workers_alone(tmp_path, table):
     assert not spiffe_id("router").startswith(tcp.DECODE_IDENTITY)
     assert peer_name("prefill") == tcp.PREFILL_NAME
     certs = make_cluster_ca(tmp_path)
-    owner = _owner(table.blocks, tls=certs.tls("prefill"))
+    owner = _owner(table.blocks, tls=SiteTls.read(certs.tls("prefill")))
     lease = table.grant([3], ttl_s=60, now=time.monotonic())
-    remote = open_remote_pool(owner.descriptor, "cpu", WorkerSite(tls=certs.tls("decode")))
+    remote = open_remote_pool(owner.descriptor, "cpu", WorkerSite(tls=SiteTls.read(certs.tls("decode"))))
     local = _local()
     pull_blocks(remote, local, [3], [0], lease_id=lease)
     assert torch.equal(local[0], owner.tensor[3])
     remote.close()
     # A router's certificate (signed by the same CA) opens nothing.
-    router = open_remote_pool(owner.descriptor, "cpu", WorkerSite(tls=certs.tls("router")))
+    router = open_remote_pool(owner.descriptor, "cpu", WorkerSite(tls=SiteTls.read(certs.tls("router"))))
     with pytest.raises((ConnectionError, OSError)):
         pull_blocks(router, local, [3], [1], lease_id=lease)
     router.close()
