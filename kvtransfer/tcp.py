@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 import os
 import secrets
 import socket
@@ -56,12 +57,17 @@ from tandem.kvtransfer.pool import Allocation
 from tandem.kvtransfer.remote import Finished, TransferStats
 from tandem.kvtransfer.transports import SiteTls, WorkerSite
 
+log = logging.getLogger(__name__)
+
 MAGIC = b"TKV1"
 TOKEN_BYTES = 16
 MAX_LEASE_ID = 64  # a lease id is 32 hex characters (kvtransfer/lease.py)
 MAX_MESSAGE = 1024
 MAX_CONNECTIONS = 64  # one a decode worker; past this a connection is closed at once
-IDLE_S = 600.0  # an owner closes a connection silent this long (a reader dials again)
+# An owner closes a connection that has not shown the pool's token this long after it opened
+# (its TLS handshake included: a reader sends its first request at once), or, once it has, is
+# silent this long (a reader dials again): a peer without the token holds no thread for long.
+FIRST_S, IDLE_S = 10.0, 600.0
 LINGER_S, LINGER_BYTES = 5.0, 1 << 20  # what a refused peer may still send, dropped
 OK, REFUSED = 0, 1
 LEASE_KEPT, LEASE_ENDED = 0, 1
@@ -156,6 +162,7 @@ class PoolServer:
                 thread.join(0.05)
         for thread in self.threads:
             thread.join()  # each past its last touch of the pool
+        self.view = memoryview(b"")  # the pool's memory goes with its last view
 
     def _accept(self) -> None:
         while True:
@@ -176,7 +183,7 @@ class PoolServer:
     def _serve(self, conn: socket.socket) -> None:
         me = threading.current_thread()
         try:
-            conn.settimeout(IDLE_S)
+            conn.settimeout(FIRST_S)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 conn = self.tls.wrap_socket(conn, server_side=True)  # the CA's certificates only
@@ -190,6 +197,8 @@ class PoolServer:
                 pass
         except (OSError, ValueError):
             pass  # the reader went, or broke the protocol: it dials again
+        except Exception:  # a bug, not a peer: said, and this connection alone ends
+            log.exception("the tcp KV server failed on a connection")
         finally:
             with self.lock:
                 self.conns.pop(me, None)
@@ -205,6 +214,7 @@ class PoolServer:
             return False
         if not hmac.compare_digest(token, self.token):
             return _refuse(conn, "handle", "does not open this pool", keep=False)
+        conn.settimeout(IDLE_S)
         if not 0 < lease_len <= MAX_LEASE_ID:
             return _refuse(conn, "lease_id", f"must be 1 to {MAX_LEASE_ID} bytes, got "
                                              f"{lease_len}", keep=False)
@@ -287,7 +297,7 @@ class TcpRemotePool:
                     self.reading = cancel
                 if cancel.is_set():
                     raise RuntimeError("the KV pull was cancelled")
-                sock = self._connect(deadline)
+                sock = self._connect(deadline, cancel)
                 sock.sendall(request)
                 status, length = _REPLY.unpack(_recv(sock, _REPLY.size, deadline))
                 if length > MAX_MESSAGE:
@@ -347,7 +357,8 @@ class TcpRemotePool:
             raise InvalidArgument("dst_block_ids", "ids must be distinct")
         return memoryview(local.view(-1).view(torch.uint8).numpy())
 
-    def _connect(self, deadline: Callable[[], float] | None) -> socket.socket:
+    def _connect(self, deadline: Callable[[], float] | None,
+                 cancel: threading.Event) -> socket.socket:
         if self.closed:
             raise RuntimeError(f"the tcp pool {self.descriptor.redacted()} is closed")
         if self.sock is None:
@@ -356,8 +367,10 @@ class TcpRemotePool:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 sock = self.tls.wrap_socket(sock, server_hostname=PREFILL_NAME)
-            with self.state:
+            with self.state:  # an interrupt before this found no socket: shut it now
                 self.sock = sock
+                if cancel.is_set():
+                    _shut(sock)
         return self.sock
 
     def _hang_up(self) -> None:
