@@ -1,7 +1,8 @@
 """Moving KV blocks between workers.
 
 - transports: the one list of transports (torch-free), and what a transport module provides.
-- shm, cuda_ipc, nixl: the transports, one module each (cupy and nixl imported when used).
+- the transports, one module each, as transports.py lists them (optional packages imported
+  when used).
 - descriptor: PoolDescriptor (a pool's layout, transport and handle) and check_compatible.
 - lease: LeaseTable, the prefill side's pins on blocks awaiting a pull.
 - pool: allocate_pool -> LocalPool, this worker's shareable pool, over its transport (torch).

@@ -89,7 +89,7 @@ class EngineCore:
         # How peers reach this core's pool (prefill), kvtransfer/transports.py's.
         self.transport = spec.transport or transports.default_for(spec.config.device)
         # Where this worker runs, for a transport that listens or dials itself; its lease
-        # lookup reads the prefill connector's table (made with the engine, after the pool).
+        # lookup reads its connector's lease table (made with the engine, after the pool).
         self.site = transports.WorkerSite(spec.host, spec.tls, lambda lease_id:
                                           self.engine.kv_connector.lease_blocks(lease_id))
         tp_options = {"pool_transport": self.transport if pool_factory else None}
