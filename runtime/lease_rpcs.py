@@ -84,6 +84,9 @@ class LeaseRPCs:
         await checked(context, check_chars, "decode_worker_id", request.decode_worker_id,
                       MAX_WORKER_ID_CHARS)
         mine = self.pool
+        if mine is None:  # a colocated worker: its pool is its own, mapped by no peer
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker's KV pool is not shared with peers")
         try:
             check_compatible(mine, request.layout)
         except LayoutMismatch as e:

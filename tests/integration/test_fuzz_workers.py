@@ -143,8 +143,12 @@ def _with_cancels(msgs: list[worker_pb2.StreamRequest]) -> list[worker_pb2.Strea
 # example each shows).
 SERVED = {"prefill0": ("Prefill", "ClaimLease", "Release", "RenewLeases", "Register", "Abort",
                        "GetLoad", "WatchKV"),
-          "decode0": ("Stream", "Abort", "GetLoad", "WatchKV"),
-          "both0": ("Stream", "Abort", "GetLoad", "WatchKV")}
+          # Decode workers lend running sequences to their peers (live migration): they
+          # answer the lease RPCs too.
+          "decode0": ("Stream", "ClaimLease", "Release", "RenewLeases", "Register", "Abort",
+                      "GetLoad", "WatchKV"),
+          "both0": ("Stream", "ClaimLease", "Release", "RenewLeases", "Register", "Abort",
+                    "GetLoad", "WatchKV")}
 
 
 def test_every_rpc_of_the_proto_is_fuzzed():
