@@ -412,19 +412,6 @@ class DecodeServicer(WorkerServicer):
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         self.engine.hand_over(msg.request_id, tokens)
 
-    # -- the lease RPCs (a decode worker lends running sequences) -----------------------------
-    async def Register(self, request, context):  # noqa: N802
-        return await self.leases.register(request, context)
-
-    async def ClaimLease(self, request, context):  # noqa: N802
-        return await self.leases.claim(request, context)
-
-    async def Release(self, request, context):  # noqa: N802
-        return await self.leases.release(request, context)
-
-    async def RenewLeases(self, request, context):  # noqa: N802
-        return await self.leases.renew(request, context)
-
     # -- prefill peers -----------------------------------------------------------------------
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)

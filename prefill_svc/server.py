@@ -87,18 +87,6 @@ class PrefillServicer(WorkerServicer):
             num_cached_tokens=h.num_cached_tokens,
             prompt_logprobs=[logprobs_to_proto(lp) for lp in out.prompt_logprobs or ()])
 
-    async def ClaimLease(self, request, context):  # noqa: N802
-        return await self.leases.claim(request, context)
-
-    async def Release(self, request, context):  # noqa: N802
-        return await self.leases.release(request, context)
-
-    async def RenewLeases(self, request, context):  # noqa: N802
-        return await self.leases.renew(request, context)
-
-    async def Register(self, request, context):  # noqa: N802
-        return await self.leases.register(request, context)
-
     def still_held(self) -> int:
         """A draining prefill worker waits for its prompts and for every lease it granted to be
         released (its decode worker pulled it) or to expire; meanwhile it answers claims,

@@ -150,6 +150,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.drain_seconds = 0.0
         self.request_stop: Callable[[], None] = lambda: None  # run_worker sets it
 
+    # -- the lease RPCs: every role lends KV (a prefill worker its prompts', a decode worker its
+    # running sequences' for live migration) through `self.leases`, a LeaseRPCs
+    # (runtime/lease_rpcs.py) each role's servicer makes.
+    async def Register(self, request, context):  # noqa: N802
+        return await self.leases.register(request, context)
+
+    async def ClaimLease(self, request, context):  # noqa: N802
+        return await self.leases.claim(request, context)
+
+    async def Release(self, request, context):  # noqa: N802
+        return await self.leases.release(request, context)
+
+    async def RenewLeases(self, request, context):  # noqa: N802
+        return await self.leases.renew(request, context)
+
     async def Abort(self, request, context):  # noqa: N802 - gRPC method name
         await checked(context, check_request_id, request.request_id)
         return worker_pb2.AbortResponse(aborted=await self.engine.abort(request.request_id))
