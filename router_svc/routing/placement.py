@@ -7,12 +7,16 @@ The rule, over the prefill worker P and the decode worker D the routing policy p
 inputs every candidate's load poll and the router's KV index give; `Placement.inputs` keeps
 them for the trace):
 
-    uncached_P, uncached_D   prompt tokens the worker's prefix cache does not hold
+    uncached_P, uncached_D   prompt tokens neither the worker's prefix cache nor the host tier
+                             it reads holds
+    restore_P_s, restore_D_s = host_blocks * block_bytes / HOST_COPY_BANDWIDTH
+                             (blocks copied back from the host tier instead of computed)
     pull_blocks              prompt blocks D does not cache (what a handoff moves)
     transfer_s = pull_blocks * block_bytes / bandwidth       (D's measured pulls, else the flag)
 
-    disaggregated_s = P.queued * P.step_s + uncached_P * P.token_s + transfer_s + D.step_s
-    local_s         = D.waiting * D.step_s + uncached_D * D.token_s
+    disaggregated_s = P.queued * P.step_s + uncached_P * P.token_s + restore_P_s
+                      + transfer_s + D.step_s
+    local_s         = D.waiting * D.step_s + uncached_D * D.token_s + restore_D_s
     harm_local_s    = D.running * uncached_D * D.token_s      (each running sequence on D
     harm_disagg_s   = D.running * transfer_s                   waits that long for its tokens;
                                                                D.running: its engine's count at
@@ -58,6 +62,9 @@ __all__ = ["DISAGGREGATED", "LOCAL", "Placement", "PlacementInputs", "PlacementO
 # one host's shared memory or a PCIe link (bytes per second).
 DEFAULT_KV_BANDWIDTH = 5e9
 BATCH_INTERFERENCE = 4.0  # a batch request's harm to others weighs this many times more
+# Bytes per second of a host-tier block copied back into a worker's pool: about what a PCIe 4.0
+# x16 link moves (a CPU worker's memcpy is faster: the estimate errs toward computing).
+HOST_COPY_BANDWIDTH = 20e9
 
 
 def slo_class(priority: int) -> str:
@@ -90,7 +97,7 @@ def place(request: RouteRequest, prefill: WorkerLoad, decode: WorkerLoad, block_
           options: PlacementOptions) -> Placement:
     """Where `request` runs, given the prefill and decode workers a policy picked for it."""
     n = len(request.prompt)
-    uncached_d = max(1, n - decode.cached_blocks * block_size)  # the last token always runs
+    uncached_d = _uncached(n, decode, block_size)
     if uncached_d <= options.short_prompt_tokens:
         return Placement(LOCAL, "short")
     if not (prefill.step_seconds and prefill.prompt_token_seconds and decode.step_seconds
@@ -107,12 +114,12 @@ def place(request: RouteRequest, prefill: WorkerLoad, decode: WorkerLoad, block_
 def _weigh(request: RouteRequest, p: WorkerLoad, d: WorkerLoad, block_size: int,
            options: PlacementOptions) -> PlacementInputs:
     n = len(request.prompt)
-    uncached_p = max(1, n - p.cached_blocks * block_size)
-    uncached_d = max(1, n - d.cached_blocks * block_size)
+    uncached_p, uncached_d = _uncached(n, p, block_size), _uncached(n, d, block_size)
     pull_blocks = max(0, -(-n // block_size) - d.cached_blocks)
     bandwidth = d.kv_bandwidth or options.kv_bandwidth
     block_bytes = d.kv_block_bytes or options.kv_block_bytes
     transfer_s = pull_blocks * block_bytes / bandwidth
+    restore_p_s, restore_d_s = (w.host_blocks * block_bytes / HOST_COPY_BANDWIDTH for w in (p, d))
     running = max(d.num_running, d.in_flight)  # polls lag; this router's count does not
     cls = slo_class(request.priority)
     weight = {"interactive": 0.0, "standard": options.interference,
@@ -120,8 +127,16 @@ def _weigh(request: RouteRequest, p: WorkerLoad, d: WorkerLoad, block_size: int,
     return PlacementInputs(
         slo_class=cls, prompt_tokens=n, uncached_prefill_tokens=uncached_p,
         uncached_decode_tokens=uncached_d, pull_blocks=pull_blocks, transfer_s=transfer_s,
+        host_blocks_p=p.host_blocks, host_blocks_d=d.host_blocks,
         disaggregated_s=(p.queued * p.step_seconds + uncached_p * p.prompt_token_seconds
-                         + transfer_s + d.step_seconds),
-        local_s=d.num_waiting * d.step_seconds + uncached_d * d.prompt_token_seconds,
+                         + restore_p_s + transfer_s + d.step_seconds),
+        local_s=(d.num_waiting * d.step_seconds + uncached_d * d.prompt_token_seconds
+                 + restore_d_s),
         harm_local_s=running * uncached_d * d.prompt_token_seconds,
         harm_disaggregated_s=running * transfer_s, weight=weight)
+
+
+def _uncached(n: int, w: WorkerLoad, block_size: int) -> int:
+    """Prompt tokens worker `w` computes: past its cached and host-tier blocks (the last token
+    always runs)."""
+    return max(1, n - (w.cached_blocks + w.host_blocks) * block_size)

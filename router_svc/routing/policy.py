@@ -78,6 +78,8 @@ class PlacementInputs:
     prompt_tokens: int
     uncached_prefill_tokens: int
     uncached_decode_tokens: int
+    host_blocks_p: int  # blocks each worker copies back from a host tier instead of computing
+    host_blocks_d: int
     pull_blocks: int
     transfer_s: float
     disaggregated_s: float

@@ -9,7 +9,13 @@ import pytest
 from tandem.errors import InvalidArgument
 from tandem.router_svc.routing import POLICIES, PlacementOptions, RouteRequest, WorkerLoad
 from tandem.router_svc.routing import make_policy as make
-from tandem.router_svc.routing.placement import DISAGGREGATED, LOCAL, place, slo_class
+from tandem.router_svc.routing.placement import (
+    DISAGGREGATED,
+    HOST_COPY_BANDWIDTH,
+    LOCAL,
+    place,
+    slo_class,
+)
 
 BS = 16
 BLOCK_BYTES = 1 << 20  # 1 MiB a block
@@ -17,9 +23,10 @@ OPTS = PlacementOptions(kv_bandwidth=1e9, kv_block_bytes=BLOCK_BYTES)
 
 
 def worker(role: str, *, queued: int = 0, running: int = 0, cached: int = 0,
-           step: float = 0.02, token: float = 1e-4, bandwidth: float = 0.0) -> WorkerLoad:
+           step: float = 0.02, token: float = 1e-4, bandwidth: float = 0.0,
+           host: int = 0) -> WorkerLoad:
     return WorkerLoad(f"{role}:1", role, 0, queued, running, 1000, cached, step_seconds=step,
-                      prompt_token_seconds=token, kv_bandwidth=bandwidth)
+                      prompt_token_seconds=token, kv_bandwidth=bandwidth, host_blocks=host)
 
 
 def request(tokens: int, priority: int = 0) -> RouteRequest:
@@ -57,6 +64,20 @@ def test_a_prefix_cached_on_the_decode_worker_counts_only_the_rest():
     assert got.inputs.pull_blocks == 1  # the last, partial block
     # The same prompt with nothing cached on D goes to P.
     assert place(request(1000), p, worker("decode", running=8), BS, OPTS).where == DISAGGREGATED
+
+
+def test_a_prefix_in_the_decode_workers_host_tier_counts_as_a_copy_not_a_prefill():
+    # The same turn as above with its 62 blocks evicted from D's pool into its host tier: D
+    # copies them back (62 MiB at the host link's speed) instead of computing 992 tokens.
+    p, d = worker("prefill"), worker("decode", running=8, host=62)
+    got = place(request(1000), p, d, BS, OPTS)
+    assert got.where == LOCAL
+    assert (got.inputs.uncached_decode_tokens, got.inputs.host_blocks_d) == (8, 62)
+    assert got.inputs.local_s == pytest.approx(8 * 1e-4 + 62 * BLOCK_BYTES / HOST_COPY_BANDWIDTH)
+    # A host-tier copy on P shortens the disaggregated estimate the same way.
+    on_p = place(request(1000), worker("prefill", host=62), worker("decode", running=8), BS,
+                 OPTS)
+    assert on_p.inputs.uncached_prefill_tokens == 8
 
 
 def test_a_queue_on_the_prefill_worker_and_a_slow_link_favour_the_decode_worker():
