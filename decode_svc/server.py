@@ -71,7 +71,8 @@ log = logging.getLogger(__name__)
 def _request_id(msg: worker_pb2.StreamRequest) -> str:
     """The id a Stream message names (cut to the length an id may have), "" if none."""
     kind = msg.WhichOneof("kind")
-    rid = msg.cancel if kind == "cancel" else getattr(msg, kind).request_id if kind else ""
+    rid = (getattr(msg, kind) if kind in ("cancel", "lend")
+           else getattr(msg, kind).request_id if kind else "")
     return bounded_id(rid)
 
 
@@ -152,6 +153,9 @@ class DecodeServicer(WorkerServicer):
             kind = msg.WhichOneof("kind")
             if kind == "handover":
                 self._hand_over(msg.handover, tasks)
+                return
+            if kind == "lend":
+                self._lend_for_rebalance(msg.lend, tasks, out)
                 return
             if kind == "cancel":
                 task = tasks.get(msg.cancel)
@@ -374,6 +378,7 @@ class DecodeServicer(WorkerServicer):
     async def _lend(self, rid: str) -> worker_pb2.KVLocation | None:
         """A lease on request rid's KV for the decode worker it moves to, or None (it has none
         to lend here: token replay)."""
+        self._unlend(rid)  # an earlier lease on it nobody claimed (a move that failed)
         lent = await self.engine.lend(rid)
         if lent is None:
             return None
@@ -384,6 +389,27 @@ class DecodeServicer(WorkerServicer):
             worker_id=self.worker_id, address=self.address, num_tokens=lent.num_tokens,
             lease_id=lent.lease_id, instance_id=self.instance_id, role="decode",
             lease_ttl_ms=int(max(lent.deadline - time.monotonic(), 0) * 1000))
+
+    def _lend_for_rebalance(self, rid: str, tasks: dict[str, asyncio.Task],
+                            out: Outbox) -> None:
+        """The router asks to move request rid off this worker (rebalance): answer with a lease
+        on its KV (RequestUpdate.move + rebalance; no kv: it cannot be lent now, and stays).
+        Ignored for a request not (or no longer) here, or while draining (the drain's own ask
+        goes out for every request)."""
+        if self.role != "decode" or rid not in tasks or self._draining.is_set():
+            return
+
+        async def answer() -> None:
+            kv = await self._lend(rid)
+            if rid in tasks:  # else it ended meanwhile: _unlend ran, or runs at its end
+                out.update(worker_pb2.RequestUpdate(request_id=rid, move=True, rebalance=True,
+                                                    kv=kv))
+            else:
+                self._unlend(rid)
+
+        task = asyncio.get_running_loop().create_task(answer())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _unlend(self, rid: str) -> None:
         """Request rid ended here: a lease lent on it that nobody claimed (its router had

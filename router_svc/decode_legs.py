@@ -49,7 +49,9 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from tandem.engine.config import cdiv
 from tandem.router_svc.live_migration import Handed, LiveMove
+from tandem.router_svc.rebalance import Candidate, Rebalancer
 from tandem.router_svc.routing import RouteRequest
 from tandem.router_svc.routing.policy import DISAGGREGATED, LOCAL
 from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update, until_done
@@ -102,6 +104,7 @@ class LegHost(Protocol):
     workers: WorkerSet
     max_migrations: int
     tracer: trace.Tracer
+    rebalancer: Rebalancer | None  # moves requests off nearly full decode workers, when on
 
     async def prefill(self, rid: str, route: RouteRequest, params, deadline: float | None,
                       ctx: Context | None, may_fall_back: bool = False
@@ -140,6 +143,14 @@ class DecodeLegs:
         self.retries = 0  # legs that failed before
         self.drain_moves = 0  # legs ended because their worker drains (not counted above)
         self.live_moves = 0  # of those, moved by pulling their KV (router_svc/live_migration.py)
+        self.rebalances = 0  # moved live off a nearly full decode worker (router_svc/rebalance.py)
+        self._live_n = 0  # live migrations started: each destination request's id suffix
+        # The current leg: its worker, its request id there, tokens it has sent; and a
+        # rebalance move asked of it (its destination and why) until it ends.
+        self._on: Worker | None = None
+        self._leg_rid = ""
+        self._leg_tokens = 0
+        self._asked: tuple[Worker, str] | None = None
         # Decode workers that turned a leg of this request away before its first token
         # (UNAVAILABLE: shutting down, or gone): tried last.
         self._avoid: set[str] = set()
@@ -326,7 +337,8 @@ class DecodeLegs:
             try:
                 async with aclosing(call):
                     async for update in self._read(d, until_done(call, self.params.n,
-                                                                 self.done), traced):
+                                                                 self.done), traced,
+                                                   req.request_id):
                         yield update
             finally:
                 d.in_flight -= 1
@@ -336,18 +348,35 @@ class DecodeLegs:
         got its HandOver)."""
         try:
             async with aclosing(move.updates):
-                async for update in self._read(move.dst, move.updates, move.traced):
+                async for update in self._read(move.dst, move.updates, move.traced,
+                                               move.request_id):
                     yield update
         finally:
             with contextlib.suppress(BaseException):
                 await move.call.aclose()
             move.close()
 
-    async def _read(self, d: Worker, updates: AsyncIterator[Update], traced
+    async def _read(self, d: Worker, updates: AsyncIterator[Update], traced, leg_rid: str
                     ) -> AsyncIterator[Update]:
         """A leg's updates, each sample's tokens recorded as the client gets them."""
         first = self._first
+        self._on, self._leg_rid, self._leg_tokens = d, leg_rid, 0
+        rebalancer = self._rebalancer
+        if rebalancer is not None:
+            rebalancer.track(d, self)
+        try:
+            async for update in self._read_leg(d, updates, traced, first):
+                yield update
+        finally:
+            self._on = None
+            if rebalancer is not None:
+                rebalancer.untrack(d, self)
+            self._rebalanced("ended")  # a move asked and not done: the leg ended first
+
+    async def _read_leg(self, d: Worker, updates: AsyncIterator[Update], traced, first
+                        ) -> AsyncIterator[Update]:
         async for update in self._moves(d, updates):
+            self._leg_tokens += sum(len(s.token_ids) for s in update.samples)
             for s in update.samples:
                 self.outputs[s.index] += s.token_ids
                 if s.finish_reason is not None:
@@ -380,10 +409,20 @@ class DecodeLegs:
                         return
                     if not update.move:
                         yield update
+                    elif update.rebalance:  # the answer to ask_move
+                        if move is None:
+                            move = self._rebalance_move(d, update.kv)
                     elif move is None and self._can_move_from(d):
                         move = self._live_move(d, update.kv)
                         if move is None:
                             raise DrainMove(d.address)
+                    continue
+                if not move.ready.result() and move.cause == "rebalance":
+                    log.warning("rebalance of %s to %s failed (%s): it stays on %s", self.rid,
+                                move.dst.address, move.error, d.address)
+                    await move.abandon()
+                    move = None
+                    self._rebalanced("failed")
                     continue
                 if not move.ready.result():  # the destination failed before its pull ended
                     log.warning("live migration of %s to %s failed (%s): token replay instead",
@@ -393,7 +432,11 @@ class DecodeLegs:
                 if not move.hand_over():
                     raise DrainMove(d.address)
                 handed = True
-                self.drain_moves += 1
+                if move.cause == "rebalance":
+                    self.rebalances += 1
+                    self._rebalanced("moved")
+                else:
+                    self.drain_moves += 1
                 self.live_moves += 1
                 raise Handed(move)
         finally:
@@ -412,8 +455,58 @@ class DecodeLegs:
         dst = self.orch.workers.pick_decode(self.route, "decode", {d.address} | self._avoid)
         if dst is None:
             return None
-        n = self.moves + self.retries + self.drain_moves + 1
-        return LiveMove(self, d, dst, kv, f"{self.rid}.live{n}")
+        self._live_n += 1
+        return LiveMove(self, d, dst, kv, f"{self.rid}.live{self._live_n}")
+
+    # -- rebalance (router_svc/rebalance.py) -----------------------------------------------------
+    def rebalance_candidate(self, block_size: int) -> Candidate | None:
+        """This request as a rebalance would move it: None unless it is decoding on its leg's
+        worker (it has had tokens there) and no move is asked of it already."""
+        if self._on is None or self._asked is not None or self._leg_tokens == 0:
+            return None
+        made = [len(out) for out in self.outputs]
+        blocks = cdiv(len(self.prompt) + max(made, default=0), block_size)
+        max_tokens = self.params.max_tokens or 0
+        remaining = sum(max(max_tokens - m, 0) for i, m in enumerate(made)
+                        if i not in self.done)
+        return Candidate(blocks, remaining)
+
+    def ask_move(self, dst: Worker, reason: str) -> bool:
+        """Ask the leg's worker to lend this request's KV for `dst` (StreamRequest.lend); the
+        answer (RequestUpdate.move + rebalance) starts the live migration. False if the leg's
+        call has ended."""
+        if self._on is None or self._asked is not None:
+            return False
+        msg = worker_pb2.StreamRequest(lend=self._leg_rid)
+        if not self._on.stream.send(self._leg_rid, msg):
+            return False
+        self._asked = (dst, reason)
+        return True
+
+    def _rebalance_move(self, d: Worker, kv: worker_pb2.KVLocation | None) -> LiveMove | None:
+        """The live migration a rebalance asked for, started with the lease d lent; None when d
+        lent nothing (the request stays) or the destination is no longer up."""
+        if self._asked is None:  # a late answer to a move that ended
+            return None
+        dst, reason = self._asked
+        if kv is None or not dst.healthy or dst.leaving:
+            self._rebalanced("not_lent" if kv is None else "failed")
+            return None
+        self._live_n += 1
+        return LiveMove(self, d, dst, kv, f"{self.rid}.live{self._live_n}",
+                        cause="rebalance", reason=reason)
+
+    def _rebalanced(self, outcome: str) -> None:
+        """The rebalance move asked of this request ended so (nothing if none was asked)."""
+        if self._asked is None:
+            return
+        self._asked = None
+        if self._rebalancer is not None:
+            self._rebalancer.done(self, outcome)
+
+    @property
+    def _rebalancer(self) -> Rebalancer | None:
+        return getattr(self.orch, "rebalancer", None)  # a host without one never rebalances
 
     def _failed(self, d: Worker, e: grpc.aio.AioRpcError, sent: bool,
                 refused: dict[str, str]) -> None:

@@ -55,9 +55,13 @@ class LiveMove:
     its outputs so far, parameters, trace context and orchestrator."""
 
     def __init__(self, legs: Any, src: Worker, dst: Worker,
-                 kv: worker_pb2.KVLocation, request_id: str) -> None:
+                 kv: worker_pb2.KVLocation, request_id: str, cause: str = "drain",
+                 reason: str = "") -> None:
         self.legs, self.src, self.dst, self.kv = legs, src, dst, kv
         self.request_id = request_id
+        # Why it moves: drain (its worker leaves), or rebalance (its worker's pool is nearly
+        # full, `reason` says how: router_svc/rebalance.py).
+        self.cause, self.reason = cause, reason
         # What the client had when the request was sent: HandOver carries what came after.
         self.sent = [len(out) for out in legs.outputs]
         self._stack = contextlib.ExitStack()
@@ -98,13 +102,17 @@ class LiveMove:
             request_id=self.request_id, tokens=tokens))
         sent = self.dst.stream.send(self.request_id, msg)
         made = sum(len(t.token_ids) for t in tokens)
-        trace.get_current_span(self.legs.ctx).add_event("live_migrated", {
-            "tandem.worker": self.src.address, "tandem.worker.to": self.dst.address,
-            "tandem.kv.num_tokens": self.kv.num_tokens, "tandem.handover.tokens": made,
-            "tandem.tokens_so_far": sum(len(out) for out in self.legs.outputs)})
+        attrs = {"tandem.worker": self.src.address, "tandem.worker.to": self.dst.address,
+                 "tandem.kv.num_tokens": self.kv.num_tokens, "tandem.handover.tokens": made,
+                 "tandem.tokens_so_far": sum(len(out) for out in self.legs.outputs),
+                 "tandem.move.cause": self.cause}
+        if self.reason:
+            attrs["tandem.rebalance.reason"] = self.reason
+        trace.get_current_span(self.legs.ctx).add_event("live_migrated", attrs)
         self.legs.orch.workers.metrics.live_migrations.labels("handed_over").inc()
-        log.info("moved %s live from %s to %s (%d tokens' KV pulled, %d handed over)",
-                 self.legs.rid, self.src.address, self.dst.address, self.kv.num_tokens, made)
+        log.info("moved %s live from %s to %s (%s; %d tokens' KV pulled, %d handed over)",
+                 self.legs.rid, self.src.address, self.dst.address, self.cause,
+                 self.kv.num_tokens, made)
         return sent
 
     async def abandon(self) -> None:

@@ -49,6 +49,7 @@ from tandem.router_svc.decode_legs import (
     as_router_error,
     until_done,
 )
+from tandem.router_svc.rebalance import RebalanceConfig, Rebalancer
 from tandem.router_svc.routing import RouteRequest
 from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update
 from tandem.router_svc.workers import Worker, WorkerSet, unless_lost
@@ -70,9 +71,13 @@ def _retryable(e: grpc.aio.AioRpcError) -> bool:
 
 class Orchestrator:
     def __init__(self, workers: WorkerSet, max_migrations: int = 3,
-                 prefill_saturation: int = 0) -> None:
+                 prefill_saturation: int = 0, rebalance: RebalanceConfig | None = None) -> None:
         self.workers = workers
         self.max_migrations = max_migrations
+        # Moves running requests off nearly full decode workers (--rebalance): started with
+        # start(), off by default.
+        self.rebalancer = (Rebalancer(workers, rebalance)
+                           if rebalance is not None and rebalance.enabled else None)
         # Requests in flight or waiting on every prefill worker past which a prompt is
         # prefilled on its decode worker instead (0: only when no prefill worker is up).
         self.prefill_saturation = prefill_saturation
@@ -222,6 +227,13 @@ class Orchestrator:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def start(self) -> None:
+        """Background work that follows the workers' polls (rebalance, when on)."""
+        if self.rebalancer is not None:
+            self.rebalancer.start()
+
     async def close(self) -> None:
+        if self.rebalancer is not None:
+            await self.rebalancer.close()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)

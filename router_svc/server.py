@@ -23,6 +23,7 @@ from tandem.router_svc.membership import Membership, config_from_args
 from tandem.router_svc.no_torch import keep_torch_out
 from tandem.router_svc.orchestrator import Orchestrator
 from tandem.router_svc.planner import Planner, PlannerTargets
+from tandem.router_svc.rebalance import RebalanceConfig
 from tandem.router_svc.responses_api import DEFAULT_STORE, ResponseStore
 from tandem.router_svc.routing import DEFAULT_POLICY, POLICIES, PlacementOptions, make_policy
 from tandem.router_svc.routing.placement import DEFAULT_KV_BANDWIDTH
@@ -102,6 +103,16 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="with prefill fallback: requests in flight or waiting on every prefill "
                         "worker past which a new prompt is prefilled on its decode worker "
                         "instead (0: only when no prefill worker is up)")
+    p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=False,
+                   help="move running requests off a decode worker whose KV pool is nearly "
+                        "full to one with room, by live migration (default: off)")
+    p.add_argument("--rebalance-free-fraction", type=float,
+                   default=RebalanceConfig.free_fraction,
+                   help="with --rebalance: a decode worker with fewer free KV blocks than this "
+                        "share of its pool (or with requests waiting) is nearly full; a "
+                        "destination must keep this share free after a move")
+    p.add_argument("--rebalance-max-moves", type=int, default=RebalanceConfig.max_moves,
+                   help="with --rebalance: moves in flight off one decode worker at a time")
     p.add_argument("--max-requests", type=int, default=1024,
                    help="requests in flight (queued included) before RESOURCE_EXHAUSTED / 429")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -251,7 +262,10 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     planner = (Planner(targets, telemetry.metrics.registry, workers, args.planner_interval)
                if targets is not None else None)
     orchestrator = Orchestrator(workers, max_migrations=args.max_migrations,
-                                prefill_saturation=args.prefill_saturation)
+                                prefill_saturation=args.prefill_saturation,
+                                rebalance=RebalanceConfig(args.rebalance,
+                                                          args.rebalance_free_fraction,
+                                                          args.rebalance_max_moves))
     served, aliases = model_names(args)
     info = Frontend.model_info(served, cfg, args.dtype or "", args.block_size,
                                args.max_model_len, aliases)
@@ -283,6 +297,7 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
         await membership.start()
     if planner is not None:
         planner.start()
+    orchestrator.start()
     # gRPC readiness says what HTTP /health/ready says: NOT_SERVING while no path through the
     # workers can take a request (liveness stays SERVING).
     workers.on_health = lambda: health.depend(workers.ready())

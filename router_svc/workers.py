@@ -153,9 +153,10 @@ class FaultMetrics:
                                   "decode worker after their worker failed mid-stream",
                                   registry=reg)
         self.live_migrations = Counter(
-            "tandem:live_migrations", "Requests a draining decode worker moved by lending "
-            "their KV (live migration): handed_over, or replayed (the new decode worker could "
-            "not pull it: moved by token replay instead)", ["outcome"], registry=reg)
+            "tandem:live_migrations", "Requests moved by lending their KV (live migration) "
+            "off a draining decode worker or, rebalancing, off a nearly full one: handed_over, "
+            "or replayed (a drain's new decode worker could not pull it: moved by token replay "
+            "instead)", ["outcome"], registry=reg)
         self.prefill_fallbacks = Counter(
             "tandem:prefill_fallbacks", "Prompts prefilled on their decode worker because no "
             "prefill worker was up (no_prefill) or every one was past --prefill-saturation "

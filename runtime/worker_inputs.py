@@ -79,12 +79,12 @@ def check_stream_request(msg: worker_pb2.StreamRequest) -> None:
     its id, its trace context, and a decode request's KV location."""
     check_trace_context(msg.trace_context)
     kind = msg.WhichOneof("kind")
-    if kind == "cancel":
-        check_request_id(msg.cancel, "cancel")
+    if kind in ("cancel", "lend"):
+        check_request_id(getattr(msg, kind), kind)
         return
     if kind is None:
-        raise InvalidArgument("kind", "a Stream message carries generate, decode, cancel or "
-                              "handover")
+        raise InvalidArgument("kind", "a Stream message carries generate, decode, cancel, "
+                              "handover or lend")
     req = getattr(msg, kind)
     check_request_id(req.request_id)
     if kind == "decode":

@@ -110,7 +110,7 @@ class GenerateOnWorkerRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("generate", "decode", "cancel", "handover", "trace_context")
+    __slots__ = ("generate", "decode", "cancel", "handover", "lend", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,16 +122,18 @@ class StreamRequest(_message.Message):
     DECODE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_FIELD_NUMBER: _ClassVar[int]
+    LEND_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     generate: GenerateOnWorkerRequest
     decode: DecodeRequest
     cancel: str
     handover: HandOver
+    lend: str
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, generate: _Optional[_Union[GenerateOnWorkerRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., handover: _Optional[_Union[HandOver, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, generate: _Optional[_Union[GenerateOnWorkerRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., handover: _Optional[_Union[HandOver, _Mapping]] = ..., lend: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RequestUpdate(_message.Message):
-    __slots__ = ("request_id", "done", "error_code", "error_message", "move", "kv", "ready")
+    __slots__ = ("request_id", "done", "error_code", "error_message", "move", "kv", "ready", "rebalance")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +141,7 @@ class RequestUpdate(_message.Message):
     MOVE_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    REBALANCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     done: bool
     error_code: int
@@ -146,7 +149,8 @@ class RequestUpdate(_message.Message):
     move: bool
     kv: KVLocation
     ready: bool
-    def __init__(self, request_id: _Optional[str] = ..., done: _Optional[bool] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., move: _Optional[bool] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., ready: _Optional[bool] = ...) -> None: ...
+    rebalance: bool
+    def __init__(self, request_id: _Optional[str] = ..., done: _Optional[bool] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., move: _Optional[bool] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., ready: _Optional[bool] = ..., rebalance: _Optional[bool] = ...) -> None: ...
 
 class TokenColumns(_message.Message):
     __slots__ = ("request_id", "sample_index", "num_tokens", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "with_logprobs", "logprobs")
