@@ -71,6 +71,8 @@ class Update:
     # there, for the next decode worker to pull (live migration); None: token replay.
     move: bool = False
     kv: worker_pb2.KVLocation | None = None
+    # With move: the answer to the router's lend (rebalance), not a drain's ask.
+    rebalance: bool = False
     # No tokens: the KV a decode worker lent is pulled here; hand the request over (HandOver).
     ready: bool = False
 
@@ -174,7 +176,8 @@ class WorkerStream:
                         raise u
                     if u.move and not u.done:
                         yield Update([], 0, 0, move=True,
-                                     kv=u.kv if u.HasField("kv") else None)
+                                     kv=u.kv if u.HasField("kv") else None,
+                                     rebalance=u.rebalance)
                         continue
                     if u.ready and not u.done:
                         yield Update([], 0, 0, ready=True)
