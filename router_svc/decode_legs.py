@@ -151,9 +151,9 @@ class DecodeLegs:
         self._leg_rid = ""
         self._leg_tokens = 0
         self._asked: tuple[Worker, str] | None = None
-        # _leg_tokens when its worker last had no KV to lend (waiting, preempted there): not
-        # asked again until it has made tokens since.
-        self._unlent_at = -1
+        # _leg_tokens when the rebalancer last looked at this request: a candidate only if it
+        # made tokens since (decoding there now, not waiting or preempted: it has KV to lend).
+        self._looked_at = 0
         # Decode workers that turned a leg of this request away before its first token
         # (UNAVAILABLE: shutting down, or gone): tried last.
         self._avoid: set[str] = set()
@@ -363,7 +363,7 @@ class DecodeLegs:
                     ) -> AsyncIterator[Update]:
         """A leg's updates, each sample's tokens recorded as the client gets them."""
         first = self._first
-        self._on, self._leg_rid, self._leg_tokens, self._unlent_at = d, leg_rid, 0, -1
+        self._on, self._leg_rid, self._leg_tokens, self._looked_at = d, leg_rid, 0, 0
         rebalancer = self._rebalancer
         if rebalancer is not None:
             rebalancer.track(d, self)
@@ -463,10 +463,11 @@ class DecodeLegs:
 
     # -- rebalance (router_svc/rebalance.py) -----------------------------------------------------
     def rebalance_candidate(self, block_size: int) -> Candidate | None:
-        """This request as a rebalance would move it: None unless it is decoding on its leg's
-        worker (it has had tokens there) and no move is asked of it already."""
-        if (self._on is None or self._asked is not None or self._leg_tokens == 0
-                or self._leg_tokens == self._unlent_at):
+        """This request as a rebalance would move it (asked once a round): None unless it is
+        decoding on its leg's worker (tokens came from there since the last look) and no move is
+        asked of it already."""
+        looked, self._looked_at = self._looked_at, self._leg_tokens
+        if self._on is None or self._asked is not None or self._leg_tokens == looked:
             return None
         made = [len(out) for out in self.outputs]
         blocks = cdiv(len(self.prompt) + max(made, default=0), block_size)
@@ -494,8 +495,6 @@ class DecodeLegs:
             return None
         dst, reason = self._asked
         if kv is None or not dst.healthy or dst.leaving:
-            if kv is None:
-                self._unlent_at = self._leg_tokens
             self._rebalanced("not_lent" if kv is None else "failed")
             return None
         self._live_n += 1

@@ -7,8 +7,9 @@ with room, by live migration (router_svc/live_migration.py), before the full one
                 of its pool), with fewer than --rebalance-max-moves of its moves in flight
       destination D: another one with no request waiting that keeps at least that fraction free
                 after taking the request (the most free blocks wins)
-      request: one of this router's requests decoding on S (it has had tokens there), the one
-               with the most tokens still to make (a move pays for the tokens after it)
+      request: one of this router's requests decoding on S (tokens came from there since the
+               last round: not waiting or preempted, so it has KV to lend), the one with the
+               most tokens still to make (a move pays for the tokens after it)
       ──▶ StreamRequest.lend to S ──▶ S lends the request's KV (RequestUpdate.move + rebalance)
       ──▶ the live migration's handover to D; S's blocks come free once D has released the lease
 
@@ -126,27 +127,32 @@ class Rebalancer:
         decode = self.workers.by_role("decode")
         asked = 0
         for src in decode:
+            # Asked once a round, whether or not src is under pressure: a request is a
+            # candidate when it made tokens since the last round.
+            candidates = self._candidates(src)
             reason = self.pressure(src)
             if reason is None:
                 continue
-            while sum(p.src is src for p in self._pending.values()) < self.config.max_moves:
-                if not self._move_one(src, reason, decode):
+            room = self.config.max_moves - sum(p.src is src for p in self._pending.values())
+            for legs, c in candidates:
+                if room <= 0:
                     break
-                asked += 1
+                if self._ask(src, legs, c, reason, decode):
+                    asked += 1
+                    room -= 1
         return asked
 
-    def _move_one(self, src: Worker, reason: str, decode: list[Worker]) -> bool:
-        bs = self.workers.block_size
-        best: tuple[Movable, Candidate] | None = None
-        for legs in self._running.get(src.address, ()):
-            if legs in self._pending:
-                continue
-            c = legs.rebalance_candidate(bs)
-            if c is not None and (best is None or c.remaining > best[1].remaining):
-                best = (legs, c)
-        if best is None:
-            return False
-        legs, c = best
+    def _candidates(self, src: Worker) -> list[tuple[Movable, Candidate]]:
+        """src's requests that may move now, the most tokens still to make first."""
+        got = []
+        for legs in list(self._running.get(src.address, ())):
+            c = legs.rebalance_candidate(self.workers.block_size)
+            if c is not None and legs not in self._pending:
+                got.append((legs, c))
+        return sorted(got, key=lambda lc: -lc[1].remaining)
+
+    def _ask(self, src: Worker, legs: Movable, c: Candidate, reason: str,
+             decode: list[Worker]) -> bool:
         dst = self._destination(src, c.blocks, decode)
         if dst is None:
             return False
