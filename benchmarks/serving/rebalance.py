@@ -5,7 +5,7 @@ the router moves running requests to the new worker by live migration.
 
     # CPU, shm, tandem-demo: off then on, each on a fresh 1P+2D stack
     python benchmarks/serving/rebalance.py
-    python benchmarks/serving/rebalance.py --requests 8 --output 384 --num-blocks 64 --out r.json
+    python benchmarks/serving/rebalance.py --repeat 3 --out r.json   # medians of 3 pairs
 
 Per run: the router knows prefill0 and decode0 (--workers-file); --requests requests are sent
 at once (greedy, ignore_eos, --prompt random tokens, --output tokens each); once decode0 has
@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--free-fraction", type=float, default=0.1,
                    help="--rebalance-free-fraction for the router")
     p.add_argument("--max-moves", type=int, default=1, help="--rebalance-max-moves")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each (off, on, off, on, ...): the table shows each figure's "
+                        "median over them (a shared machine's noise)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON results")
     p.add_argument("--log-dir", type=Path, default=None)
@@ -165,6 +168,18 @@ def run_one(a: argparse.Namespace, label: str) -> dict:
         stack.stop()
 
 
+FIGURES = ("seconds", "preemptions", "tpot_p50", "tpot_p90", "itl_p50", "itl_p90", "tok_s")
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Each figure's median over repeated runs (moves summed per outcome, then the median)."""
+    out = {k: percentile([r[k] for r in runs], 50) for k in FIGURES}
+    out["moves"] = {o: percentile([r["moves"][o] for r in runs], 50) for o in runs[0]["moves"]}
+    out["outputs"] = runs[0]["outputs"]
+    out["all_outputs"] = [r["outputs"] for r in runs]
+    return out
+
+
 def print_table(runs: dict[str, dict]) -> None:
     print(f"\n{'rebalance':<10} {'preempt':>8} {'TPOT p50':>9} {'TPOT p90':>9} {'ITL p50':>8} "
           f"{'ITL p90':>8} {'tok/s':>7} {'moved':>6}   (ms)")
@@ -176,20 +191,28 @@ def print_table(runs: dict[str, dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    runs: dict[str, dict] = {}
-    for label in (["off", "on"] if a.rebalance == "both" else [a.rebalance]):
-        print(f"rebalance {label}: 1 prefill + 2 decode workers ({a.num_blocks} blocks each), "
-              f"{a.requests} x {a.output} tokens", flush=True)
-        runs[label] = run_one(a, label)
-        print({k: v for k, v in runs[label].items() if k != "outputs"}, flush=True)
+    every: dict[str, list[dict]] = {}
+    labels = ["off", "on"] if a.rebalance == "both" else [a.rebalance]
+    for i in range(a.repeat):
+        for label in labels:
+            print(f"rebalance {label} ({i + 1}/{a.repeat}): 1 prefill + 2 decode workers "
+                  f"({a.num_blocks} blocks each), {a.requests} x {a.output} tokens", flush=True)
+            r = run_one(a, label)
+            every.setdefault(label, []).append(r)
+            print({k: v for k, v in r.items() if k != "outputs"}, flush=True)
+    runs = {label: median_run(rs) for label, rs in every.items()}
     print_table(runs)
-    if len(runs) == 2:
-        same = sum(x == y for x, y in zip(runs["off"]["outputs"], runs["on"]["outputs"]))
-        print(f"\noutputs identical with rebalance on and off: {same}/{a.requests}")
+    outputs = [o for r in runs.values() for o in r["all_outputs"]]
+    same = sum(o == outputs[0] for o in outputs)
+    print(f"\nruns whose outputs equal the first run's: {same}/{len(outputs)}")
     if a.out:
         a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
-                                     "runs": {k: {x: y for x, y in v.items() if x != "outputs"}
-                                              for k, v in runs.items()}}, indent=1))
+                                     "median": {k: {x: y for x, y in v.items()
+                                                    if x not in ("outputs", "all_outputs")}
+                                                for k, v in runs.items()},
+                                     "runs": {k: [{x: y for x, y in r.items() if x != "outputs"}
+                                                  for r in rs] for k, rs in every.items()}},
+                                    indent=1))
     return 0
 
 
