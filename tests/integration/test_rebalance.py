@@ -2,19 +2,22 @@
 knows (decode0, a pool too small for them: requests wait there), then decode1 joins
 (--workers-file). The router, with --rebalance, asks decode0 to lend running requests' KV
 (StreamRequest.lend) and moves them live to decode1, which pulls their blocks; nothing is
-replayed. Greedy and seeded sampled outputs equal the offline engine's; every pool and lease
-ends idle. Processes on 127.0.0.1 (shm transport)."""
+replayed; the request spans say they moved for rebalance. Greedy and seeded sampled outputs
+equal the offline engine's; every pool and lease ends idle. Processes on 127.0.0.1 (shm
+transport)."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import grpc
 import httpx
 import pytest
 from test_drain import generate
 from test_membership_stack import _until_logged, _write
+from traces import attrs
 
 from cluster import WORKER_ARGS, Cluster
 from tandem.engine.sampling_params import SamplingParams
@@ -36,11 +39,12 @@ def _counter(text: str, name: str, labels: str) -> float:
 
 @pytest.mark.timeout(300)
 def test_rebalance_moves_running_requests_live_to_a_decode_worker_with_room(tiny_models,
-                                                                           tmp_path, offline):
+                                                                           tmp_path, offline,
+                                                                           receiver):
     expected = [[o.token_ids for o in out.outputs] for out in offline.generate(
         [p for p, _ in TEMPLATES], [p for _, p in TEMPLATES])]
     model = str(tiny_models["llama"])
-    c = Cluster(tmp_path, model, prefill=0, decode=0)
+    c = Cluster(tmp_path, model, prefill=0, decode=0, env=receiver.env(schedule_delay_ms=50))
     try:
         workers = {}
         small = ["--num-blocks", "32"]  # after WORKER_ARGS: the last flag wins
@@ -110,6 +114,14 @@ def test_rebalance_moves_running_requests_live_to_a_decode_worker_with_room(tiny
         l0, l1 = asyncio.run(loads())
         assert l1.migrations_in >= MOVES and l1.kv_blocks_migrated > 0  # decode1 pulled them
         assert l0.migrations_in == 0
+        # The request's span says it moved and why.
+        while not (moves := [attrs(e) for svc, span in receiver.snapshot()
+                             if svc == "tandem-router" for e in span.events
+                             if e.name == "live_migrated"]):
+            time.sleep(0.05)
+        assert {m["tandem.move.cause"] for m in moves} == {"rebalance"}
+        assert {m["tandem.rebalance.reason"] for m in moves} <= {"waiting", "free_blocks"}
+        assert all(m["tandem.worker.to"] == d1.address for m in moves)
         events = [e["event"] for e in router.json_logs()]
         assert any(f" live from {d0.address} to {d1.address} (rebalance;" in e for e in events)
         assert [e for e in router.json_logs() if e.get("level") in ("error", "critical")] == []
