@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -105,11 +107,20 @@ def test_closing_a_stream_frees_the_workers(cluster, client):
     asyncio.run(main())
 
 
-def test_deadline_mid_stream(client):
+def test_deadline_mid_stream(cluster, client):
+    """After the first chunk the decode worker's engine core is held still (SIGSTOP), so the
+    deadline passes mid-stream however fast or slow the machine; the client raises
+    DeadlineExceededError, and the core, continued, frees the request (idle_after checks)."""
+    core = cluster.engine_core("decode0")
     got = []
-    with pytest.raises(tc.DeadlineExceededError):
-        for c in client.stream([3] * 40, max_tokens=LONG, ignore_eos=True, timeout=1.0):
-            got.append(c)
+    try:
+        with pytest.raises(tc.DeadlineExceededError):
+            for c in client.stream([3] * 40, max_tokens=LONG, ignore_eos=True, timeout=5.0):
+                if not got:
+                    os.kill(core, signal.SIGSTOP)
+                got.append(c)
+    finally:
+        os.kill(core, signal.SIGCONT)
     assert got, "the deadline should expire mid-stream, after some tokens"
 
 

@@ -106,15 +106,23 @@ def test_client_cancel_mid_stream_frees_everything(cluster):
 
 
 def test_deadline_mid_stream(cluster):
+    """The decode worker's engine core held still (SIGSTOP) from the start: the prompt is
+    prefilled, its decode cannot end before the deadline however fast the machine, the call
+    ends DEADLINE_EXCEEDED, and once continued the core frees it (the fixture checks idle)."""
     params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    core = cluster.engine_core("decode0")
 
     async def main():
         async with grpc.aio.insecure_channel(cluster.router.address) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                await generate(cluster.api(ch), PROMPTS[8], params, timeout=0.5)
+                await generate(cluster.api(ch), PROMPTS[8], params, timeout=2.0)
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
-    asyncio.run(main())
+    os.kill(core, signal.SIGSTOP)
+    try:
+        asyncio.run(main())
+    finally:
+        os.kill(core, signal.SIGCONT)
 
 
 def test_decode_side_never_pulls_lease_expires(cluster):
