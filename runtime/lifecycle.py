@@ -157,6 +157,12 @@ async def serve_until_signal(server: grpc.aio.Server, health_: Health, *, grace_
     if ready is not None:
         ready()
     await stop.wait()
+    # Told once: a later SIGTERM changes nothing, also once the loop is gone and the process
+    # tears down (a supervisor's can come after the one a launcher thread's exit sends:
+    # PR_SET_PDEATHSIG follows the thread that started the process, cli/lifeline.py).
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     t0 = time.monotonic()
     log.info("shutting down: NOT_SERVING, draining in-flight requests", grace_s=grace_s)
     await health_.set(False)

@@ -153,8 +153,10 @@ def _assert_cancelled_on_decode(t: Spans) -> None:
 
 def test_grpc_cancel_is_cancelled_on_every_service(cluster, receiver):
     rid = cancel_after_tokens(cluster)
+    # Each process exports its spans on its own schedule: a worker's Release span can come
+    # before the router's client span it hangs under. Complete: every parent arrived.
     t = wait_trace(receiver, rid, lambda t: bool(t.named("decode", "tandem-decode"))
-                   and bool(t.named("/tandem.v1.Tandem/Generate")))
+                   and bool(t.named("/tandem.v1.Tandem/Generate")) and not t.orphans())
     root = t.root
     assert has_error(root, "CANCELLED")
     assert attrs(root)["gen_ai.response.finish_reasons"] == ["abort"]
@@ -163,7 +165,6 @@ def test_grpc_cancel_is_cancelled_on_every_service(cluster, receiver):
     assert attrs(server)["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
     assert has_error(t.one("decode_leg", "tandem-router"), "CANCELLED")
     _assert_cancelled_on_decode(t)
-    assert not t.orphans()
     logs = wait_logs(cluster, rid, {"router": "request cancelled",
                                     "prefill0": "prefill finished",
                                     "decode0": "decode cancelled"})
