@@ -64,7 +64,7 @@ async def completions(port: int, count: int, max_tokens: int = 50) -> float:
         return time.perf_counter() - t0
 
 
-@pytest.mark.parametrize("prefill", [1, 2], ids=["1P+2D", "2P+2D"])
+@pytest.mark.parametrize("prefill", [2], ids=["2P+2D"])  # the most engine cores for 2 CPUs
 def test_concurrent_requests_on_several_cpu_workers_do_not_stall(prefill):
     cores = len(os.sched_getaffinity(0))
     engine_cores = prefill + 2
