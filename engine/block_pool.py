@@ -42,6 +42,15 @@ def salt_root(salt: str) -> int | None:
     return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest()) >> 1
 
 
+
+def split_changes(changes: dict[int, bool] | None) -> tuple[list[int], list[int]]:
+    """A record of changes (hash -> True now held, False dropped) as (held, dropped) lists; the
+    prefix cache's and the host tiers' KV events."""
+    if not changes:
+        return [], []
+    return ([h for h, held in changes.items() if held],
+            [h for h, held in changes.items() if not held])
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -154,11 +163,9 @@ class BlockPool:
         """The hashes stored and the hashes evicted since the last call, each hash in one of
         the two lists at most (its last change); the record starts empty again."""
         events = self.kv_events
-        if not events:
-            return [], []
-        self.kv_events = {}
-        stored = [h for h, now_cached in events.items() if now_cached]
-        return stored, [h for h, now_cached in events.items() if not now_cached]
+        if events:
+            self.kv_events = {}
+        return split_changes(events)
 
     def reset_prefix_cache(self) -> None:
         for b in range(self.num_blocks):

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.block_pool import split_changes
+
 # Default size: this share of the host memory available when the engine starts (CUDA only).
 AUTO_FRACTION = 0.1
 # The tier takes host memory in chunks of about this size, as it fills.
@@ -94,11 +96,9 @@ class HostBlockIndex:
     def take_events(self) -> tuple[list[int], list[int]]:
         """(hashes now held, hashes dropped) since the last call, a hash in one list at most."""
         events = self.events
-        if not events:
-            return [], []
-        self.events = {}
-        return ([h for h, held in events.items() if held],
-                [h for h, held in events.items() if not held])
+        if events:
+            self.events = {}
+        return split_changes(events)
 
     def _record(self, block_hash: int, held: bool) -> None:
         if self.events is not None:

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 
 import torch
 
+from tandem.engine.block_pool import split_changes
 from tandem.engine.host_kv_tier import HostKVTier, host_tier_capacity, host_tier_for
 from tandem.errors import InvalidArgument
 
@@ -260,11 +261,9 @@ class SharedBlockIndex:
 
     def take_events(self) -> tuple[list[int], list[int]]:
         events = self.events
-        if not events:
-            return [], []
-        self.events = {}
-        return ([h for h, held in events.items() if held],
-                [h for h, held in events.items() if not held])
+        if events:
+            self.events = {}
+        return split_changes(events)
 
     def slots_in_use(self) -> list[tuple[int, int, int]]:
         """(hash, state, pins) of every used slot (tests and tools)."""
