@@ -17,12 +17,12 @@ import json
 
 import pytest
 import torch
+from handoffs import hand_off_one_by_one
 
 from tandem.engine.config import EngineConfig, SpeculativeConfig, cdiv
 from tandem.engine.llm import LLM
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import ResponseFormat, SamplingParams
-from tandem.engine.sequence import RemoteKV
 from tandem.engine.spec_decode.ngram import NgramProposer, lookup
 from tandem.engine.spec_decode.proposer import ProposeInput
 from tandem.engine.spec_decode.speculator import Speculator
@@ -236,18 +236,7 @@ def test_decode_role_speculates(tiny_models):
     decode.kv_connector.connect(lambda remote, src, dst: decode.runner.pool.__setitem__(
         torch.tensor(dst, dtype=torch.long), prefill.runner.pool[torch.tensor(src)]))
     decode.on_step = lambda outs: check_blocks(decode)
-    got = []
-    for i, prompt in enumerate(PROMPTS):
-        prefill.add_request(f"r{i}", prompt, GREEDY)
-        (h,) = [o.handoff for o in _drain(prefill, f"r{i}")]
-        remote = RemoteKV("p", h.lease_id, h.lease_deadline, h.block_ids, h.first_token_ids,
-                          h.first_logprobs)
-        decode.add_remote_request(f"r{i}", prompt, GREEDY, remote)
-        tokens = list(h.first_token_ids)
-        for o in _drain(decode, f"r{i}"):
-            tokens += o.new_token_ids
-        assert prefill.kv_connector.release(h.lease_id)
-        got.append([tokens])
+    got = hand_off_one_by_one(prefill, decode, PROMPTS, GREEDY)
     assert got == base
     assert decode.spec.counters.num_accepted_tokens > 0
     assert prefill.is_idle() and decode.is_idle()

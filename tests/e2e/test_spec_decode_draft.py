@@ -19,14 +19,14 @@ import httpx
 import pytest
 import torch
 import transformers
-from test_spec_decode import GREEDY, PROMPTS, SAMPLED, Fixed, _drain, check_blocks, outputs
+from handoffs import hand_off_one_by_one
+from test_spec_decode import GREEDY, PROMPTS, SAMPLED, Fixed, check_blocks, outputs
 
 from cluster import Cluster
 from tandem.engine.config import EngineConfig, cdiv
 from tandem.engine.llm import LLM
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.sequence import RemoteKV
 from tandem.engine.spec_decode.backoff import AcceptanceBackOff
 from tandem.errors import InvalidArgument
 from tiny import build_tiny_draft
@@ -163,19 +163,8 @@ def test_decode_role_prefills_the_draft_itself(tiny_models, drafts, base):
     decode.kv_connector.connect(lambda remote, src, dst: decode.runner.pool.__setitem__(
         torch.tensor(dst, dtype=torch.long), prefill.runner.pool[torch.tensor(src)]))
     decode.on_step = lambda outs: (check_blocks(decode), check_draft_blocks(decode))
-    got = []
-    for i, prompt in enumerate(PROMPTS[:4]):
-        prefill.add_request(f"r{i}", prompt, GREEDY)
-        (h,) = [o.handoff for o in _drain(prefill, f"r{i}")]
-        remote = RemoteKV("p", h.lease_id, h.lease_deadline, h.block_ids, h.first_token_ids,
-                          h.first_logprobs)
-        decode.add_remote_request(f"r{i}", prompt, GREEDY, remote)
-        tokens = list(h.first_token_ids)
-        for o in _drain(decode, f"r{i}"):
-            tokens += o.new_token_ids
-        assert prefill.kv_connector.release(h.lease_id)
-        got.append([tokens])
-        assert decode.is_idle()  # the draft's pool too
+    got = hand_off_one_by_one(prefill, decode, PROMPTS[:4], GREEDY,
+                              after=lambda: _idle(decode))  # the draft's pool too
     assert got == base[:4]
     assert decode.spec.counters.num_accepted_tokens > 0
     assert prefill.is_idle()
@@ -309,3 +298,7 @@ def test_paused_samples_keep_steps_pipelined(tiny_models):
     assert e.spec.backoff.counters.num_pauses >= 4
     assert 0 < sum(resolved) <= e.spec.counters.num_verifies < 12
 
+
+
+def _idle(engine) -> None:
+    assert engine.is_idle()
