@@ -359,7 +359,7 @@ class LLMEngine:
         sequence may get a draft in this step (the batch too large, every sequence opted
         out or paused for low acceptance)."""
         ran = []
-        wanted = self.spec.begin_step(self.scheduler.running)
+        wanted = self.spec.begin_step(self.scheduler.running, bool(self.scheduler.waiting))
         if self.pipeline.inflight is not None and wanted:
             ran.append(self.pipeline.resolve(self.pipeline.take_inflight()))
             self.scheduler.remove_finished()

@@ -32,7 +32,10 @@ Rejected positions' KV is dropped by moving the sequence's computed length back
 (KVCacheManager.rewind): blocks allocated for them only are freed, nothing is copied.
 
 Back-off: speculation costs compute that large batches need; no sequence speculates in a step
-with more than `max_batch` running sequences (engine/config.py SpeculativeConfig). And a sample
+with more than `max_batch` running sequences (engine/config.py SpeculativeConfig), nor while a
+prompt waits or is being prefilled (that step's budget goes to the prompt, and a verify row
+would make it synchronous: on an H200 speculating through a batch of 64's admission cost 5%
+of its throughput, benchmarks/engine/spec_decode.py throughput). And a sample
 whose drafts are rarely accepted sits out a few steps before proposing again
 (engine/spec_decode/backoff.py), so it does not pay for proposals and verify rows it gains
 little from.
@@ -88,6 +91,7 @@ class Speculator:
         # seq_id -> grammar states for rows 1..k (row j's advanced over drafts 0..j-1)
         self._grammars: dict[int, list] = {}
         self._drafted = False  # the last propose() gave some sequence a draft
+        self._on = False  # begin_step's verdict: this step may speculate
 
     @classmethod
     def build(cls, config: SpeculativeConfig, draft: Proposer | None = None) -> Speculator:
@@ -104,13 +108,16 @@ class Speculator:
         """The per-step back-off: speculate only in batches this small."""
         return 0 < num_running <= self.config.max_batch
 
-    def begin_step(self, running: list[Sequence]) -> bool:
+    def begin_step(self, running: list[Sequence], prompts_waiting: bool) -> bool:
         """A new step: whether any running sequence may get a draft in it (the batch small
-        enough, and one that neither opted out nor is paused for low acceptance). Counts the
-        paused ones' steps."""
+        enough, no prompt waiting or mid-prefill, and one sequence that neither opted out nor
+        is paused for low acceptance). Counts the paused ones' steps. The answer also holds
+        for this step's propose()."""
         backoff = self.backoff
         backoff.tick()
-        if not self.active(len(running)):
+        self._on = self.active(len(running)) and not prompts_waiting and not any(
+            s.num_computed_tokens < s.num_tokens - 1 and s.kv_pull is None for s in running)
+        if not self._on:
             return False
         wanted = False
         for seq in running:
@@ -129,7 +136,7 @@ class Speculator:
                 seq.spec_token_ids = []
             self._grammars.clear()
             self._drafted = False
-        if not self.active(len(running)):
+        if not self._on:
             return 0
         seqs, room = [], []
         for seq in running:

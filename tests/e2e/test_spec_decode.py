@@ -222,6 +222,45 @@ def test_back_off_by_batch_size(tiny_models):
     assert verifying_with and max(verifying_with) <= 2
 
 
+def test_no_speculation_while_a_prompt_prefills(tiny_models):
+    """A prompt chunked over several steps beside a decoding request: no step speculates
+    while it waits or prefills (its budget goes to the prompt), speculation runs before and
+    after, and both outputs are the model's own."""
+    path = tiny_models["llama"]
+    prompts = [PROMPTS[1], [1 + (5 * j) % 250 for j in range(64)]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = outputs(LLM(str(path), progress=False), prompts, params)
+    llm = spec_llm(path, Oracle(answers_of(prompts, base), 512), max_num_batched_tokens=16)
+    engine = llm.engine
+    drafted: list[bool] = []  # per step: whether a prompt was pending when drafts were made
+    propose = engine.spec.propose
+
+    def counted(running, max_model_len) -> int:
+        n = propose(running, max_model_len)
+        pending = bool(engine.scheduler.waiting) or any(
+            s.num_computed_tokens < s.num_tokens - 1 for s in running)
+        if n:
+            drafted.append(pending)
+        return n
+
+    engine.spec.propose = counted
+    engine.add_request("short", prompts[0], params)
+    got: dict[str, list[int]] = {"short": [], "long": []}
+    for step in range(200):
+        if step == 6:  # the short one is decoding with drafts by now
+            assert drafted
+            before = len(drafted)
+            engine.add_request("long", prompts[1], params)
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+        if step > 6 and not engine.has_work():
+            break
+    assert [got["short"], got["long"]] == [b[0] for b in base]
+    assert engine.is_idle()
+    assert not any(drafted), "a step speculated while a prompt was waiting or prefilling"
+    assert len(drafted) > before  # and speculation resumed after the prefill
+
+
 def test_decode_role_speculates(tiny_models):
     """P/D: the prefill engine samples the first token; the decode engine, speculating,
     gives the colocated engine's tokens; both pools end idle."""
