@@ -6,8 +6,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}
 R=${R:-$OUT/r}
 mkdir -p "$R"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.tandem-wheels ]; then  # once a machine
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.tandem-wheels
 fi
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 export TANDEM_CACHE_DIR=/tmp/tandem-cache

@@ -5,7 +5,8 @@
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl,
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, defaults, structured,
-# pulls, profile, offline, layouts, compare, spec, pack.
+# pulls, profile, offline, layouts, compare, spec, pack. Several groups of stages at once, each on
+# its own GPUs: gpu_parallel.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 R=$OUT  # each stage's log straight in $OUT
@@ -209,8 +210,10 @@ for stage in "$@"; do
       # 256, and batch-1 latency on a real model (SPEC_MODEL: a checkpoint or .gguf) when set
       run spec_verify python3 benchmarks/engine/spec_decode.py verify --model $B8 \
         --load-format dummy --device cuda -k 3 --out "$OUT/spec_verify.json"
-      [ -n "${SPEC_MODEL:-}" ] && run spec_latency python3 benchmarks/engine/spec_decode.py latency \
-        --model "$SPEC_MODEL" --device cuda --out "$OUT/spec_latency.json"
+      for k in ${SPEC_KS:-3}; do  # draft tokens per step
+        [ -n "${SPEC_MODEL:-}" ] && run "spec_latency_k$k" python3 benchmarks/engine/spec_decode.py \
+          latency --model "$SPEC_MODEL" --device cuda -k "$k" --out "$OUT/spec_latency_k$k.json"
+      done
       run spec_throughput python3 benchmarks/engine/spec_decode.py throughput --model $B8 \
         --load-format dummy --device cuda --batch 64 256 --out "$OUT/spec_throughput.json" ;;
     pack) tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . ;;
