@@ -147,7 +147,9 @@ def graph_kind(before: tuple[int, int], after: tuple[int, int]) -> str:
 
 
 def verify(a: argparse.Namespace) -> dict:
-    engine = engine_for(a)
+    # Drafts that are never accepted would pause a sample after a few steps (the back-off by
+    # acceptance); every step here must verify, so it is off.
+    engine = engine_for(argparse.Namespace(**{**vars(a), "min_acceptance": 0.0}))
     engine.spec.proposer = NeverRight()
     vocab = engine.model_config.vocab_size
     prompt = [(7 * j) % (vocab - 1) + 1 for j in range(a.context)]
