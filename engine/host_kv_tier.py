@@ -50,6 +50,7 @@ class HostTierStats:
     stored: int = 0  # blocks copied in
     bytes_used: int = 0
     capacity_bytes: int = 0
+    allocated_bytes: int = 0  # host memory taken (whole chunks, or the shared segment)
 
 
 class HostBlockIndex:
@@ -163,7 +164,8 @@ class HostKVTier:
     def stats(self) -> HostTierStats:
         ix = self.index
         return HostTierStats(ix.hits, ix.misses, ix.evictions, ix.stored,
-                             len(ix) * self.block_bytes, self.capacity_bytes)
+                             len(ix) * self.block_bytes, self.capacity_bytes,
+                             self.allocated_bytes)
 
     # -- the pool's side ---------------------------------------------------------------------
     def offload(self, block: int, block_hash: int) -> None:

@@ -270,7 +270,9 @@ class _EngineCounters:
                 ("host_kv_cache_usage_bytes", "Bytes of KV held in the host tier",
                  s.host_kv_bytes_used),
                 ("host_kv_cache_capacity_bytes", "Size of the host KV tier (its flag)",
-                 s.host_kv_capacity_bytes)):
+                 s.host_kv_capacity_bytes),
+                ("host_kv_cache_allocated_bytes", "Host memory the host KV tier has taken "
+                 "(never above its size)", s.host_kv_bytes_allocated)):
             family = GaugeMetricFamily(f"tandem:{name}", doc, labels=self.labels)
             family.add_metric(self.values, value)
             yield family

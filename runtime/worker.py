@@ -182,7 +182,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_runs_pulled=s.kv_runs_pulled, kv_pull_seconds=s.kv_pull_seconds,
             draining=self.draining, step_seconds=self.pace.step_seconds,
             prompt_token_seconds=self.pace.prompt_token_seconds,
-            kv_blocks_migrated=s.kv_blocks_migrated, migrations_in=s.migrations_in)
+            kv_blocks_migrated=s.kv_blocks_migrated, migrations_in=s.migrations_in,
+            host_kv_blocks_restored=s.host_kv_hits, host_kv_bytes_used=s.host_kv_bytes_used,
+            host_kv_bytes_allocated=s.host_kv_bytes_allocated,
+            host_kv_capacity_bytes=s.host_kv_capacity_bytes)
 
     async def Drain(self, request, context):  # noqa: N802
         """Take this worker out without dropping a request (the same as SIGTERM): answered once

@@ -103,6 +103,7 @@ class EngineSnapshot:
     host_kv_evictions: int = 0
     host_kv_bytes_used: int = 0
     host_kv_capacity_bytes: int = 0
+    host_kv_bytes_allocated: int = 0  # host memory the tier has taken (<= its capacity)
     # Live migration (engine/migration.py): blocks pulled from other decode workers (of
     # kv_blocks_pulled), requests moved in that way, and leases lent on running requests.
     kv_blocks_migrated: int = 0

@@ -391,4 +391,5 @@ def _host_tier_fields(tier: HostKVTier | None) -> dict[str, int]:
     s = tier.stats()
     return {"host_kv_hits": s.hits, "host_kv_misses": s.misses,
             "host_kv_evictions": s.evictions, "host_kv_bytes_used": s.bytes_used,
-            "host_kv_capacity_bytes": s.capacity_bytes}
+            "host_kv_capacity_bytes": s.capacity_bytes,
+            "host_kv_bytes_allocated": s.allocated_bytes}

@@ -327,7 +327,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_leases", "block_size", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "dtype", "instance_id", "prompt_tokens_computed", "kv_blocks_pulled", "kv_bytes_pulled", "kv_runs_pulled", "kv_pull_seconds", "draining", "step_seconds", "prompt_token_seconds", "kv_blocks_migrated", "migrations_in")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_blocks", "num_leases", "block_size", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "dtype", "instance_id", "prompt_tokens_computed", "kv_blocks_pulled", "kv_bytes_pulled", "kv_runs_pulled", "kv_pull_seconds", "draining", "step_seconds", "prompt_token_seconds", "kv_blocks_migrated", "migrations_in", "host_kv_blocks_restored", "host_kv_bytes_used", "host_kv_bytes_allocated", "host_kv_capacity_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,10 @@ class Load(_message.Message):
     PROMPT_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_MIGRATED_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_IN_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_BLOCKS_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_BYTES_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -374,4 +378,8 @@ class Load(_message.Message):
     prompt_token_seconds: float
     kv_blocks_migrated: int
     migrations_in: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., dtype: _Optional[str] = ..., instance_id: _Optional[str] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_blocks_pulled: _Optional[int] = ..., kv_bytes_pulled: _Optional[int] = ..., kv_runs_pulled: _Optional[int] = ..., kv_pull_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., step_seconds: _Optional[float] = ..., prompt_token_seconds: _Optional[float] = ..., kv_blocks_migrated: _Optional[int] = ..., migrations_in: _Optional[int] = ...) -> None: ...
+    host_kv_blocks_restored: int
+    host_kv_bytes_used: int
+    host_kv_bytes_allocated: int
+    host_kv_capacity_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., dtype: _Optional[str] = ..., instance_id: _Optional[str] = ..., prompt_tokens_computed: _Optional[int] = ..., kv_blocks_pulled: _Optional[int] = ..., kv_bytes_pulled: _Optional[int] = ..., kv_runs_pulled: _Optional[int] = ..., kv_pull_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., step_seconds: _Optional[float] = ..., prompt_token_seconds: _Optional[float] = ..., kv_blocks_migrated: _Optional[int] = ..., migrations_in: _Optional[int] = ..., host_kv_blocks_restored: _Optional[int] = ..., host_kv_bytes_used: _Optional[int] = ..., host_kv_bytes_allocated: _Optional[int] = ..., host_kv_capacity_bytes: _Optional[int] = ...) -> None: ...

@@ -179,6 +179,7 @@ def test_metrics_show_the_tier():
     assert value("host_kv_cache_evictions_total") == 3
     assert value("host_kv_cache_usage_bytes") == stats.bytes_used
     assert value("host_kv_cache_capacity_bytes") == tier.capacity_bytes
+    assert value("host_kv_cache_allocated_bytes") == tier.allocated_bytes > 0
     snaps.append(EngineSnapshot(block_size=BS))  # no tier: no such series
     assert value("host_kv_cache_hits_total") is None
     assert pool.is_idle()
