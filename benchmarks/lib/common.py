@@ -231,10 +231,11 @@ def write_report(report: dict, a: argparse.Namespace, plot_rows: list[dict], tit
 
 async def counters(stack) -> dict[str, int]:
     """Every worker's counters (GetLoad), summed: KV bytes, blocks and copies (runs) the
-    decode workers pulled, prompt tokens the prefill workers computed."""
+    decode workers pulled, prompt tokens the prefill workers computed, blocks the workers
+    copied back from their host KV tiers."""
     from tandem.v1 import worker_pb2, worker_pb2_grpc
 
-    out = {"bytes": 0, "blocks": 0, "runs": 0, "seconds": 0.0, "computed": 0}
+    out = {"bytes": 0, "blocks": 0, "runs": 0, "seconds": 0.0, "computed": 0, "restored": 0}
     for name, p in stack.procs.items():
         if name == "router":
             continue
@@ -245,6 +246,7 @@ async def counters(stack) -> dict[str, int]:
         out["blocks"] += load.kv_blocks_pulled
         out["runs"] += load.kv_runs_pulled
         out["seconds"] += load.kv_pull_seconds
+        out["restored"] += load.host_kv_blocks_restored
         if load.role == "prefill":
             out["computed"] += load.prompt_tokens_computed
     return out
