@@ -158,3 +158,77 @@ def test_a_salted_prefix_in_the_shared_tier_is_served_to_its_salt_only(cluster):
     cached = asyncio.run(main())
     assert cached == {"": 0, "tenant-b": 0, "tenant-a": 3 * BS}
     asyncio.run(cluster.wait_idle(procs=[*cluster.workers(), cluster.procs["prefill-cold"]]))
+
+
+def test_conversations_past_the_pool_compute_less_with_the_tier(cluster):
+    """Multi-turn conversations holding 4x a prefill worker's pool (8 x 12 blocks against 24),
+    on a worker with the tier and on the cold one without: the pools evict every conversation
+    before its next turn, so without the tier turn 2 computes its whole prompt again, and with
+    it what the tier does not hold (the shared tier is set-associative: a full set drops a few
+    blocks). Outputs agree, the tier's bytes stay within its flag throughout, and every pool
+    ends idle."""
+    first = 12 * BS
+    convs = [[(7 * i + 13 * c) % 250 + 1 for i in range(first)] for c in range(8)]
+    news = [[(5 * i + 3 * c) % 250 + 1 for i in range(8)] for c in range(8)]
+    bound = int(float(TIER_GB) * (1 << 30))
+
+    async def run_on(ws: WorkerSet, w, tag: str) -> tuple[list, list, list]:
+        """Both turns of every conversation, each prefill on w: the outputs, per turn the
+        prompt tokens w computed and the blocks it restored from its tier, and w's Load after
+        each request."""
+        orch = Orchestrator(ws, max_migrations=3)
+        history, outputs, work, loads = [list(p) for p in convs], [], [], []
+        for t in range(2):
+            before = await load(w.address)
+            outs = []
+            for c in range(len(convs)):
+                prompt = history[c] if t == 0 else history[c] + news[c]
+                out, _ = await turn(orch, f"conv-{tag}-{c}-{t}", prompt)
+                history[c] = prompt + out
+                outs.append(out)
+                loads.append(await load(w.address))
+            work.append((loads[-1].prompt_tokens_computed - before.prompt_tokens_computed,
+                         loads[-1].host_kv_blocks_restored - before.host_kv_blocks_restored))
+            outputs.append(outs)
+        return outputs, work, loads
+
+    async def main():
+        pa_addr, pb_addr = (p.address for p in cluster.workers("prefill"))
+        cold_addr = cluster.procs["prefill-cold"].address
+        ws = WorkerSet([pa_addr, cold_addr, pb_addr],
+                       [d.address for d in cluster.workers("decode")], [])
+        await ws.poll_once()
+        try:
+            pa, cold, pb = ws.by_role("prefill")
+            results = {}
+            for w, others, tag in ((pa, (cold, pb), "tier"), (cold, (pa, pb), "cold")):
+                for o in others:
+                    o.draining = True  # every prefill on w
+                try:
+                    results[tag] = await run_on(ws, w, tag)
+                finally:
+                    for o in others:
+                        o.draining = False
+            return results
+        finally:
+            await ws.close()
+
+    results = asyncio.run(main())
+    (out_tier, work_tier, loads), (out_cold, work_cold, cold_loads) = (results["tier"],
+                                                                       results["cold"])
+    assert out_tier == out_cold
+    turn2 = sum(len(c) + 8 + len(n) for c, n in zip(convs, news))  # prompt + answer + new
+    assert work_cold == [(8 * first, 0), (turn2, 0)]  # evicted: turn 2 computed from scratch
+    (computed1, restored1), (computed2, restored2) = work_tier
+    assert (computed1, restored1) == (8 * first, 0)
+    # Turn 2: what the tier gave back was not computed, and it gave back most of turn 1 (a
+    # restore stops at a conversation's first block the tier dropped: here 71 of 96 blocks).
+    assert computed2 == turn2 - restored2 * BS
+    assert restored2 >= 8 * 12 // 2
+    assert computed2 < work_cold[1][0]
+    for ld in loads:
+        assert 0 < ld.host_kv_capacity_bytes <= bound
+        assert ld.host_kv_bytes_used <= ld.host_kv_capacity_bytes
+        assert ld.host_kv_bytes_allocated <= ld.host_kv_capacity_bytes
+    assert all(ld.host_kv_capacity_bytes == 0 for ld in cold_loads)
+    asyncio.run(cluster.wait_idle(procs=[*cluster.workers(), cluster.procs["prefill-cold"]]))
