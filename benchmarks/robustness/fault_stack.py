@@ -120,7 +120,13 @@ async def pools(stack: LocalStack, timeout: float) -> dict[str, dict]:
     restarting: its GetLoad waits for it to be back on its address."""
     deadline = time.monotonic() + timeout
     out = {}
-    for p in stack.workers():
+    for name in [p.name for p in stack.workers()]:
+        # A worker the last fault stopped may be restarting: its next Proc has no address
+        # until it is ready (on the same ports).
+        while not stack.read_ready(p := stack.procs[name]):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{name} did not come back within {timeout:.0f} s")
+            await asyncio.sleep(0.2)
         async with grpc.aio.insecure_channel(p.address) as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)
             while True:
