@@ -5,7 +5,7 @@
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl,
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, defaults, structured,
-# pulls, profile, offline, layouts, compare, spec, pack. Several groups of stages at once, each on
+# pulls, profile, offline, layouts, compare, spec, multiturn_tier, pack. Several groups of stages at once, each on
 # its own GPUs: gpu_parallel.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -216,6 +216,11 @@ for stage in "$@"; do
       done
       run spec_throughput python3 benchmarks/engine/spec_decode.py throughput --model $B8 \
         --load-format dummy --device cuda --batch 64 256 --out "$OUT/spec_throughput.json" ;;
+    multiturn_tier)  # the host KV tier: conversations 4x the pools, 1P (cuda:0) + 1D (cuda:1)
+      run multiturn_tier python3 benchmarks/serving/multiturn.py --device cuda --transport cuda_ipc \
+        --model $B8 --dtype bfloat16 --load-format dummy --num-prefill 1 --num-decode 1 \
+        --num-conversations 100 --turns 6 --first-tokens 512 --new-tokens 128 --output-tokens 64 \
+        --rate 20 --host-tier both --oversubscribe 4 --out "$OUT/multiturn_tier.json" ;;
     pack) tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . ;;
     *) echo "unknown stage $stage" ;;
   esac
