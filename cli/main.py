@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("tandem.cli.worker", "run a worker of any role (prefill, decode, both)"),
     "health": ("tandem.cli.health", "check a service's gRPC health (exit 0 when SERVING)"),
     "drain": ("tandem.cli.drain", "drain a worker (move or finish its requests), then it exits"),
+    "move": ("tandem.cli.move", "move one running request off a decode worker, live"),
     "certs": ("tandem.cli.certs", "write a throwaway cluster CA and a certificate per role"),
 }
 SERVICE_COMMANDS: dict[str, str] = {name: module for name, (module, _) in COMMANDS.items()}

@@ -55,11 +55,13 @@ from tandem.runtime.worker import (
     WorkerError,
     WorkerServicer,
     add_worker_args,
+    checked,
     main_worker,
 )
 from tandem.runtime.worker_inputs import (
     bounded_id,
     check_prompt,
+    check_request_id,
     check_stream_request,
     check_trace_context,
 )
@@ -104,6 +106,7 @@ class DecodeServicer(WorkerServicer):
         self._sessions: dict[Outbox, dict[str, asyncio.Task]] = {}
         self._draining = asyncio.Event()
         self._moving: set[str] = set()  # requests a drain asked their router to move
+        self._move_asked: set[str] = set()  # requests an operator asked to move (Move), once
         self._settled = asyncio.Event()  # draining, and no request left on any call
         self.layout = worker_pb2.PoolDescriptor(**engine.info.layout)
         # Live migration: the leases this worker lends on its running requests (Register,
@@ -410,6 +413,44 @@ class DecodeServicer(WorkerServicer):
         task = asyncio.get_running_loop().create_task(answer())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def Move(self, request, context):  # noqa: N802 - gRPC method name
+        """An operator asks to move one running request elsewhere (live migration), without
+        draining: its KV is lent and its router asked (RequestUpdate.move + operator); answered
+        once the request left this worker (moved: its router cancelled it here) or ended."""
+        rid = request.request_id
+        await checked(context, check_request_id, rid)
+        if self.role != "decode" or self._draining.is_set():
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.worker_id} "
+                                + ("drains" if self.role == "decode" else "runs no decode"))
+        out, task = next(((o, tasks[rid]) for o, tasks in self._sessions.items()
+                          if rid in tasks), (None, None))
+        if out is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"request_id: no request {rid!r} runs on this worker")
+        if rid in self._move_asked:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"request_id: a move of {rid!r} is already asked")
+        self._move_asked.add(rid)
+        try:
+            t0 = time.monotonic()
+            kv = await self._lend(rid)
+            if kv is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"request_id: {rid!r} has no KV to lend now (waiting, "
+                                    "prefilling, preempted, or n > 1): try again later")
+            if task.done():  # ended while its KV was lent
+                self._unlend(rid)
+            else:
+                out.update(worker_pb2.RequestUpdate(request_id=rid, move=True, operator=True,
+                                                    kv=kv))
+                await asyncio.wait([task])  # never cancels it: shielded by wait
+            return worker_pb2.MoveResponse(moved=task.cancelled(),
+                                           seconds=time.monotonic() - t0,
+                                           num_tokens=kv.num_tokens)
+        finally:
+            self._move_asked.discard(rid)
 
     def _unlend(self, rid: str) -> None:
         """Request rid ended here: a lease lent on it that nobody claimed (its router had

@@ -415,17 +415,22 @@ class DecodeLegs:
                     elif update.rebalance:  # the answer to ask_move
                         if move is None:
                             move = self._rebalance_move(d, update.kv)
+                    elif update.operator:  # an operator asked d to move this one (Move)
+                        if move is None:
+                            move = self._live_move(d, update.kv, "operator")
                     elif move is None and self._can_move_from(d):
                         move = self._live_move(d, update.kv)
                         if move is None:
                             raise DrainMove(d.address)
                     continue
-                if not move.ready.result() and move.cause == "rebalance":
-                    log.warning("rebalance of %s to %s failed (%s): it stays on %s", self.rid,
-                                move.dst.address, move.error, d.address)
+                if not move.ready.result() and move.cause != "drain":
+                    log.warning("%s move of %s to %s failed (%s): it stays on %s", move.cause,
+                                self.rid, move.dst.address, move.error, d.address)
+                    cause = move.cause
                     await move.abandon()
                     move = None
-                    self._rebalanced("failed")
+                    if cause == "rebalance":
+                        self._rebalanced("failed")
                     continue
                 if not move.ready.result():  # the destination failed before its pull ended
                     log.warning("live migration of %s to %s failed (%s): token replay instead",
@@ -438,7 +443,7 @@ class DecodeLegs:
                 if move.cause == "rebalance":
                     self.rebalances += 1
                     self._rebalanced("moved")
-                else:
+                elif move.cause == "drain":
                     self.drain_moves += 1
                 self.live_moves += 1
                 raise Handed(move)
@@ -450,16 +455,17 @@ class DecodeLegs:
             if move is not None and not handed:
                 await move.abandon()
 
-    def _live_move(self, d: Worker, kv: worker_pb2.KVLocation | None) -> LiveMove | None:
+    def _live_move(self, d: Worker, kv: worker_pb2.KVLocation | None, cause: str = "drain"
+                   ) -> LiveMove | None:
         """A live migration from d to another decode worker, started; None when d lent no
-        KV or no other decode worker is up."""
+        KV or no other decode worker is up (`cause`: drain, or operator: d's Move)."""
         if kv is None:
             return None
         dst = self.orch.workers.pick_decode(self.route, "decode", {d.address} | self._avoid)
         if dst is None:
             return None
         self._live_n += 1
-        return LiveMove(self, d, dst, kv, f"{self.rid}.live{self._live_n}")
+        return LiveMove(self, d, dst, kv, f"{self.rid}.live{self._live_n}", cause=cause)
 
     # -- rebalance (router_svc/rebalance.py) -----------------------------------------------------
     def rebalance_candidate(self, block_size: int) -> Candidate | None:

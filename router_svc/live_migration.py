@@ -17,7 +17,8 @@ makes the same ones: greedy and seeded samples depend only on the tokens before 
 seed, the sample index and the position), so the stream never repeats or skips a token.
 
 If D2 cannot pull (refused, lease expired, a layout it cannot map: any failure before ready),
-the request moves by token replay instead (decode_legs.DrainMove), and D1 decoded on meanwhile.
+a drain's request moves by token replay instead (decode_legs.DrainMove), and D1 decoded on
+meanwhile; a rebalance's or an operator's (D1's Move: one request, D1 not draining) stays on D1.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class LiveMove:
                  reason: str = "") -> None:
         self.legs, self.src, self.dst, self.kv = legs, src, dst, kv
         self.request_id = request_id
-        # Why it moves: drain (its worker leaves), or rebalance (its worker's pool is nearly
-        # full, `reason` says how: router_svc/rebalance.py).
+        # Why it moves: drain (its worker leaves), rebalance (its worker's pool is nearly
+        # full, `reason` says how: router_svc/rebalance.py), or operator (its worker's Move).
         self.cause, self.reason = cause, reason
         # What the client had when the request was sent: HandOver carries what came after.
         self.sent = [len(out) for out in legs.outputs]

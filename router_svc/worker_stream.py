@@ -73,6 +73,8 @@ class Update:
     kv: worker_pb2.KVLocation | None = None
     # With move: the answer to the router's lend (rebalance), not a drain's ask.
     rebalance: bool = False
+    # With move: an operator asked to move this one request (the worker's Move), not a drain.
+    operator: bool = False
     # No tokens: the KV a decode worker lent is pulled here; hand the request over (HandOver).
     ready: bool = False
 
@@ -177,7 +179,7 @@ class WorkerStream:
                     if u.move and not u.done:
                         yield Update([], 0, 0, move=True,
                                      kv=u.kv if u.HasField("kv") else None,
-                                     rebalance=u.rebalance)
+                                     rebalance=u.rebalance, operator=u.operator)
                         continue
                     if u.ready and not u.done:
                         yield Update([], 0, 0, ready=True)

@@ -51,6 +51,7 @@ WORKER_CALLERS: Mapping[str, frozenset[str]] = {
     "RenewLeases": frozenset({DECODE}),
     "Release": frozenset({ROUTER, DECODE}),
     "Drain": frozenset({ROUTER, SELF}),
+    "Move": frozenset({ROUTER, SELF}),
 }
 # Services any cluster identity may call: health (probes run with the pod's own certificate)
 # and, when a worker enables it, reflection.

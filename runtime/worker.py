@@ -196,6 +196,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.DrainResponse(moved=t.moved, finished=t.finished, left=t.left,
                                         seconds=self.drain_seconds)
 
+    async def Move(self, request, context):  # noqa: N802
+        """Move one running request elsewhere: a decode worker's (DecodeServicer) alone."""
+        await checked(context, check_request_id, request.request_id)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"worker {self.worker_id} has role {self.role}: only a decode "
+                            "worker's requests move")
+
     async def run_drain(self, grace_s: float) -> None:
         """Stop taking requests and evacuate (the role's `evacuate`) within `grace_s`, while the
         server still answers; what is left then is the server's graceful stop's to cut."""

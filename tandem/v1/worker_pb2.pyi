@@ -7,6 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class MoveRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class MoveResponse(_message.Message):
+    __slots__ = ("moved", "seconds", "num_tokens")
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    moved: bool
+    seconds: float
+    num_tokens: int
+    def __init__(self, moved: _Optional[bool] = ..., seconds: _Optional[float] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -133,7 +149,7 @@ class StreamRequest(_message.Message):
     def __init__(self, generate: _Optional[_Union[GenerateOnWorkerRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., handover: _Optional[_Union[HandOver, _Mapping]] = ..., lend: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RequestUpdate(_message.Message):
-    __slots__ = ("request_id", "done", "error_code", "error_message", "move", "kv", "ready", "rebalance")
+    __slots__ = ("request_id", "done", "error_code", "error_message", "move", "kv", "ready", "rebalance", "operator")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +158,7 @@ class RequestUpdate(_message.Message):
     KV_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     REBALANCE_FIELD_NUMBER: _ClassVar[int]
+    OPERATOR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     done: bool
     error_code: int
@@ -150,7 +167,8 @@ class RequestUpdate(_message.Message):
     kv: KVLocation
     ready: bool
     rebalance: bool
-    def __init__(self, request_id: _Optional[str] = ..., done: _Optional[bool] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., move: _Optional[bool] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., ready: _Optional[bool] = ..., rebalance: _Optional[bool] = ...) -> None: ...
+    operator: bool
+    def __init__(self, request_id: _Optional[str] = ..., done: _Optional[bool] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., move: _Optional[bool] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., ready: _Optional[bool] = ..., rebalance: _Optional[bool] = ..., operator: _Optional[bool] = ...) -> None: ...
 
 class TokenColumns(_message.Message):
     __slots__ = ("request_id", "sample_index", "num_tokens", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "with_logprobs", "logprobs")

@@ -84,6 +84,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Move = channel.unary_unary(
+                '/tandem.v1.Worker/Move',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.MoveRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.MoveResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -184,6 +189,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Move(self, request, context):
+        """Decode role: move one running request to another decode worker by live migration, as a
+        drain moves each (RequestUpdate.move + operator), without draining: this worker lends the
+        request's KV, its router picks the destination, which pulls it while this worker decodes
+        on, then the router hands the request over. Answered once the request left this worker
+        (moved: its router took it away) or ended here (not moved: it finished first, or its router
+        had nowhere to move it or its destination failed before its pull). NOT_FOUND: no such
+        request here; FAILED_PRECONDITION: its KV cannot be lent now (waiting, preempted, n > 1),
+        or this worker drains or is not a decode worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -236,6 +255,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
+            ),
+            'Move': grpc.unary_unary_rpc_method_handler(
+                    servicer.Move,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.MoveRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.MoveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -508,6 +532,33 @@ class Worker:
             '/tandem.v1.Worker/Drain',
             tandem_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Move(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/Move',
+            tandem_dot_v1_dot_worker__pb2.MoveRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.MoveResponse.FromString,
             options,
             channel_credentials,
             insecure,
