@@ -142,13 +142,13 @@ def _with_cancels(msgs: list[worker_pb2.StreamRequest]) -> list[worker_pb2.Strea
 # Each RPC, on the workers whose role serves it (the others answer UNIMPLEMENTED, which one
 # example each shows).
 SERVED = {"prefill0": ("Prefill", "ClaimLease", "Release", "RenewLeases", "Register", "Abort",
-                       "GetLoad", "WatchKV"),
+                       "GetLoad", "WatchKV", "Move"),
           # Decode workers lend running sequences to their peers (live migration): they
-          # answer the lease RPCs too.
+          # answer the lease RPCs too. Move: every role answers (only decode moves).
           "decode0": ("Stream", "ClaimLease", "Release", "RenewLeases", "Register", "Abort",
-                      "GetLoad", "WatchKV"),
+                      "GetLoad", "WatchKV", "Move"),
           "both0": ("Stream", "ClaimLease", "Release", "RenewLeases", "Register", "Abort",
-                    "GetLoad", "WatchKV")}
+                    "GetLoad", "WatchKV", "Move")}
 
 
 def test_every_rpc_of_the_proto_is_fuzzed():

@@ -207,6 +207,7 @@ HARMLESS = {
     "ClaimLease": worker_pb2.ClaimLeaseRequest(lease_id="0" * 32),
     "RenewLeases": worker_pb2.RenewLeasesRequest(lease_ids=["0" * 32]),
     "Release": worker_pb2.ReleaseRequest(lease_id="0" * 32),
+    "Move": worker_pb2.MoveRequest(request_id="nothing-running"),
     # Not harmless where allowed (the worker drains and exits): called only where refused.
     "Drain": worker_pb2.DrainRequest(),
 }
