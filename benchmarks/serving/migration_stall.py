@@ -18,7 +18,7 @@ of the same requests (greedy, ignore_eos), each the long one (--long-tokens prom
              asked to move it (the worker's Move RPC, `tandem move`): decode0 lends its KV,
              decode1 pulls it while decode0 decodes on, the router hands it over.
 Every token's arrival time is recorded per stream. Reported: the decode step before the move
-(the long request's median inter-token gap), the longest gap of the moved request and of the
+(the long request's median inter-token gap, per token of each chunk), the longest gap of the moved request and of the
 others from the move's start to --window steps after its hand-over, in steps (the same window
 of the reference run beside them: a gap of 1 step is no stall), the time from the move's start
 to hand-over (Move's answer: decode0 lent the KV until the router took the request away), and
@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,7 +119,22 @@ async def stream(stub, rid: str, prompt: list[int], max_tokens: int, s: Stream) 
 def gaps_in(s: Stream, t0: float, t1: float) -> list[float]:
     """The inter-token gaps of tokens arriving in (t0, t1] (the first one's gap reaches back
     to the token before it)."""
-    return [b - a for a, b in zip(s.times, s.times[1:]) if t0 < b <= t1]
+    return [b - a for a, b in pairwise(s.times) if t0 < b <= t1]
+
+
+def step_time(s: Stream, t0: float) -> float:
+    """The decode step before t0: the median, over the chunks that came before it (past the
+    first quarter's warm-up), of the gap before each chunk per token it carried. A chunk is one
+    step's tokens unless the client or the router fell behind, when several steps' come as one
+    (then the plain median of inter-token gaps would read 0)."""
+    chunks: list[tuple[float, int]] = []  # (arrival, tokens)
+    for t in s.times:
+        if chunks and chunks[-1][0] == t:
+            chunks[-1] = (t, chunks[-1][1] + 1)
+        else:
+            chunks.append((t, 1))
+    per_token = [(b - a) / n for (a, _), (b, n) in pairwise(chunks) if b <= t0]
+    return statistics.median(per_token[len(per_token) // 4:])
 
 
 # -- the stack -------------------------------------------------------------------------------------
@@ -145,8 +161,8 @@ def start_stack(a: argparse.Namespace):
         cpu = ["--cpu-threads", "1"] if device == "cpu" else []
         procs[name] = stack.spawn(name, ["worker", "--role", role, "--device", device,
                                          *engine, *cpu])
-        if device.startswith("cuda"):  # workers sharing a GPU start in turn
-            stack.wait_ready([procs[name]])
+        if name == "prefill0" and device != "cpu":  # decode0 shares its GPU: started after
+            stack.wait_ready([procs[name]])       # it, when its memory is taken
     stack.wait_ready(list(procs.values()))
     members = stack.log_dir / "workers"
     write_members(members, [f"prefill {procs['prefill0'].address}",
@@ -237,8 +253,9 @@ async def measure(a: argparse.Namespace, procs: dict, members: Path) -> dict:
 
 def report(a, ref: dict[str, Stream], runs: dict[str, Stream], mv: dict, l1) -> dict:
     long = runs["long"]
-    before = [b - x for x, b in zip(long.times, long.times[1:]) if b <= mv["t0"]]
-    step = statistics.median(before[len(before) // 4:])  # past the first steps' warm-up
+    step = step_time(long, mv["t0"])
+    k = sum(t <= mv["t0"] for t in long.times)  # the mean gap before the move, past warm-up
+    tpot = (long.times[k - 1] - long.times[k // 4]) / max(k - 1 - k // 4, 1)
     end = mv["t1"] + a.window * step
     # The reference run's matching window: the same token positions of the long request.
     k0, k1 = mv["tokens_then"], sum(t <= end for t in long.times)
@@ -253,7 +270,7 @@ def report(a, ref: dict[str, Stream], runs: dict[str, Stream], mv: dict, l1) -> 
                       "tokens_equal_reference": runs[name].tokens == ref[name].tokens,
                       "tokens": len(runs[name].tokens)}
     others = [r for n, r in rows.items() if n != "long"]
-    return {"step_ms": step * 1e3, "move": {k: v for k, v in mv.items()
+    return {"step_ms": step * 1e3, "tpot_before_ms": tpot * 1e3, "move": {k: v for k, v in mv.items()
                                             if k not in ("t0", "t1")},
             "move_to_handover_ms": mv["seconds"] * 1e3,
             "long_stall_steps": rows["long"]["longest_gap_steps"] - 1,
@@ -269,7 +286,11 @@ def print_table(a, r: dict) -> None:
     print(f"\nlong request: {a.long_tokens} prompt tokens, moved after {mv['tokens_then']} "
           f"of {a.long_max_tokens} output tokens ({mv['num_tokens']} tokens' KV lent); "
           f"{a.others} other streams on the same decode worker")
-    print(f"decode step before the move (long request's median gap): {r['step_ms']:.2f} ms")
+    print(f"decode step before the move (long request's median gap): {r['step_ms']:.2f} ms "
+          f"(mean {r['tpot_before_ms']:.2f} ms)")
+    if r["step_ms"] < r["tpot_before_ms"] / 2:
+        print("  tokens came in bursts (this client, or the router, fell behind the steps): "
+              "the gaps below do not measure the workers")
     print(f"move asked -> handed over: {r['move_to_handover_ms']:.1f} ms "
           f"(moved: {mv['moved']}; decode1 pulled {r['decode1_kv_blocks_migrated']} blocks)")
     print(f"\n{'stream':<8} {'longest gap (steps)':>20} {'same window, no move':>21} "
