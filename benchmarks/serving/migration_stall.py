@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-tokens", type=int, default=None,
                    help="the long request's prompt tokens (default: 32768 on cuda, 300 on cpu)")
     p.add_argument("--long-max-tokens", type=int, default=None,
-                   help="its output tokens (default: 512 on cuda, 192 on cpu)")
+                   help="its output tokens, and the others' (default: 1024 on cuda, 192 on cpu)")
     p.add_argument("--others", type=int, default=3, help="shorter streams beside it")
     p.add_argument("--other-tokens", type=int, default=64, help="their prompt tokens")
     p.add_argument("--move-after", type=int, default=None,
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def defaults(a: argparse.Namespace) -> None:
     gpu = a.device == "cuda"
-    for name, on_gpu, on_cpu in (("long_tokens", 32768, 300), ("long_max_tokens", 512, 192),
+    for name, on_gpu, on_cpu in (("long_tokens", 32768, 300), ("long_max_tokens", 1024, 192),
                                  ("move_after", 64, 24)):
         if getattr(a, name) is None:
             setattr(a, name, on_gpu if gpu else on_cpu)
