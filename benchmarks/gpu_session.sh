@@ -5,7 +5,7 @@
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl,
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, defaults, structured,
-# pulls, profile, offline, layouts, compare, spec, multiturn_tier, pack. Several groups of stages at once, each on
+# pulls, profile, offline, layouts, compare, spec, multiturn_tier, migration_stall, pack. Several groups of stages at once, each on
 # its own GPUs: gpu_parallel.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -221,6 +221,10 @@ for stage in "$@"; do
         --model $B8 --dtype bfloat16 --load-format dummy --num-prefill 1 --num-decode 1 \
         --num-conversations 100 --turns 6 --first-tokens 512 --new-tokens 128 --output-tokens 64 \
         --rate 20 --host-tier both --oversubscribe 4 --out "$OUT/multiturn_tier.json" ;;
+    migration_stall)  # one 32k-token request moved live between decode workers (cuda:0 -> cuda:1)
+      run migration_stall python3 benchmarks/serving/migration_stall.py --model $B8 \
+        --load-format dummy --dtype bfloat16 --device cuda --max-model-len 34816 \
+        --out "$OUT/migration_stall.json" --log-dir "$OUT/migration_stall_logs" ;;
     pack) tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . ;;
     *) echo "unknown stage $stage" ;;
   esac
