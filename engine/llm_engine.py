@@ -568,6 +568,11 @@ class LLMEngine:
                 self._append(s, t, None, sampled_here=False)
             if s.is_finished:  # a sample that had finished before the move
                 outputs.append(self._output(s, [], []))
+        if outputs:
+            # Finished here, outside the step's end: out of the running list now, or the
+            # next schedule() would give the finished sample blocks nothing frees (a HandOver
+            # arrives between steps; a pull polled at a step's start is scheduled next).
+            self.scheduler.remove_finished()
         return outputs
 
     # -- live migration (engine/migration.py) ---------------------------------------------------

@@ -54,12 +54,11 @@ class Migrations:
             return None
         seq = seqs[0]
         if len(seqs) > 1 or seq.params.n > 1:
-            # Not lent: n > 1 moves by token replay. Its samples' blocks are shared and
-            # copied on write; lending sample 0's prompt blocks for the others to fork from
-            # left blocks unfreed at the destination in back-and-forth moves (not found yet).
-            return None
-        num_tokens = min(seq.num_computed_tokens - step_in_flight, seq.num_tokens - 1)
-        if num_tokens < seq.num_prompt_tokens:
+            num_tokens = seq.num_prompt_tokens  # each sample's outputs recomputed there
+        else:
+            num_tokens = min(seq.num_computed_tokens - step_in_flight, seq.num_tokens - 1)
+        if num_tokens < seq.num_prompt_tokens or any(
+                s.num_computed_tokens < seq.num_prompt_tokens for s in seqs):
             return None
         blocks = seq.block_ids[:cdiv(num_tokens, self.block_size)]
         now = time.monotonic()
