@@ -3,7 +3,7 @@
     source engine                                    destination engine
     ─────────────                                    ──────────────────
     lend(request): a lease on the blocks of the
-    KV written so far (its first K tokens; n = 1) ─▶ add_remote_request(remote: the lease,
+    KV written so far (its first K tokens) ────────▶ add_remote_request(remote: the lease,
     decodes on meanwhile (its last block is                 num_tokens K, handover): admitted,
     copied on write: the lease's stays as lent)             pulled like a prompt's KV, parked
                                                      hand_over(request, tokens made since):
@@ -54,7 +54,11 @@ class Migrations:
             return None
         seq = seqs[0]
         if len(seqs) > 1 or seq.params.n > 1:
-            num_tokens = seq.num_prompt_tokens  # each sample's outputs recomputed there
+            # Forked samples: their outputs' KV lies in blocks of their own, and a lease holds
+            # one list of blocks; it holds the prompt's (sample 0's, shared by all until a
+            # sample writes its last one: copied on write), and the destination forks the
+            # samples off it and recomputes each one's outputs, as after a preemption.
+            num_tokens = seq.num_prompt_tokens
         else:
             num_tokens = min(seq.num_computed_tokens - step_in_flight, seq.num_tokens - 1)
         if num_tokens < seq.num_prompt_tokens or any(

@@ -82,7 +82,8 @@ class PendingPull(Protocol):
 class Lent:
     """Live migration, source side: a lease on a running request's KV, for another decode
     worker to claim and pull while this one decodes on. It holds the blocks of the first
-    `num_tokens` tokens (its prompt and the outputs whose KV is written; n = 1 only)."""
+    `num_tokens` tokens: its prompt and the outputs whose KV is written (n > 1: the prompt's
+    only)."""
 
     lease_id: str  # the capability: never logged
     block_ids: tuple[int, ...]

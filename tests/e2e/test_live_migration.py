@@ -2,10 +2,11 @@
 request's KV (prompt and generated tokens) is lent by its decode engine, pulled by another
 while the source decodes on, and the request is handed over at a step boundary with the tokens
 the client got since. Hundreds of migrations, back and forth, of greedy, seeded, penalties and
-grammar requests (n = 2 ones run beside them: they are not lent, and move by token replay):
-every client's output equals the offline engine's, the pulls
-moved generated blocks (not only the prompt's), and every pool and lease ends idle. Corrupting
-the pulled blocks changes the outputs: the test reads the KV that moved."""
+grammar requests, and n = 2 ones (with and without a grammar: their prompt's KV is lent, each
+sample's outputs recomputed at the destination): every client's output equals the offline
+engine's, the pulls moved generated blocks (not only the prompt's), n = 2 requests moved by
+lease, and every pool and lease ends idle. Corrupting the pulled blocks changes the outputs:
+the test reads the KV that moved."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
           SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True),
           SamplingParams(temperature=0.8, seed=3, max_tokens=24, presence_penalty=1.0,
                          frequency_penalty=0.5, repetition_penalty=1.2, ignore_eos=True),
-          SamplingParams(temperature=1.0, seed=5, max_tokens=24, response_format=GRAMMAR)]
+          SamplingParams(temperature=1.0, seed=5, max_tokens=24, response_format=GRAMMAR),
+          SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=24, response_format=GRAMMAR)]
 PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(5 + 5 * i)] for i in range(10)]
 MIGRATIONS = 300  # the acceptance's count
 
@@ -43,7 +45,7 @@ def engines(tiny_models):
                                             max_num_batched_tokens=16), progress=False)
                for name in ("A", "B")}
     pools = {"P": prefill, **decodes}
-    pulled = {"migrated": 0, "with_outputs": 0, "corrupt": False}
+    pulled = {"migrated": 0, "with_outputs": 0, "forked": 0, "corrupt": False}
 
     def puller(engine: LLMEngine):
         def pull(remote: RemoteKV, src: list[int], dst: list[int]) -> None:
@@ -139,6 +141,7 @@ def run_with_migrations(prefill, decodes, requests, rng: random.Random, want: in
             if lent is not None:
                 moving += 1
                 pulled["with_outputs"] += lent.num_tokens > len(c.prompt)
+                pulled["forked"] += c.params.n > 1
                 dst = "B" if c.owner == "A" else "A"
                 remote = RemoteKV(c.owner, lent.lease_id, float("inf"), lent.block_ids,
                                   tuple(t[0] for t in c.tokens), (None,) * c.params.n,
@@ -169,6 +172,8 @@ def test_migrations_at_random_points_are_token_identical(engines):
     assert made >= MIGRATIONS
     # The KV that moved includes generated tokens', not only the prompts'.
     assert pulled["migrated"] > 0 and pulled["with_outputs"] > MIGRATIONS // 4
+    # n = 2 requests moved by lease too (not only by token replay).
+    assert pulled["forked"] > MIGRATIONS // 10
     assert sum(e.migrations.num_lent for e in decodes.values()) >= MIGRATIONS
 
 
@@ -189,3 +194,39 @@ def test_corrupted_pulls_change_the_outputs(engines):
     assert made > 0
     assert [noisy[f"n{i}"] for i in range(6)] != [clean[f"c{i}"] for i in range(6)]
 
+
+
+def test_a_sample_done_by_its_handover_is_not_scheduled_again(engines):
+    """Forked samples drift a step apart after a move (each recomputes its outputs in chunks of
+    its own), so a HandOver may bring one sample to its end while the other goes on. That
+    sample finishes between steps, as the tokens are recorded; the next step must not give it
+    blocks (it did, and they were never freed)."""
+    offline, prefill, decodes, _ = engines
+    src, dst = decodes["A"], decodes["B"]
+    params, prompt = PARAMS[2], PROMPTS[3]
+    (out,) = offline.generate([prompt], [params])
+    expected = [o.token_ids for o in out.outputs]
+    c = start(prefill, src, "A", "h0", prompt, params)
+    while min(len(t) for t in c.tokens) < 6:
+        for o in src.step():
+            c.tokens[o.sample_index] += o.new_token_ids
+    lent = src.lend("h0")
+    assert lent is not None and lent.num_tokens == len(prompt)  # the prompt's KV, by lease
+    sent = [len(t) for t in c.tokens]
+    dst.add_remote_request("h0", prompt, params, RemoteKV(
+        "A", lent.lease_id, float("inf"), lent.block_ids, tuple(t[0] for t in c.tokens),
+        (None,) * params.n, tuple(tuple(t[1:]) for t in c.tokens), "", lent.num_tokens, True))
+    while "h0" not in dst.migrations.parked:
+        dst.step()
+    for o in _drain(src, "h0"):  # the source makes every sample's tokens to the end
+        c.tokens[o.sample_index] += o.new_token_ids
+    assert c.tokens == expected
+    assert src.kv_connector.release(lent.lease_id)  # the destination's Release
+    # Sample 0's every token handed over, sample 1's all but its last.
+    dst.hand_over("h0", (tuple(c.tokens[0][sent[0]:]), tuple(c.tokens[1][sent[1]:-1])))
+    outs = _drain(dst, "h0")
+    assert [(o.sample_index, o.new_token_ids) for o in outs if o.new_token_ids] == \
+        [(1, expected[1][-1:])]
+    assert {o.sample_index for o in outs if o.finish_reason is not None} == {0, 1}
+    assert prefill.kv_connector.release(c.prefill_lease)
+    assert dst.is_idle() and src.is_idle()
