@@ -10,6 +10,7 @@ worker drains by finishing its prompts and keeping its leases until they are cla
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
@@ -174,3 +175,57 @@ def test_tandem_drain_of_an_unreachable_worker_exits_1(tmp_path):
     done = subprocess.run([sys.executable, "-m", "tandem.cli.drain", f"127.0.0.1:{free_port()}",
                            "--timeout", "5"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "UNAVAILABLE" in done.stderr
+
+
+# Long enough that the drain's move (lend, pull, HandOver: 0-40 tokens in, measured on a loaded
+# 2-core machine) comes well before the request's end.
+FORKED = [(PROMPTS[6], SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=5, max_tokens=500,
+                                      ignore_eos=True))]
+
+
+def test_a_drain_moves_a_forked_request_live(tiny_models, tmp_path, offline):
+    """An n = 2 request (samples sharing their prompt's blocks, copied on write) moves live over
+    gRPC when its decode worker drains: the other decode worker pulls its prompt's KV from it
+    and recomputes each sample's outputs; it is not replayed. Its outputs equal the offline
+    engine's; the drained worker exits 0; every pool and lease ends idle."""
+    expected = [[o.token_ids for o in out.outputs] for out in offline.generate(
+        [p for p, _ in FORKED], [q for _, q in FORKED])]
+    c = Cluster(tmp_path, str(tiny_models["llama"]), decode=2, worker_args=WORKER_ARGS,
+                metrics=True).start()
+    try:
+        async def main():
+            async with grpc.aio.insecure_channel(c.router.address) as ch, \
+                    httpx.AsyncClient(base_url=f"http://127.0.0.1:{c.router.http_port}") as h:
+                runs = [asyncio.create_task(generate(c.api(ch), p, q)) for p, q in FORKED]
+                busy = None
+                while busy is None:
+                    assert not any(r.done() for r in runs), "ended before any drain"
+                    for name in ("decode0", "decode1"):
+                        if (await c.load(c.procs[name])).num_running:
+                            busy = name
+                    await asyncio.sleep(0.02)
+                async with c.worker_channel(c.procs[busy]) as wch:
+                    tally = await worker_pb2_grpc.WorkerStub(wch).Drain(
+                        worker_pb2.DrainRequest())
+                results = await asyncio.gather(*runs)
+                exited = await asyncio.to_thread(c.procs[busy].popen.wait, 60)
+                await c.wait_idle(timeout=60)  # the other decode worker's pool and leases
+                return busy, tally, exited, results, (await h.get("/metrics")).text
+
+        busy, tally, exited, results, metrics = asyncio.run(main())
+        assert results == expected
+        assert tally.moved >= 1 and tally.left == 0 and exited == 0, (tally, exited)
+
+        def count(outcome: str) -> float:
+            m = re.search(rf'^tandem:live_migrations_total\{{outcome="{outcome}"\}} (\S+)$',
+                          metrics, re.M)
+            return float(m.group(1)) if m else 0.0
+
+        # Moved by lease, not by token replay.
+        assert count("handed_over") == tally.moved and count("replayed") == 0, metrics
+        address = c.procs[busy].address
+        assert any(f" live from {address} to " in line["event"]
+                   for line in c.router.json_logs())
+    finally:
+        codes = c.stop()
+    assert all(code == 0 for code in codes.values()), codes
