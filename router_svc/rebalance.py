@@ -13,7 +13,7 @@ with room, by live migration (router_svc/live_migration.py), before the full one
       ──▶ StreamRequest.lend to S ──▶ S lends the request's KV (RequestUpdate.move + rebalance)
       ──▶ the live migration's handover to D; S's blocks come free once D has released the lease
 
-Token replay is never used here: a request S cannot lend (waiting, preempted, n > 1) stays on
+Token replay is never used here: a request S cannot lend (waiting, preempted) stays on
 S, and a move whose destination fails before it pulled leaves the request where it was. Every
 ask ends with one outcome on tandem:rebalance_moves{outcome}: moved, not_lent (S had no KV to
 lend), failed (D failed before its pull), ended (the request finished or left first).

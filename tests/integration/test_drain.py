@@ -5,7 +5,8 @@ by live migration, the KV pulled from the draining worker: token-identical for g
 seeded sampling), takes no new one, exits 0 and is restarted
 before the next. Every request of the load finishes whole, equal to the offline engine's
 output; the router never counts a drained worker as failed; every pool ends idle. A prefill
-worker drains by finishing its prompts and keeping its leases until they are claimed."""
+worker drains by finishing its prompts and keeping its leases until they are claimed. An n = 2
+request moves live too (its prompt's KV lent), not by token replay."""
 
 from __future__ import annotations
 
