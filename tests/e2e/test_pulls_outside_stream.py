@@ -7,6 +7,7 @@ freed; a failed pull fails its request alone. Every pool ends idle.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -133,3 +134,42 @@ def test_a_failed_pull_fails_its_request_alone(handoffs):
     assert not pulls["r5"].cancelled
     assert {k: v for k, v in out.items() if k != "r5"} == \
         {k: v for k, v in at_once.items() if k != "r5"}
+
+
+def test_a_sample_done_by_its_first_token_is_not_scheduled(handoffs):
+    """n = 2 whose sample 0 stops at its first token (handed over by the prefill worker): it
+    ends as its pull is polled at a step's start, and that step must not schedule it (it did:
+    a finished sample, its blocks freed, sent to the model). Sample 1 decodes on."""
+    model, prefill, _ = handoffs
+    params = SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=6, ignore_eos=True)
+    prefill.add_request("f", PROMPTS[1], params)
+    (h,) = [o.handoff for o in _steps(prefill) if o.handoff is not None]
+    first, other = h.first_token_ids
+    assert first != other
+    eng = LLMEngine(EngineConfig(model, role="decode", **KW), progress=False)
+
+    def puller(remote, src, dst):
+        def copy():
+            eng.runner.pool[torch.tensor(dst, dtype=torch.long)] = \
+                prefill.runner.pool[torch.tensor(src, dtype=torch.long)]
+        return SlowPull(copy, 2)
+
+    eng.kv_connector.connect(puller)
+    eng.add_remote_request("f", PROMPTS[1], dataclasses.replace(params, stop_token_ids=[first]),
+                           RemoteKV("src", "L", float("inf"), h.block_ids, h.first_token_ids,
+                                    h.first_logprobs))
+    outs = _steps(eng)
+    assert all(o.error is None for o in outs)
+    assert [len(o.new_token_ids) for o in outs if o.sample_index == 0] == [0]
+    assert sum(len(o.new_token_ids) for o in outs if o.sample_index == 1) == 5
+    assert eng.is_idle()
+    eng.shutdown()
+    assert prefill.kv_connector.release(h.lease_id)
+
+
+def _steps(engine: LLMEngine) -> list:
+    """Every output of `engine`'s steps until it has no work."""
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    return outs
