@@ -26,7 +26,9 @@ from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 PROMPTS = [[(7 * i + 11 * j) % 250 + 1 for j in range(6 + 9 * i)] for i in range(8)]
-LONG = 96  # tokens a sample: requests are still running when a drain starts
+LONG = 256  # tokens a sample: requests are still running when a drain starts (a live
+# move, the peer pool mapped first, takes a few tenths of a second on a loaded 2-core machine;
+# at 96 tokens every request a drain found sometimes ended before its move)
 PARAMS = [SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True),
           SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=LONG, ignore_eos=True),
           SamplingParams(temperature=0.8, top_p=0.9, seed=8, max_tokens=LONG, ignore_eos=True)]
