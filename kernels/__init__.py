@@ -6,7 +6,7 @@ to run the kernels on CPU tensors (slowly: small shapes only).
 
 from tandem.kernels.copy_blocks import copy_blocks, copy_blocks_ref
 from tandem.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_ref
-from tandem.kernels.fp8_quant import quant_fp8, quant_fp8_ref
+from tandem.kernels.fp8_quant import Fp8Rows, quant_fp8, quant_fp8_ref
 from tandem.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from tandem.kernels.paged_decode_launch import (
     SplitPolicy,
@@ -19,13 +19,21 @@ from tandem.kernels.paged_prefill_attention import (
     prefill_block_q,
 )
 from tandem.kernels.rms_norm import RMSNormResidual, rms_norm, rms_norm_ref
+from tandem.kernels.rms_norm_quant_fp8 import (
+    RMSNormFp8,
+    rms_norm_quant_fp8,
+    rms_norm_quant_fp8_ref,
+)
 from tandem.kernels.rotary_embedding import rotary_embedding, rotary_embedding_ref
 from tandem.kernels.rotary_store_kv import rotary_store_kv, rotary_store_kv_ref
 from tandem.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from tandem.kernels.silu_and_mul_quant_fp8 import silu_and_mul_quant_fp8, silu_and_mul_quant_fp8_ref
 from tandem.kernels.store_kv import store_kv, store_kv_ref
 
 __all__ = [
     "Fp8GemvConfig",
+    "Fp8Rows",
+    "RMSNormFp8",
     "RMSNormResidual",
     "SplitPolicy",
     "compiled_variants",
@@ -43,12 +51,16 @@ __all__ = [
     "quant_fp8",
     "quant_fp8_ref",
     "rms_norm",
+    "rms_norm_quant_fp8",
+    "rms_norm_quant_fp8_ref",
     "rms_norm_ref",
     "rotary_embedding",
     "rotary_embedding_ref",
     "rotary_store_kv",
     "rotary_store_kv_ref",
     "silu_and_mul",
+    "silu_and_mul_quant_fp8",
+    "silu_and_mul_quant_fp8_ref",
     "silu_and_mul_ref",
     "store_kv",
     "store_kv_ref",

@@ -65,6 +65,30 @@ def _fix_interpreter_fp8() -> None:
     builder.create_fp_to_fp = create_fp_to_fp
 
 
+def _fix_interpreter_bf16() -> None:
+    """triton 3.6's interpreter truncates float32 -> bfloat16 (`x.to(tl.bfloat16)`: its own bit
+    arithmetic without a rounding mode) where the GPU rounds to nearest even, so a kernel that
+    rounds intermediates to bf16 drifts from torch on the CPU. Round with torch's conversion."""
+    import numpy as np  # noqa: PLC0415 - interpreter only
+    import triton.language as tl  # noqa: PLC0415
+    from triton.runtime import interpreter  # noqa: PLC0415
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fp_trunc
+    if getattr(original, "_tandem_fixed", False):
+        return
+
+    def create_fp_trunc(self, src, dst_type):  # type: ignore[no-untyped-def]
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return original(self, src, dst_type)
+        x = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+        bits = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return interpreter.TensorHandle(bits, tl.bfloat16)
+
+    create_fp_trunc._tandem_fixed = True  # type: ignore[attr-defined]
+    builder.create_fp_trunc = create_fp_trunc
+
+
 # FP8 KV cache (e4m3, torch.float8_e4m3fn / Triton fp8e4nv): a stored element is
 # clamp(x / scale, -FP8_MAX, FP8_MAX) rounded to nearest even, one fp32 scale per (layer, KV
 # head); a kernel reads it back as element * scale. The clamp makes every path saturate alike.
@@ -74,6 +98,7 @@ FP8_MAX = 448.0
 if INTERPRET:
     _fix_interpreter_index()
     _fix_interpreter_fp8()
+    _fix_interpreter_bf16()
 
 
 def check(cond: bool, msg: str) -> None:
