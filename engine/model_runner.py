@@ -10,7 +10,8 @@ never a contiguous per-layer tensor):
 in the KV cache dtype (`kv_cache_dtype`: the model's, or e4m3 with per-(layer, KV head) scales,
 engine/quantization/kv_cache.py). With an FP8 weight scheme (`quantization`, or an FP8
 checkpoint) the decoder layers' projections are swapped for FP8 layers around the weight load
-(engine/quantization/fp8.py).
+(engine/quantization/fp8.py), and the norms and activation in front of them for ones that hand
+them quantized rows (engine/quantization/fp8_fusion.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from tandem.engine.loader import build_model, init_dummy_weights, load_weights
 from tandem.engine.models.layers import CausalLM
 from tandem.engine.parallel import TPState, all_min, kv_heads_per_rank, rank_heads
 from tandem.engine.pool_sizing import ProfileRuns, blocks_for_budget
-from tandem.engine.quantization import fp8, kv_cache
+from tandem.engine.quantization import fp8, fp8_fusion, kv_cache
 from tandem.engine.quantization.checkpoint import fp8_scheme
 from tandem.engine.sampler import Sampler, SamplerOutput, SampleRow
 from tandem.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -169,6 +170,8 @@ class ModelRunner:
             load_weights(model, model_dir, progress=progress, kv_scales=kv)
         if scheme is not None:
             fp8.finish(model, scheme)
+            # Norms and the activation in front of FP8 projections quantize for them.
+            fp8_fusion.fuse_activation_quant(model)
         return model
 
     # -- KV pool -----------------------------------------------------------------------------

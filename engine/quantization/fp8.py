@@ -13,6 +13,10 @@ checkpoint's static input_scale does not apply there. Elsewhere a reference path
 W8A8 math in fp32 (dequantizing the weight on the fly): slow, for testing the loader and the
 scale math on the CPU.
 
+On the _scaled_mm path a layer may be handed its input already quantized (an Fp8Activation):
+the norm or activation in front of it produced it in the same kernel
+(engine/quantization/fp8_fusion.py), so it is not quantized again.
+
 The transform (`prepare`, then load, then `finish`) touches the decoder layers' projections
 (qkv_proj, o_proj, gate_up_proj, down_proj); embeddings and lm_head stay in the model dtype.
 """
@@ -20,7 +24,7 @@ The transform (`prepare`, then load, then `finish`) touches the decoder layers' 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -38,6 +42,20 @@ _MIN_AMAX = 1e-6  # kernels/fp8_quant.py MIN_AMAX
 # activation quantization; at 16 rows its tensor-core path (the same cost for any 2-16 rows,
 # one 16-row tile) is 0.6-0.73x of _scaled_mm. So: one row, the batch-1 decode step.
 GEMV_MAX_M = 1
+
+
+class Fp8Activation(NamedTuple):
+    """Token rows already in e4m3 for an Fp8Linear on the _scaled_mm path: x ~= q * scale,
+    quantized per token or with the layer's static input scale."""
+
+    q: torch.Tensor  # e4m3 [M, K]
+    scale: torch.Tensor  # fp32 [M, 1]
+    dtype: torch.dtype  # what the rows were before quantizing: the matmul's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """The rows' shape, as the float activation's (layers that read x.shape take both)."""
+        return self.q.shape
 
 
 class Fp8Linear(nn.Module):
@@ -118,7 +136,9 @@ class Fp8Linear(nn.Module):
         return out
 
     # -- forward -----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self._input_scale)
         shape = x.shape
         y = fp8_linear(x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.bias,
                        self._input_scale)
@@ -161,22 +181,31 @@ def linear_path(m: int, is_cuda: bool) -> Literal["gemv", "scaled_mm", "referenc
     return "gemv" if m <= GEMV_MAX_M else "scaled_mm"
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None, input_scale: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] in the model dtype -> [M, N]. On CUDA: up to GEMV_MAX_M rows the weight-only
-    kernel (x stays in bf16; input_scale, a static activation scale, is not used), above it
-    torch._scaled_mm on x quantized per token or with input_scale. Elsewhere fp32 math."""
-    path = linear_path(x.shape[0], x.is_cuda)
-    if path == "gemv":
-        from tandem.kernels import fp8_gemv  # noqa: PLC0415 - Triton is only needed on CUDA
+def fuses_quant(x: torch.Tensor) -> bool:
+    """Whether the norm or activation computing x [M, K] for an Fp8Linear hands it an
+    Fp8Activation: on the layer's _scaled_mm path, where x would be quantized anyway."""
+    return linear_path(x.shape[0], x.is_cuda) == "scaled_mm"
 
-        return fp8_gemv(x, w, w_scale, bias)
-    x_q, x_s = quantize_activation(x, input_scale)
-    if x.is_cuda:
-        y = torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=w_scale.view(1, -1),
-                             out_dtype=x.dtype)
+
+def fp8_linear(x: torch.Tensor | Fp8Activation, w: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None, input_scale: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] in the model dtype, or already quantized (then input_scale was applied by
+    whoever quantized it) -> [M, N]. On CUDA: up to GEMV_MAX_M rows the weight-only kernel
+    (x stays in bf16; input_scale, a static activation scale, is not used), above it
+    torch._scaled_mm on x quantized per token or with input_scale. Elsewhere fp32 math."""
+    if isinstance(x, Fp8Activation):
+        x_q, x_s, dtype = x
     else:
-        y = ((x_q.float() * x_s) @ (w.float() * w_scale[:, None]).t()).to(x.dtype)
+        if linear_path(x.shape[0], x.is_cuda) == "gemv":
+            from tandem.kernels import fp8_gemv  # noqa: PLC0415 - Triton is only needed on CUDA
+
+            return fp8_gemv(x, w, w_scale, bias)
+        (x_q, x_s), dtype = quantize_activation(x, input_scale), x.dtype
+    if x_q.is_cuda:
+        y = torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=w_scale.view(1, -1),
+                             out_dtype=dtype)
+    else:
+        y = ((x_q.float() * x_s) @ (w.float() * w_scale[:, None]).t()).to(dtype)
     return y if bias is None else y + bias
 
 

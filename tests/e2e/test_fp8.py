@@ -13,10 +13,14 @@ from safetensors.torch import load_file, save_file
 
 import tandem.engine.attention.torch_backend as torch_backend
 from tandem.engine.llm import LLM
-from tandem.engine.quantization.fp8 import Fp8Linear, quantize_weight
+from tandem.engine.models.layers import RMSNorm
+from tandem.engine.quantization import fp8_fusion
+from tandem.engine.quantization.fp8 import Fp8Linear, linear_path, quantize_weight
+from tandem.engine.quantization.fp8_fusion import Fp8RMSNorm, Fp8SiluAndMul
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scoring import Accuracy, build, compare, score
 from tandem.errors import InvalidArgument, ModelLoadError
+from tandem.kernels._common import INTERPRET
 
 # The tiny Llama (2 layers, 2 KV heads) over 128 fixed random tokens, teacher-forced: prefill
 # chunks of 32 over the cached context, the last 16 tokens one a step (the decode path). Greedy
@@ -217,3 +221,33 @@ def test_generate_and_up_take_the_fp8_flags(tiny_models, capsys):
     args = stack.worker_args
     assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
     assert args[args.index("--quantization") + 1] == "fp8"
+
+
+@pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels on the CPU (TRITON_INTERPRET=1)")
+def test_fused_activation_quantization_gives_the_unfused_logits(tiny_models, text, monkeypatch):
+    """The norms and the activation in front of FP8 projections hand them e4m3 rows on the
+    _scaled_mm path (engine/quantization/fp8_fusion.py). Taken here on the CPU, with the fused
+    Triton kernels in the interpreter and the reference matmul: the prefill chunks (8 and 2
+    rows) fuse, the decode steps (1 row, the weight-only kernel's on CUDA) do not, and the
+    log-probabilities are those of the projections quantizing their own inputs."""
+    engine = _fp8_runner(tiny_models["llama"], quantization="fp8")
+    model = engine.runner.model
+    fused_modules = {n for n, m in model.named_modules()
+                     if isinstance(m, Fp8RMSNorm | Fp8SiluAndMul)}
+    assert fused_modules == {f"model.layers.{i}.{p}" for i in range(2) for p in (
+        "input_layernorm", "post_attention_layernorm", "mlp.act_fn")}
+    assert type(model.model.norm) is RMSNorm  # in front of lm_head, which stays float
+    unfused = score(engine, text[:12], 8, 2)  # on the CPU nothing fuses by default
+
+    rows = []
+
+    def on_the_cuda_rule(x: torch.Tensor) -> bool:
+        rows.append(x.shape[0])
+        return linear_path(x.shape[0], True) == "scaled_mm"
+
+    monkeypatch.setattr(fp8_fusion, "fuses_quant", on_the_cuda_rule)
+    fused = score(engine, text[:12], 8, 2)
+    assert sorted(set(rows)) == [1, 2, 8]  # chunks of 8 and 2, then decodes
+    # Measured: max |dlogprob| 4e-6 (the norm's fp32 sum and rsqrt against torch's, an ulp
+    # apart); a dropped scale or residual moves them by whole units.
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=1e-4)
