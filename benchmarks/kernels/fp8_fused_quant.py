@@ -86,10 +86,10 @@ def main() -> None:
                         torch.randn(m, k, device=device, dtype=dt)) for _ in range(copies)]
             act_in = [torch.randn(m, 2 * k, device=device, dtype=dt) * 3 for _ in range(copies)]
 
-            def norm_unfused(x, r):  # type: ignore[no-untyped-def]
+            def norm_unfused(x, r, w=w):  # type: ignore[no-untyped-def]
                 return quant_fp8(rms_norm(x, w, EPS, r).out, scale)
 
-            def norm_fused(x, r):  # type: ignore[no-untyped-def]
+            def norm_fused(x, r, w=w):  # type: ignore[no-untyped-def]
                 return rms_norm_quant_fp8(x, w, EPS, r, scale=scale)
 
             def act_unfused(x):  # type: ignore[no-untyped-def]
