@@ -43,6 +43,8 @@ VARIANTS = {  # name -> (--kv-cache-dtype, --quantization, steps with chunks fro
 
 # Kernel name -> kind, first match wins (cuBLAS/CUTLASS names vary by version: several patterns).
 KINDS = [
+    ("norm+quant", r"rms_norm_quant_fp8"),  # the fused kernels (engine/quantization/fp8_fusion.py)
+    ("act+quant", r"silu_and_mul_quant_fp8"),
     ("quant", r"quant_fp8"),
     ("gemm", r"gemm|gemv|nvjet|xmma|cutlass|sm90_|ampere_|wgmma|_scaled_mm|splitK|fp8_gemv"),
     ("attn_decode", r"paged_decode"),
