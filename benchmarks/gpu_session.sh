@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh correctness perf
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl,
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
-# kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, defaults, structured,
+# kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, fp8_fusion, defaults, structured,
 # pulls, profile, offline, layouts, compare, spec, multiturn_tier, migration_stall, pack. Several groups of stages at once, each on
 # its own GPUs: gpu_parallel.sh.
 set -uo pipefail
@@ -109,6 +109,11 @@ for stage in "$@"; do
         run "disagg_$m" python3 benchmarks/serving/serve.py --launch disaggregated --num-prefill 1 --num-decode 1 \
           "${common[@]}" --devices cuda:0,cuda:1 --rate inf --out "$OUT/disagg_$m.json"
       done ;;
+    fp8_fusion)  # FP8 weights: norm/activation + activation quantization fused, against unfused
+      run fp8_fusion_gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/gpu/test_fp8_fusion_gpu.py tests/gpu/test_fp8_gpu.py -rA
+      run fp8_fused_quant timeout 600 python3 benchmarks/kernels/fp8_fused_quant.py
+      run fp8_fused_quant_static timeout 600 python3 benchmarks/kernels/fp8_fused_quant.py --static ;;
     fp8)  # issue 20: FP8 KV cache and FP8 weights (Llama-3.1-8B config, dummy weights)
       run fp8_gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fp8_gpu.py -rA
       run fp8_gemv timeout 600 python3 benchmarks/kernels/fp8_gemv.py --sweep
