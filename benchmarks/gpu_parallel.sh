@@ -5,7 +5,8 @@
 # first GPU) and its logs under $OUT/g<i>/. Groups share the host's CPUs: a figure from one group
 # is measured beside the others' work (say so where it is reported). At the end every result is
 # packed into $OUT/results.tgz and the rest of $OUT removed (a call brings back few files);
-# each group's summary is printed last.
+# each group's summary is printed last. A group still running after GROUP_LIMIT seconds (540) is
+# stopped, so that what the others measured still comes back.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -17,8 +18,8 @@ for group in "$@"; do
   stages=${group#*:}
   mkdir -p "$OUT/g$i"
   # shellcheck disable=SC2086  # stages are words
-  (CUDA_VISIBLE_DEVICES=$gpus OUT="$OUT/g$i" bash "$here/gpu_session.sh" $stages \
-     > "$OUT/g$i/session.txt" 2>&1) &
+  (CUDA_VISIBLE_DEVICES=$gpus OUT="$OUT/g$i" timeout --kill-after=10 "${GROUP_LIMIT:-540}" \
+     bash "$here/gpu_session.sh" $stages > "$OUT/g$i/session.txt" 2>&1) &
   pids+=($!)
   i=$((i + 1))
 done
