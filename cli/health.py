@@ -50,13 +50,8 @@ def check(address: str, service: str = "", timeout: float = 5.0,
     """One Check call. `service` "" asks about the whole server; `credentials`: TLS (a worker
     with a cluster CA takes only callers with a client certificate); `server_name`: the name
     the server's certificate must carry, when not the address's host."""
-    options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", server_name)]
-                                 if server_name else [])
-    channel = (grpc.secure_channel(address, credentials, options=options)
-               if credentials is not None
-               else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
-    with channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    with channel(address, credentials, server_name) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
         try:
             resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as e:
@@ -79,12 +74,28 @@ def add_health_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default=None,
                    help="TLS: the CA of the server's certificate (PEM), e.g. the router's "
                         "public port with --tls-cert")
+    add_cluster_tls_args(p, "a certificate it signed")
+
+
+def channel(address: str, creds: grpc.ChannelCredentials | None = None,
+            server_name: str | None = None) -> grpc.Channel:
+    """A channel straight to `address` (no proxy): TLS with `creds`, the server's certificate
+    checked for `server_name` when given (else for the address's host); plaintext without."""
+    if creds is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    name = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+    return grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS + name)
+
+
+def add_cluster_tls_args(p: argparse.ArgumentParser, cert_help: str) -> None:
+    """--cluster-ca, --cluster-cert (`cert_help`), --cluster-key, --cluster-server-name: what
+    `credentials` and `channel` take to call a worker under cluster TLS."""
     p.add_argument("--cluster-ca", default=None, help="mutual TLS: the cluster CA (PEM)")
-    p.add_argument("--cluster-cert", default=None, help="mutual TLS: a certificate it signed")
+    p.add_argument("--cluster-cert", default=None, help=f"mutual TLS: {cert_help}")
     p.add_argument("--cluster-key", default=None, help="mutual TLS: that certificate's key")
     p.add_argument("--cluster-server-name", default=None,
                    help="TLS: the name the server's certificate must carry, when not the "
-                        "address's host (a pod's IP, say)")
+                        "address's host (e.g. decode.tandem.internal for a pod's IP)")
 
 
 def credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:

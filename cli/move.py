@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from tandem.cli.health import CHANNEL_OPTIONS, credentials, seconds
+from tandem.cli.health import add_cluster_tls_args, channel, credentials, seconds
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -33,12 +33,8 @@ def move(address: str, request_id: str, timeout: float,
          server_name: str | None = None) -> worker_pb2.MoveResponse:
     """One Move call, answered once the request left the worker or ended there; raises
     grpc.RpcError."""
-    options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", server_name)]
-                                 if server_name else [])
-    channel = (grpc.secure_channel(address, creds, options=options) if creds is not None
-               else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
-    with channel:
-        return worker_pb2_grpc.WorkerStub(channel).Move(
+    with channel(address, creds, server_name) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).Move(
             worker_pb2.MoveRequest(request_id=request_id), timeout=timeout)
 
 
@@ -69,13 +65,7 @@ def add_move_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("request_id", help="the request's id on the worker (the router's)")
     p.add_argument("--timeout", type=seconds, default=600.0,
                    help="seconds to wait for the request to leave the worker")
-    p.add_argument("--cluster-ca", default=None, help="mutual TLS: the cluster CA (PEM)")
-    p.add_argument("--cluster-cert", default=None,
-                   help="mutual TLS: a certificate it signed (a router's, or the worker's role's)")
-    p.add_argument("--cluster-key", default=None, help="mutual TLS: that certificate's key")
-    p.add_argument("--cluster-server-name", default=None,
-                   help="TLS: the name the worker's certificate must carry, when not the "
-                        "address's host (e.g. decode.tandem.internal for a pod's IP)")
+    add_cluster_tls_args(p, "a certificate it signed (a router's, or the worker's role's)")
 
 
 def add_parser(sub, name: str) -> None:
