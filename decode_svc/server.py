@@ -439,7 +439,8 @@ class DecodeServicer(WorkerServicer):
             if kv is None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"request_id: {rid!r} has no KV to lend now (waiting, "
-                                    "prefilling, preempted, or n > 1): try again later")
+                                    "prefilling, preempted, or a sample already finished): "
+                                    "try again later")
             if task.done():  # ended while its KV was lent
                 self._unlend(rid)
             else:

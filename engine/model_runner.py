@@ -10,8 +10,8 @@ never a contiguous per-layer tensor):
 in the KV cache dtype (`kv_cache_dtype`: the model's, or e4m3 with per-(layer, KV head) scales,
 engine/quantization/kv_cache.py). With an FP8 weight scheme (`quantization`, or an FP8
 checkpoint) the decoder layers' projections are swapped for FP8 layers around the weight load
-(engine/quantization/fp8.py), and the norms and activation in front of them for ones that hand
-them quantized rows (engine/quantization/fp8_fusion.py).
+(engine/quantization/fp8.py), and the norms in front of them for ones that hand them quantized
+rows (engine/quantization/fp8_fusion.py).
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ class ModelRunner:
             load_weights(model, model_dir, progress=progress, kv_scales=kv)
         if scheme is not None:
             fp8.finish(model, scheme)
-            # Norms and the activation in front of FP8 projections quantize for them.
+            # The norms in front of FP8 projections quantize for them.
             fp8_fusion.fuse_activation_quant(model)
         return model
 

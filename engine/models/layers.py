@@ -152,25 +152,16 @@ class Attention(nn.Module):
         return self.o_proj(out.view(t, self.q_size))
 
 
-class SiluAndMul(nn.Module):
-    """[gate | up] -> silu(gate) * up; a module so that a transform can swap it (FP8 weights
-    fuse the down projection's input quantization into it: engine/quantization/fp8_fusion.py)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.silu_and_mul(x)
-
-
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(
             cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size},
             bias=False)
-        self.act_fn = SiluAndMul()
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -1,10 +1,12 @@
-"""FP8 weights: a decoder layer's activation quantization fused into the kernel in front of the
-projection, for three of its four FP8 projections. Applied after the projections are FP8
-(fp8.finish), by swapping the norm or activation module in front of each:
+"""FP8 weights: a decoder layer's activation quantization fused into the norm in front of the
+projection, for two of its four FP8 projections. Applied after the projections are FP8
+(fp8.finish), by swapping the norm module in front of each:
 
     input_layernorm (+ residual add)   ->  qkv_proj       kernels/rms_norm_quant_fp8.py
     post_attention_layernorm (+ add)   ->  gate_up_proj   kernels/rms_norm_quant_fp8.py
-    mlp.act_fn (SiLU-and-mul)          ->  down_proj      kernels/silu_and_mul_quant_fp8.py
+    SiLU-and-mul                       ->  down_proj      not fused: kernels/silu_and_mul_quant_fp8.py
+                                                          measured 0.57-0.59x the unfused pair
+                                                          at Llama-3.1-8B's 14,336 on an H200
     attention output                   ->  o_proj         not fused: the layer quantizes it
 
 Only where the projection would quantize its input anyway, on its torch._scaled_mm path
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.engine.models.layers import MLP, Attention, CausalLM, DecoderLayer, RMSNorm, SiluAndMul
+from tandem.engine.models.layers import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
 from tandem.engine.quantization.fp8 import Fp8Activation, Fp8Linear, fuses_quant
 
 
@@ -48,23 +50,6 @@ class Fp8RMSNorm(RMSNorm):
         return act if residual is None else (act, new_residual)
 
 
-class Fp8SiluAndMul(SiluAndMul):
-    """SiLU-and-mul whose output only feeds an Fp8Linear: on the layer's _scaled_mm path one
-    kernel computes it and quantizes it."""
-
-    def __init__(self, input_scale: torch.Tensor | None) -> None:
-        super().__init__()
-        self.input_scale = input_scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor | Fp8Activation:  # type: ignore[override]
-        if not fuses_quant(x):
-            return super().forward(x)
-        from tandem.kernels import silu_and_mul_quant_fp8  # noqa: PLC0415 - Triton, CUDA only
-
-        q, s = silu_and_mul_quant_fp8(x, self.input_scale)
-        return Fp8Activation(q, s, x.dtype)
-
-
 def fuse_activation_quant(model: CausalLM) -> int:
     """Swap in the fused modules in front of the decoder layers' FP8 projections (after
     fp8.finish: the static input scales are final). Returns how many were swapped."""
@@ -82,10 +67,6 @@ def fuse_activation_quant(model: CausalLM) -> int:
             layer.post_attention_layernorm = Fp8RMSNorm(layer.post_attention_layernorm,
                                                         mlp.gate_up_proj._input_scale)
             swapped += 1
-        # Not swapped in: Fp8SiluAndMul (SiLU-and-mul + FP8 in one kernel) measured 0.57-0.59x
-        # the unfused pair's speed at Llama-3.1-8B's intermediate size (14,336) for 2,048-8,192
-        # rows on an H200 (benchmarks/kernels/fp8_fused_quant.py), where the fused norm is
-        # 1.35-1.6x faster; it waits for a faster kernel.
     return swapped
 
 

@@ -20,10 +20,10 @@ needs_fp8_mma = pytest.mark.skipif(
 
 if torch.cuda.is_available():
     import tandem.kernels as kernels
-    from tandem.engine.models.layers import RMSNorm, SiluAndMul
+    from tandem.engine.models.layers import RMSNorm
     from tandem.engine.quantization import fp8_fusion
     from tandem.engine.quantization.fp8 import Fp8Activation, Fp8Linear
-    from tandem.engine.quantization.fp8_fusion import Fp8RMSNorm, Fp8SiluAndMul
+    from tandem.engine.quantization.fp8_fusion import Fp8RMSNorm
     from tandem.engine.scoring import build, compare, score
     from tandem.kernels import (
         quant_fp8,
@@ -94,8 +94,8 @@ def test_silu_and_mul_quant_8b_shapes(seed, m, inter, static):
 
 @needs_fp8_mma
 def test_fused_modules_capture_in_a_cuda_graph(seed):
-    """Norm -> FP8 projection and SiLU-and-mul -> FP8 projection, replayed from a graph, give
-    eager's output, which is the unfused modules' (the same e4m3 rows into the same matmuls)."""
+    """Fused norm -> FP8 projection, replayed from a graph, gives eager's output, which is the
+    unfused norm's (the same e4m3 rows into the same matmuls)."""
     m = 64
     norm = RMSNorm(HIDDEN, 1e-5).to(DEV, BF16)
     norm.weight.data.uniform_(0.5, 1.5)
@@ -103,21 +103,20 @@ def test_fused_modules_capture_in_a_cuda_graph(seed):
                                               dtype=BF16))
     down = Fp8Linear.from_float(torch.nn.Linear(1024, HIDDEN, bias=False, device=DEV,
                                                 dtype=BF16))
-    fused_norm, fused_act = Fp8RMSNorm(norm, None), Fp8SiluAndMul(None)
+    fused_norm = Fp8RMSNorm(norm, None)
     x = torch.randn(m, HIDDEN, dtype=BF16, device=DEV)
     residual = torch.randn(m, HIDDEN, dtype=BF16, device=DEV)
 
-    def block(norm_mod, act_mod):  # type: ignore[no-untyped-def]
+    def block(norm_mod):  # type: ignore[no-untyped-def]
         h, res = norm_mod(x, residual)
-        a = act_mod(up(h))
-        return down(a), res, isinstance(h, Fp8Activation) and isinstance(a, Fp8Activation)
+        return down(silu_and_mul(up(h))), res, isinstance(h, Fp8Activation)
 
-    plain_out, plain_res, plain_fused = block(norm, SiluAndMul())
-    eager_out, eager_res, eager_fused = block(fused_norm, fused_act)
+    plain_out, plain_res, plain_fused = block(norm)
+    eager_out, eager_res, eager_fused = block(fused_norm)
     assert eager_fused and not plain_fused
     assert torch.equal(eager_res, plain_res)
     assert rel_err(eager_out, plain_out) < 1e-3, f"seed={seed}"
-    graph, (out, res, _) = capture(lambda: block(fused_norm, fused_act))
+    graph, (out, res, _) = capture(lambda: block(fused_norm))
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()
