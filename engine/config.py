@@ -320,6 +320,10 @@ class EngineConfig:
             if not gb:
                 raise InvalidArgument("host_kv_share", "needs host_kv_cache_gb > 0, the same on "
                                                        "every worker sharing the tier")
+            if self.tensor_parallel_size > 1:
+                raise InvalidArgument("host_kv_share", "is not supported with "
+                                                       "tensor_parallel_size > 1: a worker's "
+                                                       "ranks keep a tier of their own each")
         if gb is None or gb == 0:
             return
         if not gb > 0:
@@ -327,14 +331,10 @@ class EngineConfig:
         if not self.enable_prefix_caching:
             raise InvalidArgument("host_kv_cache_gb", "needs the prefix cache (it keeps the "
                                                       "blocks the prefix cache evicts)")
-        if self.tensor_parallel_size > 1:
-            raise InvalidArgument("host_kv_cache_gb", "is not supported with "
-                                                      "tensor_parallel_size > 1 yet")
 
     def host_tier_enabled(self) -> bool:
         """Whether the engine may have a host tier (its size decides in the end)."""
-        return (self.enable_prefix_caching and self.tensor_parallel_size == 1
-                and self.host_kv_cache_gb != 0)
+        return self.enable_prefix_caching and self.host_kv_cache_gb != 0
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_blocks, self.memory_fraction,

@@ -21,12 +21,18 @@ The inclusive tier keeps a slot after restoring it: the block evicted again late
 FP8 pools hold per-(layer, KV head) scales, fixed for the pool's life (engine/quantization/
 kv_cache.py): a block's bytes are valid under them wherever they are kept, so the tier copies
 the bytes alone.
+
+Tensor parallelism: rank 0's tier decides (the index, which block goes to which slot); every
+other rank keeps a tier of the same capacity for its own heads and replays rank 0's copies, in
+the same order, before its next step (`mirror`, engine/tp_group.py RankKV.host_copies). The
+flag sizes the worker's tier: its bytes are split over the ranks.
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +137,8 @@ class HostKVTier:
         # (to_host, pool block, slot) in the order the scheduler caused them.
         self.ops: list[tuple[bool, int, int]] = []
         self.stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
+        # Tensor parallelism: the other ranks' replay of each flush's copies (ops, wait).
+        self.mirror: Callable[[list[tuple[bool, int, int]], bool], None] | None = None
 
     def _make_index(self, capacity_blocks: int) -> HostBlockIndex:
         return HostBlockIndex(capacity_blocks)
@@ -200,6 +208,8 @@ class HostKVTier:
         if not self.ops:
             return
         ops, self.ops = self.ops, []
+        if self.mirror is not None:
+            self.mirror(ops, wait)
         if self.stream is None:
             self._copy(ops, non_blocking=False)
             return
@@ -236,15 +246,17 @@ def host_tier_bytes(requested_gb: float | None, device: torch.device) -> int:
     return int(available * AUTO_FRACTION)
 
 
-def host_tier_capacity(pool: torch.Tensor, requested_gb: float | None, *, enabled: bool) -> int:
-    """The tier's size for this pool, in blocks (0: off, or `enabled` false)."""
+def host_tier_capacity(pool: torch.Tensor, requested_gb: float | None, *, enabled: bool,
+                       ranks: int = 1) -> int:
+    """The tier's size for this pool, in blocks (0: off, or `enabled` false); `ranks`
+    tensor-parallel ranks each keep that many blocks of their own heads."""
     if not enabled:
         return 0
-    return host_tier_bytes(requested_gb, pool.device) // pool[0].nbytes
+    return host_tier_bytes(requested_gb, pool.device) // (pool[0].nbytes * ranks)
 
 
 def host_tier_for(pool: torch.Tensor, requested_gb: float | None, *,
-                  enabled: bool) -> HostKVTier | None:
+                  enabled: bool, ranks: int = 1) -> HostKVTier | None:
     """The tier for this pool, or None (off: size 0, or `enabled` false)."""
-    capacity = host_tier_capacity(pool, requested_gb, enabled=enabled)
+    capacity = host_tier_capacity(pool, requested_gb, enabled=enabled, ranks=ranks)
     return HostKVTier(pool, capacity) if capacity >= 1 else None

@@ -108,9 +108,11 @@ class LLMEngine:
         pool = self.runner.pool
         self.host_tier = tier_for(
             pool, config.host_kv_cache_gb, enabled=config.host_tier_enabled(),
-            share=config.host_kv_share,
+            share=config.host_kv_share, ranks=config.tensor_parallel_size,
             fp=fingerprint(os.path.realpath(self.model_dir), tuple(pool.shape[1:]),
                            str(pool.dtype), config.kv_cache_dtype))
+        if self.host_tier is not None and self.tp_group is not None:
+            self.tp_group.open_host_tier(self.host_tier)
         self.kv = KVCacheManager(self.block_pool, self.host_tier)
         # A sequence can never outgrow the whole pool.
         max_len = min(sched.max_model_len, self.runner.num_blocks * cache.block_size)

@@ -60,11 +60,12 @@ T_HASH, T_STAMP, T_STATE, T_PINS, T_WORDS = 0, 1, 2, 3, 4
 
 
 def tier_for(pool: torch.Tensor, requested_gb: float | None, *, enabled: bool, share: str,
-             fp: bytes) -> HostKVTier | None:
+             fp: bytes, ranks: int = 1) -> HostKVTier | None:
     """The engine's host tier: shared under the name `share` (its blocks meaning what `fp`
-    says), or its own when `share` is empty; None when off."""
+    says; tensor parallelism refuses it, engine/config.py), or its own when `share` is empty,
+    `ranks` tensor-parallel ranks each keeping its part of the flag's bytes; None when off."""
     if not share:
-        return host_tier_for(pool, requested_gb, enabled=enabled)
+        return host_tier_for(pool, requested_gb, enabled=enabled, ranks=ranks)
     capacity = host_tier_capacity(pool, requested_gb, enabled=enabled)
     return SharedHostKVTier(pool, capacity, share, fp) if capacity >= 1 else None
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.engine.config import EngineConfig, ModelConfig
+from tandem.engine.host_kv_tier import HostKVTier
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.parallel import (
     broadcast_object,
@@ -148,6 +149,12 @@ class TPGroup:
                 raise RankCommandError(f"rank {rank}: {r}")
         return results
 
+    def open_host_tier(self, tier: Any) -> None:
+        """Every other rank keeps a host tier of `tier`'s capacity for its own heads and
+        replays the copies `tier` flushes (engine/host_kv_tier.py)."""
+        self.call("open_host_tier", (tier.index.capacity,), lambda: None)
+        tier.mirror = lambda ops, wait: self.call("host_copies", (ops, wait), lambda: None)
+
     def close(self, before_destroy: Callable[[], None] | None = None) -> None:
         """Stop the other ranks and leave the group; `before_destroy` runs first (rank 0
         releases its CUDA graphs there, as the ranks do before they leave)."""
@@ -241,6 +248,7 @@ class RankKV:
         self.local: torch.Tensor | None = None
         # address -> (instance id, [RemotePool of prefill rank p for p in 0..])
         self.peers: dict[str, tuple[str, list[Any]]] = {}
+        self.host_tier: Any = None  # HostKVTier replaying rank 0's copies, when it has one
 
     def pool_factory(self, shape, dtype, device) -> torch.Tensor:
         from tandem.kvtransfer.pool import allocate_pool  # noqa: PLC0415 - prefill ranks only
@@ -296,6 +304,15 @@ class RankKV:
                                "went with it")
         return pull_heads([p.tensor for p in pools], self.local, self.model_kv_heads,
                           self.rank, self.size, src_block_ids, dst_block_ids)
+
+    def open_host_tier(self, capacity: int) -> None:
+        self.host_tier = HostKVTier(self.local, capacity)
+
+    def host_copies(self, ops: list[tuple[bool, int, int]], wait: bool) -> None:
+        """Rank 0's tier flushed these copies: the same ones on this rank's heads, issued
+        before this rank's next step in the same order."""
+        self.host_tier.ops = ops
+        self.host_tier.flush(wait)
 
     def close(self) -> None:
         for _, pools in self.peers.values():

@@ -78,6 +78,32 @@ def test_conversations_outgrowing_the_pool_match_and_compute_less(tiny_models):
     _check_slots(tiered.host_tier)
 
 
+def test_tensor_parallel_ranks_keep_and_restore_their_own_heads(tiny_models):
+    """At tensor-parallel size 2 rank 0's tier decides and rank 1 replays its copies on its
+    own heads: outputs equal the engine's without a tier (a rank restoring nothing would
+    decode from stale heads), the flag sizes the worker's tier across both ranks."""
+    model = str(tiny_models["llama"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # this process's and each rank's
+    tiered = LLMEngine(EngineConfig(model, num_blocks=24, max_model_len=256,
+                                    tensor_parallel_size=2,
+                                    host_kv_cache_gb=200 * BLOCK_BYTES / (1 << 30)),
+                       progress=False)
+    try:
+        assert tiered.host_tier.index.capacity == 200  # half a block's bytes on each rank
+        got = _conversations(tiered)
+        stats = tiered.host_tier.stats()
+        assert tiered.is_idle()
+    finally:
+        tiered.shutdown()
+        torch.set_num_threads(threads)
+    plain = _engine(model, host_blocks=0)
+    assert got == _conversations(plain)
+    assert stats.hits > 0
+    assert (tiered.scheduler.num_prompt_tokens_computed
+            == plain.scheduler.num_prompt_tokens_computed - 16 * stats.hits)
+
+
 def test_salted_prefix_is_never_served_to_another_salt(tiny_models):
     engine = _engine(str(tiny_models["llama"]), host_blocks=64, num_blocks=8)
     prompt = list(range(1, 50))  # 3 full blocks + 1 token

@@ -147,6 +147,8 @@ def test_bad_flag_names_the_field(bad):
         EngineConfig(model="m", host_kv_cache_gb=bad)
     with pytest.raises(InvalidArgument, match="host_kv_cache_gb"):
         EngineConfig(model="m", host_kv_cache_gb=1.0, enable_prefix_caching=False)
+    with pytest.raises(InvalidArgument, match="host_kv_share"):  # ranks keep tiers of their own
+        EngineConfig(model="m", host_kv_cache_gb=1.0, host_kv_share="t", tensor_parallel_size=2)
 
 
 def test_metrics_show_the_tier():
