@@ -337,14 +337,21 @@ class DecodeLegs:
             call = d.stream.request(worker_pb2.StreamRequest(decode=req), traced.metadata,
                                     self.orch.remaining(self.deadline), on_sent=sent)
             d.in_flight += 1
+            # Without a lease d prefills the prompt itself: work ahead of the next request
+            # placed there until the first update comes (router_svc/routing/placement.py).
+            backlog = len(self.prompt) if lease is None else 0
+            d.local_prefill_tokens += backlog
             try:
                 async with aclosing(call):
                     async for update in self._read(d, until_done(call, self.params.n,
                                                                  self.done), traced,
                                                    req.request_id):
+                        d.local_prefill_tokens -= backlog
+                        backlog = 0
                         yield update
             finally:
                 d.in_flight -= 1
+                d.local_prefill_tokens -= backlog
 
     async def _handed_leg(self, move: LiveMove) -> AsyncIterator[Update]:
         """The leg on a live migration's destination, whose call is open (it said ready and

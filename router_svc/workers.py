@@ -70,6 +70,9 @@ class Worker:
     healthy: bool = False
     load: worker_pb2.Load = field(default_factory=worker_pb2.Load)
     in_flight: int = 0  # requests this router has on the worker now
+    # Prompt tokens of this router's requests the worker prefills itself (no lease) that have
+    # not streamed a first token yet: work its polls show only as requests waiting.
+    local_prefill_tokens: int = 0
     last_seen: float = 0.0  # time.monotonic() of its last answered poll
     instance_id: str = ""  # the worker process that answered last (Load.instance_id)
     # Set when the worker is lost (no poll answered for worker_timeout_s): calls in flight on
@@ -106,7 +109,8 @@ class Worker:
                                         if ld.kv_pull_seconds > 0 else 0.0),
                           kv_block_bytes=(ld.kv_bytes_pulled // ld.kv_blocks_pulled
                                           if ld.kv_blocks_pulled else 0),
-                          host_blocks=cached.host)
+                          host_blocks=cached.host,
+                          local_prefill_tokens=self.local_prefill_tokens)
 
 
 @dataclass(frozen=True)

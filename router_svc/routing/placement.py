@@ -16,7 +16,7 @@ them for the trace):
 
     disaggregated_s = P.queued * P.step_s + uncached_P * P.token_s + restore_P_s
                       + transfer_s + D.step_s
-    local_s         = D.waiting * D.step_s + uncached_D * D.token_s + restore_D_s
+    local_s         = D.waiting * D.step_s + (D.backlog + uncached_D) * D.token_s + restore_D_s
     harm_local_s    = D.running * uncached_D * D.token_s      (each running sequence on D
     harm_disagg_s   = D.running * transfer_s                   waits that long for its tokens;
                                                                D.running: its engine's count at
@@ -25,6 +25,9 @@ them for the trace):
 
     local when   local_s + w * harm_local_s  <  disaggregated_s + w * harm_disagg_s
 
+`D.backlog` is the prompt tokens this router already sent D to prefill itself that have not
+streamed a first token yet: a burst of long prompts placed on an idle D waits behind each other,
+which D's polls (a count of waiting requests, seconds old) do not show.
 `step_s` is a worker's recent step time and `token_s` its recent seconds per prompt token
 (Load.step_seconds, Load.prompt_token_seconds: runtime/step_pace.py). `w` weighs the delay a
 placement adds to the decode worker's running requests against this request's own first token,
@@ -130,8 +133,8 @@ def _weigh(request: RouteRequest, p: WorkerLoad, d: WorkerLoad, block_size: int,
         host_blocks_p=p.host_blocks, host_blocks_d=d.host_blocks,
         disaggregated_s=(p.queued * p.step_seconds + uncached_p * p.prompt_token_seconds
                          + restore_p_s + transfer_s + d.step_seconds),
-        local_s=(d.num_waiting * d.step_seconds + uncached_d * d.prompt_token_seconds
-                 + restore_d_s),
+        local_s=(d.num_waiting * d.step_seconds
+                 + (d.local_prefill_tokens + uncached_d) * d.prompt_token_seconds + restore_d_s),
         harm_local_s=running * uncached_d * d.prompt_token_seconds,
         harm_disaggregated_s=running * transfer_s, weight=weight)
 

@@ -59,6 +59,9 @@ class WorkerLoad:
     # the one the workers of its host share) instead of computing them. Filled like
     # cached_blocks.
     host_blocks: int = 0
+    # Prompt tokens this router sent the worker to prefill itself that have no first token yet
+    # (a decode worker's own prefills: placement or fallback).
+    local_prefill_tokens: int = 0
 
     @property
     def queued(self) -> int:

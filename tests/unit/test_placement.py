@@ -138,3 +138,16 @@ def test_cost_placement_is_registered_and_takes_its_flags():
                        (dict(kv_bandwidth=0.0), "--placement-kv-bandwidth")):
         with pytest.raises(ValueError, match=field):
             PlacementOptions(**bad)
+
+
+def test_prompts_already_sent_to_the_decode_worker_count_before_a_new_one():
+    # A long prompt beside an idle decode worker runs there: no transfer, nobody delayed...
+    p, d = worker("prefill"), worker("decode")
+    assert place(request(2000), p, d, BS, OPTS).where == LOCAL
+    # ...but not behind three such prompts this router placed there a moment ago, which D's
+    # polls do not show yet (no first token from them): each waits for the ones before it.
+    busy = WorkerLoad("decode:1", "decode", 3, 0, 0, 1000, 0, step_seconds=0.02,
+                      prompt_token_seconds=1e-4, local_prefill_tokens=6000)
+    got = place(request(2000), p, busy, BS, OPTS)
+    assert (got.where, got.reason) == (DISAGGREGATED, "cheaper_disaggregated")
+    assert got.inputs.local_s == pytest.approx((6000 + 2000) * 1e-4)
