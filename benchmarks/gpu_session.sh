@@ -5,8 +5,8 @@
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl,
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, fp8_fusion, defaults, structured,
-# pulls, profile, offline, layouts, compare, spec, multiturn_tier, migration_stall, pack. Several groups of stages at once, each on
-# its own GPUs: gpu_parallel.sh.
+# pulls, profile, offline, layouts, compare, spec, multiturn_tier, migration_stall, changing_mix, pack.
+# Several groups of stages at once, each on its own GPUs: gpu_parallel.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 R=$OUT  # each stage's log straight in $OUT
@@ -230,6 +230,31 @@ for stage in "$@"; do
       run migration_stall python3 benchmarks/serving/migration_stall.py --model $B8 \
         --load-format dummy --dtype bfloat16 --device cuda --max-model-len 34816 \
         --out "$OUT/migration_stall.json" --log-dir "$OUT/migration_stall_logs" ;;
+    changing_mix)  # elastic against static and colocated layouts on 4 GPUs: MIX_LAYOUTS (default
+      # "elastic 2P2D 4C 1P3D 3P1D") in turn, each on a fresh stack through the same phases
+      # (MIX_ARGS: more flags, e.g. --phases ...); a layout starts only while MIX_LAYOUT_S (220)
+      # seconds are left before the deadline (LIMIT). JSON and logs of every layout to
+      # $OUT/changing_mix.tgz, rewritten after each; the table of those run to $OUT/changing_mix.txt.
+      # Layouts of several calls: untar them into one folder, then `changing_mix.py --report`.
+      mixdir=/tmp/changing_mix
+      mkdir -p "$mixdir/logs"
+      for lay in ${MIX_LAYOUTS:-elastic 2P2D 4C 1P3D 3P1D}; do
+        if [ $(( DEADLINE - $(date +%s) )) -lt "${MIX_LAYOUT_S:-220}" ]; then
+          echo "=== mix_$lay skipped: under ${MIX_LAYOUT_S:-220} s left" | tee -a "$OUT/summary.txt"
+          continue
+        fi
+        # shellcheck disable=SC2086  # MIX_ARGS are words
+        (OUT=$mixdir; run "mix_${lay//:/_}" timeout --kill-after=10 $(( DEADLINE - $(date +%s) - 15 )) \
+          python3 benchmarks/serving/changing_mix.py --layout "$lay" --model $B8 --dtype bfloat16 \
+          --load-format dummy --no-progress --out-dir "$mixdir" --log-dir "$mixdir/logs" ${MIX_ARGS:-})
+        tar czf "$OUT/changing_mix.tgz" -C /tmp changing_mix
+      done
+      python3 benchmarks/serving/changing_mix.py --report --out-dir "$mixdir" > "$OUT/changing_mix.txt" 2>&1
+      cat "$mixdir/summary.txt" >> "$OUT/summary.txt"
+      for f in "$mixdir"/mix_*.txt; do echo "--- $f"; grep -E "^==|up in|elastic:|goodput|error" "$f"; done \
+        >> "$OUT/changing_mix.txt"
+      tar czf "$OUT/changing_mix.tgz" -C /tmp changing_mix
+      cat "$OUT/changing_mix.txt" ;;
     pack) tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -77,10 +77,14 @@ def launch_stack(model: str, roles: list[str], devices: list[str], worker_args: 
     """Workers (one OS process each, on the device given) and a router in front: the same
     process manager as `tandem up`, logs to files, this checkout on the children's path.
     role_args[role] go to that role's workers after worker_args."""
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return LocalStack(model, roles, devices, worker_args=worker_args, role_args=role_args,
                       router_args=["--grpc-port", "0", "--http-port", "0", *router_args],
-                      log_dir=log_dir, env=env, metrics=True)
+                      log_dir=log_dir, env=launch_env(), metrics=True)
+
+
+def launch_env() -> dict[str, str]:
+    """The launched processes' environment: this checkout first on their path."""
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
 def describe_workers(stack: LocalStack) -> list[dict]:
