@@ -221,13 +221,18 @@ class Follower:
                 self._ended.append(self.now())
 
     def stop(self) -> list[dict]:
-        """Stop following; every role change as it went (asked_s, ended_s: from t0)."""
+        """Stop following; every role change as it went (asked_s, ended_s: from t0), the one
+        still under way last (ended_s None)."""
         self._stop.set()
         self._thread.join()
+        changes = list(self.supervisor.conversions)
+        if self.supervisor.conversion is not None:
+            changes.append(self.supervisor.conversion)
+        ended = self._ended + [None] * len(changes)
         return [{"worker": c.name, "became": c.new_name, "role": c.role, "reason": c.reason,
                  "done": c.done, "failed": c.failed, "moved": c.moved, "finished": c.finished,
-                 "left": c.left, "asked_s": asked, "ended_s": ended}
-                for c, asked, ended in zip(self.supervisor.conversions, self._asked, self._ended)]
+                 "left": c.left, "asked_s": asked, "ended_s": end}
+                for c, asked, end in zip(changes, self._asked, ended)]
 
 
 # -- one layout ----------------------------------------------------------------------------------
@@ -266,6 +271,8 @@ def run_layout(a: argparse.Namespace, lay: MixLayout, phases: list[Phase],
            "devices": lay.devices, "model": a.model, "dtype": a.dtype,
            "engine_args": passthrough, "router_args": stack.router_args,
            "phases": [vars(p) for p in phases], "environment": common.environment(),
+           "slo": {"ttft_ms": a.slo_ttft_ms, "itl_ms": a.slo_itl_ms,
+                   "per_request_itl": a.goodput_itl},
            "command": " ".join(["benchmarks/serving/changing_mix.py", *a.argv])}
     follower = None
     t = time.perf_counter()
@@ -329,11 +336,16 @@ def ratios(runs: list[dict], slo: tuple[float, float, str]) -> dict:
     return out
 
 
-def report(out_dir: Path, slo: tuple[float, float, str]) -> dict:
+def report(out_dir: Path, slo: tuple[float | None, float | None, str]) -> dict:
+    """The table of every finished layout-*.json in out_dir, goodput under `slo`: the SLOs
+    the first run stored where one is None."""
     runs = [json.loads(p.read_text()) for p in sorted(out_dir.glob("layout-*.json"))]
     runs = [r for r in runs if r.get("requests")]
     if not runs:
         raise SystemExit(f"changing_mix.py: no finished layout-*.json in {out_dir}")
+    stored = runs[0].get("slo") or {"ttft_ms": 1000.0, "itl_ms": 50.0}
+    slo = (stored["ttft_ms"] if slo[0] is None else slo[0],
+           stored["itl_ms"] if slo[1] is None else slo[1], slo[2])
     phases = [p["name"] for p in runs[0]["phases"]]
     differ = [r["label"] for r in runs if [p["name"] for p in r["phases"]] != phases
               or r["phases"] != runs[0]["phases"]]
@@ -368,7 +380,8 @@ def report(out_dir: Path, slo: tuple[float, float, str]) -> dict:
         for c in r.get("role_changes") or []:
             print(f"  {r['label']} role change: {c['worker']} -> {c.get('became') or '?'} "
                   f"asked at {common.fmt(c.get('asked_s'))} s, ended at "
-                  f"{common.fmt(c.get('ended_s'))} s{'' if c['done'] else ' (failed)'} "
+                  f"{common.fmt(c.get('ended_s'))} s"
+                  f"{'' if c['done'] else ' (not done: ' + (c.get('failed') or 'under way') + ')'} "
                   f"({c['reason']})")
     out = {"slo": {"ttft_ms": slo[0], "itl_ms": slo[1], "per_request_itl": slo[2]},
            "cards": cards, "phases": runs[0]["phases"], "rows": rows, "ratios": rat}
@@ -405,9 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_stack_args(p, devices=False)
     add_workload_args(p)
     serve.add_load_args(p, single_run=False)
-    # BENCHMARKS' SLOs for 8B; a request still running a minute after it was sent cannot meet
-    # them, and cutting it keeps an overloaded layout's run within its time.
-    p.set_defaults(slo_ttft_ms=1000.0, slo_itl_ms=50.0, request_timeout=60.0)
+    # SLOs: BENCHMARKS' for 8B (TTFT 1 s, ITL 50 ms) for a run; --report: the runs' own unless
+    # given. A request still running a minute after it was sent cannot meet them, and cutting
+    # it keeps an overloaded layout's run within its time.
+    p.set_defaults(slo_ttft_ms=None, slo_itl_ms=None, request_timeout=60.0)
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p
 
@@ -417,10 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     argv, passthrough = common.split_passthrough(raw)
     a = build_parser().parse_args(argv)
     a.argv = raw
-    slo = (a.slo_ttft_ms, a.slo_itl_ms, a.goodput_itl)
     if a.report:
-        report(a.out_dir, slo)
+        report(a.out_dir, (a.slo_ttft_ms, a.slo_itl_ms, a.goodput_itl))
         return 0
+    a.slo_ttft_ms = 1000.0 if a.slo_ttft_ms is None else a.slo_ttft_ms
+    a.slo_itl_ms = 50.0 if a.slo_itl_ms is None else a.slo_itl_ms
+    slo = (a.slo_ttft_ms, a.slo_itl_ms, a.goodput_itl)
     if not a.layout or not a.model:
         raise SystemExit("changing_mix.py: --layout and --model are required (or --report)")
     phases = [parse_phase(t) for t in a.phases]
