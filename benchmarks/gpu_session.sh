@@ -232,15 +232,15 @@ for stage in "$@"; do
         --out "$OUT/migration_stall.json" --log-dir "$OUT/migration_stall_logs" ;;
     changing_mix)  # elastic against static and colocated layouts on 4 GPUs: MIX_LAYOUTS (default
       # "elastic 2P2D 4C 1P3D 3P1D") in turn, each on a fresh stack through the same phases
-      # (MIX_ARGS: more flags, e.g. --phases ...); a layout starts only while MIX_LAYOUT_S (220)
+      # (MIX_ARGS: more flags, e.g. --phases ...); a layout starts only while MIX_LAYOUT_S (170)
       # seconds are left before the deadline (LIMIT). JSON and logs of every layout to
       # $OUT/changing_mix.tgz, rewritten after each; the table of those run to $OUT/changing_mix.txt.
       # Layouts of several calls: untar them into one folder, then `changing_mix.py --report`.
       mixdir=/tmp/changing_mix
       mkdir -p "$mixdir/logs"
       for lay in ${MIX_LAYOUTS:-elastic 2P2D 4C 1P3D 3P1D}; do
-        if [ $(( DEADLINE - $(date +%s) )) -lt "${MIX_LAYOUT_S:-220}" ]; then
-          echo "=== mix_$lay skipped: under ${MIX_LAYOUT_S:-220} s left" | tee -a "$OUT/summary.txt"
+        if [ $(( DEADLINE - $(date +%s) )) -lt "${MIX_LAYOUT_S:-170}" ]; then
+          echo "=== mix_$lay skipped: under ${MIX_LAYOUT_S:-170} s left" | tee -a "$OUT/summary.txt"
           continue
         fi
         # shellcheck disable=SC2086  # MIX_ARGS are words
