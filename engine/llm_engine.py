@@ -43,7 +43,7 @@ from tandem.engine.config import EngineConfig, ModelConfig
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.kv_connector import PullDone, connector_for
 from tandem.engine.kv_manager import KVCacheManager
-from tandem.engine.migration import Migrations, Tokens
+from tandem.engine.migration import Migrations, Resumed, Tokens
 from tandem.engine.model_runner import ModelRunner, PoolFactory
 from tandem.engine.model_source import resolve_model
 from tandem.engine.sampler import SampleRow
@@ -306,6 +306,8 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         t0 = time.perf_counter()
+        # A request moved here live: its switch is timed, from the HandOver to its first token.
+        timed = time.monotonic() if self.migrations.resumed else 0.0
         connector = self.kv_connector
         if len(connector):
             connector.expire()
@@ -346,6 +348,8 @@ class LLMEngine:
         if connector.waiting:  # the step in flight resolved: a pull waiting on it may start
             outputs += self._poll_pulls(idle=not batch.seqs)
         self.scheduler.remove_finished()
+        if timed and self.migrations.resumed:
+            self._time_resumed(batch, timed, outputs)
         self.last_execute_s = sum(r.execute_s for r in ran)
         self.last_step = StepStats(len(batch.seqs), batch.num_tokens, batch.num_decodes,
                                    len(batch.preempted), time.perf_counter() - t0,
@@ -487,7 +491,7 @@ class LLMEngine:
         while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:  # a step in flight's
             seq.token_ids.pop()
         self.kv_connector.drop(seq)
-        if self.migrations.parked or self.migrations.early:
+        if self.migrations.parked or self.migrations.early or self.migrations.resumed:
             self.migrations.forget(seq.request_id)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
@@ -586,12 +590,41 @@ class LLMEngine:
             return None
         return self.migrations.lend(seqs, self.pipeline.inflight is not None)
 
-    def hand_over(self, request_id: str, tokens: Tokens) -> None:
+    def hand_over(self, request_id: str, tokens: Tokens, received: float = 0.0) -> None:
         """Destination: the source stopped the request; `tokens`, per sample, are those it
-        made since the request was sent here. Recorded, and it decodes on."""
-        got = self.migrations.take(request_id, tokens, request_id in self.requests)
+        made since the request was sent here. Recorded, and it decodes on. `received`: when
+        its worker got the HandOver (time.monotonic()), for the switch's timing log."""
+        known = request_id in self.requests
+        got = self.migrations.take(request_id, tokens, known)
+        if known:
+            self.migrations.resumed.setdefault(request_id, Resumed()).received = (
+                received or time.monotonic())
         if got is not None:
             self.deferred += self._resume_moved(*got, tokens)
+
+    def _time_resumed(self, batch: ScheduledBatch, started: float,
+                      outputs: list[SeqOutput]) -> None:
+        """The switch's timing of requests handed over here (engine/migration.py Resumed):
+        the step that computes a tail, then the first token, logged once per request."""
+        resumed = self.migrations.resumed
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            r = resumed.get(seq.request_id)
+            if r is not None and r.applied and not r.scheduled:
+                r.scheduled, r.tail_tokens = started, n
+                r.decode_rows = n > 1 and getattr(self.runner, "last_decode_rows", False)
+        for r in resumed.values():
+            r.steps += bool(r.applied)
+        now = time.monotonic()
+        for o in outputs:
+            r = resumed.get(o.request_id)
+            if r is None or not r.applied or not o.new_token_ids:
+                continue
+            del resumed[o.request_id]
+            r.first_token = now
+            log.info("moved request %s: first token here %.2f ms after its HandOver reached "
+                     "this worker (tail of %d tokens as %s) %s", o.request_id,
+                     (now - (r.received or r.applied)) * 1e3, r.tail_tokens,
+                     "decode rows" if r.decode_rows else "a chunk", r.log_fields())
 
     def _park(self, seq: Sequence, remote: RemoteKV) -> list[SeqOutput]:
         """A moving request's KV is pulled: out of the batch until its HandOver."""
@@ -614,6 +647,7 @@ class LLMEngine:
         except InvalidArgument as e:
             return self.fail([seq.request_id], str(e))
         self.scheduler.running.append(seq)
+        self.migrations.resumed.setdefault(seq.request_id, Resumed()).applied = time.monotonic()
         outputs = self._start_decoding(seq, remote)
         if remote.num_tokens > seq.num_prompt_tokens and not seq.is_finished:
             seq.num_computed_tokens = remote.num_tokens  # the outputs' KV came too

@@ -23,7 +23,9 @@ Plain Python, no torch.
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import asdict, dataclass
 
 from tandem.engine.config import cdiv
 from tandem.engine.kv_connector import LeaseHolder
@@ -31,6 +33,27 @@ from tandem.engine.sequence import Lent, RemoteKV, Sequence, Status
 from tandem.kvtransfer.lease import prompt_digest
 
 Tokens = tuple[tuple[int, ...], ...]  # per sample
+
+
+@dataclass
+class Resumed:
+    """A moved request at the destination, from its pull to its first token sampled here:
+    when each part of the switch happened (time.monotonic(): one clock for every process of
+    a host, so a client on the same host can line these up with its own; 0: not known), and
+    how its tail (the tokens its source made after lending its KV) was computed."""
+
+    parked: float = 0.0  # its KV pulled: waiting for the HandOver
+    received: float = 0.0  # the worker got the HandOver
+    applied: float = 0.0  # the engine recorded its tokens (between two steps)
+    scheduled: float = 0.0  # the start of the step that computed its tail
+    first_token: float = 0.0  # the end of the step whose outputs carry its first token here
+    tail_tokens: int = 0  # tokens whose KV that step computed (the last one's sampled from)
+    decode_rows: bool = False  # ... as decode rows (engine/model_runner.py _as_decode_rows)
+    steps: int = 0  # engine steps from the HandOver to that first token
+
+    def log_fields(self) -> str:
+        """`timing={...}`: what benchmarks/serving/migration_stall.py reads from the log."""
+        return "timing=" + json.dumps(asdict(self), separators=(",", ":"))
 
 
 class Migrations:
@@ -41,6 +64,8 @@ class Migrations:
         self.parked: dict[str, tuple[Sequence, RemoteKV]] = {}
         # Destination: HandOvers that came before their request's pull was done.
         self.early: dict[str, Tokens] = {}
+        # Destination: requests handed over whose first token here is still to come.
+        self.resumed: dict[str, Resumed] = {}
         self.num_lent = 0
 
     # -- source --------------------------------------------------------------------------------
@@ -79,6 +104,7 @@ class Migrations:
         early = self.early.pop(seq.request_id, None)
         if early is None:
             self.parked[seq.request_id] = (seq, remote)
+        self.resumed.setdefault(seq.request_id, Resumed()).parked = time.monotonic()
         return early
 
     def take(self, request_id: str, tokens: Tokens, known: bool
@@ -94,3 +120,4 @@ class Migrations:
         """The request ended (aborted, failed) whatever its state."""
         self.parked.pop(request_id, None)
         self.early.pop(request_id, None)
+        self.resumed.pop(request_id, None)

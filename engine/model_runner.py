@@ -120,6 +120,8 @@ class ModelRunner:
         # tensor parallelism (its steps are broadcast and replayed eagerly there).
         mixed = use_graphs and mixed_cuda_graphs and self.tp is None
         self.mixed_graphs: MixedGraphRunner | None = None
+        # Whether the last step's multi-token rows ran as decode rows (_as_decode_rows).
+        self.last_decode_rows = False
         self.num_blocks = cache_config.num_blocks or self._pool_blocks(
             cache_config, max_num_batched_tokens, max_model_len, max_num_seqs, graph_bs, mixed)
         if self.tp is not None:  # block ids mean the same on every rank: one pool size
@@ -316,10 +318,11 @@ class ModelRunner:
         rows: list[int] = []
         mirror_row = self.block_tables.row
         width = max(len(s.block_ids) for s in batch.seqs)
-        # Verify rows as decode rows, unless there are decode graphs and too few rows in them
-        # (the mixed-step graphs may hold the step as chunks).
-        as_decodes = _verifies_as_decodes(batch) and (
+        # Verify rows and short tails as decode rows, unless there are decode graphs and too
+        # few rows in them (the mixed-step graphs may hold the step as chunks).
+        as_decodes = _as_decode_rows(batch) and (
             self.graphs is None or self.graphs.can_run(batch.num_tokens, width))
+        self.last_decode_rows = as_decodes
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             end = start + n
@@ -430,12 +433,28 @@ class StepInputs:
     use_mixed_graph: bool = False  # a step with prefill chunks that a captured graph replays
 
 
-def _verifies_as_decodes(batch: ScheduledBatch) -> bool:
-    """Whether this step runs as a decode step although some sequences carry drafts: every
-    sequence decodes one token or verifies drafts (engine/spec_decode/), and some verify.
+# A tail longer than this stays a chunk: each decode row reads its sequence's whole context
+# (adjacent rows of one sequence share those reads through the L2 cache, mostly), where the
+# prefill kernel reads it once per query tile. The tail of a request moved here live is the
+# tokens its source made while this worker pulled its KV: about (pull time / step time).
+MAX_TAIL_ROWS = 32
 
-    A verify row of k drafts after its last token at position L then becomes 1 + k decode
-    rows on the sequence's block table, row i at position L + i with a context of L + i + 1:
+
+def _as_decode_rows(batch: ScheduledBatch) -> bool:
+    """Whether this step runs as a decode step although some sequences compute several
+    tokens: every sequence decodes one token, verifies drafts (engine/spec_decode/), or
+    computes a short tail of its outputs, and some do more than one.
+
+    A tail: the KV of a few output tokens the sequence has but never computed here, at most
+    MAX_TAIL_ROWS of them, past its prompt (no prompt logprobs among them). A request moved
+    here live (engine/migration.py) has one at its HandOver, the tokens its source made after
+    lending its KV; so has a forked sample that recomputes its outputs. As a chunk over a long
+    context it would take the prefill kernel, which does not split a context between programs
+    the way the decode kernel does (a 32k-token context: tens of decode steps' time).
+
+    A verify row of k drafts after its last token at position L, or a tail of 1 + k tokens
+    from position L, then becomes 1 + k decode rows on the sequence's block table, row i at
+    position L + i with a context of L + i + 1:
 
         position  0 .. L-1 | L    L+1  L+2  L+3
         row 0     context  | q                     context L + 1
@@ -444,18 +463,22 @@ def _verifies_as_decodes(batch: ScheduledBatch) -> bool:
         row 3     context  | k    k    k    q      context L + 4
 
     Every row's KV is stored before any row attends (as in every step), so row i reads the
-    drafts before it from the pool; each row ends up with exactly the keys and the causal
+    tokens before it from the pool; each row ends up with exactly the keys and the causal
     mask the chunk's query i has. The flattened token order is the chunk's, so the sampled
     rows' indices mean what they meant. Such a step runs through the decode attention kernel
     and replays the decode CUDA graph of its row count, where a chunk would take the prefill
     kernel and a mixed-step graph; a step with prompt chunks as well stays a mixed step."""
-    verifies = False
+    several = False
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         if n > 1:
-            if not seq.spec_token_ids or seq.num_computed_tokens + n <= len(seq.token_ids):
+            start = seq.num_computed_tokens
+            if seq.spec_token_ids:  # a verify row: its drafts after its last token
+                if start + n <= len(seq.token_ids):
+                    return False
+            elif n > MAX_TAIL_ROWS or start < seq.num_prompt_tokens:
                 return False
-            verifies = True
-    return verifies
+            several = True
+    return several
 
 
 def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -80,6 +82,8 @@ class LiveMove:
         self._counted = True
         self.ready = asyncio.ensure_future(self._ready())
         self.error: BaseException | None = None
+        # When the destination's ready came (time.monotonic()): the switch is timed from it.
+        self.ready_at = 0.0
 
     async def _ready(self) -> bool:
         """Whether the destination pulled the KV (its first update says so); False if it
@@ -92,6 +96,7 @@ class LiveMove:
         if not update.ready:
             self.error = RuntimeError("the destination answered before its pull")
             return False
+        self.ready_at = time.monotonic()
         return True
 
     def hand_over(self) -> bool:
@@ -111,9 +116,13 @@ class LiveMove:
             attrs["tandem.rebalance.reason"] = self.reason
         trace.get_current_span(self.legs.ctx).add_event("live_migrated", attrs)
         self.legs.orch.workers.metrics.live_migrations.labels("handed_over").inc()
-        log.info("moved %s live from %s to %s (%s; %d tokens' KV pulled, %d handed over)",
-                 self.legs.rid, self.src.address, self.dst.address, self.cause,
-                 self.kv.num_tokens, made)
+        # The switch's timing on this host's monotonic clock, as the destination logs the rest
+        # (engine/migration.py Resumed): benchmarks/serving/migration_stall.py reads both.
+        timing = {"ready": self.ready_at, "handover_sent": time.monotonic(),
+                  "tokens_so_far": attrs["tandem.tokens_so_far"], "handed_over": made}
+        log.info("moved %s live from %s to %s (%s; %d tokens' KV pulled, %d handed over) "
+                 "timing=%s", self.legs.rid, self.src.address, self.dst.address, self.cause,
+                 self.kv.num_tokens, made, json.dumps(timing, separators=(",", ":")))
         return sent
 
     async def abandon(self) -> None:

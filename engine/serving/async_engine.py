@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -263,7 +264,7 @@ class AsyncEngine:
     def hand_over(self, request_id: str, tokens: tuple[tuple[int, ...], ...]) -> None:
         """Decode role, live migration's destination: the request decodes on here, with the
         tokens the source made since it was sent (checked by the caller)."""
-        self.post(HandOver(request_id, tokens))
+        self.post(HandOver(request_id, tokens, time.monotonic()))
 
     async def map_pool(self, address: str, descriptor: Any, instance_id: str = "") -> None:
         """Decode role: map a prefill worker's pool in the core (once per address and worker

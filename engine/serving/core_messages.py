@@ -205,6 +205,7 @@ class HandOver:
 
     request_id: str
     tokens: tuple[tuple[int, ...], ...]
+    received: float = 0.0  # when the worker got it (time.monotonic()): the switch is timed
 
 
 @dataclass(frozen=True, slots=True)

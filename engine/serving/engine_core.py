@@ -267,7 +267,7 @@ class EngineCore:
         return self.engine.lend(cmd.request_id)
 
     def _hand_over(self, cmd: HandOver) -> None:
-        self.engine.hand_over(cmd.request_id, cmd.tokens)
+        self.engine.hand_over(cmd.request_id, cmd.tokens, cmd.received)
 
     def _take_snapshot(self, _: TakeSnapshot) -> EngineSnapshot:
         return self._snapshot()

@@ -256,7 +256,7 @@ def _as_verify_rows(batch: ScheduledBatch) -> list[Sequence]:
     eagerly. Such short catch-ups, ending at the sequence's end, are handed to the runner as
     a verify's are (the first token in token_ids, the rest in spec_token_ids): a pass of only
     those and one-token rows then runs as decode rows and replays a decode CUDA graph
-    (engine/model_runner.py `_verifies_as_decodes`); the same KV and logits either way.
+    (engine/model_runner.py `_as_decode_rows`); the same KV and logits either way.
     Returns the sequences changed, whose tokens _forward puts back after the pass."""
     moved = []
     for d, n in zip(batch.seqs, batch.num_new_tokens):

@@ -230,3 +230,63 @@ def test_a_sample_done_by_its_handover_is_not_scheduled_again(engines):
     assert {o.sample_index for o in outs if o.finish_reason is not None} == {0, 1}
     assert prefill.kv_connector.release(c.prefill_lease)
     assert dst.is_idle() and src.is_idle()
+
+
+def test_a_moved_requests_tail_runs_as_decode_rows(engines, caplog):
+    """At its HandOver a moved request has a tail: the tokens its source made after lending
+    its KV, whose KV the destination computes before it samples on. That tail runs as decode
+    rows (engine/model_runner.py _as_decode_rows: the decode kernel and CUDA graphs, which
+    split a long context between programs), not as a prefill chunk; the output stays the
+    offline engine's, and the switch's timing is logged once (engine/migration.py Resumed)."""
+    offline, prefill, decodes, _ = engines
+    src, dst = decodes["A"], decodes["B"]
+    params, prompt = PARAMS[1], PROMPTS[9]  # seeded sampling, a 50-token prompt
+    (out,) = offline.generate([prompt], [params])
+    c = start(prefill, src, "A", "t0", prompt, params)
+    while len(c.tokens[0]) < 5:
+        for o in src.step():
+            c.tokens[0] += o.new_token_ids
+    lent = src.lend("t0")
+    assert lent is not None
+    sent = len(c.tokens[0])
+    dst.add_remote_request("t0", prompt, params, RemoteKV(
+        "A", lent.lease_id, float("inf"), lent.block_ids, (c.tokens[0][0],), (None,),
+        (tuple(c.tokens[0][1:]),), "", lent.num_tokens, True))
+    while "t0" not in dst.migrations.parked:
+        dst.step()
+    while len(c.tokens[0]) < sent + 6:  # the source decodes on meanwhile
+        for o in src.step():
+            c.tokens[0] += o.new_token_ids
+    src.abort("t0")
+    assert src.kv_connector.release(lent.lease_id)  # the destination's Release
+    steps: list = []  # (request's new tokens, the step's query lengths) of each step with it
+    step_inputs = dst.runner.step_inputs
+
+    def watched(batch, row_token_index):
+        inputs = step_inputs(batch, row_token_index)
+        steps.extend((n, inputs.query_lens) for s, n in zip(batch.seqs, batch.num_new_tokens)
+                     if s.request_id == "t0")
+        return inputs
+
+    dst.runner.step_inputs = watched
+    try:
+        with caplog.at_level("INFO", logger="tandem.engine.llm_engine"):
+            dst.hand_over("t0", (tuple(c.tokens[0][sent:]),))
+            for o in _drain(dst, "t0"):
+                c.tokens[0] += o.new_token_ids
+    finally:
+        del dst.runner.step_inputs
+    assert c.tokens[0] == out.outputs[0].token_ids
+    tail, query_lens = steps[0]
+    # Its KV held the tokens before the source's last step in flight; the tail is the rest.
+    assert tail == len(prompt) + sent + 6 - lent.num_tokens > 6
+    assert query_lens == [1] * tail  # decode rows: one per tail token
+    (line,) = [r.getMessage() for r in caplog.records if "moved request t0" in r.getMessage()]
+    assert f"tail of {tail} tokens as decode rows" in line
+    timing = json.loads(line.split("timing=", 1)[1])
+    assert 0 < timing["parked"] <= timing["received"] <= timing["applied"] \
+        <= timing["scheduled"] <= timing["first_token"]
+    assert timing["tail_tokens"] == tail and timing["decode_rows"]
+    assert not dst.migrations.resumed
+    assert prefill.kv_connector.release(c.prefill_lease)
+    assert dst.is_idle() and src.is_idle()

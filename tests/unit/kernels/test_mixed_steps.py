@@ -50,7 +50,7 @@ def test_mixed_step_buffers_give_the_eager_tokens(tiny_models):
 def test_verify_steps_replay_decode_graphs(tiny_models, graph_rows):
     """Speculative decoding's verify steps (a decode carrying 1 + k tokens, engine/spec_decode/)
     whose only multi-token chunks are verify rows run as decode steps of 1 + k rows per
-    verifying sequence (engine/model_runner.py _verifies_as_decodes): replayed from the decode
+    verifying sequence (engine/model_runner.py _as_decode_rows): replayed from the decode
     CUDA graphs' buffers, not the mixed-step ones, they give the tokens of a run without
     speculation. Verify rows beside prompt chunks, or more rows than the decode graphs hold
     (graph_rows 8), stay mixed steps and give them too."""
