@@ -19,19 +19,28 @@ of the same requests (greedy, ignore_eos), each the long one (--long-tokens prom
              decode1 pulls it while decode0 decodes on, the router hands it over.
 Every token's arrival time is recorded per stream. Reported: the decode step before the move
 (the long request's median inter-token gap, per token of each chunk), the longest gap of the moved request and of the
-others from the move's start to --window steps after its hand-over, in steps (the same window
+others from the move's start to --window steps after the first token past its hand-over, in steps (the same window
 of the reference run beside them: a gap of 1 step is no stall), the time from the move's start
 to hand-over (Move's answer: decode0 lent the KV until the router took the request away), and
 whether every stream's tokens equal the reference run's.
+
+Where the moved request's gap goes (the switch), on the host's monotonic clock that the router's
+and decode1's log lines carry (`timing={...}`: router_svc/live_migration.py, engine/migration.py
+Resumed), from the last token the client got from decode0: decode1 parked the request (its KV
+pulled), the router got decode1's ready, sent the HandOver, decode1's worker got it, its engine
+applied it, started the step that computes the tail (the tokens decode0 made after lending its
+KV: as decode rows or a chunk), sampled the first token; the client got it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -137,6 +146,31 @@ def step_time(s: Stream, t0: float) -> float:
     return statistics.median(per_token[len(per_token) // 4:])
 
 
+async def warm_directly(worker, prompt: list[int]) -> None:
+    """A few steps on a decode worker the router does not route to yet: a request without a
+    lease, prefilled and decoded there (its Stream call), read to its end."""
+    from tandem.engine.sampling_params import SamplingParams
+    from tandem.runtime.convert import params_to_proto
+    from tandem.v1 import worker_pb2
+
+    params = params_to_proto(SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    done = asyncio.Event()
+
+    async def sent():
+        yield worker_pb2.StreamRequest(decode=worker_pb2.DecodeRequest(
+            request_id="warmup-decode1", prompt_token_ids=prompt, params=params))
+        await done.wait()  # the call stays open until the request has ended
+
+    call = worker.Stream(sent())
+    try:
+        async for m in call:
+            if any(u.request_id == "warmup-decode1" and u.done for u in m.updates):
+                break
+    finally:
+        done.set()
+        call.cancel()
+
+
 # -- the stack -------------------------------------------------------------------------------------
 def write_members(path: Path, lines: list[str]) -> None:
     tmp = path.with_suffix(".tmp")
@@ -213,7 +247,7 @@ async def one_run(a, stub, prompts: dict[str, list[int]], tag: str, before_move=
     return streams, moved
 
 
-async def measure(a: argparse.Namespace, procs: dict, members: Path) -> dict:
+async def measure(a: argparse.Namespace, procs: dict, members: Path, log_dir: Path) -> dict:
     import grpc
     import httpx
 
@@ -232,9 +266,13 @@ async def measure(a: argparse.Namespace, procs: dict, members: Path) -> dict:
             httpx.AsyncClient(base_url=f"http://127.0.0.1:{router.http_port}") as h:
         stub = api_pb2_grpc.TandemStub(ch)
         worker0 = worker_pb2_grpc.WorkerStub(w0)
-        # Warm-up: each shape's first steps (and the prefix cache holds nothing of the runs').
-        await stream(stub, "warmup", prompts["other0"][:8] if a.others else [1, 2, 3], 8,
-                     Stream())
+        # Warm-up: each shape's first steps (and the prefix cache holds nothing of the runs'),
+        # on decode0 through the router and on decode1 directly (a destination that has served
+        # before, as in a running deployment: its first step is not the process's first).
+        warm = prompts["other0"][:8] if a.others else [1, 2, 3]
+        await stream(stub, "warmup", warm, 8, Stream())
+        async with grpc.aio.insecure_channel(d1.address) as w1:
+            await warm_directly(worker_pb2_grpc.WorkerStub(w1), warm)
         ref, _ = await one_run(a, stub, prompts, "ref")
 
         async def add_decode1() -> None:
@@ -248,15 +286,65 @@ async def measure(a: argparse.Namespace, procs: dict, members: Path) -> dict:
         runs, mv = await one_run(a, stub, prompts, "moved", add_decode1, move)
         async with grpc.aio.insecure_channel(d1.address) as w1:
             l1 = await worker_pb2_grpc.WorkerStub(w1).GetLoad(worker_pb2.GetLoadRequest())
-    return report(a, ref, runs, mv, l1)
+    return report(a, ref, runs, mv, l1, switch_timing(log_dir, "long-moved"))
 
 
-def report(a, ref: dict[str, Stream], runs: dict[str, Stream], mv: dict, l1) -> dict:
+# -- the switch's timing, from the logs ------------------------------------------------------------
+TIMING = re.compile(r"timing=(\{.*?\})")
+# (field, what happened then), in order; "client_last" and "client_first" are the client's.
+SWITCH = (("client_last", "client got decode0's last token"),
+          ("parked", "decode1 parked it (KV pulled)"),
+          ("ready", "router got decode1's ready"),
+          ("handover_sent", "router sent the HandOver"),
+          ("received", "decode1's worker got it"),
+          ("applied", "decode1's engine applied it"),
+          ("scheduled", "the tail's step started"),
+          ("first_token", "decode1 sampled the first token"),
+          ("client_first", "client got it"))
+
+
+def logged_timing(path: Path, rid: str) -> dict | None:
+    """The `timing={...}` fields of the log line about request `rid` in a service's log (JSON
+    lines, or plain text)."""
+    if not path.exists():
+        return None
+    for line in path.read_text(errors="replace").splitlines():
+        if rid not in line or "timing=" not in line:
+            continue
+        with contextlib.suppress(ValueError, AttributeError):  # a JSON line: its message
+            line = json.loads(line).get("event", line)
+        m = TIMING.search(line)
+        if m:
+            return json.loads(m.group(1))
+    return None
+
+
+def switch_timing(log_dir: Path, rid: str) -> dict:
+    """The router's and decode1's timing of the long request's switch (empty where a log has
+    none: a worker without the timing log)."""
+    return {**(logged_timing(log_dir / "router.log", rid) or {}),
+            **(logged_timing(log_dir / "decode1.log", rid) or {})}
+
+
+def switch_rows(long: Stream, timing: dict, step: float) -> list[tuple[str, str, float]]:
+    """(field, what, ms after the client's last decode0 token) for each known moment, the
+    client's two tokens around the switch placed by the count the router had handed over."""
+    k = timing.get("tokens_so_far")
+    if not k or k >= len(long.times):
+        return []
+    t = {**timing, "client_last": long.times[k - 1], "client_first": long.times[k]}
+    return [(f, what, (t[f] - t["client_last"]) * 1e3) for f, what in SWITCH if t.get(f)]
+
+
+def report(a, ref: dict[str, Stream], runs: dict[str, Stream], mv: dict, l1,
+           timing: dict) -> dict:
     long = runs["long"]
     step = step_time(long, mv["t0"])
     k = sum(t <= mv["t0"] for t in long.times)  # the mean gap before the move, past warm-up
     tpot = (long.times[k - 1] - long.times[k // 4]) / max(k - 1 - k // 4, 1)
-    end = mv["t1"] + a.window * step
+    # From the hand-over's first token on (a slow one would otherwise fall past the window).
+    after = [t for t in long.times if t > mv["t1"]]
+    end = (after[0] if after else mv["t1"]) + a.window * step
     # The reference run's matching window: the same token positions of the long request.
     k0, k1 = mv["tokens_then"], sum(t <= end for t in long.times)
     r_long = ref["long"]
@@ -276,6 +364,10 @@ def report(a, ref: dict[str, Stream], runs: dict[str, Stream], mv: dict, l1) -> 
             "long_stall_steps": rows["long"]["longest_gap_steps"] - 1,
             "others_stall_steps": max((r["longest_gap_steps"] for r in others),
                                       default=1.0) - 1,
+            "switch": {"timing": timing, "tail_tokens": timing.get("tail_tokens"),
+                       "tail_as_decode_rows": timing.get("decode_rows"),
+                       "ms_after_last_source_token": {
+                           f: ms for f, _, ms in switch_rows(long, timing, step)}},
             "decode1_migrations_in": l1.migrations_in,
             "decode1_kv_blocks_migrated": l1.kv_blocks_migrated,
             "streams": rows}
@@ -301,6 +393,24 @@ def print_table(a, r: dict) -> None:
               f"{row['tokens_equal_reference']!s:>17}")
     print(f"\nstall (longest gap - 1 step): moved request {r['long_stall_steps']:.2f} steps, "
           f"others {r['others_stall_steps']:.2f} steps")
+    print_switch(r)
+
+
+def print_switch(r: dict) -> None:
+    sw = r["switch"]
+    ms = sw["ms_after_last_source_token"]
+    if not ms:
+        print("\nswitch: no timing in the router's and decode1's logs")
+        return
+    tail = sw["tail_tokens"]
+    how = "decode rows" if sw["tail_as_decode_rows"] else "a chunk"
+    print(f"\nthe moved request's switch (tail: {tail} tokens as {how}), ms after the client's "
+          f"last token from decode0 (steps of {r['step_ms']:.2f} ms):")
+    prev = None
+    for f, what in sorted((x for x in SWITCH if x[0] in ms), key=lambda x: ms[x[0]]):
+        since = "" if prev is None else f"  (+{ms[f] - prev:.2f})"
+        print(f"  {what:<34} {ms[f]:>9.2f} ms {ms[f] / r['step_ms']:>6.2f} steps{since}")
+        prev = ms[f]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({a.num_blocks} blocks each)", flush=True)
     stack, procs, members = start_stack(a)
     try:
-        r = asyncio.run(measure(a, procs, members))
+        r = asyncio.run(measure(a, procs, members, stack.log_dir))
     finally:
         stack.stop()
     print_table(a, r)
