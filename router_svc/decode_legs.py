@@ -360,6 +360,7 @@ class DecodeLegs:
             async with aclosing(move.updates):
                 async for update in self._read(move.dst, move.updates, move.traced,
                                                move.request_id):
+                    move.first_update()
                     yield update
         finally:
             with contextlib.suppress(BaseException):

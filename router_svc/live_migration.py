@@ -82,8 +82,10 @@ class LiveMove:
         self._counted = True
         self.ready = asyncio.ensure_future(self._ready())
         self.error: BaseException | None = None
-        # When the destination's ready came (time.monotonic()): the switch is timed from it.
+        # When the destination's ready came (time.monotonic()): the switch is timed from it,
+        # to its first update after the HandOver (`first_update`).
         self.ready_at = 0.0
+        self._first_seen = False
 
     async def _ready(self) -> bool:
         """Whether the destination pulled the KV (its first update says so); False if it
@@ -124,6 +126,15 @@ class LiveMove:
                  "timing=%s", self.legs.rid, self.src.address, self.dst.address, self.cause,
                  self.kv.num_tokens, made, json.dumps(timing, separators=(",", ":")))
         return sent
+
+    def first_update(self) -> None:
+        """The destination's first update after the HandOver is here (its first tokens): the
+        switch's last timed moment on this side, logged once."""
+        if not self._first_seen:
+            self._first_seen = True
+            timing = {"router_first_token": time.monotonic()}
+            log.info("first update of %s from %s after its HandOver timing=%s", self.legs.rid,
+                     self.dst.address, json.dumps(timing, separators=(",", ":")))
 
     async def abandon(self) -> None:
         """The move is off (failed, or the request ended first): the destination's request is

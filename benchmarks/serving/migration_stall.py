@@ -29,7 +29,7 @@ and decode1's log lines carry (`timing={...}`: router_svc/live_migration.py, eng
 Resumed), from the last token the client got from decode0: decode1 parked the request (its KV
 pulled), the router got decode1's ready, sent the HandOver, decode1's worker got it, its engine
 applied it, started the step that computes the tail (the tokens decode0 made after lending its
-KV: as decode rows or a chunk), sampled the first token; the client got it.
+KV: as decode rows or a chunk), sampled the first token; the router got it, then the client.
 """
 
 from __future__ import annotations
@@ -238,11 +238,11 @@ async def one_run(a, stub, prompts: dict[str, list[int]], tag: str, before_move=
         while len(long.tokens) < a.move_after:
             long.grew.clear()
             await long.grew.wait()
-        t0 = time.monotonic()
+        t0, then = time.monotonic(), len(long.tokens)  # before Move answers: at the ask
         resp = await move(f"long-{tag}")
         moved = {"t0": t0, "t1": time.monotonic(), "moved": resp.moved,
                  "seconds": resp.seconds, "num_tokens": resp.num_tokens,
-                 "tokens_then": len(long.tokens)}
+                 "tokens_then": then}
     await asyncio.gather(*tasks)
     return streams, moved
 
@@ -300,14 +300,16 @@ SWITCH = (("client_last", "client got decode0's last token"),
           ("applied", "decode1's engine applied it"),
           ("scheduled", "the tail's step started"),
           ("first_token", "decode1 sampled the first token"),
+          ("router_first_token", "router got it"),
           ("client_first", "client got it"))
 
 
-def logged_timing(path: Path, rid: str) -> dict | None:
-    """The `timing={...}` fields of the log line about request `rid` in a service's log (JSON
-    lines, or plain text)."""
+def logged_timing(path: Path, rid: str) -> dict:
+    """The `timing={...}` fields of the log lines about request `rid` in a service's log (JSON
+    lines, or plain text), merged."""
+    got: dict = {}
     if not path.exists():
-        return None
+        return got
     for line in path.read_text(errors="replace").splitlines():
         if rid not in line or "timing=" not in line:
             continue
@@ -315,15 +317,15 @@ def logged_timing(path: Path, rid: str) -> dict | None:
             line = json.loads(line).get("event", line)
         m = TIMING.search(line)
         if m:
-            return json.loads(m.group(1))
-    return None
+            got.update(json.loads(m.group(1)))
+    return got
 
 
 def switch_timing(log_dir: Path, rid: str) -> dict:
     """The router's and decode1's timing of the long request's switch (empty where a log has
     none: a worker without the timing log)."""
-    return {**(logged_timing(log_dir / "router.log", rid) or {}),
-            **(logged_timing(log_dir / "decode1.log", rid) or {})}
+    return {**logged_timing(log_dir / "router.log", rid),
+            **logged_timing(log_dir / "decode1.log", rid)}
 
 
 def switch_rows(long: Stream, timing: dict, step: float) -> list[tuple[str, str, float]]:
