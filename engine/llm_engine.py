@@ -359,13 +359,16 @@ class LLMEngine:
         """Drafts for this step's decodes (engine/spec_decode/). They continue each
         sequence's last token, so a pipelined step in flight is resolved first, unless no
         sequence may get a draft in this step (the batch too large, every sequence opted
-        out or paused for low acceptance)."""
+        out or paused for low acceptance) or none is expected to (the proposer's guess from
+        the tokens known): then the step stays pipelined, without drafts."""
         ran = []
-        wanted = self.spec.begin_step(self.scheduler.running, bool(self.scheduler.waiting))
-        if self.pipeline.inflight is not None and wanted:
+        spec, running = self.spec, self.scheduler.running
+        wanted = spec.begin_step(running, bool(self.scheduler.waiting))
+        if (wanted and self.pipeline.inflight is not None
+                and spec.expects_draft(running, self.max_model_len)):
             ran.append(self.pipeline.resolve(self.pipeline.take_inflight()))
             self.scheduler.remove_finished()
-        self.spec.propose(self.scheduler.running, self.max_model_len)
+        spec.propose(self.scheduler.running, self.max_model_len)  # finished ones dropped
         return ran
 
     def _run(self, batch: ScheduledBatch) -> StepResult:
