@@ -22,7 +22,8 @@ than a synchronous step. A step runs synchronously, exactly as without the flag 
 flight resolved first, its finished sequences dropped from the batch), in role prefill, with
 tensor parallelism, and when its batch has a KV pull outside the device's stream order (NIXL),
 a preemption, or a sequence with penalties, logprobs, samples still to fork (n > 1), drafts
-to verify or tokens to replay. A step with a grammar row takes step N's tokens after launching
+to verify or tokens to replay (a step in flight is resolved for drafts only when one is
+expected: Speculator.expects_draft). A step with a grammar row takes step N's tokens after launching
 its forward pass and before its sampling (the mask needs them).
 """
 

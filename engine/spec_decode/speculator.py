@@ -39,6 +39,11 @@ of its throughput, benchmarks/engine/spec_decode.py throughput). And a sample
 whose drafts are rarely accepted sits out a few steps before proposing again
 (engine/spec_decode/backoff.py), so it does not pay for proposals and verify rows it gains
 little from.
+
+Pipelined steps: a verify step is synchronous, and so is proposing while a step is in flight
+(the drafts continue its token). With a step in flight, `expects_draft` asks the proposer
+whether a draft is expected once that token is known; if no sequence expects one, the step
+stays pipelined without drafts (engine/llm_engine.py `_speculate`).
 """
 
 from __future__ import annotations
