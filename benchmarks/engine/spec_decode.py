@@ -150,6 +150,13 @@ def steps(a: argparse.Namespace) -> dict:
             in_execute[0] += time.thread_time() - t
 
     engine.runner.execute = timed
+    launch, behind = engine.pipeline.launch, [False]
+
+    def launched(batch, prev):  # pipelined: launched behind a step still in flight
+        behind[0] = prev is not None
+        return launch(batch, prev)
+
+    engine.pipeline.launch = launched
     c = engine.spec.counters
     out = {}
     for name, opt_in in (("plain", False), ("spec", True)):
@@ -160,14 +167,14 @@ def steps(a: argparse.Namespace) -> dict:
             engine.add_request(f"{name}{i}", prompt, SamplingParams(
                 temperature=0, max_tokens=a.max_tokens, speculative=opt_in))
             while engine.has_work():
-                in_execute[0] = 0.0
+                in_execute[0], behind[0] = 0.0, False
                 t = time.thread_time()
                 tokens += sum(len(o.new_token_ids) for o in engine.step())
                 cpu = time.thread_time() - t - in_execute[0]
                 s = engine.last_step
                 if s.num_seqs and s.num_tokens <= 1 + a.k:  # decode steps (prompts aside)
                     kind = ("verify" if s.num_tokens > 1 else
-                            "pipelined" if engine.pipeline.inflight is not None else "sync")
+                            "pipelined" if behind[0] else "sync")
                     host[kind].append(cpu)
         out[name] = {"tokens": tokens, **{kind: {"steps": len(v), "host_ms": 1e3 *
                                                  statistics.median(v) if v else 0.0}

@@ -129,7 +129,7 @@ def test_noisy_draft_same_tokens_every_accept_length(tiny_models, drafts, base):
     prompts = PROMPTS[2:6]  # 15 to 33 tokens (a block size of 4: many block boundaries)
     assert outputs(llm, prompts, GREEDY) == base[2:6]
     assert not wrong, wrong[0]
-    assert len(checked) > 30
+    assert len(checked) > 20  # fewer as failed probes pause longer
     assert llm.engine.spec.backoff.counters.num_pauses > 10
     c = llm.engine.spec.counters
     for j in range(K):  # drafts kept and rejected at every position
