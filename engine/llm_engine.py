@@ -22,7 +22,8 @@ than a synchronous step. A step runs synchronously, exactly as without the flag 
 flight resolved first, its finished sequences dropped from the batch), in role prefill, with
 tensor parallelism, and when its batch has a KV pull outside the device's stream order (NIXL),
 a preemption, or a sequence with penalties, logprobs, samples still to fork (n > 1), drafts
-to verify or tokens to replay. A step with a grammar row takes step N's tokens after launching
+to verify or tokens to replay (a step in flight is resolved for drafts only when one is
+expected: Speculator.expects_draft). A step with a grammar row takes step N's tokens after launching
 its forward pass and before its sampling (the mask needs them).
 """
 
@@ -363,13 +364,16 @@ class LLMEngine:
         """Drafts for this step's decodes (engine/spec_decode/). They continue each
         sequence's last token, so a pipelined step in flight is resolved first, unless no
         sequence may get a draft in this step (the batch too large, every sequence opted
-        out or paused for low acceptance)."""
+        out or paused for low acceptance) or none is expected to (the proposer's guess from
+        the tokens known): then the step stays pipelined, without drafts."""
         ran = []
-        wanted = self.spec.begin_step(self.scheduler.running, bool(self.scheduler.waiting))
-        if self.pipeline.inflight is not None and wanted:
+        spec, running = self.spec, self.scheduler.running
+        wanted = spec.begin_step(running, bool(self.scheduler.waiting))
+        if (wanted and self.pipeline.inflight is not None
+                and spec.expects_draft(running, self.max_model_len)):
             ran.append(self.pipeline.resolve(self.pipeline.take_inflight()))
             self.scheduler.remove_finished()
-        self.spec.propose(self.scheduler.running, self.max_model_len)
+        spec.propose(self.scheduler.running, self.max_model_len)  # finished ones dropped
         return ran
 
     def _run(self, batch: ScheduledBatch) -> StepResult:

@@ -14,6 +14,11 @@ Three measurements (docs/speculative.md):
   throughput a fixed workload at batch 64 and 256 with and without --speculative-method (the
              back-off keeps large batches from speculating): output tokens per second; each
              configuration in a child process of its own (--method runs one in this one).
+  steps      batch 1 on the prompt set with pipelined steps on (on the CPU too), each prompt
+             once without speculation and once with: the decode steps by kind (pipelined,
+             synchronous without drafts, verify) and the host's CPU time per step of each
+             kind (the step's thread CPU time less the model runner's execute); torch on one
+             thread, so the figures hold on a loaded machine.
 
 --method draft --draft-model PATH proposes with a draft model (same tokenizer) instead of
 prompt lookup, in latency and throughput; --min-acceptance sets the back-off by acceptance.
@@ -23,6 +28,7 @@ prompt lookup, in latency and throughput; --min-acceptance sets the back-off by 
         --load-format dummy --device cuda -k 3
     python benchmarks/engine/spec_decode.py throughput --model benchmarks/configs/llama-3.1-8b \
         --load-format dummy --device cuda --batch 64 256
+    python benchmarks/engine/spec_decode.py steps --max-tokens 64
     python benchmarks/engine/spec_decode.py latency --model Qwen/Qwen2.5-7B-Instruct \
         --method draft --draft-model Qwen/Qwen2.5-0.5B-Instruct --device cuda
 
@@ -42,6 +48,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import torch
+
 from benchmarks.lib.common import device_name
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
@@ -52,7 +60,8 @@ from tandem.engine.tokenizer import Tokenizer
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "spec_decode_prompts.jsonl"
 
 
-def engine_for(a: argparse.Namespace, method: str | None = "ngram") -> LLMEngine:
+def engine_for(a: argparse.Namespace, method: str | None = "ngram",
+               async_scheduling: bool | None = None) -> LLMEngine:
     """An engine speculating with `method` (None: off); draft: --draft-model."""
     dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
     if method == "draft" and not a.draft_model:
@@ -60,7 +69,8 @@ def engine_for(a: argparse.Namespace, method: str | None = "ngram") -> LLMEngine
     kw = dict(model=a.model, device=a.device, dtype=dtype, load_format=a.load_format,
               speculative_method=method, num_speculative_tokens=a.k,
               max_model_len=a.max_model_len, speculative_min_acceptance=a.min_acceptance,
-              draft_model=a.draft_model if method == "draft" else None)
+              draft_model=a.draft_model if method == "draft" else None,
+              async_scheduling=async_scheduling)
     return LLMEngine(EngineConfig(**kw), progress=False)
 
 
@@ -117,7 +127,66 @@ def latency(a: argparse.Namespace) -> dict:
     per_pos = [acc / d if d else 0.0 for acc, d in zip(c.accepted_at, c.drafted_at)]
     print(f"all: {total_plain / total_spec:.2f}x faster; acceptance per draft position "
           + " ".join(f"{x:.2f}" for x in per_pos))
-    return {"rows": rows, "speedup": total_plain / total_spec, "acceptance_per_position": per_pos}
+    # Steps with a pipelined step in flight in which a sample could have speculated: resolved
+    # for drafts (synchronous) or kept pipelined (no draft expected). Warm-up runs included.
+    print(f"steps in flight for a speculating sample: {c.num_resolved_steps} resolved for "
+          f"drafts, {c.num_pipelined_steps} kept pipelined")
+    return {"rows": rows, "speedup": total_plain / total_spec, "acceptance_per_position": per_pos,
+            "resolved_steps": c.num_resolved_steps, "pipelined_steps": c.num_pipelined_steps}
+
+
+def steps(a: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    engine = engine_for(a, a.method or "ngram", async_scheduling=True)
+    tok = Tokenizer(engine.model_dir)
+    texts = [json.loads(line) for line in PROMPTS.read_text().splitlines()][:a.num_prompts]
+    execute, in_execute = engine.runner.execute, [0.0]
+
+    def timed(*args, **kwargs):
+        t = time.thread_time()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            in_execute[0] += time.thread_time() - t
+
+    engine.runner.execute = timed
+    launch, behind = engine.pipeline.launch, [False]
+
+    def launched(batch, prev):  # pipelined: launched behind a step still in flight
+        behind[0] = prev is not None
+        return launch(batch, prev)
+
+    engine.pipeline.launch = launched
+    c = engine.spec.counters
+    out = {}
+    for name, opt_in in (("plain", False), ("spec", True)):
+        host: dict[str, list[float]] = {"pipelined": [], "sync": [], "verify": []}
+        tokens = 0
+        for i, item in enumerate(texts):
+            prompt = tok.apply_chat_template([{"role": "user", "content": item["text"]}])
+            engine.add_request(f"{name}{i}", prompt, SamplingParams(
+                temperature=0, max_tokens=a.max_tokens, speculative=opt_in))
+            while engine.has_work():
+                in_execute[0], behind[0] = 0.0, False
+                t = time.thread_time()
+                tokens += sum(len(o.new_token_ids) for o in engine.step())
+                cpu = time.thread_time() - t - in_execute[0]
+                s = engine.last_step
+                if s.num_seqs and s.num_tokens <= 1 + a.k:  # decode steps (prompts aside)
+                    kind = ("verify" if s.num_tokens > 1 else
+                            "pipelined" if behind[0] else "sync")
+                    host[kind].append(cpu)
+        out[name] = {"tokens": tokens, **{kind: {"steps": len(v), "host_ms": 1e3 *
+                                                 statistics.median(v) if v else 0.0}
+                                          for kind, v in host.items()}}
+    print(f"{'run':<6} {'tokens':>6} {'pipelined':>16} {'sync, no draft':>16} {'verify':>16}"
+          "   (steps, host CPU ms/step median)")
+    for name, r in out.items():
+        cells = " ".join(f"{r[k]['steps']:>7} {r[k]['host_ms']:>8.3f}"
+                         for k in ("pipelined", "sync", "verify"))
+        print(f"{name:<6} {r['tokens']:>6} {cells}")
+    print(f"accepted {c.num_accepted_tokens} of {c.num_draft_tokens} drafts")
+    return {**out, "accepted": c.num_accepted_tokens, "drafted": c.num_draft_tokens}
 
 
 class NeverRight:
@@ -238,7 +307,7 @@ def throughput_rows(a: argparse.Namespace, method: str | None) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["latency", "verify", "throughput"])
+    p.add_argument("what", choices=["latency", "verify", "throughput", "steps"])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
@@ -262,7 +331,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="--speculative-min-acceptance (the back-off by acceptance; 0: off)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     a = p.parse_args(argv)
-    result = {"latency": latency, "verify": verify, "throughput": throughput}[a.what](a)
+    result = {"latency": latency, "verify": verify, "throughput": throughput,
+              "steps": steps}[a.what](a)
     if a.out is not None:
         a.out.write_text(json.dumps({"what": a.what, "device": device_name(a.device),
                                      "model": a.model, "k": a.k, "command": sys.argv,

@@ -6,12 +6,21 @@ recent earlier occurrence are the draft. Strong when the output quotes or edits 
     token_ids:  ... a b c d e ... x y a b c ?    suffix "a b c" (n = 3) found earlier:
                     └─┬─┘ └┬┘                     draft "d e" (up to k tokens)
                    match   draft
+
+With a pipelined step in flight, a sequence's last token is not known on the host yet, and
+resolving the step to learn it makes the step synchronous (engine/llm_engine.py `_speculate`).
+`expects_draft` answers from the tokens known: a draft after the unknown token x needs a
+suffix "... c x" found earlier, so the known suffix "... c" found earlier too, followed by x.
+It says yes when the known tokens' own lookup finds a match (a prediction of x, usually the
+quote being followed); no when they have none, though x might still start one: then the step
+stays pipelined and that draft is missed (drafts change only the speed, never the tokens).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from tandem.engine.async_step import PLACEHOLDER
 from tandem.engine.sequence import Sequence
 from tandem.engine.spec_decode.proposer import ProposeInput
 
@@ -31,27 +40,62 @@ def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     return []
 
 
+class SuffixIndex:
+    """One sequence's tokens and, for each n-gram (n_min .. n_max tokens) ending before its
+    last token, where its latest occurrence ends: `lookup` in a few dictionary probes instead
+    of a scan of the whole sequence per step, the same answer. Extended as the sequence
+    grows (its tokens never change once known)."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], int] = {}
+
+    def extend(self, ids: list[int], end: int) -> None:
+        """Index ids[len(tokens):end]."""
+        toks, ends = self.tokens, self._ends
+        for p in range(len(toks), end):
+            toks.append(ids[p])
+            # The n-grams ending at p - 1 now occur before the last token.
+            for n in range(self.n_min, min(self.n_max, p) + 1):
+                ends[tuple(toks[p - n:p])] = p - 1
+
+    def lookup(self, k: int) -> list[int]:
+        """`lookup(tokens, k, n_min, n_max)` of the tokens indexed."""
+        toks = self.tokens
+        size = len(toks)
+        for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
+            e = self._ends.get(tuple(toks[size - n:]))
+            if e is not None:
+                return toks[e + 1:e + 1 + k]
+        return []
+
+
 class NgramProposer:
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
-        # seq_id -> (the sequence's tokens as an array with room to grow, tokens in it)
-        self._arrays: dict[int, tuple[np.ndarray, int]] = {}
+        self._indexes: dict[int, SuffixIndex] = {}  # seq_id -> its tokens' index
 
     def propose(self, inp: ProposeInput) -> list[list[int]]:
-        return [lookup(self._tokens(s), k, self.n_min, self.n_max)
+        return [self._index(s, len(s.token_ids)).lookup(k)
                 for s, k in zip(inp.seqs, inp.max_tokens)]
 
-    def release(self, seq: Sequence) -> None:
-        self._arrays.pop(seq.seq_id, None)
+    def expects_draft(self, seq: Sequence) -> bool:
+        """Whether the known tokens (those before the step in flight's PLACEHOLDERs, if any)
+        predict a continuation (the module's doc)."""
+        known = len(seq.token_ids)
+        while known and seq.token_ids[known - 1] == PLACEHOLDER:
+            known -= 1
+        return bool(self._index(seq, known).lookup(1))
 
-    def _tokens(self, seq: Sequence) -> np.ndarray:
-        """seq.token_ids as int64, kept per sequence and extended by what it appended since
-        (a step adds a few tokens; converting the whole list each step would cost O(length))."""
-        ids = seq.token_ids
-        arr, n = self._arrays.get(seq.seq_id, (None, 0))
-        if arr is None or len(ids) > len(arr) or n > len(ids):
-            arr = np.empty(max(2 * len(ids), 64), dtype=np.int64)
-            n = 0
-        arr[n:len(ids)] = ids[n:]
-        self._arrays[seq.seq_id] = (arr, len(ids))
-        return arr[:len(ids)]
+    def release(self, seq: Sequence) -> None:
+        self._indexes.pop(seq.seq_id, None)
+
+    def _index(self, seq: Sequence, known: int) -> SuffixIndex:
+        """The index of seq.token_ids[:known], extended by what it appended since (a step
+        adds a few tokens). Never a PLACEHOLDER: it is replaced once its step resolves."""
+        index = self._indexes.get(seq.seq_id)
+        if index is None or len(index.tokens) > known:  # (a sequence never shrinks)
+            index = self._indexes[seq.seq_id] = SuffixIndex(self.n_min, self.n_max)
+        index.extend(seq.token_ids, known)
+        return index

@@ -36,3 +36,8 @@ class Proposer(Protocol):
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was preempted: drop what the proposer keeps for it."""
+
+    # Optional: `expects_draft(seq) -> bool`, asked while a pipelined step is in flight (the
+    # sequence's last token may be a PLACEHOLDER): whether a draft is expected once it is
+    # known. Without it, a draft always may come, and the step in flight is resolved for it
+    # (engine/spec_decode/speculator.py Speculator.expects_draft).

@@ -39,6 +39,11 @@ of its throughput, benchmarks/engine/spec_decode.py throughput). And a sample
 whose drafts are rarely accepted sits out a few steps before proposing again
 (engine/spec_decode/backoff.py), so it does not pay for proposals and verify rows it gains
 little from.
+
+Pipelined steps: a verify step is synchronous, and so is proposing while a step is in flight
+(the drafts continue its token). With a step in flight, `expects_draft` asks the proposer
+whether a draft is expected once that token is known; if no sequence expects one, the step
+stays pipelined without drafts (engine/llm_engine.py `_speculate`).
 """
 
 from __future__ import annotations
@@ -69,6 +74,10 @@ class SpecCounters:
     # Per draft position j: drafts at j scored, and of them accepted.
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    # Steps with a pipelined step in flight in which some sample might have speculated: the
+    # step resolved to propose (synchronous), or kept pipelined as no draft was expected.
+    num_resolved_steps: int = 0
+    num_pipelined_steps: int = 0
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.num_verifies += 1
@@ -128,6 +137,20 @@ class Speculator:
                     backoff.counters.num_paused_steps += 1
         return wanted
 
+    def expects_draft(self, running: list[Sequence], max_model_len: int) -> bool:
+        """With a pipelined step in flight, after begin_step said yes: whether a sequence that
+        may speculate is expected to get a draft once the step's tokens are known (its
+        proposer's `expects_draft`, from the tokens known; a proposer without one, the draft
+        model's, always may). No: the step stays pipelined and proposes nothing, as
+        resolving the step in flight would make it synchronous for no draft. Counted."""
+        expects = getattr(self.proposer, "expects_draft", None)
+        for seq in running:
+            if self._limit(seq, max_model_len) > 0 and (expects is None or expects(seq)):
+                self.counters.num_resolved_steps += 1
+                return True
+        self.counters.num_pipelined_steps += 1
+        return False
+
     def propose(self, running: list[Sequence], max_model_len: int) -> int:
         """Drafts for the running sequences that may speculate (spec_token_ids set), or none
         at all when the batch is too large; the number of sequences given one."""
@@ -163,12 +186,18 @@ class Speculator:
 
     def _room(self, seq: Sequence, max_model_len: int) -> int:
         """Drafts seq may take: 0 unless it is decoding (its last token known, nothing else
-        to compute, no samples to fork), at most k, and never past max_tokens or the model's
-        length (the last kept token is sampled, not drafted: hence the - 1)."""
+        to compute, no samples to fork, its last token not in flight), at most k, and never
+        past max_tokens or the model's length (the last kept token is sampled, not drafted:
+        hence the - 1)."""
+        if seq.token_ids[-1] == PLACEHOLDER:
+            return 0
+        return self._limit(seq, max_model_len)
+
+    def _limit(self, seq: Sequence, max_model_len: int) -> int:
+        """_room, the last token in flight or not."""
         p = seq.params
         if (not p.speculative or seq.pending_forks or seq.kv_pull is not None
-                or seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < 1
-                or seq.token_ids[-1] == PLACEHOLDER):
+                or seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < 1):
             return 0
         if not self.backoff.allows(seq.seq_id):
             return 0

@@ -19,6 +19,7 @@ import pytest
 import torch
 from handoffs import hand_off_one_by_one
 
+from tandem.engine.async_step import PLACEHOLDER
 from tandem.engine.config import EngineConfig, SpeculativeConfig, cdiv
 from tandem.engine.llm import LLM
 from tandem.engine.llm_engine import LLMEngine
@@ -180,6 +181,44 @@ def test_stop_strings_and_pipelined_steps(tiny_models):
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in base]
     assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in base]
     assert llm.engine.is_idle()
+
+
+class EveryThird(Oracle):
+    """The oracle's drafts for sequences of a length divisible by 3 only, and an exact guess of
+    whether one will come once the token in flight is known (one more token)."""
+
+    def propose(self, inp: ProposeInput) -> list[list[int]]:
+        drafts = super().propose(inp)
+        return [d if s.num_tokens % 3 == 0 else [] for s, d in zip(inp.seqs, drafts)]
+
+    def expects_draft(self, seq) -> bool:
+        assert seq.token_ids[-1] == PLACEHOLDER  # asked only with the step in flight
+        return seq.num_tokens % 3 == 0  # the same length once its token is known
+
+
+def test_steps_without_a_draft_stay_pipelined(tiny_models):
+    """Pipelined steps: a step in flight is resolved for drafts only when the proposer expects
+    one (a synchronous step that then drafts nothing costs speed for nothing); the steps in
+    between stay pipelined, and the tokens are the same."""
+    path = tiny_models["llama"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = outputs(LLM(str(path), progress=False), PROMPTS[:1], params)
+    llm = spec_llm(path, EveryThird(answers_of(PROMPTS[:1], base), 512), async_scheduling=True,
+                   speculative_min_acceptance=0)
+    e = llm.engine
+    speculate, resolved_for_nothing = e._speculate, []
+
+    def counted():
+        ran = speculate()
+        if ran and not any(s.spec_token_ids for s in e.scheduler.running):
+            resolved_for_nothing.append(e.spec.backoff.step)
+        return ran
+
+    e._speculate = counted
+    assert outputs(llm, PROMPTS[:1], params) == base
+    c = e.spec.counters
+    assert not resolved_for_nothing, resolved_for_nothing
+    assert c.num_pipelined_steps > 5 and c.num_resolved_steps > 0 and c.num_accepted_tokens > 0
 
 
 def test_grammar_identical(tiny_models):

@@ -27,7 +27,6 @@ from tandem.engine.config import EngineConfig, cdiv
 from tandem.engine.llm import LLM
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.spec_decode.backoff import AcceptanceBackOff
 from tandem.errors import InvalidArgument
 from tiny import build_tiny_draft
 
@@ -130,7 +129,7 @@ def test_noisy_draft_same_tokens_every_accept_length(tiny_models, drafts, base):
     prompts = PROMPTS[2:6]  # 15 to 33 tokens (a block size of 4: many block boundaries)
     assert outputs(llm, prompts, GREEDY) == base[2:6]
     assert not wrong, wrong[0]
-    assert len(checked) > 30
+    assert len(checked) > 20  # fewer as failed probes pause longer
     assert llm.engine.spec.backoff.counters.num_pauses > 10
     c = llm.engine.spec.counters
     for j in range(K):  # drafts kept and rejected at every position
@@ -225,35 +224,6 @@ def test_a_failing_proposer_costs_only_drafts(tiny_models, drafts, base, caplog)
 
 
 # -- back-off by acceptance ----------------------------------------------------------------
-def test_back_off_pauses_and_probes():
-    b = AcceptanceBackOff(min_acceptance=0.3, probe_interval=2)
-    allowed = []
-
-    def step(proposed: int = 0, accepted: int = 0) -> None:
-        b.tick()
-        allowed.append(b.allows(7))
-        if allowed[-1] and proposed:
-            b.record(7, proposed, accepted)
-
-    for _ in range(4):
-        step(3, 0)  # 0.70, 0.49, 0.34, then 0.24: paused for the next two steps
-    assert b.average(7) == pytest.approx(0.7 ** 4)
-    step(3, 3)
-    step(3, 3)
-    step(3, 3)  # the probe keeps everything: 0.47, speculating again
-    step(3, 0)  # 0.33
-    step(3, 3)
-    assert allowed == [True] * 4 + [False, False] + [True] * 3
-    assert b.counters.num_pauses == 1
-    b.release(7)
-    assert b.average(7) == 1.0
-    off = AcceptanceBackOff(min_acceptance=0, probe_interval=2)
-    for _ in range(10):
-        off.tick()
-        off.record(1, 3, 0)
-    assert off.allows(1) and off.counters.num_pauses == 0
-
-
 def test_back_off_spares_a_sample_that_accepts_nothing(tiny_models):
     """A proposer that is never right: with the back-off, the sample verifies far fewer
     drafts than without; the tokens are the same."""
@@ -270,11 +240,12 @@ def test_back_off_spares_a_sample_that_accepts_nothing(tiny_models):
     assert off.counters.num_accepted_tokens == on.counters.num_accepted_tokens == 0
     # Without: a verify in every step with room for a draft (outputs 1 .. 46 of 48).
     assert off.counters.num_verifies == 46
-    # With: four verifies bring the average to 0.24 (paused); each 8-step pause ends in one
-    # probe (steps 13, 22, 31, 40), which keeps nothing and pauses again.
-    assert on.counters.num_verifies == 8
-    assert on.backoff.counters.num_pauses == 5
-    assert on.backoff.counters.num_paused_steps == 4 * 8 + 7  # and steps 41 .. 47
+    # With: four verifies (steps 2-5) bring the average to 0.24: paused at least 8 steps, to
+    # step 16 on the grid of 8; the probe there keeps nothing: at least 16 steps, to 40; that
+    # probe fails too: at least 32 steps, past the request's end (step 48).
+    assert on.counters.num_verifies == 4 + 2
+    assert on.backoff.counters.num_pauses == 3
+    assert on.backoff.counters.num_paused_steps == 10 + 23 + 8  # steps 6-15, 17-39, 41-48
 
 
 def test_paused_samples_keep_steps_pipelined(tiny_models):
@@ -295,8 +266,8 @@ def test_paused_samples_keep_steps_pipelined(tiny_models):
 
     e._speculate = counted
     assert outputs(llm, PROMPTS[:1], params) == want
-    assert e.spec.backoff.counters.num_pauses >= 4
-    assert 0 < sum(resolved) <= e.spec.counters.num_verifies < 12
+    assert e.spec.backoff.counters.num_pauses >= 3  # longer each time: fewer probes
+    assert 0 < sum(resolved) <= e.spec.counters.num_verifies < 10
 
 
 
