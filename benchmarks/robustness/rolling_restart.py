@@ -55,7 +55,8 @@ from tandem.runtime.convert import params_to_proto  # noqa: E402
 from tandem.v1 import api_pb2, api_pb2_grpc  # noqa: E402
 
 RESULTS = ("whole", "failed", "cut", "different")
-COUNTERS = ("request_migrations", "prefill_fallbacks", "worker_restarts", "worker_lost")
+COUNTERS = ("live_migrations", "request_migrations", "prefill_fallbacks", "worker_restarts",
+            "worker_lost")
 
 
 @dataclass(frozen=True)
@@ -319,10 +320,21 @@ class Rolling:
                          "output_tokens_per_s": round(sum(self.shapes[o.shape].max_tokens
                                                           for o in done) / load_end)},
                 "table": tally(self.outcomes, self.phases),
+                "whole_by_kind": self._by_kind(),
                 "phases": [asdict(p) for p in self.phases],
                 "not_whole": [asdict(o) for o in self.outcomes if o.result != "whole"][:50],
                 "pools": pools, "router": router,
                 "loadavg_1min_start_end": [round(x, 1) for x in loadavg]}
+
+    def _by_kind(self) -> dict[str, int]:
+        """Whole requests by API and sampling (grpc greedy, http seeded...)."""
+        out: dict[str, int] = {}
+        for o in self.outcomes:
+            if o.result == "whole":
+                s = self.shapes[o.shape]
+                kind = f"{s.api} {'greedy' if s.seed is None else 'seeded'}"
+                out[kind] = out.get(kind, 0) + 1
+        return out
 
     async def _references(self) -> None:
         """Each shape once, before any fault and any load: what every later run must give."""
@@ -357,6 +369,7 @@ def report(r: dict, a: argparse.Namespace) -> str:
     for p in r["phases"]:
         lines.append(f"{p['name']}: router {p['router']}")
         lines += [f"  {e}" for e in p["events"]]
+    lines.append(f"whole by kind: {r['whole_by_kind']}")
     lines += [f"  not whole: {o['result']} {o['detail']}" for o in r["not_whole"][:10]]
     lines.append(f"pools at the end: {r['pools']}; supervisor restarts {r['restarts']}")
     return "\n".join(lines)
