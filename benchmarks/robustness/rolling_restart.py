@@ -55,6 +55,7 @@ from tandem.runtime.convert import params_to_proto  # noqa: E402
 from tandem.v1 import api_pb2, api_pb2_grpc  # noqa: E402
 
 RESULTS = ("whole", "failed", "cut", "different")
+NUMBERS = re.compile(r"[0-9a-f]{16,}|\d+")  # ids and counts, out of a cause's text
 COUNTERS = ("live_migrations", "request_migrations", "prefill_fallbacks", "worker_restarts",
             "worker_lost")
 
@@ -321,6 +322,7 @@ class Rolling:
                                                           for o in done) / load_end)},
                 "table": tally(self.outcomes, self.phases),
                 "whole_by_kind": self._by_kind(),
+                "not_whole_by_cause": self._causes(),
                 "phases": [asdict(p) for p in self.phases],
                 "not_whole": [asdict(o) for o in self.outcomes if o.result != "whole"][:50],
                 "pools": pools, "router": router,
@@ -335,6 +337,15 @@ class Rolling:
                 kind = f"{s.api} {'greedy' if s.seed is None else 'seeded'}"
                 out[kind] = out.get(kind, 0) + 1
         return out
+
+    def _causes(self) -> dict[str, int]:
+        """Requests not whole, by result and cause (a 429 apart from a cut stream)."""
+        out: dict[str, int] = {}
+        for o in self.outcomes:
+            if o.result != "whole":
+                cause = f"{o.result}: {NUMBERS.sub('N', o.detail)[:90]}"
+                out[cause] = out.get(cause, 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     async def _references(self) -> None:
         """Each shape once, before any fault and any load: what every later run must give."""
@@ -370,7 +381,7 @@ def report(r: dict, a: argparse.Namespace) -> str:
         lines.append(f"{p['name']}: router {p['router']}")
         lines += [f"  {e}" for e in p["events"]]
     lines.append(f"whole by kind: {r['whole_by_kind']}")
-    lines += [f"  not whole: {o['result']} {o['detail']}" for o in r["not_whole"][:10]]
+    lines += [f"  not whole: {n} x {cause}" for cause, n in r["not_whole_by_cause"].items()]
     lines.append(f"pools at the end: {r['pools']}; supervisor restarts {r['restarts']}")
     return "\n".join(lines)
 
