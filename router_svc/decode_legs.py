@@ -124,6 +124,12 @@ class _Lease:
 
     worker: Worker
     kv: worker_pb2.KVLocation
+    # Loop time by which its time to live (as the prefill worker answered it) has surely run
+    # out, counted from its answer's arrival; None when the answer gave none.
+    expires: float | None = None
+
+    def expired(self) -> bool:
+        return self.expires is not None and asyncio.get_running_loop().time() >= self.expires
 
 
 class DecodeLegs:
@@ -158,6 +164,7 @@ class DecodeLegs:
         # (UNAVAILABLE: shutting down, or gone): tried last.
         self._avoid: set[str] = set()
         self._lease: _Lease | None = None
+        self._leg_lease: _Lease | None = None  # the lease the current leg carried, if any
         self._first: worker_pb2.PrefillResponse | None = None
         # A move under way: the failed worker, its error, the tokens so far (counted once the
         # next leg is sent).
@@ -263,7 +270,8 @@ class DecodeLegs:
         p, resp = got
         if self._first is None and not any(self.outputs):  # the first tokens' prefill
             self._first = resp
-        self._lease = _Lease(p, resp.kv)
+        ttl = resp.kv.lease_ttl_ms / 1000
+        self._lease = _Lease(p, resp.kv, asyncio.get_running_loop().time() + ttl if ttl else None)
         return True
 
     def _placed_local(self) -> bool:
@@ -303,7 +311,7 @@ class DecodeLegs:
 
     async def _leg(self, d: Worker) -> AsyncIterator[Update]:
         """One decode request on worker d; the lease goes with it (none: d prefills)."""
-        lease = self._lease
+        lease = self._leg_lease = self._lease
         legs = self.moves + self.retries
         placed_local = legs == 0 and self._local_first
         # A leg of its own on the worker: a worker that hung holds the last one until it
@@ -550,7 +558,11 @@ class DecodeLegs:
             and not sent)
         if not movable:
             raise as_router_error(e, f"decode worker {d.address}") from None
-        if code == grpc.StatusCode.FAILED_PRECONDITION:
+        # A lease whose time ran out before the decode worker claimed it (a busy worker, a
+        # slow hop) is refused as any unknown token is: no refusal of that worker, which may
+        # take the request with a fresh lease, as after ABORTED.
+        expired = not sent and self._leg_lease is not None and self._leg_lease.expired()
+        if code == grpc.StatusCode.FAILED_PRECONDITION and not expired:
             refused[d.address] = e.details()
         limit = self.orch.max_migrations
         if sent:

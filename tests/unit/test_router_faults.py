@@ -65,13 +65,15 @@ class FakeOrchestrator:
         self.max_migrations = max_migrations
         self.prefills = 0
         self.released: list[str] = []
+        self.lease_ttl_ms = 0  # what each lease's answer says (0: nothing)
 
     async def prefill(self, rid, route, params, deadline, md, may_fall_back=False):
         self.prefills += 1
         n = params.n
         return None, worker_pb2.PrefillResponse(
             first_token_ids=[10 + i for i in range(n)], finish_reasons=[""] * n,
-            kv=worker_pb2.KVLocation(lease_id=f"lease{self.prefills}"))
+            kv=worker_pb2.KVLocation(lease_id=f"lease{self.prefills}",
+                                     lease_ttl_ms=self.lease_ttl_ms))
 
     def pick(self, w, role):
         if w is None:
@@ -135,6 +137,34 @@ def test_a_lease_too_short_to_pull_is_retried_with_a_fresh_one_on_the_same_worke
     assert error is None and len(out[0]) == 1 + 2
     assert [r.kv.lease_id for r in orch.decode[0].stream.sent] == ["lease1", "lease2"]
     assert orch.prefills == 2 and orch.decode[0].healthy
+
+
+class LateClaimStream(FakeStream):
+    """A decode worker too busy to claim its first request's lease in time: it refuses it
+    FAILED_PRECONDITION (the prefill worker knows the token no more) once the lease's time to
+    live has passed."""
+
+    async def request(self, msg, md=None, timeout=None, on_sent=None):
+        if not self.sent:
+            loop = asyncio.get_running_loop()
+            until = loop.time() + msg.decode.kv.lease_ttl_ms / 1000
+            while loop.time() < until:  # the lease's time runs out (the same clock)
+                await asyncio.sleep(until - loop.time())
+            self.refuse = [grpc.StatusCode.FAILED_PRECONDITION]
+        async for update in super().request(msg, md, timeout, on_sent):
+            yield update
+
+
+def test_a_lease_that_ran_out_before_its_claim_is_no_refusal_of_the_worker():
+    """FAILED_PRECONDITION for a lease whose time ran out before the decode worker claimed it
+    (a busy worker, seen under overload while workers drained) is retried with a fresh lease,
+    that worker included: the only decode worker takes the request."""
+    orch = FakeOrchestrator([LateClaimStream(2, fail=False)], max_migrations=1)
+    orch.lease_ttl_ms = 5
+    out, error = asyncio.run(_run(orch, 1))
+    assert error is None and len(out[0]) == 1 + 2
+    assert [r.kv.lease_id for r in orch.decode[0].stream.sent] == ["lease1", "lease2"]
+    assert orch.prefills == 2
 
 
 @pytest.mark.parametrize("sent", [0, 2])
