@@ -17,6 +17,14 @@ waits for the work already queued on the step's stream (a step in flight may sti
 an evicted block), and the step's stream waits for them in turn: no host wait, the copies
 overlap whatever the device runs before. On the CPU they are plain copies.
 
+Host memory is taken by a thread of its own (HostChunks), a chunk at a time from the moment
+the tier is made until it reaches its size: pinning costs about a second per GiB (faulting and
+locking the pages; measured on a 2-core VM: 0.5-1.2 s/GiB), too slow for the step's thread (a
+256 MiB chunk taken there held a step for a few hundred ms) and for start-up (tens of GiB would
+delay it by tens of seconds). Until the memory is there the tier holds fewer blocks: an
+eviction finding no ready slot reuses the least recently used one, or keeps nothing; it never
+waits.
+
 The inclusive tier keeps a slot after restoring it: the block evicted again later costs no copy.
 FP8 pools hold per-(layer, KV head) scales, fixed for the pool's life (engine/quantization/
 kv_cache.py): a block's bytes are valid under them wherever they are kept, so the tier copies
@@ -30,7 +38,9 @@ flag sizes the worker's tier: its bytes are split over the ranks.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,9 +49,11 @@ import torch
 
 from tandem.engine.block_pool import split_changes
 
+log = logging.getLogger(__name__)
+
 # Default size: this share of the host memory available when the engine starts (CUDA only).
 AUTO_FRACTION = 0.1
-# The tier takes host memory in chunks of about this size, as it fills.
+# The tier takes host memory in chunks of about this size, off the step's thread.
 CHUNK_BYTES = 256 << 20
 
 
@@ -67,6 +79,8 @@ class HostBlockIndex:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
+        # Slots 0..usable-1 have host memory now (HostChunks.ready): put hands out no other.
+        self.usable = capacity
         self.lru: OrderedDict[int, int] = OrderedDict()
         self.free_slots = list(range(capacity - 1, -1, -1))  # pop() gives slot 0 first
         self.pinned: set[int] = set()
@@ -92,7 +106,10 @@ class HostBlockIndex:
             self.lru.move_to_end(block_hash)
             self._record(block_hash, True)  # kept: the pool's copy went, this one holds
             return None
-        slot = self.free_slots.pop() if self.free_slots else self._evict_lru()
+        if self.free_slots and self.free_slots[-1] < self.usable:
+            slot = self.free_slots.pop()
+        else:
+            slot = self._evict_lru()
         if slot is None:
             return None
         self.lru[block_hash] = slot
@@ -121,6 +138,77 @@ class HostBlockIndex:
         return None
 
 
+def _chunk(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """One chunk of host memory with every page in place (pinning faults them in; on the CPU
+    the fill does, here rather than in the first copies)."""
+    t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+    if not pin:
+        t.view(torch.uint8).fill_(0)
+    return t
+
+
+class HostChunks:
+    """The tier's host memory, the one owner of it: chunks of `chunk_blocks` slots taken in
+    slot order by a thread of its own, from the start until `capacity` slots are there.
+
+        slots:  [ chunk 0 | chunk 1 | chunk 2 | ... ]    ready: slots with memory now
+                 ───ready────────▶  (the thread appends; readers never wait)
+
+    `ready` only grows, and a chunk is in `chunks` before `ready` counts its slots."""
+
+    def __init__(self, capacity: int, chunk_blocks: int, shape: tuple[int, ...],
+                 dtype: torch.dtype, pin: bool,
+                 allocate: Callable[[tuple[int, ...], torch.dtype, bool], torch.Tensor] = _chunk,
+                 ) -> None:
+        self.capacity, self.chunk_blocks = capacity, chunk_blocks
+        self.chunks: list[torch.Tensor] = []
+        self.ready = 0
+        self.done = threading.Event()  # every chunk taken, or growth stopped
+        self._grew = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._grow, args=(shape, dtype, pin, allocate),
+                                        name="host-kv-tier-memory", daemon=True)
+        self._thread.start()
+
+    def _grow(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+              allocate: Callable[[tuple[int, ...], torch.dtype, bool], torch.Tensor]) -> None:
+        try:
+            while self.ready < self.capacity and not self._stop:
+                n = min(self.chunk_blocks, self.capacity - self.ready)
+                self.chunks.append(allocate((n, *shape), dtype, pin))
+                with self._grew:
+                    self.ready += n
+                    self._grew.notify_all()
+        except Exception:  # out of host (pinnable) memory: the tier stays this size
+            log.exception("host KV tier: could not take more host memory; it keeps %d of %d "
+                          "blocks", self.ready, self.capacity)
+        finally:
+            with self._grew:
+                self.done.set()
+                self._grew.notify_all()
+
+    def wait_ready(self, slots: int) -> int:
+        """Wait until `slots` slots have memory, or growth ended; the slots ready (tests and
+        tools: the engine never waits for its tier's memory)."""
+        with self._grew:
+            self._grew.wait_for(lambda: self.ready >= slots or self.done.is_set())
+            return self.ready
+
+    def slot(self, slot: int) -> torch.Tensor:
+        """The memory of a ready slot."""
+        c, i = divmod(slot, self.chunk_blocks)
+        return self.chunks[c][i]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+    def close(self) -> None:
+        """Stop growing (after the chunk being taken, if any)."""
+        self._stop = True
+        self._thread.join()
+
+
 class HostKVTier:
     """The tier of one engine's pool: the host chunks, the index, and the copies still to be
     issued. `offload` is the BlockPool's eviction hook; KVCacheManager calls `lookup`, `pin`,
@@ -130,10 +218,7 @@ class HostKVTier:
         self.pool = pool
         self.index = self._make_index(capacity_blocks)
         self.block_bytes = pool[0].nbytes
-        # Host memory is taken a chunk at a time as slots are first used (slots are handed out
-        # lowest first), not all at start: pinning tens of GiB up front costs seconds.
-        self.chunk_blocks = max(1, min(capacity_blocks, CHUNK_BYTES // self.block_bytes))
-        self.chunks: list[torch.Tensor] = []
+        self.memory = self._make_memory(capacity_blocks)
         # (to_host, pool block, slot) in the order the scheduler caused them.
         self.ops: list[tuple[bool, int, int]] = []
         self.stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
@@ -143,6 +228,12 @@ class HostKVTier:
     def _make_index(self, capacity_blocks: int) -> HostBlockIndex:
         return HostBlockIndex(capacity_blocks)
 
+    def _make_memory(self, capacity_blocks: int) -> HostChunks | None:
+        chunk_blocks = max(1, min(capacity_blocks, CHUNK_BYTES // self.block_bytes))
+        self.index.usable = 0  # as the chunks come
+        return HostChunks(capacity_blocks, chunk_blocks, tuple(self.pool.shape[1:]),
+                          self.pool.dtype, self.pool.is_cuda, allocate=_chunk)
+
     @property
     def tier_id(self) -> str:
         """The id routers group the workers reading this tier by ("": this worker's own)."""
@@ -150,6 +241,8 @@ class HostKVTier:
 
     def close(self) -> None:
         """The engine stops (a private tier's memory goes with the process)."""
+        if self.memory is not None:
+            self.memory.close()
 
     @property
     def capacity_bytes(self) -> int:
@@ -158,16 +251,11 @@ class HostKVTier:
     @property
     def allocated_bytes(self) -> int:
         """Host memory taken so far (whole chunks; never above capacity_bytes)."""
-        return sum(c.nbytes for c in self.chunks)
+        return self.memory.nbytes
 
     def slot(self, slot: int) -> torch.Tensor:
-        """The host memory of one slot, its chunk allocated on first use."""
-        c, i = divmod(slot, self.chunk_blocks)
-        while len(self.chunks) <= c:
-            n = min(self.chunk_blocks, self.index.capacity - len(self.chunks) * self.chunk_blocks)
-            self.chunks.append(torch.empty((n, *self.pool.shape[1:]), dtype=self.pool.dtype,
-                                           pin_memory=self.pool.is_cuda))
-        return self.chunks[c][i]
+        """The host memory of one slot (handed out by the index: its memory is ready)."""
+        return self.memory.slot(slot)
 
     def stats(self) -> HostTierStats:
         ix = self.index
@@ -179,6 +267,8 @@ class HostKVTier:
     def offload(self, block: int, block_hash: int) -> None:
         """A cached block is being reallocated: keep its KV (copied before the step that
         overwrites it)."""
+        if self.memory is not None:
+            self.index.usable = self.memory.ready  # only slots with memory: never wait for it
         slot = self.index.put(block_hash)
         if slot is not None:
             self.ops.append((True, block, slot))

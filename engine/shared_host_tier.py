@@ -330,6 +330,9 @@ class SharedHostKVTier(HostKVTier):
         return SharedBlockIndex(segment_path(self._name), capacity_blocks,
                                 self.pool[0].nbytes, self._fp)
 
+    def _make_memory(self, capacity_blocks: int) -> None:
+        return None  # the segment's pages, mapped by the index (taken as they are written)
+
     @property
     def tier_id(self) -> str:
         return self.index.tier_id

@@ -51,7 +51,8 @@ def test_conversations_match_with_the_tier_on_cuda(tiny_models, kv_cache_dtype):
     model = str(tiny_models["llama"])
     want, plain = _run(model, 0, kv_cache_dtype)
     got, tiered = _run(model, 0.01, kv_cache_dtype)
-    assert tiered.host_tier is not None and tiered.host_tier.chunks[0].is_pinned()
+    assert tiered.host_tier is not None and tiered.host_tier.memory.wait_ready(1) > 0
+    assert tiered.host_tier.memory.chunks[0].is_pinned()
     if kv_cache_dtype == "auto":
         assert got == want
     hits = tiered.host_tier.stats().hits

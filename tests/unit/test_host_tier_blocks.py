@@ -39,6 +39,7 @@ def _setup(num_blocks: int, capacity: int):
     pool = BlockPool(num_blocks, BS)
     data = torch.zeros(num_blocks, 1, 2, BS, 1, 2)
     tier = HostKVTier(data, capacity)
+    tier.memory.done.wait()  # its host memory is there (taken by the tier's own thread)
     return pool, data, tier, KVCacheManager(pool, tier)
 
 
@@ -119,23 +120,65 @@ def test_tier_size_from_the_flag():
     assert host_tier_bytes(None, torch.device("cpu")) == 0  # CPU: off unless asked
 
 
-def test_host_memory_is_taken_as_slots_fill(monkeypatch):
+class Allocator:
+    """The tier's chunk allocator, recorded: the thread of each call, each held until the test
+    lets it go."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.threads: list[int] = []
+        self.go = threading.Semaphore(0)
+
+    def __call__(self, shape, dtype, pin):
+        import threading
+
+        self.threads.append(threading.get_ident())
+        self.go.acquire()
+        return torch.zeros(shape, dtype=dtype)
+
+
+def test_host_memory_is_taken_off_the_steps_thread_and_evictions_never_wait(monkeypatch):
+    """Before this tier's memory thread, the step's thread took a chunk on the first eviction
+    that reached it (a 256 MiB pinned chunk held a GPU step for a few hundred ms). Now every
+    chunk comes from the tier's own thread; an eviction with no ready slot keeps nothing (or
+    reuses the LRU one) rather than wait."""
+    import threading
+
     import tandem.engine.host_kv_tier as hkt
 
     pool = torch.arange(8 * 16, dtype=torch.float32).reshape(8, 1, 2, BS, 1, 2)
     block = pool[0].nbytes
     monkeypatch.setattr(hkt, "CHUNK_BYTES", 2 * block)
+    alloc = Allocator()
+    monkeypatch.setattr(hkt, "_chunk", alloc)
     tier = HostKVTier(pool, 5)  # chunks of 2, 2, 1 slots
-    assert tier.allocated_bytes == 0
-    for b in range(5):
-        tier.offload(b, 100 + b)
+    try:
+        tier.offload(7, 99)  # no memory yet: nothing kept, nothing waited for
         tier.flush()
-        assert tier.allocated_bytes == 2 * block * (b // 2 + 1) - block * (b == 4)
-        assert tier.allocated_bytes <= tier.capacity_bytes
-    tier.offload(7, 200)  # the LRU slot (0) reused: no new memory
-    tier.flush()
-    assert tier.allocated_bytes == tier.capacity_bytes == 5 * block
-    assert torch.equal(tier.slot(0), pool[7]) and torch.equal(tier.slot(4), pool[4])
+        assert len(tier.index) == 0 and tier.allocated_bytes == 0
+        alloc.go.release()  # chunk 0 (slots 0-1) may come
+        assert tier.memory.wait_ready(2) == 2  # the test waits; the step never does
+        for b in range(3):  # 3 evictions, 2 ready slots: the LRU one is reused
+            tier.offload(b, 100 + b)
+            tier.flush()
+        assert dict(tier.index.lru) == {101: 1, 102: 0} and tier.index.evictions == 1
+        assert tier.allocated_bytes == 2 * block
+        alloc.go.release()
+        alloc.go.release()
+        tier.memory.done.wait()
+        for b in range(3, 6):
+            tier.offload(b, 100 + b)
+            tier.flush()
+        assert tier.allocated_bytes == tier.capacity_bytes == 5 * block
+        assert sorted(tier.index.lru.values()) == [0, 1, 2, 3, 4]
+        assert torch.equal(tier.slot(4), pool[5]) and torch.equal(tier.slot(0), pool[2])
+        assert len(alloc.threads) == 3
+        assert threading.get_ident() not in alloc.threads  # never on the step's thread
+    finally:
+        for _ in range(3):
+            alloc.go.release()
+        tier.close()
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan")])
