@@ -16,7 +16,9 @@ published to the cache and every hash evicted from it is recorded there (hash ->
 False evicted; only the last change of a hash counts) until `take_events` collects them.
 
 Host tier (engine/host_kv_tier.py): with `on_evict` set, a cached block being reallocated is
-reported as (block, hash) before its entry goes, while its KV is still in the pool.
+reported as (block, hash, parent hash, depth) before its entry goes, while its KV is still in
+the pool (the parent: the hash of the block before it in its prompt, None for a first block;
+the depth: the block's index in its prompt).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_parent: list[int | None] = [None] * num_blocks  # the previous block's hash
+        self.block_depth = [0] * num_blocks  # the block's index in its prompt
         self.cached: dict[int, int] = {}  # hash -> block id
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # Counters for metrics: lookups and hits in blocks.
@@ -67,8 +71,9 @@ class BlockPool:
         self.prefix_hits = 0
         # Changes of the cached set since take_events (None: not recorded).
         self.kv_events: dict[int, bool] | None = None
-        # Called with (block, hash) when allocate evicts a cached block (None: nobody keeps it).
-        self.on_evict: Callable[[int, int], None] | None = None
+        # Called with (block, hash, parent hash, depth) when allocate evicts a cached block
+        # (None: nobody keeps it).
+        self.on_evict: Callable[[int, int, int | None, int], None] | None = None
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -98,7 +103,7 @@ class BlockPool:
             block, _ = self.free_queue.popitem(last=False)
             h = self.block_hash[block]
             if h is not None and self.on_evict is not None:
-                self.on_evict(block, h)
+                self.on_evict(block, h, self.block_parent[block], self.block_depth[block])
             self._evict(block)
             self.ref_counts[block] = 1
             out.append(block)
@@ -138,15 +143,20 @@ class BlockPool:
         self.prefix_hits += len(hits)
         return hits
 
-    def cache_block(self, block: int, block_hash: int) -> None:
-        """Publish a full, computed block under its chained hash. If another block already holds
-        this prefix, the existing entry wins and this block stays private."""
+    def cache_block(self, block: int, block_hash: int, parent: int | None = None,
+                    depth: int = 0) -> None:
+        """Publish a full, computed block under its chained hash (`parent`: the hash of the
+        block before it, None for a first block; `depth`: its index in the prompt). If another
+        block already holds this prefix, the existing entry wins and this block stays
+        private."""
         if not self.enable_prefix_caching or self.block_hash[block] is not None:
             return
         if block_hash in self.cached:
             return
         self.cached[block_hash] = block
         self.block_hash[block] = block_hash
+        self.block_parent[block] = parent
+        self.block_depth[block] = depth
         if self.kv_events is not None:
             self.kv_events[block_hash] = True
 
@@ -154,6 +164,7 @@ class BlockPool:
         h = self.block_hash[block]
         if h is not None:
             self.block_hash[block] = None
+            self.block_parent[block] = None
             if self.cached.get(h) == block:
                 del self.cached[h]
                 if self.kv_events is not None:

@@ -99,9 +99,11 @@ class HostBlockIndex:
             self.lru.move_to_end(block_hash)
         return slot
 
-    def put(self, block_hash: int) -> int | None:
+    def put(self, block_hash: int, parent: int | None = None, depth: int = 0) -> int | None:
         """A slot to copy a block with this hash into, or None when nothing is to be copied:
-        the tier holds the prefix already (touched), or every slot is pinned."""
+        the tier holds the prefix already (touched), or every slot is pinned. (`parent`,
+        `depth`: where the block sits in its chain; one LRU over every slot needs neither: a
+        pool evicts a sequence's later blocks first, and so does this LRU.)"""
         if block_hash in self.lru:
             self.lru.move_to_end(block_hash)
             self._record(block_hash, True)  # kept: the pool's copy went, this one holds
@@ -264,12 +266,14 @@ class HostKVTier:
                              self.allocated_bytes)
 
     # -- the pool's side ---------------------------------------------------------------------
-    def offload(self, block: int, block_hash: int) -> None:
+    def offload(self, block: int, block_hash: int, parent: int | None = None,
+                depth: int = 0) -> None:
         """A cached block is being reallocated: keep its KV (copied before the step that
-        overwrites it)."""
+        overwrites it). `parent`: the hash of the block before it (None: a first block);
+        `depth`: its index in its prompt."""
         if self.memory is not None:
             self.index.usable = self.memory.ready  # only slots with memory: never wait for it
-        slot = self.index.put(block_hash)
+        slot = self.index.put(block_hash, parent, depth)
         if slot is not None:
             self.ops.append((True, block, slot))
 

@@ -19,7 +19,7 @@ class HostTier(Protocol):
     def unpin(self, slots: list[int]) -> None: ...
     def restore(self, slot: int, block: int) -> None: ...
     def count_misses(self, n: int) -> None: ...
-    def offload(self, block: int, block_hash: int) -> None: ...
+    def offload(self, block: int, block_hash: int, parent: int | None, depth: int) -> None: ...
 
 
 class KVCacheManager:
@@ -79,11 +79,11 @@ class KVCacheManager:
         pool.incref(kept)  # ... nor take a block of this prefix
         fresh = iter(zip(slots, pool.allocate(len(slots))))
         out = list(hits)
-        for h, b in zip(hashes[len(hits):], chain):
+        for i, b in enumerate(chain, len(hits)):
             if b is None:
                 slot, b = next(fresh)
                 host.restore(slot, b)
-                pool.cache_block(b, h)
+                pool.cache_block(b, hashes[i], hashes[i - 1] if i else None, i)
             out.append(b)
         host.unpin(slots)
         pool.free(out)
@@ -134,7 +134,7 @@ class KVCacheManager:
             return
         hashes = seq.full_block_hashes(self.block_size, full * self.block_size)
         for i in range(seq.num_cached_blocks, full):
-            self.pool.cache_block(seq.block_ids[i], hashes[i])
+            self.pool.cache_block(seq.block_ids[i], hashes[i], hashes[i - 1] if i else None, i)
         seq.num_cached_blocks = full
 
     def fork(self, parent: Sequence, sample_index: int) -> Sequence:

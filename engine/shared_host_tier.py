@@ -5,13 +5,24 @@ the host has its KV copied back rather than computed (or pulled) again.
 
     /dev/shm/tandem-tier-NAME
     ┌ header (4 KiB) ──────────────────┬ table: per slot ─────────────────┬ data ─────────────┐
-    │ magic, sizes, fingerprint,       │ hash, LRU stamp, state, pins     │ slot 0 | slot 1 … │
-    │ tier id, clock, used, pids       │ (int64 each)                     │ (a block's bytes) │
+    │ magic, sizes, fingerprint,       │ hash, LRU stamp, state, pins,    │ slot 0 | slot 1 … │
+    │ tier id, clock, used, pids       │ parent, children, depth (int64)  │ (a block's bytes) │
     └──────────────────────────────────┴──────────────────────────────────┴───────────────────┘
 
 Slots form a set-associative cache: a hash lives in one of WAYS slots of the set `hash %
-num_sets`, found with no shared dictionary; the set's least recently used unpinned slot makes
-room. Every change of the header or the table happens under an flock of the segment (a few
+num_sets`, found with no shared dictionary. A full set makes room by dropping the slot whose
+loss costs least: a restore copies a prompt's blocks back up to the first one missing, so
+dropping a block that the tier holds the next block of a chain for (its child) loses that whole
+rest of the chain, while dropping the last block held of a chain (a leaf) loses one block. The
+victim is the set's least recently used unpinned leaf, or, when every slot of the set has a
+child held, its deepest (the fewest blocks after it), least recently used of those:
+
+    chain:  h0 ── h1 ── h2 ── h3          (h3: a leaf; h0-h2 have a child held)
+    a set holding h1 (older) and h3 (newer) drops h3: the restore still returns h0-h2
+
+Each slot keeps its parent's hash, its depth and the number of its children held, kept as slots come and
+go (a parent stored again after its children keeps no count of them: it may be taken for a
+leaf). Every change of the header or the table happens under an flock of the segment (a few
 integer writes; the copies run outside it):
 
     FREE ──put (the evicting worker)──▶ WRITING ──its copy done──▶ READY ──LRU──▶ (reused)
@@ -37,6 +48,7 @@ import hashlib
 import mmap
 import os
 import secrets
+from collections import OrderedDict
 from collections.abc import Iterator
 
 import torch
@@ -47,7 +59,7 @@ from tandem.errors import InvalidArgument
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tandem-tier-"
-MAGIC = 0x3154524549544B54  # "TKTIER1" little-endian, version 1
+MAGIC = 0x3254524549544B54  # "TKTIER2" little-endian, version 2 (parents and children)
 HEADER = 4096
 WAYS = 8
 MAX_ATTACHED = 256
@@ -56,7 +68,8 @@ FREE, WRITING, READY = 0, 1, 2
 (H_MAGIC, H_SLOTS, H_WAYS, H_BLOCK_BYTES, H_CLOCK, H_USED, H_FP, H_ID) = (0, 1, 2, 3, 4, 5, 6, 10)
 H_PIDS = 16
 # Table words per slot.
-T_HASH, T_STAMP, T_STATE, T_PINS, T_WORDS = 0, 1, 2, 3, 4
+T_HASH, T_STAMP, T_STATE, T_PINS, T_PARENT, T_KIDS, T_DEPTH, T_WORDS = 0, 1, 2, 3, 4, 5, 6, 7
+NO_PARENT = -1  # a first block's parent (hash() never returns -1)
 
 
 def tier_for(pool: torch.Tensor, requested_gb: float | None, *, enabled: bool, share: str,
@@ -92,6 +105,9 @@ class SharedBlockIndex:
         self.path = path
         self.hits = self.misses = self.evictions = self.stored = 0
         self.events: dict[int, bool] | None = None
+        # Children this worker stored before their parent was held (a pool evicts a prompt's
+        # later blocks first): parent hash -> children, counted on the parent once it comes.
+        self.early_children: OrderedDict[int, int] = OrderedDict()
         self.fd = self._open_current()
         try:
             with self._locked():
@@ -223,10 +239,11 @@ class SharedBlockIndex:
             self.table[t + T_PINS] += 1
             return slot
 
-    def put(self, block_hash: int) -> int | None:
-        """A slot, now WRITING, to copy a block with this hash into; None when nothing is to be
-        copied: the tier holds it (or another worker is writing it), or every slot of its set
-        is pinned or being written."""
+    def put(self, block_hash: int, parent: int | None = None, depth: int = 0) -> int | None:
+        """A slot, now WRITING, to copy a block with this hash into (`parent`: the hash of the
+        block before it, None for a first block; `depth`: its index in its prompt); None when
+        nothing is to be copied: the tier holds it (or another worker is writing it), or every
+        slot of its set is pinned or being written."""
         with self._locked():
             slot = self._find(block_hash)
             if slot is not None:
@@ -240,6 +257,10 @@ class SharedBlockIndex:
             i = slot * T_WORDS
             t[i + T_HASH], t[i + T_STAMP], t[i + T_STATE], t[i + T_PINS] = (
                 block_hash, self._tick(), WRITING, 0)
+            t[i + T_PARENT] = NO_PARENT if parent is None else parent
+            t[i + T_KIDS] = self.early_children.pop(block_hash, 0)
+            t[i + T_DEPTH] = depth
+            self._count_child(t[i + T_PARENT], +1)
             self.stored += 1
             self._record(block_hash, True)
             return slot
@@ -273,6 +294,13 @@ class SharedBlockIndex:
             return [(t[i + T_HASH], t[i + T_STATE], t[i + T_PINS])
                     for i in range(0, len(t), T_WORDS) if t[i + T_STATE] != FREE]
 
+    def slots_children(self) -> list[tuple[int, int, int, int]]:
+        """(hash, parent, depth, children held) of every used slot (tests and tools)."""
+        with self._locked():
+            t = self.table
+            return [(t[i + T_HASH], t[i + T_PARENT], t[i + T_DEPTH], t[i + T_KIDS])
+                    for i in range(0, len(t), T_WORDS) if t[i + T_STATE] != FREE]
+
     def _find(self, block_hash: int) -> int | None:
         t = self.table
         first = (block_hash % self.num_sets) * self.ways
@@ -283,24 +311,46 @@ class SharedBlockIndex:
         return None
 
     def _victim(self, block_hash: int) -> int | None:
-        """A free slot of the hash's set, else its least recently used READY unpinned one
-        (dropped: reported, counted)."""
+        """A free slot of the hash's set, else the READY unpinned slot whose loss costs least:
+        its least recently used leaf (no child held), else its deepest (the fewest blocks
+        after it), least recently used of those (dropped: reported, counted)."""
         t = self.table
         first = (block_hash % self.num_sets) * self.ways
-        best = None
+        best = best_key = None
         for s in range(first, first + self.ways):
             i = s * T_WORDS
             state = t[i + T_STATE]
             if state == FREE:
                 self.head[H_USED] += 1
                 return s
-            if state == READY and not t[i + T_PINS] and (
-                    best is None or t[i + T_STAMP] < t[best * T_WORDS + T_STAMP]):
-                best = s
+            if state == READY and not t[i + T_PINS]:
+                kids = t[i + T_KIDS] > 0
+                key = (kids, -t[i + T_DEPTH] if kids else 0, t[i + T_STAMP])
+                if best_key is None or key < best_key:
+                    best, best_key = s, key
         if best is not None:
+            i = best * T_WORDS
+            self._count_child(t[i + T_PARENT], -1)
             self.evictions += 1
-            self._record(t[best * T_WORDS + T_HASH], False)
+            self._record(t[i + T_HASH], False)
         return best
+
+    def _count_child(self, parent: int, delta: int) -> None:
+        """A child of `parent` came (+1) or went (-1): counted on the parent's slot, or, while
+        the tier does not hold the parent, kept for it (at most `capacity` parents)."""
+        if parent == NO_PARENT:
+            return
+        p = self._find(parent)
+        if p is not None:
+            i = p * T_WORDS + T_KIDS
+            self.table[i] = max(0, self.table[i] + delta)
+            return
+        early = self.early_children
+        n = early.pop(parent, 0) + delta
+        if n > 0:
+            early[parent] = n
+            if len(early) > self.capacity:
+                early.popitem(last=False)
 
     def _tick(self) -> int:
         self.head[H_CLOCK] += 1

@@ -165,7 +165,7 @@ def test_conversations_past_the_pool_compute_less_with_the_tier(cluster):
     on a worker with the tier and on the cold one without: the pools evict every conversation
     before its next turn, so without the tier turn 2 computes its whole prompt again, and with
     it what the tier does not hold (the shared tier is set-associative: a full set drops a few
-    blocks). Outputs agree, the tier's bytes stay within its flag throughout, and every pool
+    blocks, the last of their chains). Outputs agree, the tier's bytes stay within its flag throughout, and every pool
     ends idle."""
     first = 12 * BS
     convs = [[(7 * i + 13 * c) % 250 + 1 for i in range(first)] for c in range(8)]
@@ -221,10 +221,12 @@ def test_conversations_past_the_pool_compute_less_with_the_tier(cluster):
     assert work_cold == [(8 * first, 0), (turn2, 0)]  # evicted: turn 2 computed from scratch
     (computed1, restored1), (computed2, restored2) = work_tier
     assert (computed1, restored1) == (8 * first, 0)
-    # Turn 2: what the tier gave back was not computed, and it gave back most of turn 1 (a
-    # restore stops at a conversation's first block the tier dropped: here 71 of 96 blocks).
+    # Turn 2: what the tier gave back was not computed, and it gave back nearly all of turn 1:
+    # a restore stops at a conversation's first block the tier dropped, and a full set drops
+    # the blocks whose loss costs least, a chain's last ones (here 92 of 96 blocks; 71 when a
+    # full set dropped its least recently used block, wherever it sat in its chain).
     assert computed2 == turn2 - restored2 * BS
-    assert restored2 >= 8 * 12 // 2
+    assert restored2 >= 88
     assert computed2 < work_cold[1][0]
     for ld in loads:
         assert 0 < ld.host_kv_capacity_bytes <= bound

@@ -120,6 +120,46 @@ def test_a_slot_being_read_is_not_reused_and_ways_evict_lru(name):
     a.tier.close()
 
 
+def test_a_full_set_drops_the_block_whose_loss_costs_least(name):
+    """A restore stops at a chain's first block missing, so a full set drops a chain's last
+    block held (a leaf) before one with a child held, and, with no leaf, the deepest. Before,
+    it dropped the set's least recently used block: in both cases here a chain's head, which
+    took its whole chain from the next restore."""
+    a = Worker(name, capacity=24)  # 3 sets of 8 ways: hash h in set h % 3
+    ix = a.tier.index
+    assert (ix.num_sets, ix.ways) == (3, 8)
+
+    def h(set_: int, k: int) -> int:
+        return 3 * k + set_
+
+    def store(block: int, parent: int | None = None, depth: int = 0) -> None:
+        ix.publish([ix.put(block, parent, depth)])
+
+    def chain_tail_first(blocks: list[int]) -> None:  # as a pool evicts a prompt's blocks
+        for d in reversed(range(len(blocks))):
+            store(blocks[d], blocks[d - 1] if d else None, d)
+
+    # Set 0: chains A (2 blocks), B (4), C (2), each stored tail first; then A's second
+    # block is read back (a restore), so A's head, with a child held, is the set's LRU slot.
+    A, B, C = [h(0, 1), h(0, 2)], [h(0, k) for k in range(3, 7)], [h(0, 7), h(0, 8)]
+    for blocks in (A, B, C):
+        chain_tail_first(blocks)
+    ix.unpin([ix.get(A[1])])
+    assert {b: k for b, _, _, k in ix.slots_children()} == {
+        A[0]: 1, A[1]: 0, B[0]: 1, B[1]: 1, B[2]: 1, B[3]: 0, C[0]: 1, C[1]: 0}
+    store(h(0, 9))  # the oldest leaf goes: B's last block (B keeps 3), not A's head (A: 0)
+    assert ix._find(B[3]) is None and ix._find(A[0]) is not None
+
+    # Set 1: 8 blocks, each with a child held in set 2 (no leaf): 4 heads stored first, then
+    # 4 blocks at depth 5. The deepest, least recently used goes, not the LRU head.
+    for k in range(1, 9):
+        store(h(1, k), None, 0 if k <= 4 else 5)
+        store(h(2, k), h(1, k), 1 if k <= 4 else 6)
+    store(h(1, 9))
+    assert ix._find(h(1, 5)) is None and ix._find(h(1, 1)) is not None
+    a.tier.close()
+
+
 def test_refused_for_another_checkpoint_or_size_and_reopened_after_the_last_left(name):
     a = Worker(name)
     with pytest.raises(InvalidArgument, match="host_kv_share"):
