@@ -211,6 +211,27 @@ class HostChunks:
         self._thread.join()
 
 
+class RestoreTicket:
+    """The copies of one step's deferred restores: done once the event recorded after them on
+    the tier's stream has passed (None until the step's flush issues them)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = None
+
+    def done(self) -> bool:
+        return self.event is not None and self.event.query()
+
+
+class _Done:
+    """A CPU tier's copies: done when issued (plain copies on the step's thread)."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+
 class HostKVTier:
     """The tier of one engine's pool: the host chunks, the index, and the copies still to be
     issued. `offload` is the BlockPool's eviction hook; KVCacheManager calls `lookup`, `pin`,
@@ -226,6 +247,12 @@ class HostKVTier:
         self.stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
         # Tensor parallelism: the other ranks' replay of each flush's copies (ops, wait).
         self.mirror: Callable[[list[tuple[bool, int, int]], bool], None] | None = None
+        # Restores that the step need not wait for (their request waits instead): (pool block,
+        # slot), issued after `ops`, and the ticket their requests wait on.
+        self.deferred: list[tuple[int, int]] = []
+        self.ticket: RestoreTicket | None = None
+        # Whether restores may be deferred: their copies run beside the steps (CUDA).
+        self.async_restores = self.stream is not None
 
     def _make_index(self, capacity_blocks: int) -> HostBlockIndex:
         return HostBlockIndex(capacity_blocks)
@@ -256,7 +283,10 @@ class HostKVTier:
         return self.memory.nbytes
 
     def slot(self, slot: int) -> torch.Tensor:
-        """The host memory of one slot (handed out by the index: its memory is ready)."""
+        """The host memory of one slot (handed out by the index: its memory is ready; but a
+        tensor-parallel rank replaying rank 0's copies waits if its own memory is behind)."""
+        if slot >= self.memory.ready:
+            self.memory.wait_ready(slot + 1)
         return self.memory.slot(slot)
 
     def stats(self) -> HostTierStats:
@@ -286,34 +316,76 @@ class HostKVTier:
         return slot
 
     def unpin(self, slots: list[int]) -> None:
-        self.index.pinned.difference_update(slots)
+        # A deferred restore's slot stays pinned until its copy is issued (flush): copies
+        # recorded later are issued before it, and one of them may not overwrite the slot.
+        reading = {slot for _, slot in self.deferred}
+        self.index.pinned.difference_update(s for s in slots if s not in reading)
 
-    def restore(self, slot: int, block: int) -> None:
-        self.ops.append((False, block, slot))
+    def restore(self, slot: int, block: int, deferred: bool = False) -> RestoreTicket | None:
+        """Copy a slot back into a pool block. `deferred`: the step need not wait for it; the
+        ticket returned says when it is done (the request reading the block waits for it)."""
         self.index.hits += 1
+        if not deferred:
+            self.ops.append((False, block, slot))
+            return None
+        self.deferred.append((block, slot))
+        if self.ticket is None:
+            self.ticket = RestoreTicket()
+        return self.ticket
 
     def count_misses(self, n: int) -> None:
         self.index.misses += n
 
     # -- the engine's side -------------------------------------------------------------------
     def flush(self, wait: bool = False) -> None:
-        """Issue the recorded copies, in order. `wait`: return only once they are done (a
-        writer outside the step's stream, a NIXL pull, may touch these blocks next)."""
-        if not self.ops:
+        """Issue the recorded copies, in order, then the deferred restores. The step's stream
+        waits for the former (the step reads or overwrites those blocks), not for the latter
+        (only their requests read them, once their ticket is done). `wait`: return only once
+        the former are done (a writer outside the step's stream, a NIXL pull, may touch these
+        blocks next).
+
+            side stream:  [wait step's queue] offloads, ordered restores ●E  deferred ●T
+            step stream:  ... step N ──────────────────── wait E ─ step N+1 ...
+            a deferred request joins the first step scheduled once T has passed"""
+        if not self.ops and not self.deferred:
             return
         ops, self.ops = self.ops, []
-        if self.mirror is not None:
-            self.mirror(ops, wait)
+        deferred, self.deferred = self.deferred, []
+        ticket, self.ticket = self.ticket, None
+        if self.mirror is not None:  # the other ranks: the same copies, in the same order (a
+            # rank's step waits for its restores: rank 0's ticket holds their request back)
+            self.mirror(ops + [(False, b, s) for b, s in deferred], wait)
         if self.stream is None:
             self._copy(ops, non_blocking=False)
-            return
-        main = torch.cuda.current_stream(self.pool.device)
-        self.stream.wait_stream(main)  # after the writes already queued (a step in flight)
-        with torch.cuda.stream(self.stream):
-            self._copy(ops, non_blocking=True)
-        main.wait_stream(self.stream)  # the next step reads or overwrites these blocks
-        if wait:
-            self.stream.synchronize()
+            self._copy([(False, b, s) for b, s in deferred], non_blocking=False)
+            if ticket is not None:
+                ticket.event = self._record()
+        else:
+            main = torch.cuda.current_stream(self.pool.device)
+            self.stream.wait_stream(main)  # after the writes already queued (a step in flight)
+            with torch.cuda.stream(self.stream):
+                self._copy(ops, non_blocking=True)
+                main.wait_stream(self.stream)  # the next step reads or overwrites these blocks
+                self._copy([(False, b, s) for b, s in deferred], non_blocking=True)
+                if ticket is not None:
+                    ticket.event = self._record()
+            if wait:
+                self.stream.synchronize()
+        self._issued([slot for _, slot in deferred])
+
+    def _issued(self, slots: list[int]) -> None:
+        """Deferred restores from these slots are issued: later copies follow them in stream
+        order, so the slots may be reused."""
+        self.index.pinned.difference_update(slots)
+
+    def _record(self):
+        """An event on the tier's stream after the copies issued so far (the CPU's copies are
+        done when issued)."""
+        if self.stream is None:
+            return _Done()
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     @torch.inference_mode()
     def _copy(self, ops: list[tuple[bool, int, int]], non_blocking: bool) -> None:

@@ -12,12 +12,20 @@ from tandem.engine.sequence import Sequence
 from tandem.kvtransfer.runs import order_like
 
 
+class Ticket(Protocol):
+    """Deferred restores' copies (engine/host_kv_tier.py RestoreTicket)."""
+
+    def done(self) -> bool: ...
+
+
 class HostTier(Protocol):
     """What the prefix match needs of a host tier (engine/host_kv_tier.py HostKVTier)."""
 
+    async_restores: bool  # restores may run beside the steps (their requests wait instead)
+
     def lookup(self, block_hash: int) -> int | None: ...  # the slot, pinned until unpin
     def unpin(self, slots: list[int]) -> None: ...
-    def restore(self, slot: int, block: int) -> None: ...
+    def restore(self, slot: int, block: int, deferred: bool = False) -> Ticket | None: ...
     def count_misses(self, n: int) -> None: ...
     def offload(self, block: int, block_hash: int, parent: int | None, depth: int) -> None: ...
 
@@ -30,6 +38,10 @@ class KVCacheManager:
         self.host = host if pool.enable_prefix_caching else None
         if self.host is not None:
             pool.on_evict = self.host.offload
+        # Deferred restores (a tier with async_restores): pool blocks whose copy may still be
+        # in flight, and blocks of sequences freed before theirs was done (freed once it is).
+        self.inflight: dict[int, Ticket] = {}
+        self.held: list[tuple[Ticket, list[int]]] = []
 
     def prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of seq. At least one token is always left to compute
@@ -38,16 +50,49 @@ class KVCacheManager:
             return []  # prompt logprobs: every position's logits are computed
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = seq.full_block_hashes(self.block_size, max_blocks * self.block_size)
-        return self._from_host(hashes, self.pool.lookup(hashes),
-                               cdiv(seq.num_tokens, self.block_size))
+        deferred = self.host is not None and self.host.async_restores
+        hits = self._from_host(hashes, self.pool.lookup(hashes),
+                               cdiv(seq.num_tokens, self.block_size), deferred)
+        if deferred:  # the step need not wait for the copies: seq waits (restored) instead
+            seq.restoring = self._last_pending(hits)
+        return hits
 
-    def _from_host(self, hashes: list[int], hits: list[int], total_blocks: int) -> list[int]:
+    def _last_pending(self, blocks: list[int]) -> Ticket | None:
+        """The latest ticket not yet done among these blocks' restores, or None."""
+        inflight = self.inflight
+        last = None
+        for b in blocks:
+            t = inflight.get(b)
+            if t is not None and not t.done():
+                last = t
+        return last
+
+    def restored(self, seq: Sequence) -> bool:
+        """Whether seq's prefix is in its blocks (no deferred restore of it in flight)."""
+        if seq.restoring is not None and not seq.restoring.done():
+            return False
+        seq.restoring = None
+        return True
+
+    def settle(self) -> None:
+        """Once a step: forget restores done, free the blocks held for them."""
+        if self.inflight:
+            self.inflight = {b: t for b, t in self.inflight.items() if not t.done()}
+        if self.held:
+            done = [blocks for t, blocks in self.held if t.done()]
+            self.held = [(t, blocks) for t, blocks in self.held if not t.done()]
+            for blocks in done:
+                self.pool.free(blocks)
+
+    def _from_host(self, hashes: list[int], hits: list[int], total_blocks: int,
+                   deferred: bool = False) -> list[int]:
         """`hits` continued past the pool's cached blocks: a block the pool still caches (past
         a gap) is taken as it is; one the host tier holds is copied into a fresh block, which
         is published in the prefix cache under its hash and left free and cached, for
         allocate_slots (or allocate_for_pull) to revive like any hit. Nothing is restored
         unless the pool has room for every block of the prompt's `total_blocks` still to
-        place: a request that cannot be admitted now copies nothing.
+        place: a request that cannot be admitted now copies nothing. `deferred`: the copies
+        run beside the steps, each fresh block listed in `inflight` until they are done.
 
             hashes:  [ h0 | h1 | h2 | h3 | h4 | h5 ]
             pool:    [ b7 | b2 | -- | b9 | -- | -- ]     hits [b7, b2]
@@ -82,7 +127,9 @@ class KVCacheManager:
         for i, b in enumerate(chain, len(hits)):
             if b is None:
                 slot, b = next(fresh)
-                host.restore(slot, b)
+                ticket = host.restore(slot, b, deferred)
+                if ticket is not None:
+                    self.inflight[b] = ticket
                 pool.cache_block(b, hashes[i], hashes[i - 1] if i else None, i)
             out.append(b)
         host.unpin(slots)
@@ -200,6 +247,10 @@ class KVCacheManager:
         seq.num_computed_tokens = num_computed
 
     def free(self, seq: Sequence) -> None:
+        if not self.restored(seq):  # a copy still writes its blocks: freed once it is done
+            self.pool.incref(seq.block_ids)
+            self.held.append((seq.restoring, list(seq.block_ids)))
+            seq.restoring = None
         self.pool.free(seq.block_ids)
         seq.block_ids = []
         seq.num_cached_blocks = 0

@@ -75,7 +75,7 @@ class Migrations:
         it then moves by token replay. `step_in_flight`: a pipelined step writes the KV of each
         sequence's last computed token now; the lease stops before it."""
         if any(s.status is not Status.RUNNING or s.remote is not None or s.kv_pull is not None
-               or s.replay is not None or s.pending_forks for s in seqs):
+               or s.restoring is not None or s.replay is not None or s.pending_forks for s in seqs):
             return None
         seq = seqs[0]
         if len(seqs) > 1 or seq.params.n > 1:

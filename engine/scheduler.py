@@ -22,6 +22,11 @@ horizon: a request alone, a long generation) get the whole budget. Decodes are n
     longest  ██████████████████████████████████           (its outputs: the critical path)
     others   ▓▓▓ ▓▓▓▓ ▓▓ ▓▓▓▓▓ ▓▓▓ ▓▓▓▓ ▓▓▓ ▓▓▓▓ ▓▓       (paced, spread along it)
 
+Host KV tier (engine/host_kv_tier.py) on CUDA: a waiting sequence whose prefix is copied back
+from the tier is admitted with its blocks but not scheduled until the copies, issued beside the
+steps, are done (`restoring`, never preempted meanwhile): the other requests' steps never wait
+for them.
+
 Decode role: a waiting sequence whose KV lives on a prefill worker is admitted with the full
 prompt blocks this worker's prefix cache holds and fresh blocks for the rest, and listed in
 `pulls`; the engine copies the rest in before the step runs, or, over NIXL, starts a pull the
@@ -90,7 +95,7 @@ class Scheduler:
         self.waiting.add(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.kv.held)
 
     def num_running_seqs(self) -> int:
         return len(self.running)
@@ -109,6 +114,7 @@ class Scheduler:
         running = self.running
         i = 0
         pulling = 0  # sequences whose KV is still arriving
+        self.kv.settle()
         while i < len(running) and budget > 0:
             seq = running[i]
             computed = seq.num_computed_tokens
@@ -120,6 +126,9 @@ class Scheduler:
                 budget -= 1
                 paced -= 1
                 i += 1
+                continue
+            if seq.restoring is not None and not self.kv.restored(seq):
+                i += 1  # its prefix still being copied back from the host tier
                 continue
             if n <= 0 or seq.kv_pull is not None:  # KV pulled this step, or still arriving
                 pulling += seq.kv_pull is not None
@@ -170,12 +179,13 @@ class Scheduler:
                 n = min(seq.num_tokens - len(hits) * bs, limit)
                 if n <= 0 or not self.kv.allocate_slots(seq, n, hits, batch.copies, reserve):
                     break
-                if n == 1:
-                    decodes.append(seq)
-                else:
-                    chunks.append((seq, n))
-                budget -= n
-                paced -= n
+                if seq.restoring is None:  # else: its blocks held, it runs once they are in
+                    if n == 1:
+                        decodes.append(seq)
+                    else:
+                        chunks.append((seq, n))
+                    budget -= n
+                    paced -= n
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             running.append(seq)
@@ -233,7 +243,7 @@ class Scheduler:
         its blocks: they cannot be freed under it)."""
         running = self.running
         j = len(running) - 1
-        while running[j].kv_pull is not None:
+        while running[j].kv_pull is not None or running[j].restoring is not None:
             j -= 1
         return running.pop(j)
 

@@ -137,6 +137,9 @@ class Sequence:
         # Decode role: a pull of this sequence's prompt KV still in flight outside the engine's
         # stream (PendingPull, engine/kv_connector.py); not scheduled until it is done.
         self.kv_pull: PendingPull | None = None
+        # Its prefix being copied back from the host KV tier beside the steps (RestoreTicket,
+        # engine/host_kv_tier.py); not scheduled until the copies are done.
+        self.restoring = None
         self.num_preemptions = 0
         # Samples still to fork off this sequence when its first token is sampled (n > 1).
         self.pending_forks = params.n - 1

@@ -54,7 +54,12 @@ from collections.abc import Iterator
 import torch
 
 from tandem.engine.block_pool import split_changes
-from tandem.engine.host_kv_tier import HostKVTier, host_tier_capacity, host_tier_for
+from tandem.engine.host_kv_tier import (
+    HostKVTier,
+    RestoreTicket,
+    host_tier_capacity,
+    host_tier_for,
+)
 from tandem.errors import InvalidArgument
 
 SHM_DIR = "/dev/shm"
@@ -400,18 +405,22 @@ class SharedHostKVTier(HostKVTier):
     def unpin(self, slots: list[int]) -> None:
         self.index.unpin(slots)
 
-    def restore(self, slot: int, block: int) -> None:
+    def restore(self, slot: int, block: int, deferred: bool = False) -> RestoreTicket | None:
         self.index.pin([slot])  # held until the copy is done, past the caller's unpin
-        super().restore(slot, block)
+        return super().restore(slot, block, deferred)
+
+    def _issued(self, slots: list[int]) -> None:
+        """Pinned until their copies are done (_settle), not merely issued: another worker
+        may reuse a slot as soon as it is unpinned."""
 
     def flush(self, wait: bool = False) -> None:
         self._settle(block=False)
-        ops = list(self.ops)
+        ops, deferred = list(self.ops), list(self.deferred)
         super().flush(wait)
-        if not ops:
+        if not ops and not deferred:
             return
         written = [slot for to_host, _, slot in ops if to_host]
-        read = [slot for to_host, _, slot in ops if not to_host]
+        read = [slot for to_host, _, slot in ops if not to_host] + [s for _, s in deferred]
         event = None
         if self.stream is not None and not wait:
             event = torch.cuda.Event()

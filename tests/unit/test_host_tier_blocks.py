@@ -274,3 +274,94 @@ def test_every_hit_holds_its_own_prefix_under_churn(seed):
     for seq in alive:
         kv.free(seq)
     assert pool.is_idle() and restored > 0
+
+
+class Gate:
+    """A deferred restore's copies, done when the test says (a CUDA event on a GPU)."""
+
+    def __init__(self) -> None:
+        self.passed = False
+
+    def query(self) -> bool:
+        return self.passed
+
+
+def test_a_restore_runs_beside_the_steps_and_its_request_waits_for_it():
+    """With restores beside the steps (CUDA: a side stream; here a gate the test opens), a
+    request whose prefix comes back from the tier is admitted holding its blocks but is not
+    scheduled until its copies are done, while another request's prefill goes on every step;
+    it is never preempted meanwhile; a request ended before its copies are done has its
+    blocks freed only once they are. Before, the restore was copied before the step that ran
+    its request, and that step (every request in it) waited for the copy."""
+    from tandem.engine.config import SchedulerConfig
+    from tandem.engine.scheduler import Scheduler
+
+    pool, data, tier, kv = _setup(num_blocks=12, capacity=8)
+    tier.async_restores = True
+    gates: list[Gate] = []
+
+    def record() -> Gate:
+        gates.append(Gate())
+        return gates[-1]
+
+    tier._record = record
+    a = list(range(1, 14))  # 3 full blocks + 1 token
+    kv.free(_run_prompt(kv, data, tier, a))
+    want = [data[b].clone() for b in pool.cached.values()]
+    kv.free(_run_prompt(kv, data, tier, list(range(100, 148))))  # 12 blocks: a's 3 evicted
+    tier.flush()
+    assert len(tier.index) == 3 and not pool.cached.keys() & set(
+        Sequence("x", a, SamplingParams()).full_block_hashes(BS, 12))
+
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16), kv)
+    other = Sequence("other", list(range(200, 208)), SamplingParams(max_tokens=8))
+    again = Sequence("again", a, SamplingParams(max_tokens=1))
+    sched.add(other)
+    sched.add(again)
+    steps = []
+    for k in range(3):
+        batch = sched.schedule()
+        tier.flush()
+        steps.append([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)])
+        sched.advance(batch, 0.0, 0.0)
+        other.token_ids.append(300 + k)  # its sampled token: it decodes next step
+    # Step 1: "other" prefills and "again" is admitted with its 3 blocks from the tier, then
+    # waits for their copies while "other" decodes.
+    assert steps == [[("other", 8)], [("other", 1)], [("other", 1)]]
+    assert again in sched.running and again.restoring is not None and len(gates) == 1
+    assert again.num_computed_tokens == 12 and tier.stats().hits == 3
+    assert sched._pop_victim() is other and sched.running == [again]  # never the restoring one
+    sched.running.insert(0, other)
+    gates[0].passed = True  # the copies are done
+    batch = sched.schedule()
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [
+        ("other", 1), ("again", 1)]
+    for b, w in zip(again.block_ids[:3], want):
+        assert torch.equal(data[b], w)
+    sched.advance(batch, 0.0, 0.0)
+
+    sched.running.clear()
+    kv.free(again)
+    kv.free(other)
+    assert pool.is_idle()
+
+    # Ended while its copies are in flight: its blocks stay taken until they are done.
+    pool, data, tier, kv = _setup(num_blocks=4, capacity=8)
+    kv.free(_run_prompt(kv, data, tier, a))
+    kv.free(_run_prompt(kv, data, tier, list(range(100, 116))))  # a's 3 blocks to the tier
+    tier.flush()
+    tier.async_restores, tier._record = True, record
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16), kv)
+    late = Sequence("late", a, SamplingParams(max_tokens=1))
+    sched.add(late)
+    assert sched.schedule().seqs == []
+    tier.flush()
+    assert late.restoring is not None and len(gates) == 2
+    sched.running.remove(late)  # aborted
+    kv.free(late)
+    assert not pool.is_idle() and sched.has_work()
+    sched.schedule()
+    assert not pool.is_idle()
+    gates[1].passed = True
+    sched.schedule()
+    assert pool.is_idle() and not sched.has_work() and not kv.inflight
