@@ -17,8 +17,8 @@ waits for the work already queued on the step's stream (a step in flight may sti
 an evicted block), and the step's stream waits for them in turn: no host wait, the copies
 overlap whatever the device runs before. On the CPU they are plain copies.
 
-Host memory is taken by a thread of its own (HostChunks), a chunk at a time from the moment
-the tier is made until it reaches its size: pinning costs about a second per GiB (faulting and
+Host memory is taken a chunk at a time, the first when the tier is made and the others by a
+thread of its own (HostChunks) right after, until the tier reaches its size: pinning costs about a second per GiB (faulting and
 locking the pages; measured on a 2-core VM: 0.5-1.2 s/GiB), too slow for the step's thread (a
 256 MiB chunk taken there held a step for a few hundred ms) and for start-up (tens of GiB would
 delay it by tens of seconds). Until the memory is there the tier holds fewer blocks: an
@@ -151,7 +151,8 @@ def _chunk(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tenso
 
 class HostChunks:
     """The tier's host memory, the one owner of it: chunks of `chunk_blocks` slots taken in
-    slot order by a thread of its own, from the start until `capacity` slots are there.
+    slot order, the first at start, the others by a thread of its own until `capacity` slots
+    are there.
 
         slots:  [ chunk 0 | chunk 1 | chunk 2 | ... ]    ready: slots with memory now
                  ───ready────────▶  (the thread appends; readers never wait)
@@ -168,6 +169,10 @@ class HostChunks:
         self.done = threading.Event()  # every chunk taken, or growth stopped
         self._grew = threading.Condition()
         self._stop = False
+        # The first chunk now, at start (at most CHUNK_BYTES: a fraction of a second), so that
+        # the tier keeps blocks from the first eviction on; the rest on the thread.
+        self.chunks.append(allocate((min(chunk_blocks, capacity), *shape), dtype, pin))
+        self.ready = len(self.chunks[0])
         self._thread = threading.Thread(target=self._grow, args=(shape, dtype, pin, allocate),
                                         name="host-kv-tier-memory", daemon=True)
         self._thread.start()

@@ -140,9 +140,9 @@ class Allocator:
 
 def test_host_memory_is_taken_off_the_steps_thread_and_evictions_never_wait(monkeypatch):
     """Before this tier's memory thread, the step's thread took a chunk on the first eviction
-    that reached it (a 256 MiB pinned chunk held a GPU step for a few hundred ms). Now every
-    chunk comes from the tier's own thread; an eviction with no ready slot keeps nothing (or
-    reuses the LRU one) rather than wait."""
+    that reached it (a 256 MiB pinned chunk held a GPU step for a few hundred ms). Now the
+    first chunk is taken when the tier is made (before any eviction) and the others by the
+    tier's own thread; an eviction with no ready slot reuses the LRU one rather than wait."""
     import threading
 
     import tandem.engine.host_kv_tier as hkt
@@ -152,29 +152,28 @@ def test_host_memory_is_taken_off_the_steps_thread_and_evictions_never_wait(monk
     monkeypatch.setattr(hkt, "CHUNK_BYTES", 2 * block)
     alloc = Allocator()
     monkeypatch.setattr(hkt, "_chunk", alloc)
+    alloc.go.release()  # the first chunk, taken as the tier is made
     tier = HostKVTier(pool, 5)  # chunks of 2, 2, 1 slots
     try:
-        tier.offload(7, 99)  # no memory yet: nothing kept, nothing waited for
-        tier.flush()
-        assert len(tier.index) == 0 and tier.allocated_bytes == 0
-        alloc.go.release()  # chunk 0 (slots 0-1) may come
-        assert tier.memory.wait_ready(2) == 2  # the test waits; the step never does
-        for b in range(3):  # 3 evictions, 2 ready slots: the LRU one is reused
+        assert alloc.threads[0] == threading.get_ident() and tier.memory.ready == 2
+        steps_thread_calls = len(alloc.threads)
+        for b in range(4):  # 4 evictions, 2 ready slots (the thread's next chunk held back)
             tier.offload(b, 100 + b)
             tier.flush()
-        assert dict(tier.index.lru) == {101: 1, 102: 0} and tier.index.evictions == 1
+        assert dict(tier.index.lru) == {102: 0, 103: 1} and tier.index.evictions == 2
         assert tier.allocated_bytes == 2 * block
         alloc.go.release()
         alloc.go.release()
-        tier.memory.done.wait()
-        for b in range(3, 6):
+        tier.memory.done.wait()  # the test waits; the step never does
+        for b in range(4, 7):
             tier.offload(b, 100 + b)
             tier.flush()
         assert tier.allocated_bytes == tier.capacity_bytes == 5 * block
         assert sorted(tier.index.lru.values()) == [0, 1, 2, 3, 4]
-        assert torch.equal(tier.slot(4), pool[5]) and torch.equal(tier.slot(0), pool[2])
+        assert torch.equal(tier.slot(4), pool[6]) and torch.equal(tier.slot(0), pool[2])
         assert len(alloc.threads) == 3
-        assert threading.get_ident() not in alloc.threads  # never on the step's thread
+        # Every chunk after the first on the tier's own thread, never on the step's.
+        assert threading.get_ident() not in alloc.threads[steps_thread_calls:]
     finally:
         for _ in range(3):
             alloc.go.release()
