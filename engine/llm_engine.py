@@ -112,8 +112,11 @@ class LLMEngine:
             share=config.host_kv_share, ranks=config.tensor_parallel_size,
             fp=fingerprint(os.path.realpath(self.model_dir), tuple(pool.shape[1:]),
                            str(pool.dtype), config.kv_cache_dtype))
-        if self.host_tier is not None and self.tp_group is not None:
-            self.tp_group.open_host_tier(self.host_tier)
+        if self.host_tier is not None:
+            if self.tp_group is not None:
+                self.tp_group.open_host_tier(self.host_tier)
+            log.info("host KV tier: %.1f GiB taken in %.1f s",
+                     self.host_tier.capacity_bytes / (1 << 30), self.host_tier.wait_for_memory())
         self.kv = KVCacheManager(self.block_pool, self.host_tier)
         # A sequence can never outgrow the whole pool.
         max_len = min(sched.max_model_len, self.runner.num_blocks * cache.block_size)

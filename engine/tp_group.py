@@ -307,6 +307,7 @@ class RankKV:
 
     def open_host_tier(self, capacity: int) -> None:
         self.host_tier = HostKVTier(self.local, capacity)
+        self.host_tier.wait_for_memory()
 
     def host_copies(self, ops: list[tuple[bool, int, int]], wait: bool) -> None:
         """Rank 0's tier flushed these copies: the same ones on this rank's heads, issued
