@@ -618,7 +618,7 @@ class LLMEngine:
             r = resumed.get(seq.request_id)
             if r is not None and r.applied and not r.scheduled:
                 r.scheduled, r.tail_tokens = started, n
-                r.decode_rows = n > 1 and getattr(self.runner, "last_decode_rows", False)
+                r.decode_rows = n > 1 and self.runner.last_decode_rows
         for r in resumed.values():
             r.steps += bool(r.applied)
         now = time.monotonic()
