@@ -86,6 +86,8 @@ class Worker:
     # Its polls' own blocking channel and stub (router_svc/liveness.py): off the event loop.
     probe_channel: grpc.Channel | None = None
     probe: worker_pb2_grpc.WorkerStub | None = None
+    # Set while it answers polls but the data channel above still connects: up once it has.
+    connecting: asyncio.Task | None = None
 
     @property
     def leaving(self) -> bool:
@@ -346,6 +348,7 @@ class WorkerSet:
 
     @staticmethod
     async def _close(w: Worker) -> None:
+        WorkerSet._stop_connecting(w)
         await w.stream.close()
         await w.channel.close()
         if w.probe_channel is not None:
@@ -355,6 +358,9 @@ class WorkerSet:
         """One round of polls, waited for (start-up, and tests that poll by hand rather than
         start() the poller)."""
         self._apply_round(await asyncio.to_thread(self._poller.poll, self._targets()))
+        # Those that answered are up once their data channels connect (bounded): wait for it.
+        connecting = [w.connecting for w in self.workers if w.connecting is not None]
+        await asyncio.gather(*connecting, return_exceptions=True)
 
     def _targets(self) -> list[Target]:
         """What the poller polls (called in its thread: a copy of the list, not the list)."""
@@ -383,6 +389,7 @@ class WorkerSet:
 
     def _apply(self, w: Worker, r: PollResult) -> None:
         if r.load is None:
+            self._stop_connecting(w)
             if r.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # Silent: slow (busy) until the poller counts it lost.
                 if r.lost and not w.lost.is_set():
@@ -398,8 +405,6 @@ class WorkerSet:
             w.healthy = False
             return
         w.load = r.load
-        if not w.healthy:
-            log.info("worker %s (%s, %s) is up", w.address, w.role, w.load.worker_id)
         instance = w.load.instance_id
         if w.instance_id and instance != w.instance_id:
             log.warning("worker %s (%s) restarted", w.address, w.role)
@@ -407,13 +412,41 @@ class WorkerSet:
         w.instance_id = instance
         if w.lost.is_set():
             w.lost = asyncio.Event()
-        w.healthy = True
         w.last_seen = time.monotonic()
         if w.load.block_size:
             self.block_size = w.load.block_size
-        self._watch_kv(w)
         if w.load.dtype:
             self.dtype = w.load.dtype
+        if w.healthy:
+            self._watch_kv(w)
+            return
+        # Up once the router's own channel to it is connected, not when the poll (its own
+        # channel) says so: a worker restarted on the same port answers polls while the data
+        # channel may still sit out gRPC's reconnect backoff, failing every call at once.
+        if w.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            self._up(w)
+        elif w.connecting is None or w.connecting.done():
+            w.connecting = asyncio.ensure_future(self._up_once_connected(w))
+
+    def _up(self, w: Worker) -> None:
+        log.info("worker %s (%s, %s) is up", w.address, w.role, w.load.worker_id)
+        w.healthy = True
+        self._watch_kv(w)
+
+    async def _up_once_connected(self, w: Worker) -> None:
+        """Mark w up when its data channel connects (within worker_timeout_s; otherwise the
+        next answered poll tries again). A poll that fails meanwhile cancels this."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(w.channel.channel_ready(), self.worker_timeout_s)
+            if w in self.workers and not w.healthy:
+                self._up(w)
+                self._health_changed()
+
+    @staticmethod
+    def _stop_connecting(w: Worker) -> None:
+        task, w.connecting = w.connecting, None
+        if task is not None:
+            task.cancel()
 
     def _lose(self, w: Worker, silent: float) -> None:
         """No answer for `silent` seconds: whatever this router has in flight there gives up

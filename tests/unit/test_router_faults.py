@@ -219,6 +219,67 @@ class FakeProbe:
         return self.answer
 
 
+class FakeDataChannel:
+    """The router's aio channel to a worker: in `state`; channel_ready() waits for READY."""
+
+    def __init__(self, state=grpc.ChannelConnectivity.READY) -> None:
+        self.state = state
+        self.waited = asyncio.Event()  # someone waits for it to connect
+        self.connected = asyncio.Event()
+
+    def get_state(self, try_to_connect=False):
+        return self.state
+
+    async def channel_ready(self):
+        self.waited.set()
+        await self.connected.wait()
+
+    def connect(self) -> None:
+        self.state = grpc.ChannelConnectivity.READY
+        self.connected.set()
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_worker_answering_polls_is_up_only_once_the_routers_channel_to_it_connects():
+    """A worker restarted on the same port answers polls (their own channel) while the
+    router's data channel may still sit out gRPC's reconnect backoff, failing every call at
+    once: it is up, and requests go there, only when that channel has connected."""
+    async def main():
+        ws = WorkerSet(["p0"], ["d0"], [], worker_timeout_s=60.0, metrics=FaultMetrics())
+        p, d = ws.workers
+        real = [w.channel for w in ws.workers]  # their stubs' (calls fail: nothing there)
+        for w in ws.workers:
+            w.probe, w.stream = FakeProbe(), FakeWorkerStream()
+        p.channel = FakeDataChannel()
+        d.channel = FakeDataChannel(grpc.ChannelConnectivity.TRANSIENT_FAILURE)
+        polled = asyncio.ensure_future(ws.poll_once())
+        await d.channel.waited.wait()
+        assert p.healthy and not d.healthy and not ws.ready()
+        d.channel.connect()
+        await polled  # waits for the connection (bounded by worker_timeout_s)
+        assert d.healthy and ws.ready()
+        # Refused (it stops), then answering again with its channel still in backoff: the
+        # wait for the channel gives up after worker_timeout_s, and the next poll tries again.
+        d.probe.answer = grpc.StatusCode.UNAVAILABLE
+        await ws.poll_once()
+        assert not d.healthy
+        d.probe.answer = worker_pb2.Load(instance_id="b")
+        d.channel = FakeDataChannel(grpc.ChannelConnectivity.TRANSIENT_FAILURE)
+        ws.worker_timeout_s = 0.0
+        await ws.poll_once()
+        assert not d.healthy and not ws.ready()
+        d.channel.connect()
+        await ws.poll_once()
+        assert d.healthy and ws.ready()
+        await ws.close()
+        for ch in real:
+            await ch.close()
+
+    asyncio.run(main())
+
+
 class FakeWorkerStream:
     def __init__(self) -> None:
         self.abandoned: list[str] = []
@@ -226,11 +287,15 @@ class FakeWorkerStream:
     def abandon(self, reason: str) -> None:
         self.abandoned.append(reason)
 
+    async def close(self) -> None:
+        pass
+
 
 def test_a_worker_whose_polls_time_out_is_lost_one_that_refuses_is_not():
     async def main():
         ws = WorkerSet([], [], ["d0"], worker_timeout_s=0.0, metrics=FaultMetrics())
         w = ws.workers[0]
+        real, w.channel = w.channel, FakeDataChannel()
         w.probe, w.stream = FakeProbe(), FakeWorkerStream()
         changes: list[bool] = []
 
@@ -255,6 +320,7 @@ def test_a_worker_whose_polls_time_out_is_lost_one_that_refuses_is_not():
         assert ws.metrics.lost.labels("d0")._value.get() == 1
         await asyncio.sleep(0)
         assert changes == [True, False, True]
+        await real.close()
 
     asyncio.run(main())
 
