@@ -5,7 +5,7 @@
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl,
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, fp8_fusion, defaults, structured,
-# pulls, profile, offline, layouts, compare, spec, multiturn_tier, migration_stall, changing_mix, pack.
+# pulls, profile, offline, layouts, compare, spec, multiturn_tier, migration_stall, changing_mix, rolling, pack.
 # Several groups of stages at once, each on its own GPUs: gpu_parallel.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -255,6 +255,13 @@ for stage in "$@"; do
         >> "$OUT/changing_mix.txt"
       tar czf "$OUT/changing_mix.tgz" -C /tmp changing_mix
       cat "$OUT/changing_mix.txt" ;;
+    rolling)  # issue 45: a rolling restart of both decode workers, then the prefill worker
+      # killed, under 50 req/s of 128-256-token generations (ROLL_ARGS: more flags); a 1P+2D
+      # tandem-demo stack, float32, all three workers on cuda:0
+      # shellcheck disable=SC2086  # ROLL_ARGS are words
+      run rolling_restart python3 benchmarks/robustness/rolling_restart.py --device cuda:0 \
+        --num-blocks 16384 --max-num-batched-tokens 2048 --log-dir "$OUT/rolling_logs" \
+        --out "$OUT/rolling_restart.json" ${ROLL_ARGS:-} ;;
     pack) tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . ;;
     *) echo "unknown stage $stage" ;;
   esac

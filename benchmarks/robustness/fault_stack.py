@@ -1,5 +1,5 @@
 """What the fault probes (soak.py, chaos.py) share: their stack's flags, a supervised CPU stack
-(router, prefill and decode workers, restarted when they exit), faults injected into one
+(router, prefill and decode workers, restarted when they exit; on the CPU or sharing a GPU), faults injected into one
 worker, waiting until the router routes to every worker again, and every pool read back once
 idle. Each probe keeps its own load and its own judgement of the requests."""
 
@@ -25,9 +25,7 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 def add_stack_flags(p: argparse.ArgumentParser, *, concurrency: int, shapes: int,
                     min_faults: int, fault_interval: float) -> None:
     """The flags of the stack, the load's bounds and the faults' pacing."""
-    p.add_argument("--model", default="tandem-demo")
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=2)
+    add_worker_flags(p)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     p.add_argument("--max-duration", type=float, default=None,
                    help="hard bound on the load's seconds while --min-faults are awaited "
@@ -48,14 +46,28 @@ def add_stack_flags(p: argparse.ArgumentParser, *, concurrency: int, shapes: int
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON")
 
 
+def add_worker_flags(p: argparse.ArgumentParser) -> None:
+    """The workers: model, how many of each role, where they run and their KV pools."""
+    p.add_argument("--model", default="tandem-demo")
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=2)
+    p.add_argument("--device", default="cpu",
+                   help="every worker's device (cpu, or one GPU they share: cuda:0)")
+    p.add_argument("--num-blocks", type=int, default=512, help="each worker's KV blocks")
+    p.add_argument("--max-num-batched-tokens", type=int, default=128,
+                   help="each worker's token budget a step")
+
+
 def run_supervised(a: argparse.Namespace, prog: str, grace: float,
                    probe: Callable[[LocalStack], Coroutine[Any, Any, dict]]) -> dict:
     """Start the stack the flags describe under a supervisor, run `probe` on it, stop it.
     The probe's result, with the restarts, exit codes, flags, cores and log directory."""
     a.max_duration = a.max_duration or 3 * a.duration
     roles = ["prefill"] * a.prefill_workers + ["decode"] * a.decode_workers
-    stack = LocalStack(a.model, roles, ["cpu"] * len(roles),
-                       worker_args=["--num-blocks", "512", "--max-num-batched-tokens", "128"],
+    # float32 everywhere: a request moved or replayed elsewhere must give the same tokens.
+    stack = LocalStack(a.model, roles, [a.device] * len(roles),
+                       worker_args=["--num-blocks", str(a.num_blocks), "--dtype", "float32",
+                                    "--max-num-batched-tokens", str(a.max_num_batched_tokens)],
                        role_args={"prefill": ["--lease-ttl", str(a.lease_ttl)]},
                        router_args=["--grpc-port", "0", "--http-port", "0", "--dtype",
                                     "float32", "--worker-timeout", str(a.worker_timeout)],

@@ -1,4 +1,4 @@
-"""Rolling restart and prefill kill under steady open-loop load: a supervised CPU stack (1 prefill
+"""Rolling restart and prefill kill under steady open-loop load: a supervised stack (1 prefill
 + 2 decode workers of `tandem-demo` by default, restarted when they exit, as `tandem up` runs
 them) takes requests at a fixed rate (--rate per second, sent on time whether or not earlier
 ones finished) of long generations, greedy and seeded, streamed over gRPC and over the OpenAI
@@ -364,7 +364,7 @@ class Rolling:
 
 def report(r: dict, a: argparse.Namespace) -> str:
     ld = r["load"]
-    lines = [f"rolling_restart: {a.prefill_workers}P+{a.decode_workers}D {a.model} on the CPU "
+    lines = [f"rolling_restart: {a.prefill_workers}P+{a.decode_workers}D {a.model} on {a.device} "
              f"({r['cores']} cores, 1-min load average {r['loadavg_1min_start_end']} at the load's start and end); offered {ld['offered_per_s']} "
              f"req/s of {a.min_tokens}-{a.max_tokens} tokens; sent {ld['sent']} at "
              f"{ld['sent_per_s']}/s over {ld['sending_s']} s (client at most "
@@ -389,9 +389,7 @@ def report(r: dict, a: argparse.Namespace) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rolling_restart.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tandem-demo")
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=2)
+    fault_stack.add_worker_flags(p)
     p.add_argument("--rate", type=float, default=50.0, help="requests sent per second")
     p.add_argument("--min-tokens", type=int, default=128, help="tokens a request, at least")
     p.add_argument("--max-tokens", type=int, default=256, help="tokens a request, at most")
