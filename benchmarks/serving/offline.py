@@ -184,9 +184,23 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
         "ttft_ms": dist(ttft), "tpot_ms": dist(tpot),
         "itl_ms": dist([g * 1e3 for g in rec.itls]), "e2e_s": dist(e2e),
         "kv": kv, "step_time": steps, "floors": floor,
+        "longest_request": longest_request(counts, [rec.first.get(i) for i in ids],
+                                           [rec.done.get(i) for i in ids], t0),
         "_samples": {"ttft_ms": ttft, "tpot_ms": tpot,
                      "itl_ms": [g * 1e3 for g in rec.itls], "e2e_s": e2e},
     }
+
+
+def longest_request(counts: list[int], first: list, done: list, t0: float) -> dict:
+    """The request with the most output tokens (a ShareGPT-like run's critical path): when its
+    first token came, and its decode's pace after it."""
+    i = max(range(len(counts)), key=counts.__getitem__)
+    out = {"index": i, "output_tokens": counts[i], "ttft_s": None, "tpot_ms": None}
+    if first[i] is not None:
+        out["ttft_s"] = first[i] - t0
+        if done[i] is not None and counts[i] > 1:
+            out["tpot_ms"] = (done[i] - first[i]) / (counts[i] - 1) * 1e3
+    return out
 
 
 def triton_variants(device: str) -> int | None:
@@ -205,6 +219,10 @@ def print_offline(r: dict, header: str) -> None:
           f"{r['total_token_throughput']:.0f} total tok/s; TTFT p50 {fmt(r['ttft_ms']['p50'], '.0f')}"
           f" ms, TPOT p50 {fmt(r['tpot_ms']['p50'])} ms; saturated phase (>= {SATURATED_SEQS} "
           f"running) {fmt(r['step_time']['saturated_output_throughput'], '.0f')} output tok/s")
+    lr = r.get("longest_request")
+    if lr and lr["ttft_s"] is not None:
+        print(f"longest request (#{lr['index']}, {lr['output_tokens']} tokens): first token at "
+              f"{lr['ttft_s']:.2f} s, then {fmt(lr['tpot_ms'], '.2f')} ms a token")
     tv = r.get("triton_variants") or {}
     if tv.get("startup") is not None:
         print(f"start-up {r['startup_s']:.1f} s; Triton kernel variants compiled by then "

@@ -165,6 +165,12 @@ def print_online(runs: list[dict], header: str) -> None:
               f"{fmt(s['goodput'], '.2f'):>9}{fmt(s['slo_attainment'], '.0%'):>6}")
         for e in s["errors"][:3]:
             print(f"    error: {e}")
+        reqs = [r for r in run["requests"] if r["ok"]]
+        if reqs:  # the longest generation: a ShareGPT-like run's critical path
+            lr = max(reqs, key=lambda r: r["output_tokens"])
+            print(f"    longest request ({lr['output_tokens']} tokens): first token at "
+                  f"{fmt(lr['ttft_ms'] / 1e3, '.2f')} s, then {fmt(lr['tpot_ms'], '.2f')} ms "
+                  f"a token")
     if runs:
         slo = runs[0]["summary"]["slo"]
         print(f"(ms; goodput in req/s: TTFT <= {slo['ttft_ms']:g} ms and per-request "
