@@ -78,23 +78,6 @@ class Update:
     # No tokens: the KV a decode worker lent is pulled here; hand the request over (HandOver).
     ready: bool = False
 
-    def absorb(self, later: Update) -> None:
-        """Append a later step's tokens (each sample's, in order): one update for both."""
-        mine = {s.index: s for s in self.samples}
-        for s in later.samples:
-            have = mine.get(s.index)
-            if have is None:
-                self.samples.append(s)
-                mine[s.index] = s
-            else:
-                have.token_ids = have.token_ids + s.token_ids
-                have.logprobs = have.logprobs + s.logprobs
-                have.finish_reason = s.finish_reason
-        self.num_prompt_tokens = later.num_prompt_tokens
-        self.num_cached_tokens = later.num_cached_tokens
-        if self.prompt_logprobs is None:
-            self.prompt_logprobs = later.prompt_logprobs
-
 
 def _by_request(resp: worker_pb2.StreamResponse) -> list[tuple[str, Update]]:
     """_tokens_by_request, each request's prompt logprobs on its first update."""
@@ -167,8 +150,8 @@ class WorkerStream:
     async def request(self, msg: worker_pb2.StreamRequest, metadata: Metadata = None,
                       timeout: float | None = None,
                       on_sent: Callable[[], None] | None = None) -> AsyncIterator[Update]:
-        """Send a generate or decode request; its updates, one per engine step (steps that
-        queued up before they were read, as one), until its samples finish. `on_sent` is called once the request is on its way to the worker (a
+        """Send a generate or decode request; its updates, one per engine step, until its
+        samples finish. `on_sent` is called once the request is on its way to the worker (a
         request refused here never is: what it carries is still the caller's)."""
         rid = getattr(msg, msg.WhichOneof("kind")).request_id
         if rid in self._inboxes:
@@ -183,21 +166,11 @@ class WorkerStream:
         if on_sent is not None:
             on_sent()
         done = False
-        held = None  # taken from the inbox behind a run of token updates: next
         try:
             async with asyncio.timeout(timeout):
                 while True:
-                    u, held = (held, None) if held is not None else (await inbox.get(), None)
+                    u = await inbox.get()
                     if isinstance(u, Update):
-                        # Steps that queued up while this request's reader was busy (the
-                        # router's loop behind the workers) go on as one update: one message
-                        # to the caller for all of them, not one each.
-                        while not inbox.empty():
-                            later = inbox.get_nowait()
-                            if not isinstance(later, Update):
-                                held = later
-                                break
-                            u.absorb(later)
                         yield u
                         continue
                     if isinstance(u, grpc.aio.AioRpcError):
