@@ -14,60 +14,74 @@ suffix "... c x" found earlier, so the known suffix "... c" found earlier too, f
 It says yes when the known tokens' own lookup finds a match (a prediction of x, usually the
 quote being followed); no when they have none, though x might still start one: then the step
 stays pipelined and that draft is missed (drafts change only the speed, never the tokens).
+
+Each sequence's index is built lazily, by the first call that asks about it (a sequence in a
+batch too large to speculate, or paused by the back-off, costs nothing), and each call indexes
+at most INDEX_TOKENS_PER_CALL tokens: a sequence not caught up yet gets no draft in that call.
+So when a large batch shrinks under the back-off's threshold and all its sequences may
+speculate at once, their prompts are indexed over a few steps, not in one step that stalls
+the device (32 prompts of 1,152 tokens took ~28 ms of host work in one step on a 2-core VM).
+The index's keys are bytes, which the garbage collector does not track: tuples (3 a token)
+made such a burst trigger collections of the whole heap.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from array import array
 
 from tandem.engine.async_step import PLACEHOLDER
 from tandem.engine.sequence import Sequence
 from tandem.engine.spec_decode.proposer import ProposeInput
 
-
-def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens following the latest earlier occurrence of the longest suffix of
-    `tokens` (n_max down to n_min tokens long) that occurs earlier; [] if none does."""
-    size = len(tokens)
-    for n in range(min(n_max, size - 1), n_min - 1, -1):
-        suffix = tokens[size - n:]
-        # Windows starting at 0 .. size - n - 1: every occurrence but the suffix itself.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:size - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
-    return []
+# Tokens one call (a step's `expects_draft` or `propose`) indexes at most, over all its
+# sequences: about 0.5 us a token on a 2-core VM (~1 ms for 2,048), well under one step of an
+# 8B model at any batch; a prompt that long still proposes in its first step.
+INDEX_TOKENS_PER_CALL = 2048
 
 
 class SuffixIndex:
     """One sequence's tokens and, for each n-gram (n_min .. n_max tokens) ending before its
-    last token, where its latest occurrence ends: `lookup` in a few dictionary probes instead
-    of a scan of the whole sequence per step, the same answer. Extended as the sequence
-    grows (its tokens never change once known)."""
+    last token, where its latest occurrence ends: the scan "the latest earlier occurrence of
+    the longest suffix" in a few dictionary probes instead of a pass over the sequence per
+    step. Extended as the sequence grows (its tokens never change once known).
+
+    An n-gram's key is its tokens' bytes (int32 each: token ids are below 2**31), so n-grams
+    of different lengths never share a key."""
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
-        self.tokens: list[int] = []
-        self._ends: dict[tuple[int, ...], int] = {}
+        self.tokens = array("i")
+        self._ends: dict[bytes, int] = {}
 
     def extend(self, ids: list[int], end: int) -> None:
-        """Index ids[len(tokens):end]."""
+        """Index ids[len(tokens):end]: the n-grams ending at len(tokens) - 1 .. end - 2 (those
+        ending before the new last token), each n's in increasing order so that the latest
+        occurrence wins."""
         toks, ends = self.tokens, self._ends
-        for p in range(len(toks), end):
-            toks.append(ids[p])
-            # The n-grams ending at p - 1 now occur before the last token.
-            for n in range(self.n_min, min(self.n_max, p) + 1):
-                ends[tuple(toks[p - n:p])] = p - 1
+        old = len(toks)
+        if end <= old:
+            return
+        toks.extend(ids[old:end])
+        lo = max(old - self.n_max, 0)
+        data = toks[lo:end - 1].tobytes()  # the tokens of every new n-gram, 4 bytes each
+        for n in range(self.n_min, self.n_max + 1):
+            first = max(old - n, 0)  # the first new n-gram's start (it ends at old - 1)
+            count = end - n - first  # starts first .. end - n - 1 (the last ends at end - 2)
+            if count <= 0:
+                continue
+            a, w = 4 * (first - lo), 4 * n
+            grams = [data[i:i + w] for i in range(a, a + 4 * count, 4)]
+            ends.update(zip(grams, range(first + n - 1, first + n - 1 + count)))
 
     def lookup(self, k: int) -> list[int]:
-        """`lookup(tokens, k, n_min, n_max)` of the tokens indexed."""
+        """Up to k tokens following the latest earlier occurrence of the longest suffix of the
+        tokens indexed (n_max down to n_min tokens long) that occurs earlier; [] if none."""
         toks = self.tokens
         size = len(toks)
         for n in range(min(self.n_max, size - 1), self.n_min - 1, -1):
-            e = self._ends.get(tuple(toks[size - n:]))
+            e = self._ends.get(toks[size - n:].tobytes())
             if e is not None:
-                return toks[e + 1:e + 1 + k]
+                return toks[e + 1:e + 1 + k].tolist()
         return []
 
 
@@ -75,27 +89,40 @@ class NgramProposer:
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
         self._indexes: dict[int, SuffixIndex] = {}  # seq_id -> its tokens' index
+        self._budget = 0  # tokens the current call may still index
 
     def propose(self, inp: ProposeInput) -> list[list[int]]:
-        return [self._index(s, len(s.token_ids)).lookup(k)
-                for s, k in zip(inp.seqs, inp.max_tokens)]
+        self._budget = INDEX_TOKENS_PER_CALL
+        out = []
+        for s, k in zip(inp.seqs, inp.max_tokens):
+            index = self._caught_up(s, len(s.token_ids))
+            out.append(index.lookup(k) if index is not None else [])
+        return out
 
-    def expects_draft(self, seq: Sequence) -> bool:
+    def expects_draft(self, seqs: list[Sequence]) -> bool:
         """Whether the known tokens (those before the step in flight's PLACEHOLDERs, if any)
-        predict a continuation (the module's doc)."""
-        known = len(seq.token_ids)
-        while known and seq.token_ids[known - 1] == PLACEHOLDER:
-            known -= 1
-        return bool(self._index(seq, known).lookup(1))
+        of one of seqs predict a continuation (the module's doc)."""
+        self._budget = INDEX_TOKENS_PER_CALL
+        for seq in seqs:
+            known = len(seq.token_ids)
+            while known and seq.token_ids[known - 1] == PLACEHOLDER:
+                known -= 1
+            index = self._caught_up(seq, known)
+            if index is not None and index.lookup(1):
+                return True
+        return False
 
     def release(self, seq: Sequence) -> None:
         self._indexes.pop(seq.seq_id, None)
 
-    def _index(self, seq: Sequence, known: int) -> SuffixIndex:
-        """The index of seq.token_ids[:known], extended by what it appended since (a step
-        adds a few tokens). Never a PLACEHOLDER: it is replaced once its step resolves."""
+    def _caught_up(self, seq: Sequence, known: int) -> SuffixIndex | None:
+        """The index of seq.token_ids[:known], extended by what was appended since (a step
+        adds a few tokens) within the call's budget; None while it is still behind. Never a
+        PLACEHOLDER: it is replaced once its step resolves."""
         index = self._indexes.get(seq.seq_id)
         if index is None or len(index.tokens) > known:  # (a sequence never shrinks)
             index = self._indexes[seq.seq_id] = SuffixIndex(self.n_min, self.n_max)
-        index.extend(seq.token_ids, known)
-        return index
+        end = min(known, len(index.tokens) + self._budget)
+        self._budget -= end - len(index.tokens)
+        index.extend(seq.token_ids, end)
+        return index if end == known else None

@@ -37,7 +37,8 @@ class Proposer(Protocol):
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was preempted: drop what the proposer keeps for it."""
 
-    # Optional: `expects_draft(seq) -> bool`, asked while a pipelined step is in flight (the
-    # sequence's last token may be a PLACEHOLDER): whether a draft is expected once it is
-    # known. Without it, a draft always may come, and the step in flight is resolved for it
+    # Optional: `expects_draft(seqs) -> bool`, asked while a pipelined step is in flight (the
+    # sequences' last tokens may be PLACEHOLDERs) with the sequences that may speculate:
+    # whether one of them is expected to get a draft once its token is known. Without it, a
+    # draft always may come, and the step in flight is resolved for it
     # (engine/spec_decode/speculator.py Speculator.expects_draft).

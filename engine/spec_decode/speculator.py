@@ -143,11 +143,11 @@ class Speculator:
         proposer's `expects_draft`, from the tokens known; a proposer without one, the draft
         model's, always may). No: the step stays pipelined and proposes nothing, as
         resolving the step in flight would make it synchronous for no draft. Counted."""
+        seqs = [s for s in running if self._limit(s, max_model_len) > 0]
         expects = getattr(self.proposer, "expects_draft", None)
-        for seq in running:
-            if self._limit(seq, max_model_len) > 0 and (expects is None or expects(seq)):
-                self.counters.num_resolved_steps += 1
-                return True
+        if seqs and (expects is None or expects(seqs)):
+            self.counters.num_resolved_steps += 1
+            return True
         self.counters.num_pipelined_steps += 1
         return False
 

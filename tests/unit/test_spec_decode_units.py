@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ngram_scan import lookup
 
 from tandem.engine.async_step import PLACEHOLDER
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 from tandem.engine.spec_decode.backoff import MAX_DOUBLINGS, AcceptanceBackOff
-from tandem.engine.spec_decode.ngram import NgramProposer, SuffixIndex, lookup
+from tandem.engine.spec_decode.ngram import INDEX_TOKENS_PER_CALL, NgramProposer, SuffixIndex
 from tandem.engine.spec_decode.proposer import ProposeInput
 
 
@@ -120,13 +121,14 @@ def test_expects_draft_from_the_known_tokens():
     ngram = NgramProposer(2, 3)
     quoting = seq_of([4, 5, 6, 7, 1, 4, 5])  # "4 5" seen before, followed by 6
     quoting.token_ids.append(PLACEHOLDER)  # the next token is in flight
-    assert ngram.expects_draft(quoting)
+    assert ngram.expects_draft([quoting])
     fresh = seq_of([4, 5, 6, 7, 1, 2, 3])  # no suffix of 2+ tokens seen before
     fresh.token_ids.append(PLACEHOLDER)
-    assert not ngram.expects_draft(fresh)
+    assert not ngram.expects_draft([fresh])
+    assert ngram.expects_draft([fresh, quoting])  # one of them is enough
     # Nothing in flight: the same answer as the proposal itself.
-    assert ngram.expects_draft(seq_of([4, 5, 6, 7, 1, 4, 5]))
-    assert not ngram.expects_draft(seq_of([4, 5, 6, 7, 1, 2, 3]))
+    assert ngram.expects_draft([seq_of([4, 5, 6, 7, 1, 4, 5])])
+    assert not ngram.expects_draft([seq_of([4, 5, 6, 7, 1, 2, 3])])
 
 
 def test_expects_draft_never_caches_the_placeholder():
@@ -135,9 +137,70 @@ def test_expects_draft_never_caches_the_placeholder():
     ngram = NgramProposer(2, 3)
     s = seq_of([4, 5, 6, 7, 1, 4])
     s.token_ids.append(PLACEHOLDER)
-    ngram.expects_draft(s)
+    ngram.expects_draft([s])
     s.token_ids[-1] = 5  # resolved
     assert ngram.propose(ProposeInput([s], [3])) == [[6, 7, 1]]
+
+
+def long_prompts(count: int, length: int, quoting: bool) -> list[Sequence]:
+    """Sequences of `length` random tokens (no n-gram repeats, as a random model's); with
+    `quoting`, each ends with 3 tokens from its middle: a draft is found."""
+    rng = np.random.default_rng(3)
+    seqs = []
+    for i in range(count):
+        toks = rng.choice(1 << 20, length, replace=False).tolist()
+        seqs.append(seq_of(toks + toks[100 + i:103 + i] if quoting else toks))
+    return seqs
+
+
+def indexed(ngram: NgramProposer) -> int:
+    return sum(len(index.tokens) for index in ngram._indexes.values())
+
+
+def test_index_catch_up_is_bounded_per_call():
+    """Sequences that may all speculate at once (a large batch shrinking under the back-off's
+    threshold: each first asked about with its whole prompt) are indexed over several calls,
+    never more than INDEX_TOKENS_PER_CALL tokens in one (the step's host time stays small);
+    one still behind gets no draft, then the scan's draft once caught up. Before the limit
+    the first call indexed all 9,018 tokens."""
+    seqs = long_prompts(6, 1500, quoting=True)
+    want = [lookup(np.array(s.token_ids), 3, 2, 4) for s in seqs]
+    assert all(want)
+    ngram = NgramProposer(2, 4)
+    per_call, drafted = [], []
+    while not drafted or not all(drafted[-1]):
+        before = indexed(ngram)
+        drafted.append(ngram.propose(ProposeInput(seqs, [3] * len(seqs))))
+        per_call.append(indexed(ngram) - before)
+    total = sum(s.num_tokens for s in seqs)
+    assert max(per_call) <= INDEX_TOKENS_PER_CALL
+    assert sum(per_call) == total and len(per_call) == -(-total // INDEX_TOKENS_PER_CALL)
+    caught = INDEX_TOKENS_PER_CALL // seqs[0].num_tokens  # those indexed whole by the first
+    assert 0 < caught < len(seqs)
+    assert drafted[0] == want[:caught] + [[]] * (len(seqs) - caught)
+    assert drafted[-1] == want
+    for s in seqs:  # then a step's few new tokens each
+        s.token_ids.append(7)
+    ngram.propose(ProposeInput(seqs, [3] * len(seqs)))
+    assert indexed(ngram) == sum(s.num_tokens for s in seqs)
+
+
+def test_expects_draft_catch_up_is_bounded_per_call():
+    """With a step in flight and no sequence quoting its prompt (a random model's outputs),
+    the calls that find no draft index at most INDEX_TOKENS_PER_CALL tokens each; once the
+    quoting sequence behind them is caught up, a draft is expected."""
+    seqs = long_prompts(5, 1500, quoting=False) + long_prompts(1, 1500, quoting=True)
+    for s in seqs:
+        s.token_ids.append(PLACEHOLDER)
+    ngram = NgramProposer(2, 4)
+    answers = []
+    while not answers or not answers[-1]:
+        before = indexed(ngram)
+        answers.append(ngram.expects_draft(seqs))
+        assert indexed(ngram) - before <= INDEX_TOKENS_PER_CALL
+    calls = -(-indexed(ngram) // INDEX_TOKENS_PER_CALL)
+    assert calls > 1 and answers == [False] * (calls - 1) + [True]
+    assert not ngram.expects_draft(seqs[:5])  # caught up: a lookup each, no draft
 
 
 @settings(max_examples=60, deadline=None)
