@@ -5,7 +5,8 @@
 # Stages: correctness (GPU tests + CUDA parity), kernels, transfer, transfer_nixl,
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, fp8_fusion, defaults, structured,
-# pulls, profile, offline, layouts, compare, spec, multiturn_tier, migration_stall, changing_mix, rolling, pack.
+# pulls, profile, offline, layouts, compare, spec, spec_batch, multiturn_tier, migration_stall,
+# changing_mix, rolling, pack.
 # Several groups of stages at once, each on its own GPUs: gpu_parallel.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -221,6 +222,11 @@ for stage in "$@"; do
       done
       run spec_throughput python3 benchmarks/engine/spec_decode.py throughput --model $B8 \
         --load-format dummy --device cuda --batch 64 256 --out "$OUT/spec_throughput.json" ;;
+    spec_batch)  # speculation at large batches alone (~2 min on an H200): the fixed workload at
+      # batch 64 and 256 (8B config, dummy weights) without speculation and with prompt lookup,
+      # both in one engine in one process, 3 alternating runs of each after an untimed pair
+      run spec_batch python3 benchmarks/engine/spec_decode.py throughput --model $B8 \
+        --load-format dummy --device cuda --batch 64 256 --out "$OUT/spec_batch.json" ;;
     multiturn_tier)  # the host KV tier: conversations 4x the pools, 1P (cuda:0) + 1D (cuda:1)
       run multiturn_tier python3 benchmarks/serving/multiturn.py --device cuda --transport cuda_ipc \
         --model $B8 --dtype bfloat16 --load-format dummy --num-prefill 1 --num-decode 1 \

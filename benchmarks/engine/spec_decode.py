@@ -1,6 +1,6 @@
 """Speculative decoding: what it buys at batch 1 and what it costs.
 
-Three measurements (docs/speculative.md):
+Four measurements (docs/speculative.md):
 
   latency    batch-1 end-to-end latency of greedy requests with and without speculation on
              prompts that quote or edit their input (benchmarks/data/spec_decode_prompts.jsonl,
@@ -11,9 +11,16 @@ Three measurements (docs/speculative.md):
              batch 1, context --context (drafts that are never accepted, so every step scores
              k + 1 positions), e.g. for the Llama-3.1-8B config with dummy weights; and what
              the timed steps ran as: a decode CUDA graph, a mixed-step graph, or eagerly.
-  throughput a fixed workload at batch 64 and 256 with and without --speculative-method (the
-             back-off keeps large batches from speculating): output tokens per second; each
-             configuration in a child process of its own (--method runs one in this one).
+  throughput a fixed workload at batch 64 and 256 (greedy, --context prompt tokens,
+             --max-tokens outputs, all requests added at once) with and without speculation,
+             both in one engine in this process (the runs without it detach its speculator:
+             the same pool, CUDA graphs and memory), --repeats runs of each alternating after
+             --warmup untimed ones: output tokens per second (medians, their ratio, each
+             pair's), and what speculation did in its runs: steps resolved for drafts, verifies,
+             drafts accepted, the proposer's host time (total, and the largest in one step).
+             On the CPU with a small model (benchmarks/configs/llama-3.1-8b-tiny: the 8B's
+             vocabulary, two narrow layers) it measures the host's side: the median host CPU
+             time a step with and without speculation (torch on one thread).
   steps      batch 1 on the prompt set with pipelined steps on (on the CPU too), each prompt
              once without speculation and once with: the decode steps by kind (pipelined,
              synchronous without drafts, verify) and the host's CPU time per step of each
@@ -28,6 +35,8 @@ prompt lookup, in latency and throughput; --min-acceptance sets the back-off by 
         --load-format dummy --device cuda -k 3
     python benchmarks/engine/spec_decode.py throughput --model benchmarks/configs/llama-3.1-8b \
         --load-format dummy --device cuda --batch 64 256
+    python benchmarks/engine/spec_decode.py throughput --model benchmarks/configs/llama-3.1-8b-tiny \
+        --load-format dummy --batch 64 256
     python benchmarks/engine/spec_decode.py steps --max-tokens 64
     python benchmarks/engine/spec_decode.py latency --model Qwen/Qwen2.5-7B-Instruct \
         --method draft --draft-model Qwen/Qwen2.5-0.5B-Instruct --device cuda
@@ -40,9 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -61,8 +68,9 @@ PROMPTS = Path(__file__).resolve().parents[1] / "data" / "spec_decode_prompts.js
 
 
 def engine_for(a: argparse.Namespace, method: str | None = "ngram",
-               async_scheduling: bool | None = None) -> LLMEngine:
-    """An engine speculating with `method` (None: off); draft: --draft-model."""
+               async_scheduling: bool | None = None, **config) -> LLMEngine:
+    """An engine speculating with `method` (None: off); draft: --draft-model; `config`: more
+    EngineConfig fields."""
     dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
     if method == "draft" and not a.draft_model:
         sys.exit("--method draft needs --draft-model")
@@ -70,7 +78,7 @@ def engine_for(a: argparse.Namespace, method: str | None = "ngram",
               speculative_method=method, num_speculative_tokens=a.k,
               max_model_len=a.max_model_len, speculative_min_acceptance=a.min_acceptance,
               draft_model=a.draft_model if method == "draft" else None,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling, **config)
     return LLMEngine(EngineConfig(**kw), progress=False)
 
 
@@ -249,62 +257,160 @@ def verify(a: argparse.Namespace) -> dict:
     return {**out, "ratio": ratio, "context": a.context, "k": a.k, "graph_kinds": kinds}
 
 
-def throughput(a: argparse.Namespace) -> dict:
-    """Each configuration in a process of its own: an engine's GPU memory (its pool sized to
-    what is free, its CUDA graphs) is not all given back when it is dropped, so a second
-    engine in the same process would find too little. --method runs one configuration here."""
-    if a.method is not None:
-        return {"rows": throughput_rows(a, None if a.method == "off" else a.method)}
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for method in ("off", "ngram", *(("draft",) if a.draft_model else ())):
-            out = Path(tmp) / f"{method}.json"
-            cmd = [sys.executable, __file__, *without_option(sys.argv[1:], "--out"),
-                   "--method", method, "--out", str(out)]
-            print(f"=== speculation {method}: {' '.join(cmd[1:])}", flush=True)
-            if subprocess.run(cmd).returncode != 0:
-                sys.exit(f"throughput with speculation {method} failed")
-            rows += json.loads(out.read_text())["rows"]
-    print(f"{'speculation':<12} {'batch':>6} {'tokens/s':>10}")
-    for r in rows:
-        print(f"{r['method']:<12} {r['batch']:>6} {r['tokens_per_s']:>10.1f}")
-    return {"rows": rows}
+class SpecProbe:
+    """What a run with speculation did: its counters' growth and the time its proposer took
+    per step (prompt lookup's index and lookups; a draft model's passes too): wall time on a
+    GPU, the thread's CPU time on the CPU (which holds on a loaded machine)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.spec = engine.spec
+        self.clock = time.thread_time if engine.runner.device.type == "cpu" else time.perf_counter
+        self.step_s: list[float] = []  # per engine step: seconds in the proposer
+        proposer = self.spec.proposer
+        for name in ("propose", "expects_draft"):
+            call = getattr(proposer, name, None)
+            if call is not None:
+                setattr(proposer, name, self._timed(call))
+        c = self.spec.counters
+        self._start = (c.num_resolved_steps, c.num_verifies, c.num_draft_tokens,
+                       c.num_accepted_tokens)
+
+    def _timed(self, call):
+        def timed(*args):
+            t = self.clock()
+            try:
+                return call(*args)
+            finally:
+                self.step_s[-1] += self.clock() - t
+        return timed
+
+    def begin_step(self) -> None:
+        self.step_s.append(0.0)
+
+    def summary(self) -> dict:
+        c = self.spec.counters
+        now = (c.num_resolved_steps, c.num_verifies, c.num_draft_tokens, c.num_accepted_tokens)
+        resolved, verifies, drafted, accepted = (b - a for a, b in zip(self._start, now))
+        return {"resolved_steps": resolved, "verifies": verifies, "drafted": drafted,
+                "accepted": accepted, "proposer_ms": 1e3 * sum(self.step_s),
+                "proposer_max_step_ms": 1e3 * max(self.step_s, default=0.0)}
 
 
-def without_option(argv: list[str], name: str) -> list[str]:
-    """argv without option `name` and its value (`name value` or `name=value`)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == name:
-            skip = True
-        elif not arg.startswith(name + "="):
-            out.append(arg)
-    return out
-
-
-def throughput_rows(a: argparse.Namespace, method: str | None) -> list[dict]:
-    """Output tokens per second of the fixed workload at each --batch, in one engine."""
-    engine = engine_for(a, method)
+def fixed_run(engine: LLMEngine, a: argparse.Namespace, batch: int, run: int, on: bool
+              ) -> dict:
+    """The fixed workload once: `batch` greedy requests of --context prompt tokens and
+    --max-tokens outputs, all added at once; with speculation or with the engine's speculator
+    detached (the same engine, pool and CUDA graphs, stepping exactly as an engine built
+    without speculation). Every run's prompts start with a token of its own, so no run hits
+    the prefix cache of an earlier one."""
     vocab = engine.model_config.vocab_size
-    rows = []
-    for batch in a.batch:
-        params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
-        for i in range(batch):
-            engine.add_request(f"{method}-{batch}-{i}",
-                               [(11 * i + 3 * j) % (vocab - 1) + 1 for j in range(a.context)],
-                               params)
-        tokens = 0
+    spec = engine.spec
+    assert spec is not None and not engine.has_work()
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+    for i in range(batch):
+        body = [(11 * i + 3 * j) % (vocab - 1) + 1 for j in range(1, a.context)]
+        engine.add_request(f"run{run}-{i}", [1 + run % (vocab - 1), *body], params)
+    probe = SpecProbe(engine) if on else None
+    execute, in_execute = engine.runner.execute, [0.0]
+
+    def timed(*args, **kwargs):
+        t = time.thread_time()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            in_execute[0] += time.thread_time() - t
+
+    engine.runner.execute = timed
+    if not on:
+        engine.spec = None
+    tokens, host = 0, []
+    try:
         t0 = time.perf_counter()
         while engine.has_work():
+            if probe is not None:
+                probe.begin_step()
+            in_execute[0] = 0.0
+            t = time.thread_time()
             tokens += sum(len(o.new_token_ids) for o in engine.step())
-        rows.append({"method": method or "off", "batch": batch,
-                     "tokens_per_s": tokens / (time.perf_counter() - t0)})
-    return rows
+            host.append(time.thread_time() - t - in_execute[0])
+        seconds = time.perf_counter() - t0
+    finally:
+        engine.spec = spec
+        del engine.runner.execute
+        if probe is not None:
+            for name in ("propose", "expects_draft"):
+                spec.proposer.__dict__.pop(name, None)
+    host.sort()
+    return {"method": a.method if on else "off", "batch": batch, "tokens": tokens,
+            "seconds": seconds, "tokens_per_s": tokens / seconds, "steps": len(host),
+            # the step's thread CPU time less the runner's execute: meaningful on the CPU
+            # (on a GPU it counts the waits for the device as well)
+            "host_ms_p50": 1e3 * host[len(host) // 2], "host_ms_max": 1e3 * host[-1],
+            "host_ms_total": 1e3 * sum(host),
+            **(probe.summary() if probe is not None else {})}
 
 
-def main(argv: list[str] | None = None) -> None:
+def throughput_engine(a: argparse.Namespace) -> LLMEngine:
+    """The engine both configurations run in: pipelined steps on the CPU too, as on a GPU; no
+    host KV tier (later runs would copy to it the blocks that earlier runs left in the prefix
+    cache, as the pool fills)."""
+    if a.method == "off":
+        sys.exit("throughput compares speculation with its absence: --method ngram or draft")
+    a.method = a.method or "ngram"
+    return engine_for(a, a.method, async_scheduling=True, host_kv_cache_gb=0)
+
+
+def throughput(a: argparse.Namespace, engine: LLMEngine | None = None) -> dict:
+    """The fixed workload at each --batch, without speculation and with --method, both in ONE
+    engine in this process: after --warmup untimed runs of each, --repeats timed runs of each,
+    alternating; medians and their ratio per batch size."""
+    if a.device == "cpu":
+        torch.set_num_threads(1)  # host figures that hold on a loaded machine
+    engine = engine or throughput_engine(a)
+    method = a.method
+    runs, n = [], 0
+    for batch in a.batch:
+        for r in range(a.warmup + a.repeats):
+            for on in (False, True) if r % 2 == 0 else (True, False):
+                row = fixed_run(engine, a, batch, n, on)
+                n += 1
+                if r >= a.warmup:
+                    runs.append(row)
+                    print(json.dumps(row), flush=True)
+    table = []
+    for batch in a.batch:
+        off = [r for r in runs if r["batch"] == batch and r["method"] == "off"]
+        on = [r for r in runs if r["batch"] == batch and r["method"] == method]
+        med = {name: statistics.median(r["tokens_per_s"] for r in rows)
+               for name, rows in (("off", off), (method, on))}
+        table.append({"batch": batch, "off": med["off"], method: med[method],
+                      "ratio": med[method] / med["off"],
+                      "ratios": [b["tokens_per_s"] / o["tokens_per_s"] for o, b in zip(off, on)],
+                      **{k: statistics.median_low(r[k] for r in on) for k in (
+                          "resolved_steps", "verifies", "drafted", "accepted", "proposer_ms",
+                          "proposer_max_step_ms")},
+                      **{k: [statistics.median(r[k] for r in rows) for rows in (off, on)]
+                         for k in ("host_ms_p50", "host_ms_max", "host_ms_total")}})
+    print(f"{device_name(a.device)}, {a.model}, context {a.context}, {a.max_tokens} tokens a "
+          f"request, medians of {a.repeats} runs each")
+    print(f"{'batch':>5} {'off tok/s':>10} {method + ' tok/s':>11} {'x':>6} {'runs x':>17} "
+          f"{'resolved':>8} {'verifies':>8} {'accepted':>9} {'proposer ms':>14}")
+    for t in table:
+        print(f"{t['batch']:>5} {t['off']:>10.1f} {t[method]:>11.1f} {t['ratio']:>6.3f} "
+              f"{' '.join(f'{x:.3f}' for x in t['ratios']):>17} {t['resolved_steps']:>8} "
+              f"{t['verifies']:>8} {t['accepted']:>4}/{t['drafted']:<4} "
+              f"{t['proposer_ms']:>7.1f} ({t['proposer_max_step_ms']:.2f})")
+    if a.device == "cpu":  # thread CPU time: it holds on a loaded machine, wall time does not
+        print(f"host CPU ms, off -> {method}: {'batch':>5} {'a step (median)':>17} "
+              f"{'largest step':>15} {'the run':>17}")
+        for t in table:
+            cells = [f"{t[k][0]:.3f} -> {t[k][1]:.3f}" for k in ("host_ms_p50", "host_ms_max")]
+            print(f"{'':<{len(method) + 17}} {t['batch']:>5} {cells[0]:>17} {cells[1]:>15} "
+                  f"{t['host_ms_total'][0]:>7.1f} -> {t['host_ms_total'][1]:.1f}")
+    return {"rows": table, "runs": runs}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["latency", "verify", "throughput", "steps"])
@@ -316,21 +422,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-k", type=int, default=3, help="draft tokens per step")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--num-prompts", type=int, default=10, help="latency: prompts of the set")
-    p.add_argument("--repeats", type=int, default=3, help="latency: runs of each, median")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="latency, throughput: runs of each, median")
     p.add_argument("--warmup", type=int, default=1, help="runs (steps for verify) not timed")
     p.add_argument("--context", type=int, default=1024, help="verify, throughput: prompt length")
     p.add_argument("--steps", type=int, default=50, help="verify: steps timed")
     p.add_argument("--batch", type=int, nargs="+", default=[64, 256], help="throughput")
     p.add_argument("--method", choices=["off", "ngram", "draft"], default=None,
-                   help="latency: the proposer (default ngram); throughput: this "
-                        "configuration only, in this process (by default off, ngram and, "
-                        "with --draft-model, draft, each in a child process of its own)")
+                   help="latency, throughput, steps: the proposer (default ngram)")
     p.add_argument("--draft-model", default=None,
                    help="the draft checkpoint of --method draft (same tokenizer as --model)")
     p.add_argument("--min-acceptance", type=float, default=0.3,
                    help="--speculative-min-acceptance (the back-off by acceptance; 0: off)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     result = {"latency": latency, "verify": verify, "throughput": throughput,
               "steps": steps}[a.what](a)
     if a.out is not None:
