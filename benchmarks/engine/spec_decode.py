@@ -47,6 +47,7 @@ Each prints a table and, with --out, writes the figures with the device's name a
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -296,6 +297,32 @@ class SpecProbe:
                 "proposer_max_step_ms": 1e3 * max(self.step_s, default=0.0)}
 
 
+class GcCollections:
+    """The garbage collector's collections while it is open, per generation, and the time the
+    whole-heap ones took: a step's host work that allocates many tracked objects brings them
+    on, and a whole-heap collection holds the step's thread for tens of milliseconds."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+        self.full_s = 0.0
+        self._t = 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+            return
+        self.counts[info["generation"]] += 1
+        if info["generation"] == 2:
+            self.full_s += time.perf_counter() - self._t
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on)
+
+    def summary(self) -> dict:
+        return {"gc_collections": self.counts, "gc_full_ms": 1e3 * self.full_s}
+
+
 def fixed_run(engine: LLMEngine, a: argparse.Namespace, batch: int, run: int, on: bool
               ) -> dict:
     """The fixed workload once: `batch` greedy requests of --context prompt tokens and
@@ -324,6 +351,7 @@ def fixed_run(engine: LLMEngine, a: argparse.Namespace, batch: int, run: int, on
     if not on:
         engine.spec = None
     tokens, host = 0, []
+    collections = GcCollections()
     try:
         t0 = time.perf_counter()
         while engine.has_work():
@@ -335,6 +363,7 @@ def fixed_run(engine: LLMEngine, a: argparse.Namespace, batch: int, run: int, on
             host.append(time.thread_time() - t - in_execute[0])
         seconds = time.perf_counter() - t0
     finally:
+        collections.close()
         engine.spec = spec
         del engine.runner.execute
         if probe is not None:
@@ -346,7 +375,7 @@ def fixed_run(engine: LLMEngine, a: argparse.Namespace, batch: int, run: int, on
             # the step's thread CPU time less the runner's execute: meaningful on the CPU
             # (on a GPU it counts the waits for the device as well)
             "host_ms_p50": 1e3 * host[len(host) // 2], "host_ms_max": 1e3 * host[-1],
-            "host_ms_total": 1e3 * sum(host),
+            "host_ms_total": 1e3 * sum(host), **collections.summary(),
             **(probe.summary() if probe is not None else {})}
 
 
@@ -390,16 +419,21 @@ def throughput(a: argparse.Namespace, engine: LLMEngine | None = None) -> dict:
                           "resolved_steps", "verifies", "drafted", "accepted", "proposer_ms",
                           "proposer_max_step_ms")},
                       **{k: [statistics.median(r[k] for r in rows) for rows in (off, on)]
-                         for k in ("host_ms_p50", "host_ms_max", "host_ms_total")}})
+                         for k in ("host_ms_p50", "host_ms_max", "host_ms_total")},
+                      # whole-heap collections over all the runs of each configuration
+                      "full_gcs": [sum(r["gc_collections"][2] for r in rows)
+                                   for rows in (off, on)]})
     print(f"{device_name(a.device)}, {a.model}, context {a.context}, {a.max_tokens} tokens a "
           f"request, medians of {a.repeats} runs each")
     print(f"{'batch':>5} {'off tok/s':>10} {method + ' tok/s':>11} {'x':>6} {'runs x':>17} "
-          f"{'resolved':>8} {'verifies':>8} {'accepted':>9} {'proposer ms':>14}")
+          f"{'resolved':>8} {'verifies':>8} {'accepted':>9} {'proposer ms':>14} "
+          f"{'full GCs off/' + method:>16}")
     for t in table:
         print(f"{t['batch']:>5} {t['off']:>10.1f} {t[method]:>11.1f} {t['ratio']:>6.3f} "
               f"{' '.join(f'{x:.3f}' for x in t['ratios']):>17} {t['resolved_steps']:>8} "
               f"{t['verifies']:>8} {t['accepted']:>4}/{t['drafted']:<4} "
-              f"{t['proposer_ms']:>7.1f} ({t['proposer_max_step_ms']:.2f})")
+              f"{t['proposer_ms']:>7.1f} ({t['proposer_max_step_ms']:.2f}) "
+              f"{t['full_gcs'][0]:>7}/{t['full_gcs'][1]:<3}")
     if a.device == "cpu":  # thread CPU time: it holds on a loaded machine, wall time does not
         print(f"host CPU ms, off -> {method}: {'batch':>5} {'a step (median)':>17} "
               f"{'largest step':>15} {'the run':>17}")
