@@ -107,11 +107,24 @@ def connector_for(role: str, block_pool: BlockPool, block_size: int, vocab_size:
     return DecodeConnector(block_pool, block_size, vocab_size, max_model_len)
 
 
+class PullDone(NamedTuple):
+    """A pull that ended: the blocks are in place, or `error` says why they are not."""
+
+    seq: Sequence
+    remote: RemoteKV
+    error: str | None = None
+
+
 class LeaseHolder(KVConnector):
     """Leases on blocks of this pool, one reference on each block while its lease lives
     (kvtransfer/lease.py's LeaseTable); granted, released and expired here. A prefill
     worker's are on finished prompts; a decode worker's on running sequences it lends to
-    another decode worker (live migration)."""
+    another decode worker (live migration); either's on a cached prefix it lends to a worker
+    that computes the rest of a prompt (LLMEngine.lend_prefix).
+
+    And the pulls into this pool from peers' pools (a decode worker's of prompts and moving
+    sequences, either role's of a lent prefix): the puller, dropper and `in_stream` come from
+    the serving core (`connect`)."""
 
     def __init__(self, block_pool: BlockPool, ttl_s: float = 30.0,
                  max_life_s: float | None = None) -> None:
@@ -119,6 +132,13 @@ class LeaseHolder(KVConnector):
         self.table = LeaseTable()
         self.ttl_s = ttl_s  # how long a lease's blocks stay pinned without a renewal
         self.max_life_s = max_life_s  # renewals never pin them longer (None: no cap)
+        self.puller: KVPuller | None = None
+        self.dropper: KVDropper | None = None
+        # Whether a request's pull is ordered with the steps on the device (pipelined steps go
+        # on beside it); None: no pull is (engine/async_step.py).
+        self.in_stream: Callable[[RemoteKV], bool] | None = None
+        # Sequences (and their KV's source) whose pull completes outside the stream (NIXL)
+        self.waiting = []
 
     def __len__(self) -> int:
         return len(self.table)
@@ -153,24 +173,97 @@ class LeaseHolder(KVConnector):
                         sum(len(b) for b in expired))
         return len(expired)
 
+    # -- pulls into this pool ------------------------------------------------------------------
+    def connect(self, puller: KVPuller, dropper: KVDropper | None = None,
+                in_stream: Callable[[RemoteKV], bool] | None = None) -> None:
+        self.puller, self.dropper, self.in_stream = puller, dropper, in_stream
+
+    def check_prefix(self, prompt: list[int], params: SamplingParams, remote: RemoteKV) -> None:
+        """A lent prefix (RemoteKV.prefix): whole blocks of the prompt, at least one token
+        left to compute here (its logits give the first token), no first tokens with it."""
+        bs = self.block_pool.block_size
+        n = remote.num_tokens
+        if self.puller is None:
+            raise InvalidArgument("prefix_kv", "this engine pulls no KV")
+        if not 0 < n < len(prompt) or n % bs or len(remote.block_ids) != n // bs:
+            raise InvalidArgument("prefix_kv.num_tokens", f"a prefix of {n} tokens in "
+                                  f"{len(remote.block_ids)} blocks of {bs} for a prompt of "
+                                  f"{len(prompt)}")
+        if remote.first_token_ids or remote.handover:
+            raise InvalidArgument("prefix_kv", "a lent prefix brings no outputs")
+        if params.prompt_logprobs is not None:
+            raise InvalidArgument("prefix_kv", "prompt_logprobs are computed at every position")
+
+    # -- in the loop ---------------------------------------------------------------------------
+    def ordered(self, seqs: list[Sequence]) -> bool:
+        return not seqs or (self.in_stream is not None
+                            and all(self.in_stream(s.remote) for s in seqs))
+
+    def start(self, seqs: list[Sequence]) -> list[PullDone]:
+        """They decode from the next step; those whose pull completes outside the stream wait
+        (`poll`), unscheduled."""
+        done = []
+        for seq in seqs:
+            remote, seq.remote = seq.remote, None
+            seq.first_scheduled_time = time.monotonic()  # admitted: queue time ends here
+            # The leading blocks came from this worker's prefix cache (allocate_for_pull).
+            kept = seq.num_cached_blocks
+            try:
+                pending = self.puller(remote, list(remote.block_ids[kept:]),
+                                      seq.block_ids[kept:])
+            except Exception as e:  # noqa: BLE001 - any transport failure fails this pull
+                log.warning("KV pull failed for %s: %s", seq.request_id, e)
+                done.append(PullDone(seq, remote, f"KV transfer failed: {e}"))
+                continue
+            if pending is not None:  # not scheduled until it is done (poll)
+                seq.kv_pull = pending
+                self.waiting.append((seq, remote))
+                continue
+            done.append(PullDone(seq, remote))
+        return done
+
+    def poll(self) -> list[PullDone]:
+        done: list[PullDone] = []
+        still = []
+        for seq, remote in self.waiting:
+            pull = seq.kv_pull
+            if pull is None:  # ended meanwhile (drop cancelled the pull)
+                continue
+            try:
+                if not pull.done():
+                    still.append((seq, remote))
+                    continue
+            except Exception as e:  # noqa: BLE001 - any transport failure fails this pull
+                seq.kv_pull = None
+                log.warning("KV pull failed for %s: %s", seq.request_id, e)
+                done.append(PullDone(seq, remote, f"KV transfer failed: {e}"))
+                continue
+            seq.kv_pull = None
+            done.append(PullDone(seq, remote))
+        self.waiting = still
+        return done
+
+    def drop(self, seq: Sequence) -> None:
+        """A lease never pulled is let go, a pull in flight stopped (nothing may write its
+        blocks once they are freed)."""
+        if seq.remote is not None:
+            remote, seq.remote = seq.remote, None
+            if self.dropper is not None:
+                self.dropper(remote)
+        if seq.kv_pull is not None:
+            pull, seq.kv_pull = seq.kv_pull, None
+            pull.cancel()
+
 
 class PrefillConnector(LeaseHolder):
-    """Prefill role: the leases pinning handed-off prompts' blocks."""
-
-
-class PullDone(NamedTuple):
-    """A pull that ended: the blocks are in place, or `error` says why they are not."""
-
-    seq: Sequence
-    remote: RemoteKV
-    error: str | None = None
+    """Prefill role: the leases pinning handed-off prompts' blocks (and the pulls of lent
+    prefixes)."""
 
 
 class DecodeConnector(LeaseHolder):
     """Decode role: the pulls of remote prompts' KV (and of running sequences moving here),
-    and the leases on running sequences this worker lends to another decode worker (live
-    migration: LeaseHolder's). The puller, dropper and `in_stream` come from the serving core
-    (`connect`)."""
+    checked on arrival here, and the leases on running sequences this worker lends to another
+    decode worker (live migration): LeaseHolder's, as are the pulls themselves."""
 
     def __init__(self, block_pool: BlockPool, block_size: int, vocab_size: int,
                  max_model_len: int) -> None:
@@ -178,17 +271,6 @@ class DecodeConnector(LeaseHolder):
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.puller: KVPuller | None = None
-        self.dropper: KVDropper | None = None
-        # Whether a request's pull is ordered with the steps on the device (pipelined steps go
-        # on beside it); None: no pull is (engine/async_step.py).
-        self.in_stream: Callable[[RemoteKV], bool] | None = None
-        # Sequences (and their KV's source) whose pull completes outside the stream (NIXL)
-        self.waiting = []
-
-    def connect(self, puller: KVPuller, dropper: KVDropper | None = None,
-                in_stream: Callable[[RemoteKV], bool] | None = None) -> None:
-        self.puller, self.dropper, self.in_stream = puller, dropper, in_stream
 
     # -- arrival -------------------------------------------------------------------------------
     def check(self, prompt: list[int], params: SamplingParams, remote: RemoteKV) -> None:
@@ -235,63 +317,3 @@ class DecodeConnector(LeaseHolder):
                     len(prompt) + 1 + len(tokens) > self.max_model_len:
                 raise InvalidArgument("resume", f"{1 + len(tokens)} output tokens exceed "
                                       "max_tokens or the model's length")
-
-    # -- in the loop ---------------------------------------------------------------------------
-    def ordered(self, seqs: list[Sequence]) -> bool:
-        return not seqs or (self.in_stream is not None
-                            and all(self.in_stream(s.remote) for s in seqs))
-
-    def start(self, seqs: list[Sequence]) -> list[PullDone]:
-        """They decode from the next step; those whose pull completes outside the stream wait
-        (`poll`), unscheduled."""
-        done = []
-        for seq in seqs:
-            remote, seq.remote = seq.remote, None
-            seq.first_scheduled_time = time.monotonic()  # admitted: queue time ends here
-            # The leading blocks came from this worker's prefix cache (allocate_for_pull).
-            kept = seq.num_cached_blocks
-            try:
-                pending = self.puller(remote, list(remote.block_ids[kept:]),
-                                      seq.block_ids[kept:])
-            except Exception as e:  # noqa: BLE001 - any transport failure fails this request
-                log.warning("KV pull failed for %s: %s", seq.request_id, e)
-                done.append(PullDone(seq, remote, f"KV transfer failed: {e}"))
-                continue
-            if pending is not None:  # not scheduled until it is done (poll)
-                seq.kv_pull = pending
-                self.waiting.append((seq, remote))
-                continue
-            done.append(PullDone(seq, remote))
-        return done
-
-    def poll(self) -> list[PullDone]:
-        done: list[PullDone] = []
-        still = []
-        for seq, remote in self.waiting:
-            pull = seq.kv_pull
-            if pull is None:  # ended meanwhile (drop cancelled the pull)
-                continue
-            try:
-                if not pull.done():
-                    still.append((seq, remote))
-                    continue
-            except Exception as e:  # noqa: BLE001 - any transport failure fails this request
-                seq.kv_pull = None
-                log.warning("KV pull failed for %s: %s", seq.request_id, e)
-                done.append(PullDone(seq, remote, f"KV transfer failed: {e}"))
-                continue
-            seq.kv_pull = None
-            done.append(PullDone(seq, remote))
-        self.waiting = still
-        return done
-
-    def drop(self, seq: Sequence) -> None:
-        """A lease never pulled is let go, a pull in flight stopped (nothing may write its
-        blocks once they are freed)."""
-        if seq.remote is not None:
-            remote, seq.remote = seq.remote, None
-            if self.dropper is not None:
-                self.dropper(remote)
-        if seq.kv_pull is not None:
-            pull, seq.kv_pull = seq.kv_pull, None
-            pull.cancel()

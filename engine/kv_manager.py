@@ -136,6 +136,18 @@ class KVCacheManager:
         pool.free(out)
         return out
 
+    def take_prefix(self, hashes: list[int]) -> list[int]:
+        """The blocks holding the longest run of these chained hashes that this pool caches or
+        its host tier holds (copied back into fresh pool blocks, published in the prefix cache
+        as any restore), a reference taken on each for the caller: a lease lending them to
+        another worker (LLMEngine.lend_prefix). Nothing is restored unless the pool has room
+        for it."""
+        if not self.pool.enable_prefix_caching or not hashes:
+            return []
+        blocks = self._from_host(hashes, self.pool.lookup(hashes), len(hashes))
+        self.pool.incref(blocks)
+        return blocks
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (),
                        copies: list[tuple[int, int]] | None = None, reserve: int = 0) -> bool:
         """Make room for num_new_tokens more tokens of seq (after adopting prefix hits),

@@ -67,6 +67,7 @@ from tandem.engine.shared_host_tier import fingerprint, tier_for
 from tandem.engine.spec_decode.draft import DraftProposer, DraftSetup
 from tandem.engine.spec_decode.speculator import Speculator
 from tandem.errors import InvalidArgument
+from tandem.kvtransfer.lease import prefix_digest
 
 log = logging.getLogger(__name__)
 
@@ -233,9 +234,14 @@ class LLMEngine:
 
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
                            params: SamplingParams, remote: RemoteKV) -> None:
-        """Decode role: the prompt's KV and first token(s) come from a prefill worker."""
+        """Decode role: the prompt's KV and first token(s) come from a prefill worker. Any
+        role, `remote.prefix`: the KV of the prompt's leading blocks comes from another
+        worker's cache; the rest is computed here."""
         self.validate(request_id, prompt_token_ids, params)
-        self.kv_connector.check(prompt_token_ids, params, remote)
+        if remote.prefix:
+            self.kv_connector.check_prefix(prompt_token_ids, params, remote)
+        else:
+            self.kv_connector.check(prompt_token_ids, params, remote)
         seq = Sequence(request_id, prompt_token_ids, params)
         seq.remote = remote
         self._add(seq)
@@ -324,6 +330,8 @@ class LLMEngine:
         if self.spec is not None:
             ran += self._speculate()
         batch = self.scheduler.schedule()
+        for seq in batch.unpulled:  # a lent prefix its own caches hold: the lease goes back
+            connector.drop(seq)
         if self.host_tier is not None:  # its copies, before anything writes these blocks
             self.host_tier.flush(wait=not connector.ordered(batch.pulls))
         pipe = self.pipeline
@@ -547,6 +555,9 @@ class LLMEngine:
     def _pulled(self, done: list[PullDone]) -> list[SeqOutput]:
         outputs = []
         for seq, remote, error in done:
+            if remote.prefix:  # a lent prefix: pulled, or computed here after all
+                self._prefix_pulled(seq, remote, error)
+                continue
             if error is not None:
                 outputs += self.fail([seq.request_id], error)
                 continue
@@ -559,6 +570,19 @@ class LLMEngine:
                 log.exception("request %s failed after its KV pull", seq.request_id)
                 outputs += self.fail([seq.request_id], "internal error after the KV pull")
         return outputs
+
+    def _prefix_pulled(self, seq: Sequence, remote: RemoteKV, error: str | None) -> None:
+        """A lent prefix's pull ended. Done: its tokens count as computed (and as cached, as
+        a host tier's restores do) and its blocks join the prefix cache; the next steps compute
+        the rest of the prompt. Failed (its lender gone, the lease run out): the blocks it was
+        to fill are computed instead, from the first one this pool did not hold."""
+        if error is None:
+            seq.num_computed_tokens = seq.num_cached_tokens = remote.num_tokens
+            self.kv.cache_full_blocks(seq)
+            return
+        log.warning("request %s: the lent prefix could not be pulled (%s); computing it",
+                    seq.request_id, error)
+        seq.num_computed_tokens = seq.num_cached_tokens
 
     def _start_decoding(self, seq: Sequence, remote: RemoteKV | Replay) -> list[SeqOutput]:
         """A pulled (or replayed) request's prompt is computed; its first token(s) came with
@@ -587,6 +611,28 @@ class LLMEngine:
             # arrives between steps; a pull polled at a step's start is scheduled next).
             self.scheduler.remove_finished()
         return outputs
+
+    # -- a cached prefix lent to another worker -------------------------------------------------
+    def lend_prefix(self, token_ids: list[int], cache_salt: str = "") -> Lent | None:
+        """A lease on the longest prefix of `token_ids` (whole blocks, keyed under
+        `cache_salt`) that this engine's pool caches or its host tier holds, for a worker of
+        another host to pull instead of computing it (the tier's blocks are copied back into
+        the pool first, and those copies are done when this returns); None when it holds none
+        or its pool has no room to restore them. The lease pins the blocks as a prefill
+        lease does, until its Release or expiry."""
+        bs = self.block_pool.block_size
+        seq = Sequence("", token_ids[:len(token_ids) // bs * bs],
+                       SamplingParams(cache_salt=cache_salt))
+        blocks = self.kv.take_prefix(seq.full_block_hashes(bs, seq.num_tokens))
+        if not blocks:
+            return None
+        if self.host_tier is not None:  # the restores' copies (and any offloads they caused)
+            self.host_tier.flush(wait=True)  # are done before a peer reads the blocks
+        now = time.monotonic()
+        lease_id, ttl = self.kv_connector.hold(blocks, now)
+        n = len(blocks) * bs
+        return Lent(lease_id, tuple(blocks), n, prefix_digest(token_ids[:n], cache_salt),
+                    now + ttl)
 
     # -- live migration (engine/migration.py) ---------------------------------------------------
     def lend(self, request_id: str) -> Lent | None:

@@ -31,7 +31,10 @@ Decode role: a waiting sequence whose KV lives on a prefill worker is admitted w
 prompt blocks this worker's prefix cache holds and fresh blocks for the rest, and listed in
 `pulls`; the engine copies the rest in before the step runs, or, over NIXL, starts a pull the
 sequence waits for (not scheduled, never preempted) while the others go on; while MAX_PULLING
-wait so, no more such requests are admitted.
+wait so, no more such requests are admitted. A prompt whose leading blocks another worker lent
+(RemoteKV.prefix, any role) is admitted the same way with blocks for those alone, and computes
+the rest once they are in; when its own caches hold as much as the lent prefix, it is admitted
+as any prompt and the lease let go (`unpulled`).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     pulls: list[Sequence] = field(default_factory=list)
+    # Admitted with a lent prefix their own caches hold as much of: its lease is let go unpulled
+    unpulled: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -166,15 +171,24 @@ class Scheduler:
             reserve = self.watermark if running else 0
             if num_seqs + seq.num_samples > self.config.max_num_seqs:
                 break
-            if seq.remote is not None:
-                if pulling >= MAX_PULLING:  # each holds its blocks until its KV is in
-                    break
-                hits = self.kv.pulled_prefix_hits(seq)
+            remote = seq.remote
+            if remote is not None and pulling >= MAX_PULLING:  # each holds its blocks until
+                break                                            # its KV is in
+            hits = None
+            if remote is not None and remote.prefix:  # a prefix lent by another worker
+                hits = self.kv.prefix_hits(seq)
+                if len(hits) >= len(remote.block_ids):  # its own caches hold as much
+                    batch.unpulled.append(seq)
+                    remote = None
+            if remote is not None:
+                if hits is None:
+                    hits = self.kv.pulled_prefix_hits(seq)
                 if not self.kv.allocate_for_pull(seq, hits, reserve):
                     break
                 batch.pulls.append(seq)
             else:
-                hits = self.kv.prefix_hits(seq)
+                if hits is None:
+                    hits = self.kv.prefix_hits(seq)
                 limit = budget if self._on_path(seq, horizon, paced) else min(budget, paced)
                 n = min(seq.num_tokens - len(hits) * bs, limit)
                 if n <= 0 or not self.kv.allocate_slots(seq, n, hits, batch.copies, reserve):

@@ -42,7 +42,7 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class RemoteKV:
-    """Decode role: where a request's prompt KV lives before it is pulled, as the prefill
+    """Where a request's prompt KV (or a prefix of it: `prefix`) lives before it is pulled, as the prefill
     worker answered the lease's claim (never as the request's caller said). The one shape of a
     KV location inside a process; `KVLocation` is its wire form."""
 
@@ -64,6 +64,11 @@ class RemoteKV:
     # decodes (`handover`).
     num_tokens: int = 0
     handover: bool = False
+    # A prompt's prefix (its first num_tokens tokens, whole blocks) lent from another worker's
+    # prefix cache or host tier: pulled in place of computing it, the rest of the prompt is
+    # computed here and the first tokens sampled here (none come with it). A pull that fails
+    # costs only time: those blocks are computed instead.
+    prefix: bool = False
 
 
 class PendingPull(Protocol):

@@ -147,6 +147,22 @@ def prompt_digest(token_ids: Sequence[int]) -> bytes:
     return hashlib.blake2b(tokens.tobytes(), digest_size=16).digest()
 
 
+def prefix_digest(token_ids: Sequence[int], cache_salt: str) -> bytes:
+    """What binds a lease on a cached prefix (lent from a worker's prefix cache or host tier to
+    a worker that computes the rest of the prompt) to its tokens and its cache_salt: the
+    claimant compares it with its own prompt's and salt's, so a salted prefix is never served
+    to another salt even by a caller that mixed them up. Never equal to a prompt_digest (its
+    own personalization), so neither lease passes for the other."""
+    tokens = array("I", token_ids)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    salt = cache_salt.encode()
+    h = hashlib.blake2b(digest_size=16, person=b"tandem-prefix")
+    h.update(len(salt).to_bytes(8, "little") + salt)
+    h.update(tokens.tobytes())
+    return h.digest()
+
+
 @dataclass(frozen=True)
 class Claim:
     """What a lease's token opens: its blocks (in prompt order), the prompt they hold, and

@@ -47,6 +47,7 @@ from tandem.engine.serving.core_messages import (
     LeaseDone,
     LeasesRenewed,
     Lend,
+    LendPrefix,
     MapPool,
     Ready,
     Release,
@@ -188,11 +189,13 @@ class AsyncEngine:
     # -- requests ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, sink: OutputSink,
-                       replay: Replay | None = None) -> None:
+                       replay: Replay | None = None, prefix: RemoteKV | None = None) -> None:
         """Run one request; `sink` gets its outputs, a list per engine step, until every sample
         finishes. `replay`: the tokens its client has already (a request moved here), recorded
-        once the prompt is computed, not output again."""
-        await self._run_request(request_id, prompt_token_ids, params, None, sink, replay)
+        once the prompt is computed, not output again. `prefix`: a lease on its prompt's
+        leading blocks, lent by another worker (RemoteKV.prefix; its pool mapped), pulled
+        rather than computed; it ends in one `on_lease_done`, as a decode request's lease."""
+        await self._run_request(request_id, prompt_token_ids, params, prefix, sink, replay)
 
     async def decode(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      remote: RemoteKV, sink: OutputSink) -> None:
@@ -203,11 +206,11 @@ class AsyncEngine:
         await self._run_request(request_id, prompt_token_ids, params, remote, sink)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams) -> SeqOutput:
-        """Prefill role: the single output that carries the handoff."""
+                      params: SamplingParams, prefix: RemoteKV | None = None) -> SeqOutput:
+        """Prefill role: the single output that carries the handoff. `prefix`: as generate's."""
         outs: list[SeqOutput] = []
         try:
-            await self._run_request(request_id, prompt_token_ids, params, None, outs.extend)
+            await self._run_request(request_id, prompt_token_ids, params, prefix, outs.extend)
         except BaseException:
             # The handoff came as its caller was leaving: nobody will hand its blocks on, so
             # release them now rather than at the lease's expiry.
@@ -260,6 +263,11 @@ class AsyncEngine:
         """Decode role, live migration's source: a lease on a running request's KV (None: it
         has none to lend)."""
         return await self.call(Lend(request_id))
+
+    async def lend_prefix(self, token_ids: list[int], cache_salt: str) -> Lent | None:
+        """A lease on the longest prefix of these tokens this worker's pool or host tier
+        holds, for a worker of another host to pull (None: none held)."""
+        return await self.call(LendPrefix(tuple(token_ids), cache_salt))
 
     def hand_over(self, request_id: str, tokens: tuple[tuple[int, ...], ...]) -> None:
         """Decode role, live migration's destination: the request decodes on here, with the

@@ -3,7 +3,8 @@ the spec the core is built from, one dataclass per command and per event, and a 
 packed for the pipe. Plain Python, no torch: the worker process imports this, never the engine.
 
 Commands (worker → core), each sent as Call(command, call_id); call_id 0 wants no reply:
-    Add, Abort, Release, Renew, LeasesRenewed, MapPool, Lend, HandOver, TakeSnapshot, Stop
+    Add, Abort, Release, Renew, LeasesRenewed, MapPool, Lend, LendPrefix, HandOver,
+    TakeSnapshot, Stop
 Events (core → worker):
     Ready | Failed                once, first
     Reply                         a call's result or exception
@@ -13,7 +14,9 @@ Events (core → worker):
     SnapshotChanged               while idle, when the snapshot changed
     KVEvents                      while idle, prefix-cache changes made outside a step
     Aborted                       samples ended by an abort
-    LeaseDone                     decode role: a prefill lease the core is done with
+    LeaseDone                     a lease the core held is done with (a prefill worker's,
+                                  a decode worker's that lent a moving sequence, or any
+                                  worker's that lent a cached prefix)
 """
 
 from __future__ import annotations
@@ -183,7 +186,8 @@ class LeasesRenewed:
 
 @dataclass(frozen=True, slots=True)
 class MapPool:
-    """Decode role: map the pool of the prefill worker process `instance_id` at `address`."""
+    """Map the pool of the worker process `instance_id` at `address` (a decode worker's
+    prefill workers, and any worker's lenders of a cached prefix)."""
 
     address: str
     descriptor: Any  # kvtransfer.descriptor.PoolDescriptor
@@ -196,6 +200,16 @@ class Lend:
     sequence.Lent, or None: it has none to lend and moves by token replay)."""
 
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class LendPrefix:
+    """Prefill and decode roles: a lease on the longest prefix of these tokens (whole blocks,
+    keyed under `cache_salt`) that the pool caches or its host tier holds, for a worker of
+    another host to pull (replies a sequence.Lent, or None: none held)."""
+
+    token_ids: tuple[int, ...]
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,8 +232,8 @@ class Stop:
     """Leave the loop; the process exits."""
 
 
-Command = (Add | Abort | Release | Renew | LeasesRenewed | MapPool | Lend | HandOver
-           | TakeSnapshot | Stop)
+Command = (Add | Abort | Release | Renew | LeasesRenewed | MapPool | Lend | LendPrefix
+           | HandOver | TakeSnapshot | Stop)
 
 
 @dataclass(frozen=True, slots=True)

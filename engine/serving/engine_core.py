@@ -51,6 +51,7 @@ from tandem.engine.serving.core_messages import (
     KVEvents,
     LeasesRenewed,
     Lend,
+    LendPrefix,
     MapPool,
     Ready,
     Release,
@@ -115,10 +116,10 @@ class EngineCore:
         if self.pool is not None and self.engine.tp_group is not None:
             self.rank_pools = tuple(self.engine.tp_group.call(
                 "describe", (), self.rank_kv.describe)[1:])
-        # Decode role: the prefill pools, the pulls from them, and the leases they settle.
+        # The peers' pools (a decode worker's prefill workers; any worker's lenders of a
+        # cached prefix), the pulls from them, and the leases they settle.
         self.kv = KVPulls(self.engine, self.rank_kv, events, self.site)
-        if spec.role == "decode":
-            connector.connect(self.kv.pull, self.kv.drop, self.kv.in_stream)
+        connector.connect(self.kv.pull, self.kv.drop, self.kv.in_stream)
         # The router routes on what this worker's prefix cache holds: record its changes.
         self.engine.block_pool.kv_events = {}
         if self.engine.host_tier is not None:  # ... and its host tier
@@ -127,7 +128,8 @@ class EngineCore:
         self.commands: queue.SimpleQueue[list[Call]] = queue.SimpleQueue()
         self.handlers = {Add: self._add, Abort: self._abort, Release: self._release,
                          Renew: self._renew, LeasesRenewed: self.kv.renewed,
-                         MapPool: self.kv.map, Lend: self._lend, HandOver: self._hand_over,
+                         MapPool: self.kv.map, Lend: self._lend,
+                         LendPrefix: self._lend_prefix, HandOver: self._hand_over,
                          TakeSnapshot: self._take_snapshot, Stop: self._stop}
         self.wake = threading.Event()
         self.stopping = False
@@ -265,6 +267,9 @@ class EngineCore:
 
     def _lend(self, cmd: Lend) -> Any:
         return self.engine.lend(cmd.request_id)
+
+    def _lend_prefix(self, cmd: LendPrefix) -> Any:
+        return self.engine.lend_prefix(list(cmd.token_ids), cmd.cache_salt)
 
     def _hand_over(self, cmd: HandOver) -> None:
         self.engine.hand_over(cmd.request_id, cmd.tokens, cmd.received)

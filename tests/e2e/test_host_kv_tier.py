@@ -6,13 +6,17 @@ it; its bytes stay within the flag under many evictions; every pool ends idle.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.sequence import RemoteKV
+from tandem.engine.sequence import RemoteKV, Sequence
+from tandem.errors import InvalidArgument
+from tandem.kvtransfer.lease import prefix_digest
 
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 64 * 4  # tiny llama: layers x (K, V) x block x kv heads x dim x fp32
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -201,3 +205,131 @@ def test_off_on_the_cpu_unless_asked(tiny_models, gb):
     engine = LLMEngine(EngineConfig(str(tiny_models["llama"]), num_blocks=8, max_model_len=128,
                                     host_kv_cache_gb=gb), progress=False)
     assert engine.host_tier is None and engine.block_pool.on_evict is None
+
+
+# -- a prefix lent from another engine's host tier (engine/llm_engine.py lend_prefix) -------------
+
+class _Lender:
+    """Engine A's prefix lent to engine B in-process: B's puller copies A's pool blocks (or
+    fails as `failure` says: at the start, or while the pull is pending), and counts them."""
+
+    def __init__(self, lender: LLMEngine, borrower: LLMEngine, failure: str = "") -> None:
+        self.lender, self.borrower, self.failure = lender, borrower, failure
+        self.pulled = 0
+        self.dropped: list[RemoteKV] = []
+        borrower.kv_connector.connect(self._pull, self.dropped.append)
+
+    def _pull(self, remote: RemoteKV, src: list[int], dst: list[int]):
+        if self.failure == "start":
+            raise RuntimeError("the lender is gone")
+        if self.failure == "pending":
+            return _FailingPull()
+        self.pulled += len(dst)
+        pool = self.borrower.runner.pool
+        pool[torch.tensor(dst, dtype=torch.long)] = \
+            self.lender.runner.pool[torch.tensor(src, dtype=torch.long)]
+        return None
+
+
+class _FailingPull:
+    """A pull outside the stream (as NIXL's) whose peer dies: pending once, then failed."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    def done(self) -> bool:
+        self.polls += 1
+        if self.polls > 1:
+            raise RuntimeError("NIXL: the peer is gone")
+        return False
+
+    def cancel(self) -> None:
+        pass
+
+
+def _turn_one_in_the_tier(model: str) -> tuple[LLMEngine, list[int]]:
+    """Engine A (a 24-block pool over a host tier) runs a conversation's first turn, then other
+    prompts push it out of the pool into the tier; A and turn 2's prompt."""
+    a = _engine(model, host_blocks=200)
+    first = [(11 * i + 5) % 500 + 1 for i in range(50)]
+    out, _ = _generate(a, "turn1", first)
+    for i in range(3):
+        _generate(a, f"fill{i}", [(13 * k + i) % 500 + 1 for k in range(120)])
+    return a, [*first, *out, 7, 8, 9]
+
+
+@pytest.mark.parametrize("failure", ["", "start", "pending"])
+def test_a_prefix_in_another_engines_tier_is_pulled_not_computed(tiny_models, failure):
+    """Turn 2 on engine B, whose prefix sits in engine A's host tier (A's pool evicted it):
+    A lends it (restored into its pool, under a lease), B pulls those blocks and computes only
+    the rest; outputs equal an engine's without any tier. A pull that fails (the lender gone
+    at the start, or mid-pull) has B compute the prefix instead, with the same output. Every
+    pool and tier slot ends idle once the lease is released."""
+    model = str(tiny_models["llama"])
+    a, prompt = _turn_one_in_the_tier(model)
+    want, _ = _generate(_engine(model, host_blocks=0, num_blocks=64), "ref", prompt)
+    hashes = Sequence("", prompt, GREEDY).full_block_hashes(16, len(prompt))
+    assert not a.block_pool.lookup(hashes) and hashes[0] in a.host_tier.index.lru
+    restored = a.host_tier.stats().hits
+    assert a.lend_prefix(prompt, "tenant-b") is None  # another salt's blocks: none held
+    lent = a.lend_prefix(prompt)
+    assert lent.num_tokens == 3 * 16 and len(lent.block_ids) == 3  # turn 1 computed 55 tokens
+    assert a.host_tier.stats().hits == restored + 3  # copied back from the tier to lend
+    assert lent.digest == prefix_digest(prompt[:48], "")
+    b = _engine(model, host_blocks=0, num_blocks=64)
+    link = _Lender(a, b, failure)
+    b.add_remote_request("turn2", prompt, GREEDY, RemoteKV(
+        "a", lent.lease_id, float("inf"), lent.block_ids, (), (), num_tokens=lent.num_tokens,
+        prefix=True))
+    got, cached = [], 0
+    while "turn2" in b.requests:
+        for o in b.step():
+            got += o.new_token_ids
+            cached = o.num_cached_tokens
+    assert got == want
+    if failure:
+        assert link.pulled == 0 and cached == 0
+        assert b.scheduler.num_prompt_tokens_computed == len(prompt)
+    else:
+        assert link.pulled == 3 and cached == 48
+        assert b.scheduler.num_prompt_tokens_computed == len(prompt) - 48
+        assert set(hashes[:3]) <= set(b.block_pool.cached)  # now in B's own prefix cache
+    assert a.kv_connector.release(lent.lease_id)  # the worker's Release after LeaseDone
+    assert a.is_idle() and b.is_idle()
+    _check_slots(a.host_tier)
+
+
+def test_a_lent_prefix_the_borrower_holds_already_is_let_go_unpulled(tiny_models):
+    model = str(tiny_models["llama"])
+    a, prompt = _turn_one_in_the_tier(model)
+    lent = a.lend_prefix(prompt)
+    b = _engine(model, host_blocks=0, num_blocks=64)
+    link = _Lender(a, b)
+    _generate(b, "warm", prompt)  # B's own cache now holds the whole prefix
+    remote = RemoteKV("a", lent.lease_id, float("inf"), lent.block_ids, (), (),
+                      num_tokens=lent.num_tokens, prefix=True)
+    b.add_remote_request("turn2", prompt, GREEDY, remote)
+    while "turn2" in b.requests:
+        b.step()
+    assert link.pulled == 0 and link.dropped == [remote]
+    assert a.kv_connector.release(lent.lease_id)
+    assert a.is_idle() and b.is_idle()
+
+
+def test_a_lent_prefix_is_checked_on_arrival(tiny_models):
+    b = _engine(str(tiny_models["llama"]), host_blocks=0, num_blocks=64)
+    prompt = list(range(1, 40))
+    bad = RemoteKV("a", "t", float("inf"), (1, 2), (), (), num_tokens=32, prefix=True)
+    with pytest.raises(InvalidArgument, match="pulls no KV"):  # no puller connected
+        b.add_remote_request("x", prompt, GREEDY, bad)
+    _Lender(b, b)
+    for remote, field in ((dataclasses.replace(bad, num_tokens=30), "num_tokens"),
+                          (dataclasses.replace(bad, block_ids=(1,)), "num_tokens"),
+                          (dataclasses.replace(bad, first_token_ids=(3,)), "prefix_kv")):
+        with pytest.raises(InvalidArgument, match=field):
+            b.add_remote_request("x", prompt, GREEDY, remote)
+    with pytest.raises(InvalidArgument, match="prompt_logprobs"):
+        b.add_remote_request("x", prompt, dataclasses.replace(GREEDY, prompt_logprobs=0), bad)
+    with pytest.raises(InvalidArgument, match="num_tokens"):  # nothing left to compute
+        b.add_remote_request("x", prompt[:32], GREEDY, bad)
+    assert b.is_idle()

@@ -17,7 +17,7 @@ def _connector(role: str, pool: BlockPool) -> KVConnector:
 def test_the_prefill_connector_owns_the_leases():
     pool = BlockPool(8, 4)
     conn = _connector("prefill", pool)
-    assert isinstance(conn, PrefillConnector) and conn.waiting == () and conn.poll() == []
+    assert isinstance(conn, PrefillConnector) and not conn.waiting and conn.poll() == []
     conn.ttl_s, conn.max_life_s = 10.0, 25.0
     a, b = pool.allocate(3), pool.allocate(2)
     lease_a, ttl = conn.hold(a, now=100.0)
