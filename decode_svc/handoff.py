@@ -29,15 +29,11 @@ from tandem.engine.sequence import RemoteKV
 from tandem.errors import InvalidArgument
 from tandem.kvtransfer.lease import prompt_digest
 from tandem.runtime.convert import logprobs_from_proto, params_from_proto
+from tandem.runtime.kv_peers import LEASE_MARGIN_S
 from tandem.runtime.request_trace import client_call
 from tandem.runtime.worker import WorkerError
 from tandem.runtime.worker_inputs import check_prompt, check_request_id
 from tandem.v1 import worker_pb2
-
-# Pull only while the lease has this much time left: the prefill side reuses blocks of an
-# expired lease, and the request may wait for room here before its pull.
-LEASE_MARGIN_S = 2.0
-
 
 # A held lease is renewed once this share of the time its claim (or last renewal) gave it has
 # passed: with the default 30 s, every 10 s, two tries before the margin runs out.

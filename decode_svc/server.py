@@ -13,9 +13,10 @@ sink), as a few list appends; what piled up between two writes (one engine step'
 leaves as one message, its tokens in columns. A request's task only starts it, waits for its end
 and reports how it ended.
 
-A prefill worker's pool is mapped once per pair: Register returns its descriptor, refused when
-the layouts differ (the error names the field) or when the pool is already mapped for another
-address (a peer presenting another's pool), and the engine core maps it. Pulls happen on the
+A prefill worker's pool is mapped once per pair (runtime/kv_peers.py): Register returns its
+descriptor, refused when the layouts differ (the error names the field) or when the pool is
+already mapped for another address (a peer presenting another's pool), and the engine core maps
+it. Pulls happen on the
 core; it says when it is done with each lease (lease_done), and this servicer sends the Release.
 Until then it renews the lease (decode_svc/lease_renewal.py), however long the request waits.
 """
@@ -38,17 +39,14 @@ from opentelemetry.trace import SpanKind
 from tandem.decode_svc.handoff import CORE, WORKER, HeldLease, claim, decode_args
 from tandem.decode_svc.lease_renewal import LeaseRenewal
 from tandem.decode_svc.outbox import Outbox, failure_message, relay
-from tandem.engine.sequence import Replay
+from tandem.engine.sequence import RemoteKV, Replay
 from tandem.engine.serving.core_messages import LeaseDone
 from tandem.errors import InvalidArgument
-from tandem.kvtransfer.descriptor import check_compatible
+from tandem.kvtransfer import transports
 from tandem.kvtransfer.lease import Claim
-from tandem.runtime.convert import descriptor_from_proto, params_from_proto
+from tandem.runtime.convert import params_from_proto
+from tandem.runtime.kv_peers import PeerPools
 from tandem.runtime.lease_rpcs import LeaseRPCs
-from tandem.runtime.lifecycle import GRPC_OPTIONS
-from tandem.runtime.local_peers import loopback_ips, pool_owner_listens, split_address
-from tandem.runtime.request_trace import client_call
-from tandem.runtime.security import internal_channel
 from tandem.runtime.telemetry import span_name
 from tandem.runtime.worker import (
     DRAIN_POLL_S,
@@ -65,7 +63,7 @@ from tandem.runtime.worker_inputs import (
     check_stream_request,
     check_trace_context,
 )
-from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +91,12 @@ class DecodeServicer(WorkerServicer):
         super().__init__(engine, worker_id)
         self.role = role
         self.address = address
-        # prefill worker address -> the instance (process) whose pool the engine core mapped
-        self.peers: dict[str, str] = {}
-        self._pool_addresses: dict[bytes, str] = {}  # a mapped pool's handle -> its address
+        # The peers' pools the engine core maps (prefill workers, decode workers lending a
+        # moving sequence, lenders of a cached prefix), the channels to them, the releases.
+        self.pools = PeerPools(self)
         # Every lease this worker holds, by token, from its request's arrival to its release.
         self._held: dict[str, HeldLease] = {}
         self.limits = engine.info.limits
-        self._peer_locks: dict[str, asyncio.Lock] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task] = set()
         # The open Stream calls: each one's outbox and its requests' tasks, by request id.
         self._sessions: dict[Outbox, dict[str, asyncio.Task]] = {}
@@ -108,13 +104,11 @@ class DecodeServicer(WorkerServicer):
         self._moving: set[str] = set()  # requests a drain asked their router to move
         self._move_asked: set[str] = set()  # requests an operator asked to move (Move), once
         self._settled = asyncio.Event()  # draining, and no request left on any call
-        self.layout = worker_pb2.PoolDescriptor(**engine.info.layout)
         # Live migration: the leases this worker lends on its running requests (Register,
         # ClaimLease, Release, RenewLeases from the decode worker they move to), and which
         # request each one's token is for until it ends here.
         self.leases = LeaseRPCs(engine, worker_id, self.instance_id)
         self._lent: dict[str, str] = {}  # request id -> its lent lease's token
-        self._peer_roles: dict[str, str] = {}  # a peer's address -> its role (TLS name)
         # Keeps the held leases alive at their prefill workers while their requests wait
         # (started with the first claim, once the process's telemetry is in place).
         self._renewing: asyncio.Task | None = None
@@ -299,9 +293,25 @@ class DecodeServicer(WorkerServicer):
             # Moved here mid-stream: the tokens its client has are recorded, not sampled.
             replay = Replay(args.first_token_ids, args.first_logprobs,
                             args.resume_token_ids) if args.first_token_ids else None
+            prefix = await self._lent_prefix(request, args, replay is None)
             await self.engine.generate(request.request_id, args.prompt, args.params,
                                        relay(out, args.params.logprobs is not None,
-                                             record.progress), replay)
+                                             record.progress), replay, prefix)
+
+    async def _lent_prefix(self, request: worker_pb2.DecodeRequest, args, usable: bool
+                           ) -> RemoteKV | None:
+        """The prompt prefix another worker lent for this request (prefix_kv), claimed: what
+        the engine pulls instead of computing it; None without one, or when it cannot be used
+        (a request that resumes, or asks for prompt logprobs, computes its prompt whole: its
+        lease is released at once)."""
+        if not request.HasField("prefix_kv"):
+            return None
+        kv = request.prefix_kv
+        if not usable or args.params.prompt_logprobs is not None:
+            if kv.address and kv.lease_id:
+                self.pools.spawn_release(kv.address, kv.lease_id)
+            return None
+        return await self.pools.claim_prefix(kv, args.prompt, args.params.cache_salt)
 
     async def _decode(self, request: worker_pb2.DecodeRequest, lease: HeldLease,
                       out: Outbox) -> None:
@@ -319,7 +329,7 @@ class DecodeServicer(WorkerServicer):
                     request_id=request.request_id, ready=True))
                 record.span.set_attribute("tandem.migration.source", lease.address)
             try:
-                await self._peer(lease.address, request.kv.instance_id, lease.role)
+                await self.pools.peer(lease.address, request.kv.instance_id, lease.role)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     # Pools that cannot pair (the reason names the flag): for the operator to
@@ -330,11 +340,11 @@ class DecodeServicer(WorkerServicer):
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE,
                                   f"{lease.role} worker {lease.address}: {e.details()}"
                                   ) from None
-            remote = await claim(self._stub(lease.address), lease, args,
+            remote = await claim(self.pools.stub(lease.address), lease, args,
                                  request.kv.instance_id)
             lease.owner = CORE  # from here the core ends it (LeaseDone), exactly once
             if self._renewing is None:
-                renewal = LeaseRenewal(self._held, self._stub, self.engine.leases_renewed,
+                renewal = LeaseRenewal(self._held, self.pools.stub, self.engine.leases_renewed,
                                        self.telemetry.metrics)
                 self._renewing = asyncio.get_running_loop().create_task(renewal.run())
             await self.engine.decode(request.request_id, args.prompt, args.params, remote,
@@ -362,7 +372,7 @@ class DecodeServicer(WorkerServicer):
         if lease.owner == CORE or self._held.pop(lease.lease_id, None) is not lease:
             return
         if lease.owner == WORKER:
-            self._spawn_release(lease.address, lease.lease_id, lease.context)
+            self.pools.spawn_release(lease.address, lease.lease_id, lease.context)
 
     def lease_done(self, done: LeaseDone) -> None:
         """The engine core is done with a lease: record its pull, then release it."""
@@ -375,7 +385,7 @@ class DecodeServicer(WorkerServicer):
             self.telemetry.metrics.live_migrations.inc()
             self.telemetry.metrics.migrated_blocks.inc(done.num_blocks)
             lease.on_pulled()
-        self._spawn_release(done.address, done.lease_id, context)
+        self.pools.spawn_release(done.address, done.lease_id, context)
 
     # -- live migration, source side ---------------------------------------------------------
     async def _lend(self, rid: str) -> worker_pb2.KVLocation | None:
@@ -480,127 +490,13 @@ class DecodeServicer(WorkerServicer):
             raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         self.engine.hand_over(msg.request_id, tokens)
 
-    # -- prefill peers -----------------------------------------------------------------------
-    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            # With cluster TLS only a certificate of the role the lease names is accepted
-            # here (a prefill worker's; a decode worker's for a running sequence it lends):
-            # whoever answers at an address a lease names must prove, with its key, to be one.
-            role = self._peer_roles.get(address, "prefill")
-            ch = self._channels[address] = internal_channel(address, self.cluster_tls,
-                                                             GRPC_OPTIONS, role)
-        return worker_pb2_grpc.WorkerStub(ch)
-
-    async def _peer(self, address: str, instance_id: str, role: str = "prefill") -> None:
-        """Register with a prefill worker and map its pool in the engine core, on first use and
-        again once the worker there restarted (a new instance has a new pool). A lease from an
-        instance that is gone fails its request: its KV went with it. `role`: the peer's (a
-        decode worker lends running sequences); an address keeps the role it was first
-        dialed as."""
-        if self._peer_roles.setdefault(address, role) != role:
-            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION, f"kv.role: {address} is "
-                              f"a {self._peer_roles[address]} worker, not {role}")
-        if self.peers.get(address) == instance_id or (not instance_id and address in self.peers):
-            return  # mapped (a lease naming no instance is for the claim to judge)
-        async with self._peer_locks.setdefault(address, asyncio.Lock()):
-            if address not in self.peers or (instance_id and self.peers[address] != instance_id):
-                with self.telemetry.tracer.start_as_current_span(
-                        "kv_pool_registration", attributes={
-                            "tandem.kv.source": address,
-                            # Charged to the request that happened to come first.
-                            "tandem.kv.registration": "once per prefill worker instance"}):
-                    await self._register(address)
-        if instance_id and self.peers[address] != instance_id:
-            raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {address} "
-                              "restarted since it granted the lease")
-
-    async def _register(self, address: str) -> None:
-        """Ask the prefill worker at `address` for its pool's descriptor and map it."""
-        self._check_plaintext_peer(address)
-        with client_call("/tandem.v1.Worker/Register", address) as call:
-            resp = await self._stub(address).Register(worker_pb2.RegisterRequest(
-                decode_worker_id=self.worker_id, layout=self.layout), timeout=30,
-                metadata=call.metadata)
-        desc = descriptor_from_proto(resp.pool)
-        # A tensor-parallel prefill worker: its ranks' pools, each checked.
-        descs = [desc, *(descriptor_from_proto(d) for d in resp.rank_pools)]
-        for d in descs:
-            check_compatible(self.layout, d)
-        if len(descs) != max(1, desc.tensor_parallel_size):
-            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"prefill worker {address} described {len(descs)} pools "
-                              f"for {desc.tensor_parallel_size} ranks")
-        await self._check_pool_owner(address, desc.owner_pid)
-        # One address per pool: a peer presenting a pool mapped for another would
-        # answer claims for that pool's blocks itself.
-        known = self._pool_addresses.setdefault(desc.handle, address)
-        if known != address:
-            log.warning("refused %s: it presents the pool of %s", address, known)
-            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"prefill worker {address} presents the KV pool of "
-                              "another prefill worker")
-        await self.engine.map_pool(address, descs if len(descs) > 1 else desc,
-                                   resp.instance_id)
-        self.peers[address] = resp.instance_id
-        log.info("mapped the KV pool of %s (%s)", resp.prefill_worker_id, desc.redacted())
-
-    def _check_plaintext_peer(self, address: str) -> None:
-        """Without cluster TLS nobody proves a role: a prefill worker is then taken only on
-        this machine (unless --insecure), and its pool only from the process that owns it
-        (_check_pool_owner)."""
-        if self.cluster_tls is not None or self.insecure:
-            return
-        try:
-            host, _ = split_address(address)
-        except ValueError:
-            raise WorkerError(grpc.StatusCode.INVALID_ARGUMENT,
-                              "kv.address: not host:port") from None
-        if loopback_ips(host) is None:
-            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"prefill worker {address} is not on this machine's loopback: "
-                              "without cluster TLS a decode worker takes KV from other hosts "
-                              "only with --insecure")
-
-    async def _check_pool_owner(self, address: str, owner_pid: int) -> None:
-        """Without cluster TLS, a pool is mapped only when the process that owns it listens at
-        the address dialed (runtime/local_peers.py), not whoever answers there. The lookup
-        reads /proc: off the event loop."""
-        if self.cluster_tls is not None or self.insecure:
-            return
-        if not await asyncio.to_thread(pool_owner_listens, owner_pid, address):
-            log.warning("refused %s: it presents a KV pool it does not own", address)
-            raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"prefill worker {address} presents the KV pool of another "
-                              "process (its owner does not listen there)")
-
-    def _spawn_release(self, address: str, lease_id: str,
-                       context: contextvars.Context | None) -> None:
-        # In the request's context: the Release call joins its trace, its log lines its id.
-        task = asyncio.get_running_loop().create_task(self._release(address, lease_id),
-                                                      context=context)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _release(self, address: str, lease_id: str) -> None:
-        try:
-            with client_call("/tandem.v1.Worker/Release", address) as call:
-                resp = await self._stub(address).Release(
-                    worker_pb2.ReleaseRequest(lease_id=lease_id), timeout=10, metadata=call.metadata)
-            if not resp.released:
-                log.warning("lease at %s had already ended when released", address)
-        except grpc.aio.AioRpcError as e:
-            log.warning("release at %s failed: %s (the lease will expire)", address,
-                        e.code().name)
-
     async def on_stop(self) -> None:
         if self._renewing is not None:
             self._renewing.cancel()
             await asyncio.gather(self._renewing, return_exceptions=True)
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        for ch in self._channels.values():
-            await ch.close()
+        await self.pools.close()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -609,11 +505,16 @@ def run(args: argparse.Namespace) -> int:
     def make(engine, worker_id, address):
         return DecodeServicer(engine, worker_id, address, role)
 
-    return main_worker(args, role, make)
+    # How peers reach a decode worker's pool: the decode worker a running request moves to,
+    # and a worker of another host it lends a cached prefix (nixl across hosts).
+    return main_worker(args, role, make, transport=getattr(args, "transport", None))
 
 
 def add_parser(sub, name: str) -> None:
     p = sub.add_parser(name, help="run a decode worker")
     p.set_defaults(role="decode")
     add_worker_args(p)
+    p.add_argument("--transport", choices=transports.names(), default=None,
+                   help="how other workers reach this pool (a request moved live, a prefix "
+                        f"lent from its host tier): {transports.describe()}")
     p.set_defaults(func=run)

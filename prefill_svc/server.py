@@ -9,20 +9,30 @@ without waiting for an engine step. While the request waits for its pull, the de
 renews the lease (RenewLeases), so a lease outlives its time to live only while a live decode
 worker holds it. Register hands a decode worker this pool's descriptor (layout + handle), once
 per pair.
+
+A prompt whose leading blocks another worker lent from its cache (PrefillRequest.prefix_kv: a
+worker of another host whose host tier holds them, asked by the router) has them pulled rather
+than computed: claimed from that worker as a decode worker claims a prefill lease
+(runtime/kv_peers.py), pulled by the engine core, released once pulled; computed after all if
+the lease cannot be used.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextvars
 import logging
 import time
 
 import grpc
 
+from tandem.engine.sequence import RemoteKV
+from tandem.engine.serving.core_messages import LeaseDone
 from tandem.errors import InvalidArgument
 from tandem.kvtransfer import transports
 from tandem.kvtransfer.lease import Claim, prompt_digest
 from tandem.runtime.convert import logprobs_to_proto, params_from_proto
+from tandem.runtime.kv_peers import PeerPools
 from tandem.runtime.lease_rpcs import LeaseRPCs
 from tandem.runtime.worker import (
     WorkerError,
@@ -33,6 +43,7 @@ from tandem.runtime.worker import (
 )
 from tandem.runtime.worker_inputs import (
     bounded_id,
+    check_kv,
     check_prompt,
     check_request_id,
 )
@@ -50,6 +61,10 @@ class PrefillServicer(WorkerServicer):
         self.leases = LeaseRPCs(engine, worker_id, self.instance_id)
         self.claims = self.leases.claims
         self.limits = engine.info.limits
+        # The pools of workers that lend it a cached prefix (LendPrefix), and the leases it
+        # pulls: token -> its request's context, until the core is done with it (LeaseDone).
+        self.pools = PeerPools(self)
+        self._pulling: dict[str, contextvars.Context] = {}
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
         with self.telemetry.request_span("prefill", bounded_id(request.request_id)) as record:
@@ -59,9 +74,11 @@ class PrefillServicer(WorkerServicer):
                                       f"prefill worker {self.worker_id} drains")
                 check_request_id(request.request_id)
                 check_prompt("prompt_token_ids", request.prompt_token_ids, self.limits)
+                check_kv(request.prefix_kv, "prefix_kv")
                 params = params_from_proto(request.params)
-                out = await self.engine.prefill(request.request_id,
-                                                list(request.prompt_token_ids), params)
+                prompt = list(request.prompt_token_ids)
+                prefix = await self._lent_prefix(request, prompt, params)
+                out = await self.engine.prefill(request.request_id, prompt, params, prefix)
             except Exception as e:  # noqa: BLE001 - mapped to a status
                 record.cause = e  # the abort below raises an AbortError in its place
                 await abort_for(context, e)
@@ -87,6 +104,30 @@ class PrefillServicer(WorkerServicer):
             num_cached_tokens=h.num_cached_tokens,
             prompt_logprobs=[logprobs_to_proto(lp) for lp in out.prompt_logprobs or ()])
 
+    async def _lent_prefix(self, request, prompt: list[int], params) -> RemoteKV | None:
+        """The prompt prefix another worker lent for this request (prefix_kv; the router asked
+        it, LendPrefix), claimed: what the engine pulls instead of computing it. None without
+        one, or when it cannot be used (then the prompt is computed whole): prompt logprobs
+        are computed at every position, so that request's lease is released at once."""
+        if not request.HasField("prefix_kv"):
+            return None
+        kv = request.prefix_kv
+        if params.prompt_logprobs is not None:
+            if kv.address and kv.lease_id:
+                self.pools.spawn_release(kv.address, kv.lease_id)
+            return None
+        prefix = await self.pools.claim_prefix(kv, prompt, params.cache_salt)
+        if prefix is not None:  # its pull's span joins this request's trace
+            self._pulling[prefix.lease_id] = contextvars.copy_context()
+        return prefix
+
+    def lease_done(self, done: LeaseDone) -> None:
+        """The engine core is done with a lent prefix's lease: record its pull, release it."""
+        context = self._pulling.pop(done.lease_id, None)
+        if done.pulled:
+            self.telemetry.kv_transfer(context, done)
+        self.pools.spawn_release(done.address, done.lease_id, context)
+
     def still_held(self) -> int:
         """A draining prefill worker waits for its prompts and for every lease it granted to be
         released (its decode worker pulled it) or to expire; meanwhile it answers claims,
@@ -97,6 +138,9 @@ class PrefillServicer(WorkerServicer):
         # Blocks pinned by claimed leases, per holder, read when Prometheus scrapes.
         self.telemetry.metrics.watch_leases(lambda: self.claims.pinned_by_holder(
             time.monotonic()))
+
+    async def on_stop(self) -> None:
+        await self.pools.close()
 
 # A lease's whole life, renewals included, is at most this many times its time to live unless
 # --lease-max-life says otherwise: 5 minutes with the default 30 s, far longer than a pull waits
@@ -126,7 +170,8 @@ def add_lease_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
     """--transport, --lease-ttl and --lease-max-life (`tandem worker` adds them with a note that
     they are for the prefill role: `prefix`)."""
     p.add_argument("--transport", choices=transports.names(), default=None,
-                   help=f"{prefix}how decode workers reach this pool: {transports.describe()}")
+                   help=f"{prefix}how decode workers reach this pool (role decode too: peers "
+                        f"pulling what it lends): {transports.describe()}")
     p.add_argument("--lease-ttl", type=float, default=30.0,
                    help=f"{prefix}seconds a finished prompt's blocks stay pinned for a decode "
                         "worker, counted from the prefill and again from each renewal by the "

@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
@@ -52,6 +52,7 @@ from opentelemetry.context import Context
 from tandem.engine.config import cdiv
 from tandem.router_svc.live_migration import Handed, LiveMove
 from tandem.router_svc.rebalance import Candidate, Rebalancer
+from tandem.router_svc.remote_prefix import LentPrefix
 from tandem.router_svc.routing import RouteRequest
 from tandem.router_svc.routing.policy import DISAGGREGATED, LOCAL
 from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update, until_done
@@ -116,6 +117,10 @@ class LegHost(Protocol):
 
     def release_later(self, p: Worker, lease_id: str, ctx: Context | None = None) -> None: ...
 
+    async def lend_prefix(self, route: RouteRequest, dest: Worker, cache_salt: str,
+                          prompt_logprobs: bool, ctx: Context | None
+                          ) -> LentPrefix | None: ...
+
 
 @dataclass(eq=False)
 class _Lease:
@@ -165,6 +170,9 @@ class DecodeLegs:
         self._avoid: set[str] = set()
         self._lease: _Lease | None = None
         self._leg_lease: _Lease | None = None  # the lease the current leg carried, if any
+        # A prefix another worker lent for the current leg's prefill on its decode worker,
+        # this router's until its request is sent (router_svc/remote_prefix.py).
+        self._prefix: LentPrefix | None = None
         self._first: worker_pb2.PrefillResponse | None = None
         # A move under way: the failed worker, its error, the tokens so far (counted once the
         # next leg is sent).
@@ -319,6 +327,12 @@ class DecodeLegs:
         req = self.decode_request(self.rid if legs == 0 else f"{self.rid}.{legs}")
         if lease is not None:
             req.kv.CopyFrom(lease.kv)
+        elif not any(self.outputs):  # d prefills a fresh prompt: its prefix, if lent
+            self._prefix = await self.orch.lend_prefix(
+                self.route, d, self.params.cache_salt, self.params.prompt_logprobs is not None,
+                self.ctx)
+            if self._prefix is not None:
+                req.prefix_kv.CopyFrom(self._prefix.kv)
 
         def sent() -> None:
             """The request is on its way: the lease is the decode worker's to release. Until
@@ -326,13 +340,15 @@ class DecodeLegs:
             a failed worker has moved now."""
             if self._lease is lease:
                 self._lease = None
+            self._prefix = None  # a lent prefix too
             if self._moving is not None:
                 src, error, made = self._moving
                 self._moving = None
                 self.orch.workers.metrics.migrations.inc()
                 self._event("migrated", src, error, made, to=d.address)
 
-        with client_call("/tandem.v1.Worker/Stream", d.address, self.ctx,
+        with self._unsent_prefix_released(), \
+                client_call("/tandem.v1.Worker/Stream", d.address, self.ctx,
                          self.orch.tracer,
                          name="decode_leg", **{"tandem.worker.role": "decode",
                                                "tandem.leg": legs,
@@ -360,6 +376,17 @@ class DecodeLegs:
             finally:
                 d.in_flight -= 1
                 d.local_prefill_tokens -= backlog
+
+    @contextlib.contextmanager
+    def _unsent_prefix_released(self) -> Iterator[None]:
+        """A prefix lent for the leg (`_prefix`) whose request never left is this router's
+        to release; once sent it is the decode worker's."""
+        try:
+            yield
+        finally:
+            lent, self._prefix = self._prefix, None
+            if lent is not None:
+                self.orch.release_later(lent.lender, lent.kv.lease_id, self.ctx)
 
     async def _handed_leg(self, move: LiveMove) -> AsyncIterator[Update]:
         """The leg on a live migration's destination, whose call is open (it said ready and

@@ -150,6 +150,23 @@ class KVIndex:
             out[s] = TierMatch(gpu[s], n - gpu[s])
         return out
 
+    def lender(self, hashes: Sequence[int], dest: int, slots: Iterable[int],
+               min_gain: int = 1) -> tuple[int, int] | None:
+        """(slot, blocks): among `slots`, the worker that can serve the longest run of the
+        prompt's leading blocks (`hashes`) from its pool and a host tier that `dest` cannot
+        read (another host's, or a private one), some of the run in that tier; None when none
+        holds `min_gain` blocks more than `dest` serves itself (its GPU and readable host
+        blocks, as match_tiers counts them)."""
+        slots = [s for s in slots if s != dest]
+        matches = self.match_tiers(hashes, [dest, *slots])
+        best = (-1, matches[dest].gpu + matches[dest].host + min_gain - 1)
+        readable = self.group(dest)
+        for s in slots:
+            m = matches[s]
+            if m.host and not readable & (1 << s) and m.gpu + m.host > best[1]:
+                best = (s, m.gpu + m.host)
+        return best if best[0] >= 0 else None
+
     def holds(self, slot: int, h: int) -> bool:
         return bool(self.blocks.get(h, 0) & (1 << slot))
 

@@ -50,6 +50,7 @@ from tandem.router_svc.decode_legs import (
     until_done,
 )
 from tandem.router_svc.rebalance import RebalanceConfig, Rebalancer
+from tandem.router_svc.remote_prefix import LentPrefix, PrefixLending
 from tandem.router_svc.routing import RouteRequest
 from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update
 from tandem.router_svc.workers import Worker, WorkerSet, unless_lost
@@ -71,7 +72,8 @@ def _retryable(e: grpc.aio.AioRpcError) -> bool:
 
 class Orchestrator:
     def __init__(self, workers: WorkerSet, max_migrations: int = 3,
-                 prefill_saturation: int = 0, rebalance: RebalanceConfig | None = None) -> None:
+                 prefill_saturation: int = 0, rebalance: RebalanceConfig | None = None,
+                 remote_prefix_blocks: int = 0) -> None:
         self.workers = workers
         self.max_migrations = max_migrations
         # Moves running requests off nearly full decode workers (--rebalance): started with
@@ -85,6 +87,10 @@ class Orchestrator:
         self._active: set[str] = set()  # request ids in flight
         # CLIENT spans of the calls to workers (the Frontend gives it its own).
         self.tracer: trace.Tracer = trace.get_tracer("tandem")
+        # A prompt's prefix in a host tier its computing worker cannot read, lent to it by the
+        # worker holding it (router_svc/remote_prefix.py; --remote-prefix-blocks, 0: off).
+        self.lending = (PrefixLending(workers, remote_prefix_blocks, self.tracer)
+                        if remote_prefix_blocks > 0 else None)
 
     async def run(self, request_id: str, prompt: list[int], params: SamplingParams,
                   timeout: float | None = None, trace_ctx: Context | None = None
@@ -180,12 +186,22 @@ class Orchestrator:
                 return fb
             p = self.pick(self.workers.pick_prefill(route, tried), "prefill")
             tried.add(p.address)
-            p.in_flight += 1
+            req.ClearField("prefix_kv")
+            lent = await self.lend_prefix(route, p, params.cache_salt,
+                                          params.HasField("prompt_logprobs"), ctx)
+            if lent is not None:
+                req.prefix_kv.CopyFrom(lent.kv)
             try:
+                timeout = self.remaining(deadline)
+            except RouterError:  # never sent: the lent prefix is still this router's
+                if lent is not None:
+                    self.release_later(lent.lender, lent.kv.lease_id, ctx)
+                raise
+            p.in_flight += 1
+            try:  # once sent, a lent prefix is p's to release (or to let expire, unheard)
                 with client_call("/tandem.v1.Worker/Prefill", p.address, ctx,
                                  self.tracer) as traced:
-                    call = p.stub.Prefill(req, timeout=self.remaining(deadline),
-                                          metadata=traced.metadata)
+                    call = p.stub.Prefill(req, timeout=timeout, metadata=traced.metadata)
                     resp = await unless_lost(p, call)
                 # The router vouches for where the KV is: the prefill worker of its own
                 # membership it called, whatever address that worker's answer names. A decode
@@ -199,6 +215,16 @@ class Orchestrator:
                 raise as_router_error(e, f"prefill worker {p.address}") from None
             finally:
                 p.in_flight -= 1
+
+    async def lend_prefix(self, route: RouteRequest, dest: Worker, cache_salt: str,
+                          prompt_logprobs: bool, ctx: Context | None) -> LentPrefix | None:
+        """A lease on the prompt's prefix from a worker whose host tier `dest` cannot read,
+        for `dest` to pull instead of computing it (router_svc/remote_prefix.py); None when
+        off, when none holds enough more than `dest`, or for prompt logprobs (computed at
+        every position)."""
+        if self.lending is None or prompt_logprobs:
+            return None
+        return await self.lending.lend(route, dest, cache_salt, ctx)
 
     def pick(self, w: Worker | None, role: str) -> Worker:
         if w is None:

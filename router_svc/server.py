@@ -103,6 +103,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="with prefill fallback: requests in flight or waiting on every prefill "
                         "worker past which a new prompt is prefilled on its decode worker "
                         "instead (0: only when no prefill worker is up)")
+    p.add_argument("--remote-prefix-blocks", type=int, default=0, metavar="N",
+                   help="when a worker's host tier that the worker computing a prompt cannot "
+                        "read (another host's) holds at least N more of the prompt's leading "
+                        "blocks, that worker lends them and the computing worker pulls them "
+                        "over the lender's transport instead of computing them "
+                        "(docs/host-kv-tier.md; 0: off)")
     p.add_argument("--rebalance", action=argparse.BooleanOptionalAction, default=False,
                    help="move running requests off a decode worker whose KV pool is nearly "
                         "full to one with room, by live migration (default: off)")
@@ -234,6 +240,9 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     if args.prefill_saturation < 0:
         raise InvalidArgument("--prefill-saturation",
                               f"must be >= 0, got {args.prefill_saturation}")
+    if args.remote_prefix_blocks < 0:
+        raise InvalidArgument("--remote-prefix-blocks",
+                              f"must be >= 0, got {args.remote_prefix_blocks}")
     if args.max_body_bytes < 1:
         raise InvalidArgument("--max-body-bytes", f"must be >= 1, got {args.max_body_bytes}")
     if args.responses_store < 0:
@@ -265,7 +274,8 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
                                 prefill_saturation=args.prefill_saturation,
                                 rebalance=RebalanceConfig(args.rebalance,
                                                           args.rebalance_free_fraction,
-                                                          args.rebalance_max_moves))
+                                                          args.rebalance_max_moves),
+                                remote_prefix_blocks=args.remote_prefix_blocks)
     served, aliases = model_names(args)
     info = Frontend.model_info(served, cfg, args.dtype or "", args.block_size,
                                args.max_model_len, aliases)

@@ -35,21 +35,24 @@ ROUTER, PREFILL, DECODE = "router", "prefill", "decode"
 # with its own certificate, the one its worker holds.
 SELF = "self"
 # Who may call each RPC of tandem.v1.Worker (worker.proto), by the caller's role. The router
-# drives every worker and releases a lease it could not hand on; a decode worker registers with
-# prefill workers, and with decode workers whose running requests move to it (live
-# migration), and claims, renews and releases the leases the router handed it; a worker is
-# drained by a router or from its own pod. Nobody else calls a worker; a method missing here
-# is refused to everyone.
+# drives every worker, asks one to lend a cached prefix, and releases a lease it could not hand
+# on; a decode worker registers with prefill workers, and with decode workers whose running
+# requests move to it (live migration), and claims, renews and releases the leases the router
+# handed it; a prefill worker registers with, claims and releases (never renews) a lease on a
+# cached prefix another worker lent (LendPrefix: the router handed it that lease), as a decode
+# worker does; a worker is drained by a router or from its own pod. Nobody else calls a
+# worker; a method missing here is refused to everyone.
 WORKER_CALLERS: Mapping[str, frozenset[str]] = {
     "Prefill": frozenset({ROUTER}),
     "Stream": frozenset({ROUTER}),
     "Abort": frozenset({ROUTER}),
     "GetLoad": frozenset({ROUTER}),
     "WatchKV": frozenset({ROUTER}),
-    "Register": frozenset({DECODE}),
-    "ClaimLease": frozenset({DECODE}),
+    "LendPrefix": frozenset({ROUTER}),
+    "Register": frozenset({PREFILL, DECODE}),
+    "ClaimLease": frozenset({PREFILL, DECODE}),
     "RenewLeases": frozenset({DECODE}),
-    "Release": frozenset({ROUTER, DECODE}),
+    "Release": frozenset({ROUTER, PREFILL, DECODE}),
     "Drain": frozenset({ROUTER, SELF}),
     "Move": frozenset({ROUTER, SELF}),
 }

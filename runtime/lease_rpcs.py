@@ -1,7 +1,8 @@
 """The lease RPCs of a worker whose pool peers map: Register, ClaimLease, Release and
-RenewLeases. A prefill worker answers them for prompts it hands off; a decode worker for
-running sequences it lends to another decode worker (live migration). One object per
-servicer, which its gRPC methods call.
+RenewLeases, and LendPrefix, which grants a lease. A prefill worker answers them for prompts it
+hands off; a decode worker for running sequences it lends to another decode worker (live
+migration); either for a cached prefix it lends to a worker of another host (LendPrefix). One
+object per servicer, which its gRPC methods call.
 
 The lease's id is a secret token: the puller presents it (ClaimLease) and gets the lease's
 block ids, once, while the lease lives; this worker answers from its own table
@@ -18,13 +19,19 @@ import time
 
 import grpc
 
+from tandem.engine.sampling_params import MAX_CACHE_SALT_CHARS
 from tandem.errors import InvalidArgument, LayoutMismatch
 from tandem.kvtransfer.descriptor import check_compatible
 from tandem.kvtransfer.lease import Claim, LeaseClaims
 from tandem.runtime.cluster_roles import caller_identity
 from tandem.runtime.convert import descriptor_to_proto
 from tandem.runtime.worker import abort_for, checked
-from tandem.runtime.worker_inputs import MAX_WORKER_ID_CHARS, check_chars, check_lease_id
+from tandem.runtime.worker_inputs import (
+    MAX_WORKER_ID_CHARS,
+    check_chars,
+    check_lease_id,
+    check_prompt,
+)
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -79,6 +86,28 @@ class LeaseRPCs:
                 self.claims.renewed(lease_id, now + seconds)
         return worker_pb2.RenewLeasesResponse(
             ttl_ms=[int(left.get(i, 0.0) * 1000) for i in ids])
+
+    async def lend_prefix(self, request, context, address: str, role: str,
+                          draining: bool) -> worker_pb2.LendPrefixResponse:
+        """A lease on the longest prefix of the prompt that this worker's pool or host tier
+        holds under the request's cache salt, claimable from now on; an empty answer when it
+        holds none, drains (it would wait for the lease to end), or peers map no pool here."""
+        await checked(context, check_prompt, "prompt_token_ids", request.prompt_token_ids,
+                      self.engine.info.limits)
+        await checked(context, check_chars, "cache_salt", request.cache_salt,
+                      MAX_CACHE_SALT_CHARS)
+        if self.pool is None or draining:
+            return worker_pb2.LendPrefixResponse()
+        lent = await self.engine.lend_prefix(list(request.prompt_token_ids), request.cache_salt)
+        if lent is None:
+            return worker_pb2.LendPrefixResponse()
+        self.offer(lent.lease_id, Claim(lent.block_ids, lent.num_tokens, lent.digest,
+                                        lent.deadline))
+        return worker_pb2.LendPrefixResponse(kv=worker_pb2.KVLocation(
+            worker_id=self.worker_id, address=address, num_tokens=lent.num_tokens,
+            lease_id=lent.lease_id, instance_id=self.instance_id,
+            role="decode" if role == "decode" else "",
+            lease_ttl_ms=int(max(lent.deadline - time.monotonic(), 0) * 1000)))
 
     async def register(self, request, context) -> worker_pb2.RegisterResponse:
         await checked(context, check_chars, "decode_worker_id", request.decode_worker_id,

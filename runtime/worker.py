@@ -151,8 +151,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.request_stop: Callable[[], None] = lambda: None  # run_worker sets it
 
     # -- the lease RPCs: every role lends KV (a prefill worker its prompts', a decode worker its
-    # running sequences' for live migration) through `self.leases`, a LeaseRPCs
-    # (runtime/lease_rpcs.py) each role's servicer makes.
+    # running sequences' for live migration, either a cached prefix) through `self.leases`, a
+    # LeaseRPCs (runtime/lease_rpcs.py) each role's servicer makes.
     async def Register(self, request, context):  # noqa: N802
         return await self.leases.register(request, context)
 
@@ -164,6 +164,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def RenewLeases(self, request, context):  # noqa: N802
         return await self.leases.renew(request, context)
+
+    async def LendPrefix(self, request, context):  # noqa: N802
+        return await self.leases.lend_prefix(request, context, self.address, self.role,
+                                             self.draining)
 
     async def Abort(self, request, context):  # noqa: N802 - gRPC method name
         await checked(context, check_request_id, request.request_id)

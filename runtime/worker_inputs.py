@@ -65,18 +65,18 @@ def check_trace_context(ctx: Mapping[str, str]) -> None:
                                   f"{MAX_TRACE_CHARS} characters")
 
 
-def check_kv(kv: worker_pb2.KVLocation) -> None:
-    check_chars("kv.address", kv.address, MAX_ADDRESS_CHARS)
-    check_chars("kv.worker_id", kv.worker_id, MAX_WORKER_ID_CHARS)
-    check_chars("kv.instance_id", kv.instance_id, MAX_WORKER_ID_CHARS)
-    check_lease_id(kv.lease_id, "kv.lease_id")
+def check_kv(kv: worker_pb2.KVLocation, field: str = "kv") -> None:
+    check_chars(f"{field}.address", kv.address, MAX_ADDRESS_CHARS)
+    check_chars(f"{field}.worker_id", kv.worker_id, MAX_WORKER_ID_CHARS)
+    check_chars(f"{field}.instance_id", kv.instance_id, MAX_WORKER_ID_CHARS)
+    check_lease_id(kv.lease_id, f"{field}.lease_id")
     if kv.role not in ("", "prefill", "decode"):
-        raise InvalidArgument("kv.role", f"prefill or decode, got {kv.role[:16]!r}")
+        raise InvalidArgument(f"{field}.role", f"prefill or decode, got {kv.role[:16]!r}")
 
 
 def check_stream_request(msg: worker_pb2.StreamRequest) -> None:
     """What a Stream message carries beyond the request itself (decode_args checks that):
-    its id, its trace context, and a decode request's KV location."""
+    its id, its trace context, and a decode request's KV locations."""
     check_trace_context(msg.trace_context)
     kind = msg.WhichOneof("kind")
     if kind in ("cancel", "lend"):
@@ -89,6 +89,7 @@ def check_stream_request(msg: worker_pb2.StreamRequest) -> None:
     check_request_id(req.request_id)
     if kind == "decode":
         check_kv(req.kv)
+        check_kv(req.prefix_kv, "prefix_kv")
 
 
 def bounded_id(value: str) -> str:

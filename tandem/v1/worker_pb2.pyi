@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LendPrefixRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "cache_salt")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class LendPrefixResponse(_message.Message):
+    __slots__ = ("kv",)
+    KV_FIELD_NUMBER: _ClassVar[int]
+    kv: KVLocation
+    def __init__(self, kv: _Optional[_Union[KVLocation, _Mapping]] = ...) -> None: ...
+
 class MoveRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -40,14 +54,16 @@ class DrainResponse(_message.Message):
     def __init__(self, moved: _Optional[int] = ..., finished: _Optional[int] = ..., left: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefix_kv")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KV_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    prefix_kv: KVLocation
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefix_kv: _Optional[_Union[KVLocation, _Mapping]] = ...) -> None: ...
 
 class KVLocation(_message.Message):
     __slots__ = ("worker_id", "address", "num_tokens", "lease_id", "lease_ttl_ms", "instance_id", "role")
@@ -84,7 +100,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reasons: _Optional[_Iterable[str]] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "kv", "first_token_ids", "first_logprobs", "resume")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv", "first_token_ids", "first_logprobs", "resume", "prefix_kv")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +108,7 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_KV_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
@@ -99,7 +116,8 @@ class DecodeRequest(_message.Message):
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     resume: _containers.RepeatedCompositeFieldContainer[SampleTokens]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., resume: _Optional[_Iterable[_Union[SampleTokens, _Mapping]]] = ...) -> None: ...
+    prefix_kv: KVLocation
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., resume: _Optional[_Iterable[_Union[SampleTokens, _Mapping]]] = ..., prefix_kv: _Optional[_Union[KVLocation, _Mapping]] = ...) -> None: ...
 
 class HandOver(_message.Message):
     __slots__ = ("request_id", "tokens")

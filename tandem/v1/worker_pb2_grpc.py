@@ -89,6 +89,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.MoveRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.MoveResponse.FromString,
                 _registered_method=True)
+        self.LendPrefix = channel.unary_unary(
+                '/tandem.v1.Worker/LendPrefix',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.LendPrefixRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.LendPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -203,6 +208,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LendPrefix(self, request, context):
+        """Prefill and decode roles: lend the longest prefix of a prompt that this worker's pool
+        caches or its host tier holds (the tier's blocks copied back into the pool first), under
+        a lease bound to those tokens and the cache salt, for another worker (of another host,
+        whose own caches lack it) to pull instead of computing it. The router asks and hands the
+        lease on with the prompt (PrefillRequest.prefix_kv, DecodeRequest.prefix_kv); that worker
+        claims, pulls and releases it as it would a prefill lease (Register, ClaimLease, Release).
+        No kv in the answer: nothing held (or this worker drains, or its pool is its own).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -260,6 +278,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Move,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.MoveRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.MoveResponse.SerializeToString,
+            ),
+            'LendPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LendPrefix,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.LendPrefixRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.LendPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +582,33 @@ class Worker:
             '/tandem.v1.Worker/Move',
             tandem_dot_v1_dot_worker__pb2.MoveRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.MoveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LendPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/LendPrefix',
+            tandem_dot_v1_dot_worker__pb2.LendPrefixRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.LendPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -86,6 +86,9 @@ class FakeOrchestrator:
     def release_later(self, p, lease_id, md=None):
         self.released.append(lease_id)
 
+    async def lend_prefix(self, route, dest, cache_salt, prompt_logprobs, ctx):
+        return None  # no worker lends a prefix here
+
 
 async def _run(orch: FakeOrchestrator, n: int) -> tuple[list[list[int]], Exception | None]:
     params = SamplingParams(n=n, max_tokens=100)
