@@ -136,15 +136,15 @@ class KVCacheManager:
         pool.free(out)
         return out
 
-    def take_prefix(self, hashes: list[int]) -> list[int]:
+    def take_prefix(self, hashes: list[int], reserve: int = 0) -> list[int]:
         """The blocks holding the longest run of these chained hashes that this pool caches or
         its host tier holds (copied back into fresh pool blocks, published in the prefix cache
         as any restore), a reference taken on each for the caller: a lease lending them to
         another worker (LLMEngine.lend_prefix). Nothing is restored unless the pool has room
-        for it."""
+        for it and `reserve` blocks more (the running sequences' watermark)."""
         if not self.pool.enable_prefix_caching or not hashes:
             return []
-        blocks = self._from_host(hashes, self.pool.lookup(hashes), len(hashes))
+        blocks = self._from_host(hashes, self.pool.lookup(hashes), len(hashes) + reserve)
         self.pool.incref(blocks)
         return blocks
 

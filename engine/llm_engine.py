@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
+import torch
+
 from tandem.engine import prompt_logprobs
 from tandem.engine.async_step import PLACEHOLDER, StepPipeline
 from tandem.engine.block_pool import BlockPool
@@ -619,15 +621,20 @@ class LLMEngine:
         another host to pull instead of computing it (the tier's blocks are copied back into
         the pool first, and those copies are done when this returns); None when it holds none
         or its pool has no room to restore them. The lease pins the blocks as a prefill
-        lease does, until its Release or expiry."""
+        lease does, until its Release or expiry. On CUDA it waits for the device: a pipelined
+        step in flight may be writing a lent block."""
         bs = self.block_pool.block_size
         seq = Sequence("", token_ids[:len(token_ids) // bs * bs],
                        SamplingParams(cache_salt=cache_salt))
-        blocks = self.kv.take_prefix(seq.full_block_hashes(bs, seq.num_tokens))
+        blocks = self.kv.take_prefix(seq.full_block_hashes(bs, seq.num_tokens),
+                                     self.scheduler.watermark if self.scheduler.running else 0)
         if not blocks:
             return None
         if self.host_tier is not None:  # the restores' copies (and any offloads they caused)
-            self.host_tier.flush(wait=True)  # are done before a peer reads the blocks
+            self.host_tier.flush(wait=True)
+        pool = self.runner.pool
+        if pool.is_cuda:  # a peer reads the blocks outside the engine's streams: a step in
+            torch.cuda.synchronize(pool.device)  # flight writing one, a restore, are done
         now = time.monotonic()
         lease_id, ttl = self.kv_connector.hold(blocks, now)
         n = len(blocks) * bs

@@ -180,9 +180,12 @@ class PeerPools:
             if deadline <= time.monotonic():
                 raise TimeoutError(f"the lease has {resp.ttl_ms} ms left")
         except BaseException as e:
+            # Its lender refused the claim (never ours), or it names no address to reach: not
+            # released. Else ours (or maybe: a claim cut short) to give back.
             refused = (isinstance(e, grpc.aio.AioRpcError)
                        and e.code() == grpc.StatusCode.FAILED_PRECONDITION and not claimed)
-            if not refused:  # ours (or maybe: a claim cut short) to give back
+            nowhere = isinstance(e, WorkerError) and e.code == grpc.StatusCode.INVALID_ARGUMENT
+            if not refused and not nowhere:
                 self.spawn_release(kv.address, kv.lease_id)
             if not isinstance(e, Exception):
                 raise  # cancelled: the request is gone
@@ -211,6 +214,9 @@ class PeerPools:
         except grpc.aio.AioRpcError as e:
             log.warning("release at %s failed: %s (the lease will expire)", address,
                         e.code().name)
+        except Exception as e:  # noqa: BLE001 - an address no channel can be made to
+            log.warning("release at %s failed: %s (the lease will expire)", address,
+                        type(e).__name__)
 
     async def close(self) -> None:
         """The server stopped: the releases under way finish, then the channels close."""

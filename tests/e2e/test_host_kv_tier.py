@@ -22,9 +22,9 @@ BLOCK_BYTES = 2 * 2 * 16 * 2 * 64 * 4  # tiny llama: layers x (K, V) x block x k
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-def _engine(model: str, host_blocks: float, num_blocks: int = 24) -> LLMEngine:
+def _engine(model: str, host_blocks: float, num_blocks: int = 24, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model, num_blocks=num_blocks, max_model_len=256,
-                                  host_kv_cache_gb=host_blocks * BLOCK_BYTES / (1 << 30)),
+                                  host_kv_cache_gb=host_blocks * BLOCK_BYTES / (1 << 30), **kw),
                      progress=False)
 
 
@@ -247,10 +247,10 @@ class _FailingPull:
         pass
 
 
-def _turn_one_in_the_tier(model: str) -> tuple[LLMEngine, list[int]]:
+def _turn_one_in_the_tier(model: str, **kw) -> tuple[LLMEngine, list[int]]:
     """Engine A (a 24-block pool over a host tier) runs a conversation's first turn, then other
     prompts push it out of the pool into the tier; A and turn 2's prompt."""
-    a = _engine(model, host_blocks=200)
+    a = _engine(model, host_blocks=200, **kw)
     first = [(11 * i + 5) % 500 + 1 for i in range(50)]
     out, _ = _generate(a, "turn1", first)
     for i in range(3):
@@ -258,16 +258,19 @@ def _turn_one_in_the_tier(model: str) -> tuple[LLMEngine, list[int]]:
     return a, [*first, *out, 7, 8, 9]
 
 
-@pytest.mark.parametrize("failure", ["", "start", "pending"])
-def test_a_prefix_in_another_engines_tier_is_pulled_not_computed(tiny_models, failure):
+@pytest.mark.parametrize("failure,pool", [("", {}), ("start", {}), ("pending", {}),
+                                          ("", {"kv_cache_dtype": "fp8"})])
+def test_a_prefix_in_another_engines_tier_is_pulled_not_computed(tiny_models, failure, pool):
     """Turn 2 on engine B, whose prefix sits in engine A's host tier (A's pool evicted it):
     A lends it (restored into its pool, under a lease), B pulls those blocks and computes only
-    the rest; outputs equal an engine's without any tier. A pull that fails (the lender gone
-    at the start, or mid-pull) has B compute the prefix instead, with the same output. Every
-    pool and tier slot ends idle once the lease is released."""
+    the rest; outputs equal an engine's without any tier (float32 pools, and FP8 ones: their
+    blocks move as bytes under the checkpoint's scales, as a bf16 pool's would). A
+    pull that fails (the lender gone at the start, or mid-pull) has B compute the prefix
+    instead, with the same output. Every pool and tier slot ends idle once the lease is
+    released."""
     model = str(tiny_models["llama"])
-    a, prompt = _turn_one_in_the_tier(model)
-    want, _ = _generate(_engine(model, host_blocks=0, num_blocks=64), "ref", prompt)
+    a, prompt = _turn_one_in_the_tier(model, **pool)
+    want, _ = _generate(_engine(model, host_blocks=0, num_blocks=64, **pool), "ref", prompt)
     hashes = Sequence("", prompt, GREEDY).full_block_hashes(16, len(prompt))
     assert not a.block_pool.lookup(hashes) and hashes[0] in a.host_tier.index.lru
     restored = a.host_tier.stats().hits
@@ -276,7 +279,7 @@ def test_a_prefix_in_another_engines_tier_is_pulled_not_computed(tiny_models, fa
     assert lent.num_tokens == 3 * 16 and len(lent.block_ids) == 3  # turn 1 computed 55 tokens
     assert a.host_tier.stats().hits == restored + 3  # copied back from the tier to lend
     assert lent.digest == prefix_digest(prompt[:48], "")
-    b = _engine(model, host_blocks=0, num_blocks=64)
+    b = _engine(model, host_blocks=0, num_blocks=64, **pool)
     link = _Lender(a, b, failure)
     b.add_remote_request("turn2", prompt, GREEDY, RemoteKV(
         "a", lent.lease_id, float("inf"), lent.block_ids, (), (), num_tokens=lent.num_tokens,

@@ -7,8 +7,9 @@ wedged worker would run into it); afterwards every worker answers at once and ev
 
 A decode request names only loopback addresses (the real prefill worker's among them): a worker
 without cluster TLS dials nothing else anyway, and a test sends traffic to nothing else. Leases
-that generated prefills granted are released at the end of each test; a Stream call's requests
-are cancelled once sent, so that none generates up to the model's length.
+that generated prefills (and lends of a cached prefix) granted are released at the end of each
+test; a Stream call's requests are cancelled once sent, so that none generates up to the
+model's length.
 derandomize=True: the same examples on every run."""
 
 from __future__ import annotations
@@ -75,17 +76,17 @@ class Stack:
                 watch.cancel()
             else:
                 resp = await rpc(request, timeout=GUARD_S)
-                if method == "Prefill":
-                    self.leases.append(resp.kv.lease_id)
+                if method in ("Prefill", "LendPrefix"):
+                    self.leases.append((worker, resp.kv.lease_id))
         except grpc.aio.AioRpcError as e:
             return [e.code(), *codes]
         return [grpc.StatusCode.OK, *codes]
 
     async def settle(self) -> None:
         """Release what generated prefills left pinned; every worker answers at once."""
-        prefill = self.stubs["prefill0"]
-        for lease in self.leases:
-            await prefill.Release(worker_pb2.ReleaseRequest(lease_id=lease), timeout=10)
+        for worker, lease in self.leases:
+            await self.stubs[worker].Release(worker_pb2.ReleaseRequest(lease_id=lease),
+                                             timeout=10)
         self.leases.clear()
         for stub in self.stubs.values():
             await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
@@ -142,13 +143,14 @@ def _with_cancels(msgs: list[worker_pb2.StreamRequest]) -> list[worker_pb2.Strea
 # Each RPC, on the workers whose role serves it (the others answer UNIMPLEMENTED, which one
 # example each shows).
 SERVED = {"prefill0": ("Prefill", "ClaimLease", "Release", "RenewLeases", "Register", "Abort",
-                       "GetLoad", "WatchKV", "Move"),
+                       "GetLoad", "WatchKV", "Move", "LendPrefix"),
           # Decode workers lend running sequences to their peers (live migration): they
           # answer the lease RPCs too. Move: every role answers (only decode moves).
+          # LendPrefix: every role answers (a colocated worker lends nothing).
           "decode0": ("Stream", "ClaimLease", "Release", "RenewLeases", "Register", "Abort",
-                      "GetLoad", "WatchKV", "Move"),
+                      "GetLoad", "WatchKV", "Move", "LendPrefix"),
           "both0": ("Stream", "ClaimLease", "Release", "RenewLeases", "Register", "Abort",
-                    "GetLoad", "WatchKV", "Move")}
+                    "GetLoad", "WatchKV", "Move", "LendPrefix")}
 
 
 def test_every_rpc_of_the_proto_is_fuzzed():

@@ -3,7 +3,14 @@ one host share a tier (--host-kv-share) under 24-block pools, a third has none. 
 out of one worker's pool is reported moved to the tier (WatchKV), the router prefers a worker
 that can read it there to the cold one, a conversation's next turn on the other worker of the
 host is served from the shared tier (fewer prompt tokens computed, output equal to the offline
-engine's), a salted prefix is served to its own salt only, and every pool ends idle."""
+engine's), a salted prefix is served to its own salt only, and every pool ends idle.
+
+Across hosts: the cold worker (and the decode worker) stand for workers of another host, whose
+tier id differs. With --remote-prefix-blocks the router has the tier's worker lend the prefix
+(LendPrefix) and the worker computing the prompt pulls it over the lender's transport: NIXL,
+UCX held to TCP on the loopback device as between two hosts (shm where nixl is not installed),
+computing only the rest; a lease that cannot be used (released, or its lender unreachable)
+has it compute the prefix instead."""
 
 from __future__ import annotations
 
@@ -12,8 +19,9 @@ import uuid
 
 import grpc
 import pytest
+from nixl_pools import NO_NIXL
 
-from cluster import Cluster
+from cluster import Cluster, free_port
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router_svc.kv_index import TierMatch
 from tandem.router_svc.orchestrator import Orchestrator
@@ -26,6 +34,10 @@ BS = 16
 BLOCK_BYTES = 2 * 2 * BS * 2 * 64 * 4  # tiny llama: layers x (K, V) x block x kv heads x dim
 TIER_GB = f"{200 * BLOCK_BYTES / (1 << 30):.6f}"  # about 200 blocks
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+# The tier's workers serve their pools over NIXL where it is installed (what a worker of
+# another host reads them by), UCX held to TCP on the loopback device as between two hosts.
+TRANSPORT = "nixl" if NO_NIXL is None else "shm"
+UCX_LOOPBACK_TCP = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +45,9 @@ def cluster(tiny_models, tmp_path_factory):
     share = f"test-{uuid.uuid4().hex[:12]}"
     c = Cluster(tmp_path_factory.mktemp("hosttier"), str(tiny_models["llama"]), prefill=2,
                 decode=1, prefill_args=["--num-blocks", "24", "--host-kv-cache-gb", TIER_GB,
-                                        "--host-kv-share", share],
-                decode_args=["--num-blocks", "128"], router_args=["--http-port", "-1"])
+                                        "--host-kv-share", share, "--transport", TRANSPORT],
+                decode_args=["--num-blocks", "128"], router_args=["--http-port", "-1"],
+                env=UCX_LOOPBACK_TCP)
     # A cold prefill worker beside them: no tier.
     cold = c.spawn("prefill-cold", ["worker", "--role", "prefill", "--device", "cpu", "--model",
                                     c.model, "--port", "0", "--num-blocks", "24"])
@@ -233,4 +246,123 @@ def test_conversations_past_the_pool_compute_less_with_the_tier(cluster):
         assert ld.host_kv_bytes_used <= ld.host_kv_capacity_bytes
         assert ld.host_kv_bytes_allocated <= ld.host_kv_capacity_bytes
     assert all(ld.host_kv_capacity_bytes == 0 for ld in cold_loads)
+    asyncio.run(cluster.wait_idle(procs=[*cluster.workers(), cluster.procs["prefill-cold"]]))
+
+
+# -- across hosts: a prefix lent from the tier and pulled (router_svc/remote_prefix.py) ---------
+
+async def turn_on(orch: Orchestrator, rid: str, prompt: list[int]) -> tuple[list[int], int]:
+    """A turn's output tokens and the prompt tokens cached where it was computed."""
+    tokens, cached = [], None
+    async for u in orch.run(rid, prompt, GREEDY, timeout=120):
+        cached = u.num_cached_tokens if cached is None else cached
+        tokens += [t for s in u.samples for t in s.token_ids]
+    return tokens, cached
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+def test_a_prefix_in_another_hosts_tier_is_pulled_not_computed(cluster, offline, where):
+    """Turn 2 of a conversation whose turn 1 sits in pa's tier (pa's pool evicted it) goes to
+    a worker that cannot read that tier: the cold prefill worker, or the decode worker
+    prefilling it itself (no prefill worker up). pa lends the prefix (restored from its tier
+    into its pool) and that worker pulls those 3 blocks over pa's transport, computing only
+    the 4 new tokens; output equal to the offline engine's; every pool ends idle."""
+    seed = 11 if where == "prefill" else 13  # a prompt no worker has seen (the other case's
+    prompt = [(37 * i + seed) % 250 + 1 for i in range(48)]  # ends in the decode pool)
+    nxt = [*prompt, 1, 2, 3, 4]
+    want = offline.generate([nxt], GREEDY)[0].outputs[0].token_ids
+
+    async def main():
+        pa_addr, pb_addr = (p.address for p in cluster.workers("prefill"))
+        cold_addr = cluster.procs["prefill-cold"].address
+        (d_addr,) = (d.address for d in cluster.workers("decode"))
+        ws = WorkerSet([pa_addr, pb_addr, cold_addr], [d_addr], [])
+        await ws.poll_once()
+        try:
+            pa, pb, cold = ws.by_role("prefill")
+            (d,) = ws.by_role("decode")
+            await evict_into_tier(ws, pa, prompt, "", f"far-{where}")
+            dest = cold if where == "prefill" else d
+            lending = Orchestrator(ws, remote_prefix_blocks=1).lending
+            (lender, blocks) = lending.lender(RouteRequest(nxt, ws.prefix_hashes(nxt)), dest)
+            assert lender in (pa, pb) and blocks == 3  # a worker reading the tier pa wrote
+            for w in (pa, pb) if where == "prefill" else (pa, pb, cold):
+                w.draining = True  # dest computes the prompt (a decode worker: fallback)
+            watched = [dest, lender]
+            before = [await load(w.address) for w in watched]
+            out, cached = await turn_on(Orchestrator(ws, remote_prefix_blocks=1), where, nxt)
+            after = [await load(w.address) for w in watched]
+            for w in (pa, pb, cold):
+                w.draining = False
+            return out, cached, before, after, lender.address
+        finally:
+            await ws.close()
+
+    out, cached, before, after, lender = asyncio.run(main())
+    (dest0, lender0), (dest1, lender1) = before, after
+    assert out == want
+    assert cached == 3 * BS
+    assert dest1.prompt_tokens_computed - dest0.prompt_tokens_computed == len(nxt) - 3 * BS
+    assert dest1.kv_blocks_pulled - dest0.kv_blocks_pulled == 3  # the lent prefix, pulled
+    assert lender1.host_kv_blocks_restored - lender0.host_kv_blocks_restored == 3
+    # Over the lender's transport: the worker computing the prompt mapped its pool so.
+    dest = cluster.procs["prefill-cold"] if where == "prefill" else cluster.workers("decode")[0]
+    mapped = [line["event"] for line in dest.json_logs()
+              if line["event"].startswith(f"mapped the KV pool of prefill@{lender}")]
+    assert mapped and all(f"'transport': '{TRANSPORT}'" in m for m in mapped)
+    asyncio.run(cluster.wait_idle(procs=[*cluster.workers(), cluster.procs["prefill-cold"]]))
+
+
+@pytest.mark.parametrize("failure", ["released", "unreachable"])
+def test_a_lent_prefix_that_cannot_be_pulled_is_computed(cluster, offline, failure):
+    """The cold worker handed a lease it cannot use computes the prompt whole, with the same
+    output and nothing left pinned: a lease already released (as one expired: its claim is
+    refused), or one whose lender it cannot reach (gone: nothing listens at its address; its
+    lease, which no one can then release, is released here as its process's end would)."""
+    seed = 3 if failure == "released" else 5  # a prompt the cold worker never computed
+    prompt = [(41 * i + seed) % 250 + 1 for i in range(48)]
+    nxt = [*prompt, 9, 8, 7]
+    want = offline.generate([nxt], SamplingParams(temperature=0, max_tokens=1))[0]
+    pa = cluster.workers("prefill")[0]
+    cold = cluster.procs["prefill-cold"]
+
+    async def main():
+        ws = WorkerSet([p.address for p in cluster.workers("prefill")],
+                       [d.address for d in cluster.workers("decode")], [])
+        await ws.poll_once()
+        try:
+            await evict_into_tier(ws, ws.by_role("prefill")[0], prompt, "", failure)
+        finally:
+            await ws.close()
+        async with grpc.aio.insecure_channel(pa.address) as ch:
+            lender = worker_pb2_grpc.WorkerStub(ch)
+            lent = (await lender.LendPrefix(worker_pb2.LendPrefixRequest(
+                prompt_token_ids=nxt[:48]), timeout=30)).kv
+            assert lent.num_tokens == 48 and lent.lease_id
+            if failure == "released":
+                assert (await lender.Release(worker_pb2.ReleaseRequest(
+                    lease_id=lent.lease_id), timeout=10)).released
+            kv = worker_pb2.KVLocation()
+            kv.CopyFrom(lent)
+            if failure == "unreachable":
+                kv.address = f"127.0.0.1:{free_port()}"
+            before = await load(cold.address)
+            async with grpc.aio.insecure_channel(cold.address) as cc:
+                resp = await worker_pb2_grpc.WorkerStub(cc).Prefill(worker_pb2.PrefillRequest(
+                    request_id=f"lent-{failure}", prompt_token_ids=nxt,
+                    params=params_to_proto(SamplingParams(temperature=0, max_tokens=1)),
+                    prefix_kv=kv), timeout=60)
+                await worker_pb2_grpc.WorkerStub(cc).Release(
+                    worker_pb2.ReleaseRequest(lease_id=resp.kv.lease_id), timeout=10)
+            after = await load(cold.address)
+            if failure == "unreachable":  # its lender's lease, ended with it
+                assert (await lender.Release(worker_pb2.ReleaseRequest(
+                    lease_id=lent.lease_id), timeout=10)).released
+            return resp, before, after
+
+    resp, before, after = asyncio.run(main())
+    assert list(resp.first_token_ids) == want.outputs[0].token_ids
+    assert resp.num_cached_tokens == 0
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(nxt)
+    assert after.kv_blocks_pulled == before.kv_blocks_pulled
     asyncio.run(cluster.wait_idle(procs=[*cluster.workers(), cluster.procs["prefill-cold"]]))

@@ -208,6 +208,9 @@ HARMLESS = {
     "RenewLeases": worker_pb2.RenewLeasesRequest(lease_ids=["0" * 32]),
     "Release": worker_pb2.ReleaseRequest(lease_id="0" * 32),
     "Move": worker_pb2.MoveRequest(request_id="nothing-running"),
+    # A salt nobody cached under: nothing is lent (no lease left pinned).
+    "LendPrefix": worker_pb2.LendPrefixRequest(prompt_token_ids=[7] * 40,
+                                               cache_salt="nothing-cached"),
     # Not harmless where allowed (the worker drains and exits): called only where refused.
     "Drain": worker_pb2.DrainRequest(),
 }

@@ -52,6 +52,28 @@ def test_a_shared_tier_is_read_by_every_worker_of_its_group_and_a_drop_is_for_al
     assert idx.match_tiers([1], [1]) == {1: TierMatch(0, 0)}
 
 
+def test_the_lender_of_a_prefix_is_a_worker_whose_tier_the_computing_one_cannot_read():
+    """KVIndex.lender: the worker serving the longest run of the prompt from its pool and a
+    host tier the computing worker (dest) does not read, by at least min_gain blocks more than
+    dest serves itself; never one whose run is all on GPU (nothing in a tier to lend), nor one
+    sharing dest's tier (dest reads it itself)."""
+    idx = KVIndex()
+    for slot, tier in ((0, "host-a"), (1, "host-a"), (2, "host-b")):
+        idx.set_tier(slot, tier)
+    hashes = [1, 2, 3, 4, 5]
+    idx.apply(0, [], [], host_stored=[1, 2, 3, 4])  # host-a's tier: 4 blocks, slots 0 and 1
+    idx.apply(2, [1, 2], [], host_stored=[3])  # host-b: 3 blocks
+    idx.apply(3, [1, 2, 3, 4, 5], [])  # all on GPU, no tier: not a lender of a tier's prefix
+    idx.apply(4, [1], [])  # dest of another host, one block of its own
+    assert idx.lender(hashes, 4, [0, 1, 2, 3]) == (0, 4)
+    assert idx.lender(hashes, 4, [2, 3]) == (2, 3)
+    assert idx.lender(hashes, 4, [0, 1, 2], min_gain=3) == (0, 4)
+    assert idx.lender(hashes, 4, [0, 1, 2], min_gain=4) is None  # 4 - 1 < 4
+    assert idx.lender(hashes, 1, [0, 2]) is None  # dest 1 reads host-a itself: 4 > 3
+    assert idx.lender(hashes, 2, [0, 1]) == (0, 4)  # host-b's worker, one block short
+    assert idx.lender(hashes, 5, [], min_gain=1) is None
+
+
 def test_bound_counts_both_maps():
     idx = KVIndex(max_blocks=100)
     idx.apply(0, range(50), [], host_stored=range(1000, 1051))
