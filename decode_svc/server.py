@@ -171,6 +171,8 @@ class DecodeServicer(WorkerServicer):
             except WorkerError:
                 if lease is not None:
                     self._end(lease)
+                if kind == "decode":  # a prefix lent for it goes back too
+                    self.pools.let_go(req.prefix_kv)
                 raise
             # In the request's trace, as the router sent it: its worker span continues there.
             ctx = contextvars.copy_context()
@@ -306,12 +308,11 @@ class DecodeServicer(WorkerServicer):
         lease is released at once)."""
         if not request.HasField("prefix_kv"):
             return None
-        kv = request.prefix_kv
         if not usable or args.params.prompt_logprobs is not None:
-            if kv.address and kv.lease_id:
-                self.pools.spawn_release(kv.address, kv.lease_id)
+            self.pools.let_go(request.prefix_kv)
             return None
-        return await self.pools.claim_prefix(kv, args.prompt, args.params.cache_salt)
+        return await self.pools.claim_prefix(request.prefix_kv, args.prompt,
+                                             args.params.cache_salt)
 
     async def _decode(self, request: worker_pb2.DecodeRequest, lease: HeldLease,
                       out: Outbox) -> None:

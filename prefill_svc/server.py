@@ -70,6 +70,7 @@ class PrefillServicer(WorkerServicer):
         with self.telemetry.request_span("prefill", bounded_id(request.request_id)) as record:
             try:
                 if self.draining:  # the router prefills it elsewhere (or on a decode worker)
+                    self.pools.let_go(request.prefix_kv)
                     raise WorkerError(grpc.StatusCode.UNAVAILABLE,
                                       f"prefill worker {self.worker_id} drains")
                 check_request_id(request.request_id)
@@ -111,12 +112,10 @@ class PrefillServicer(WorkerServicer):
         are computed at every position, so that request's lease is released at once."""
         if not request.HasField("prefix_kv"):
             return None
-        kv = request.prefix_kv
         if params.prompt_logprobs is not None:
-            if kv.address and kv.lease_id:
-                self.pools.spawn_release(kv.address, kv.lease_id)
+            self.pools.let_go(request.prefix_kv)
             return None
-        prefix = await self.pools.claim_prefix(kv, prompt, params.cache_salt)
+        prefix = await self.pools.claim_prefix(request.prefix_kv, prompt, params.cache_salt)
         if prefix is not None:  # its pull's span joins this request's trace
             self._pulling[prefix.lease_id] = contextvars.copy_context()
         return prefix

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from tandem.engine.sequence import RemoteKV
+from tandem.errors import InvalidArgument
 from tandem.kvtransfer.descriptor import check_compatible
 from tandem.kvtransfer.lease import prefix_digest
 from tandem.runtime.convert import descriptor_from_proto
@@ -35,6 +36,7 @@ from tandem.runtime.local_peers import loopback_ips, pool_owner_listens, split_a
 from tandem.runtime.request_trace import client_call
 from tandem.runtime.security import internal_channel
 from tandem.runtime.worker import WorkerError
+from tandem.runtime.worker_inputs import check_kv
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -194,6 +196,16 @@ class PeerPools:
             return None
         return RemoteKV(kv.address, kv.lease_id, deadline, tuple(resp.block_ids), (), (),
                         instance_id=kv.instance_id, num_tokens=n, prefix=True)
+
+    def let_go(self, kv: worker_pb2.KVLocation) -> None:
+        """A lent prefix handed here and not used (its request refused, or one that computes its
+        prompt whole): released unclaimed, if it names one within the fields' bounds."""
+        try:
+            check_kv(kv, "prefix_kv")
+        except InvalidArgument:
+            return
+        if kv.address and kv.lease_id:
+            self.spawn_release(kv.address, kv.lease_id)
 
     # -- releases ------------------------------------------------------------------------------
     def spawn_release(self, address: str, lease_id: str,

@@ -402,3 +402,44 @@ def test_a_move_is_counted_only_once_it_happened():
     error, events = _traced_run(pair)
     assert error is None
     assert pair.workers.metrics.migrations._value.get() == 1 and events.count("migrated") == 1
+
+
+class _UnsentFirst(FakeStream):
+    """A decode worker whose first request never leaves the router (refused before it is on
+    its way: UNAVAILABLE), the next ones run."""
+
+    async def request(self, msg, md=None, timeout=None, on_sent=None):
+        if not self.sent:
+            self.sent.append(msg.decode)
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE)
+            yield
+        async for u in super().request(msg, md, timeout, on_sent):
+            yield u
+
+
+def test_a_lent_prefix_goes_with_the_leg_and_back_if_its_request_never_left():
+    """With no prefill worker up the decode worker prefills the prompt, carrying the prefix a
+    worker of another host lent (prefix_kv). The leg whose request never left has its lease
+    released by the router; once a request is sent its lease is the decode worker's."""
+    from tandem.router_svc.decode_legs import Fallback
+    from tandem.router_svc.remote_prefix import LentPrefix
+
+    orch = FakeOrchestrator([_UnsentFirst(2, fail=False)], max_migrations=2)
+    lender = Worker("far", "prefill", None, None, None, healthy=True)
+    lent = []
+
+    async def no_prefill(*args, **kw):
+        return Fallback("no_prefill")
+
+    async def lend_prefix(route, dest, cache_salt, prompt_logprobs, ctx):
+        lent.append(f"prefix{len(lent)}")
+        return LentPrefix(lender, worker_pb2.KVLocation(address="far", lease_id=lent[-1],
+                                                        num_tokens=16))
+
+    orch.prefill, orch.lend_prefix = no_prefill, lend_prefix
+    out, err = asyncio.run(_run(orch, 1))
+    assert err is None and out == [[101, 102]]
+    sent = orch.decode[0].stream.sent
+    assert [r.prefix_kv.lease_id for r in sent] == ["prefix0", "prefix1"]
+    assert not any(r.HasField("kv") for r in sent)
+    assert orch.released == ["prefix0"]  # never left the router; prefix1 is the worker's
