@@ -59,3 +59,56 @@ def test_conversations_match_with_the_tier_on_cuda(tiny_models, kv_cache_dtype):
     assert hits > 0
     assert (tiered.scheduler.num_prompt_tokens_computed
             == plain.scheduler.num_prompt_tokens_computed - 16 * hits)
+
+
+def test_a_prefix_lent_from_the_tier_reads_complete_on_another_stream(tiny_models):
+    """Engine A's tier holds a conversation's turn 1 (its pool evicted it); A lends the prefix
+    (copied back on the tier's side stream, pipelined steps on) and engine B reads the lent
+    blocks on a stream of its own right after the lease is granted, as a NIXL READ would,
+    outside A's streams: B computes only the rest, and its output equals an engine's without
+    any tier. Pools idle once the lease is released."""
+    from tandem.engine.sequence import RemoteKV
+
+    model = str(tiny_models["llama"])
+
+    def engine(host_gb: float) -> LLMEngine:
+        return LLMEngine(EngineConfig(model, device="cuda", dtype="float32", num_blocks=24,
+                                      max_model_len=256, host_kv_cache_gb=host_gb),
+                         progress=False)
+
+    def generate(e: LLMEngine, rid: str, prompt: list[int]) -> list[int]:
+        e.add_request(rid, prompt, GREEDY)
+        out = []
+        while rid in e.requests or e.has_work():
+            out += [t for o in e.step() if o.request_id == rid for t in o.new_token_ids]
+        return out
+
+    a = engine(0.01)
+    first = [(11 * i + 5) % 500 + 1 for i in range(50)]
+    prompt = [*first, *generate(a, "turn1", first), 7, 8, 9]
+    for i in range(3):
+        generate(a, f"fill{i}", [(13 * k + i) % 500 + 1 for k in range(120)])
+    lent = a.lend_prefix(prompt)
+    assert lent is not None and lent.num_tokens == 48
+    b = engine(0)
+    side = torch.cuda.Stream()
+    pulled = []
+
+    def pull(remote, src, dst):
+        with torch.cuda.stream(side):
+            b.runner.pool[torch.tensor(dst, device="cuda")] = \
+                a.runner.pool[torch.tensor(src, device="cuda")]
+        side.synchronize()
+        pulled.extend(dst)
+
+    b.kv_connector.connect(pull)
+    b.add_remote_request("turn2", prompt, GREEDY, RemoteKV(
+        "a", lent.lease_id, float("inf"), lent.block_ids, (), (), num_tokens=48, prefix=True))
+    got = []
+    while "turn2" in b.requests or b.has_work():
+        got += [t for o in b.step() for t in o.new_token_ids]
+    assert got == generate(engine(0), "ref", prompt)
+    assert len(pulled) == 3 and b.scheduler.num_prompt_tokens_computed == len(prompt) - 48
+    assert a.kv_connector.release(lent.lease_id)
+    torch.cuda.synchronize()
+    assert a.is_idle() and b.is_idle()
