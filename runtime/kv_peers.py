@@ -174,10 +174,12 @@ class PeerPools:
                     worker_pb2.ClaimLeaseRequest(lease_id=kv.lease_id), timeout=10,
                     metadata=call.metadata)
             claimed = True
-            n = resp.num_tokens
+            n, bs = resp.num_tokens, self.layout.block_size
             if not 0 < n < len(prompt) or resp.prompt_digest != prefix_digest(prompt[:n],
                                                                               cache_salt):
                 raise ValueError("the lease holds no prefix of this prompt under its salt")
+            if n % bs or len(resp.block_ids) != n // bs:  # what the engine would refuse
+                raise ValueError(f"{len(resp.block_ids)} blocks for {n} tokens")
             deadline = sent + resp.ttl_ms / 1000 - LEASE_MARGIN_S
             if deadline <= time.monotonic():
                 raise TimeoutError(f"the lease has {resp.ttl_ms} ms left")

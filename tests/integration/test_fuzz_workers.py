@@ -68,7 +68,8 @@ class Stack:
         codes = []
         try:
             if method == "Stream":
-                async for msg in rpc(iter(request), timeout=GUARD_S):
+                messages = request if hasattr(request, "__aiter__") else iter(request)
+                async for msg in rpc(messages, timeout=GUARD_S):
                     codes += [_status(u.error_code) for u in msg.updates if u.done]
             elif method == "WatchKV":
                 watch = rpc(request, timeout=GUARD_S)
@@ -179,8 +180,25 @@ def test_any_message_gets_a_callers_status(stack, worker, method):
 def test_a_method_a_role_does_not_serve_is_unimplemented(stack):
     for worker, served in SERVED.items():
         for method in sorted(set(METHODS) - set(served) - {"Drain"}):  # every role drains
-            request = METHODS[method].input_type._concrete_class()
-            if method == "Stream":
-                request = [worker_pb2.StreamRequest(cancel="nothing")]
-            assert stack.run(stack.call(worker, method, request)) == [
+            assert stack.run(_unserved(stack, worker, method)) == [
                 grpc.StatusCode.UNIMPLEMENTED], (worker, method)
+
+
+async def _unserved(stack: Stack, worker: str, method: str) -> list[grpc.StatusCode]:
+    """A call of a method the worker's role does not serve, with an empty message. A Stream is
+    refused at its start: a message written meanwhile fails, and gRPC's client reports INTERNAL
+    for it instead of the worker's status (grpc/grpc#36066, seen under load), so nothing is
+    sent before the call's end."""
+    request = METHODS[method].input_type._concrete_class()
+    ended = asyncio.Event()
+    if method == "Stream":
+        async def nothing():
+            await ended.wait()
+            return
+            yield
+
+        request = nothing()
+    try:
+        return await stack.call(worker, method, request)
+    finally:
+        ended.set()
