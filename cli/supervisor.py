@@ -82,6 +82,13 @@ class Conversion:
     left: int = 0
     done: bool = False
     failed: str | None = None  # why it was given up
+    # When each step ended (time.monotonic(); None: not reached): asked (convert), drained
+    # (its drain answered), exited (the process gone), ready (the new one wrote its ready
+    # file and joined the workers file). benchmarks/robustness/role_change.py prints them.
+    asked_at: float = field(default_factory=time.monotonic)
+    drained_at: float | None = None
+    exited_at: float | None = None
+    ready_at: float | None = None
 
 
 class Supervisor:
@@ -173,6 +180,7 @@ class Supervisor:
         except (OSError, ValueError) as e:  # the certificates could not be read
             c.drain_error = str(e)
         else:
+            c.drained_at = time.monotonic()
             c.moved, c.finished, c.left = r.moved, r.finished, r.left
             self.say(f"{c.name} drained in {r.seconds:.1f} s: {r.moved} requests moved, "
                      f"{r.finished} finished there, {r.left} left")
@@ -189,6 +197,7 @@ class Supervisor:
             w.starting_since = None
             c.address, c.done = p.address, True
             self.stack.write_workers_file()
+            c.ready_at = time.monotonic()
             self.say(f"{c.name} is now {c.new_name}, a {c.role} worker on {p.address} "
                      f"({c.reason})")
             self._end(c)
@@ -203,6 +212,7 @@ class Supervisor:
                 self._end(c)
             return True
         c.exit_code = p.popen.returncode
+        c.exited_at = time.monotonic()
         new = self.stack.replace_worker(c.name, c.role)
         c.new_name = new.name
         del self._watches[c.name]
