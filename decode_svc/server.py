@@ -48,6 +48,7 @@ from tandem.runtime.lease_rpcs import LeaseRPCs
 from tandem.runtime.lifecycle import GRPC_OPTIONS
 from tandem.runtime.local_peers import loopback_ips, pool_owner_listens, split_address
 from tandem.runtime.request_trace import client_call
+from tandem.runtime.role_switch import RoleOptions
 from tandem.runtime.security import internal_channel
 from tandem.runtime.telemetry import span_name
 from tandem.runtime.worker import (
@@ -532,14 +533,18 @@ class DecodeServicer(WorkerServicer):
                               f"prefill worker {address} described {len(descs)} pools "
                               f"for {desc.tensor_parallel_size} ranks")
         await self._check_pool_owner(address, desc.owner_pid)
-        # One address per pool: a peer presenting a pool mapped for another would
-        # answer claims for that pool's blocks itself.
+        # One address per pool: a peer presenting a pool mapped for another would answer
+        # claims for that pool's blocks itself. Unless the pool's owner listens here now: a
+        # worker that changed role in place (runtime/role_switch.py) keeps its pool and
+        # serves at a new address.
         known = self._pool_addresses.setdefault(desc.handle, address)
-        if known != address:
+        if known != address and not await asyncio.to_thread(pool_owner_listens,
+                                                             desc.owner_pid, address):
             log.warning("refused %s: it presents the pool of %s", address, known)
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"prefill worker {address} presents the KV pool of "
                               "another prefill worker")
+        self._pool_addresses[desc.handle] = address
         await self.engine.map_pool(address, descs if len(descs) > 1 else desc,
                                    resp.instance_id)
         self.peers[address] = resp.instance_id
@@ -603,13 +608,16 @@ class DecodeServicer(WorkerServicer):
             await ch.close()
 
 
-def run(args: argparse.Namespace) -> int:
-    role = args.role
-
+def role_options(role: str) -> RoleOptions:
+    """The decode or colocated (both) role."""
     def make(engine, worker_id, address):
         return DecodeServicer(engine, worker_id, address, role)
 
-    return main_worker(args, role, make)
+    return RoleOptions(role, make)
+
+
+def run(args: argparse.Namespace) -> int:
+    return main_worker(args, role_options(args.role))
 
 
 def add_parser(sub, name: str) -> None:

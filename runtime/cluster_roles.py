@@ -38,8 +38,9 @@ SELF = "self"
 # drives every worker and releases a lease it could not hand on; a decode worker registers with
 # prefill workers, and with decode workers whose running requests move to it (live
 # migration), and claims, renews and releases the leases the router handed it; a worker is
-# drained by a router or from its own pod. Nobody else calls a worker; a method missing here
-# is refused to everyone.
+# drained by a router or from its own pod, and changes role (an elastic stack's) on a router
+# certificate's word alone. Nobody else calls a worker; a method missing here is refused to
+# everyone.
 WORKER_CALLERS: Mapping[str, frozenset[str]] = {
     "Prefill": frozenset({ROUTER}),
     "Stream": frozenset({ROUTER}),
@@ -52,6 +53,7 @@ WORKER_CALLERS: Mapping[str, frozenset[str]] = {
     "Release": frozenset({ROUTER, DECODE}),
     "Drain": frozenset({ROUTER, SELF}),
     "Move": frozenset({ROUTER, SELF}),
+    "SwitchRole": frozenset({ROUTER}),
 }
 # Services any cluster identity may call: health (probes run with the pod's own certificate)
 # and, when a worker enables it, reflection.

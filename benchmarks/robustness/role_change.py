@@ -5,11 +5,14 @@ the worker to change, and `Supervisor.convert` turning one worker decode -> pref
 (cli/supervisor.py Conversion) and the router's /workers:
 
     drain    asked -> the worker's drain answered (its requests moved or finished)
-    exit     drain answered -> the process gone
-    start    exited -> the new process ready, in the file
+    exit     drain answered -> the process gone                (restart only)
+    start    exited -> the new process ready, in the file       (restart only)
+    switch   drained -> serving its new role on its new port  (in place only; the
+             supervisor looks every 0.2 s, as `tandem up` does)
     routed   in the workers file -> the router lists it up
 
     python benchmarks/robustness/role_change.py --changes 4
+    python benchmarks/robustness/role_change.py --changes 4 --restart   # the restart path
 
 Requests that failed are counted (there should be none); --out writes every change as JSON.
 """
@@ -41,7 +44,7 @@ from tandem.v1 import api_pb2, api_pb2_grpc  # noqa: E402
 
 SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-STEPS = ("drain", "exit", "start", "routed", "total")
+STEPS = ("drain", "exit", "start", "switch", "routed", "total")
 
 
 def steps(c: Conversion, routed_at: float) -> dict[str, float | None]:
@@ -49,9 +52,12 @@ def steps(c: Conversion, routed_at: float) -> dict[str, float | None]:
     def span(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else b - a
 
-    return {"drain": span(c.asked_at, c.drained_at), "exit": span(c.drained_at, c.exited_at),
-            "start": span(c.exited_at, c.ready_at), "routed": span(c.ready_at, routed_at),
-            "total": span(c.asked_at, routed_at)}
+    in_place = c.exited_at is None
+    return {"drain": span(c.asked_at, c.drained_at),
+            "exit": None if in_place else span(c.drained_at, c.exited_at),
+            "start": None if in_place else span(c.exited_at, c.ready_at),
+            "switch": span(c.drained_at, c.ready_at) if in_place else None,
+            "routed": span(c.ready_at, routed_at), "total": span(c.asked_at, routed_at)}
 
 
 async def _generate(stub, prompt: list[int], params: SamplingParams) -> int:
@@ -106,6 +112,7 @@ async def run_changes(stack: LocalStack, sup: Supervisor, changes: int,
             routed_at = await _routed(h, c.address, c.role)
             row = {"worker": c.name, "became": c.new_name, "moved": c.moved,
                    "finished": c.finished, "left": c.left,
+                   "path": "restart" if c.exited_at is not None else "in place",
                    **steps(c, routed_at)}
             rows.append(row)
             print("  " + "  ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
@@ -137,6 +144,8 @@ def main() -> int:
     p.add_argument("--model", default="tandem-demo")
     p.add_argument("--changes", type=int, default=4, help="role changes, back and forth")
     p.add_argument("--clients", type=int, default=2, help="clients sending short requests")
+    p.add_argument("--restart", action="store_true",
+                   help="change roles by restarting the worker (no change in place)")
     p.add_argument("--out", type=Path, default=None, help="write the changes here as JSON")
     a = p.parse_args()
     worker_args = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
@@ -149,16 +158,16 @@ def main() -> int:
           f"({platform.processor() or platform.machine()}); logs in {stack.log_dir}", flush=True)
     stack.start()
     say = lambda m: print(f"  supervisor: {m}", flush=True)  # noqa: E731
-    sup = Supervisor(stack, say=say).start(0.2)
+    sup = Supervisor(stack, say=say, in_place=not a.restart).start(0.2)
     try:
         rows, tally = asyncio.run(run_changes(stack, sup, a.changes, a.clients))
     finally:
         codes = stack.stop()
-    print("\nrole changes, seconds:")
+    print(f"\nrole changes ({'by restart' if a.restart else 'in place'}), seconds:")
     print(table(rows))
     print(f"requests: {tally['ok']} ok, {tally['failed']} failed; exit codes {codes}")
     if a.out is not None:
-        a.out.write_text(json.dumps({"changes": rows, **tally}, indent=1))
+        a.out.write_text(json.dumps({"restart": a.restart, "changes": rows, **tally}, indent=1))
     return 0 if tally["failed"] == 0 else 1
 
 

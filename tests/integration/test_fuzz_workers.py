@@ -153,9 +153,10 @@ SERVED = {"prefill0": ("Prefill", "ClaimLease", "Release", "RenewLeases", "Regis
 
 def test_every_rpc_of_the_proto_is_fuzzed():
     # Drain takes an empty message (nothing to fuzz) and ends the worker: tests/integration/
-    # test_drain.py calls it.
+    # test_drain.py calls it. SwitchRole drains the worker too, and changes its role:
+    # tests/integration/test_role_change.py calls it, tests/unit/test_role_switch.py its checks.
     assert set(METHODS) == set(WORKER_CALLERS) == {m for ms in SERVED.values() for m in ms} | {
-        "Drain"}
+        "Drain", "SwitchRole"}
 
 
 @pytest.mark.parametrize("worker,method", [(w, m) for w, ms in SERVED.items() for m in ms])

@@ -208,8 +208,10 @@ HARMLESS = {
     "RenewLeases": worker_pb2.RenewLeasesRequest(lease_ids=["0" * 32]),
     "Release": worker_pb2.ReleaseRequest(lease_id="0" * 32),
     "Move": worker_pb2.MoveRequest(request_id="nothing-running"),
-    # Not harmless where allowed (the worker drains and exits): called only where refused.
+    # Not harmless where allowed (the worker drains and exits, or changes role): called only
+    # where refused.
     "Drain": worker_pb2.DrainRequest(),
+    "SwitchRole": worker_pb2.SwitchRoleRequest(role="decode"),
 }
 
 
@@ -218,7 +220,8 @@ def test_each_role_calls_only_what_the_table_allows(cluster):
     worker's, the decode worker's) on both workers: PERMISSION_DENIED, naming the caller,
     exactly where WORKER_CALLERS does not list the caller's role (or SELF, the worker's own),
     whatever the worker's role; anything else (an answer, or the servicer's own refusal) where
-    it does. Drain is called only where it is refused (elsewhere the worker would drain)."""
+    it does. Drain and SwitchRole are called only where refused (elsewhere the worker would
+    drain)."""
     from tandem.runtime.cluster_roles import WORKER_CALLERS, allowed
 
     assert set(HARMLESS) == set(WORKER_CALLERS)
@@ -263,7 +266,7 @@ def test_each_role_calls_only_what_the_table_allows(cluster):
                     stub = worker_pb2_grpc.WorkerStub(ch)
                     for method in WORKER_CALLERS:
                         may = allowed(f"/tandem.v1.Worker/{method}", role, w.name.rstrip("0"))
-                        if method == "Drain" and may:
+                        if method in ("Drain", "SwitchRole") and may:
                             continue
                         code, details = await call(stub, method, may)
                         denied = code == grpc.StatusCode.PERMISSION_DENIED
