@@ -88,6 +88,7 @@ class Conversion:
     finished: int = 0  # ...finished there, and left behind (cut at its --grace)
     left: int = 0
     switched_to: str = ""  # changed in place: where it serves its new role
+    switch_seconds: float | None = None  # ...and how long, drained to serving, it took there
     done: bool = False
     failed: str | None = None  # why it was given up
     # When each step ended (time.monotonic(); None: not reached): asked (convert), drained
@@ -115,6 +116,9 @@ class Supervisor:
         self.conversion: Conversion | None = None  # the one under way, check()'s alone
         self.conversions: list[Conversion] = []  # ended ones, done or given up
         self.converted = threading.Condition()  # notified when a conversion ends
+        # Set when a role change is asked and when its call returns: the next check() need
+        # not wait its turn.
+        self.woken = threading.Event()
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -156,6 +160,7 @@ class Supervisor:
             if self._asked is not None or self.conversion is not None:
                 raise RuntimeError("a role change is under way: one at a time")
             self._asked = Conversion(name, role, reason)
+        self.woken.set()  # begun by the next check(), at once
 
     def wait_converted(self, count: int = 1, timeout: float | None = None) -> list[Conversion]:
         """Until `count` conversions have ended (done or given up); what they were."""
@@ -177,6 +182,13 @@ class Supervisor:
         where the worker cannot, the drain that precedes its restart."""
         if not self.in_place or self._switch(c, p):
             self._drain(c, p)
+        self.woken.set()
+
+    def wait(self, timeout: float) -> None:
+        """Until the next check() is due: `timeout`, or sooner when a role change was asked
+        or its call returned (its worker serves its new role, or drained)."""
+        self.woken.wait(timeout)
+        self.woken.clear()
 
     def _credentials(self, c: Conversion) -> tuple[grpc.ChannelCredentials | None, str | None]:
         """The router's certificate, and the name the worker's must carry (its role's)."""
@@ -215,7 +227,7 @@ class Supervisor:
             return False
         c.drained_at = time.monotonic() - r.switch_seconds
         c.moved, c.finished, c.left = r.moved, r.finished, r.left
-        c.switched_to = r.address
+        c.switched_to, c.switch_seconds = r.address, r.switch_seconds
         self.say(f"{c.name} drained in {r.drain_seconds:.1f} s: {r.moved} requests moved, "
                  f"{r.finished} finished there, {r.left} left; changed role in "
                  f"{r.switch_seconds:.2f} s")
@@ -339,8 +351,10 @@ class Supervisor:
     # -- in a thread (tests, benchmarks) -----------------------------------------------------
     def start(self, interval_s: float = 0.1) -> Supervisor:
         def loop() -> None:
-            while not self._stop.wait(interval_s) and self.failed is None:
-                self.check()
+            while not self._stop.is_set() and self.failed is None:
+                self.wait(interval_s)
+                if not self._stop.is_set():
+                    self.check()
 
         self.stack.supervisor = self  # the stack stops it before stopping its processes
         self._thread = threading.Thread(target=loop, name="supervisor", daemon=True)
@@ -349,6 +363,7 @@ class Supervisor:
 
     def stop(self) -> None:
         self._stop.set()
+        self.woken.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None

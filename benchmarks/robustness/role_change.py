@@ -7,8 +7,8 @@ the worker to change, and `Supervisor.convert` turning one worker decode -> pref
     drain    asked -> the worker's drain answered (its requests moved or finished)
     exit     drain answered -> the process gone                (restart only)
     start    exited -> the new process ready, in the file       (restart only)
-    switch   drained -> serving its new role on its new port  (in place only; the
-             supervisor looks every 0.2 s, as `tandem up` does)
+    switch   drained -> serving its new role on its new port, in the file (in place only)
+      (in worker)  the same, as the worker measured it (its SwitchRole answer)
     routed   in the workers file -> the router lists it up
 
     python benchmarks/robustness/role_change.py --changes 4
@@ -44,7 +44,7 @@ from tandem.v1 import api_pb2, api_pb2_grpc  # noqa: E402
 
 SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-STEPS = ("drain", "exit", "start", "switch", "routed", "total")
+STEPS = ("drain", "exit", "start", "switch", "(in worker)", "routed", "total")
 
 
 def steps(c: Conversion, routed_at: float) -> dict[str, float | None]:
@@ -57,6 +57,7 @@ def steps(c: Conversion, routed_at: float) -> dict[str, float | None]:
             "exit": None if in_place else span(c.drained_at, c.exited_at),
             "start": None if in_place else span(c.exited_at, c.ready_at),
             "switch": span(c.drained_at, c.ready_at) if in_place else None,
+            "(in worker)": c.switch_seconds,
             "routed": span(c.ready_at, routed_at), "total": span(c.asked_at, routed_at)}
 
 
@@ -124,17 +125,17 @@ async def run_changes(stack: LocalStack, sup: Supervisor, changes: int,
 
 
 def _fmt(v: object) -> str:
-    return f"{v:.2f}" if isinstance(v, float) else "-" if v is None else str(v)
+    return f"{v:.3f}" if isinstance(v, float) else "-" if v is None else str(v)
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'step':<8}" + "".join(f"{'change ' + str(i + 1):>10}" for i in range(len(rows)))
+    head = f"{'step':<12}" + "".join(f"{'change ' + str(i + 1):>10}" for i in range(len(rows)))
     lines = [head + f"{'median':>10}"]
     for step in STEPS:
         vals = [r[step] for r in rows]
         known = [v for v in vals if v is not None]
         med = statistics.median(known) if known else None
-        lines.append(f"{step:<8}" + "".join(f"{_fmt(v):>10}" for v in vals) + f"{_fmt(med):>10}")
+        lines.append(f"{step:<12}" + "".join(f"{_fmt(v):>10}" for v in vals) + f"{_fmt(med):>10}")
     return "\n".join(lines)
 
 
