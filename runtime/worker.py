@@ -517,12 +517,14 @@ async def run_worker(args: argparse.Namespace, start: RoleOptions,
                 break
             stop.clear()  # from here, a stop is a new ask (a signal, the engine's death)
             front = await change_role(args, engine, front, pending, checks)
-            if front is None:
-                return 0  # drained: nothing was left behind
+            if front is None:  # drained, then failed: closed, and the worker stops
+                break
         ignore_further_sigterm()
-        if front.servicer.switch is not None and not front.servicer.switch.result.done():
-            front.servicer.switch.result.set_exception(SwitchFailed("the worker stops"))
-        await front.shut_down(args.grace, evacuate=not ended["died"])
+        if front is not None:
+            if pending is not None and not pending.result.done():  # asked as it stopped
+                pending.result.set_exception(SwitchFailed("the worker is stopping: it drains "
+                                                          "and exits"))
+            await front.shut_down(args.grace, evacuate=not ended["died"])
     finally:
         if front is not None:
             front.telemetry.metrics.stop()

@@ -21,11 +21,11 @@ from cluster import WORKER_ARGS, Cluster
 from tandem.cli.supervisor import Supervisor
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime.convert import params_to_proto
-from tandem.v1 import api_pb2
+from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
-# Streams long enough to be running on the converted worker when its drain starts (as in
-# test_faults.py: shorter ones had all ended by then beside busy processes).
-LONG = SamplingParams(temperature=0, max_tokens=320, ignore_eos=True)
+# Streams long enough to be running on the converted worker when its drain starts, seconds
+# after they start (test_faults.py's 320 tokens had ended within a second on a quiet machine).
+LONG = SamplingParams(temperature=0, max_tokens=800, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LONG_PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(5 + 6 * i)] for i in range(4)]
 LOAD_PROMPTS = [[(13 * i + 5 * j) % 250 + 1 for j in range(4 + 3 * i)] for i in range(6)]
@@ -49,11 +49,14 @@ async def steady(stub, done: asyncio.Event, results: list, failures: list) -> No
         i += 1
 
 
-async def running_on(c: Cluster, name: str) -> None:
-    """Until worker `name` runs at least one stream (its load polls lag a step or two)."""
+async def holding_a_long_stream(c: Cluster) -> str:
+    """Once a long stream runs (nothing else is sent yet), the decode worker running the most."""
     deadline = time.monotonic() + 60
-    while (await c.load(c.procs[name])).num_running == 0:
-        assert time.monotonic() < deadline, f"nothing ever ran on {name}"
+    while True:
+        running = {p.name: (await c.load(p)).num_running for p in c.workers("decode")}
+        if any(running.values()):
+            return max(running, key=running.__getitem__)
+        assert time.monotonic() < deadline, "no long stream ever ran"
         await asyncio.sleep(0.05)
 
 
@@ -95,19 +98,24 @@ def test_a_decode_worker_changes_role_in_place_and_back_by_restart_under_load(
                 done = asyncio.Event()
                 results: list = []
                 failures: list = []
+                longs = [asyncio.create_task(generate(stub, p, LONG)) for p in LONG_PROMPTS]
+                name = await holding_a_long_stream(c)
                 clients = [asyncio.create_task(steady(stub, done, results, failures))
                            for _ in range(2)]
-                longs = [asyncio.create_task(generate(stub, p, LONG)) for p in LONG_PROMPTS]
-                await running_on(c, "decode1")
-                before = c.procs["decode1"]
-                pids = before.popen.pid, c.engine_core("decode1")
-                supervisor.convert("decode1", "prefill", reason="test")
+                before = c.procs[name]
+                pids = before.popen.pid, c.engine_core(name)
+                supervisor.convert(name, "prefill", reason="test")
                 (conv,) = await asyncio.to_thread(supervisor.wait_converted, 1, 300)
                 # The router learns it from the workers file and sends it prompts.
                 await routed(h, conv.address, "prefill")
                 await serves(c, stub, conv.new_name, results, SHORT)
                 new = c.procs[conv.new_name]
                 in_place = (new.popen.pid, c.engine_core(conv.new_name)) == pids
+                # Asked for what it cannot do, it refuses before draining anything.
+                async with c.worker_channel(new) as wch:
+                    with pytest.raises(grpc.aio.AioRpcError) as again:
+                        await worker_pb2_grpc.WorkerStub(wch).SwitchRole(
+                            worker_pb2.SwitchRoleRequest(role="prefill"), timeout=10)
                 load = await c.load(new)  # over TLS: it holds a prefill certificate now
                 with pytest.raises(grpc.aio.AioRpcError) as old_port:
                     await c.load(before)
@@ -123,19 +131,23 @@ def test_a_decode_worker_changes_role_in_place_and_back_by_restart_under_load(
                 await asyncio.gather(*clients)
                 long_out = await asyncio.gather(*longs)
                 await c.wait_idle(timeout=60)
-                return (conv, back, in_place, load, old_port.value.code(), restarted, results,
-                        failures, long_out)
+                return (name, conv, back, in_place, load, old_port.value.code(), again.value,
+                        restarted, results, failures, long_out)
 
-        conv, back, in_place, load, old_port, restarted, results, failures, long_out = \
-            asyncio.run(main())
+        names = [p.name for p in c.workers()]
+        other = dict(c.other_names)
+        (name, conv, back, in_place, load, old_port, again, restarted, results, failures,
+         long_out) = asyncio.run(main())
         assert conv.done and conv.failed is None, conv
         # In place: the same process and engine core, never exited, serving as prefill1 at
         # the address its SwitchRole answered; its old port closed.
         assert in_place and conv.exit_code is None and conv.switched_to == conv.address, conv
-        assert conv.new_name == "prefill1" and load.role == "prefill"
+        assert conv.new_name == other[name] and load.role == "prefill" and not load.draining
+        assert again.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "a prefill worker already" in again.details()
         assert old_port == grpc.StatusCode.UNAVAILABLE
-        assert back.done and back.exit_code == 0 and restarted and back.new_name == "decode1"
-        assert [p.name for p in c.workers()] == ["prefill0", "decode0", "decode1"]  # its slot
+        assert back.done and back.exit_code == 0 and restarted and back.new_name == name
+        assert [p.name for p in c.workers()] == names  # its slot, its name in each role
         assert failures == []
         want = offline.generate(LONG_PROMPTS, LONG)
         assert long_out == [o.outputs[0].token_ids for o in want]
