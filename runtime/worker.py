@@ -147,17 +147,17 @@ class DrainTally:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     role = "both"
-    # Mutual TLS toward peers (decode -> prefill), as run_worker sets it; None: plaintext.
+    # Mutual TLS toward peers (decode -> prefill), as its RoleFront sets it; None: plaintext.
     cluster_tls: ClusterTls | None = None
     insecure = False  # --insecure: plaintext beyond loopback
-    pace = StepPace()  # how fast its engine steps lately (run_worker gives each its own)
+    pace = StepPace()  # how fast its engine steps lately (its RoleFront gives each its own)
 
     def __init__(self, engine: AsyncEngine, worker_id: str) -> None:
         self.engine = engine
         self.worker_id = worker_id
         # This process, among the ones that served as worker_id: a restart gets a new one.
         self.instance_id = secrets.token_hex(8)
-        self.telemetry = Telemetry(self.role)  # run_worker sets the process's
+        self.telemetry = Telemetry(self.role)  # its RoleFront sets the role's
         # What the prefix cache holds, for routers (WatchKV); fed by the engine core's events.
         self.kv_events = KVEventHub(engine.snapshot.block_size, self.instance_id,
                                     host_tier_id=engine.info.host_tier_id)
