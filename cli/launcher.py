@@ -14,6 +14,7 @@ never stay on disk: they live in anonymous memory files that every process reads
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -122,7 +123,12 @@ class LocalStack:
         # not from flags, and every worker slot has a certificate for either role.
         self.elastic = elastic
         self.workers_file = self.log_dir / "workers" if elastic else None
+        # elastic: each worker's name in its other role (decode1 <-> prefill1), for its life
+        # (start() hands them out): the certificate it holds for a role change in place, and
+        # its name once changed, in place or by a restart.
+        self.other_names: dict[str, str] = {}
         self.procs: dict[str, Proc] = {}
+        self._echo_labels: dict[int, list[str]] = {}  # pid -> its output's prefix (echo=True)
         self.supervisor: Any = None  # the Supervisor that started on this stack, if any
         # Whether to give up starting (a signal, `tandem up`'s output gone): start() raises.
         self.interrupted: Callable[[], bool] = lambda: False
@@ -144,12 +150,15 @@ class LocalStack:
         # the only descriptors the child inherits: no process holds another role's key.
         # It dies with this process (cli/lifeline.py).
         env = {**(self.env if name == "router" else self.worker_env), **lifeline_env()}
-        how = {"env": env, "start_new_session": True,
-               "pass_fds": self._certs.fds(name) if self._certs else ()}
+        fds = self._certs.fds(name) if self._certs else ()
+        if self._certs and name in self.other_names:  # its other role's certificate and key
+            fds = (*fds, *self._certs.fds(self.other_names[name])[1:])
+        how = {"env": env, "start_new_session": True, "pass_fds": fds}
         if self.echo:
             popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1, **how)
-            threading.Thread(target=_pump, args=(name, popen.stdout, log, append),
+            label = self._echo_labels[popen.pid] = [name]  # renamed by a role change
+            threading.Thread(target=_pump, args=(label, popen.stdout, log, append),
                              daemon=True).start()
         else:
             with open(log, "a" if append else "w") as f:
@@ -204,6 +213,8 @@ class LocalStack:
                            for k in range(len(names))}
             self._certs = ThrowawayCa({"router": "router", **members})
             self.cluster_tls = self._certs.tls("router")
+        if self.elastic:
+            self.other_names = _other_names(names, self.roles)
 
         # Workers sharing a GPU size their KV pools from its free memory: start those in turn.
         cuda = [d for d in self.devices if d.startswith("cuda")]
@@ -220,8 +231,9 @@ class LocalStack:
                 *self._tls_argv("router")]
         if self.workers_file is not None:
             self.write_workers_file()
-            # Re-read every second: a role change reaches the router within about that.
-            argv += ["--workers-file", str(self.workers_file), "--membership-interval", "1"]
+            # Re-read four times a second (a small file): a worker that changed role is
+            # routed to within about that and the router's next poll of it.
+            argv += ["--workers-file", str(self.workers_file), "--membership-interval", "0.25"]
         else:
             for role, w in workers:
                 argv += [ROLE_FLAGS[role], w.address]
@@ -237,6 +249,10 @@ class LocalStack:
                 "--port", "0", "--grace", str(self.grace)]
         if device == "cpu":
             argv += ["--cpu-threads", str(self.cpu_threads)]
+        if self._certs and name in self.other_names:  # it may change role in place
+            other = self._certs.tls(self.other_names[name])
+            argv += ["--cluster-switch-cert", str(other.cert), "--cluster-switch-key",
+                     str(other.key)]
         return [*argv, *self._tls_argv(name), *self.worker_args, *self.role_args.get(role, ())]
 
     # -- role changes (elastic stacks) -------------------------------------------------------
@@ -252,21 +268,48 @@ class LocalStack:
 
     def replace_worker(self, name: str, role: str) -> Proc:
         """Start worker `name` (which has exited) again as a `role` worker on its device, under
-        the first free name of that role and on a new port, in its place in the stack.
+        its name in that role and on a new port, in its place in the stack.
         Returns at once; `read_ready` says when it is up."""
-        names = [p.name for p in self.workers()]
-        index = names.index(name)
         old = self.procs[name]
         assert old.popen.poll() is not None, f"{name} still runs"
-        new_name = next(f"{role}{k}" for k in range(len(names) + 1)
-                        if f"{role}{k}" not in self.procs)
+        new_name = self._rename(name, role)
+        index = self._worker_names_now().index(new_name)
         proc = self.spawn(new_name, self.worker_argv(new_name, role, self.devices[index]),
                           old.metrics_port)
-        # Same place in the order (devices and roles stay aligned with workers()).
-        self.procs = {(new_name if n == name else n): (proc if n == name else p)
-                      for n, p in self.procs.items() if n != new_name}
-        self.roles[index] = role
+        self.procs[new_name] = proc
         return proc
+
+    def switched_worker(self, name: str, role: str, address: str) -> Proc:
+        """Worker `name` changed role in place (SwitchRole) and serves as a `role` worker at
+        `address`: the same process, under its name in that role, in its place in the stack;
+        its command line now the role's, on that port (a restart starts it so)."""
+        old = self.procs[name]
+        new_name = self._rename(name, role)
+        index = self._worker_names_now().index(new_name)
+        proc = self.proc_class(new_name, old.popen, old.ready_file, old.log, address,
+                               metrics_port=old.metrics_port)
+        self._echo_labels.get(old.popen.pid, [""])[0] = new_name
+        proc.argv = tuple(_pin_ports(dataclasses.replace(
+            proc, argv=tuple(self.worker_argv(new_name, role, self.devices[index])))))
+        self.procs[new_name] = proc
+        return proc
+
+    def _rename(self, name: str, role: str) -> str:
+        """Worker `name` becomes a `role` worker: its name in that role, in its place in the
+        order (devices and roles stay aligned with workers())."""
+        names = self._worker_names_now()
+        index = names.index(name)
+        new_name = self.other_names.pop(name, None) or next(
+            f"{role}{k}" for k in range(len(names) + 1) if f"{role}{k}" not in self.procs)
+        self.other_names[new_name] = name
+        self.procs = {(new_name if n == name else n): p for n, p in self.procs.items()
+                      if n != new_name}
+        self.roles[index] = role
+        return new_name
+
+    def _worker_names_now(self) -> list[str]:
+        """The workers' names, in their order (aligned with `roles` and `devices`)."""
+        return [n for n in self.procs if n != "router"]
 
     def _worker_names(self) -> list[str]:
         """prefill0, prefill1, decode0, ...: each worker's name, in `roles` order."""
@@ -387,6 +430,19 @@ def _in_memory(path: Path) -> int:
     return fd
 
 
+def _other_names(names: Sequence[str], roles: Sequence[str]) -> dict[str, str]:
+    """Each elastic worker's name in its other role: of each role's names 0..len(names)-1,
+    the ones no worker holds, handed out from the last worker back (in a 1P+3D stack decode2
+    is prefill1, prefill0 is decode3)."""
+    taken = set(names)
+    out = {}
+    for name, role in reversed(list(zip(names, roles))):
+        other = "decode" if role == "prefill" else "prefill"
+        out[name] = next(f"{other}{k}" for k in range(len(names)) if f"{other}{k}" not in taken)
+        taken.add(out[name])
+    return out
+
+
 def _pin_ports(p: Proc) -> list[str]:
     """p's command line with the ports it bound in place of any it was to pick (0)."""
     argv = list(p.argv)
@@ -398,16 +454,17 @@ def _pin_ports(p: Proc) -> list[str]:
     return argv
 
 
-def _pump(name: str, stream: IO[str], log: Path, append: bool = False) -> None:
-    """A child's output, line by line: prefixed on our stdout and kept in its log file. Our
-    stdout may go away (a closed pipe): the log is still kept, and the child's pipe drained
-    (a full pipe would block the child)."""
+def _pump(label: list[str], stream: IO[str], log: Path, append: bool = False) -> None:
+    """A child's output, line by line: prefixed with its name (label[0], which a role change
+    in place renames) on our stdout and kept in its log file. Our stdout may go away (a closed
+    pipe): the log is still kept, and the child's pipe drained (a full pipe would block the
+    child)."""
     echo = True
     with open(log, "a" if append else "w") as sink:
         for line in stream:
             if echo:
                 try:
-                    sys.stdout.write(f"[{name}] {line}")
+                    sys.stdout.write(f"[{label[0]}] {line}")
                     sys.stdout.flush()
                 except (OSError, ValueError):
                     echo = False

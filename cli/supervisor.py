@@ -13,15 +13,22 @@ in its metrics (tandem:worker_restarts_total). A hung process (alive, not answer
 router's to route around (router_svc/workers.py), not restarted here.
 
 On an elastic stack (LocalStack(elastic=True)) it also changes workers' roles, one at a time
-(`convert`, which cli/elastic.py calls on the planner's word):
+(`convert`, which cli/elastic.py calls on the planner's word). In place, by default:
 
-    convert(decode1, prefill) ──▶ out of the router's workers file; Drain RPC (its requests
-        move to another decode worker, or finish) ──▶ it exits ──▶ started as prefill1 on its
-        device, on a new port ──▶ ready ──▶ in the workers file (the router polls it, then
-        routes to it)
+    convert(decode1, prefill) ──▶ out of the router's workers file; SwitchRole RPC: drained
+        (its requests move to another decode worker, or finish), then the same process, its
+        model and KV pool loaded, serves as prefill1 on a new port (runtime/role_switch.py)
+        ──▶ in the workers file (the router polls it, then routes to it)
 
-A drained worker's exit is the conversion's, never restarted. A drain that fails while the
-worker still runs gives the conversion up: the worker is put back in the file, as it was.
+A worker that cannot change in place says so before draining (SwitchRole FAILED_PRECONDITION),
+and is restarted instead:
+
+    ──▶ Drain RPC ──▶ it exits ──▶ started as prefill1 on its device, on a new port ──▶ ready
+        ──▶ in the workers file
+
+A drained worker's exit is the conversion's, never restarted (one that drained and then could
+not switch exits too: ABORTED). A drain that fails while the worker still runs gives the
+conversion up: the worker is put back in the file, as it was.
 """
 
 from __future__ import annotations
@@ -80,16 +87,26 @@ class Conversion:
     moved: int = 0  # what its drain answered: requests moved to other workers...
     finished: int = 0  # ...finished there, and left behind (cut at its --grace)
     left: int = 0
+    switched_to: str = ""  # changed in place: where it serves its new role
+    switch_seconds: float | None = None  # ...and how long, drained to serving, it took there
     done: bool = False
     failed: str | None = None  # why it was given up
+    # When each step ended (time.monotonic(); None: not reached): asked (convert), drained
+    # (its drain done), exited (the process gone: restarted only), ready (serving its new
+    # role, in the workers file). benchmarks/robustness/role_change.py prints them.
+    asked_at: float = field(default_factory=time.monotonic)
+    drained_at: float | None = None
+    exited_at: float | None = None
+    ready_at: float | None = None
 
 
 class Supervisor:
     def __init__(self, stack: LocalStack, policy: RestartPolicy = RestartPolicy(),
-                 say: Callable[[str], None] = print) -> None:
+                 say: Callable[[str], None] = print, in_place: bool = True) -> None:
         self.stack = stack
         self.policy = policy
         self.say = say
+        self.in_place = in_place  # False: every role change restarts its worker
         self.failed: str | None = None  # why the stack must stop: a process that stays down
         self._watches = {name: _Watch(name) for name in stack.procs}
         self._thread: threading.Thread | None = None
@@ -99,6 +116,9 @@ class Supervisor:
         self.conversion: Conversion | None = None  # the one under way, check()'s alone
         self.conversions: list[Conversion] = []  # ended ones, done or given up
         self.converted = threading.Condition()  # notified when a conversion ends
+        # Set when a role change is asked and when its call returns: the next check() need
+        # not wait its turn.
+        self.woken = threading.Event()
 
     @property
     def restarts(self) -> dict[str, int]:
@@ -140,6 +160,7 @@ class Supervisor:
             if self._asked is not None or self.conversion is not None:
                 raise RuntimeError("a role change is under way: one at a time")
             self._asked = Conversion(name, role, reason)
+        self.woken.set()  # begun by the next check(), at once
 
     def wait_converted(self, count: int = 1, timeout: float | None = None) -> list[Conversion]:
         """Until `count` conversions have ended (done or given up); what they were."""
@@ -152,27 +173,79 @@ class Supervisor:
         p = self.stack.procs[c.name]
         self.say(f"{c.name} becomes a {c.role} worker ({c.reason}): draining it")
         self.stack.write_workers_file(without=c.name)  # the router sends it nothing new
-        c.drain = threading.Thread(target=self._drain, args=(c, p), daemon=True,
+        c.drain = threading.Thread(target=self._switch_or_drain, args=(c, p), daemon=True,
                                    name=f"drain {c.name}")
         c.drain.start()
 
-    def _drain(self, c: Conversion, p: Proc) -> None:
-        """The Drain RPC, as `tandem drain` makes it (answered once the worker is drained; it
-        then exits 0), in a thread: it takes as long as the requests there do."""
-        from tandem.cli.drain import drain  # noqa: PLC0415 - gRPC stubs
+    def _switch_or_drain(self, c: Conversion, p: Proc) -> None:
+        """In a thread (it takes as long as the requests there do): the change in place, or,
+        where the worker cannot, the drain that precedes its restart."""
+        if not self.in_place or self._switch(c, p):
+            self._drain(c, p)
+        self.woken.set()
+
+    def wait(self, timeout: float) -> None:
+        """Until the next check() is due: `timeout`, or sooner when a role change was asked
+        or its call returned (its worker serves its new role, or drained)."""
+        self.woken.wait(timeout)
+        self.woken.clear()
+
+    def _credentials(self, c: Conversion) -> tuple[grpc.ChannelCredentials | None, str | None]:
+        """The router's certificate, and the name the worker's must carry (its role's)."""
         from tandem.runtime.cluster_roles import peer_name  # noqa: PLC0415 - as drain, on use
 
         tls = self.stack.cluster_tls
-        role = c.name.rstrip("0123456789")
+        if tls is None:
+            return None, None
+        return tls.channel_credentials(), peer_name(c.name.rstrip("0123456789"))
+
+    def _switch(self, c: Conversion, p: Proc) -> bool:
+        """The SwitchRole RPC (answered once the worker serves its new role); True when the
+        worker cannot change in place and must be drained and restarted instead."""
+        from tandem.cli.health import channel  # noqa: PLC0415 - gRPC stubs
+        from tandem.v1 import worker_pb2, worker_pb2_grpc  # noqa: PLC0415 - gRPC stubs
+
         try:
-            r = drain(p.address, self.stack.grace + 30,
-                      tls.channel_credentials() if tls else None,
-                      peer_name(role) if tls else None)
+            creds, server_name = self._credentials(c)
+            with channel(p.address, creds, server_name) as ch:
+                r = worker_pb2_grpc.WorkerStub(ch).SwitchRole(
+                    worker_pb2.SwitchRoleRequest(role=c.role), timeout=self.stack.grace + 30)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+                self.say(f"{c.name} cannot change role in place ({e.details()}): restarting it "
+                         "instead")
+                return True  # nothing was drained
+            if e.code() == grpc.StatusCode.ABORTED:  # drained, then failed: it exits
+                c.drained_at = time.monotonic()
+                self.say(f"{c.name} did not change role in place ({e.details()}); it is "
+                         "restarted")
+            else:
+                c.drain_error = f"{e.code().name}: {e.details()}"
+            return False
+        except (OSError, ValueError) as e:  # the certificates could not be read
+            c.drain_error = str(e)
+            return False
+        c.drained_at = time.monotonic() - r.switch_seconds
+        c.moved, c.finished, c.left = r.moved, r.finished, r.left
+        c.switched_to, c.switch_seconds = r.address, r.switch_seconds
+        self.say(f"{c.name} drained in {r.drain_seconds:.1f} s: {r.moved} requests moved, "
+                 f"{r.finished} finished there, {r.left} left; changed role in "
+                 f"{r.switch_seconds:.2f} s")
+        return False
+
+    def _drain(self, c: Conversion, p: Proc) -> None:
+        """The Drain RPC, as `tandem drain` makes it (answered once the worker is drained; it
+        then exits 0)."""
+        from tandem.cli.drain import drain  # noqa: PLC0415 - gRPC stubs
+
+        try:
+            r = drain(p.address, self.stack.grace + 30, *self._credentials(c))
         except grpc.RpcError as e:
             c.drain_error = f"{e.code().name}: {e.details()}"
         except (OSError, ValueError) as e:  # the certificates could not be read
             c.drain_error = str(e)
         else:
+            c.drained_at = time.monotonic()
             c.moved, c.finished, c.left = r.moved, r.finished, r.left
             self.say(f"{c.name} drained in {r.seconds:.1f} s: {r.moved} requests moved, "
                      f"{r.finished} finished there, {r.left} left")
@@ -189,6 +262,7 @@ class Supervisor:
             w.starting_since = None
             c.address, c.done = p.address, True
             self.stack.write_workers_file()
+            c.ready_at = time.monotonic()
             self.say(f"{c.name} is now {c.new_name}, a {c.role} worker on {p.address} "
                      f"({c.reason})")
             self._end(c)
@@ -196,19 +270,37 @@ class Supervisor:
         if w.name != c.name:
             return False
         if p.popen.poll() is None:
-            if c.drain is not None and not c.drain.is_alive() and c.drain_error is not None:
+            if c.drain is None or c.drain.is_alive():
+                return True
+            if c.switched_to:
+                self._switched(c, w)
+            elif c.drain_error is not None:
                 c.failed = f"drain failed: {c.drain_error}"
                 self.stack.write_workers_file()  # back in, as it was
                 self.say(f"{c.name} stays a {c.name.rstrip('0123456789')} worker: {c.failed}")
                 self._end(c)
             return True
         c.exit_code = p.popen.returncode
+        c.exited_at = time.monotonic()
         new = self.stack.replace_worker(c.name, c.role)
         c.new_name = new.name
         del self._watches[c.name]
         self._watches[new.name] = _Watch(new.name, starting_since=now)
         self.say(f"{c.name} exited with {p.popen.returncode}; starting it as {new.name}")
         return True
+
+    def _switched(self, c: Conversion, w: _Watch) -> None:
+        """The worker changed role in place: renamed in the stack (its watch, restarts
+        counted, with it), and back in the workers file at its new address."""
+        new = self.stack.switched_worker(c.name, c.role, c.switched_to)
+        c.new_name, c.address, c.done = new.name, new.address, True
+        w.name = new.name
+        self._watches[new.name] = self._watches.pop(c.name)
+        self.stack.write_workers_file()
+        c.ready_at = time.monotonic()
+        self.say(f"{c.name} is now {new.name}, a {c.role} worker on {new.address}, changed in "
+                 f"place ({c.reason})")
+        self._end(c)
 
     def _end(self, c: Conversion) -> None:
         with self._lock:
@@ -259,8 +351,10 @@ class Supervisor:
     # -- in a thread (tests, benchmarks) -----------------------------------------------------
     def start(self, interval_s: float = 0.1) -> Supervisor:
         def loop() -> None:
-            while not self._stop.wait(interval_s) and self.failed is None:
-                self.check()
+            while not self._stop.is_set() and self.failed is None:
+                self.wait(interval_s)
+                if not self._stop.is_set():
+                    self.check()
 
         self.stack.supervisor = self  # the stack stops it before stopping its processes
         self._thread = threading.Thread(target=loop, name="supervisor", daemon=True)
@@ -269,6 +363,7 @@ class Supervisor:
 
     def stop(self) -> None:
         self._stop.set()
+        self.woken.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None

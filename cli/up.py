@@ -327,7 +327,10 @@ def _serve(stack: LocalStack, args: argparse.Namespace, device_note: str,
                             say=say)
     elastic = elastic_for(stack, supervisor, args, say) if stack.elastic else None
     next_look = 0.0
-    while not stopping.wait(0.2):
+    while not stopping.is_set():
+        supervisor.wait(0.2)  # sooner when a role change is asked or its call returned
+        if stopping.is_set():
+            break
         if console.gone():
             break  # as on SIGTERM: nobody reads what it prints, which is no reason to die
         supervisor.check()

@@ -7,7 +7,7 @@ import argparse
 
 from tandem.decode_svc import server as decode_server
 from tandem.prefill_svc import server as prefill_server
-from tandem.runtime.worker import add_worker_args
+from tandem.runtime.worker import add_worker_args, main_worker
 
 
 def add_parser(sub, name: str) -> None:
@@ -19,4 +19,11 @@ def add_parser(sub, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return (prefill_server if args.role == "prefill" else decode_server).run(args)
+    """A prefill or decode worker may change to the other role in place (SwitchRole,
+    runtime/role_switch.py): it is started able to serve both."""
+    split = {"prefill": prefill_server.role_options(args),
+             "decode": decode_server.role_options("decode", args.transport)}
+    if args.role == "both":
+        return main_worker(args, decode_server.role_options("both", args.transport))
+    return main_worker(args, split[args.role],
+                       also=[o for name, o in split.items() if name != args.role])

@@ -47,6 +47,7 @@ from tandem.kvtransfer.lease import Claim
 from tandem.runtime.convert import params_from_proto
 from tandem.runtime.kv_peers import PeerPools
 from tandem.runtime.lease_rpcs import LeaseRPCs
+from tandem.runtime.role_switch import RoleOptions
 from tandem.runtime.telemetry import span_name
 from tandem.runtime.worker import (
     DRAIN_POLL_S,
@@ -500,15 +501,19 @@ class DecodeServicer(WorkerServicer):
         await self.pools.close()
 
 
-def run(args: argparse.Namespace) -> int:
-    role = args.role
-
+def role_options(role: str, transport: str | None = None) -> RoleOptions:
+    """The decode or colocated (both) role; `transport`: how peers map its pool (None: the
+    device's default)."""
     def make(engine, worker_id, address):
         return DecodeServicer(engine, worker_id, address, role)
 
+    return RoleOptions(role, make, transport=transport)
+
+
+def run(args: argparse.Namespace) -> int:
     # How peers reach a decode worker's pool: the decode worker a running request moves to,
     # and a worker of another host it lends a cached prefix (nixl across hosts).
-    return main_worker(args, role, make, transport=getattr(args, "transport", None))
+    return main_worker(args, role_options(args.role, getattr(args, "transport", None)))
 
 
 def add_parser(sub, name: str) -> None:

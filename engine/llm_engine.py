@@ -315,6 +315,28 @@ class LLMEngine:
         return (not self.requests and not len(self.kv_connector)
                 and self.block_pool.is_idle() and (self.spec is None or self.spec.is_idle()))
 
+    def switch_role(self, role: str) -> None:
+        """Serve `role` (prefill or decode, from the other) from the next step on, keeping what
+        is costly to make: the model, its compiled kernels and CUDA graphs, the KV pool with
+        its prefix cache, the host tier. What a role decides is remade: its handoff (a
+        prefill's leases or a decode's pulls: a new, empty connector), the waiting queue's
+        order and whether steps are pipelined. Only while idle (a drained worker); refused
+        with speculative decoding, whose proposer a prefill engine never loads."""
+        if {role, self.config.role} != {"prefill", "decode"}:
+            raise InvalidArgument("role", f"a {self.config.role} engine cannot serve {role!r}: "
+                                  "only prefill and decode engines trade roles")
+        if self.config.speculative_method is not None:
+            raise InvalidArgument("role", "an engine with speculative decoding does not "
+                                  "change role (a prefill engine loads no proposer)")
+        if not self.is_idle() or self.has_work() or self.migrations.busy():
+            raise RuntimeError("the engine is not idle: a role changes between requests only")
+        self.config = dataclasses.replace(self.config, role=role)
+        self.scheduler.set_policy(self.config.scheduler_config(self.model_config).policy)
+        self.kv_connector = connector_for(role, self.block_pool, self.block_pool.block_size,
+                                          self.model_config.vocab_size, self.max_model_len)
+        self.migrations.connector = self.kv_connector
+        self.pipeline.enabled = self._pipelined(self.config)
+
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         t0 = time.perf_counter()

@@ -68,6 +68,10 @@ class Migrations:
         self.resumed: dict[str, Resumed] = {}
         self.num_lent = 0
 
+    def busy(self) -> bool:
+        """Whether a move into this engine is under way (a request parked or resuming)."""
+        return bool(self.parked or self.early or self.resumed)
+
     # -- source --------------------------------------------------------------------------------
     def lend(self, seqs: list[Sequence], step_in_flight: bool) -> Lent | None:
         """A lease on the KV of a running request's tokens written so far, or None when it

@@ -39,6 +39,7 @@ as any prompt and the lease let go (`unpulled`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from tandem.engine.config import SchedulerConfig
@@ -98,6 +99,13 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.add(seq)
+
+    def set_policy(self, policy: str) -> None:
+        """Order the waiting queue by `policy` from now on (an engine changing role); only
+        while nothing waits, since a queue's order is built as requests join it."""
+        assert not self.waiting, "the waiting queue is not empty"
+        self.config = dataclasses.replace(self.config, policy=policy)
+        self.waiting = WaitQueue(policy, self.config.max_model_len)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.kv.held)

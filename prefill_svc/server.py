@@ -34,6 +34,7 @@ from tandem.kvtransfer.lease import Claim, prompt_digest
 from tandem.runtime.convert import logprobs_to_proto, params_from_proto
 from tandem.runtime.kv_peers import PeerPools
 from tandem.runtime.lease_rpcs import LeaseRPCs
+from tandem.runtime.role_switch import RoleOptions
 from tandem.runtime.worker import (
     WorkerError,
     WorkerServicer,
@@ -158,11 +159,15 @@ def lease_life(args: argparse.Namespace) -> tuple[float, float]:
     return ttl, life
 
 
-def run(args: argparse.Namespace) -> int:
-    transport = args.transport or transports.default_for(args.device)
+def role_options(args: argparse.Namespace) -> RoleOptions:
+    """The prefill role as this worker's flags set it (its pool's transport, its leases)."""
     ttl, life = lease_life(args)
-    return main_worker(args, "prefill", PrefillServicer, transport=transport,
-                       lease_ttl_s=ttl, lease_max_life_s=life)
+    return RoleOptions("prefill", PrefillServicer,
+                       args.transport or transports.default_for(args.device), ttl, life)
+
+
+def run(args: argparse.Namespace) -> int:
+    return main_worker(args, role_options(args))
 
 
 def add_lease_args(p: argparse.ArgumentParser, prefix: str = "") -> None:

@@ -40,8 +40,9 @@ SELF = "self"
 # requests move to it (live migration), and claims, renews and releases the leases the router
 # handed it; a prefill worker registers with, claims and releases (never renews) a lease on a
 # cached prefix another worker lent (LendPrefix: the router handed it that lease), as a decode
-# worker does; a worker is drained by a router or from its own pod. Nobody else calls a
-# worker; a method missing here is refused to everyone.
+# worker does; a worker is drained by a router or from its own pod, and changes role (an
+# elastic stack's) on a router certificate's word alone. Nobody else calls a worker; a method
+# missing here is refused to everyone.
 WORKER_CALLERS: Mapping[str, frozenset[str]] = {
     "Prefill": frozenset({ROUTER}),
     "Stream": frozenset({ROUTER}),
@@ -55,6 +56,7 @@ WORKER_CALLERS: Mapping[str, frozenset[str]] = {
     "Release": frozenset({ROUTER, PREFILL, DECODE}),
     "Drain": frozenset({ROUTER, SELF}),
     "Move": frozenset({ROUTER, SELF}),
+    "SwitchRole": frozenset({ROUTER}),
 }
 # Services any cluster identity may call: health (probes run with the pod's own certificate)
 # and, when a worker enables it, reflection.

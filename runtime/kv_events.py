@@ -40,6 +40,11 @@ class KVEventHub:
         self._subscribers: list[asyncio.Queue] = []
         self._closed = False
 
+    def adopt(self, other: KVEventHub) -> None:
+        """Mirror what `other` mirrors, before any event reaches this hub: the worker changed
+        role in place (runtime/role_switch.py), and its prefix cache and host tier with it."""
+        self.cached, self.host = set(other.cached), set(other.host)
+
     def publish(self, events: KVEvents) -> None:
         """The engine core's changes, in its order (AsyncEngine.on_kv_events)."""
         self.cached.difference_update(events.removed)

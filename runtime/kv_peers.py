@@ -112,14 +112,18 @@ class PeerPools:
                               f"worker {address} described {len(descs)} pools "
                               f"for {desc.tensor_parallel_size} ranks")
         await self._check_pool_owner(address, desc.owner_pid)
-        # One address per pool: a peer presenting a pool mapped for another would
-        # answer claims for that pool's blocks itself.
+        # One address per pool: a peer presenting a pool mapped for another would answer
+        # claims for that pool's blocks itself. Unless the pool's owner listens here now: a
+        # worker that changed role in place (runtime/role_switch.py) keeps its pool and
+        # serves at a new address.
         known = self._pool_addresses.setdefault(desc.handle, address)
-        if known != address:
+        if known != address and not await asyncio.to_thread(pool_owner_listens,
+                                                             desc.owner_pid, address):
             log.warning("refused %s: it presents the pool of %s", address, known)
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"worker {address} presents the KV pool of another "
                               "worker")
+        self._pool_addresses[desc.handle] = address
         await self.owner.engine.map_pool(address, descs if len(descs) > 1 else desc,
                                          resp.instance_id)
         self.peers[address] = resp.instance_id

@@ -147,22 +147,41 @@ async def serve_until_signal(server: grpc.aio.Server, health_: Health, *, grace_
     `evacuate(grace_s)`: a worker's drain while the server still takes calls (a decode worker's
     requests moved away, a prefill worker's leases claimed), within the grace period; the
     server's graceful stop gets what is left of it."""
-    loop = asyncio.get_running_loop()
     stop = stop_event or asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+    stop_on_signals(stop.set)
     await server.start()
     await health_.set(True)
     if ready is not None:
         ready()
     await stop.wait()
-    # Told once: a later SIGTERM changes nothing, also once the loop is gone and the process
-    # tears down (a supervisor's can come after the one a launcher thread's exit sends:
-    # PR_SET_PDEATHSIG follows the thread that started the process, cli/lifeline.py).
+    ignore_further_sigterm()
+    await shut_down(server, health_, grace_s=grace_s, on_stop=on_stop, drain_also=drain_also,
+                    evacuate=evacuate)
+
+
+def stop_on_signals(stop: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT call `stop` (on the running loop)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop)
+
+
+def ignore_further_sigterm() -> None:
+    """Told once: a later SIGTERM changes nothing, also once the loop is gone and the process
+    tears down (a supervisor's can come after the one a launcher thread's exit sends:
+    PR_SET_PDEATHSIG follows the thread that started the process, cli/lifeline.py)."""
     with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-        loop.remove_signal_handler(signal.SIGTERM)
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+async def shut_down(server: grpc.aio.Server, health_: Health, *, grace_s: float,
+                    on_stop: Callable[[], Awaitable[None]] | None = None,
+                    drain_also: Sequence[Callable[[], Awaitable[None]]] = (),
+                    evacuate: Callable[[float], Awaitable[None]] | None = None) -> None:
+    """NOT_SERVING, `evacuate` within the grace period, then the server's graceful stop (and
+    `drain_also`) with what is left of it, then `on_stop`."""
     t0 = time.monotonic()
     log.info("shutting down: NOT_SERVING, draining in-flight requests", grace_s=grace_s)
     await health_.set(False)
@@ -170,7 +189,14 @@ async def serve_until_signal(server: grpc.aio.Server, health_: Health, *, grace_
         await evacuate(grace_s)
     # At least a second for the calls that saw the evacuation through (Drain's answer).
     left = max(grace_s - (time.monotonic() - t0), 1.0)
-    await asyncio.gather(server.stop(left), *(drain() for drain in drain_also))
+    await close_server(server, left, drain_also)
     log.info("drained", seconds=round(time.monotonic() - t0, 3))
     if on_stop is not None:
         await on_stop()
+
+
+async def close_server(server: grpc.aio.Server, grace_s: float,
+                       drain_also: Sequence[Callable[[], Awaitable[None]]] = ()) -> None:
+    """The server's graceful stop: no new call, the ones in flight get `grace_s` seconds to
+    finish (then they are cancelled); other listeners' stops (`drain_also`) alongside."""
+    await asyncio.gather(server.stop(grace_s), *(drain() for drain in drain_also))

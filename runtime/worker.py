@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,25 @@ from tandem.kvtransfer import transports
 from tandem.runtime.cluster_roles import RoleInterceptor
 from tandem.runtime.engine_args import add_engine_args, engine_config
 from tandem.runtime.kv_events import KVEventHub, SubscriberLagged
-from tandem.runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
+from tandem.runtime.lifecycle import (
+    Health,
+    close_server,
+    enable_reflection,
+    ignore_further_sigterm,
+    make_server,
+    shut_down,
+    stop_on_signals,
+)
+from tandem.runtime.metrics import Metrics
+from tandem.runtime.role_switch import (
+    PendingSwitch,
+    RoleOptions,
+    SwitchChecks,
+    Switched,
+    SwitchFailed,
+    add_switch_args,
+    role_certificates,
+)
 from tandem.runtime.security import ClusterTls, add_cluster_tls_args
 from tandem.runtime.security import bind as bind_port
 from tandem.runtime.step_pace import StepPace
@@ -66,6 +85,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads of the engine core (default: every core on the "
                         "CPU, 1 on a GPU); engine cores sharing a machine need their share")
     add_cluster_tls_args(p)
+    add_switch_args(p)
 
 
 def _at_least_one(text: str) -> int:
@@ -127,17 +147,17 @@ class DrainTally:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     role = "both"
-    # Mutual TLS toward peers (decode -> prefill), as run_worker sets it; None: plaintext.
+    # Mutual TLS toward peers (decode -> prefill), as its RoleFront sets it; None: plaintext.
     cluster_tls: ClusterTls | None = None
     insecure = False  # --insecure: plaintext beyond loopback
-    pace = StepPace()  # how fast its engine steps lately (run_worker gives each its own)
+    pace = StepPace()  # how fast its engine steps lately (its RoleFront gives each its own)
 
     def __init__(self, engine: AsyncEngine, worker_id: str) -> None:
         self.engine = engine
         self.worker_id = worker_id
         # This process, among the ones that served as worker_id: a restart gets a new one.
         self.instance_id = secrets.token_hex(8)
-        self.telemetry = Telemetry(self.role)  # run_worker sets the process's
+        self.telemetry = Telemetry(self.role)  # its RoleFront sets the role's
         # What the prefix cache holds, for routers (WatchKV); fed by the engine core's events.
         self.kv_events = KVEventHub(engine.snapshot.block_size, self.instance_id,
                                     host_tier_id=engine.info.host_tier_id)
@@ -149,6 +169,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.drain_tally = DrainTally()
         self.drain_seconds = 0.0
         self.request_stop: Callable[[], None] = lambda: None  # run_worker sets it
+        # A role change in place (SwitchRole): what this process may switch to (run_worker
+        # sets it), and the change asked, which the run loop does once woken (request_stop).
+        self.switch_checks: SwitchChecks | None = None
+        self.switch: PendingSwitch | None = None
 
     # -- the lease RPCs: every role lends KV (a prefill worker its prompts', a decode worker its
     # running sequences' for live migration, either a cached prefix) through `self.leases`, a
@@ -199,6 +223,35 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         t = self.drain_tally
         return worker_pb2.DrainResponse(moved=t.moved, finished=t.finished, left=t.left,
                                         seconds=self.drain_seconds)
+
+    async def SwitchRole(self, request, context):  # noqa: N802
+        """Change role in place (runtime/role_switch.py): checked first (nothing drained when
+        refused), then drained and switched by the run loop; answered once the new role's port
+        serves."""
+        role = request.role
+        if role not in ("prefill", "decode"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"role: must be prefill or decode, got {role[:32]!r}")
+        checks = self.switch_checks
+        why = ("it cannot change role in place" if checks is None
+               else checks.refusal(self.role, role))
+        if why is None and (self.draining or self.switch is not None):
+            why = "it drains already"
+        if why is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self.worker_id} does not become a {role} worker: {why}")
+        self.switch = PendingSwitch(role, asyncio.get_running_loop().create_future())
+        log.info("asked to become a %s worker", role)
+        self.request_stop()
+        try:
+            # Shielded: the caller leaving does not stop the change, which has begun.
+            done: Switched = await asyncio.shield(self.switch.result)
+        except SwitchFailed as e:
+            await context.abort(grpc.StatusCode.ABORTED, str(e))
+        t = self.drain_tally
+        return worker_pb2.SwitchRoleResponse(
+            address=done.address, worker_id=done.worker_id, moved=t.moved, finished=t.finished,
+            left=t.left, drain_seconds=self.drain_seconds, switch_seconds=done.seconds)
 
     async def Move(self, request, context):  # noqa: N802
         """Move one running request elsewhere: a decode worker's (DecodeServicer) alone."""
@@ -293,84 +346,200 @@ def bind(server: grpc.aio.Server, host: str, port: int,
     return bind_port(server, host, port, credentials)
 
 
-async def run_worker(args: argparse.Namespace, role: str,
-                     make_servicer: Callable[[AsyncEngine, str, str], WorkerServicer],
-                     telemetry: Telemetry | None = None, transport: str | None = None,
-                     lease_ttl_s: float = 30.0, lease_max_life_s: float | None = None) -> int:
-    """engine core → servicer → health (+ reflection) → start → signal → drain → stop.
+@dataclass
+class RoleFront:
+    """What a worker process shows for one role: the role's servicer on a gRPC server of its
+    own (its port, its certificate, its health), its metrics and step pace. The engine core
+    behind it is the process's. A process has one front, and two for the moment of a role
+    change in place (runtime/role_switch.py), when the new one serves before the old closes."""
+
+    role: str
+    servicer: WorkerServicer
+    server: grpc.aio.Server
+    health: Health
+    address: str
+    port: int
+    telemetry: Telemetry
+    pace: StepPace
+
+    @classmethod
+    def open(cls, args: argparse.Namespace, engine: AsyncEngine, opts: RoleOptions,
+             tls: ClusterTls | None, port: int, telemetry: Telemetry,
+             worker_id: str | None = None) -> RoleFront:
+        """Built and bound, not serving yet; engine events go to it from here on."""
+        # With cluster TLS, every call's caller is checked against its role first.
+        roles = [RoleInterceptor(opts.name)] if tls is not None else []
+        server = make_server([*roles, *telemetry.tracing.server_interceptors()])
+        # With a cluster CA, a caller without a client certificate it signed is refused.
+        port = bind(server, args.host, port, tls.server_credentials() if tls else None)
+        host = args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()
+        address = f"{host}:{port}"
+        servicer = opts.make_servicer(engine, worker_id or f"{opts.name}@{address}", address)
+        front = cls(opts.name, servicer, server, Health(server, [WORKER_SERVICE]), address, port,
+                    telemetry, StepPace())
+        servicer.telemetry = telemetry
+        servicer.pace = front.pace
+        servicer.cluster_tls = tls
+        servicer.insecure = getattr(args, "insecure", False)
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        if args.reflection:
+            enable_reflection(server, [WORKER_SERVICE])
+        metrics = telemetry.metrics
+        engine.on_step, engine.on_abort = front.on_step, metrics.on_abort
+        engine.on_lease_done = servicer.lease_done
+        metrics.bind_engine(lambda: engine.snapshot)
+        metrics.watch_engine_core(engine.info.pid)
+        return front
+
+    def on_step(self, stats, outputs, end) -> None:
+        self.telemetry.metrics.on_step(stats, outputs, end)
+        self.pace.observe(stats)
+
+    async def start(self, args: argparse.Namespace, engine: AsyncEngine) -> None:
+        """Serving: its servicer's start hook, metrics, the server, SERVING, the ready file."""
+        await self.servicer.on_start()
+        self.telemetry.metrics.serve(args.host, args.metrics_port)
+        await self.server.start()
+        await self.health.set(True)
+        log.info("%s serving on %s (pid %d, engine core pid %d)", self.servicer.worker_id,
+                 self.address, os.getpid(), engine.info.pid)
+        if args.ready_file:
+            tmp = f"{args.ready_file}.tmp"
+            with open(tmp, "w") as f:
+                f.write(str(self.port))
+            os.replace(tmp, args.ready_file)
+
+    async def shut_down(self, grace_s: float, evacuate: bool) -> None:
+        """The process stops: drained (unless its engine died), then the server's graceful
+        stop, then the servicer's own."""
+        s = self.servicer
+        await shut_down(self.server, self.health, grace_s=grace_s, on_stop=s.on_stop,
+                        drain_also=[s.drain, s.kv_events.close],
+                        evacuate=s.run_drain if evacuate else None)
+
+
+async def change_role(args: argparse.Namespace, engine: AsyncEngine, front: RoleFront,
+                      pending: PendingSwitch, checks: SwitchChecks) -> RoleFront | None:
+    """A SwitchRole call's work (runtime/role_switch.py): drain `front`, switch the engine
+    core, open and start the new role's front, answer the call, close `front`. The new front,
+    or None when the change failed after the drain (the call is told why; the old front is
+    closed and the worker stops, drained)."""
+    t0 = time.monotonic()
+    log.info("changing role from %s to %s: draining", front.role, pending.role)
+    await front.health.set(False)
+    await front.servicer.run_drain(args.grace)
+    drained = time.monotonic()
+    new = None
+    try:
+        if front.servicer.drain_tally.left:
+            raise RuntimeError(f"{front.servicer.drain_tally.left} requests or leases were "
+                               "still held when the drain's grace ran out")
+        opts, tls = checks.roles[pending.role], checks.certs.get(pending.role)
+        await engine.switch_role(pending.role, opts.lease_ttl_s, opts.lease_max_life_s,
+                                 transports.SiteTls.read(tls) if tls is not None else None)
+        telemetry = Telemetry(opts.name, front.telemetry.tracing,
+                              Metrics(opts.name, front.telemetry.metrics.model_name),
+                              capture_content=front.telemetry.capture_content)
+        new = RoleFront.open(args, engine, opts, tls, 0, telemetry)
+        # At once (no await in between): the engine's next prefix-cache change reaches the
+        # new front's set, which starts from the old one's.
+        new.servicer.kv_events.adopt(front.servicer.kv_events)
+        new.servicer.request_stop = front.servicer.request_stop
+        new.servicer.switch_checks = checks
+        front.telemetry.metrics.stop()  # its port is the new front's
+        await new.start(args, engine)
+    except Exception as e:  # told to the caller; the worker stops
+        log.exception("drained, but could not change role to %s", pending.role)
+        pending.result.set_exception(SwitchFailed(
+            f"drained, but could not become a {pending.role} worker ({e}): it stops"))
+        front.telemetry.metrics.stop()
+        if new is not None:
+            new.telemetry.metrics.stop()
+            with contextlib.suppress(Exception):
+                await close_server(new.server, 0)
+        await _close_front(front, args.grace, t0)
+        return None
+    done = Switched(new.address, new.servicer.worker_id, time.monotonic() - drained)
+    pending.result.set_result(done)
+    log.info("now a %s worker on %s (drained in %.2f s, switched in %.2f s)", pending.role,
+             new.address, drained - t0, done.seconds)
+    await _close_front(front, args.grace, t0)
+    return new
+
+
+async def _close_front(front: RoleFront, grace_s: float, t0: float) -> None:
+    """A drained front's server stops (the SwitchRole call in flight answered), then its
+    servicer's own shut-down (its peers' channels, its background calls)."""
+    left = max(grace_s - (time.monotonic() - t0), 1.0)
+    await close_server(front.server, left, [front.servicer.drain,
+                                            front.servicer.kv_events.close])
+    await front.servicer.on_stop()
+
+
+async def run_worker(args: argparse.Namespace, start: RoleOptions,
+                     telemetry: Telemetry | None = None,
+                     also: Sequence[RoleOptions] = ()) -> int:
+    """engine core → servicer → health (+ reflection) → start → signal → drain → stop; between
+    start and signal, a role change in place for each SwitchRole call (to a role of `also`).
     Returns the exit code: 1 when the engine core died under the server."""
+    role = start.name
     telemetry = telemetry or Telemetry(role)
-    metrics = telemetry.metrics
     stop = asyncio.Event()
-    died = False
+    ended = {"died": False, "signalled": False}
 
     def on_death() -> None:
-        nonlocal died
-        died = True
+        ended["died"] = True
+        stop.set()
+
+    def on_signal() -> None:
+        ended["signalled"] = True
         stop.set()
 
     tls = ClusterTls.from_args(args)  # bad flags fail before the engine loads
     check_exposure(args, tls, role)
-    spec = CoreSpec(engine_config(args, role=role), role, transport, lease_ttl_s,
-                    lease_max_life_s, args.host,
+    certs = role_certificates(args, tls, role)
+    spec = CoreSpec(engine_config(args, role=role), role, start.transport, start.lease_ttl_s,
+                    start.lease_max_life_s, args.host,
                     transports.SiteTls.read(tls) if tls is not None else None,
                     cpu_threads=args.cpu_threads,
                     process_setup=configure_process_logging)
-    pace = StepPace()
-
-    def on_step(stats, outputs, end) -> None:
-        metrics.on_step(stats, outputs, end)
-        pace.observe(stats)
-
-    engine = AsyncEngine(spec, on_step=on_step, on_abort=metrics.on_abort,
-                         on_death=on_death)
+    engine = AsyncEngine(spec, on_death=on_death)
     await engine.start()
+    front = None
     try:
-        metrics.bind_engine(lambda: engine.snapshot)
-        metrics.watch_engine_core(engine.info.pid)
-        # With cluster TLS, every call's caller is checked against its role first.
-        roles = [RoleInterceptor(role)] if tls is not None else []
-        server = make_server([*roles, *telemetry.tracing.server_interceptors()])
-        # With a cluster CA, a caller without a client certificate it signed is refused.
-        port = bind(server, args.host, args.port, tls.server_credentials() if tls else None)
-        host = args.host if args.host not in ("0.0.0.0", "::") else socket.gethostname()
-        address = f"{host}:{port}"
-        worker_id = args.worker_id or f"{role}@{address}"
-        servicer = make_servicer(engine, worker_id, address)
-        servicer.telemetry = telemetry
-        servicer.pace = pace
-        servicer.cluster_tls = tls
-        servicer.insecure = getattr(args, "insecure", False)
-        engine.on_lease_done = servicer.lease_done
-        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-        health = Health(server, [WORKER_SERVICE])
-        if args.reflection:
-            enable_reflection(server, [WORKER_SERVICE])
-
-        def ready() -> None:
-            log.info("%s serving on %s (pid %d, engine core pid %d)", worker_id, address,
-                     os.getpid(), engine.info.pid)
-            if args.ready_file:
-                tmp = f"{args.ready_file}.tmp"
-                with open(tmp, "w") as f:
-                    f.write(str(port))
-                os.replace(tmp, args.ready_file)
-
-        await servicer.on_start()
-        metrics.serve(args.host, args.metrics_port)
-        servicer.request_stop = stop.set
-        await serve_until_signal(server, health, grace_s=args.grace, on_stop=servicer.on_stop,
-                                 ready=ready, stop_event=stop, drain_also=[servicer.drain,
-                                                         servicer.kv_events.close],
-                                 evacuate=None if died else servicer.run_drain)
+        checks = SwitchChecks(engine, {o.name: o for o in (start, *also)}, certs,
+                              tls=tls is not None, loopback=is_loopback(args.host))
+        front = RoleFront.open(args, engine, start, tls, args.port, telemetry, args.worker_id)
+        front.servicer.request_stop = stop.set
+        front.servicer.switch_checks = checks
+        stop_on_signals(on_signal)
+        await front.start(args, engine)
+        while True:
+            await stop.wait()
+            pending = front.servicer.switch
+            if pending is None or ended["died"] or ended["signalled"]:
+                break
+            stop.clear()  # from here, a stop is a new ask (a signal, the engine's death)
+            front = await change_role(args, engine, front, pending, checks)
+            if front is None:  # drained, then failed: closed, and the worker stops
+                break
+        ignore_further_sigterm()
+        if front is not None:
+            if pending is not None and not pending.result.done():  # asked as it stopped
+                pending.result.set_exception(SwitchFailed("the worker is stopping: it drains "
+                                                          "and exits"))
+            await front.shut_down(args.grace, evacuate=not ended["died"])
     finally:
+        if front is not None:
+            front.telemetry.metrics.stop()
         await engine.shutdown()
-    return 1 if died else 0
+    return 1 if ended["died"] else 0
 
 
-def main_worker(args: argparse.Namespace, role: str, make_servicer, **kw) -> int:
-    telemetry = Telemetry.start(role, Path(args.model).name)
+def main_worker(args: argparse.Namespace, start: RoleOptions,
+                also: Sequence[RoleOptions] = ()) -> int:
+    telemetry = Telemetry.start(start.name, Path(args.model).name)
     try:
-        return asyncio.run(run_worker(args, role, make_servicer, telemetry=telemetry, **kw))
+        return asyncio.run(run_worker(args, start, telemetry=telemetry, also=also))
     finally:
         telemetry.shutdown()  # flush spans still buffered

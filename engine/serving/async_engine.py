@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -56,6 +57,7 @@ from tandem.engine.serving.core_messages import (
     SnapshotChanged,
     Step,
     Stop,
+    SwitchRole,
     TakeSnapshot,
     unpack_outputs,
 )
@@ -278,6 +280,15 @@ class AsyncEngine:
         """Decode role: map a prefill worker's pool in the core (once per address and worker
         instance)."""
         await self.call(MapPool(address, descriptor, instance_id))
+
+    async def switch_role(self, role: str, lease_ttl_s: float = 30.0,
+                          lease_max_life_s: float | None = None, tls: Any = None) -> None:
+        """Serve `role` (prefill or decode, from the other) from now on, keeping the model and
+        the KV pool: only while the engine is idle, else this raises and nothing changed.
+        The lease settings and `tls` (a SiteTls) are the new role's."""
+        await self.call(SwitchRole(role, lease_ttl_s, lease_max_life_s, tls))
+        self.spec = dataclasses.replace(self.spec, role=role, lease_ttl_s=lease_ttl_s,
+                                        lease_max_life_s=lease_max_life_s, tls=tls)
 
     async def refresh(self) -> EngineSnapshot:
         """A snapshot taken now, between two steps."""

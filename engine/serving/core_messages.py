@@ -4,7 +4,7 @@ packed for the pipe. Plain Python, no torch: the worker process imports this, ne
 
 Commands (worker → core), each sent as Call(command, call_id); call_id 0 wants no reply:
     Add, Abort, Release, Renew, LeasesRenewed, MapPool, Lend, LendPrefix, HandOver,
-    TakeSnapshot, Stop
+    TakeSnapshot, SwitchRole, Stop
 Events (core → worker):
     Ready | Failed                once, first
     Reply                         a call's result or exception
@@ -228,12 +228,24 @@ class TakeSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class SwitchRole:
+    """Serve `role` from now on (prefill or decode, from the other), keeping the model and
+    the KV pool; only while idle (replies None, or raises why not). The lease settings and
+    the cluster TLS (SiteTls, for transports that dial peers) are the new role's."""
+
+    role: str
+    lease_ttl_s: float = 30.0
+    lease_max_life_s: float | None = None
+    tls: Any = None
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """Leave the loop; the process exits."""
 
 
 Command = (Add | Abort | Release | Renew | LeasesRenewed | MapPool | Lend | LendPrefix
-           | HandOver | TakeSnapshot | Stop)
+           | HandOver | TakeSnapshot | SwitchRole | Stop)
 
 
 @dataclass(frozen=True, slots=True)

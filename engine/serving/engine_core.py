@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import queue
@@ -60,6 +61,7 @@ from tandem.engine.serving.core_messages import (
     SnapshotChanged,
     Step,
     Stop,
+    SwitchRole,
     TakeSnapshot,
     pack_outputs,
     portable,
@@ -101,9 +103,6 @@ class EngineCore:
         tp_options["on_rank_exit"] = _rank_exited
         self.engine = LLMEngine(spec.config, pool_factory=pool_factory, progress=False,
                                 tp_options=tp_options)
-        connector = self.engine.kv_connector
-        if spec.role in ("prefill", "decode"):  # its connector owns the leases it grants
-            connector.ttl_s, connector.max_life_s = spec.lease_ttl_s, spec.lease_max_life_s
         # Rank 0's side of a handoff that moves heads between tensor-parallel sizes: used for
         # every peer when this worker has several ranks, or for a peer that has.
         from tandem.engine.tp_group import RankKV  # noqa: PLC0415 - torch, in the core only
@@ -119,7 +118,7 @@ class EngineCore:
         # The peers' pools (a decode worker's prefill workers; any worker's lenders of a
         # cached prefix), the pulls from them, and the leases they settle.
         self.kv = KVPulls(self.engine, self.rank_kv, events, self.site)
-        connector.connect(self.kv.pull, self.kv.drop, self.kv.in_stream)
+        self._connect(self.engine.kv_connector)
         # The router routes on what this worker's prefix cache holds: record its changes.
         self.engine.block_pool.kv_events = {}
         if self.engine.host_tier is not None:  # ... and its host tier
@@ -130,10 +129,20 @@ class EngineCore:
                          Renew: self._renew, LeasesRenewed: self.kv.renewed,
                          MapPool: self.kv.map, Lend: self._lend,
                          LendPrefix: self._lend_prefix, HandOver: self._hand_over,
-                         TakeSnapshot: self._take_snapshot, Stop: self._stop}
+                         TakeSnapshot: self._take_snapshot, SwitchRole: self._switch_role,
+                         Stop: self._stop}
         self.wake = threading.Event()
         self.stopping = False
         self._last_snapshot: EngineSnapshot | None = None
+
+    def _connect(self, connector: Any) -> None:
+        """The role's handoff: a prefill or decode connector owns the leases it grants (their
+        time to live is the role's), and every role pulls through this core's KVPulls (a
+        decode worker from its prefill workers; any worker a prefix another one lent)."""
+        if self.spec.role in ("prefill", "decode"):
+            connector.ttl_s, connector.max_life_s = (self.spec.lease_ttl_s,
+                                                     self.spec.lease_max_life_s)
+        connector.connect(self.kv.pull, self.kv.drop, self.kv.in_stream)
 
     def info(self) -> CoreInfo:
         engine = self.engine
@@ -276,6 +285,23 @@ class EngineCore:
 
     def _take_snapshot(self, _: TakeSnapshot) -> EngineSnapshot:
         return self._snapshot()
+
+    def _switch_role(self, cmd: SwitchRole) -> None:
+        """An idle engine serves the other role (a worker changing role in place): its
+        handoff is remade and the peers' pools it mapped are closed; the model, the pool with
+        its prefix cache, the host tier and this core's counters stay."""
+        if self.kv.leases_held or self.kv.pulls:
+            raise RuntimeError("KV pulls are under way: a role changes between requests only")
+        self.engine.switch_role(cmd.role)  # refused unless idle: nothing changed then
+        self.kv.close()
+        self.kv.peers.clear()
+        self.site = dataclasses.replace(self.site, tls=cmd.tls)
+        self.kv.site = self.site
+        self.spec = dataclasses.replace(self.spec, role=cmd.role, lease_ttl_s=cmd.lease_ttl_s,
+                                        lease_max_life_s=cmd.lease_max_life_s, tls=cmd.tls)
+        self._connect(self.engine.kv_connector)
+        _name_native_thread(f"{cmd.role}-core")
+        log.info("serving the %s role now", cmd.role)
 
     def _stop(self, _: Stop) -> None:
         self.stopping = True

@@ -21,6 +21,30 @@ class LendPrefixResponse(_message.Message):
     kv: KVLocation
     def __init__(self, kv: _Optional[_Union[KVLocation, _Mapping]] = ...) -> None: ...
 
+class SwitchRoleRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    def __init__(self, role: _Optional[str] = ...) -> None: ...
+
+class SwitchRoleResponse(_message.Message):
+    __slots__ = ("address", "worker_id", "moved", "finished", "left", "drain_seconds", "switch_seconds")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    worker_id: str
+    moved: int
+    finished: int
+    left: int
+    drain_seconds: float
+    switch_seconds: float
+    def __init__(self, address: _Optional[str] = ..., worker_id: _Optional[str] = ..., moved: _Optional[int] = ..., finished: _Optional[int] = ..., left: _Optional[int] = ..., drain_seconds: _Optional[float] = ..., switch_seconds: _Optional[float] = ...) -> None: ...
+
 class MoveRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

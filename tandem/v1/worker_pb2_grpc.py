@@ -94,6 +94,11 @@ class WorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.LendPrefixRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.LendPrefixResponse.FromString,
                 _registered_method=True)
+        self.SwitchRole = channel.unary_unary(
+                '/tandem.v1.Worker/SwitchRole',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -221,6 +226,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwitchRole(self, request, context):
+        """Prefill and decode roles: change role in place (an elastic stack's role change). Checked
+        first: FAILED_PRECONDITION, with nothing drained, when this worker cannot (colocated, a
+        role fixed at start, speculative decoding, no certificate for the new role, ...): the
+        caller then drains it and starts it again in the other role. Otherwise it drains as Drain
+        does, then its engine (model, KV pool and prefix cache, compiled kernels, host KV tier)
+        serves the new role on a new port, under a new worker id and instance id, and the old
+        port closes. Answered once the new port serves; ABORTED when the worker drained but could
+        not switch (it then exits 0, as after Drain).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -283,6 +302,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.LendPrefix,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.LendPrefixRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.LendPrefixResponse.SerializeToString,
+            ),
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.SwitchRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -609,6 +633,33 @@ class Worker:
             '/tandem.v1.Worker/LendPrefix',
             tandem_dot_v1_dot_worker__pb2.LendPrefixRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.LendPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Worker/SwitchRole',
+            tandem_dot_v1_dot_worker__pb2.SwitchRoleRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.SwitchRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -156,9 +156,10 @@ SERVED = {"prefill0": ("Prefill", "ClaimLease", "Release", "RenewLeases", "Regis
 
 def test_every_rpc_of_the_proto_is_fuzzed():
     # Drain takes an empty message (nothing to fuzz) and ends the worker: tests/integration/
-    # test_drain.py calls it.
+    # test_drain.py calls it. SwitchRole drains the worker too, and changes its role:
+    # tests/integration/test_role_change.py calls it, tests/unit/test_role_switch.py its checks.
     assert set(METHODS) == set(WORKER_CALLERS) == {m for ms in SERVED.values() for m in ms} | {
-        "Drain"}
+        "Drain", "SwitchRole"}
 
 
 @pytest.mark.parametrize("worker,method", [(w, m) for w, ms in SERVED.items() for m in ms])
@@ -179,7 +180,8 @@ def test_any_message_gets_a_callers_status(stack, worker, method):
 
 def test_a_method_a_role_does_not_serve_is_unimplemented(stack):
     for worker, served in SERVED.items():
-        for method in sorted(set(METHODS) - set(served) - {"Drain"}):  # every role drains
+        # Every role drains, and answers SwitchRole (with why it cannot, for a colocated one).
+        for method in sorted(set(METHODS) - set(served) - {"Drain", "SwitchRole"}):
             assert stack.run(_unserved(stack, worker, method)) == [
                 grpc.StatusCode.UNIMPLEMENTED], (worker, method)
 

@@ -1,9 +1,12 @@
-"""A role change under load (`tandem up --elastic`'s mechanism, cli/supervisor.py): on a
+"""Role changes under load (`tandem up --elastic`'s mechanism, cli/supervisor.py): on a
 supervised 1P+2D elastic stack with cluster TLS, a decode worker holding running streams is
-converted to a prefill worker while clients keep sending. Its streams move to the other decode
-worker, no request fails, every output equals the offline engine's, the drained worker exits 0,
-the router learns the new prefill worker from the stack's workers file and sends it prompts,
-and every pool ends idle."""
+changed to a prefill worker in place (SwitchRole: the same process and engine core, a new port
+with its prefill certificate), then back to a decode worker by the restart path, while clients
+keep sending. Its streams move to the other decode worker, no request fails, every output
+equals the offline engine's, the router learns each new worker from the stack's workers file
+and sends it work of its role, and every pool ends idle. The other decode worker, which pulled
+the moved streams' KV from the changing worker's pool, later pulls prompts from the same pool
+at the worker's new address (runtime/role_switch.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +15,17 @@ import time
 
 import grpc
 import httpx
+import pytest
 
 from cluster import WORKER_ARGS, Cluster
 from tandem.cli.supervisor import Supervisor
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime.convert import params_to_proto
-from tandem.v1 import api_pb2
+from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
-# Streams long enough to be running on the converted worker when its drain starts (as in
-# test_faults.py: shorter ones had all ended by then beside busy processes).
-LONG = SamplingParams(temperature=0, max_tokens=320, ignore_eos=True)
+# Streams long enough to be running on the converted worker when its drain starts, seconds
+# after they start (test_faults.py's 320 tokens had ended within a second on a quiet machine).
+LONG = SamplingParams(temperature=0, max_tokens=800, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LONG_PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(5 + 6 * i)] for i in range(4)]
 LOAD_PROMPTS = [[(13 * i + 5 * j) % 250 + 1 for j in range(4 + 3 * i)] for i in range(6)]
@@ -45,27 +49,43 @@ async def steady(stub, done: asyncio.Event, results: list, failures: list) -> No
         i += 1
 
 
-async def running_on(c: Cluster, name: str) -> None:
-    """Until worker `name` runs at least one stream (its load polls lag a step or two)."""
+async def holding_a_long_stream(c: Cluster) -> str:
+    """Once a long stream runs (nothing else is sent yet), the decode worker running the most."""
     deadline = time.monotonic() + 60
-    while (await c.load(c.procs[name])).num_running == 0:
-        assert time.monotonic() < deadline, f"nothing ever ran on {name}"
+    while True:
+        running = {p.name: (await c.load(p)).num_running for p in c.workers("decode")}
+        if any(running.values()):
+            return max(running, key=running.__getitem__)
+        assert time.monotonic() < deadline, "no long stream ever ran"
         await asyncio.sleep(0.05)
 
 
-async def routed(h: httpx.AsyncClient, address: str) -> None:
-    """Until the router's /workers lists `address` as an up prefill worker."""
+async def routed(h: httpx.AsyncClient, address: str, role: str) -> None:
+    """Until the router's /workers lists `address` as an up worker of `role`."""
     deadline = time.monotonic() + 60
     while True:
         workers = (await h.get("/workers")).json()["workers"]
-        if any(w["address"] == address and w["role"] == "prefill" and w["state"] == "up"
+        if any(w["address"] == address and w["role"] == role and w["state"] == "up"
                and not w["draining"] for w in workers):
             return
         assert time.monotonic() < deadline, workers
         await asyncio.sleep(0.05)
 
 
-def test_a_decode_worker_becomes_a_prefill_worker_under_load(tiny_models, tmp_path, offline):
+async def serves(c: Cluster, stub, name: str, results: list, params: SamplingParams) -> None:
+    """Until worker `name` took a request (fresh prompts sent meanwhile, outputs kept)."""
+    deadline = time.monotonic() + 60
+    k = 0
+    while (await c.load(c.procs[name])).num_requests == 0:
+        assert time.monotonic() < deadline, f"no request reached {name}"
+        fresh = [[200 + k + j, 9, j + 1, 4] for j in range(4)]
+        k += 4
+        results.extend(zip(fresh, await asyncio.gather(
+            *(generate(stub, p, params) for p in fresh)), strict=True))
+
+
+def test_a_decode_worker_changes_role_in_place_and_back_by_restart_under_load(
+        tiny_models, tmp_path, offline):
     c = Cluster(tmp_path, str(tiny_models["llama"]), prefill=1, decode=2,
                 worker_args=WORKER_ARGS, cluster_ca=True, elastic=True).start()
     supervisor = Supervisor(c).start()
@@ -78,31 +98,56 @@ def test_a_decode_worker_becomes_a_prefill_worker_under_load(tiny_models, tmp_pa
                 done = asyncio.Event()
                 results: list = []
                 failures: list = []
+                longs = [asyncio.create_task(generate(stub, p, LONG)) for p in LONG_PROMPTS]
+                name = await holding_a_long_stream(c)
                 clients = [asyncio.create_task(steady(stub, done, results, failures))
                            for _ in range(2)]
-                longs = [asyncio.create_task(generate(stub, p, LONG)) for p in LONG_PROMPTS]
-                await running_on(c, "decode1")
-                supervisor.convert("decode1", "prefill", reason="test")
+                before = c.procs[name]
+                pids = before.popen.pid, c.engine_core(name)
+                supervisor.convert(name, "prefill", reason="test")
                 (conv,) = await asyncio.to_thread(supervisor.wait_converted, 1, 300)
                 # The router learns it from the workers file and sends it prompts.
-                await routed(h, conv.address)
+                await routed(h, conv.address, "prefill")
+                await serves(c, stub, conv.new_name, results, SHORT)
                 new = c.procs[conv.new_name]
-                deadline = time.monotonic() + 60
-                while (await c.load(new)).num_requests == 0:
-                    assert time.monotonic() < deadline, "no prompt reached the new worker"
-                    fresh = [[200 + k, 9, k + 1, 4] for k in range(4)]
-                    results.extend(zip(fresh, await asyncio.gather(
-                        *(generate(stub, p, SHORT) for p in fresh)), strict=True))
+                in_place = (new.popen.pid, c.engine_core(conv.new_name)) == pids
+                # Asked for what it cannot do, it refuses before draining anything.
+                async with c.worker_channel(new) as wch:
+                    with pytest.raises(grpc.aio.AioRpcError) as again:
+                        await worker_pb2_grpc.WorkerStub(wch).SwitchRole(
+                            worker_pb2.SwitchRoleRequest(role="prefill"), timeout=10)
+                load = await c.load(new)  # over TLS: it holds a prefill certificate now
+                with pytest.raises(grpc.aio.AioRpcError) as old_port:
+                    await c.load(before)
+                # Back to decode by a restart: the path a worker that cannot change in place
+                # takes.
+                supervisor.in_place = False
+                supervisor.convert(conv.new_name, "decode", reason="test")
+                (_, back) = await asyncio.to_thread(supervisor.wait_converted, 2, 300)
+                await routed(h, back.address, "decode")
+                await serves(c, stub, back.new_name, results, SHORT)
+                restarted = c.procs[back.new_name].popen.pid not in pids
                 done.set()
                 await asyncio.gather(*clients)
                 long_out = await asyncio.gather(*longs)
                 await c.wait_idle(timeout=60)
-                return conv, results, failures, long_out
+                return (name, conv, back, in_place, load, old_port.value.code(), again.value,
+                        restarted, results, failures, long_out)
 
-        conv, results, failures, long_out = asyncio.run(main())
-        assert conv.done and conv.failed is None and conv.exit_code == 0, conv
-        assert conv.new_name == "prefill1" and [p.name for p in c.workers()] == \
-            ["prefill0", "decode0", "prefill1"]  # its slot, its device
+        names = [p.name for p in c.workers()]
+        other = dict(c.other_names)
+        (name, conv, back, in_place, load, old_port, again, restarted, results, failures,
+         long_out) = asyncio.run(main())
+        assert conv.done and conv.failed is None, conv
+        # In place: the same process and engine core, never exited, serving as prefill1 at
+        # the address its SwitchRole answered; its old port closed.
+        assert in_place and conv.exit_code is None and conv.switched_to == conv.address, conv
+        assert conv.new_name == other[name] and load.role == "prefill" and not load.draining
+        assert again.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "a prefill worker already" in again.details()
+        assert old_port == grpc.StatusCode.UNAVAILABLE
+        assert back.done and back.exit_code == 0 and restarted and back.new_name == name
+        assert [p.name for p in c.workers()] == names  # its slot, its name in each role
         assert failures == []
         want = offline.generate(LONG_PROMPTS, LONG)
         assert long_out == [o.outputs[0].token_ids for o in want]

@@ -211,8 +211,10 @@ HARMLESS = {
     # A salt nobody cached under: nothing is lent (no lease left pinned).
     "LendPrefix": worker_pb2.LendPrefixRequest(prompt_token_ids=[7] * 40,
                                                cache_salt="nothing-cached"),
-    # Not harmless where allowed (the worker drains and exits): called only where refused.
+    # Not harmless where allowed (the worker drains and exits, or changes role): called only
+    # where refused.
     "Drain": worker_pb2.DrainRequest(),
+    "SwitchRole": worker_pb2.SwitchRoleRequest(role="decode"),
 }
 
 
@@ -221,7 +223,8 @@ def test_each_role_calls_only_what_the_table_allows(cluster):
     worker's, the decode worker's) on both workers: PERMISSION_DENIED, naming the caller,
     exactly where WORKER_CALLERS does not list the caller's role (or SELF, the worker's own),
     whatever the worker's role; anything else (an answer, or the servicer's own refusal) where
-    it does. Drain is called only where it is refused (elsewhere the worker would drain)."""
+    it does. Drain and SwitchRole are called only where refused (elsewhere the worker would
+    drain)."""
     from tandem.runtime.cluster_roles import WORKER_CALLERS, allowed
 
     assert set(HARMLESS) == set(WORKER_CALLERS)
@@ -266,7 +269,7 @@ def test_each_role_calls_only_what_the_table_allows(cluster):
                     stub = worker_pb2_grpc.WorkerStub(ch)
                     for method in WORKER_CALLERS:
                         may = allowed(f"/tandem.v1.Worker/{method}", role, w.name.rstrip("0"))
-                        if method == "Drain" and may:
+                        if method in ("Drain", "SwitchRole") and may:
                             continue
                         code, details = await call(stub, method, may)
                         denied = code == grpc.StatusCode.PERMISSION_DENIED
