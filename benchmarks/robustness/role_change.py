@@ -148,14 +148,18 @@ def main() -> int:
     p.add_argument("--restart", action="store_true",
                    help="change roles by restarting the worker (no change in place)")
     p.add_argument("--out", type=Path, default=None, help="write the changes here as JSON")
+    p.add_argument("--device", default="cpu", help="every worker's (cuda:0: one GPU shared)")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
+                   help="a flag for every worker, after the defaults (e.g. "
+                        "--worker-arg=--load-format=dummy)")
     a = p.parse_args()
-    worker_args = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
-    stack = LocalStack(a.model, ["prefill", "decode", "decode"], ["cpu"] * 3,
+    worker_args = ["--num-blocks", "256", "--max-num-batched-tokens", "64", *a.worker_arg]
+    stack = LocalStack(a.model, ["prefill", "decode", "decode"], [a.device] * 3,
                        worker_args=worker_args, router_args=["--grpc-port", "0",
                                                              "--http-port", "0"],
                        log_dir=tempfile.mkdtemp(prefix="tandem-role-change-"),
                        cluster_ca=True, elastic=True)
-    print(f"starting an elastic 1P+2D stack of {a.model} on the CPU "
+    print(f"starting an elastic 1P+2D stack of {a.model} on {a.device} "
           f"({platform.processor() or platform.machine()}); logs in {stack.log_dir}", flush=True)
     stack.start()
     say = lambda m: print(f"  supervisor: {m}", flush=True)  # noqa: E731
