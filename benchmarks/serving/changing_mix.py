@@ -231,8 +231,16 @@ class Follower:
         ended = self._ended + [None] * len(changes)
         return [{"worker": c.name, "became": c.new_name, "role": c.role, "reason": c.reason,
                  "done": c.done, "failed": c.failed, "moved": c.moved, "finished": c.finished,
-                 "left": c.left, "asked_s": asked, "ended_s": end}
+                 "left": c.left, "asked_s": asked, "ended_s": end,
+                 # How it went (cli/supervisor.py): in place, or by a restart; its drain and
+                 # the whole change, from the supervisor's marks.
+                 "in_place": bool(c.switched_to), "drain_s": _span(c.asked_at, c.drained_at),
+                 "change_s": _span(c.asked_at, c.ready_at)}
                 for c, asked, end in zip(changes, self._asked, ended)]
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
 
 
 # -- one layout ----------------------------------------------------------------------------------
@@ -382,7 +390,11 @@ def report(out_dir: Path, slo: tuple[float | None, float | None, str]) -> dict:
                   f"asked at {common.fmt(c.get('asked_s'))} s, ended at "
                   f"{common.fmt(c.get('ended_s'))} s"
                   f"{'' if c['done'] else ' (not done: ' + (c.get('failed') or 'under way') + ')'} "
-                  f"({c['reason']})")
+                  + (f"{'in place' if c.get('in_place') else 'by restart'} in "
+                     f"{common.fmt(c.get('change_s'), '.2f')} s, drained in "
+                     f"{common.fmt(c.get('drain_s'), '.2f')} s " if c.get("change_s") is not None
+                     else "")
+                  + f"({c['reason']})")
     out = {"slo": {"ttft_ms": slo[0], "itl_ms": slo[1], "per_request_itl": slo[2]},
            "cards": cards, "phases": runs[0]["phases"], "rows": rows, "ratios": rat}
     (out_dir / "report.json").write_text(json.dumps(common.strip_private(out), indent=1))

@@ -70,7 +70,8 @@ def test_report_merges_layouts_and_compares_elastic(tmp_path, capsys):
             "elastic": {**run("elastic", "elastic", fast),
                         "role_changes": [{"worker": "decode1", "became": "prefill2",
                                           "asked_s": 3.0, "ended_s": 9.5, "done": True,
-                                          "reason": "planner"}]}}
+                                          "in_place": True, "drain_s": 0.12,
+                                          "change_s": 0.31, "reason": "planner"}]}}
     for name, r in runs.items():
         (tmp_path / f"layout-{name}.json").write_text(json.dumps(r))
     (tmp_path / "layout-unfinished.json").write_text(json.dumps(
@@ -84,6 +85,7 @@ def test_report_merges_layouts_and_compares_elastic(tmp_path, capsys):
     assert [r["label"] for r in out["rows"]] == ["2P2D", "3P1D", "4C", "elastic"]
     text = capsys.readouterr().out
     assert "1.25x colocated" in text and "decode1 -> prefill2" in text
+    assert "in place in 0.31 s, drained in 0.12 s" in text
     assert json.loads((tmp_path / "report.json").read_text())["ratios"]["best_colocated"][0] == "4C"
     # Without SLOs given, the report takes those the runs stored: here stricter, none good.
     for name, r in runs.items():
