@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections import Counter
 
 import grpc
@@ -188,8 +189,41 @@ def _generate_request(fields: dict) -> api_pb2.GenerateRequest:
     return req
 
 
-generate_request = with_hostile(st.fixed_dictionaries(GRPC_VALID), GRPC_HOSTILE).map(
-    _generate_request)
+# Values the server must refuse with INVALID_ARGUMENT, whatever else the request holds. Drawn in
+# their own share of the examples (and asserted one by one), so the refusal path is reached by
+# construction: how often a hostile draw happens to be invalid depends on Hypothesis' pool of
+# constants, which changes with the modules a run has imported.
+not_finite = st.sampled_from([math.nan, math.inf, -math.inf])
+GRPC_REFUSED = {
+    "n": st.integers(17, 2**32 - 1),  # past the stack's limit of samples (16)
+    "temperature": st.one_of(st.floats(max_value=-1e-3), not_finite),
+    "top_p": st.one_of(st.floats(min_value=1.001), not_finite),
+    "min_p": st.one_of(st.floats(min_value=1.001), st.floats(max_value=-1e-3), not_finite),
+    "repetition_penalty": st.one_of(st.floats(max_value=0), not_finite),
+    "presence_penalty": st.one_of(st.floats(min_value=2.001), st.floats(max_value=-2.001)),
+    "frequency_penalty": st.one_of(st.floats(min_value=2.001), st.floats(max_value=-2.001)),
+    "seed": st.integers(2**63, 2**64 - 1),
+    "logprobs": st.integers(21, 2**32 - 1),
+    "min_tokens": st.integers(5, 2**32 - 1),  # past max_tokens (at most 4)
+    "logit_bias": st.dictionaries(st.integers(0, 250), st.one_of(
+        st.floats(min_value=100.001), st.floats(max_value=-100.001), not_finite),
+        min_size=1, max_size=2),
+    "cache_salt": st.text(min_size=257, max_size=300),
+    "stop": st.lists(st.just("a"), min_size=257, max_size=260),
+    "prompt": st.lists(st.integers(2**20, 2**32 - 1), min_size=1, max_size=4),  # past the vocab
+}
+
+
+def _refused(t: tuple) -> tuple[str, dict]:
+    valid, name, data = t
+    return name, {**valid, name: data.draw(GRPC_REFUSED[name])}
+
+
+refused_request = st.tuples(st.fixed_dictionaries(GRPC_VALID), st.sampled_from(
+    sorted(GRPC_REFUSED)), st.data()).map(_refused)
+generate_request = st.one_of(
+    with_hostile(st.fixed_dictionaries(GRPC_VALID), GRPC_HOSTILE).map(lambda f: (None, f)),
+    refused_request).map(lambda t: (t[0], _generate_request(t[1])))
 FINE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
         grpc.StatusCode.RESOURCE_EXHAUSTED}
 
@@ -199,23 +233,27 @@ def test_fuzz_grpc_generate(cluster, http):
     channel = loop.run_until_complete(_channel(cluster))
     stub = api_pb2_grpc.TandemStub(channel)
 
-    async def call(req) -> grpc.StatusCode:
+    async def call(req) -> tuple[grpc.StatusCode, str]:
         try:
             async for _ in stub.Generate(req, metadata=(("authorization", f"Bearer {KEY}"),),
                                          timeout=60):
                 pass
         except grpc.aio.AioRpcError as e:
-            return e.code()
-        return grpc.StatusCode.OK
+            return e.code(), e.details() or ""
+        return grpc.StatusCode.OK, ""
 
     seen: Counter = Counter()
 
     @settings(FUZZ, max_examples=250)
-    @given(req=generate_request)
-    def run(req):
-        code = loop.run_until_complete(call(req))
+    @given(case=generate_request)
+    def run(case):
+        refused_field, req = case
+        code, details = loop.run_until_complete(call(req))
         seen[code.name] += 1
         assert code in FINE, (code, req)
+        if refused_field is not None:  # refused, naming the field
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (refused_field, code, req)
+            assert refused_field in details, (refused_field, details)
 
     try:
         run()
