@@ -129,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hold_lifeline()  # a launcher's child dies with it (cli/lifeline.py)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
+    args.command_argv = argv  # as given: a command may start copies of itself (router)
     try:
         return args.func(args) or 0
     except InvalidArgument as e:

@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import socket
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -648,7 +649,11 @@ class HttpServer:
                  grace_s: float = 5.0, tls: PublicTls | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-                 responses_store: ResponseStore | None = None) -> None:
+                 responses_store: ResponseStore | None = None,
+                 sock: socket.socket | None = None) -> None:
+        """`sock`: a bound socket to listen on instead of host:port (one other processes
+        share: `tandem router --api-processes`)."""
+        self._sock = sock
         self._shutdown = Shutdown()
         self._grace_s = grace_s
         self.app = build_app(frontend, workers, api_keys, routes, max_body_bytes,
@@ -665,7 +670,8 @@ class HttpServer:
 
     async def start(self) -> int:
         """Listen; returns the bound port (the real one when port 0 was asked for)."""
-        self._task = asyncio.create_task(self._server.serve(), name="http-server")
+        self._task = asyncio.create_task(self._server.serve(
+            sockets=[self._sock] if self._sock is not None else None), name="http-server")
         while not self._server.started:
             if self._task.done():
                 self._task.result()  # raises what stopped it

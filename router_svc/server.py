@@ -14,6 +14,15 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.model_source import resolve_model, served_name
 from tandem.engine.tokenizer import Tokenizer, has_tokenizer
 from tandem.errors import InvalidArgument
+from tandem.router_svc.api_processes import (
+    ApiProcesses,
+    gather_expositions,
+    make_shared_dir,
+    merge_expositions,
+    publish_metrics_port,
+    remove_shared_dir,
+    reuse_port_socket,
+)
 from tandem.router_svc.frontend import Frontend
 from tandem.router_svc.grpc_api import TandemServicer
 from tandem.router_svc.http_guard import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
@@ -186,6 +195,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "tools (default: on; --no-reflection turns it off)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="seconds to drain in-flight requests (gRPC and HTTP) on SIGTERM")
+    p.add_argument("--api-processes", type=int, default=1, metavar="N",
+                   help="router processes serving the same ports (SO_REUSEPORT): each takes "
+                        "its share of the connections, so a burst of streams is not held up "
+                        "by one process's CPU (router_svc/api_processes.py); needs "
+                        "--responses-store 0")
+    p.add_argument("--api-process-index", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--api-shared-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ready-file", default=None)
     p.add_argument("--trace-content", action="store_true",
                    help="record prompt and output text in traces (off: never recorded)")
@@ -224,9 +240,11 @@ def planner_targets(args: argparse.Namespace) -> PlannerTargets | None:
 
 
 async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = None,
-                telemetry: Telemetry | None = None) -> None:
+                telemetry: Telemetry | None = None, shared_dir: Path | None = None) -> int:
     """`telemetry`: the process's logging, tracing and metrics, as run() sets them up (default:
-    tracing off, metrics unserved but for /metrics)."""
+    tracing off, metrics unserved but for /metrics). `shared_dir`: where a group of API
+    processes finds each other's metrics (run() makes it for the primary). Returns the exit
+    code."""
     telemetry = telemetry or Telemetry("router")
     prefill, decode, both = (_addresses(a) for a in (args.prefill, args.decode, args.workers))
     learnt = config_from_args(args.workers_file, args.prefill_dns, args.decode_dns,
@@ -251,9 +269,17 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
         raise InvalidArgument("--grammar-budget", f"must be > 0, got {args.grammar_budget}")
     if not args.http_read_timeout > 0:
         raise InvalidArgument("--http-read-timeout", f"must be > 0, got {args.http_read_timeout}")
+    if args.api_processes < 1:
+        raise InvalidArgument("--api-processes", f"must be >= 1, got {args.api_processes}")
+    # In a group of API processes (the primary of several, or one it started).
+    grouped = args.api_processes > 1 or args.api_process_index > 0
+    if grouped and args.responses_store:
+        raise InvalidArgument("--api-processes", "stored responses live in one process, and "
+                              "a follow-up may reach another: give --responses-store 0")
     cluster_tls = ClusterTls.from_args(args)
     if cluster_tls is not None:
         cluster_tls.check_role("router")
+    exit_code = [0]
     public_tls = PublicTls.from_args(args)
     api_keys = load_api_keys(key_file=args.api_key_file)
     model_dir = resolve_model(args.model)
@@ -268,8 +294,9 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
                         policy=policy,
                         prefill_fallback=args.prefill_fallback)
     targets = planner_targets(args)
+    # One planner per fleet: the primary API process's.
     planner = (Planner(targets, telemetry.metrics.registry, workers, args.planner_interval)
-               if targets is not None else None)
+               if targets is not None and args.api_process_index == 0 else None)
     orchestrator = Orchestrator(workers, max_migrations=args.max_migrations,
                                 prefill_saturation=args.prefill_saturation,
                                 rebalance=RebalanceConfig(args.rebalance,
@@ -289,7 +316,7 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
         # Innermost: refused before the servicer runs, inside the tracing interceptors, so that
         # a refusal is traced like any other call.
         interceptors.append(ApiKeyInterceptor(api_keys))
-    server = make_server(interceptors)
+    server = make_server(interceptors, reuse_port=grouped)
     grpc_port = bind(server, args.host, args.grpc_port,
                      public_tls.server_credentials() if public_tls else None)
     api_pb2_grpc.add_TandemServicer_to_server(TandemServicer(frontend, (args.host, grpc_port)),
@@ -323,15 +350,31 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
 
         async def metrics(_request) -> Response:
             body, content_type = telemetry.metrics.exposition()
+            if shared_dir is not None:  # every API process's series
+                body = merge_expositions(await gather_expositions(
+                    shared_dir, args.api_process_index, body))
             return Response(body, media_type=content_type)
 
         http = HttpServer(frontend, workers, args.host, args.http_port, api_keys,
+                          sock=reuse_port_socket(args.host, args.http_port) if grouped
+                          else None,
                           routes=[Route("/metrics", metrics, methods=["GET"])],
                           grace_s=args.grace, tls=public_tls,
                           max_body_bytes=args.max_body_bytes,
                           read_timeout_s=args.http_read_timeout,
                           responses_store=ResponseStore(args.responses_store))
         http_port = await http.start()
+
+    others: ApiProcesses | None = None
+    if shared_dir is not None and http is not None:  # read by the others' /metrics
+        publish_metrics_port(shared_dir, args.api_process_index,
+                             telemetry.metrics.serve("127.0.0.1", 0, any_port=True))
+    if args.api_processes > 1:
+        others = ApiProcesses(args.command_argv, args.api_processes, grpc_port,
+                              -1 if http_port is None else http_port, shared_dir)
+        await others.start()
+        stop_event = stop_event or asyncio.Event()
+        watch = asyncio.create_task(_watch(others, stop_event, exit_code))
 
     def ready() -> None:
         log.info("router: gRPC on %s:%d, HTTP on %s, %d workers", args.host, grpc_port,
@@ -343,6 +386,9 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
             os.replace(tmp, args.ready_file)
 
     async def stop() -> None:
+        if others is not None:
+            watch.cancel()
+        telemetry.metrics.stop()
         await loop_lag.close()
         if planner is not None:
             await planner.close()
@@ -353,8 +399,22 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
         await workers.close()
 
     # HTTP drains alongside gRPC: both refuse new requests from SIGTERM on.
+    drain_also = [http.stop] if http else []
+    if others is not None:
+        drain_also.append(others.stop)  # they drain alongside this one
     await serve_until_signal(server, health, grace_s=args.grace, on_stop=stop, ready=ready,
-                             stop_event=stop_event, drain_also=[http.stop] if http else [])
+                             stop_event=stop_event, drain_also=drain_also)
+    return exit_code[0]
+
+
+async def _watch(others: ApiProcesses, stop: asyncio.Event, exit_code: list[int]) -> None:
+    """The primary stops (exit code 1) when another API process dies: a supervisor restarts
+    the whole router, rather than its ports serving on with a share of the connections lost."""
+    index, code = await others.wait_any_exit()
+    if not others.stopping:
+        log.error("router API process %d exited with %s: stopping the router", index, code)
+        exit_code[0] = 1
+        stop.set()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -367,8 +427,13 @@ def run(args: argparse.Namespace) -> int:
     if not torch_free:
         log.info("torch is loaded (the model's directory was built by this process): the "
                  "router keeps it")
+    shared_dir = Path(args.api_shared_dir) if args.api_shared_dir else None
+    made = shared_dir is None and args.api_processes > 1
+    if made:
+        shared_dir = make_shared_dir()
     try:
-        asyncio.run(serve(args, telemetry=telemetry))
+        return asyncio.run(serve(args, telemetry=telemetry, shared_dir=shared_dir))
     finally:
         telemetry.shutdown()  # flush spans still buffered
-    return 0
+        if made:
+            remove_shared_dir(shared_dir)

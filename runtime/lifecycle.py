@@ -62,8 +62,12 @@ GRPC_OPTIONS = [
 SERVER_OPTIONS = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
-def make_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=list(interceptors), options=SERVER_OPTIONS)
+def make_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (), *,
+                reuse_port: bool = False) -> grpc.aio.Server:
+    """reuse_port: the port is shared with other processes of one service (SO_REUSEPORT:
+    `tandem router --api-processes`); otherwise binding a port another server holds fails."""
+    options = [*GRPC_OPTIONS, ("grpc.so_reuseport", 1)] if reuse_port else SERVER_OPTIONS
+    return grpc.aio.server(interceptors=list(interceptors), options=options)
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:

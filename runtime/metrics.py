@@ -141,12 +141,15 @@ class Metrics:
         tandem_engine_core_process_* (process_* describe the gRPC process only)."""
         ProcessCollector(namespace="tandem_engine_core", pid=lambda: pid, registry=self.registry)
 
-    def serve(self, host: str, port: int) -> None:
-        """Serve /metrics on its own port (a thread), for workers; 0: off."""
-        if port:
-            from prometheus_client import start_http_server  # noqa: PLC0415
+    def serve(self, host: str, port: int, *, any_port: bool = False) -> int:
+        """Serve /metrics on its own port (a thread), for workers; 0: off, unless any_port
+        (then a free one). Returns the port served on (0: none)."""
+        if not (port or any_port):
+            return 0
+        from prometheus_client import start_http_server  # noqa: PLC0415
 
-            self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
 
     def stop(self) -> None:
         if self._http is not None:
