@@ -6,7 +6,7 @@
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, fp8_fusion, defaults, structured,
 # pulls, profile, offline, layouts, compare, spec, spec_batch, multiturn_tier, migration_stall,
-# changing_mix, rolling, pack.
+# changing_mix, rolling, router_procs, pack.
 # Several groups of stages at once, each on its own GPUs: gpu_parallel.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -194,6 +194,20 @@ for stage in "$@"; do
       # shellcheck disable=SC2086
       run layout_2c python3 benchmarks/serving/serve.py --launch colocated --num-both 2 \
         "${common[@]}" $wl --devices cuda:0,cuda:1 --rate inf --out "$OUT/layout_2c.json" -- ${LAYOUT_FLAGS:-} ;;
+    router_procs)  # issue 40: router + one colocated worker against the offline engine, the
+      # router as 1 and as ROUTER_PROCS API processes (8B config, ShareGPT-like seed 0, 1,000 at once)
+      common=(--model $B8 --dtype bfloat16 --load-format dummy --num-requests 1000 --no-progress
+              --devices cuda:0 --workload sharegpt --seed 0)
+      eng=(-- --scheduling-policy critical-path)
+      run rp_warm python3 benchmarks/serving/serve.py --mode offline "${common[@]}" --workload fixed \
+        --prompt-len 64 --output-len 16 --gpu-time-every 0 "${eng[@]}"
+      run rp_offline python3 benchmarks/serving/serve.py --mode offline "${common[@]}" --gpu-time-every 0 \
+        --out "$OUT/rp_offline.json" "${eng[@]}"
+      for n in ${ROUTER_PROCS:-4} 1; do
+        run "rp_api$n" python3 benchmarks/serving/serve.py --launch colocated --rate inf "${common[@]}" \
+          --router-arg=--api-processes=$n --router-arg=--responses-store=0 --out "$OUT/rp_api$n.json" "${eng[@]}"
+      done
+      grep -hE "requests in|^ +inf|longest" "$OUT"/rp_offline.txt "$OUT"/rp_api*.txt >> "$OUT/rp_table.txt" ;;
     compare)  # the offline engine from this tree and from the BASE checkout, in turn on cuda:0
       # (COMPARE_WORKLOAD, engine flags COMPARE_FLAGS), after one unmeasured warm-up run;
       # COMPARE_MODE=colocated: router + one colocated worker instead of the offline engine

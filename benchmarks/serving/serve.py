@@ -111,7 +111,7 @@ def router_args(a: argparse.Namespace, passthrough: list[str], num_requests: int
            "--max-requests", str(max(1024, 2 * num_requests))]
     if "--block-size" in passthrough:  # the router hashes prefixes with the workers' block size
         out += ["--block-size", passthrough[passthrough.index("--block-size") + 1]]
-    return out
+    return out + getattr(a, "router_arg", [])
 
 
 # -- command line --------------------------------------------------------------------------------
@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-decode", type=int, default=0)
     p.add_argument("--num-both", type=int, default=0,
                    help="colocated workers (default 1 with --launch colocated)")
+    p.add_argument("--router-arg", action="append", default=[],
+                   help="a flag for the launched router (repeat; --router-arg=--flag=value)")
     add_stack_args(p)
     add_workload_args(p)
     add_load_args(p)
