@@ -1,11 +1,12 @@
 """Several router processes behind one pair of ports (`tandem router --api-processes N`).
 
-One router process is one event loop on one core: under a burst of streams its per-token work
-(a gRPC or SSE message per token per stream, detokenization) fills the loop, and new calls wait
-behind the tokens of the running ones (BENCHMARKS: the last of 1,000 calls reached the worker
-seconds late). With N > 1 the first process (the primary) starts N - 1 more, each a whole router
-over the same workers, and every one listens on the same gRPC and HTTP ports with SO_REUSEPORT:
-the kernel spreads connections over them. What each process does alone:
+One router process is one event loop on one core, and every token costs it work (a gRPC or SSE
+message per token per stream, detokenization): at ~10k tokens/s it is most of a core, and new
+calls wait behind the tokens of the running ones (BENCHMARKS "Router API processes": on an H200,
+1,000 requests at once, TTFT p50 5.2 s through one process against 3.9 s offline and through
+four). With N > 1 the first process (the primary) starts N - 1 more, each a whole router over the
+same workers, and every one listens on the same gRPC and HTTP ports with SO_REUSEPORT: the
+kernel spreads connections over them. What each process does alone:
 
 - its own requests, start to end (routing, migration, rebalance of what it streams);
 - its own view of the workers (each polls them and follows their KV events);

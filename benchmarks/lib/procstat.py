@@ -70,11 +70,21 @@ def engine_cores(pid: int) -> list[int]:
         return []
 
 
+def api_processes(pid: int) -> list[int]:
+    """The other API processes a router started (`--api-processes`: `tandem` run again)."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [int(k) for k in kids
+                if b"tandem.cli.main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    except OSError:
+        return []
+
+
 def process_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system, all threads) a process and its engine core have used so far;
-    None off Linux."""
+    """CPU seconds (user + system, all threads) a process, its engine core and (a router) its
+    other API processes have used so far; None off Linux."""
     total = 0.0
-    for p in (pid, *engine_cores(pid)):
+    for p in (pid, *engine_cores(pid), *api_processes(pid)):
         try:
             fields_ = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from benchmarks.lib.common import dist, fmt  # noqa: E402
+from benchmarks.lib.procstat import process_cpu_s  # noqa: E402
 from benchmarks.lib.workloads import Request  # noqa: E402
 from benchmarks.serving.serve_client import LoadOptions, send_all  # noqa: E402
 from tandem.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
@@ -141,20 +141,6 @@ def start_router(model: str, worker: str, router_args: list[str], tmp: Path) -> 
     return p, f"127.0.0.1:{ready.read_text().split()[0]}"
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds of a process and its descendants (a router's other API processes)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    total = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            for kid in (task / "children").read_text().split():
-                total += tree_cpu_s(int(kid))
-    return total
-
-
 def run(a: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="router-intake-"))
     arrivals = tmp / "arrivals.json"
@@ -172,10 +158,10 @@ def run(a: argparse.Namespace) -> dict:
         opts = LoadOptions(target=target, channels=a.channels, client_procs=a.client_procs,
                            progress=False)
         send_all(opts, reqs[:a.warmup], [0.0] * a.warmup, "warm-up")
-        cpu0, t0 = tree_cpu_s(router.pid), time.monotonic()
+        cpu0, t0 = process_cpu_s(router.pid), time.monotonic()
         results, client_cpu = send_all(opts, reqs, [0.0] * len(reqs), "run")
         wall = time.monotonic() - t0
-        router_cpu = tree_cpu_s(router.pid) - cpu0
+        router_cpu = process_cpu_s(router.pid) - cpu0
     finally:
         if router is not None:
             router.send_signal(signal.SIGTERM)
