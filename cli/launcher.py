@@ -6,7 +6,7 @@ writes it to a ready file; workers come up first, then the router in front of th
 sends SIGTERM to the router first (it drains its streams), then to the workers.
 
 No process outlives the one that started the stack, however that one ends: each child gets
-SIGTERM (and drains) when its parent dies, SIGKILL included (cli/lifeline.py), and a worker's
+SIGTERM (and drains) when its parent dies, SIGKILL included (runtime/lifeline.py), and a worker's
 engine core and tensor-parallel ranks die with their worker. The throwaway cluster CA's files
 never stay on disk: they live in anonymous memory files that every process reads as /dev/fd/N.
 """
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from tandem.cli.lifeline import lifeline_env
 from tandem.engine.model_source import resolve_model
+from tandem.runtime.lifeline import lifeline_env
 from tandem.runtime.security import API_KEY_ENV, API_KEY_FILE_ENV, ClusterTls
 
 STARTUP_TIMEOUT_S = 900  # a large checkpoint can take minutes to load
@@ -148,7 +148,7 @@ class LocalStack:
         # Own session: a terminal's Ctrl-C reaches the launcher, which stops everyone in order.
         # The CA's certificate and this process's own certificate and key (memory files) are
         # the only descriptors the child inherits: no process holds another role's key.
-        # It dies with this process (cli/lifeline.py).
+        # It dies with this process (runtime/lifeline.py).
         env = {**(self.env if name == "router" else self.worker_env), **lifeline_env()}
         fds = self._certs.fds(name) if self._certs else ()
         if self._certs and name in self.other_names:  # its other role's certificate and key

@@ -12,8 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from tandem.cli.lifeline import hold_lifeline
 from tandem.errors import InvalidArgument, ModelLoadError
+from tandem.runtime.lifeline import hold_lifeline
 
 
 def flag_name(field: str) -> str:
@@ -126,7 +126,7 @@ def _passed_through(flags: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    hold_lifeline()  # a launcher's child dies with it (cli/lifeline.py)
+    hold_lifeline()  # a launcher's child dies with it (runtime/lifeline.py)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
     args.command_argv = argv  # as given: a command may start copies of itself (router)

@@ -40,7 +40,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from tandem.cli.lifeline import lifeline_env
+from tandem.runtime.lifeline import lifeline_env
 
 log = logging.getLogger(__name__)
 

@@ -174,7 +174,7 @@ def stop_on_signals(stop: Callable[[], None]) -> None:
 def ignore_further_sigterm() -> None:
     """Told once: a later SIGTERM changes nothing, also once the loop is gone and the process
     tears down (a supervisor's can come after the one a launcher thread's exit sends:
-    PR_SET_PDEATHSIG follows the thread that started the process, cli/lifeline.py)."""
+    PR_SET_PDEATHSIG follows the thread that started the process, runtime/lifeline.py)."""
     with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
         asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,5 +1,6 @@
 """`tandem router --api-processes 2`: two router processes on the same gRPC and HTTP ports in
-front of one colocated worker. Connections spread over both (new connections are opened until
+front of one colocated worker, mutual TLS between router and worker (the second process reads
+the launcher's in-memory credentials as the first does). Connections spread over both (new connections are opened until
 the merged /metrics shows that each process finished requests), every answer is the same greedy
 output, /metrics from either process carries both processes' series, SIGTERM drains and stops
 both (exit 0, none left behind), and the death of the second stops the first (exit 1, for a
@@ -44,7 +45,7 @@ def served_by_process(metrics: str) -> dict[str, float]:
 @pytest.fixture
 def cluster(tiny_models, tmp_path):
     c = Cluster(tmp_path, str(tiny_models["llama"]), prefill=0, decode=0, both=1,
-                worker_args=WORKER_ARGS, router_args=ROUTER_ARGS).start()
+                worker_args=WORKER_ARGS, router_args=ROUTER_ARGS, cluster_ca=True).start()
     yield c
     c.stop()
 
