@@ -17,7 +17,7 @@ def test_chaos_short(tiny_models, tmp_path):
     out = tmp_path / "chaos.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "robustness" / "chaos.py"), "--model",
-         str(tiny_models["llama"]), "--duration", "20", "--min-faults", "3",
+         str(tiny_models["llama"]), "--duration", "10", "--min-faults", "3", "--first-fault", "1", "--fault-interval", "1",
          "--max-duration", "240", "--seed", "2", "--log-dir", str(tmp_path / "logs"),
          "--out", str(out)],
         capture_output=True, text=True, timeout=900, cwd=ROOT)

@@ -1,5 +1,6 @@
-"""The soak's CI version (benchmarks/robustness/soak.py, 20 s of load): a supervised 1P+2D stack under a
-random request mix while a worker is hung (SIGSTOP) and another killed (SIGKILL). Nothing goes
+"""The soak's CI version (benchmarks/robustness/soak.py, 10 s of load, each fault a second after
+the last one's recovery): a supervised 1P+2D stack under a random request mix while a worker is
+hung (SIGSTOP) and another killed (SIGKILL). Nothing goes
 unexplained, greedy and seeded outputs equal their fault-free runs, and every pool ends with no
 block in use and no lease."""
 
@@ -17,7 +18,7 @@ def test_soak_short(tiny_models, tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "robustness" / "soak.py"), "--model",
-         str(tiny_models["llama"]), "--duration", "20", "--min-faults", "2",
+         str(tiny_models["llama"]), "--duration", "10", "--min-faults", "2", "--first-fault", "1", "--fault-interval", "1",
          "--log-dir", str(tmp_path / "logs"), "--out", str(out)],
         capture_output=True, text=True, timeout=900, cwd=ROOT)
     tail = proc.stdout[-4000:] + proc.stderr[-3000:]
