@@ -38,7 +38,13 @@ from tandem.router_svc.routing import DEFAULT_POLICY, POLICIES, PlacementOptions
 from tandem.router_svc.routing.placement import DEFAULT_KV_BANDWIDTH
 from tandem.router_svc.schema_check import DEFAULT_BUDGET_S, SchemaChecker
 from tandem.router_svc.workers import FaultMetrics, WorkerSet
-from tandem.runtime.lifecycle import Health, enable_reflection, make_server, serve_until_signal
+from tandem.runtime.lifecycle import (
+    Health,
+    check_port_free,
+    enable_reflection,
+    make_server,
+    serve_until_signal,
+)
 from tandem.runtime.security import (
     ApiKeyInterceptor,
     ClusterTls,
@@ -276,6 +282,11 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     if grouped and args.responses_store:
         raise InvalidArgument("--api-processes", "stored responses live in one process, and "
                               "a follow-up may reach another: give --responses-store 0")
+    if args.api_processes > 1:
+        # The ports are bound shareable (SO_REUSEPORT): first make sure no other server holds
+        # them, which would then quietly take a share of the connections.
+        check_port_free(args.host, args.grpc_port, "--grpc-port")
+        check_port_free(args.host, args.http_port, "--http-port")
     cluster_tls = ClusterTls.from_args(args)
     if cluster_tls is not None:
         cluster_tls.check_role("router")

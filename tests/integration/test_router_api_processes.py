@@ -12,6 +12,9 @@ import asyncio
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -93,12 +96,20 @@ def test_the_death_of_another_api_process_stops_the_router(cluster):
     assert "router API process 1 exited" in cluster.router.log_text()
 
 
-def test_api_processes_refuse_a_responses_store(tiny_models):
-    import subprocess
-    import sys
+def router_exits(model: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tandem.cli.main", "router", "--model",
+                           str(model), "--workers", "127.0.0.1:1", "--api-processes", "2",
+                           *args], capture_output=True, text=True, timeout=120)
 
-    res = subprocess.run([sys.executable, "-m", "tandem.cli.main", "router", "--model",
-                          str(tiny_models["llama"]), "--workers", "127.0.0.1:1",
-                          "--api-processes", "2"], capture_output=True, text=True, timeout=120)
+
+def test_api_processes_refuse_a_responses_store_and_a_port_another_server_holds(tiny_models):
+    res = router_exits(tiny_models["llama"])
     assert res.returncode == 2
     assert "argument --api-processes" in res.stderr and "--responses-store 0" in res.stderr
+    # The ports are bound shareable: one another server listens on is refused, not shared.
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        res = router_exits(tiny_models["llama"], "--responses-store", "0", "--grpc-port",
+                           str(port), "--http-port", "0")
+    assert res.returncode == 2
+    assert f"argument --grpc-port: cannot listen on 127.0.0.1:{port}" in res.stderr, res.stderr
