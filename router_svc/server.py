@@ -10,6 +10,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import structlog
+
 from tandem.engine.config import ModelConfig
 from tandem.engine.model_source import resolve_model, served_name
 from tandem.engine.tokenizer import Tokenizer, has_tokenizer
@@ -440,6 +442,8 @@ def run(args: argparse.Namespace) -> int:
                  "router keeps it")
     shared_dir = Path(args.api_shared_dir) if args.api_shared_dir else None
     made = shared_dir is None and args.api_processes > 1
+    if args.api_processes > 1 or args.api_process_index > 0:  # on every log line
+        structlog.contextvars.bind_contextvars(api_process=args.api_process_index)
     if made:
         shared_dir = make_shared_dir()
     try:

@@ -86,6 +86,8 @@ def test_two_api_processes_share_the_ports_and_stop_together(cluster):
     router.send_signal(signal.SIGTERM)
     assert router.wait(timeout=60) == 0
     assert not Path(f"/proc/{second}").exists()  # it drained and exited, and was reaped
+    # Both wrote to the router's log, each line saying which process wrote it.
+    assert {line.get("api_process") for line in cluster.router.json_logs()} == {0, 1}
 
 
 def test_the_death_of_another_api_process_stops_the_router(cluster):
