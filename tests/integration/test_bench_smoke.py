@@ -1,7 +1,7 @@
 """The benchmarks run end to end on the CPU with a tiny Llama, each by its path as a user runs it:
 serve.py against a stack it launches (colocated and disaggregated), serve.py --mode offline,
-hf_baseline.py (static batches and transformers' continuous batching), and the engine and
-robustness benchmarks' small versions. Each JSON must show every request completed with exactly
+hf_baseline.py (static batches and transformers' continuous batching), router_intake.py (the
+router alone, as two API processes), and the engine and robustness benchmarks' small versions. Each JSON must show every request completed with exactly
 the workload's token counts. (The benchmarks' own helpers are tested in benchmarks/tests/.)"""
 
 from __future__ import annotations
@@ -231,3 +231,15 @@ def test_flood_benchmark_counts_every_request(tmp_path):
     assert r["summary"]["failovers"] == 0
     assert [f["kinds"] for f in r["floods"]] == ["http", "http-stream"]
     assert all(f["longest_loop_stall_s"].startswith("<=") for f in r["floods"])
+
+
+def test_router_intake_counts_every_token_through_two_api_processes(tiny_models, tmp_path):
+    out = tmp_path / "intake.json"
+    run("serving/router_intake.py", "--model", str(tiny_models["llama"]), "--num-requests", "24",
+        "--output-len", "5", "--warmup", "4", "--step-ms", "2",
+        "--router-arg=--api-processes=2", "--router-arg=--responses-store=0", "--out", str(out))
+    (r,) = json.loads(out.read_text())["runs"]
+    assert r["requests"] == 24 and r["failed"] == 0, r["errors"]
+    assert r["output_tokens"] == 24 * 5
+    assert r["arrival_s"]["n"] == 24 and r["ttft_s"]["n"] == 24  # every call reached the worker
+    assert r["router_cpu_us_per_token"] > 0
