@@ -43,6 +43,8 @@ from prometheus_client.samples import Sample
 from tandem.runtime.lifeline import lifeline_env
 
 log = logging.getLogger(__name__)
+# httpx logs every request at INFO: here that is each scrape's reads of the other processes.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 READY_TIMEOUT_S = 300.0  # a router starts in seconds; its tokenizer may take longer to load
 SCRAPE_TIMEOUT_S = 2.0
