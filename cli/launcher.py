@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import random
 import shutil
 import signal
 import socket
@@ -69,10 +70,42 @@ def cpu_threads_each(num_engine_cores: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, num_engine_cores))
 
 
+# Ports free_port() has handed out in this process: not handed out again while it lives.
+_handed_out: set[int] = set()
+# Below the kernel's ephemeral range (Linux's default starts at 32768): a port picked there is
+# never taken in the meantime as the source port of an outgoing connection or by a server
+# binding port 0, as one from bind(("127.0.0.1", 0)) can be (a worker started later on it then
+# failed with "Address already in use" under a busy test run).
+_PICK_LOW, _PICK_HIGH = 20000, 32767
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on now, for a process started later to bind: below the
+    ephemeral range when the kernel says where that starts, never one handed out before."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    high = min(_PICK_HIGH, low - 1)
+    if high > _PICK_LOW:
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randint(_PICK_LOW, high)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range: any free port
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed_out.add(port)
+    return port
 
 
 class LocalStack:

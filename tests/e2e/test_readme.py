@@ -9,23 +9,18 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from cluster import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 DOCS = ROOT / "docs"
 VENV_PYTHON = ROOT / ".venv" / "bin" / "python"  # what `make install` made: the README's venv
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def block_after(marker: str, lang: str, text: str = README) -> str:
