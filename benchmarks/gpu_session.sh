@@ -6,7 +6,7 @@
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, fp8_fusion, defaults, structured,
 # pulls, profile, offline, layouts, compare, spec, spec_batch, multiturn_tier, migration_stall,
-# changing_mix, rolling, router_procs, pack.
+# changing_mix, rolling, router_procs, spec_latency, pack.
 # Several groups of stages at once, each on its own GPUs: gpu_parallel.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -236,6 +236,12 @@ for stage in "$@"; do
       done
       run spec_throughput python3 benchmarks/engine/spec_decode.py throughput --model $B8 \
         --load-format dummy --device cuda --batch 64 256 --out "$OUT/spec_throughput.json" ;;
+    spec_latency)  # batch-1 latency alone, one run per k in SPEC_KS (SPEC_MODEL: a checkpoint or .gguf)
+      for k in ${SPEC_KS:-3}; do
+        run "spec_latency_k$k" python3 benchmarks/engine/spec_decode.py latency \
+          --model "${SPEC_MODEL:?set SPEC_MODEL}" --device cuda -k "$k" --out "$OUT/spec_latency_k$k.json"
+        grep -E "^all|decode steps" "$OUT/spec_latency_k$k.txt" | sed "s/^/k=$k: /" >> "$OUT/spec_table.txt"
+      done ;;
     spec_batch)  # speculation at large batches alone (~2 min on an H200): the fixed workload at
       # batch 64 and 256 (8B config, dummy weights) without speculation and with prompt lookup,
       # both in one engine in one process, 3 alternating runs of each after an untimed pair

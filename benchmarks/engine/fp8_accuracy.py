@@ -18,7 +18,8 @@ Variants: fp8-kv (scales 1.0, Tandem's static default), fp8-kv-calibrated (per-(
 head) scales amax/448 taken from the baseline's own KV of this text: an optimistic bound on
 what calibration buys), fp8-w (--quantization fp8: per-channel weights, per-token
 activations; CUDA needs compute capability >= 8.9, the CPU runs the reference path),
-fp8-w+kv (both).
+fp8-w+kv (both), fp8-w-exact-accum (fp8-w with torch._scaled_mm's exact accumulation instead
+of Hopper's fast one, which Tandem uses: CUDA only).
 
     python benchmarks/engine/fp8_accuracy.py --model /path/to/SmolLM2-135M-Instruct
 """
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from tandem.engine.llm import _maybe_tokenizer
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.quantization import fp8
 from tandem.engine.quantization.kv_cache import FP8_MAX
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scoring import build, compare, score
@@ -66,6 +68,9 @@ VARIANTS = {  # name -> (kv_cache_dtype, quantization, calibrate the KV scales)
     "fp8-kv-calibrated": ("fp8", None, True),
     "fp8-w": ("auto", "fp8", False),
     "fp8-w+kv": ("fp8", "fp8", False),
+    # FP8 weights with torch._scaled_mm's accumulation exact (engine/quantization/fp8.py
+    # FAST_ACCUM off): what the fast accumulation costs, on CUDA (the CPU has no such path)
+    "fp8-w-exact-accum": ("auto", "fp8", False),
 }
 
 
@@ -147,6 +152,7 @@ def main() -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        fp8.FAST_ACCUM = name != "fp8-w-exact-accum"  # read as the engine captures its graphs
         engine = build(a.model, a.device, dtype, a.load_format, kv, quant)
         if calibrate:
             engine.runner.kv_scales.set(k_cal, v_cal)

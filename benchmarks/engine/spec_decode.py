@@ -83,18 +83,44 @@ def engine_for(a: argparse.Namespace, method: str | None = "ngram",
     return LLMEngine(EngineConfig(**kw), progress=False)
 
 
-def run_one(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams
-            ) -> tuple[float, int, int]:
-    """(seconds, output tokens, engine steps) of one request run alone."""
+def run_one(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
+            kinds: dict[str, list[float]] | None = None) -> tuple[float, int, int]:
+    """(seconds, output tokens, engine steps) of one request run alone; with `kinds`, each
+    decode step's wall seconds appended under its kind (step_kinds)."""
     steps = 0
     tokens = 0
+    behind = step_kinds(engine) if kinds is not None else None
     t0 = time.perf_counter()
     engine.add_request(rid, prompt, params)
     while engine.has_work():
+        if behind is not None:
+            behind[0] = False
+        t = time.perf_counter()
         for o in engine.step():
             tokens += len(o.new_token_ids)
+        if behind is not None and steps:  # the prompt's step aside
+            s = engine.last_step
+            if s.num_seqs:
+                kind = "verify" if s.num_tokens > 1 else "pipelined" if behind[0] else "sync"
+                kinds.setdefault(kind, []).append(time.perf_counter() - t)
         steps += 1
     return time.perf_counter() - t0, tokens, steps
+
+
+def step_kinds(engine: LLMEngine) -> list[bool]:
+    """Marks the steps launched behind a step still in flight: the returned flag is set by
+    such a launch (the caller clears it before each step). Installed once per engine."""
+    flag = getattr(engine, "_bench_behind", None)
+    if flag is None:
+        flag = engine._bench_behind = [False]
+        launch = engine.pipeline.launch
+
+        def launched(batch, prev):
+            flag[0] = prev is not None
+            return launch(batch, prev)
+
+        engine.pipeline.launch = launched
+    return flag
 
 
 def latency(a: argparse.Namespace) -> dict:
@@ -107,6 +133,7 @@ def latency(a: argparse.Namespace) -> dict:
     spec = SamplingParams(temperature=0, max_tokens=a.max_tokens)
     plain = SamplingParams(temperature=0, max_tokens=a.max_tokens, speculative=False)
     c = engine.spec.counters
+    kinds: dict[str, dict[str, list[float]]] = {"plain": {}, "spec": {}}
     for i, item in enumerate(texts[:a.num_prompts]):
         prompt = tok.apply_chat_template([{"role": "user", "content": item["text"]}])
         for r in range(a.warmup):
@@ -114,10 +141,11 @@ def latency(a: argparse.Namespace) -> dict:
             run_one(engine, f"ws{i}-{r}", prompt, spec)
         base_s, with_s = [], []
         for r in range(a.repeats):  # alternating, so drift hits both alike
-            s, n_plain, steps_plain = run_one(engine, f"p{i}-{r}", prompt, plain)
+            s, n_plain, steps_plain = run_one(engine, f"p{i}-{r}", prompt, plain,
+                                              kinds["plain"])
             base_s.append(s)
             drafted, accepted = c.num_draft_tokens, c.num_accepted_tokens
-            s, n_spec, steps_spec = run_one(engine, f"s{i}-{r}", prompt, spec)
+            s, n_spec, steps_spec = run_one(engine, f"s{i}-{r}", prompt, spec, kinds["spec"])
             with_s.append(s)
             drafted, accepted = c.num_draft_tokens - drafted, c.num_accepted_tokens - accepted
         rows.append({"kind": item["kind"], "tokens": n_spec,
@@ -140,8 +168,30 @@ def latency(a: argparse.Namespace) -> dict:
     # for drafts (synchronous) or kept pipelined (no draft expected). Warm-up runs included.
     print(f"steps in flight for a speculating sample: {c.num_resolved_steps} resolved for "
           f"drafts, {c.num_pipelined_steps} kept pipelined")
+    if a.profile:  # the speculating runs once more under cProfile: where a step's host time goes
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        for i, item in enumerate(texts[:a.num_prompts]):
+            prompt = tok.apply_chat_template([{"role": "user", "content": item["text"]}])
+            prof.enable()
+            run_one(engine, f"prof{i}", prompt, spec)
+            prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    # Decode steps by kind, every timed run (the prompt's step aside): pipelined (launched
+    # behind a step in flight), sync (launched with none in flight: after a verify, or
+    # resolved for a draft that did not come), verify; wall ms each and in all.
+    account = {run: {kind: {"steps": len(v), "ms_median": 1e3 * statistics.median(v),
+                            "ms_total": 1e3 * sum(v)} for kind, v in by.items()}
+               for run, by in kinds.items()}
+    for run, by in account.items():
+        print(f"{run} decode steps: " + "; ".join(
+            f"{kind} {v['steps']} x {v['ms_median']:.3f} ms (total {v['ms_total']:.1f})"
+            for kind, v in sorted(by.items())))
     return {"rows": rows, "speedup": total_plain / total_spec, "acceptance_per_position": per_pos,
-            "resolved_steps": c.num_resolved_steps, "pipelined_steps": c.num_pipelined_steps}
+            "resolved_steps": c.num_resolved_steps, "pipelined_steps": c.num_pipelined_steps,
+            "steps_by_kind": account}
 
 
 def steps(a: argparse.Namespace) -> dict:
@@ -468,6 +518,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the draft checkpoint of --method draft (same tokenizer as --model)")
     p.add_argument("--min-acceptance", type=float, default=0.3,
                    help="--speculative-min-acceptance (the back-off by acceptance; 0: off)")
+    p.add_argument("--profile", action="store_true",
+                   help="latency: the speculating runs once more under cProfile (top 30 printed)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     return p.parse_args(argv)
 

@@ -21,6 +21,7 @@ needs_fp8_mma = pytest.mark.skipif(
 
 if torch.cuda.is_available():
     from tandem.engine.llm import LLM
+    from tandem.engine.quantization import fp8
     from tandem.engine.quantization.fp8 import Fp8Linear, fp8_linear, linear_path, quantize_weight
     from tandem.engine.sampling_params import SamplingParams
     from tandem.engine.scoring import build, compare, score
@@ -215,12 +216,16 @@ def test_fp8_weights_small_steps_close_to_bf16(tiny_models, arch):
 
 
 @pytest.mark.parametrize("quant", [None, "fp8"], ids=["fp8-kv", "fp8-w+kv"])
-def test_fp8_decode_graphs_match_eager(tiny_models, quant):
+def test_fp8_decode_graphs_match_eager(tiny_models, quant, monkeypatch):
     """Decode steps replayed from CUDA graphs give eager's tokens: exactly with FP8 KV in
     float32; with FP8 weights (bf16 only) at >= 90% of positions, since the graphs' split-KV
-    sums in another order and a random model has near ties."""
+    sums in another order and a random model has near ties. The matmuls accumulate exactly
+    here: with the fast accumulation (the default) a padded graph batch's GEMM tiles round
+    differently enough to flip a random model's near ties; what that costs a real model is
+    test_fp8_weights_close_to_bf16's and benchmarks/engine/fp8_accuracy.py's to bound."""
     if quant and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 matmuls need compute capability >= 8.9")
+    monkeypatch.setattr(fp8, "FAST_ACCUM", False)
     prompts = [[(7 * i + j) % 500 + 1 for j in range(5 + 11 * i)] for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = []

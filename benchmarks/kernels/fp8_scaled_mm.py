@@ -1,0 +1,105 @@
+"""Large-M FP8 matmuls (prefill chunks, big decode batches) at Llama-3.1-8B's projection shapes:
+bf16 `x @ W.T` against torch._scaled_mm on e4m3 inputs already quantized (the GEMM alone), with
+the scales W8A8 uses today (row-wise: one per token, one per output channel) and with one
+scale per tensor, each with and without `use_fast_accum` (Hopper's FP8 tensor cores accumulate
+in reduced precision between promotions to fp32). Each replayed from a CUDA graph (median),
+several copies of W rotating past the L2; TFLOP/s, speed-up over bf16, and each FP8 output's
+error against the fp32 product of the same e4m3 operands (max |err| / max |ref|).
+
+    python3 benchmarks/kernels/fp8_scaled_mm.py
+    python3 benchmarks/kernels/fp8_scaled_mm.py --m 256,2048 --reps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.lib.timing import graph_time
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}  # (N, K)
+L2_WORKING_SET = 256 << 20
+VARIANTS = ("rowwise", "rowwise+fast", "tensor", "tensor+fast")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--m", default="128,256,512,1024,2048,4096", help="token rows")
+    p.add_argument("--reps", type=int, default=50)
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)")
+    from tandem.engine.quantization.fp8 import quantize_activation, quantize_weight
+
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(dev), "torch", torch.__version__)
+    print(f"{'shape':>8} {'M':>5} | {'bf16 us':>8} {'TF/s':>5} | "
+          + " | ".join(f"{v:>12} us   x  err" for v in VARIANTS))
+    totals = {v: 0.0 for v in ("bf16", *VARIANTS)}
+    for name, (n, k) in SHAPES.items():
+        copies = max(1, min(8, math.ceil(L2_WORKING_SET / (n * k))))
+        w16 = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        wq = [quantize_weight(w) for w in w16]
+        # One scale for the whole weight (its largest channel's), the weight requantized to it.
+        wt = []
+        for w in w16:
+            s = (w.float().abs().amax() / 448.0).clamp(min=1e-12)
+            wt.append(((w.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn), s.reshape(())))
+        for m in (int(x) for x in a.m.split(",")):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            xq, xs = quantize_activation(x, None)
+            xs_t = (x.float().abs().amax() / 448.0).clamp(min=1e-12).reshape(())
+            xq_t = (x.float() / xs_t).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+            def rowwise(w, s, fast, xq=xq, xs=xs):  # type: ignore[no-untyped-def]
+                return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.view(1, -1),
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+            def tensor(w, s, fast, xq_t=xq_t, xs_t=xs_t):  # type: ignore[no-untyped-def]
+                return torch._scaled_mm(xq_t, w.t(), scale_a=xs_t, scale_b=s,
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+            calls = {"bf16": [lambda w=w, x=x: x @ w.t() for w in w16]}
+            for fast in (False, True):
+                tag = "+fast" if fast else ""
+                calls["rowwise" + tag] = [lambda w=w, s=s, f=fast: rowwise(w, s, f) for w, s in wq]
+                calls["tensor" + tag] = [lambda w=w, s=s, f=fast: tensor(w, s, f) for w, s in wt]
+            times = {}
+            for v, fs in calls.items():
+                for f in fs:
+                    f()
+                times[v] = graph_time(fs, a.reps)
+                totals[v] += times[v]
+            w0, s0 = wq[0]
+            ref_r = (xq.float() * xs) @ (w0.float() * s0[:, None]).t()
+            wt0, st0 = wt[0]
+            ref_t = (xq_t.float() * xs_t) @ (wt0.float() * st0).t()
+            errs = {}
+            for fast in (False, True):
+                tag = "+fast" if fast else ""
+                errs["rowwise" + tag] = _err(rowwise(w0, s0, fast), ref_r)
+                errs["tensor" + tag] = _err(tensor(wt0, st0, fast), ref_t)
+            flops = 2 * m * n * k
+            cells = " | ".join(f"{times[v] * 1e6:12.1f} {times['bf16'] / times[v]:4.2f} "
+                               f"{errs[v]:.0e}" for v in VARIANTS)
+            print(f"{name:>8} {m:>5} | {times['bf16'] * 1e6:8.1f} "
+                  f"{flops / times['bf16'] / 1e12:5.0f} | {cells}")
+        del w16, wq, wt
+        torch.cuda.empty_cache()
+    print("all shapes and M, summed: " + ", ".join(
+        f"{v} {totals['bf16'] / totals[v]:.2f}x bf16" for v in VARIANTS))
+
+
+def _err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+
+
+if __name__ == "__main__":
+    main()
