@@ -222,6 +222,95 @@ def test_steps_without_a_draft_stay_pipelined(tiny_models):
     assert c.num_pipelined_steps > 5 and c.num_resolved_steps > 0 and c.num_accepted_tokens > 0
 
 
+class Guessing(Oracle):
+    """Drafts only past a token in flight (guesses_in_flight), never after a known one, so
+    steps alternate: pipelined, then a verify launched behind it. The guess is the oracle's
+    (right) or, at some lengths, a wrong one: the drafts then follow another token."""
+
+    guesses_in_flight = True
+
+    def propose(self, inp: ProposeInput) -> list[list[int]]:
+        drafts = super().propose(inp)
+        out = []
+        for seq, d in zip(inp.seqs, drafts):
+            if seq.token_ids[-1] != PLACEHOLDER:
+                out.append([])
+            elif seq.num_tokens % 4 == 1:  # a wrong guess: what follows another token
+                out.append([(t + 3) % self.vocab for t in d])
+            else:
+                out.append(d)
+        return out
+
+    def expects_draft(self, seqs) -> bool:
+        return True
+
+
+class WrongGuesses(Guessing):
+    """Every guess wrong: each verify keeps one token, so pipelined steps and verifies take
+    turns token by token, and a stop token at either parity of position comes from each."""
+
+    def propose(self, inp: ProposeInput) -> list[list[int]]:
+        return [[(t + 3) % self.vocab for t in d] for d in super().propose(inp)]
+
+
+def test_verify_behind_the_step_in_flight(tiny_models):
+    """Drafts past a guess of the token in flight: the verify step runs behind that step,
+    reading its token on the device. Greedy and seeded tokens are the same as without
+    speculation, with right and wrong guesses; a stop token that the step in flight samples
+    ends the sequence and discards the verify's rows; blocks stay exact after every step."""
+    path = tiny_models["llama"]
+    prompts = PROMPTS[:6]
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    base = outputs(LLM(str(path), progress=False), prompts, greedy)
+    # A stop token from each output's middle: the sequence ends there, with and without drafts.
+    stops = [o[0][5 + 3 * i] for i, o in enumerate(base)]
+    plain = LLM(str(path), progress=False)
+    stopped = [outputs(plain, [p], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                 ignore_eos=True, stop_token_ids=[t]))[0]
+               for p, t in zip(prompts, stops)]
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=NEW_TOKENS, ignore_eos=True)
+    base_seeded = outputs(plain, prompts, seeded)
+
+    llm = spec_llm(path, Guessing(answers_of(prompts, base), 512), async_scheduling=True,
+                   speculative_min_acceptance=0)
+    e = llm.engine
+    run, ended_in_flight = e._run, []
+
+    def spied(batch, behind=None):
+        waiting = {s.seq_id: s.num_tokens for s in batch.seqs
+                   if behind is not None and s.token_ids[-1] == PLACEHOLDER}
+        result = run(batch, behind)
+        ended_in_flight.extend(s.seq_id for s in batch.seqs
+                               if s.is_finished and s.num_tokens == waiting.get(s.seq_id))
+        return result
+
+    e._run = spied
+    assert outputs(llm, prompts, greedy) == base
+    c = e.spec.counters
+    assert c.num_guessed_steps > 5 and c.num_resolved_steps == 0
+    assert 0 < c.num_accepted_tokens < c.num_draft_tokens  # right and wrong guesses
+    for p, b, t, want in zip(prompts, base, stops, stopped):
+        e.spec.proposer = WrongGuesses(answers_of([p], [b]), 512)  # drafts past the stop too
+        got = outputs(llm, [p], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                               ignore_eos=True, stop_token_ids=[t]))
+        assert got == [want]
+    assert ended_in_flight, "no stop token came from a step with a verify behind it"
+    e.spec.proposer = Guessing(answers_of(prompts, base_seeded), 512)
+    assert outputs(llm, prompts, seeded) == base_seeded
+
+
+def test_prompt_lookup_verifies_behind_the_step_in_flight(tiny_models):
+    """Prompt lookup guesses the token in flight (the one its lookup predicts) and drafts past
+    it; the tokens are those of a run without speculation."""
+    path = tiny_models["llama"]
+    prompts = PROMPTS[-2:]  # repetitive: the lookup finds matches
+    base = outputs(LLM(str(path), progress=False), prompts, GREEDY)
+    llm = spec_llm(path, async_scheduling=True, speculative_min_acceptance=0)
+    assert outputs(llm, prompts, GREEDY) == base
+    c = llm.engine.spec.counters
+    assert c.num_guessed_steps > 0 and c.num_resolved_steps == 0 and c.num_verifies > 0
+
+
 def test_grammar_identical(tiny_models):
     """A structured output speculates with drafts cut at the first token its grammar refuses;
     the tokens equal a run without speculation."""
