@@ -81,7 +81,7 @@ class StepPipeline:
         prev, self.inflight = self.inflight, None
         return prev
 
-    def can_launch(self, batch: ScheduledBatch, verify: bool = False) -> bool:
+    def can_launch(self, batch: ScheduledBatch) -> bool:
         """Whether this batch may run while the previous step's tokens are unknown: not with
         preemption (a victim's placeholder is resolved before it is ever recomputed), nor a
         row that needs its sample's tokens on the host (penalties, logprobs), forks its
@@ -90,52 +90,35 @@ class StepPipeline:
         host). A grammar's row takes the previous step's tokens before its sampling is launched
         (the module's doc). The engine also asks its KV pulls: one that writes the pool outside
         this stream at once must find no step in flight (it may still write blocks freed
-        since).
-
-        A batch with drafts (spec_token_ids: a verify step keeps 1 to k + 1 tokens, so the
-        next step's shape waits for its tokens) is never launched this way. With `verify`,
-        whether it may run behind the step in flight all the same, its placeholders filled on
-        the device and both steps' tokens taken at its end (LLMEngine._run): the conditions
-        above, and no grammar (its rows' masks need the token in flight on the host)."""
+        since)."""
         if batch.preempted:
             return False
         for seq in batch.seqs:
             p = seq.params
+            # spec_token_ids: drafts, of which a verify step keeps 1 to k + 1 tokens
             if (seq.pending_forks or p.logprobs is not None or p.has_penalties
-                    or prompt_logprobs.pending(seq) or seq.replay is not None
-                    or (seq.spec_token_ids and not verify)
-                    or (verify and seq.grammar is not None)):
+                    or prompt_logprobs.pending(seq) or seq.spec_token_ids
+                    or seq.replay is not None):
                 return False
         return True
-
-    @staticmethod
-    def token_fill(batch: ScheduledBatch, prev: InFlight) -> tuple[TokenFill, set[int]]:
-        """The placeholders of `batch` that `prev` (the step in flight) samples: where each
-        sequence's first new token sits in the step's flattened token ids, the row of prev's
-        tokens that replaces it on the device; and the sequences fed one (seq_ids)."""
-        fill = TokenFill(prev.pending.device)
-        fed: set[int] = set()
-        offset = 0
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            r = prev.rows.get(seq.seq_id)
-            if r is not None:  # its token at num_computed_tokens is still a placeholder
-                fill.dst.append(offset)
-                fill.src.append(r)
-                fed.add(seq.seq_id)
-            offset += n
-        return fill, fed
 
     def launch(self, batch: ScheduledBatch, prev: InFlight | None) -> StepResult:
         """Launch `batch` with no host sync; it becomes the step in flight. `prev`: the step
         in flight until now, whose tokens this one reads on the device (resolved after).
         Nothing is output or sampled yet (as resolve counts)."""
-        # fed: seq_ids fed a placeholder, their blocks hashed once its token is known
-        fill, fed = self.token_fill(batch, prev) if prev is not None else (None, set())
+        fill = TokenFill(prev.pending.device) if prev is not None else None
         rows: list[SampleRow] = []
         row_index: list[int] = []
         samplers: list[Sequence] = []
+        fed: set[int] = set()  # seq_ids fed a placeholder: their blocks are hashed later
         offset = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if prev is not None:
+                r = prev.rows.get(seq.seq_id)
+                if r is not None:  # its token at num_computed_tokens is still a placeholder
+                    fill.dst.append(offset)
+                    fill.src.append(r)
+                    fed.add(seq.seq_id)
             offset += n
             if seq.num_computed_tokens + n < seq.num_tokens:
                 continue  # a prefill chunk that does not reach the end samples nothing

@@ -40,7 +40,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import torch
 
 from tandem.engine import prompt_logprobs
-from tandem.engine.async_step import PLACEHOLDER, InFlight, StepPipeline
+from tandem.engine.async_step import PLACEHOLDER, StepPipeline
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.config import EngineConfig, ModelConfig
 from tandem.engine.grammar import GrammarCompiler
@@ -362,25 +362,14 @@ class LLMEngine:
         pipelined = (bool(batch.seqs) and pipe.enabled and pipe.can_launch(batch)
                      and connector.ordered(batch.pulls))
         prev = pipe.take_inflight()
-        # A verify step (drafts continuing the proposer's guess of the token in flight) runs
-        # behind the step in flight rather than after waiting for it (engine/spec_decode/).
-        behind = (prev is not None and not pipelined and bool(batch.seqs)
-                  and pipe.can_launch(batch, verify=True) and connector.ordered(batch.pulls))
-        if prev is not None and not pipelined and not behind:  # synchronous: that step first
+        if prev is not None and not pipelined:  # synchronous: the step in flight first
             ran.append(pipe.resolve(prev))
             batch.drop_finished()
             prev = None
         outputs += self._pulled(connector.start(batch.pulls))
         if batch.seqs:
             try:
-                if pipelined:
-                    ran.append(pipe.launch(batch, prev))
-                elif behind:
-                    result = self._run(batch, prev)  # resolves prev after its own launch
-                    ran += [pipe.resolve(prev), result]  # prev's tokens come first
-                    prev = None
-                else:
-                    ran.append(self._run(batch))
+                ran.append(pipe.launch(batch, prev) if pipelined else self._run(batch))
             except Exception:  # fails this step's requests, not the others
                 # One forward pass for the whole batch: nothing tells which request broke it,
                 # so the batch's requests fail; those waiting or preempted go on.
@@ -416,22 +405,15 @@ class LLMEngine:
         spec, running = self.spec, self.scheduler.running
         wanted = spec.begin_step(running, bool(self.scheduler.waiting))
         if (wanted and self.pipeline.inflight is not None
-                and spec.expects_draft(running, self.max_model_len) and not spec.guesses):
+                and spec.expects_draft(running, self.max_model_len)):
             ran.append(self.pipeline.resolve(self.pipeline.take_inflight()))
             self.scheduler.remove_finished()
         spec.propose(self.scheduler.running, self.max_model_len)  # finished ones dropped
         return ran
 
-    def _run(self, batch: ScheduledBatch, behind: InFlight | None = None) -> StepResult:
+    def _run(self, batch: ScheduledBatch) -> StepResult:
         """One synchronous step: its outputs, tokens sampled, and prompt tokens of the
-        sequences sampling their first. `behind`: the pipelined step still in flight, which
-        this one runs after on the device, reading its tokens there (a verify step whose
-        drafts continue a guess of them); it is resolved once this step's tokens are in,
-        before they are applied, and a sequence its token ends has this step's rows
-        discarded."""
-        fill = None
-        if behind is not None:
-            fill, _ = self.pipeline.token_fill(batch, behind)
+        sequences sampling their first."""
         rows: list[SampleRow] = []
         row_index: list[int] = []
         samplers: list[Sequence] = []
@@ -463,14 +445,10 @@ class LLMEngine:
                 seq.first_scheduled_time = now
         prompt = prompt_logprobs.rows(batch)
         t = time.perf_counter()
-        result = self.runner.execute(batch, rows, row_index + prompt.token_index, fill or None)
+        result = self.runner.execute(batch, rows, row_index + prompt.token_index)
         execute_s = time.perf_counter() - t
         if result.extra_logits is not None:
             prompt_logprobs.record(prompt, result.extra_logits)
-        ended: set[int] = set()
-        if behind is not None:  # its tokens in place of the placeholders, its stops taken
-            self.pipeline.resolve(behind)
-            ended = {s.seq_id for s in batch.seqs if s.is_finished}
         now = time.monotonic()
         num_prompt_tokens = 0
         for seq in samplers:
@@ -479,7 +457,7 @@ class LLMEngine:
             if seq.num_tokens == seq.num_prompt_tokens:
                 num_prompt_tokens += seq.num_prompt_tokens
 
-        self.scheduler.advance(batch, started, now, ended)
+        self.scheduler.advance(batch, started, now)
         outputs: list[SeqOutput] = []
         for seq in replays:
             replay, seq.replay = seq.replay, None
@@ -488,18 +466,13 @@ class LLMEngine:
         for seq in samplers:
             if seq.spec_token_ids:
                 k = 1 + len(seq.spec_token_ids)
-                if seq.seq_id in ended:  # the token in flight ended it: rows discarded
-                    seq.spec_token_ids = []
-                else:
-                    outputs.append(self._verified(seq, result.token_ids[r:r + k],
-                                                  result.logprobs[r:r + k]))
+                outputs.append(self._verified(seq, result.token_ids[r:r + k],
+                                              result.logprobs[r:r + k]))
                 r += k
                 continue
             k = seq.num_samples
             toks, lps = result.token_ids[r:r + k], result.logprobs[r:r + k]
             r += k
-            if seq.seq_id in ended:
-                continue
             if self.config.role == "prefill":
                 outputs.append(self._handoff(seq, toks, lps))
                 continue

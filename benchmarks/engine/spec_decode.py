@@ -127,8 +127,6 @@ def latency(a: argparse.Namespace) -> dict:
     if a.method == "off":
         sys.exit("latency compares speculation with its absence: --method ngram or draft")
     engine = engine_for(a, a.method or "ngram")
-    if a.no_guess:  # resolve the step in flight for drafts instead of guessing its token
-        engine.spec.proposer.guesses_in_flight = False
     tok = Tokenizer(engine.model_dir)
     texts = [json.loads(line) for line in PROMPTS.read_text().splitlines()]
     rows = []
@@ -169,8 +167,7 @@ def latency(a: argparse.Namespace) -> dict:
     # Steps with a pipelined step in flight in which a sample could have speculated: resolved
     # for drafts (synchronous) or kept pipelined (no draft expected). Warm-up runs included.
     print(f"steps in flight for a speculating sample: {c.num_resolved_steps} resolved for "
-          f"drafts, {c.num_guessed_steps} drafted behind (a guess of its token), "
-          f"{c.num_pipelined_steps} kept pipelined")
+          f"drafts, {c.num_pipelined_steps} kept pipelined")
     if a.profile:  # the speculating runs once more under cProfile: where a step's host time goes
         import cProfile
         import pstats
@@ -193,8 +190,8 @@ def latency(a: argparse.Namespace) -> dict:
             f"{kind} {v['steps']} x {v['ms_median']:.3f} ms (total {v['ms_total']:.1f})"
             for kind, v in sorted(by.items())))
     return {"rows": rows, "speedup": total_plain / total_spec, "acceptance_per_position": per_pos,
-            "resolved_steps": c.num_resolved_steps, "guessed_steps": c.num_guessed_steps,
-            "pipelined_steps": c.num_pipelined_steps, "steps_by_kind": account}
+            "resolved_steps": c.num_resolved_steps, "pipelined_steps": c.num_pipelined_steps,
+            "steps_by_kind": account}
 
 
 def steps(a: argparse.Namespace) -> dict:
@@ -521,9 +518,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the draft checkpoint of --method draft (same tokenizer as --model)")
     p.add_argument("--min-acceptance", type=float, default=0.3,
                    help="--speculative-min-acceptance (the back-off by acceptance; 0: off)")
-    p.add_argument("--no-guess", action="store_true",
-                   help="latency: prompt lookup resolves the step in flight for drafts instead of "
-                        "drafting past its guess of that step's token")
     p.add_argument("--profile", action="store_true",
                    help="latency: the speculating runs once more under cProfile (top 30 printed)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON")

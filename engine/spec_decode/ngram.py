@@ -7,15 +7,13 @@ recent earlier occurrence are the draft. Strong when the output quotes or edits 
                     └─┬─┘ └┬┘                     draft "d e" (up to k tokens)
                    match   draft
 
-With a pipelined step in flight, a sequence's last token is not known on the host yet.
+With a pipelined step in flight, a sequence's last token is not known on the host yet, and
+resolving the step to learn it makes the step synchronous (engine/llm_engine.py `_speculate`).
 `expects_draft` answers from the tokens known: a draft after the unknown token x needs a
 suffix "... c x" found earlier, so the known suffix "... c" found earlier too, followed by x.
 It says yes when the known tokens' own lookup finds a match (a prediction of x, usually the
 quote being followed); no when they have none, though x might still start one: then the step
 stays pipelined and that draft is missed (drafts change only the speed, never the tokens).
-When it says yes, `propose` drafts the tokens that followed the prediction of x, without
-waiting for x (`guesses_in_flight`): the verify step runs behind the step in flight and keeps
-only what the model samples after the true x.
 
 Each sequence's index is built lazily, by the first call that asks about it (a sequence in a
 batch too large to speculate, or paused by the back-off, costs nothing), and each call indexes
@@ -89,10 +87,6 @@ class SuffixIndex:
 
 
 class NgramProposer:
-    # A sequence whose last token is in flight gets the draft that follows the token its known
-    # tokens' lookup predicts (proposer.py): a wrong prediction costs the draft, nothing else.
-    guesses_in_flight = True
-
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
         self._indexes: dict[int, SuffixIndex] = {}  # seq_id -> its tokens' index
@@ -102,10 +96,6 @@ class NgramProposer:
         self._budget = INDEX_TOKENS_PER_CALL
         out = []
         for s, k in zip(inp.seqs, inp.max_tokens):
-            if s.token_ids[-1] == PLACEHOLDER:  # guessed from the tokens known: [x, drafts]
-                index = self._caught_up(s, len(s.token_ids) - 1)
-                out.append(index.lookup(k + 1)[1:] if index is not None else [])
-                continue
             index = self._caught_up(s, len(s.token_ids))
             out.append(index.lookup(k) if index is not None else [])
         return out

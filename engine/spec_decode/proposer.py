@@ -42,8 +42,3 @@ class Proposer(Protocol):
     # whether one of them is expected to get a draft once its token is known. Without it, a
     # draft always may come, and the step in flight is resolved for it
     # (engine/spec_decode/speculator.py Speculator.expects_draft).
-    #
-    # Optional: `guesses_in_flight = True`: propose() may then be handed sequences whose last
-    # token is a PLACEHOLDER (the step in flight's); their drafts continue the proposer's own
-    # guess of that token (the guess itself not included), and the step in flight is not
-    # resolved for them.

@@ -40,15 +40,10 @@ whose drafts are rarely accepted sits out a few steps before proposing again
 (engine/spec_decode/backoff.py), so it does not pay for proposals and verify rows it gains
 little from.
 
-Pipelined steps: a verify step is synchronous (the next step's shape depends on what it
-keeps). With a step in flight, `expects_draft` asks the proposer whether a draft is expected
-once that token is known; if no sequence expects one, the step stays pipelined without drafts
-(engine/llm_engine.py `_speculate`). If one does, a proposer that guesses the token in flight
-(prompt lookup: the token its lookup predicts) drafts past its guess at once, and the verify
-step is launched behind the step in flight, its first token read from that step's output on
-the device: the host prepares it while the device still runs the step before, which a
-proposer without a guess (the draft model) must wait for. A wrong guess costs only the drafts:
-row 0 always sees the true token, so the rule above keeps exactly what the model samples.
+Pipelined steps: a verify step is synchronous, and so is proposing while a step is in flight
+(the drafts continue its token). With a step in flight, `expects_draft` asks the proposer
+whether a draft is expected once that token is known; if no sequence expects one, the step
+stays pipelined without drafts (engine/llm_engine.py `_speculate`).
 """
 
 from __future__ import annotations
@@ -80,10 +75,8 @@ class SpecCounters:
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     # Steps with a pipelined step in flight in which some sample might have speculated: the
-    # step resolved to propose (synchronous), drafts proposed behind it (a proposer that
-    # guesses its token), or kept pipelined as no draft was expected.
+    # step resolved to propose (synchronous), or kept pipelined as no draft was expected.
     num_resolved_steps: int = 0
-    num_guessed_steps: int = 0
     num_pipelined_steps: int = 0
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
@@ -119,12 +112,6 @@ class Speculator:
             return cls(config, draft)
         return cls(config, NgramProposer(config.ngram_min, config.ngram_max))
 
-    @property
-    def guesses(self) -> bool:
-        """Whether the proposer drafts past a token still in flight from its own guess of it
-        (proposer.py `guesses_in_flight`): the step in flight is not resolved for drafts."""
-        return bool(getattr(self.proposer, "guesses_in_flight", False))
-
     # -- before the step -----------------------------------------------------------------
     def active(self, num_running: int) -> bool:
         """The per-step back-off: speculate only in batches this small."""
@@ -159,10 +146,7 @@ class Speculator:
         seqs = [s for s in running if self._limit(s, max_model_len) > 0]
         expects = getattr(self.proposer, "expects_draft", None)
         if seqs and (expects is None or expects(seqs)):
-            if self.guesses:
-                self.counters.num_guessed_steps += 1
-            else:
-                self.counters.num_resolved_steps += 1
+            self.counters.num_resolved_steps += 1
             return True
         self.counters.num_pipelined_steps += 1
         return False
@@ -201,11 +185,11 @@ class Speculator:
         return n
 
     def _room(self, seq: Sequence, max_model_len: int) -> int:
-        """Drafts seq may take: 0 unless it is decoding (nothing else to compute, no samples
-        to fork, its last token known or guessed by the proposer, and no grammar to check
-        drafts after a token in flight against), at most k, and never past max_tokens or the
-        model's length (the last kept token is sampled, not drafted: hence the - 1)."""
-        if seq.token_ids[-1] == PLACEHOLDER and (not self.guesses or seq.grammar is not None):
+        """Drafts seq may take: 0 unless it is decoding (its last token known, nothing else
+        to compute, no samples to fork, its last token not in flight), at most k, and never
+        past max_tokens or the model's length (the last kept token is sampled, not drafted:
+        hence the - 1)."""
+        if seq.token_ids[-1] == PLACEHOLDER:
             return 0
         return self._limit(seq, max_model_len)
 
