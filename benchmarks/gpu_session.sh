@@ -236,11 +236,15 @@ for stage in "$@"; do
       done
       run spec_throughput python3 benchmarks/engine/spec_decode.py throughput --model $B8 \
         --load-format dummy --device cuda --batch 64 256 --out "$OUT/spec_throughput.json" ;;
-    spec_latency)  # batch-1 latency alone, one run per k in SPEC_KS (SPEC_MODEL: a checkpoint or .gguf)
+    spec_latency)  # batch-1 latency alone, one run per k in SPEC_KS (SPEC_MODEL: a checkpoint or
+      # .gguf; SPEC_FLAGS: more flags of spec_decode.py latency, e.g. --min-acceptance 0)
       for k in ${SPEC_KS:-3}; do
+        # shellcheck disable=SC2086  # SPEC_FLAGS are words
         run "spec_latency_k$k" python3 benchmarks/engine/spec_decode.py latency \
-          --model "${SPEC_MODEL:?set SPEC_MODEL}" --device cuda -k "$k" --out "$OUT/spec_latency_k$k.json"
-        grep -E "^all|decode steps" "$OUT/spec_latency_k$k.txt" | sed "s/^/k=$k: /" >> "$OUT/spec_table.txt"
+          --model "${SPEC_MODEL:?set SPEC_MODEL}" --device cuda -k "$k" ${SPEC_FLAGS:-} \
+          --out "$OUT/spec_latency_k$k.json"
+        grep -E "^all|decode steps|steps in flight" "$OUT/spec_latency_k$k.txt" \
+          | sed "s/^/k=$k ${SPEC_FLAGS:-}: /" >> "$OUT/spec_table.txt"
       done ;;
     spec_batch)  # speculation at large batches alone (~2 min on an H200): the fixed workload at
       # batch 64 and 256 (8B config, dummy weights) without speculation and with prompt lookup,
