@@ -9,15 +9,17 @@ import contextlib
 import json
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import grpc
 
 from tandem.cli.launcher import LocalStack, Proc, free_port
 from tandem.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-__all__ = ["WORKER_ARGS", "Cluster", "ClusterProc", "Proc", "free_port", "serve"]
+__all__ = ["WORKER_ARGS", "Cluster", "ClusterProc", "Handed", "Proc", "free_port", "serve",
+           "stop_cleanly"]
 
 # The tiny models' workers: a 256-block pool, 64-token steps (a long prompt prefills in chunks).
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
@@ -134,5 +136,39 @@ def serve(cluster: Cluster) -> Iterator[Cluster]:
     and at the end stopped, every process exiting 0."""
     cluster.start()
     yield cluster
+    stop_cleanly(cluster)
+
+
+def stop_cleanly(cluster: LocalStack) -> None:
+    """Stop the stack, every process exiting 0."""
     codes = cluster.stop()
     assert all(code == 0 for code in codes.values()), codes
+
+
+S = TypeVar("S")
+
+
+class Handed(Generic[S]):
+    """A module's stack, started on first use, for its tests that leave it as they found it
+    (`get`), which one test that kills or stops part of it may then take as its last user
+    (`take`): that test stops it; a test after it gets a fresh stack. No test sees what another
+    broke, whatever order they run in, and the stack that gets broken did not cost a start of
+    its own. `close` (the module fixture's end) stops a stack nobody took."""
+
+    def __init__(self, start: Callable[[], S], stop: Callable[[S], None]) -> None:
+        self._start, self._stop = start, stop
+        self._current: S | None = None
+
+    def get(self) -> S:
+        if self._current is None:
+            self._current = self._start()
+        return self._current
+
+    def take(self) -> S:
+        stack, self._current = self.get(), None
+        return stack
+
+    def close(self) -> None:
+        if self._current is not None:
+            stack, self._current = self._current, None
+            self._stop(stack)

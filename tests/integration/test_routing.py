@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from cluster import Cluster
+from cluster import Cluster, Handed, stop_cleanly
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
@@ -28,23 +28,29 @@ async def generate(stub, prompt, params, timeout=30):
     return chunks
 
 
-@pytest.fixture
-def cluster(tiny_models, tmp_path):
-    # --max-migrations 0: a stream whose decode worker dies fails (test_faults.py has them
-    # move), and says why.
-    c = Cluster(tmp_path, str(tiny_models["llama"]), prefill=2, decode=2,
-                worker_args=WORKER_ARGS,
-                router_args=["--http-port", "-1", "--max-migrations", "0"]).start()
-    yield c
-    c.stop()
+@pytest.fixture(scope="module")
+def stacks(tiny_models, tmp_path_factory):
+    """2P+2D stacks: the affinity test uses one and leaves it idle; the test that kills workers
+    takes it after (or a fresh one, run alone). --max-migrations 0: a stream whose decode worker
+    dies fails (test_faults.py has them move), and says why."""
+    def start() -> Cluster:
+        return Cluster(tmp_path_factory.mktemp("routing"), str(tiny_models["llama"]),
+                       prefill=2, decode=2, worker_args=WORKER_ARGS,
+                       router_args=["--http-port", "-1", "--max-migrations", "0"]).start()
+
+    stacks = Handed(start, stop_cleanly)
+    yield stacks
+    stacks.close()
 
 
-def test_prefix_affinity_and_spread(cluster):
+def test_prefix_affinity_and_spread(stacks):
+    cluster = stacks.get()
     params = SamplingParams(temperature=0, max_tokens=4)
 
     async def main():
         async with grpc.aio.insecure_channel(cluster.router.address) as ch:
             stub = cluster.api(ch)
+            before = [await cluster.load(p) for p in cluster.workers("prefill")]
             # Requests sharing a 64-token prefix: after the first, all hit its cached blocks,
             # which only one of the two prefill workers holds.
             shared = [await generate(stub, [*PREFIX, 200 + i, 7], params) for i in range(8)]
@@ -54,19 +60,29 @@ def test_prefix_affinity_and_spread(cluster):
                                                                     max_tokens=24))
                                    for p in distinct))
             loads = [await cluster.load(p) for p in cluster.workers("prefill")]
-            return shared, loads
+            return shared, before, loads
 
-    shared, loads = asyncio.run(main())
+    shared, before, loads = asyncio.run(main())
     cached = [chunks[-1].usage.cached_prompt_tokens for chunks in shared]
     assert cached[0] == 0 and all(c == 64 for c in cached[1:]), cached
-    hits = [ld.prefix_cache_hits for ld in loads]
+    # What this test sent, whatever the workers served before it.
+    hits = [ld.prefix_cache_hits - b.prefix_cache_hits for ld, b in zip(loads, before)]
     assert sorted(h >= 7 * 4 for h in hits) == [False, True], hits  # one worker got them all
-    served = [ld.num_requests for ld in loads]
+    served = [ld.num_requests - b.num_requests for ld, b in zip(loads, before)]
     assert sum(served) == 24 and min(served) >= 4, served  # the distinct ones spread
     asyncio.run(cluster.wait_idle())
 
 
-def test_killed_workers_are_taken_out(cluster):
+@pytest.fixture
+def spent(stacks):
+    """The module's stack, its last user: this test kills workers; stopped at the end."""
+    c = stacks.take()
+    yield c
+    c.stop()
+
+
+def test_killed_workers_are_taken_out(spent):
+    cluster = spent
     long = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)  # within 1024
     short = SamplingParams(temperature=0, max_tokens=8)
 
