@@ -17,10 +17,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
+import pytest
 
-from cluster import free_port
+from cluster import Handed, free_port
 
 BOUND_S = 180.0  # generous: a loaded machine starts and drains slowly; nothing waits this long
 
@@ -114,21 +116,77 @@ def _banner_seen(path: Path) -> Callable[[], bool]:
     return lambda: path.exists() and "Ctrl-C stops everything" in path.read_text()
 
 
-def test_sigkill_of_tandem_up_takes_every_process_with_it(tiny_models, tmp_path):
-    up = Up(tiny_models, tmp_path)
-    log = tmp_path / "up.log"
+class Running(NamedTuple):
+    """`tandem up` started by the test, up to its banner, and the stack's processes."""
+    up: Up
+    proc: subprocess.Popen
+    log: Path
+    pids: set[int]
+
+
+def start_up(tiny_models: dict, tmp: Path) -> Running:
+    up = Up(tiny_models, tmp)
+    log = tmp / "up.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(up.argv, stdout=out, stderr=subprocess.STDOUT, env=up.env)
     try:
         _wait(_banner_seen(log), lambda: log.read_text())
-        pids = up.stack_pids(proc.pid)
+        return Running(up, proc, log, up.stack_pids(proc.pid))
+    except BaseException:
         proc.kill()
         proc.wait()
-        up.assert_all_gone(pids)
+        raise
+
+
+def interrupt(r: Running) -> None:
+    """Ctrl-C: the stack drains and `tandem up` exits 0."""
+    r.proc.send_signal(signal.SIGINT)
+    assert r.proc.wait(BOUND_S) == 0, r.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def ups(tiny_models, tmp_path_factory):
+    """A `tandem up` stack: the cluster CA test only reads it, then the SIGKILL test takes it
+    (each starts its own when run alone)."""
+    stacks = Handed(lambda: start_up(tiny_models, tmp_path_factory.mktemp("up")), interrupt)
+    yield stacks
+    stacks.close()
+
+
+def test_no_key_of_the_cluster_ca_is_on_disk(ups):
+    """The throwaway CA lives in memory files (memfd) that every process reads as /dev/fd/N:
+    nothing of it in the log directory, nothing to remove after a SIGKILL."""
+    r = ups.get()
+    assert "Internal:    mutual TLS, a throwaway cluster CA held in memory" in r.log.read_text()
+    keys = {}
+    for pid in r.pids:
+        argv = _cmdline(pid).split()
+        if b"--cluster-key" in argv:
+            keys[pid] = argv[argv.index(b"--cluster-key") + 1].decode()
+    assert len(keys) == 3, keys  # the router and both workers
+    memfds = set()
+    for pid, key in keys.items():
+        assert key.startswith("/dev/fd/"), key
+        memfd = os.readlink(f"/proc/{pid}/fd/{key.removeprefix('/dev/fd/')}")
+        assert memfd.startswith("/memfd:"), key
+        memfds.add(memfd)
+    assert len(memfds) == 3, memfds  # each its own key: router0 never holds prefill0's
+    assert not [p.name for p in (r.up.tmp / "logs").rglob("*") if p.suffix in (".key",
+                                                                                ".pem")]
+
+
+def test_sigkill_of_tandem_up_takes_every_process_with_it(ups):
+    r = ups.take()
+    try:
+        r.proc.kill()
+        r.proc.wait()
+        r.up.assert_all_gone(r.pids)
+        assert not [p.name for p in (r.up.tmp / "logs").rglob("*") if p.suffix in (".key",
+                                                                                    ".pem")]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if r.proc.poll() is None:
+            r.proc.kill()
+            r.proc.wait()
 
 
 def test_output_closed_under_it_stops_the_stack(tiny_models, tmp_path):
@@ -224,34 +282,3 @@ def test_ctrl_c_ends_an_open_stream_with_done_and_no_traceback(tiny_models, tmp_
     assert (last.get("error", {}).get("code") == "shutting_down"
             or last["choices"][0]["finish_reason"] == "length"), last
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
-
-
-def test_no_key_of_the_cluster_ca_is_on_disk(tiny_models, tmp_path):
-    """The throwaway CA lives in memory files (memfd) that every process reads as /dev/fd/N:
-    nothing of it in the log directory, nothing to remove after a SIGKILL."""
-    up = Up(tiny_models, tmp_path)
-    log = tmp_path / "up.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(up.argv, stdout=out, stderr=subprocess.STDOUT, env=up.env)
-    try:
-        _wait(_banner_seen(log), lambda: log.read_text())
-        assert "Internal:    mutual TLS, a throwaway cluster CA held in memory" in log.read_text()
-        pids = up.stack_pids(proc.pid)
-        keys = {}
-        for pid in pids:
-            argv = _cmdline(pid).split()
-            if b"--cluster-key" in argv:
-                keys[pid] = argv[argv.index(b"--cluster-key") + 1].decode()
-        assert len(keys) == 3, keys  # the router and both workers
-        memfds = set()
-        for pid, key in keys.items():
-            assert key.startswith("/dev/fd/"), key
-            memfd = os.readlink(f"/proc/{pid}/fd/{key.removeprefix('/dev/fd/')}")
-            assert memfd.startswith("/memfd:"), key
-            memfds.add(memfd)
-        assert len(memfds) == 3, memfds  # each its own key: router0 never holds prefill0's
-        assert not [p.name for p in (tmp_path / "logs").rglob("*") if p.suffix in (".key",
-                                                                                   ".pem")]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(BOUND_S) == 0, log.read_text()
