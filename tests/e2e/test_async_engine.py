@@ -48,7 +48,48 @@ def serve(model_dir: str, body: Callable[[AsyncEngine], Awaitable[None]], role: 
     asyncio.run(main())
 
 
-def test_sinks_get_each_step_in_order_and_add_up_to_offline(model_dir):
+def started(model_dir: str, role: str, **hooks):
+    """A started engine core on an event loop of the module's, for the tests that leave it as
+    they found it (`on` checks that after each); stopped at the module's end."""
+    loop = asyncio.new_event_loop()
+    engine = AsyncEngine(CoreSpec(EngineConfig(model=model_dir, max_model_len=256), role),
+                         **hooks)
+    loop.run_until_complete(engine.start())
+    yield loop, engine
+    loop.run_until_complete(engine.shutdown())
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dir):
+    yield from started(model_dir, "both")
+
+
+@pytest.fixture(scope="module")
+def leases_done() -> list:
+    """What the decode engine's on_lease_done hook got; each test empties it first."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def decoding(model_dir, leases_done):
+    yield from started(model_dir, "decode", on_lease_done=leases_done.append)
+
+
+def on(shared, body: Callable[[AsyncEngine], Awaitable[None]]) -> None:
+    """Run `body` against one of the module's engines; the pool must be idle afterwards, as
+    `serve` checks for an engine of the test's own."""
+    loop, engine = shared
+
+    async def main() -> None:
+        await body(engine)
+        assert (await engine.refresh()).idle, "KV pool not back to idle"
+        assert engine.num_requests() == 0
+
+    loop.run_until_complete(main())
+
+
+def test_sinks_get_each_step_in_order_and_add_up_to_offline(model_dir, colocated):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     n2 = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=9, ignore_eos=True)
     offline = LLM(model_dir, progress=False, max_model_len=256)
@@ -61,7 +102,7 @@ def test_sinks_get_each_step_in_order_and_add_up_to_offline(model_dir):
                                                calls[i].append)
                                for i, p in enumerate(PROMPTS)))
 
-    serve(model_dir, body)
+    on(colocated, body)
     for i, steps in enumerate(calls):
         got = [[t for outs in steps for o in outs if o.sample_index == k for t in o.new_token_ids]
                for k in range(len(expected[i]))]
@@ -72,7 +113,7 @@ def test_sinks_get_each_step_in_order_and_add_up_to_offline(model_dir):
         assert sorted(o.sample_index for o in ends) == list(range(len(expected[i])))
 
 
-def test_a_sink_that_raises_fails_its_request_alone(model_dir):
+def test_a_sink_that_raises_fails_its_request_alone(colocated):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     seen: list[int] = []
 
@@ -89,11 +130,11 @@ def test_a_sink_that_raises_fails_its_request_alone(model_dir):
         assert isinstance(results[0], ValueError) and results[1] is None
         assert sum(len(o.new_token_ids) for o in good_tokens) == 20
 
-    serve(model_dir, body)
+    on(colocated, body)
     assert len(seen) == 3  # nothing more after it failed
 
 
-def test_a_cancelled_request_is_aborted_and_its_id_free_again(model_dir):
+def test_a_cancelled_request_is_aborted_and_its_id_free_again(colocated):
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def body(engine: AsyncEngine) -> None:
@@ -112,10 +153,10 @@ def test_a_cancelled_request_is_aborted_and_its_id_free_again(model_dir):
                               outs.extend)
         assert sum(len(o.new_token_ids) for o in outs) == 3
 
-    serve(model_dir, body)
+    on(colocated, body)
 
 
-def test_an_aborted_request_ends_and_its_blocks_are_freed(model_dir):
+def test_an_aborted_request_ends_and_its_blocks_are_freed(colocated):
     """`abort` (a worker's Abort call) mid-request: the request's awaitable raises
     RequestAborted, so a stream that waits on it ends; an unknown id aborts nothing."""
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -130,7 +171,7 @@ def test_an_aborted_request_ends_and_its_blocks_are_freed(model_dir):
             await task
         assert not await engine.abort("x") and not await engine.abort("never-seen")
 
-    serve(model_dir, body)
+    on(colocated, body)
 
 
 def test_a_load_error_comes_back_from_the_core_with_its_message(tmp_path):
@@ -164,11 +205,12 @@ def test_the_core_dying_fails_what_is_in_flight_and_reports_it(model_dir):
     serve(model_dir, body, on_death=lambda: deaths.append(True))
 
 
-def test_every_decode_lease_ends_in_exactly_one_lease_done(model_dir):
+def test_every_decode_lease_ends_in_exactly_one_lease_done(decoding, leases_done):
     """Decode role: the core says when it is done with each prefill lease, once: after a pull
     (here one that fails: the pool was never mapped), when the core refuses the request; and the
     worker side says it for a request that never reached the core (its id in use)."""
-    done: list = []
+    done = leases_done
+    done.clear()
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = PROMPTS[2]
 
@@ -195,18 +237,20 @@ def test_every_decode_lease_ends_in_exactly_one_lease_done(model_dir):
             await first
         await engine.refresh()
 
-    serve(model_dir, body, role="decode", on_lease_done=done.append)
+    on(decoding, body)
     assert sorted(d.lease_id for d in done) == ["L1", "L2", "L3"]
     by_lease = {d.lease_id: d for d in done}
     assert by_lease["L1"].pulled and "not mapped" in by_lease["L1"].error
     assert not by_lease["L2"].pulled and not by_lease["L3"].pulled
 
 
-def test_a_decode_request_with_an_out_of_vocabulary_first_token_fails_alone(model_dir):
+def test_a_decode_request_with_an_out_of_vocabulary_first_token_fails_alone(decoding,
+                                                                           leases_done):
     """A first token outside the vocabulary is refused when the request is added (it would
     fail the engine step of every request decoding beside it); its lease ends once; the
     requests running meanwhile finish whole."""
-    done: list = []
+    done = leases_done
+    done.clear()
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 
     async def body(engine: AsyncEngine) -> None:
@@ -228,5 +272,5 @@ def test_a_decode_request_with_an_out_of_vocabulary_first_token_fails_alone(mode
         await asyncio.gather(*running)
         assert [sum(len(o.new_token_ids) for o in out) for out in outs] == [30] * 4
 
-    serve(model_dir, body, role="decode", on_lease_done=done.append)
+    on(decoding, body)
     assert [d.lease_id for d in done] == ["L"]
