@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from cluster import Cluster
+from cluster import Cluster, Handed, stop_cleanly
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
@@ -37,6 +37,28 @@ def cluster(tiny_models, tmp_path_factory):
 def idle_after(cluster):
     yield
     asyncio.run(cluster.wait_idle())
+
+
+@pytest.fixture(scope="module")
+def short_leases(tiny_models, tmp_path_factory):
+    """Stacks whose prefill leases live 3 s: the lease-expiry test reads one first (it waits
+    out a lease), then the first kill test takes it (a killed decode worker's leases expire)."""
+    def start() -> Cluster:
+        return Cluster(tmp_path_factory.mktemp("short-lease"), str(tiny_models["llama"]),
+                       worker_args=WORKER_ARGS, prefill_args=["--lease-ttl", "3"],
+                       router_args=["--http-port", "-1"]).start()
+
+    stacks = Handed(start, stop_cleanly)
+    yield stacks
+    stacks.close()
+
+
+@pytest.fixture
+def expiring(short_leases):
+    """The stack the lease-expiry test waits on, idle after it."""
+    c = short_leases.get()
+    yield c
+    asyncio.run(c.wait_idle())
 
 
 async def generate(stub, prompt, params: SamplingParams, timeout=None):
@@ -125,9 +147,10 @@ def test_deadline_mid_stream(cluster):
         os.kill(core, signal.SIGCONT)
 
 
-def test_decode_side_never_pulls_lease_expires(cluster):
-    """A prefill whose KV nobody pulls: the lease (LEASE_TTL here) expires and the blocks return.
+def test_decode_side_never_pulls_lease_expires(expiring):
+    """A prefill whose KV nobody pulls: the lease (3 s here) expires and the blocks return.
     A release that comes after that is ignored, not an error."""
+    cluster = expiring
     p = cluster.workers("prefill")[0]
 
     async def main():
@@ -140,7 +163,7 @@ def test_decode_side_never_pulls_lease_expires(cluster):
             assert load.num_leases == 1 and resp.kv.num_tokens == len(PROMPTS[10])
             assert load.num_blocks - load.num_free_blocks == -(len(PROMPTS[10]) // -16)
             t0 = time.monotonic()
-            await cluster.wait_idle(timeout=3 * float(LEASE_TTL), procs=[p])
+            await cluster.wait_idle(timeout=24, procs=[p])  # a bound, eight lifetimes
             assert time.monotonic() - t0 > 1.0  # it was the lease that ended it
             assert "expired unreleased" in p.log_text()
             late = await stub.Release(worker_pb2.ReleaseRequest(lease_id=resp.kv.lease_id))
@@ -241,13 +264,12 @@ async def generate_raw(stub, req):
 
 
 @pytest.mark.parametrize("victim", ["worker", "engine core"])
-def test_decode_worker_or_its_engine_core_killed_mid_stream(tiny_models, tmp_path, victim):
+def test_decode_worker_or_its_engine_core_killed_mid_stream(short_leases, victim):
     """SIGKILL mid-stream, to the decode worker or to its engine core: its requests fail
     UNAVAILABLE and the prefill pool is idle again (released after the pulls). A killed worker
     takes its core with it (nothing left holding the pool or a GPU); a worker whose core died
     exits 1, for its supervisor to restart it."""
-    c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=WORKER_ARGS,
-                prefill_args=["--lease-ttl", "3"], router_args=["--http-port", "-1"]).start()
+    c = short_leases.take()  # killed here: its last user
     try:
         params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 

@@ -61,6 +61,12 @@ def idle_after(cluster):
     asyncio.run(cluster.wait_idle())
 
 
+@pytest.fixture
+def expiring(cluster):
+    """The lease-expiry test's stack: this one, whose leases live 3 s too."""
+    return cluster
+
+
 def test_the_prefill_worker_serves_its_pool_over_nixl_and_never_logs_the_handle(cluster):
     p, d = cluster.workers("prefill")[0], cluster.workers("decode")[0]
 
