@@ -209,13 +209,7 @@ def steps(a: argparse.Namespace) -> dict:
             in_execute[0] += time.thread_time() - t
 
     engine.runner.execute = timed
-    launch, behind = engine.pipeline.launch, [False]
-
-    def launched(batch, prev):  # pipelined: launched behind a step still in flight
-        behind[0] = prev is not None
-        return launch(batch, prev)
-
-    engine.pipeline.launch = launched
+    behind = step_kinds(engine)  # set by a launch behind a step still in flight
     c = engine.spec.counters
     out = {}
     for name, opt_in in (("plain", False), ("spec", True)):
