@@ -20,7 +20,9 @@ way, and its new decode worker prefills the prompt, records those tokens and com
 
 This object owns the request's state across legs: every sample's output so far, which samples
 ended, how often it moved, and the current lease, which it releases unless a decode request
-carried it away (the decode worker releases it then, or it expires with a dead worker).
+carried it away: the decode worker releases it then, unless the router's call to that worker
+breaks before its first update (the worker died or hung, maybe before its pull), when the
+router releases it again.
 
 A decode worker that drains (Drain, SIGTERM) asks for each of its requests to be moved
 (Update.move) and decodes on meanwhile: the leg ends there and the request moves the same way,
@@ -334,13 +336,18 @@ class DecodeLegs:
             if self._prefix is not None:
                 req.prefix_kv.CopyFrom(self._prefix.kv)
 
+        handed: list[tuple[Worker, str]] = []  # what the request took to d: d's to release
+
         def sent() -> None:
             """The request is on its way: the lease is the decode worker's to release. Until
             then (a request refused here, say) it stays this router's. A request moving from
             a failed worker has moved now."""
-            if self._lease is lease:
+            if lease is not None and self._lease is lease:
                 self._lease = None
-            self._prefix = None  # a lent prefix too
+                handed.append((lease.worker, lease.kv.lease_id))
+            if self._prefix is not None:  # a lent prefix too
+                handed.append((self._prefix.lender, self._prefix.kv.lease_id))
+            self._prefix = None
             if self._moving is not None:
                 src, error, made = self._moving
                 self._moving = None
@@ -372,7 +379,15 @@ class DecodeLegs:
                                                    req.request_id):
                         d.local_prefill_tokens -= backlog
                         backlog = 0
+                        handed.clear()  # d pulled what it took (and released it)
                         yield update
+            except StreamBroken:
+                # d is gone (or hung) before its first update: what the request took there
+                # would pin prefill blocks until its lease expires. A d that lives cancels the
+                # request, its router having left, and its own release finds nothing.
+                for lender, lease_id in handed:
+                    self.orch.release_later(lender, lease_id, self.ctx)
+                raise
             finally:
                 d.in_flight -= 1
                 d.local_prefill_tokens -= backlog

@@ -121,6 +121,19 @@ def test_each_move_carries_every_samples_tokens_so_far(n):
     assert [w.healthy for w in orch.decode] == [False, False, True]
 
 
+def test_a_lease_sent_to_a_worker_whose_stream_breaks_before_any_update_is_released():
+    """The decode worker died (or hung) with the request sent: it may never have pulled, and
+    never will release, so the router does, at once, not a time to live later; the request is
+    prefilled again for the other worker. A leg that broke after its first update had pulled
+    its lease (and released it): nothing to release for it."""
+    streams = [FakeStream(0, fail=True), FakeStream(2, fail=True), FakeStream(2, fail=False)]
+    orch = FakeOrchestrator(streams, max_migrations=1)
+    out, error = asyncio.run(_run(orch, 1))
+    assert error is None and len(out[0]) == 1 + 2 + 2
+    assert [s.sent[0].kv.lease_id for s in streams] == ["lease1", "lease2", "lease3"]
+    assert orch.released == ["lease1"]
+
+
 def test_moves_are_bounded_then_unavailable():
     streams = [FakeStream(3, fail=True), FakeStream(2, fail=True), FakeStream(4, fail=False)]
     orch = FakeOrchestrator(streams, max_migrations=1)
