@@ -42,7 +42,7 @@ def idle_after(cluster):
 @pytest.fixture(scope="module")
 def short_leases(tiny_models, tmp_path_factory):
     """Stacks whose prefill leases live 3 s: the lease-expiry test reads one first (it waits
-    out a lease), then the first kill test takes it (a killed decode worker's leases expire)."""
+    out a lease), then the first kill test takes it, as its last user."""
     def start() -> Cluster:
         return Cluster(tmp_path_factory.mktemp("short-lease"), str(tiny_models["llama"]),
                        worker_args=WORKER_ARGS, prefill_args=["--lease-ttl", "3"],
@@ -319,9 +319,10 @@ def test_a_decode_leg_that_fails_before_its_first_token_goes_to_another_decode_w
     """A decode worker gone before the router notices (it polls every 60 s here): the decode
     leg that reaches it fails UNAVAILABLE before any token, and the router prefills again and
     decodes on the other worker, carrying the first tokens the client already has. Every
-    request's output is what the offline engine gives, greedy and seeded n=2 alike."""
+    request's output is what the offline engine gives, greedy and seeded n=2 alike. The failed
+    leg's lease went out with its request to the dead worker, which never releases it: the
+    router does, at once, not the lease's 30 s later."""
     c = Cluster(tmp_path, str(tiny_models["llama"]), decode=2, worker_args=WORKER_ARGS,
-                prefill_args=["--lease-ttl", "3"],
                 router_args=["--http-port", "-1", "--poll-interval", "60"]).start()
     try:
         greedy = SamplingParams(temperature=0, max_tokens=16)
@@ -337,8 +338,9 @@ def test_a_decode_leg_that_fails_before_its_first_token_goes_to_another_decode_w
                 stub = c.api(ch)
                 results = await asyncio.gather(*(generate(stub, p, params)
                                                  for p, params in jobs))
-                # The failed leg's lease: its worker died holding it, so it expires (3 s).
+                # Released by the router (the default lease lives 30 s): none expired.
                 await c.wait_idle(timeout=15, procs=c.workers("prefill"))
+                assert "expired unreleased" not in c.procs["prefill0"].log_text()
                 return results
 
         results = asyncio.run(main())
