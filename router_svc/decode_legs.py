@@ -20,9 +20,10 @@ way, and its new decode worker prefills the prompt, records those tokens and com
 
 This object owns the request's state across legs: every sample's output so far, which samples
 ended, how often it moved, and the current lease, which it releases unless a decode request
-carried it away: the decode worker releases it then, unless the router's call to that worker
-breaks before its first update (the worker died or hung, maybe before its pull), when the
-router releases it again.
+carried it away: the decode worker releases it then. When the router's call to that worker
+breaks before the leg's first update (the worker died or hung, perhaps before it claimed the
+lease), the router releases it too, if still unclaimed: a worker that claimed it may live and
+be copying the blocks.
 
 A decode worker that drains (Drain, SIGTERM) asks for each of its requests to be moved
 (Update.move) and decodes on meanwhile: the leg ends there and the request moves the same way,
@@ -117,7 +118,8 @@ class LegHost(Protocol):
 
     def remaining(self, deadline: float | None) -> float | None: ...
 
-    def release_later(self, p: Worker, lease_id: str, ctx: Context | None = None) -> None: ...
+    def release_later(self, p: Worker, lease_id: str, ctx: Context | None = None,
+                      if_unclaimed: bool = False) -> None: ...
 
     async def lend_prefix(self, route: RouteRequest, dest: Worker, cache_salt: str,
                           prompt_logprobs: bool, ctx: Context | None
@@ -383,10 +385,11 @@ class DecodeLegs:
                         yield update
             except StreamBroken:
                 # d is gone (or hung) before its first update: what the request took there
-                # would pin prefill blocks until its lease expires. A d that lives cancels the
-                # request, its router having left, and its own release finds nothing.
+                # would pin blocks until its lease expires, if d never claimed it. Released
+                # unless claimed: a d that claimed it may live and be copying the blocks (it
+                # cancels the request, its router having left, and releases it then).
                 for lender, lease_id in handed:
-                    self.orch.release_later(lender, lease_id, self.ctx)
+                    self.orch.release_later(lender, lease_id, self.ctx, if_unclaimed=True)
                 raise
             finally:
                 d.in_flight -= 1

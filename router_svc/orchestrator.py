@@ -198,7 +198,7 @@ class Orchestrator:
                     self.release_later(lent.lender, lent.kv.lease_id, ctx)
                 raise
             p.in_flight += 1
-            try:  # once sent, a lent prefix is p's to release (or to let expire, unheard)
+            try:  # once sent, a lent prefix is p's to release (or, unclaimed, ours again)
                 with client_call("/tandem.v1.Worker/Prefill", p.address, ctx,
                                  self.tracer) as traced:
                     call = p.stub.Prefill(req, timeout=timeout, metadata=traced.metadata)
@@ -211,6 +211,8 @@ class Orchestrator:
             except grpc.aio.AioRpcError as e:
                 if _retryable(e):
                     self.workers.mark_down(p)
+                    if lent is not None:  # p died or refused, perhaps before its claim
+                        self.release_later(lent.lender, lent.kv.lease_id, ctx, if_unclaimed=True)
                     continue
                 raise as_router_error(e, f"prefill worker {p.address}") from None
             finally:
@@ -241,13 +243,17 @@ class Orchestrator:
             raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         return left
 
-    def release_later(self, p: Worker, lease_id: str, ctx: Context | None = None) -> None:
+    def release_later(self, p: Worker, lease_id: str, ctx: Context | None = None,
+                      if_unclaimed: bool = False) -> None:
+        """A Release to p, in the background. `if_unclaimed`: only while no decode worker has
+        claimed the lease (one that did may be copying its blocks)."""
         async def release() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError), \
                     client_call("/tandem.v1.Worker/Release", p.address, ctx,
                                 self.tracer) as traced:
-                await p.stub.Release(worker_pb2.ReleaseRequest(lease_id=lease_id), timeout=10,
-                                     metadata=traced.metadata)
+                await p.stub.Release(worker_pb2.ReleaseRequest(lease_id=lease_id,
+                                                               if_unclaimed=if_unclaimed),
+                                     timeout=10, metadata=traced.metadata)
 
         task = asyncio.ensure_future(release())
         self._background.add(task)

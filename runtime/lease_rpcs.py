@@ -65,6 +65,9 @@ class LeaseRPCs:
 
     async def release(self, request, context) -> worker_pb2.ReleaseResponse:
         await checked(context, check_lease_id, request.lease_id)
+        if request.if_unclaimed and not self.claims.unclaimed(request.lease_id):
+            # Claimed: its claimer may be copying the blocks (or it is gone already).
+            return worker_pb2.ReleaseResponse(released=False)
         self.claims.forget(request.lease_id)  # before the core frees the blocks
         return worker_pb2.ReleaseResponse(released=await self.engine.release(request.lease_id))
 

@@ -273,10 +273,12 @@ class ClaimLeaseResponse(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "if_unclaimed")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    IF_UNCLAIMED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    if_unclaimed: bool
+    def __init__(self, lease_id: _Optional[str] = ..., if_unclaimed: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

@@ -188,6 +188,33 @@ def test_only_a_claimed_lease_is_renewed(cluster):
     asyncio.run(main())
 
 
+def test_a_release_if_unclaimed_leaves_a_claimed_lease_to_its_claimer(cluster):
+    """Release with if_unclaimed (a router's, for a lease it sent to a decode worker it lost)
+    releases an unclaimed lease, which no claim then opens, and changes nothing once a claimer
+    holds the blocks: they stay pinned (it may be copying them) until the claimer's release."""
+    p = cluster.workers("prefill")[0]
+
+    async def main():
+        async with grpc.aio.insecure_channel(p.address) as pch:
+            stub = worker_pb2_grpc.WorkerStub(pch)
+            unclaimed = (await prefill(pch, "unclaimed-a", VICTIM[:20])).kv.lease_id
+            claimed = (await prefill(pch, "unclaimed-b", VICTIM[:21])).kv.lease_id
+            await stub.ClaimLease(worker_pb2.ClaimLeaseRequest(lease_id=claimed))
+
+            async def release(lease, **kw):
+                return (await stub.Release(worker_pb2.ReleaseRequest(lease_id=lease,
+                                                                     **kw))).released
+
+            assert await release(unclaimed, if_unclaimed=True)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.ClaimLease(worker_pb2.ClaimLeaseRequest(lease_id=unclaimed))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert not await release(claimed, if_unclaimed=True)
+            assert await release(claimed)  # its claimer's: the lease was still live
+
+    asyncio.run(main())
+
+
 class FakePrefill(worker_pb2_grpc.WorkerServicer):
     """A prefill worker's impostor: it presents the real pool (from the real worker's Register)
     and answers every claim with the blocks it likes."""

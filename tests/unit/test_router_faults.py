@@ -65,6 +65,7 @@ class FakeOrchestrator:
         self.max_migrations = max_migrations
         self.prefills = 0
         self.released: list[str] = []
+        self.if_unclaimed: list[bool] = []  # each release's condition
         self.lease_ttl_ms = 0  # what each lease's answer says (0: nothing)
 
     async def prefill(self, rid, route, params, deadline, md, may_fall_back=False):
@@ -83,8 +84,9 @@ class FakeOrchestrator:
     def remaining(self, deadline):
         return None
 
-    def release_later(self, p, lease_id, md=None):
+    def release_later(self, p, lease_id, md=None, if_unclaimed=False):
         self.released.append(lease_id)
+        self.if_unclaimed.append(if_unclaimed)
 
     async def lend_prefix(self, route, dest, cache_salt, prompt_logprobs, ctx):
         return None  # no worker lends a prefix here
@@ -122,16 +124,17 @@ def test_each_move_carries_every_samples_tokens_so_far(n):
 
 
 def test_a_lease_sent_to_a_worker_whose_stream_breaks_before_any_update_is_released():
-    """The decode worker died (or hung) with the request sent: it may never have pulled, and
-    never will release, so the router does, at once, not a time to live later; the request is
-    prefilled again for the other worker. A leg that broke after its first update had pulled
-    its lease (and released it): nothing to release for it."""
+    """The decode worker died (or hung) with the request sent: it may never have claimed the
+    lease, and never will release it, so the router does, at once, not a time to live later,
+    if nobody claimed it (a worker that did may be copying); the request is prefilled again for
+    the other worker. A leg that broke after its first update had pulled its lease (and
+    released it): nothing to release for it."""
     streams = [FakeStream(0, fail=True), FakeStream(2, fail=True), FakeStream(2, fail=False)]
     orch = FakeOrchestrator(streams, max_migrations=1)
     out, error = asyncio.run(_run(orch, 1))
     assert error is None and len(out[0]) == 1 + 2 + 2
     assert [s.sent[0].kv.lease_id for s in streams] == ["lease1", "lease2", "lease3"]
-    assert orch.released == ["lease1"]
+    assert orch.released == ["lease1"] and orch.if_unclaimed == [True]
 
 
 def test_moves_are_bounded_then_unavailable():
@@ -368,6 +371,56 @@ def test_a_unary_call_gives_up_when_its_worker_is_lost():
         call = FakeCall()
         call.result.set_result("answer")
         assert await unless_lost(w, call) == "answer" and not call.cancelled
+
+    asyncio.run(main())
+
+
+def test_a_prefix_lent_to_a_prefill_worker_that_fails_is_released_unless_claimed():
+    """The prefill worker a request went to with a lent prefix fails UNAVAILABLE: the router
+    releases the prefix if still unclaimed (that worker may have died before its claim) and
+    tries the other worker with a prefix lent afresh."""
+    from tandem.router_svc.orchestrator import Orchestrator
+    from tandem.router_svc.remote_prefix import LentPrefix
+
+    class Stub:
+        def __init__(self, answer) -> None:
+            self.answer = answer
+
+        def Prefill(self, req, timeout=None, metadata=None):  # noqa: N802
+            call = FakeCall()
+            if isinstance(self.answer, grpc.aio.AioRpcError):
+                call.result.set_exception(self.answer)
+            else:
+                call.result.set_result(self.answer)
+            return call
+
+    async def main():
+        ws = WorkerSet([], [], [], metrics=FaultMetrics())
+        dead = Worker("p0", "prefill", None, Stub(_rpc_error(grpc.StatusCode.UNAVAILABLE)),
+                      None, healthy=True)
+        alive = Worker("p1", "prefill", None, Stub(worker_pb2.PrefillResponse(
+            first_token_ids=[7], kv=worker_pb2.KVLocation(lease_id="lease"))), None,
+            healthy=True)
+        ws.workers = [dead, alive]
+        orch = Orchestrator(ws)
+        lender = Worker("far", "prefill", None, None, None, healthy=True)
+        lent, released = [], []
+
+        async def lend_prefix(route, dest, cache_salt, prompt_logprobs, ctx):
+            lent.append(f"prefix{len(lent)}")
+            return LentPrefix(lender, worker_pb2.KVLocation(lease_id=lent[-1], num_tokens=16))
+
+        orch.lend_prefix = lend_prefix
+        orch.release_later = lambda p, lease_id, ctx=None, if_unclaimed=False: \
+            released.append((p.address, lease_id, if_unclaimed))
+        order = iter([dead, alive])
+        ws.pick_prefill = lambda route, tried=frozenset(): next(order)
+        params = SamplingParams(max_tokens=4)
+        p, resp = await orch.prefill("r", RouteRequest([1, 2, 3]), params_to_proto(params),
+                                     None, None)
+        assert p is alive and resp.kv.lease_id == "lease" and not dead.healthy
+        assert lent == ["prefix0", "prefix1"]
+        assert released == [("far", "prefix0", True)]  # prefix1 went with the answered call
 
     asyncio.run(main())
 
