@@ -118,8 +118,7 @@ class LegHost(Protocol):
 
     def remaining(self, deadline: float | None) -> float | None: ...
 
-    def release_later(self, p: Worker, lease_id: str, ctx: Context | None = None,
-                      if_unclaimed: bool = False) -> None: ...
+    def release_later(self, p: Worker, lease_id: str, ctx: Context | None = None) -> None: ...
 
     async def lend_prefix(self, route: RouteRequest, dest: Worker, cache_salt: str,
                           prompt_logprobs: bool, ctx: Context | None
@@ -386,10 +385,10 @@ class DecodeLegs:
             except StreamBroken:
                 # d is gone (or hung) before its first update: what the request took there
                 # would pin blocks until its lease expires, if d never claimed it. Released
-                # unless claimed: a d that claimed it may live and be copying the blocks (it
-                # cancels the request, its router having left, and releases it then).
+                # unless claimed (release_later): a d that claimed it may live and be copying
+                # the blocks (it cancels the request, its router having left, and releases it).
                 for lender, lease_id in handed:
-                    self.orch.release_later(lender, lease_id, self.ctx, if_unclaimed=True)
+                    self.orch.release_later(lender, lease_id, self.ctx)
                 raise
             finally:
                 d.in_flight -= 1

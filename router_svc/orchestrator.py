@@ -212,7 +212,7 @@ class Orchestrator:
                 if _retryable(e):
                     self.workers.mark_down(p)
                     if lent is not None:  # p died or refused, perhaps before its claim
-                        self.release_later(lent.lender, lent.kv.lease_id, ctx, if_unclaimed=True)
+                        self.release_later(lent.lender, lent.kv.lease_id, ctx)
                     continue
                 raise as_router_error(e, f"prefill worker {p.address}") from None
             finally:
@@ -243,16 +243,16 @@ class Orchestrator:
             raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         return left
 
-    def release_later(self, p: Worker, lease_id: str, ctx: Context | None = None,
-                      if_unclaimed: bool = False) -> None:
-        """A Release to p, in the background. `if_unclaimed`: only while no decode worker has
-        claimed the lease (one that did may be copying its blocks)."""
+    def release_later(self, p: Worker, lease_id: str, ctx: Context | None = None) -> None:
+        """A Release to p, in the background, of a lease this router got: only while nobody has
+        claimed it (if_unclaimed). The router never claims; a worker that did may be copying the
+        blocks, and releases the lease itself (or it expires)."""
         async def release() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError), \
                     client_call("/tandem.v1.Worker/Release", p.address, ctx,
                                 self.tracer) as traced:
                 await p.stub.Release(worker_pb2.ReleaseRequest(lease_id=lease_id,
-                                                               if_unclaimed=if_unclaimed),
+                                                               if_unclaimed=True),
                                      timeout=10, metadata=traced.metadata)
 
         task = asyncio.ensure_future(release())

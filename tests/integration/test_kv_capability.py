@@ -189,9 +189,10 @@ def test_only_a_claimed_lease_is_renewed(cluster):
 
 
 def test_a_release_if_unclaimed_leaves_a_claimed_lease_to_its_claimer(cluster):
-    """Release with if_unclaimed (a router's, for a lease it sent to a decode worker it lost)
-    releases an unclaimed lease, which no claim then opens, and changes nothing once a claimer
-    holds the blocks: they stay pinned (it may be copying them) until the claimer's release."""
+    """Release with if_unclaimed (every release of a router's, which never claims: say of a lease
+    it sent to a decode worker it then lost) releases an unclaimed lease, which no claim then
+    opens, and changes nothing once a claimer holds the blocks: they stay pinned (it may be
+    copying them) until the claimer's release."""
     p = cluster.workers("prefill")[0]
 
     async def main():

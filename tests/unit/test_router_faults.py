@@ -65,7 +65,6 @@ class FakeOrchestrator:
         self.max_migrations = max_migrations
         self.prefills = 0
         self.released: list[str] = []
-        self.if_unclaimed: list[bool] = []  # each release's condition
         self.lease_ttl_ms = 0  # what each lease's answer says (0: nothing)
 
     async def prefill(self, rid, route, params, deadline, md, may_fall_back=False):
@@ -84,9 +83,8 @@ class FakeOrchestrator:
     def remaining(self, deadline):
         return None
 
-    def release_later(self, p, lease_id, md=None, if_unclaimed=False):
+    def release_later(self, p, lease_id, md=None):
         self.released.append(lease_id)
-        self.if_unclaimed.append(if_unclaimed)
 
     async def lend_prefix(self, route, dest, cache_salt, prompt_logprobs, ctx):
         return None  # no worker lends a prefix here
@@ -134,7 +132,7 @@ def test_a_lease_sent_to_a_worker_whose_stream_breaks_before_any_update_is_relea
     out, error = asyncio.run(_run(orch, 1))
     assert error is None and len(out[0]) == 1 + 2 + 2
     assert [s.sent[0].kv.lease_id for s in streams] == ["lease1", "lease2", "lease3"]
-    assert orch.released == ["lease1"] and orch.if_unclaimed == [True]
+    assert orch.released == ["lease1"]
 
 
 def test_moves_are_bounded_then_unavailable():
@@ -377,8 +375,8 @@ def test_a_unary_call_gives_up_when_its_worker_is_lost():
 
 def test_a_prefix_lent_to_a_prefill_worker_that_fails_is_released_unless_claimed():
     """The prefill worker a request went to with a lent prefix fails UNAVAILABLE: the router
-    releases the prefix if still unclaimed (that worker may have died before its claim) and
-    tries the other worker with a prefix lent afresh."""
+    releases the prefix (if still unclaimed, as every release of its: that worker may have died
+    before its claim) and tries the other worker with a prefix lent afresh."""
     from tandem.router_svc.orchestrator import Orchestrator
     from tandem.router_svc.remote_prefix import LentPrefix
 
@@ -411,8 +409,7 @@ def test_a_prefix_lent_to_a_prefill_worker_that_fails_is_released_unless_claimed
             return LentPrefix(lender, worker_pb2.KVLocation(lease_id=lent[-1], num_tokens=16))
 
         orch.lend_prefix = lend_prefix
-        orch.release_later = lambda p, lease_id, ctx=None, if_unclaimed=False: \
-            released.append((p.address, lease_id, if_unclaimed))
+        orch.release_later = lambda p, lease_id, ctx=None: released.append((p.address, lease_id))
         order = iter([dead, alive])
         ws.pick_prefill = lambda route, tried=frozenset(): next(order)
         params = SamplingParams(max_tokens=4)
@@ -420,7 +417,7 @@ def test_a_prefix_lent_to_a_prefill_worker_that_fails_is_released_unless_claimed
                                      None, None)
         assert p is alive and resp.kv.lease_id == "lease" and not dead.healthy
         assert lent == ["prefix0", "prefix1"]
-        assert released == [("far", "prefix0", True)]  # prefix1 went with the answered call
+        assert released == [("far", "prefix0")]  # prefix1 went with the answered call
 
     asyncio.run(main())
 
