@@ -50,7 +50,7 @@ class BlockTableMirror:
             self.free_rows.append(st[0])
 
     def gather(self, rows: list[int], width: int) -> torch.Tensor:
-        return self.table[torch.tensor(rows), :width]
+        return torch.from_numpy(self.np[rows, :width])
 
     def _grow(self) -> None:
         old = self.table

@@ -13,11 +13,24 @@ Inputs live in static buffers that every graph reads:
 
 and every graph writes its logits into one static buffer: outputs that each graph kept for itself
 held [bs, vocab] float32 per captured size (8.5 GiB for an 8B model's ladder up to 512).
+
+A step's inputs reach those buffers in two host-to-device copies (`run_step`): the host writes
+them into a pinned staging buffer laid out like two device buffers that the static ones are
+views of (int64: token ids, positions, slots, then scratch; int32: context lengths, then the
+block table's rows packed at their width), one copy each, then one device copy puts the packed
+rows into the table. A decode step at batch 1 takes a few hundred microseconds of host work,
+which the device waits for whenever the host has waited for it first (a speculative verify
+step, the step after it): three pinned tensors, three copies and five device copies per step
+were most of that (benchmarks/engine/spec_decode.py latency). Two staging buffers alternate;
+each is rewritten only once the device has read it (an event recorded after its copies).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -27,8 +40,26 @@ from tandem.engine.attention.base import (
     forward_context,
     max_prefill_tiles,
 )
+from tandem.engine.step_tokens import TokenFill
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
+    """torch.cuda.graph with Python's garbage collector off while it captures (it collects
+    once on entering). A collection inside the capture can finalize an engine dropped earlier
+    in the process whose CUDA graphs were never reset (a reference cycle holds them): the
+    graph's reset is not permitted while a stream captures, and it invalidates the capture
+    (seen on an H200 in tests/gpu/test_mixed_graphs_gpu.py, one engine after another)."""
+    enabled = gc.isenabled()
+    with torch.cuda.graph(graph, pool=pool):
+        gc.disable()
+        try:
+            yield
+        finally:
+            if enabled:
+                gc.enable()
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -46,12 +77,21 @@ class CudaGraphRunner:
         self.backend = backend
         self.max_bs = max_bs
         self.sizes = batch_size_ladder(max_bs)
-        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32,
-                                        device=device)
+        mb, width = max_bs, max_blocks_per_seq
+        # int64: ids, positions, slots, then a pipelined step's placeholder fills (their rows
+        # here, and the previous step's rows they take: max_bs each); int32: context lengths
+        # [max_bs], then the block table's rows packed at the step's width.
+        self.longs = torch.zeros(5 * mb, dtype=torch.long, device=device)
+        self.ints = torch.zeros(mb + mb * width, dtype=torch.int32, device=device)
+        self.input_ids = self.longs[:mb]
+        self.positions = self.longs[mb:2 * mb]
+        self.slot_mapping = self.longs[2 * mb:3 * mb]
+        self.slot_mapping.fill_(-1)
+        self.seq_lens = self.ints[:mb]
+        self.block_tables = torch.zeros(mb, width, dtype=torch.int32, device=device)
+        self.staging = [_Staging(self.longs, self.ints) for _ in range(2)]
+        self._turn = 0
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         vocab = model.config.vocab_size  # a tensor-parallel LM head holds a slice of it
         self.logits = torch.zeros(max_bs, vocab, dtype=torch.float32, device=device)
@@ -84,7 +124,7 @@ class CudaGraphRunner:
                 self.model(self.input_ids[:bs], self.positions[:bs])
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with capturing(graph, self.pool):
                 self.outputs[bs] = self._forward(bs)
             if self.pool is None:
                 self.pool = graph.pool()
@@ -105,21 +145,48 @@ class CudaGraphRunner:
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.max_bs and max_blocks <= self.block_tables.shape[1]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and greedy tokens of a decode batch (inputs already on the device)."""
-        b = input_ids.shape[0]
+    def run_step(self, token_ids: list[int], positions: list[int], slots: list[int],
+                 seq_lens: list[int], block_table: torch.Tensor, sample_index: list[int],
+                 fill: TokenFill | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and greedy tokens of a decode batch given as host lists (block_table: int32
+        [B, width] on the CPU), for the rows `sample_index` picks. `fill`: placeholder token
+        ids replaced on the device from the previous step's sampled tokens (as the model
+        runner's `_device_inputs` does for other steps)."""
+        b = len(token_ids)
         bs = next(s for s in self.sizes if s >= b)
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(positions)
-        self.slot_mapping[:b].copy_(slot_mapping)
-        self.seq_lens[:b].copy_(seq_lens)
-        width = block_tables.shape[1]
-        self.block_tables[:b, :width].copy_(block_tables)
-        if bs > b:  # padding rows: store nothing, read nothing
-            self.slot_mapping[b:bs].fill_(-1)
-            self.seq_lens[b:bs].zero_()
+        mb = self.max_bs
+        st = self.staging[self._turn]
+        self._turn ^= 1
+        st.wait()  # the device has read what it held
+        longs, ints = st.longs_np, st.ints_np
+        longs[:b] = token_ids
+        longs[b:bs] = 0  # padding rows: any valid id, no slot (nothing stored), context 0
+        longs[mb:mb + b] = positions
+        longs[2 * mb:2 * mb + b] = slots
+        longs[2 * mb + b:2 * mb + bs] = -1
+        k = len(fill.dst) if fill else 0
+        if k:
+            longs[3 * mb:3 * mb + k] = fill.dst
+            longs[4 * mb:4 * mb + k] = fill.src
+        ints[:b] = seq_lens
+        ints[b:bs] = 0
+        width = block_table.shape[1]
+        ints[mb:mb + b * width] = block_table.numpy().reshape(-1)
+        n = 4 * mb + k if k else 3 * mb
+        self.longs[:n].copy_(st.longs[:n], non_blocking=True)
+        self.ints[:mb + b * width].copy_(st.ints[:mb + b * width], non_blocking=True)
+        st.record(self.stream)
+        self.block_tables[:b, :width].copy_(self.ints[mb:mb + b * width].view(b, width))
+        if k:  # stream order: the previous step's sampling ran before this gather
+            self.input_ids.index_copy_(0, self.longs[3 * mb:3 * mb + k], fill.tokens.index_select(
+                0, self.longs[4 * mb:4 * mb + k]))
+        logits, greedy = self._replay(bs, b)
+        if len(sample_index) != b or sample_index != list(range(b)):  # a fork samples n times
+            index = torch.tensor(sample_index, dtype=torch.long).to(self.longs.device)
+            logits, greedy = logits[index], greedy[index]
+        return logits, greedy
+
+    def _replay(self, bs: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         graph = self.graphs.get(bs)
         if graph is None:  # not captured (tests on the CPU): the same step, run eagerly
             self.outputs[bs] = self._forward(bs)
@@ -128,6 +195,28 @@ class CudaGraphRunner:
         self.replays += 1
         logits, greedy = self.outputs[bs]
         return logits[:b], greedy[:b]
+
+
+class _Staging:
+    """A pinned host copy of CudaGraphRunner's two input buffers (plain memory on the CPU) and
+    the event recorded after the copies that read it."""
+
+    def __init__(self, longs: torch.Tensor, ints: torch.Tensor) -> None:
+        pin = longs.is_cuda
+        self.longs = torch.zeros(longs.shape, dtype=longs.dtype, pin_memory=pin)
+        self.ints = torch.zeros(ints.shape, dtype=ints.dtype, pin_memory=pin)
+        self.longs_np, self.ints_np = self.longs.numpy(), self.ints.numpy()
+        self.event = torch.cuda.Event() if pin else None
+        self.recorded = False
+
+    def wait(self) -> None:
+        if self.recorded:
+            self.event.synchronize()
+
+    def record(self, stream) -> None:
+        if self.event is not None:
+            self.event.record(stream)
+            self.recorded = True
 
 
 # Token counts of the mixed-step graphs; a step of T tokens replays the smallest >= T. Above
@@ -212,7 +301,7 @@ class MixedGraphRunner:
             self._forward(t)  # outside the capture: Triton compiles and picks configs here
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with capturing(graph, self.pool):
                 self.outputs[t] = self._forward(t)
             if self.pool is None:
                 self.pool = graph.pool()

@@ -90,6 +90,9 @@ class ModelRunner:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+        # The stream every step runs on (the thread's current one; nothing here changes it).
+        self.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" \
+            else None
         self.dtype = TORCH_DTYPES[dtype]
         self.kv_dtype = kv_cache.kv_cache_dtype(kv_cache_dtype_name, self.dtype)
         kv_cache.check_device(self.kv_dtype, self.device)
@@ -281,7 +284,7 @@ class ModelRunner:
             tokens = self.sampler.sample(logits, rows, greedy)[0]
             if tokens is greedy:  # a CUDA graph's output buffer: the next replay rewrites it
                 tokens = tokens.clone()
-            return PendingTokens(tokens)
+            return PendingTokens(tokens, self.stream)
         out = self.sampler(logits, rows, greedy)
         out.extra_logits = extra
         return out
@@ -295,15 +298,13 @@ class ModelRunner:
             src = _to([s for s, _ in inputs.copies], torch.long, self.device)
             dst = _to([d for _, d in inputs.copies], torch.long, self.device)
             self.pool[dst] = self.pool[src]
+        if inputs.use_graph:  # straight into the graphs' input buffers
+            return self.graphs.run_step(inputs.token_ids, inputs.positions, inputs.slots,
+                                        inputs.seq_lens, inputs.block_table,
+                                        inputs.row_token_index, fill)
         ids, pos, meta, sample_index = self._device_inputs(inputs, fill)
         if inputs.use_mixed_graph:
             return self.mixed_graphs.run(ids, pos, meta, sample_index)
-        if inputs.use_graph:
-            logits, greedy = self.graphs.run(ids, pos, meta.slot_mapping, meta.seq_lens,
-                                             meta.block_tables)
-            if inputs.row_token_index != list(range(meta.num_seqs)):  # a fork samples n times
-                logits, greedy = logits[sample_index], greedy[sample_index]
-            return logits, greedy
         with forward_context(self.backend, meta):
             hidden = self.model(ids, pos)
         return self.model.compute_logits(hidden[sample_index]), None

@@ -14,14 +14,16 @@ class PendingTokens:
     goes to pinned memory (non_blocking) and an event recorded after it tells when it is done;
     on the CPU everything already happened."""
 
-    def __init__(self, tokens: torch.Tensor) -> None:
+    def __init__(self, tokens: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+        """`stream`: the one the step ran on (the current stream if None; the lookup costs a
+        few microseconds of host time a step)."""
         self.device = tokens
         self.event: torch.cuda.Event | None = None
         if tokens.is_cuda:
             self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self.host.copy_(tokens, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(stream)
         else:
             self.host = tokens
 

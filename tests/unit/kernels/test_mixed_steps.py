@@ -117,3 +117,38 @@ class Answers:
 
     def release(self, seq) -> None:
         pass
+
+
+def test_pipelined_decode_steps_staged_into_the_graph_buffers_give_the_eager_tokens(
+        tiny_models):
+    """Decode steps whose inputs go straight into the decode graphs' buffers
+    (CudaGraphRunner.run_step: host lists staged into two buffers, the block table's rows
+    packed at the step's width) give the eager path's tokens, as the batch shrinks from 3 rows
+    (padded to a graph of 4) to 2 and 1 while requests of different lengths finish. The steps
+    are pipelined: each step's token ids hold placeholders that the device fills from the step
+    before (the fill's indices travel in the staged buffer). (Steps that are not: the verify
+    test above.)"""
+    model = str(tiny_models["llama"])
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 7, 11)]
+    plain = LLM(model, device="cpu", dtype="float32", progress=False, num_blocks=128)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    llm = LLM(model, device="cpu", dtype="float32", progress=False, num_blocks=128,
+              async_scheduling=True)
+    runner = llm.engine.runner
+    runner.backend = TritonAttentionBackend(runner.pool, runner.num_heads,
+                                            runner.config.head_dim ** -0.5)
+    runner.prefill_block_q = runner.backend.prefill_block_q
+    runner.graphs = CudaGraphRunner(runner.model, runner.backend, 4, 64, torch.device("cpu"))
+    fills = []
+    run_step = runner.graphs.run_step
+
+    def watched(*args):
+        fills.append(bool(args[-1]))
+        return run_step(*args)
+
+    runner.graphs.run_step = watched
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert llm.engine.is_idle()
+    assert got == expected
+    assert len(fills) >= 9  # decodes: 3 rows, then 2, then 1
+    assert sum(fills) >= len(fills) - 1  # every decode step but the first is fed
