@@ -4,9 +4,12 @@ taken out while new requests succeed, and a full router answering RESOURCE_EXHAU
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import grpc
+import httpx
 import pytest
 
 from cluster import Cluster, Handed, stop_cleanly
@@ -28,6 +31,19 @@ async def generate(stub, prompt, params, timeout=30):
     return chunks
 
 
+async def in_flight_on(cluster: Cluster, addresses: set[str], count: int) -> None:
+    """Until the router's /workers counts `count` requests in flight on those workers (a bound
+    of 60 s, for a failure to read: nothing else holds them)."""
+    deadline = time.monotonic() + 60
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{cluster.router.http_port}") as h:
+        while True:
+            workers = (await h.get("/workers")).json()["workers"]
+            if sum(w["in_flight"] for w in workers if w["address"] in addresses) >= count:
+                return
+            assert time.monotonic() < deadline, workers
+            await asyncio.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def stacks(tiny_models, tmp_path_factory):
     """2P+2D stacks: the affinity test uses one and leaves it idle; the test that kills workers
@@ -36,7 +52,7 @@ def stacks(tiny_models, tmp_path_factory):
     def start() -> Cluster:
         return Cluster(tmp_path_factory.mktemp("routing"), str(tiny_models["llama"]),
                        prefill=2, decode=2, worker_args=WORKER_ARGS,
-                       router_args=["--http-port", "-1", "--max-migrations", "0"]).start()
+                       router_args=["--max-migrations", "0"]).start()
 
     stacks = Handed(start, stop_cleanly)
     yield stacks
@@ -54,12 +70,25 @@ def test_prefix_affinity_and_spread(stacks):
             # Requests sharing a 64-token prefix: after the first, all hit its cached blocks,
             # which only one of the two prefill workers holds.
             shared = [await generate(stub, [*PREFIX, 200 + i, 7], params) for i in range(8)]
-            # Distinct prompts sent together spread over both prefill workers.
+            # Distinct prompts sent together spread over both prefill workers. "Together" is
+            # made sure of: both prefill workers' engine cores are held still (SIGSTOP) until
+            # the router has all 16 in flight (its /workers), so each pick sees the ones before
+            # it however slow this machine is (a prefill done before the next request reached
+            # the router would leave both workers equally idle again: ties go to the first).
             distinct = [[(31 * i + 7 * j) % 250 + 1 for j in range(40)] for i in range(16)]
-            await asyncio.gather(*(generate(stub, p, SamplingParams(temperature=0,
-                                                                    max_tokens=24))
-                                   for p in distinct))
-            loads = [await cluster.load(p) for p in cluster.workers("prefill")]
+            prefill = cluster.workers("prefill")
+            cores = [cluster.engine_core(p.name) for p in prefill]
+            for core in cores:
+                os.kill(core, signal.SIGSTOP)
+            try:
+                sent = [asyncio.create_task(generate(
+                    stub, p, SamplingParams(temperature=0, max_tokens=24))) for p in distinct]
+                await in_flight_on(cluster, {p.address for p in prefill}, len(distinct))
+            finally:
+                for core in cores:
+                    os.kill(core, signal.SIGCONT)
+            await asyncio.gather(*sent)
+            loads = [await cluster.load(p) for p in prefill]
             return shared, before, loads
 
     shared, before, loads = asyncio.run(main())
