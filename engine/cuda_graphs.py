@@ -180,21 +180,17 @@ class CudaGraphRunner:
         if k:  # stream order: the previous step's sampling ran before this gather
             self.input_ids.index_copy_(0, self.longs[3 * mb:3 * mb + k], fill.tokens.index_select(
                 0, self.longs[4 * mb:4 * mb + k]))
-        logits, greedy = self._replay(bs, b)
-        if len(sample_index) != b or sample_index != list(range(b)):  # a fork samples n times
-            index = torch.tensor(sample_index, dtype=torch.long).to(self.longs.device)
-            logits, greedy = logits[index], greedy[index]
-        return logits, greedy
-
-    def _replay(self, bs: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         graph = self.graphs.get(bs)
         if graph is None:  # not captured (tests on the CPU): the same step, run eagerly
             self.outputs[bs] = self._forward(bs)
         else:
             graph.replay()
         self.replays += 1
-        logits, greedy = self.outputs[bs]
-        return logits[:b], greedy[:b]
+        logits, greedy = self.outputs[bs][0][:b], self.outputs[bs][1][:b]
+        if len(sample_index) != b or sample_index != list(range(b)):  # a fork samples n times
+            index = torch.tensor(sample_index, dtype=torch.long).to(self.longs.device)
+            logits, greedy = logits[index], greedy[index]
+        return logits, greedy
 
 
 class _Staging:
