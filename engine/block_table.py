@@ -11,6 +11,7 @@ writes only what changed since the last step:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tandem.engine.sequence import Sequence
@@ -49,8 +50,9 @@ class BlockTableMirror:
         if st is not None:
             self.free_rows.append(st[0])
 
-    def gather(self, rows: list[int], width: int) -> torch.Tensor:
-        return torch.from_numpy(self.np[rows, :width])
+    def gather(self, rows: list[int], width: int) -> np.ndarray:
+        """The rows' first `width` entries: a new int32 array [len(rows), width]."""
+        return self.np[rows, :width]
 
     def _grow(self) -> None:
         old = self.table

@@ -14,15 +14,17 @@ Inputs live in static buffers that every graph reads:
 and every graph writes its logits into one static buffer: outputs that each graph kept for itself
 held [bs, vocab] float32 per captured size (8.5 GiB for an 8B model's ladder up to 512).
 
-A step's inputs reach those buffers in two host-to-device copies (`run_step`): the host writes
-them into a pinned staging buffer laid out like two device buffers that the static ones are
-views of (int64: token ids, positions, slots, then scratch; int32: context lengths, then the
-block table's rows packed at their width), one copy each, then one device copy puts the packed
-rows into the table. A decode step at batch 1 takes a few hundred microseconds of host work,
+A step's inputs reach those buffers in one host-to-device copy (`run_step`): the static
+buffers are views of one device buffer (int64: token ids, positions, slots, then scratch;
+int32: context lengths, then the block table's rows), the host writes the step into a pinned
+staging buffer laid out the same way, and one copy moves its prefix up to the last table row
+the step's graph reads (while those full rows are few: past DIRECT_TABLE_ENTRIES, rows packed
+at the step's width travel apart and a device copy puts them in the table). A decode step at batch 1 takes a few hundred microseconds of host work,
 which the device waits for whenever the host has waited for it first (a speculative verify
-step, the step after it): three pinned tensors, three copies and five device copies per step
-were most of that (benchmarks/engine/spec_decode.py latency). Two staging buffers alternate;
-each is rewritten only once the device has read it (an event recorded after its copies).
+step, the step after it), and every torch call costs the host ~10 µs on a GPU box
+(benchmarks/engine/spec_decode.py latency; a copy into the table through a device-side copy
+cost 25). Two staging buffers alternate; each is rewritten only once the device has read it
+(an event recorded after its copy).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from tandem.engine.attention.base import (
@@ -76,20 +79,25 @@ class CudaGraphRunner:
         self.model = model
         self.backend = backend
         self.max_bs = max_bs
+        self.width = max_blocks_per_seq
         self.sizes = batch_size_ladder(max_bs)
         mb, width = max_bs, max_blocks_per_seq
-        # int64: ids, positions, slots, then a pipelined step's placeholder fills (their rows
-        # here, and the previous step's rows they take: max_bs each); int32: context lengths
-        # [max_bs], then the block table's rows packed at the step's width.
-        self.longs = torch.zeros(5 * mb, dtype=torch.long, device=device)
-        self.ints = torch.zeros(mb + mb * width, dtype=torch.int32, device=device)
+        # One device buffer, viewed as int64 [5 * max_bs] (ids, positions, slots, then a
+        # pipelined step's placeholder fills: their rows here, and the previous step's rows
+        # they take) and then int32 [max_bs] (context lengths) and [max_bs, width] (the block
+        # table), and when full rows can be too many to copy, int32 [max_bs * width] for rows
+        # packed at a step's width (`run_step`).
+        packed = mb * width > DIRECT_TABLE_ENTRIES
+        self.buf = torch.zeros(8 * 5 * mb + 4 * mb * (1 + width * (1 + packed)),
+                               dtype=torch.uint8, device=device)
+        self.longs, self.ints, self.block_tables, self.packed = _views(self.buf, mb, width)
         self.input_ids = self.longs[:mb]
         self.positions = self.longs[mb:2 * mb]
         self.slot_mapping = self.longs[2 * mb:3 * mb]
         self.slot_mapping.fill_(-1)
         self.seq_lens = self.ints[:mb]
-        self.block_tables = torch.zeros(mb, width, dtype=torch.int32, device=device)
-        self.staging = [_Staging(self.longs, self.ints) for _ in range(2)]
+        self.size_for = [next(s for s in self.sizes if s >= b) for b in range(mb + 1)]
+        self.staging = [_Staging(self.buf, mb, width) for _ in range(2)]
         self._turn = 0
         self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
@@ -98,6 +106,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Per size: its rows of the logits buffer and its argmax (rewritten by every replay).
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # outputs[:b], by b
         self.pool = None
         self.replays = 0  # steps run from a graph (tests check the graphs ran)
 
@@ -140,25 +149,30 @@ class CudaGraphRunner:
             graph.reset()
         self.graphs.clear()
         self.outputs.clear()
+        self.rows.clear()
         self.pool = None
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.max_bs and max_blocks <= self.block_tables.shape[1]
 
     def run_step(self, token_ids: list[int], positions: list[int], slots: list[int],
-                 seq_lens: list[int], block_table: torch.Tensor, sample_index: list[int],
+                 seq_lens: list[int], block_table: np.ndarray, sample_index: list[int],
                  fill: TokenFill | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and greedy tokens of a decode batch given as host lists (block_table: int32
-        [B, width] on the CPU), for the rows `sample_index` picks. `fill`: placeholder token
+        [B, width]), for the rows `sample_index` picks. `fill`: placeholder token
         ids replaced on the device from the previous step's sampled tokens (as the model
-        runner's `_device_inputs` does for other steps)."""
+        runner's `_device_inputs` does for other steps).
+
+        The greedy tokens are the graph's output buffer, which the next replay of that graph
+        rewrites: whatever reads them (the copy to the host, the next step's fill) is queued
+        on this stream before that replay."""
         b = len(token_ids)
-        bs = next(s for s in self.sizes if s >= b)
+        bs = self.size_for[b]
         mb = self.max_bs
         st = self.staging[self._turn]
         self._turn ^= 1
         st.wait()  # the device has read what it held
-        longs, ints = st.longs_np, st.ints_np
+        longs, ints = st.longs, st.ints
         longs[:b] = token_ids
         longs[b:bs] = 0  # padding rows: any valid id, no slot (nothing stored), context 0
         longs[mb:mb + b] = positions
@@ -170,40 +184,86 @@ class CudaGraphRunner:
             longs[4 * mb:4 * mb + k] = fill.src
         ints[:b] = seq_lens
         ints[b:bs] = 0
-        width = block_table.shape[1]
-        ints[mb:mb + b * width] = block_table.numpy().reshape(-1)
-        n = 4 * mb + k if k else 3 * mb
-        self.longs[:n].copy_(st.longs[:n], non_blocking=True)
-        self.ints[:mb + b * width].copy_(st.ints[:mb + b * width], non_blocking=True)
-        st.record(self.stream)
-        self.block_tables[:b, :width].copy_(self.ints[mb:mb + b * width].view(b, width))
+        # Columns past the step's width, and padding rows, keep what they held: no row reads
+        # past its context. Full rows up to the graph's last make one copy with the rest
+        # while they are few; past that, rows packed at the step's width are copied and then
+        # put in the table on the device (a long context's rows: 32 KiB each at 128k tokens).
+        w = block_table.shape[1]
+        if bs * self.width <= DIRECT_TABLE_ENTRIES:
+            st.table[:b, :w] = block_table
+            dst, src = st.prefix(bs)
+            dst.copy_(src, non_blocking=True)
+            st.record(self.stream)
+        else:
+            n = b * w
+            st.packed[:n] = block_table.reshape(-1)
+            dst, src = st.prefix(0)
+            dst.copy_(src, non_blocking=True)
+            self.packed[:n].copy_(st.packed_tensor[:n], non_blocking=True)
+            st.record(self.stream)
+            self.block_tables[:b, :w].copy_(self.packed[:n].view(b, w))
         if k:  # stream order: the previous step's sampling ran before this gather
             self.input_ids.index_copy_(0, self.longs[3 * mb:3 * mb + k], fill.tokens.index_select(
                 0, self.longs[4 * mb:4 * mb + k]))
         graph = self.graphs.get(bs)
         if graph is None:  # not captured (tests on the CPU): the same step, run eagerly
             self.outputs[bs] = self._forward(bs)
+            self.rows.pop(b, None)
         else:
             graph.replay()
         self.replays += 1
-        logits, greedy = self.outputs[bs][0][:b], self.outputs[bs][1][:b]
+        out = self.rows.get(b)
+        if out is None:
+            out = self.rows[b] = (self.outputs[bs][0][:b], self.outputs[bs][1][:b])
+        logits, greedy = out
         if len(sample_index) != b or sample_index != list(range(b)):  # a fork samples n times
             index = torch.tensor(sample_index, dtype=torch.long).to(self.longs.device)
             logits, greedy = logits[index], greedy[index]
         return logits, greedy
 
 
-class _Staging:
-    """A pinned host copy of CudaGraphRunner's two input buffers (plain memory on the CPU) and
-    the event recorded after the copies that read it."""
+# Block-table entries a decode step's one copy may carry as full rows (rows up to its graph's
+# size, each max_blocks_per_seq wide): 256 KiB, a few microseconds over PCIe.
+DIRECT_TABLE_ENTRIES = 64 * 1024
 
-    def __init__(self, longs: torch.Tensor, ints: torch.Tensor) -> None:
-        pin = longs.is_cuda
-        self.longs = torch.zeros(longs.shape, dtype=longs.dtype, pin_memory=pin)
-        self.ints = torch.zeros(ints.shape, dtype=ints.dtype, pin_memory=pin)
-        self.longs_np, self.ints_np = self.longs.numpy(), self.ints.numpy()
+
+def _views(buf: torch.Tensor, mb: int, width: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CudaGraphRunner's buffer (bytes) as its int64 part, its int32 part, the block table
+    (the int32 part past the context lengths) and the packed rows' space after it (empty
+    when there is none)."""
+    n = 8 * 5 * mb
+    ints = buf[n:].view(torch.int32)
+    return (buf[:n].view(torch.long), ints, ints[mb:mb + mb * width].view(mb, width),
+            ints[mb + mb * width:])
+
+
+class _Staging:
+    """A pinned host copy of CudaGraphRunner's input buffer (plain memory on the CPU), its
+    parts as numpy arrays, and the event recorded after the copy that read it."""
+
+    def __init__(self, buf: torch.Tensor, mb: int, width: int) -> None:
+        pin = buf.is_cuda
+        self.buf = torch.zeros(buf.shape, dtype=buf.dtype, pin_memory=pin)
+        longs, ints, table, self.packed_tensor = _views(self.buf, mb, width)
+        self.longs, self.ints, self.table = longs.numpy(), ints.numpy(), table.numpy()
+        self.packed = self.packed_tensor.numpy()
+        self.device_buf = buf
+        self.row_bytes = 4 * width
+        self.head_bytes = 8 * 5 * mb + 4 * mb  # the int64 part and the context lengths
+        self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.event = torch.cuda.Event() if pin else None
         self.recorded = False
+
+    def prefix(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device buffer's and this copy's bytes that a step of `bs` rows reads: up to
+        its last block-table row (sliced once per size: a slice costs microseconds); bs 0:
+        the ids, positions, slots and context lengths only."""
+        pair = self.copies.get(bs)
+        if pair is None:
+            n = self.head_bytes + bs * self.row_bytes
+            pair = self.copies[bs] = (self.device_buf[:n], self.buf[:n])
+        return pair
 
     def wait(self) -> None:
         if self.recorded:
@@ -310,6 +370,7 @@ class MixedGraphRunner:
             graph.reset()
         self.graphs.clear()
         self.outputs.clear()
+        self.rows.clear()
         self.pool = None
 
     def size_for(self, num_tokens: int, num_rows: int) -> int | None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tandem.engine.attention.base import (
@@ -281,9 +282,11 @@ class ModelRunner:
             extra, logits = logits[len(rows):], logits[:len(rows)]
             greedy = greedy[:len(rows)] if greedy is not None else None
         if defer:
+            # A CUDA graph's greedy tokens are its output buffer, which its next replay
+            # rewrites: both their readers, the copy to the host started here and the next
+            # step's placeholder fill (queued before that step's forward pass), come first on
+            # this stream, so they are not copied.
             tokens = self.sampler.sample(logits, rows, greedy)[0]
-            if tokens is greedy:  # a CUDA graph's output buffer: the next replay rewrites it
-                tokens = tokens.clone()
             return PendingTokens(tokens, self.stream)
         out = self.sampler(logits, rows, greedy)
         out.extra_logits = extra
@@ -390,7 +393,7 @@ class ModelRunner:
             tiles = (prefill_tiles(inputs.query_lens, block_q, first=nd) if inputs.use_mixed_graph
                      else prefill_tiles(inputs.query_lens[nd:], block_q))
         ints = _to(qsl + inputs.seq_lens + tiles, torch.int32, dev)
-        table = inputs.block_table
+        table = torch.from_numpy(inputs.block_table)
         if dev.type == "cuda":
             table = table.pin_memory().to(dev, non_blocking=True)
         meta = AttentionMetadata(
@@ -428,7 +431,7 @@ class StepInputs:
     query_lens: list[int]
     num_decodes: int
     row_token_index: list[int]
-    block_table: torch.Tensor  # int32 [B, width], on the CPU
+    block_table: np.ndarray  # int32 [B, width]
     copies: list[tuple[int, int]] = field(default_factory=list)
     use_graph: bool = False  # a pure decode step that a captured CUDA graph replays
     use_mixed_graph: bool = False  # a step with prefill chunks that a captured graph replays

@@ -43,6 +43,14 @@ class SampleRow:
     grammar: GrammarState | None = None  # the sample's structured-output matcher
 
 
+def _argmax_only(r: SampleRow) -> bool:
+    """Whether row r's token is its raw logits' argmax: greedy, nothing that changes the
+    logits (penalties, logit_bias, min_tokens, a grammar), no logprobs."""
+    p = r.params
+    return (p.greedy and r.grammar is None and p.logprobs is None and not p.has_penalties
+            and not p.logit_bias and p.min_tokens <= r.position)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -73,7 +81,11 @@ class Sampler:
         logprobs, the raw log-softmax. Only kernel launches: nothing here waits for the device
         (every decision is taken from the rows' params on the host), unless a row has a
         grammar (its mask is filled on the host)."""
-        logits = raw_logits = logits[:, :self.vocab_size]
+        if greedy is not None and all(map(_argmax_only, rows)):  # a step's usual case
+            return greedy, None
+        if logits.shape[1] != self.vocab_size:  # a padded LM head (a slice costs µs)
+            logits = logits[:, :self.vocab_size]
+        raw_logits = logits
         # The grammar's mask first (host work: it overlaps the forward pass still running on
         # the device), applied after the other processors.
         bitmask, masked_rows, grammar_vocab = self._fill_bitmask(rows)

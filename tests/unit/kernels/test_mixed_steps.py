@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandem.engine import cuda_graphs
 from tandem.engine.attention.triton_backend import TritonAttentionBackend
 from tandem.engine.cuda_graphs import CudaGraphRunner, MixedGraphRunner
 from tandem.engine.llm import LLM
@@ -119,15 +120,19 @@ class Answers:
         pass
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["full-rows", "packed-rows"])
 def test_pipelined_decode_steps_staged_into_the_graph_buffers_give_the_eager_tokens(
-        tiny_models):
+        tiny_models, monkeypatch, packed):
     """Decode steps whose inputs go straight into the decode graphs' buffers
-    (CudaGraphRunner.run_step: host lists staged into two buffers, the block table's rows
-    packed at the step's width) give the eager path's tokens, as the batch shrinks from 3 rows
-    (padded to a graph of 4) to 2 and 1 while requests of different lengths finish. The steps
-    are pipelined: each step's token ids hold placeholders that the device fills from the step
-    before (the fill's indices travel in the staged buffer). (Steps that are not: the verify
-    test above.)"""
+    (CudaGraphRunner.run_step: host lists staged into one of two buffers, the block table's
+    rows as full rows in the same copy, or packed at the step's width and put in place on the
+    device, as for rows too long to copy whole) give the eager path's tokens, as the batch
+    shrinks from 3 rows (padded to a graph of 4) to 2 and 1 while requests of different
+    lengths finish. The steps are pipelined: each step's token ids hold placeholders that the
+    device fills from the step before (the fill's indices travel in the staged buffer), from
+    the graph's own output buffer. (Steps that are not: the verify test above.)"""
+    if packed:
+        monkeypatch.setattr(cuda_graphs, "DIRECT_TABLE_ENTRIES", 0)
     model = str(tiny_models["llama"])
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 7, 11)]
     plain = LLM(model, device="cpu", dtype="float32", progress=False, num_blocks=128)
@@ -139,6 +144,7 @@ def test_pipelined_decode_steps_staged_into_the_graph_buffers_give_the_eager_tok
                                             runner.config.head_dim ** -0.5)
     runner.prefill_block_q = runner.backend.prefill_block_q
     runner.graphs = CudaGraphRunner(runner.model, runner.backend, 4, 64, torch.device("cpu"))
+    assert runner.graphs.packed.numel() == (4 * 64 if packed else 0)
     fills = []
     run_step = runner.graphs.run_step
 
