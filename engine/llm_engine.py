@@ -489,7 +489,7 @@ class LLMEngine:
         m = self.spec.accept(seq, tokens)
         kept, kept_lps = [], []
         for tok, lp in zip(tokens[:m], lps[:m]):
-            if self._append(seq, tok, lp).new_token_ids:
+            if self._take(seq, tok, lp):
                 kept.append(tok)
                 kept_lps.append(lp)
             if seq.is_finished:
@@ -508,7 +508,14 @@ class LLMEngine:
         return children
 
     def _append(self, seq: Sequence, token: int, lp, sampled_here: bool = True) -> SeqOutput:
-        """`sampled_here`: the token was sampled under this sequence's grammar mask (its
+        """The token taken (`_take`), as the sample's output."""
+        if self._take(seq, token, lp, sampled_here):
+            return self._output(seq, [token], [lp])
+        return self._output(seq, [], [])
+
+    def _take(self, seq: Sequence, token: int, lp, sampled_here: bool = True) -> bool:
+        """Append a sampled token and check it for a stop; False if it was not kept.
+        `sampled_here`: the token was sampled under this sequence's grammar mask (its
         matcher takes it during the next step's fill); else it is checked now."""
         if seq.grammar is not None and sampled_here:
             seq.grammar.defer(token)
@@ -518,13 +525,13 @@ class LLMEngine:
             log.warning("%s#%d: token %d breaks its grammar; ending the sample",
                         seq.request_id, seq.sample_index, token)
             self._finish(seq, FinishReason.STOP)
-            return self._output(seq, [], [])
+            return False
         seq.token_ids.append(token)
         seq.logprobs.append(lp)
         reason = self.stops(seq.params, token, seq.num_output_tokens, seq.num_tokens)
         if reason is not None:
             self._finish(seq, reason)
-        return self._output(seq, [token], [lp])
+        return True
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:  # a step in flight's
