@@ -19,12 +19,12 @@ buffers are views of one device buffer (int64: token ids, positions, slots, then
 int32: context lengths, then the block table's rows), the host writes the step into a pinned
 staging buffer laid out the same way, and one copy moves its prefix up to the last table row
 the step's graph reads (while those full rows are few: past DIRECT_TABLE_ENTRIES, rows packed
-at the step's width travel apart and a device copy puts them in the table). A decode step at batch 1 takes a few hundred microseconds of host work,
-which the device waits for whenever the host has waited for it first (a speculative verify
-step, the step after it), and every torch call costs the host ~10 µs on a GPU box
-(benchmarks/engine/spec_decode.py latency; a copy into the table through a device-side copy
-cost 25). Two staging buffers alternate; each is rewritten only once the device has read it
-(an event recorded after its copy).
+at the step's width travel apart and a device copy puts them in the table). A decode step at
+batch 1 takes a few hundred microseconds of host work, which the device waits for whenever
+the host has waited for it first (a speculative verify step, the step after it), and every
+torch call costs the host ~10 µs on a GPU box (benchmarks/engine/spec_decode.py latency; a
+copy into the table through a device-side copy cost 25). Two staging buffers alternate; each
+is rewritten only once the device has read it (an event recorded after its copy).
 """
 
 from __future__ import annotations
