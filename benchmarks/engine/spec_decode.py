@@ -1,6 +1,6 @@
 """Speculative decoding: what it buys at batch 1 and what it costs.
 
-Four measurements (docs/speculative.md):
+Five measurements (docs/speculative.md):
 
   latency    batch-1 end-to-end latency of greedy requests with and without speculation on
              prompts that quote or edit their input (benchmarks/data/spec_decode_prompts.jsonl,
@@ -26,6 +26,10 @@ Four measurements (docs/speculative.md):
              synchronous without drafts, verify) and the host's CPU time per step of each
              kind (the step's thread CPU time less the model runner's execute); torch on one
              thread, so the figures hold on a loaded machine.
+  gaps       batch 1 on the prompt set with speculation, --repeats runs: the device's idle
+             gaps (from the host's return from waiting for the last step launched to the next
+             launch: before a verify, after it, before a request's first step) and the
+             host's time in them by engine phase.
 
 --method draft --draft-model PATH proposes with a draft model (same tokenizer) instead of
 prompt lookup, in latency and throughput; --min-acceptance sets the back-off by acceptance.
@@ -38,6 +42,7 @@ prompt lookup, in latency and throughput; --min-acceptance sets the back-off by 
     python benchmarks/engine/spec_decode.py throughput --model benchmarks/configs/llama-3.1-8b-tiny \
         --load-format dummy --batch 64 256
     python benchmarks/engine/spec_decode.py steps --max-tokens 64
+    python benchmarks/engine/spec_decode.py gaps --model smollm2-135m-instruct --device cuda -k 8
     python benchmarks/engine/spec_decode.py latency --model Qwen/Qwen2.5-7B-Instruct \
         --method draft --draft-model Qwen/Qwen2.5-0.5B-Instruct --device cuda
 
@@ -240,6 +245,150 @@ def steps(a: argparse.Namespace) -> dict:
         print(f"{name:<6} {r['tokens']:>6} {cells}")
     print(f"accepted {c.num_accepted_tokens} of {c.num_draft_tokens} drafts")
     return {**out, "accepted": c.num_accepted_tokens, "drafted": c.num_draft_tokens}
+
+
+class GapClock:
+    """The device's idle gaps at batch 1, as the host sees them: each span from the host's
+    return from waiting for the last step launched (a pipelined step's tokens, a synchronous
+    step's sampling) to its next launch (a CUDA graph's replay; on the CPU, the model runner's
+    forward pass), and the host's time in it by engine phase (the innermost of the methods
+    below that is running; "other": none of them). Installs wrappers on the engine's objects
+    (for good: the engine serves this measurement only) and on three classes, which `close`
+    takes off."""
+
+    PHASES = (("engine", "step"), ("engine", "_run"), ("engine", "_verified"),
+              ("pipeline", "launch"), ("pipeline", "_apply_tokens"), ("spec", "begin_step"),
+              ("spec", "expects_draft"), ("spec", "propose"), ("scheduler", "schedule"),
+              ("scheduler", "advance"), ("scheduler", "remove_finished"),
+              ("runner", "step_inputs"), ("block_tables", "gather"), ("graphs", "run_step"),
+              ("sampler", "sample"))
+
+    def __init__(self, engine: LLMEngine) -> None:
+        from tandem.engine import sampler, step_tokens
+
+        self.gaps: list[float] = []
+        self.by_phase: dict[str, float] = {}
+        self._stack: list[str] = []
+        self._launches = 0
+        self._since: float | None = None  # the last wait's end, while in a gap
+        self._mark = 0.0
+        runner = engine.runner
+        owners = {"engine": engine, "pipeline": engine.pipeline, "spec": engine.spec,
+                  "scheduler": engine.scheduler, "runner": runner,
+                  "block_tables": runner.block_tables, "graphs": runner.graphs,
+                  "sampler": runner.sampler}
+        for owner, name in self.PHASES:
+            if owners[owner] is not None:
+                self._wrap(owners[owner], name, f"{owner}.{name}")
+        clock = self
+        pending, samp = step_tokens.PendingTokens, sampler.Sampler
+        self._restore = [(pending, "__init__", pending.__init__),
+                         (pending, "tolist", pending.tolist), (samp, "__call__", samp.__call__)]
+        init, tolist, call = pending.__init__, pending.tolist, samp.__call__
+
+        def made(self_, *args, **kwargs):
+            init(self_, *args, **kwargs)
+            self_._bench_launch = clock._launches
+
+        def waited(self_):
+            out = tolist(self_)
+            if self_._bench_launch == clock._launches:  # nothing queued behind it
+                clock._waited()
+            return out
+
+        def sampled(self_, *args, **kwargs):
+            out = call(self_, *args, **kwargs)
+            clock._waited()
+            return out
+
+        pending.__init__, pending.tolist, samp.__call__ = made, waited, sampled
+        if runner.graphs is not None:
+            replay = torch.cuda.CUDAGraph.replay
+            self._restore.append((torch.cuda.CUDAGraph, "replay", replay))
+
+            def replayed(self_):
+                clock._launched()
+                return replay(self_)
+
+            torch.cuda.CUDAGraph.replay = replayed
+        else:
+            forward = runner.forward
+
+            def forwarded(*args, **kwargs):
+                clock._launched()
+                return forward(*args, **kwargs)
+
+            runner.forward = forwarded
+
+    def _wrap(self, owner, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+        clock = self
+
+        def timed(*args, **kwargs):
+            clock._switch()
+            clock._stack.append(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock._switch()
+                clock._stack.pop()
+
+        setattr(owner, name, timed)
+
+    def _switch(self) -> None:
+        """The time since the last mark, to the running phase, inside a gap."""
+        now = time.perf_counter()
+        if self._since is not None:
+            phase = self._stack[-1] if self._stack else "other"
+            self.by_phase[phase] = self.by_phase.get(phase, 0.0) + now - self._mark
+        self._mark = now
+
+    def _waited(self) -> None:
+        self._switch()
+        self._since = self._mark
+
+    def _launched(self) -> None:
+        self._launches += 1
+        if self._since is not None:
+            self._switch()
+            self.gaps.append(self._mark - self._since)
+            self._since = None
+
+    def close(self) -> None:
+        for cls, name, fn in self._restore:
+            setattr(cls, name, fn)
+
+
+def gaps(a: argparse.Namespace) -> dict:
+    """The speculating runs of the prompt set (--repeats each, after --warmup), their device
+    idle gaps and the host's time in them by phase (GapClock)."""
+    if a.method == "off":
+        sys.exit("gaps measures speculation: --method ngram or draft")
+    engine = engine_for(a, a.method or "ngram")
+    tok = Tokenizer(engine.model_dir)
+    texts = [json.loads(line) for line in PROMPTS.read_text().splitlines()][:a.num_prompts]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t["text"]}]) for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
+    for r in range(a.warmup):
+        for i, p in enumerate(prompts):
+            run_one(engine, f"w{r}-{i}", p, params)
+    clock = GapClock(engine)
+    try:
+        for r in range(a.repeats):
+            for i, p in enumerate(prompts):
+                run_one(engine, f"g{r}-{i}", p, params)
+    finally:
+        clock.close()
+    g = clock.gaps
+    total = sum(g)
+    print(f"{len(g)} device idle gaps in {a.repeats} runs of {len(prompts)} prompts: "
+          f"{1e3 * total:.1f} ms, median {1e6 * statistics.median(g):.0f} us")
+    print(f"{'phase (host time inside the gaps)':<36} {'ms':>8} {'us/gap':>8} {'share':>6}")
+    for phase, s in sorted(clock.by_phase.items(), key=lambda kv: -kv[1]):
+        print(f"{phase:<36} {1e3 * s:>8.2f} {1e6 * s / len(g):>8.1f} {s / total:>6.1%}")
+    return {"gaps": len(g), "gap_ms_total": 1e3 * total, "gap_us_median":
+            1e6 * statistics.median(g), "phase_ms": {k: 1e3 * v for k, v in
+                                                      clock.by_phase.items()}}
 
 
 class NeverRight:
@@ -491,7 +640,7 @@ def throughput(a: argparse.Namespace, engine: LLMEngine | None = None) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["latency", "verify", "throughput", "steps"])
+    p.add_argument("what", choices=["latency", "verify", "throughput", "steps", "gaps"])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
@@ -521,7 +670,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     result = {"latency": latency, "verify": verify, "throughput": throughput,
-              "steps": steps}[a.what](a)
+              "steps": steps, "gaps": gaps}[a.what](a)
     if a.out is not None:
         a.out.write_text(json.dumps({"what": a.what, "device": device_name(a.device),
                                      "model": a.model, "k": a.k, "command": sys.argv,
