@@ -370,7 +370,6 @@ class MixedGraphRunner:
             graph.reset()
         self.graphs.clear()
         self.outputs.clear()
-        self.rows.clear()
         self.pool = None
 
     def size_for(self, num_tokens: int, num_rows: int) -> int | None:

@@ -35,6 +35,8 @@ def greedy(model: str, backend: str) -> tuple[list[list[int]], int]:
     outs = llm.generate(PROMPTS, PARAMS)
     assert llm.engine.is_idle()
     replays = runner.mixed_graphs.replays if runner.mixed_graphs is not None else 0
+    runner.close()  # the graphs released, as before a tensor-parallel group is destroyed
+    assert runner.mixed_graphs is None
     return [o.outputs[0].token_ids for o in outs], replays
 
 
@@ -158,3 +160,5 @@ def test_pipelined_decode_steps_staged_into_the_graph_buffers_give_the_eager_tok
     assert got == expected
     assert len(fills) >= 9  # decodes: 3 rows, then 2, then 1
     assert sum(fills) >= len(fills) - 1  # every decode step but the first is fed
+    runner.close()
+    assert runner.graphs is None
