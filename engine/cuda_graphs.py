@@ -153,7 +153,7 @@ class CudaGraphRunner:
         self.pool = None
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
-        return num_seqs <= self.max_bs and max_blocks <= self.block_tables.shape[1]
+        return num_seqs <= self.max_bs and max_blocks <= self.width
 
     def run_step(self, token_ids: list[int], positions: list[int], slots: list[int],
                  seq_lens: list[int], block_table: np.ndarray, sample_index: list[int],
@@ -206,15 +206,16 @@ class CudaGraphRunner:
             self.input_ids.index_copy_(0, self.longs[3 * mb:3 * mb + k], fill.tokens.index_select(
                 0, self.longs[4 * mb:4 * mb + k]))
         graph = self.graphs.get(bs)
-        if graph is None:  # not captured (tests on the CPU): the same step, run eagerly
-            self.outputs[bs] = self._forward(bs)
-            self.rows.pop(b, None)
-        else:
+        if graph is not None:
             graph.replay()
+            out = self.rows.get(b)
+            if out is None:  # views of the graph's outputs, sliced once per batch size
+                logits, greedy = self.outputs[bs]
+                out = self.rows[b] = (logits[:b], greedy[:b])
+        else:  # not captured (tests on the CPU): the same step, run eagerly
+            logits, greedy = self._forward(bs)
+            out = (logits[:b], greedy[:b])
         self.replays += 1
-        out = self.rows.get(b)
-        if out is None:
-            out = self.rows[b] = (self.outputs[bs][0][:b], self.outputs[bs][1][:b])
         logits, greedy = out
         if len(sample_index) != b or sample_index != list(range(b)):  # a fork samples n times
             index = torch.tensor(sample_index, dtype=torch.long).to(self.longs.device)
