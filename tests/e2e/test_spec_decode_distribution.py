@@ -1,9 +1,10 @@
 """Sampling with speculation draws from the model's own distribution: a chi-square test on a
-model with an 8-token vocabulary. The first output token is sampled alone; the next two come
-from one verify step whose fixed drafts are sometimes right, sometimes wrong. The observed
-joint distribution of output tokens 2 and 3 over 3,000 samples (unseeded, from a fixed torch
-seed: the test cannot flake) is compared with the exact one computed from transformers'
-logits of the same checkpoint, at significance 0.001."""
+model with an 8-token vocabulary. The first output token is sampled alone; the next ones come
+from verify steps whose fixed drafts are sometimes right, sometimes wrong. The observed joint
+distributions of output tokens 2 and 3, and of 3 and 4, over 3,000 samples (unseeded, from a
+fixed torch seed: the test cannot flake) are compared with the exact ones computed from
+transformers' logits of the same checkpoint, at significance 0.001 each, with and without
+pipelined steps."""
 
 from __future__ import annotations
 
@@ -45,21 +46,27 @@ def tiny_vocab(tmp_path_factory):
     return out, model
 
 
-def exact_joint(model) -> torch.Tensor:
-    """p(x2, x3) = sum over x1 of p(x1) p(x2 | x1) p(x3 | x1, x2), float64 [VOCAB, VOCAB]."""
+def exact_joints(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """p(x1, x2) and p(x2, x3) of output tokens 1..3 (0 is the first), summed over the tokens
+    before: float64 [VOCAB, VOCAB] each."""
 
     def probs(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1]
         return logits.double().softmax(-1)
 
-    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    p1 = probs(PROMPT)
-    for x1 in range(VOCAB):
-        p2 = probs([*PROMPT, x1])
-        for x2 in range(VOCAB):
-            joint[x2] += p1[x1] * p2[x2] * probs([*PROMPT, x1, x2])
-    return joint
+    j12 = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    j23 = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    p0 = probs(PROMPT)
+    for x0 in range(VOCAB):
+        p1 = probs([*PROMPT, x0])
+        for x1 in range(VOCAB):
+            p2 = probs([*PROMPT, x0, x1])
+            for x2 in range(VOCAB):
+                w = p0[x0] * p1[x1] * p2[x2]
+                j12[x1, x2] += w
+                j23[x2] += w * probs([*PROMPT, x0, x1, x2])
+    return j12, j23
 
 
 def chi2_critical(df: int, z: float = 3.0902) -> float:
@@ -67,10 +74,12 @@ def chi2_critical(df: int, z: float = 3.0902) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def test_sampled_distribution_matches_the_model(tiny_vocab):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_sampled_distribution_matches_the_model(tiny_vocab, pipelined):
+    """Pipelined steps too (resolved before each step that may verify drafts)."""
     path, model = tiny_vocab
     llm = LLM(str(path), progress=False, speculative_method="ngram", num_speculative_tokens=2,
-              speculative_max_batch=1024)
+              speculative_max_batch=1024, async_scheduling=pipelined)
     llm.engine.spec.proposer = Fixed()
     torch.manual_seed(1234)
     # In groups one step admits whole: no step speculates while a prompt waits or prefills.
@@ -82,16 +91,22 @@ def test_sampled_distribution_matches_the_model(tiny_vocab):
     # Every sample's second and third tokens came from a verify step, drafts both kept and not.
     assert c.num_verifies >= SAMPLES
     assert 0 < c.accepted_at[0] < c.drafted_at[0] and c.accepted_at[1] > 0
-    observed = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    for o in outs:
-        toks = o.outputs[0].token_ids
-        observed[toks[1], toks[2]] += 1
-    expected = exact_joint(model) * SAMPLES
-    keep = expected >= 5  # cells expected under 5 pooled into one
+    j12, j23 = exact_joints(model)
+    for first, exact in ((1, j12), (2, j23)):
+        observed = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+        for o in outs:
+            toks = o.outputs[0].token_ids
+            observed[toks[first], toks[first + 1]] += 1
+        stat, df = chi2(observed, exact * SAMPLES)
+        assert stat < chi2_critical(df), \
+            f"tokens {first}, {first + 1}: chi-square {stat:.1f} over {df} degrees of freedom"
+
+
+def chi2(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
+    """The statistic and its degrees of freedom, cells expected under 5 pooled into one."""
+    keep = expected >= 5
     obs = torch.cat([observed[keep], observed[~keep].sum().reshape(1)])
     exp = torch.cat([expected[keep], expected[~keep].sum().reshape(1)])
     if exp[-1] < 5:
         obs, exp = obs[:-1], exp[:-1]
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    df = len(exp) - 1
-    assert stat < chi2_critical(df), f"chi-square {stat:.1f} over {df} degrees of freedom"
+    return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
