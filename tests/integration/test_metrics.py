@@ -5,6 +5,8 @@ show when prompts share a prefix, and the gauges return to zero when idle."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import grpc
@@ -55,6 +57,18 @@ def cluster(tiny_models, tmp_path_factory):
     yield c
     codes = c.stop()
     assert all(code == 0 for code in codes.values()), codes
+
+
+async def until(scrape, done, timeout: float = 60.0):
+    """Scrape until `done` says so (a gauge reached its value); the last scrape. A deadline only
+    fails the test instead of hanging it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = scrape()
+        if done(s):
+            return s
+        assert time.monotonic() < deadline, "the metrics never showed it"
+        await asyncio.sleep(0.05)
 
 
 def request(prompt: list[int], params: SamplingParams) -> api_pb2.GenerateRequest:
@@ -186,40 +200,49 @@ def test_prefix_cache_hits_when_prompts_share_a_prefix(cluster):
 
 
 def test_gauges_during_load_and_back_to_zero_when_idle(cluster):
+    """Scraped while the decode worker's engine core is held still (SIGSTOP), so that no request
+    can finish before the scrapes and the cancel however fast the stack runs ahead of this
+    client (an unstopped stack can stream all 400 tokens of every request into the client's
+    buffers before the client reads its first few): the router counts all four running, the
+    decode worker (held after its first decode step) some running and KV in use; a client that
+    goes away is counted as an abort on both; idle again, every gauge is back to zero."""
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     prompts = [[(13 * i + 3 * j) % 450 + 2 for j in range(20 + 7 * i)] for i in range(4)]
+    core = cluster.engine_core("decode0")
     before = scrape_all(cluster)
 
     async def main():
         async with grpc.aio.insecure_channel(cluster.router.address) as ch:
             stub = cluster.api(ch)
-            calls = [stub.Generate(request(q, params)) for q in prompts]
-            for call in calls:
-                for _ in range(3):
-                    await call.read()  # each is streaming: past prefill, decoding
-            during = scrape_all(cluster)
-            calls[0].cancel()  # a client that goes away
+            os.kill(core, signal.SIGSTOP)
+            try:
+                calls = [stub.Generate(request(q, params)) for q in prompts]
+                router = await until(lambda: Scrape(cluster.router),
+                                     lambda s: s("tandem:num_requests_running") == 4)
+                os.kill(core, signal.SIGCONT)
+                for _ in range(2):  # the prefill's first token, then one from the decode
+                    await calls[0].read()
+                os.kill(core, signal.SIGSTOP)
+                decode = Scrape(cluster.procs["decode0"])
+                calls[0].cancel()  # a client that goes away, before its request can end
+            finally:
+                os.kill(core, signal.SIGCONT)
             for call in calls[1:]:
                 while (await call.read()) is not grpc.aio.EOF:
                     pass
-            return during
+            return router, decode
 
-    during = asyncio.run(main())
-    r, d = during["router"], during["decode0"]
+    r, d = asyncio.run(main())
     assert r("tandem:num_requests_running") == 4 and r("tandem:num_requests_waiting") == 0
     assert d("tandem:num_requests_running") >= 1
     assert 0 < d("tandem:kv_cache_usage_perc") < 1
 
-    deadline = time.monotonic() + 10
-    while True:
-        after = scrape_all(cluster)
-        gauges = {(name, g): s(f"tandem:{g}") for name, s in after.items()
-                  for g in ("num_requests_running", "num_requests_waiting",
-                            "kv_cache_usage_perc")}
-        if not any(gauges.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert not any(gauges.values()), gauges
+    def idle(after: dict[str, Scrape]) -> bool:
+        return not any(s(f"tandem:{g}") for s in after.values()
+                       for g in ("num_requests_running", "num_requests_waiting",
+                                 "kv_cache_usage_perc"))
+
+    after = asyncio.run(until(lambda: scrape_all(cluster), idle))
     r, rb, d, db = after["router"], before["router"], after["decode0"], before["decode0"]
     assert r.delta(rb, "tandem:request_success_total", finished_reason="abort") == 1
     assert r.delta(rb, "tandem:request_success_total", finished_reason="length") == 3
