@@ -59,15 +59,17 @@ def cluster(tiny_models, tmp_path_factory):
     assert all(code == 0 for code in codes.values()), codes
 
 
-async def until(scrape, done, timeout: float = 60.0):
-    """Scrape until `done` says so (a gauge reached its value); the last scrape. A deadline only
-    fails the test instead of hanging it."""
+async def until(scrape, missing, timeout: float = 60.0):
+    """Scrape until `missing` (what the scrape still lacks: falsy once it is all there) has
+    nothing to say; the last scrape. A deadline only fails the test, with what was missing,
+    instead of hanging it."""
     deadline = time.monotonic() + timeout
     while True:
         s = scrape()
-        if done(s):
+        lacks = missing(s)
+        if not lacks:
             return s
-        assert time.monotonic() < deadline, "the metrics never showed it"
+        assert time.monotonic() < deadline, lacks
         await asyncio.sleep(0.05)
 
 
@@ -217,8 +219,9 @@ def test_gauges_during_load_and_back_to_zero_when_idle(cluster):
             os.kill(core, signal.SIGSTOP)
             try:
                 calls = [stub.Generate(request(q, params)) for q in prompts]
-                router = await until(lambda: Scrape(cluster.router),
-                                     lambda s: s("tandem:num_requests_running") == 4)
+                router = await until(lambda: Scrape(cluster.router), lambda s: (
+                    s("tandem:num_requests_running") != 4
+                    and f"router: {s('tandem:num_requests_running')} running, not 4"))
                 os.kill(core, signal.SIGCONT)
                 for _ in range(2):  # the prefill's first token, then one from the decode
                     await calls[0].read()
@@ -237,12 +240,13 @@ def test_gauges_during_load_and_back_to_zero_when_idle(cluster):
     assert d("tandem:num_requests_running") >= 1
     assert 0 < d("tandem:kv_cache_usage_perc") < 1
 
-    def idle(after: dict[str, Scrape]) -> bool:
-        return not any(s(f"tandem:{g}") for s in after.values()
-                       for g in ("num_requests_running", "num_requests_waiting",
-                                 "kv_cache_usage_perc"))
+    def busy(after: dict[str, Scrape]) -> dict[tuple[str, str], float]:
+        """The gauges not back to zero."""
+        return {(name, g): v for name, s in after.items()
+                for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+                if (v := s(f"tandem:{g}"))}
 
-    after = asyncio.run(until(lambda: scrape_all(cluster), idle))
+    after = asyncio.run(until(lambda: scrape_all(cluster), busy))
     r, rb, d, db = after["router"], before["router"], after["decode0"], before["decode0"]
     assert r.delta(rb, "tandem:request_success_total", finished_reason="abort") == 1
     assert r.delta(rb, "tandem:request_success_total", finished_reason="length") == 3
