@@ -6,7 +6,7 @@
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, fp8_fusion, defaults, structured,
 # pulls, profile, offline, layouts, compare, spec, spec_batch, multiturn_tier, migration_stall,
-# changing_mix, rolling, router_procs, spec_latency, pack.
+# changing_mix, rolling, router_procs, spec_latency, pack, pd_pace.
 # Several groups of stages at once, each on its own GPUs: gpu_parallel.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -194,6 +194,35 @@ for stage in "$@"; do
       # shellcheck disable=SC2086
       run layout_2c python3 benchmarks/serving/serve.py --launch colocated --num-both 2 \
         "${common[@]}" $wl --devices cuda:0,cuda:1 --rate inf --out "$OUT/layout_2c.json" -- ${LAYOUT_FLAGS:-} ;;
+    pd_pace)  # 1P+1D under the critical-path policy (the prefill worker's order, the decode
+      # worker's paced admissions) on two GPUs, one workload (LAYOUT_WORKLOAD), PD_RUNS of: warm
+      # (unmeasured: Triton compiles once a machine), base (1P+1D from the BASE checkout),
+      # min<N> (1P+1D, --min-step-tokens N: the fewest decodes a paced step admits up to;
+      # min512, max-num-seqs, admits every request as before), colocated (router + one
+      # colocated worker on GPU 0), 2c (two colocated workers)
+      wl=${LAYOUT_WORKLOAD:---workload sharegpt --seed 0}
+      common=(--model $B8 --dtype bfloat16 --load-format dummy --num-requests 1000 --no-progress --rate inf)
+      cp=(--scheduling-policy critical-path)
+      # the router as four API processes (one cannot take 1,000 requests at once in time:
+      # the longest request, the run's critical path, would reach a worker seconds late)
+      common+=(--router-arg=--api-processes=4 --router-arg=--responses-store=0)
+      pd=(--launch disaggregated --num-prefill 1 --num-decode 1 --devices cuda:0,cuda:1)
+      for r in ${PD_RUNS:-warm base min256 min512 colocated 2c}; do
+        # shellcheck disable=SC2086  # $wl: flags are words
+        case $r in
+          warm) run pd_warm python3 benchmarks/serving/serve.py --mode offline --model $B8 --dtype bfloat16 \
+                  --load-format dummy --num-requests 200 --no-progress --workload fixed --prompt-len 64 \
+                  --output-len 16 --devices cuda:0 --gpu-time-every 0 ;;
+          base) (cd "$BASE" && PYTHONPATH=/tmp/site:$BASE run pd_base python3 "$(serve_in "$BASE")" "${pd[@]}" \
+                  "${common[@]}" $wl --out "$OUT/pd_base.json" -- "${cp[@]}") ;;
+          min*) run "pd_$r" python3 benchmarks/serving/serve.py "${pd[@]}" "${common[@]}" $wl \
+                  --out "$OUT/pd_$r.json" -- "${cp[@]}" --min-step-tokens "${r#min}" ;;
+          colocated) run pd_colocated python3 benchmarks/serving/serve.py --launch colocated --devices cuda:0 \
+                  "${common[@]}" $wl --out "$OUT/pd_colocated.json" -- "${cp[@]}" ;;
+          2c) run pd_2c python3 benchmarks/serving/serve.py --launch colocated --num-both 2 \
+                  --devices cuda:0,cuda:1 "${common[@]}" $wl --out "$OUT/pd_2c.json" -- "${cp[@]}" ;;
+        esac
+      done ;;
     router_procs)  # issue 40: router + one colocated worker against the offline engine, the
       # router as 1 and as ROUTER_PROCS API processes (8B config, ShareGPT-like seed 0, 1,000 at once)
       common=(--model $B8 --dtype bfloat16 --load-format dummy --num-requests 1000 --no-progress

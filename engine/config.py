@@ -172,8 +172,11 @@ class SchedulerConfig:
     max_num_seqs: int = 512
     max_model_len: int = 4096
     policy: str = "fcfs"
-    # critical-path: the fewest tokens a paced step gives prompts off the path (engine/scheduler.py)
+    # critical-path: the fewest tokens a paced step gives work off the path (engine/scheduler.py)
     min_step_tokens: int = 256
+    # critical-path: pace the work off the path. Not in role prefill: its requests end at their
+    # first token, so only the order applies there (the longest generations' prompts first).
+    pace: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "min_step_tokens"):
@@ -357,10 +360,10 @@ class EngineConfig:
 
     def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
         max_len = min(self.max_model_len or model.max_model_len, model.max_model_len)
-        # A prefill worker's requests end at their first token: nothing to pace by outputs.
-        policy = "fcfs" if self.role == "prefill" else self.scheduling_policy
-        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, max_len, policy,
-                               self.min_step_tokens)
+        # A prefill worker's requests end at their first token: ordered, not paced, by outputs.
+        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, max_len,
+                               self.scheduling_policy, self.min_step_tokens,
+                               pace=self.role != "prefill")
 
 
 def cdiv(a: int, b: int) -> int:

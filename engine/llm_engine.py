@@ -331,7 +331,7 @@ class LLMEngine:
         if not self.is_idle() or self.has_work() or self.migrations.busy():
             raise RuntimeError("the engine is not idle: a role changes between requests only")
         self.config = dataclasses.replace(self.config, role=role)
-        self.scheduler.set_policy(self.config.scheduler_config(self.model_config).policy)
+        self.scheduler.reconfigure(self.config.scheduler_config(self.model_config))
         self.kv_connector = connector_for(role, self.block_pool, self.block_pool.block_size,
                                           self.model_config.vocab_size, self.max_model_len)
         self.migrations.connector = self.kv_connector

@@ -16,7 +16,14 @@ bf16) costs about what reading the weights costs. So prompts off that path get a
 left divided by the horizon per step (never under min_step_tokens): their prefill is spread over
 steps that would otherwise run nearly empty at the end, instead of crowding the first steps while
 the longest requests wait. Prompts on the path (their chunks plus their outputs reach the
-horizon: a request alone, a long generation) get the whole budget. Decodes are never paced.
+horizon: a request alone, a long generation) get the whole budget. Running decodes are never
+paced. In role decode, a request whose prompt KV is pulled from a prefill worker only decodes
+here: it is admitted while the step's decodes are under the paced budget (or it is on the path,
+or has waited the queue's max_wait_s), so that a run's decodes spread over the horizon's steps in
+batches whose matmuls cost about the weights' read, instead of crowding the first steps into
+large compute-bound batches that the longest request decodes in. In role prefill nothing is
+paced, only ordered: the prompts of the longest generations first, so that the decode worker
+starts the run's critical path at once.
 
     steps:   0 ─────────────────────────────── horizon
     longest  ██████████████████████████████████           (its outputs: the critical path)
@@ -39,7 +46,6 @@ as any prompt and the lease let go (`unpulled`).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from tandem.engine.config import SchedulerConfig
@@ -100,12 +106,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.add(seq)
 
-    def set_policy(self, policy: str) -> None:
-        """Order the waiting queue by `policy` from now on (an engine changing role); only
-        while nothing waits, since a queue's order is built as requests join it."""
+    def reconfigure(self, config: SchedulerConfig) -> None:
+        """Schedule by `config` from now on (an engine changing role: its policy and pacing);
+        only while nothing waits, since a queue's order is built as requests join it."""
         assert not self.waiting, "the waiting queue is not empty"
-        self.config = dataclasses.replace(self.config, policy=policy)
-        self.waiting = WaitQueue(policy, self.config.max_model_len)
+        self.config = config
+        self.waiting = WaitQueue(config.policy, config.max_model_len)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.kv.held)
@@ -182,6 +188,10 @@ class Scheduler:
             remote = seq.remote
             if remote is not None and pulling >= MAX_PULLING:  # each holds its blocks until
                 break                                            # its KV is in
+            pulled_prompt = remote is not None and not remote.prefix
+            if (pulled_prompt and paced <= 0 and not self._on_path(seq, horizon, paced)
+                    and not self.waiting.overdue(seq)):
+                break  # it only decodes here: this step's paced share of decodes is taken
             hits = None
             if remote is not None and remote.prefix:  # a prefix lent by another worker
                 hits = self.kv.prefix_hits(seq)
@@ -194,6 +204,8 @@ class Scheduler:
                 if not self.kv.allocate_for_pull(seq, hits, reserve):
                     break
                 batch.pulls.append(seq)
+                if pulled_prompt:
+                    paced -= seq.num_samples
             else:
                 if hits is None:
                     hits = self.kv.prefix_hits(seq)
@@ -232,7 +244,8 @@ class Scheduler:
         """(horizon, paced budget) for this step; policy fcfs, or nothing to pace: (0, the
         whole budget), which puts every sequence on the path. The horizon is the longest
         remaining output of any request; the paced budget spreads the work left (tokens to
-        compute: prompts, and outputs to generate) over that many steps."""
+        compute here: prompts, and outputs to generate) over that many steps. Without pacing
+        (role prefill): (the horizon, the whole budget), which orders prompts only."""
         cfg = self.config
         full = cfg.max_num_batched_tokens
         if not self.waiting.critical_path:
@@ -243,11 +256,14 @@ class Scheduler:
         prefilling = False
         for seq in self.running:
             out = remaining_outputs(seq, max_len)
-            todo = len(seq.token_ids) - seq.num_computed_tokens
+            # A prompt whose KV is still being pulled is not computed here: it only decodes.
+            todo = len(seq.token_ids) - seq.num_computed_tokens if seq.kv_pull is None else 1
             prefilling |= todo > 1
             work += todo + out - 1
             if out > horizon:
                 horizon = out
+        if not cfg.pace:
+            return horizon, full
         if not self.waiting and not prefilling:
             return 0, full
         floor = min(cfg.min_step_tokens, full)

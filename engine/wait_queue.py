@@ -76,7 +76,7 @@ class WaitQueue:
     def add(self, seq: Sequence) -> None:
         order = next(self._order)
         outputs = remaining_outputs(seq, self.max_model_len)
-        tokens = (seq.num_tokens - seq.num_computed_tokens) + outputs * seq.num_samples
+        tokens = _prompt_left(seq) + outputs * seq.num_samples
         self._live[seq.seq_id] = (order, tokens)
         self.tokens += tokens
         prio = seq.params.priority
@@ -126,15 +126,28 @@ class WaitQueue:
         seq = longest[-1]
         if longest[0] == prio and _steps(seq, paced) - longest[1] >= horizon:
             return seq  # on the critical path
-        if fifo[0] == prio and self.clock() - fifo[-1].arrival_time > self.max_wait_s:
+        if fifo[0] == prio and self.overdue(fifo[-1]):
             return fifo[-1]  # waited too long
         return shortest[-1] if shortest[0] == prio else fifo[-1]
+
+    def overdue(self, seq: Sequence) -> bool:
+        """Whether seq has waited longer than max_wait_s (critical-path: admitted before the
+        shorter prompts, and not held back by pacing)."""
+        return self.clock() - seq.arrival_time > self.max_wait_s
 
     def is_critical(self, seq: Sequence, horizon: int, paced: int) -> bool:
         """Whether seq's own remaining steps reach the horizon."""
         return _steps(seq, paced) + remaining_outputs(seq, self.max_model_len) >= horizon
 
 
+def _prompt_left(seq: Sequence) -> int:
+    """Tokens of seq's prompt (and outputs so far) still to compute here: none for a prompt
+    whose KV is pulled whole from a prefill worker (role decode), which only decodes here."""
+    if seq.remote is not None and not seq.remote.prefix:
+        return 0
+    return seq.num_tokens - seq.num_computed_tokens
+
+
 def _steps(seq: Sequence, paced: int) -> int:
     """Steps the prompt left to compute takes in chunks of `paced` tokens."""
-    return -((seq.num_computed_tokens - seq.num_tokens) // max(paced, 1))
+    return -(-_prompt_left(seq) // max(paced, 1))

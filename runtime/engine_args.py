@@ -41,10 +41,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="admission order under load, after each request's priority: fcfs "
                         "(arrival), or critical-path (requests whose outputs set the run's "
                         "length first, the rest shortest prompt first, their prefill paced "
-                        "over the steps those outputs take; engine/scheduler.py)")
+                        "over the steps those outputs take; a decode worker paces the "
+                        "requests it pulls likewise, a prefill worker orders them only; "
+                        "engine/scheduler.py)")
     g.add_argument("--min-step-tokens", type=int, default=256,
-                   help="critical-path: the fewest tokens a paced step gives prompts (a step "
-                        "this small costs about what reading the weights costs)")
+                   help="critical-path: the fewest tokens a paced step gives prompts, and a "
+                        "decode worker's pulled requests (a step this small costs about what "
+                        "reading the weights costs); --max-num-seqs or more: a decode worker "
+                        "admits what it pulls at once")
     g.add_argument("--no-cuda-graphs", "--enforce-eager", action="store_true",
                    help="run every step eagerly (no CUDA graphs)")
     g.add_argument("--no-mixed-cuda-graphs", action="store_true",

@@ -65,6 +65,9 @@ def summarize(results: list[Result], opts: LoadOptions) -> dict:
         "ttft_ms": dist([r.ttft * ms for r in ok]),
         "tpot_ms": dist([r.tpot * ms for r in ok if r.tpot is not None]),
         "itl_ms": dist([g * ms for g in itls]),
+        # the first of a request's gaps alone: where a decode worker pacing its admissions
+        # (critical-path policy) holds a request after the prefill worker's first token
+        "first_itl_ms": dist([r.itls[0] * ms for r in ok if r.itls]),
         "e2e_s": dist([r.e2e for r in ok]),
         "goodput": len(good) / duration,
         "slo_attainment": len(good) / len(results),
@@ -170,7 +173,9 @@ def print_online(runs: list[dict], header: str) -> None:
             lr = max(reqs, key=lambda r: r["output_tokens"])
             print(f"    longest request ({lr['output_tokens']} tokens): first token at "
                   f"{fmt(lr['ttft_ms'] / 1e3, '.2f')} s, then {fmt(lr['tpot_ms'], '.2f')} ms "
-                  f"a token")
+                  f"a token; every request's gap after its first token: p50 "
+                  f"{fmt(s['first_itl_ms']['p50'], '.0f')} ms, p99 "
+                  f"{fmt(s['first_itl_ms']['p99'], '.0f')} ms")
     if runs:
         slo = runs[0]["summary"]["slo"]
         print(f"(ms; goodput in req/s: TTFT <= {slo['ttft_ms']:g} ms and per-request "

@@ -12,7 +12,7 @@ from tandem.engine.config import EngineConfig, ModelConfig, SchedulerConfig
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
-from tandem.engine.sequence import Sequence, Status
+from tandem.engine.sequence import RemoteKV, Sequence, Status
 from tandem.errors import InvalidArgument
 
 BS = 4
@@ -31,6 +31,7 @@ def seq(rid, prompt_len, max_tokens=4, priority=0):
 
 
 def scheduler(pool, policy, budget=64, max_seqs=64, min_step=8):
+    """Role both or decode (paced under critical-path)."""
     return Scheduler(SchedulerConfig(budget, max_seqs, 4096, policy, min_step),
                      KVCacheManager(pool))
 
@@ -146,15 +147,86 @@ def test_a_preempted_sequence_goes_back_first(pool):
     finish_all(sched)
 
 
-def test_the_prefill_role_schedules_first_come_first_served(tmp_path):
+def test_the_prefill_role_orders_by_the_policy_but_paces_nothing(tmp_path):
     cfg = ModelConfig.from_hf_dict({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 16,
         "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2})
     args = dict(model="m", scheduling_policy="critical-path")
-    assert EngineConfig(role="prefill", **args).scheduler_config(cfg).policy == "fcfs"
-    assert EngineConfig(role="decode", **args).scheduler_config(cfg).policy == "critical-path"
+    prefill = EngineConfig(role="prefill", **args).scheduler_config(cfg)
+    decode = EngineConfig(role="decode", **args).scheduler_config(cfg)
+    assert (prefill.policy, prefill.pace) == ("critical-path", False)
+    assert (decode.policy, decode.pace) == ("critical-path", True)
     with pytest.raises(InvalidArgument, match="scheduling_policy"):
         EngineConfig(model="m", scheduling_policy="lifo").scheduler_config(cfg)
+
+
+def test_without_pacing_the_longest_output_goes_first_and_prompts_take_the_budget(pool):
+    # Role prefill: the same request mix as the paced test above, one step.
+    sched = Scheduler(SchedulerConfig(64, 64, 4096, "critical-path", 8, pace=False),
+                      KVCacheManager(pool))
+    sched.add(seq("long-prompt", 30, 3))
+    sched.add(seq("short-prompt", 6, 3))
+    sched.add(seq("long-output", 10, 100))
+    assert admitted(sched.schedule()) == [("long-output", 10), ("short-prompt", 6),
+                                          ("long-prompt", 30)]
+    finish_all(sched)
+
+
+def pulled(rid, prompt_len, max_tokens):
+    """A decode role's request: its prompt KV on a prefill worker (blocks 0.. there)."""
+    s = seq(rid, prompt_len, max_tokens)
+    s.remote = RemoteKV("p", f"L-{rid}", float("inf"), tuple(range(-(-prompt_len // BS))),
+                        (7,), (None,))
+    return s
+
+
+def pull_done(batch):
+    """What the engine does once a pull is in (LLMEngine._start_decoding): the prompt counts
+    as computed and the first token, from the prefill worker, is appended."""
+    for s in batch.pulls:
+        s.num_computed_tokens = s.num_prompt_tokens
+        s.token_ids.append(7)
+
+
+def test_the_decode_role_paces_pulled_prompts_into_the_batch(pool):
+    sched = scheduler(pool, "critical-path", min_step=1)
+    sched.add(pulled("long", 8, 200))
+    for i in range(20):
+        sched.add(pulled(f"s{i}", 8, 10))
+    # Horizon 200 steps; the work is the outputs alone (a pulled prompt is not computed
+    # here): 200 + 20 x 10 = 400 tokens, 2 a step. The longest output is on the path.
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.pulls] == ["long", "s0"] and not batch.seqs
+    pull_done(batch)
+    # 199 + 9 decodes left for the two running, 19 x 10 waiting, over 199 steps: 2 a step,
+    # which the two decodes take.
+    batch = sched.schedule()
+    assert admitted(batch) == [("long", 1), ("s0", 1)] and not batch.pulls
+    finish_all(sched)
+
+
+def test_a_pulled_prompt_waiting_past_max_wait_s_is_admitted_beyond_the_pace(pool):
+    now = [0.0]
+    sched = scheduler(pool, "critical-path", min_step=1)
+    sched.waiting.clock = lambda: now[0]
+    for s in [pulled("long", 8, 200)] + [pulled(f"s{i}", 8, 10) for i in range(4)]:
+        s.arrival_time = 0.0
+        sched.add(s)
+    batch = sched.schedule()
+    assert len(batch.pulls) == 2
+    pull_done(batch)
+    assert not sched.schedule().pulls  # the two decodes take the step's paced share
+    now[0] = sched.waiting.max_wait_s + 1
+    assert [s.request_id for s in sched.schedule().pulls] == ["s1", "s2", "s3"]
+    finish_all(sched)
+
+
+def test_fcfs_admits_every_pulled_prompt_at_once(pool):
+    sched = scheduler(pool, "fcfs", min_step=1)
+    for s in [pulled("long", 8, 200)] + [pulled(f"s{i}", 8, 10) for i in range(20)]:
+        sched.add(s)
+    assert len(sched.schedule().pulls) == 21
+    finish_all(sched)
 
 
 @pytest.mark.parametrize("bad", [True, 1.5, "1", 2**31])
