@@ -19,7 +19,7 @@ the longest requests wait. Prompts on the path (their chunks plus their outputs 
 horizon: a request alone, a long generation) get the whole budget. Running decodes are never
 paced. In role decode, a request whose prompt KV is pulled from a prefill worker only decodes
 here: it is admitted while the step's decodes are under the paced budget (or it is on the path,
-or has waited the queue's max_wait_s), so that a run's decodes spread over the horizon's steps in
+or has waited the queue's max_wait_s; a request moved here mid-stream is never held), so that a run's decodes spread over the horizon's steps in
 batches whose matmuls cost about the weights' read, instead of crowding the first steps into
 large compute-bound batches that the longest request decodes in. In role prefill nothing is
 paced, only ordered: the prompts of the longest generations first, so that the decode worker
@@ -188,10 +188,11 @@ class Scheduler:
             remote = seq.remote
             if remote is not None and pulling >= MAX_PULLING:  # each holds its blocks until
                 break                                            # its KV is in
-            pulled_prompt = remote is not None and not remote.prefix
-            if (pulled_prompt and paced <= 0 and not self._on_path(seq, horizon, paced)
+            # A prefill worker's handoff: it only decodes here, paced with the other decodes.
+            handoff = remote is not None and not remote.prefix and not remote.mid_stream
+            if (handoff and paced <= 0 and not self._on_path(seq, horizon, paced)
                     and not self.waiting.overdue(seq)):
-                break  # it only decodes here: this step's paced share of decodes is taken
+                break  # this step's paced share of decodes is taken
             hits = None
             if remote is not None and remote.prefix:  # a prefix lent by another worker
                 hits = self.kv.prefix_hits(seq)
@@ -204,7 +205,7 @@ class Scheduler:
                 if not self.kv.allocate_for_pull(seq, hits, reserve):
                     break
                 batch.pulls.append(seq)
-                if pulled_prompt:
+                if handoff:
                     paced -= seq.num_samples
             else:
                 if hits is None:

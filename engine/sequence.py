@@ -70,6 +70,12 @@ class RemoteKV:
     # costs only time: those blocks are computed instead.
     prefix: bool = False
 
+    @property
+    def mid_stream(self) -> bool:
+        """A request that was already decoding elsewhere (live migration, or moved with its
+        outputs): its client waits on its next token, so its admission is never paced."""
+        return self.handover or bool(self.resume_token_ids)
+
 
 class PendingPull(Protocol):
     """Decode role: a pull of a prompt's KV that completes outside the engine's stream (NIXL),

@@ -11,6 +11,8 @@ Two orders (`SchedulerConfig.policy`):
                    first), so no prompt waits forever behind a stream of shorter ones.
 
 A preempted sequence goes back in front of everything: it was admitted once and is recomputed.
+Under critical-path a request moved here mid-stream (decoding elsewhere until now: the decode
+scheduler never paces it) goes in front too, after those.
 Each order is a heap with lazy deletion: an entry whose sequence has left the queue (admitted,
 or finished while waiting) is dropped when it surfaces.
 
@@ -74,6 +76,11 @@ class WaitQueue:
         return live is not None and live[0] == entry[-2]
 
     def add(self, seq: Sequence) -> None:
+        self._add(seq)
+        if self.critical_path and seq.remote is not None and seq.remote.mid_stream:
+            self.front.append(seq)  # decoding elsewhere until now: before what is paced
+
+    def _add(self, seq: Sequence) -> None:
         order = next(self._order)
         outputs = remaining_outputs(seq, self.max_model_len)
         tokens = _prompt_left(seq) + outputs * seq.num_samples
@@ -87,7 +94,7 @@ class WaitQueue:
 
     def add_front(self, seq: Sequence) -> None:
         """A preempted sequence: first to be admitted again."""
-        self.add(seq)
+        self._add(seq)
         self.front.appendleft(seq)
 
     def remove(self, seq: Sequence) -> None:

@@ -5,6 +5,8 @@ one before everything. Plain Python on exact token counts, the model replaced by
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tandem.engine.block_pool import BlockPool
@@ -218,6 +220,20 @@ def test_a_pulled_prompt_waiting_past_max_wait_s_is_admitted_beyond_the_pace(poo
     assert not sched.schedule().pulls  # the two decodes take the step's paced share
     now[0] = sched.waiting.max_wait_s + 1
     assert [s.request_id for s in sched.schedule().pulls] == ["s1", "s2", "s3"]
+    finish_all(sched)
+
+
+def test_a_request_moved_mid_stream_is_admitted_beyond_the_pace(pool):
+    sched = scheduler(pool, "critical-path", min_step=1)
+    sched.add(pulled("long", 8, 200))
+    for i in range(4):
+        sched.add(pulled(f"s{i}", 8, 10))
+    moved = pulled("moved", 8, 10)
+    moved.remote = dataclasses.replace(moved.remote, handover=True, num_tokens=8)
+    sched.add(moved)
+    # The moved request, decoding elsewhere until now, first and beside the pace; then long
+    # and s0 take the paced 2 (the moved one decodes in the steps after, counted then).
+    assert [s.request_id for s in sched.schedule().pulls] == ["moved", "long", "s0"]
     finish_all(sched)
 
 
