@@ -36,6 +36,7 @@ def _prefill(model: str, policy: str):
     came)."""
     eng = LLMEngine(EngineConfig(model, role="prefill", scheduling_policy=policy, **KW),
                     progress=False)
+    eng.scheduler.waiting.max_wait_s = float("inf")  # no wait is overdue on a slow machine
     for i, prompt in enumerate(PROMPTS):
         eng.add_request(f"r{i}", prompt, _params(i))
     handoffs = []
@@ -49,6 +50,7 @@ def _decode(model: str, policy: str, prefill, handoffs):
     in each step."""
     eng = LLMEngine(EngineConfig(model, role="decode", scheduling_policy=policy, **KW),
                     progress=False)
+    eng.scheduler.waiting.max_wait_s = float("inf")
 
     def puller(remote, src, dst):
         eng.runner.pool[torch.tensor(dst, dtype=torch.long)] = \

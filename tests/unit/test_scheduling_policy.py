@@ -192,6 +192,7 @@ def pull_done(batch):
 
 def test_the_decode_role_paces_pulled_prompts_into_the_batch(pool):
     sched = scheduler(pool, "critical-path", min_step=1)
+    sched.waiting.max_wait_s = float("inf")  # nothing overdue however slow the machine
     sched.add(pulled("long", 8, 200))
     for i in range(20):
         sched.add(pulled(f"s{i}", 8, 10))
@@ -225,6 +226,7 @@ def test_a_pulled_prompt_waiting_past_max_wait_s_is_admitted_beyond_the_pace(poo
 
 def test_a_request_moved_mid_stream_is_admitted_beyond_the_pace(pool):
     sched = scheduler(pool, "critical-path", min_step=1)
+    sched.waiting.max_wait_s = float("inf")
     sched.add(pulled("long", 8, 200))
     for i in range(4):
         sched.add(pulled(f"s{i}", 8, 10))
