@@ -11,19 +11,19 @@ Each step, oldest first:
 
 Policy `critical-path` also paces the work off the critical path. The run of the requests known
 now cannot take fewer steps than the longest remaining output (the horizon); a step of fewer
-tokens than the model's weights are worth in compute (min_step_tokens, ~256 on an H100 for
-bf16) costs about what reading the weights costs. So prompts off that path get at most the work
-left divided by the horizon per step (never under min_step_tokens): their prefill is spread over
-steps that would otherwise run nearly empty at the end, instead of crowding the first steps while
-the longest requests wait. Prompts on the path (their chunks plus their outputs reach the
+tokens than the model's weights are worth in compute (min_step_tokens, ~256 on an H100 for bf16)
+costs about what reading the weights costs. So prompts off that path get at most the work left
+divided by the horizon per step (never under min_step_tokens): their prefill is spread over
+steps that would otherwise run nearly empty at the end, instead of crowding the first steps
+while the longest requests wait. Prompts on the path (their chunks plus their outputs reach the
 horizon: a request alone, a long generation) get the whole budget. Running decodes are never
 paced. In role decode, a request whose prompt KV is pulled from a prefill worker only decodes
 here: it is admitted while the step's decodes are under the paced budget (or it is on the path,
-or has waited the queue's max_wait_s; a request moved here mid-stream is never held), so that a run's decodes spread over the horizon's steps in
-batches whose matmuls cost about the weights' read, instead of crowding the first steps into
-large compute-bound batches that the longest request decodes in. In role prefill nothing is
-paced, only ordered: the prompts of the longest generations first, so that the decode worker
-starts the run's critical path at once.
+or has waited the queue's max_wait_s; a request moved here mid-stream is never held), so that a
+run's decodes spread over the horizon's steps in batches whose matmuls cost about the weights'
+read, instead of crowding the first steps into large compute-bound batches that the longest
+request decodes in. In role prefill nothing is paced, only ordered: the prompts of the longest
+generations first, so that the decode worker starts the run's critical path at once.
 
     steps:   0 ─────────────────────────────── horizon
     longest  ██████████████████████████████████           (its outputs: the critical path)
