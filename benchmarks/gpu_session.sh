@@ -6,7 +6,7 @@
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, fp8_fusion, defaults, structured,
 # pulls, profile, offline, layouts, compare, spec, spec_batch, multiturn_tier, migration_stall,
-# changing_mix, rolling, router_procs, spec_latency, pack, pd_pace.
+# changing_mix, rolling, router_procs, spec_latency, pack, pd_pace, decode_tiles.
 # Several groups of stages at once, each on its own GPUs: gpu_parallel.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -87,6 +87,16 @@ for stage in "$@"; do
         tests/gpu/test_small_kernels_gpu.py tests/gpu/test_attention_backend_gpu.py ;;
     decode8b) run decode_step_8b python3 benchmarks/engine/decode_step.py --model benchmarks/configs/llama-3.1-8b \
         --batch 1 64 --context 1024 --out "$OUT/decode_step_8b.json" ;;
+    decode_tiles)  # unsplit decode attention tiles: the kernel over the decode-graph batches,
+      # then 8B decode steps at batches where they differ, BASE's tree and this one in turn
+      run tiles python3 benchmarks/kernels/paged_kernels.py --tiles --out "$OUT/tiles.json"
+      for tree in "${BASE:?set BASE}" "$PWD"; do
+        tag=$([ "$tree" = "$PWD" ] && echo head || echo base)
+        (cd "$tree" && PYTHONPATH=/tmp/site:$tree run "decode_tiles_$tag" python3 \
+          benchmarks/engine/decode_step.py --model $B8 --batch ${TILE_BATCHES:-72 96 136 192 256 512} \
+          --context ${TILE_CONTEXT:-448})
+        grep -E "^ +[0-9]+ +graphs" "$OUT/decode_tiles_$tag.txt" | sed "s/^/$tag: /" >> "$OUT/decode_tiles_table.txt"
+      done ;;
     decode_ops) run decode_ops timeout 120 python3 benchmarks/kernels/decode_ops.py --batches 1 64 --context 1024 \
         --out "$OUT/decode_ops.json" ;;
     ratio4)  # every 4-GPU prefill:decode layout, two workloads (prompt-heavy at two rates)

@@ -203,5 +203,20 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def resident_programs(kernel, device: torch.device) -> int:  # type: ignore[no-untyped-def]
+    """How many programs of a compiled Triton kernel (`JITFunction.warmup`'s result) one SM
+    of the device holds at once, as the CUDA occupancy calculator counts them: bounded by
+    registers (allocated per warp in units of 256), shared memory (1 KiB reserved per block),
+    threads and 32 blocks."""
+    kernel._init_handles()  # loads the binary: n_regs is known from then on
+    props = torch.cuda.get_device_properties(device)
+    warps = kernel.metadata.num_warps
+    regs_per_warp = -(-max(kernel.n_regs, 1) * 32 // 256) * 256
+    by_regs = props.regs_per_multiprocessor // (regs_per_warp * warps)
+    by_smem = props.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024)
+    by_threads = props.max_threads_per_multi_processor // (32 * warps)
+    return max(1, min(by_regs, by_smem, by_threads, 32))
+
+
 def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0

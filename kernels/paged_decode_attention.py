@@ -48,15 +48,17 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels._common import check, device_guard, num_sms
+from tandem.kernels._common import check, device_guard, num_sms, resident_programs
 from tandem.kernels.paged_decode_launch import (
     DEFAULT_SPLIT_POLICY,
     MAX_SPLITS,
+    UNSPLIT_CANDIDATES,
     DecodeConfig,
     SplitPolicy,
     check_decode_args,
     decode_config,
     decode_num_splits,
+    fullest_last_wave,
     split_workspace,
 )
 
@@ -326,11 +328,8 @@ def paged_decode_attention(
         block_n = (config or decode_config(head_dim, fp8=fp8)).block_n
         num_splits = decode_num_splits(num_seqs, num_kv_heads, bound, num_sms(q.device),
                                        block_n, policy)
-    cfg = config or decode_config(head_dim, fp8=fp8, split=num_splits > 1)
     check(1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}]")
     group = num_q_heads // num_kv_heads
-    block_h = max(16, triton.next_power_of_2(group))
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = (
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -338,19 +337,19 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
     )
-    tiles = dict(GROUP=group, BLOCK_H=block_h, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
-                 HEAD_DIM=head_dim, DOT_PRECISION=precision,
-                 # fp32 queries (CPU runs) keep fp32 dot products: fp16 would round them.
-                 DOT_F16=bool(cfg.fp8_dot_f16 and fp8 and q.dtype != torch.float32),
-                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    consts = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+                  BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
 
     if num_splits == 1:  # no workspace: write the output directly
+        args = (q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale,
+                scale * LOG2E, *common)
+        cfg = config or _unsplit_config(args, consts, num_seqs * num_kv_heads, fp8)
         with device_guard(q):
-            _paged_decode_kernel[(num_seqs, num_kv_heads)](
-                q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale,
-                scale * LOG2E, *common, **tiles)
+            _paged_decode_kernel[(num_seqs, num_kv_heads)](*args, **consts, **_tiles(cfg, q, fp8))
         return out
 
+    cfg = config or decode_config(head_dim, fp8=fp8, split=True)
     part, lse, counters = split_workspace(q, num_kv_heads, num_splits, workspace, counters)
     group_pad = triton.next_power_of_2(group)
     splits_pad = triton.next_power_of_2(num_splits)
@@ -364,9 +363,40 @@ def paged_decode_attention(
             num_kv_heads,
             SPLITS_PAD=splits_pad, GROUP_PAD=group_pad,
             MERGE_CHUNK=max(1, min(splits_pad, MERGE_TILE // (group_pad * head_dim))),
-            **tiles,
+            **consts, **_tiles(cfg, q, fp8),
         )
     return out
+
+
+def _tiles(cfg: DecodeConfig, q: torch.Tensor, fp8: bool) -> dict:
+    """A launch's tile arguments from its config."""
+    # fp32 queries (CPU runs) keep fp32 dot products: fp16 would round them.
+    dot_f16 = bool(cfg.fp8_dot_f16 and fp8 and q.dtype != torch.float32)
+    return dict(BLOCK_N=cfg.block_n, DOT_F16=dot_f16, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+
+
+# (device, dtypes, constants) -> programs each of UNSPLIT_CANDIDATES holds on the whole card
+_UNSPLIT_SLOTS: dict[tuple, tuple[int, ...]] = {}
+
+
+def _unsplit_config(args: tuple, consts: dict, programs: int, fp8: bool) -> DecodeConfig:
+    """An unsplit launch's tiles: on a GPU, with a bf16/fp16 cache of head_dim <= 128, the one
+    of UNSPLIT_CANDIDATES that fills the grid's last wave best (paged_decode_launch.py), from
+    what the compiled candidates hold on an SM (compiled once per device and constants)."""
+    q, k_cache = args[0], args[1]
+    if q.device.type != "cuda" or fp8 or consts["HEAD_DIM"] > 128:
+        return decode_config(consts["HEAD_DIM"], fp8=fp8, split=False)
+    key = (q.device, q.dtype, k_cache.dtype, *sorted(consts.items()))
+    slots = _UNSPLIT_SLOTS.get(key)
+    if slots is None:
+        sms = num_sms(q.device)
+        with device_guard(q):
+            slots = _UNSPLIT_SLOTS[key] = tuple(
+                sms * resident_programs(_paged_decode_kernel.warmup(
+                    *args, grid=(1, 1), **consts, **_tiles(c, q, fp8)), q.device)
+                for c in UNSPLIT_CANDIDATES)
+    return UNSPLIT_CANDIDATES[fullest_last_wave(programs, slots)]
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

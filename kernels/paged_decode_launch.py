@@ -1,5 +1,6 @@
 """How a paged decode attention launch (kernels/paged_decode_attention.py) is shaped, on the
-host: tile sizes (`decode_config`), how many split programs the grid gets per (sequence, KV
+host: tile sizes (`decode_config`; for an unsplit launch on a GPU, the candidate whose grid
+fills the card's last wave best: `UNSPLIT_CANDIDATES`, `fullest_last_wave`), how many split programs the grid gets per (sequence, KV
 head) (`decode_num_splits`, under a `SplitPolicy`), how long each sequence's splits are, as the
 kernel computes them (`decode_split_len`), the fp32 workspace a split launch writes its
 partials to (`decode_workspace_numel`, `split_workspace`), and the launcher's argument checks
@@ -39,10 +40,38 @@ def decode_config(head_dim: int, *, fp8: bool = False, split: bool = True) -> De
     (sequence, KV head) programs to fill the card) takes 128-token tiles, as many bytes as a
     64-token bf16 tile. Measured against bf16 KV with its own config (Llama-3.1-8B shapes,
     batch 1-512 x context 1k/4k, NVIDIA H200: benchmarks/kernels/decode_kv_dtype.py): 0.82-0.95x
-    the time at every shape, where converting to bf16 in 64-token tiles took 0.92-1.28x."""
+    the time at every shape, where converting to bf16 in 64-token tiles took 0.92-1.28x.
+    An unsplit launch of a bf16/fp16 cache on a GPU picks among UNSPLIT_CANDIDATES (the
+    first is this one's) by its grid (paged_decode_attention's launcher)."""
     if head_dim <= 128:
         return DecodeConfig(128 if fp8 and not split else 64, 4, 3, fp8)
     return DecodeConfig(32, 4, 3, fp8)
+
+
+# An unsplit launch (one program per (sequence, KV head), a bf16/fp16 cache, head_dim <= 128)
+# takes one of these, by how full each leaves the grid's last wave: a grid just past a whole
+# number of waves runs its last wave nearly empty, with too few programs on each SM to keep its
+# share of the memory bandwidth. Registers bound how many programs an SM holds (the tiles load
+# to registers, not shared memory), and they differ between these: on an H200 with Triton 3.6,
+# 4, 5 and 8 programs an SM. Measured there over the decode graphs' batches of 40-512 sequences
+# (8 KV heads, contexts 256-1,024: benchmarks/kernels/paged_kernels.py --tiles), the pick took
+# 0.92, 0.95 and 0.98 of the first candidate's time for batches of 40-128, 136-256 and 264-512
+# (the fastest at each batch: 0.92, 0.95, 0.97), 0.79-0.85 at 72-96 sequences, and was never
+# slower beyond the timing's noise (1%).
+UNSPLIT_CANDIDATES = (DecodeConfig(64, 4, 3), DecodeConfig(64, 4, 2), DecodeConfig(32, 2, 4))
+FILL_MARGIN = 0.02
+
+
+def fullest_last_wave(programs: int, slots: tuple[int, ...]) -> int:
+    """The index of the candidate to launch a grid of `programs` with, given how many programs
+    each candidate's launch holds on the whole card at once (`slots`): the one that fills its
+    last wave best (a grid within one wave: its share of the card), of those within
+    FILL_MARGIN of that the one with the fewest waves, then the first."""
+    waves = [programs / max(held, 1) for held in slots]
+    fill = [w / math.ceil(w) for w in waves]
+    best = max(fill)
+    return min((i for i, f in enumerate(fill) if f >= best - FILL_MARGIN),
+               key=lambda i: (math.ceil(waves[i]), i))
 
 
 class SplitPolicy(NamedTuple):

@@ -19,6 +19,13 @@ What it measures, all in one run on one card (the card's name is printed and rec
   5. copy_blocks: 128 random blocks of an 8B-shaped pool (32 layers, 8 KV heads, D 128,
      bs 16 = 2 MiB a block) vs one large copy of the same bytes and torch indexing.
 
+    python benchmarks/kernels/paged_kernels.py --tiles [--out tiles.json]  # unsplit tile picks
+
+--tiles measures, instead, the launcher's choice of tiles for unsplit decode launches
+(kernels/paged_decode_launch.py UNSPLIT_CANDIDATES): every candidate and the one picked at each
+decode-graph batch (--tile-batches) x context (--tile-contexts), with the picked one's time
+against the first candidate's and the fastest's, summed over bands of batches.
+
 Timings: every measured call is captured in a CUDA graph (no launch overhead in the numbers);
 inputs smaller than the L2 are replicated and cycled through so each call reads from DRAM.
 """
@@ -26,6 +33,7 @@ inputs smaller than the L2 are replicated and cycled through so each call reads 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from dataclasses import asdict
@@ -53,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-copy-blocks", action="store_true")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, to check the script; runs on CPU under TRITON_INTERPRET")
+    p.add_argument("--tiles", action="store_true",
+                   help="only the unsplit tile candidates over --tile-batches x --tile-contexts")
+    p.add_argument("--tile-batches", type=int, nargs="+", default=list(range(40, 513, 8)))
+    p.add_argument("--tile-contexts", type=int, nargs="+", default=[256, 512, 1024])
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -66,7 +78,11 @@ gpu_or_smoke(ARGS.smoke)
 # These import our kernels: TRITON_INTERPRET must be set first.
 from benchmarks.kernels.paged_kernels_cases import bench_copy_blocks, bench_prefill  # noqa: E402
 from benchmarks.kernels.paged_kernels_common import LLAMA_8B, SMOKE, copy_bound  # noqa: E402
-from benchmarks.kernels.paged_kernels_decode import bench_decode, sweep_decode  # noqa: E402
+from benchmarks.kernels.paged_kernels_decode import (  # noqa: E402
+    bench_decode,
+    sweep_decode,
+    sweep_unsplit_tiles,
+)
 from tandem.kernels._common import num_sms  # noqa: E402
 
 # ----------------------------------------------------------------------------- report
@@ -96,6 +112,12 @@ def main() -> None:
     copy = copy_bound(device, args.reps, args.smoke)
     results["copy_bandwidth"] = copy
     print(f"\ncopy bandwidth: {copy['gbps']:.0f} GB/s (read + write, {copy['bytes'] >> 20} MiB)")
+
+    if args.tiles:
+        results["tiles"] = report_tiles(args, shape, device)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=2, default=str))
+        return
 
     rows = []
     for batch in args.batches:
@@ -184,6 +206,32 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(results, indent=2, default=str))
         print(f"wrote {args.out}")
+
+
+def report_tiles(args: argparse.Namespace, shape, device: torch.device) -> list[dict]:
+    """The --tiles run: a line per batch x context, then the sums over bands of batches."""
+    from tandem.kernels.paged_decode_launch import UNSPLIT_CANDIDATES
+
+    batches, contexts = ([8, 16], [64]) if args.smoke else (args.tile_batches, args.tile_contexts)
+    names = [f"{c.block_n}/{c.num_warps}/{c.num_stages}" for c in UNSPLIT_CANDIDATES]
+    print("\nunsplit decode tiles (block_n/warps/stages): us each, the picked one's; "
+          "x: picked / first, picked / fastest")
+    rows = sweep_unsplit_tiles(batches, contexts, shape, args, device)
+    for r in rows:
+        print(f"B={r['batch']:<4} ctx={r['context']:<5} " + "  ".join(
+            f"{n} {t:7.1f}" for n, t in zip(names, r["us"]))
+            + f"  picked {r['picked_us']:7.1f}  x {r['picked_us'] / r['us'][0]:.3f} "
+            f"{r['picked_us'] / min(r['us']):.3f}  err {r['rel_err']:.1e}")
+    edges = sorted({0, 128, 256, max(batches)})
+    print("\nbatches      picked / first   fastest each time / first   worst picked / first")
+    for lo, hi in itertools.pairwise(edges):
+        band = [r for r in rows if lo < r["batch"] <= hi]
+        if band:
+            first = sum(r["us"][0] for r in band)
+            print(f"{lo + 1:>4}-{hi:<4} {sum(r['picked_us'] for r in band) / first:>14.3f} "
+                  f"{sum(min(r['us']) for r in band) / first:>27.3f} "
+                  f"{max(r['picked_us'] / r['us'][0] for r in band):>22.3f}")
+    return rows
 
 
 if __name__ == "__main__":

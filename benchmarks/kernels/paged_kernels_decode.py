@@ -17,6 +17,7 @@ from benchmarks.lib.timing import rel_err
 from tandem.kernels import paged_decode_attention
 from tandem.kernels._common import num_sms
 from tandem.kernels.paged_decode_launch import (
+    UNSPLIT_CANDIDATES,
     DecodeConfig,
     decode_config,
     decode_num_splits,
@@ -219,3 +220,47 @@ def sweep_decode(batch: int, ctx: int, shape: Shape, args: argparse.Namespace,
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return sorted(results, key=lambda r: r.get("us", float("inf")))
+
+
+def sweep_unsplit_tiles(batches: list[int], contexts: list[int], shape: Shape,
+                        args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """Each of UNSPLIT_CANDIDATES at every batch x context, unsplit, and the one the launcher
+    picks (`config=None`): its time against the first candidate's and the fastest's. One
+    block-major pool with the rows' block ids drawn at random from all of it."""
+    nblk = max(contexts) // args.block_size
+    num_blocks = max(batches) * nblk
+    pool = torch.empty(num_blocks, args.num_layers, 2, args.block_size, shape.num_kv_heads,
+                       shape.head_dim, dtype=shape.dtype, device=device)
+    pool.uniform_(-1, 1)
+    k_cache, v_cache = pool[:, -1, 0], pool[:, -1, 1]
+    scale = shape.head_dim ** -0.5
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in batches:
+        for ctx in contexts:
+            n = ctx // args.block_size
+            tables = torch.randperm(num_blocks, generator=g)[:batch * n].view(batch, n)
+            tables = tables.to(torch.int32).to(device)
+            q = torch.randn(batch, shape.num_q_heads, shape.head_dim, dtype=shape.dtype,
+                            device=device)
+            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+            outs = [torch.empty_like(q) for _ in range(2)]
+
+            def fn(out: torch.Tensor, cfg: DecodeConfig | None, q: torch.Tensor = q,
+                   tables: torch.Tensor = tables, seq_lens: torch.Tensor = seq_lens
+                   ) -> Callable[[], torch.Tensor]:
+                return lambda: paged_decode_attention(q, k_cache, v_cache, tables, seq_lens,
+                                                      scale, out=out, num_splits=1, config=cfg)
+
+            times = [bench([fn(o, c) for o in outs], device, args.reps)
+                     for c in (*UNSPLIT_CANDIDATES, None)]
+            ref = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale,
+                                         num_splits=1, config=UNSPLIT_CANDIDATES[0])
+            err = rel_err(paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale,
+                                                 num_splits=1), ref)
+            rows.append({"batch": batch, "context": ctx, "us": [t * 1e6 for t in times[:-1]],
+                         "picked_us": times[-1] * 1e6, "rel_err": err})
+    del pool
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows

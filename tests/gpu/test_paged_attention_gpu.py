@@ -88,6 +88,33 @@ def test_decode_single_launch_split(seed, lens, min_split_tiles):
             assert torch.all(out[b] == 0), f"seed={seed}: padding row"
 
 
+@pytest.mark.parametrize("batch", [64, 72, 96, 136, 512])
+def test_decode_unsplit_tiles_by_the_last_wave(seed, batch):
+    """An unsplit launch without a config takes the candidate tiles that fill the grid's last
+    wave (the card's own register counts), and matches the reference with each of them."""
+    import importlib
+
+    from tandem.kernels.paged_decode_launch import UNSPLIT_CANDIDATES, fullest_last_wave
+
+    lens = torch.randint(1, 1024, (batch,)).tolist()
+    pool, tables, seq_lens = make_pool(lens, 16, 8, 128)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    q = torch.randn(batch, 32, 128, dtype=BF16, device=DEV)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5,
+                                 num_splits=1)
+    assert rel_err(out, ref) < TOL, f"seed={seed} batch={batch}"
+    launcher = importlib.import_module("tandem.kernels.paged_decode_attention")
+    slots = [v for k, v in launcher._UNSPLIT_SLOTS.items() if k[0] == q.device]
+    assert slots and all(len(s) == len(UNSPLIT_CANDIDATES) and min(s) >= num_sms(DEV)
+                         for s in slots), slots
+    for cfg in UNSPLIT_CANDIDATES:
+        out = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5,
+                                     num_splits=1, config=cfg)
+        assert rel_err(out, ref) < TOL, f"seed={seed} batch={batch} {cfg}"
+    assert 0 <= fullest_last_wave(batch * 8, slots[0]) < len(UNSPLIT_CANDIDATES)
+
+
 def test_decode_split_cuda_graph_replays(seed):
     """One split launch captured with a grid sized for 32k-token contexts, replayed with other
     contexts written into seq_lens: each replay matches the reference and leaves the counters

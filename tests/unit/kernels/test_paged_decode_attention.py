@@ -11,7 +11,7 @@ from tandem.kernels import (
     paged_decode_attention_ref,
 )
 from tandem.kernels._common import INTERPRET
-from tandem.kernels.paged_decode_launch import DecodeConfig, decode_split_len
+from tandem.kernels.paged_decode_launch import DecodeConfig, decode_split_len, fullest_last_wave
 
 # Splits of one tile are allowed, so that short contexts exercise the split path.
 ANY_SPLIT = SplitPolicy(min_split_tiles=1)
@@ -89,6 +89,20 @@ def test_split_heuristic():
     assert decode_num_splits(1, 8, 1024, sms, policy=SplitPolicy(min_split_tiles=8)) == 2
     assert decode_num_splits(1, 8, 32768, sms, policy=SplitPolicy(programs_per_sm=1)) == 17
     assert decode_num_splits(17, 8, 32768, sms, policy=SplitPolicy(programs_per_sm=1)) == 1
+
+
+def test_unsplit_tiles_fill_the_last_wave():
+    """Slots as the three candidates hold them on an H200 (4, 5 and 8 programs an SM of 132):
+    the pick is the candidate whose grid fills its last wave best, then the fewest waves."""
+    slots = (4 * 132, 5 * 132, 8 * 132)
+    assert fullest_last_wave(64 * 8, slots) == 0  # 512 of 528: one full wave
+    assert fullest_last_wave(72 * 8, slots) == 1  # 576: 1.09 waves of 528, 0.87 of 660
+    # 768: 0.73 of 1,056 in one wave against 1.45 waves of 528, the last half empty
+    assert fullest_last_wave(96 * 8, slots) == 2
+    assert fullest_last_wave(192 * 8, slots) == 0  # 1,536: 2.91 waves of 528
+    assert fullest_last_wave(512 * 8, slots) == 2  # 4,096: 3.88 waves of 1,056, 7.76 of 528
+    assert fullest_last_wave(100, slots) == 0  # within one wave: the largest share
+    assert fullest_last_wave(700, (300, 300)) == 0  # equals: the first
 
 
 def test_split_length_in_the_kernel():
