@@ -109,7 +109,12 @@ def test_deadline_mid_stream_ends_deadline_exceeded(cluster):
 
 
 def test_client_cancel(cluster):
+    """Cancelled after three tokens, while the decode worker's engine core is held still
+    (SIGSTOP), so the request is still running when the cancel comes however slow this
+    machine; once the core runs again the router's cancel frees its blocks (the autouse
+    fixture waits for every pool to be idle)."""
     params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+    core = cluster.engine_core("decode0")
 
     async def main():
         async with grpc.aio.insecure_channel(cluster.router.address) as ch:
@@ -117,8 +122,12 @@ def test_client_cancel(cluster):
                 token_ids=api_pb2.TokenIds(ids=[4] * 30), params=params_to_proto(params)))
             for _ in range(3):
                 await call.read()
-            assert call.cancel()
-            await asyncio.sleep(0.1)
+            os.kill(core, signal.SIGSTOP)
+            try:
+                assert call.cancel()
+                assert await call.code() == grpc.StatusCode.CANCELLED
+            finally:
+                os.kill(core, signal.SIGCONT)
 
     run(main())
 
