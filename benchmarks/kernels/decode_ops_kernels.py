@@ -46,7 +46,8 @@ def _old_split_kernel(
             q_ptr, k_ptr, v_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, start, end,
             scale_log2,
             stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-            stride_vh, stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION)
+            stride_vh, stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION,
+            False)  # DOT_F16: a bf16 cache
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, HEAD_DIM)
