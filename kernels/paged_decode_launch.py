@@ -1,10 +1,11 @@
 """How a paged decode attention launch (kernels/paged_decode_attention.py) is shaped, on the
-host: tile sizes (`decode_config`; for an unsplit launch on a GPU, the candidate whose grid
-fills the card's last wave best: `UNSPLIT_CANDIDATES`, `fullest_last_wave`), how many split programs the grid gets per (sequence, KV
-head) (`decode_num_splits`, under a `SplitPolicy`), how long each sequence's splits are, as the
-kernel computes them (`decode_split_len`), the fp32 workspace a split launch writes its
-partials to (`decode_workspace_numel`, `split_workspace`), and the launcher's argument checks
-(`check_decode_args`: shapes, dtypes, layouts, devices, FP8 scales, split policy).
+host: tile sizes (`decode_config`; for an unsplit launch on a GPU, the candidate that fills the
+grid's last wave best: `UNSPLIT_CANDIDATES`, `fullest_last_wave`), how many split programs the
+grid gets per (sequence, KV head) (`decode_num_splits`, under a `SplitPolicy`), how long each
+sequence's splits are, as the kernel computes them (`decode_split_len`), the fp32 workspace a
+split launch writes its partials to (`decode_workspace_numel`, `split_workspace`), and the
+launcher's argument checks (`check_decode_args`: shapes, dtypes, layouts, devices, FP8 scales,
+split policy).
 """
 
 from __future__ import annotations
