@@ -9,8 +9,9 @@ The variants: the kernels take every step-varying size and address without speci
     kernels, compiled by eager steps: a mixed step (decodes and a prefill chunk) and a pure
     prefill step of several chunks;
   - with FP8 weights, the weight-only matmul of steps of at most GEMV_MAX_M tokens (a batch-1
-    decode, kernels/fp8_gemv.py) and the activation quantization beside torch._scaled_mm of
-    small decode batches, by eager decode steps of 1 and 3 sequences;
+    decode, kernels/fp8_gemv.py), and the activation quantization and the scales applied after
+    torch._scaled_mm (kernels/fp8_scale_product.py) of small decode batches, by eager decode
+    steps of 1 and 3 sequences;
   - the split decode kernel once per power of two of splits (its merge is sized by it), the
     unsplit decode kernel, launched on the pool's first block;
   - the block copy of KV pulls, copying the pool's first block onto its second.

@@ -7,6 +7,7 @@ to run the kernels on CPU tensors (slowly: small shapes only).
 from tandem.kernels.copy_blocks import copy_blocks, copy_blocks_ref
 from tandem.kernels.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_ref
 from tandem.kernels.fp8_quant import Fp8Rows, quant_fp8, quant_fp8_ref
+from tandem.kernels.fp8_scale_product import fp8_scale_product, fp8_scale_product_ref
 from tandem.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from tandem.kernels.paged_decode_launch import (
     SplitPolicy,
@@ -43,6 +44,8 @@ __all__ = [
     "decode_workspace_numel",
     "fp8_gemv",
     "fp8_gemv_ref",
+    "fp8_scale_product",
+    "fp8_scale_product_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",

@@ -46,6 +46,7 @@ KINDS = [
     ("norm+quant", r"rms_norm_quant_fp8"),  # the fused kernels (engine/quantization/fp8_fusion.py)
     ("act+quant", r"silu_and_mul_quant_fp8"),
     ("quant", r"quant_fp8"),
+    ("fp8 scales", r"scale_product"),  # applied after a small FP8 GEMM (fp8.scales_after)
     ("gemm", r"gemm|gemv|nvjet|xmma|cutlass|sm90_|ampere_|wgmma|_scaled_mm|splitK|fp8_gemv"),
     ("attn_decode", r"paged_decode"),
     ("attn_prefill", r"paged_prefill|flash|fmha"),

@@ -50,6 +50,20 @@ GEMV_MAX_M = 1
 # inputs' own error (2**-4), and the whole model's accuracy is measured with it
 # (benchmarks/engine/fp8_accuracy.py on CUDA).
 FAST_ACCUM = True
+# torch._scaled_mm's row-wise kernel (CUTLASS) is slow on small outputs: on an H200 at the 8B
+# projections and 2-256 rows it reads the e4m3 weight at 28-42% of the copy bandwidth (o_proj,
+# qkv, down: 14-38 us a GEMM, flat in the rows) where cuBLASLt's tensor-wise kernel, which takes
+# one scale per operand, reads it at 40-77%. So a small product multiplies with scales of 1
+# (cuBLASLt), its unscaled sums rounded to ACC_DTYPE, and kernels/fp8_scale_product.py applies
+# the per-token and per-channel scales and the bias after it, in fp32. That pass costs 2-3 us at
+# few rows and grows with the output: up to SCALES_AFTER_MAX_OUTPUT elements (M x N) it wins
+# every shape measured (benchmarks/kernels/fp8_scaled_mm.py, N 2,048-28,672, K 4,096-14,336;
+# o_proj 13.9 -> 9.9 us and down 37.5 -> 21.1 us at 96 rows); above it the row-wise kernel is
+# faster at 21 of the 36 shapes measured, within 2% at 5, slower at 10 (its tile heuristics are
+# uneven). A bf16 accumulator (one more rounding, 2**-9, under the fast accumulation's
+# error) measured 0.5-2 us faster than fp32 at these sizes, and the pass writes over it.
+SCALES_AFTER_MAX_OUTPUT = 1 << 20
+ACC_DTYPE = torch.bfloat16
 
 
 class Fp8Activation(NamedTuple):
@@ -189,6 +203,25 @@ def linear_path(m: int, is_cuda: bool) -> Literal["gemv", "scaled_mm", "referenc
     return "gemv" if m <= GEMV_MAX_M else "scaled_mm"
 
 
+def scales_after(m: int, n: int) -> bool:
+    """Whether m token rows times an [n, K] e4m3 weight multiply unscaled (torch._scaled_mm
+    with scales of 1: cuBLASLt's tensor-wise kernel) with the row and channel scales applied
+    after it (kernels/fp8_scale_product.py), rather than in _scaled_mm's row-wise kernel."""
+    return m * n <= SCALES_AFTER_MAX_OUTPUT
+
+
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A device fp32 scalar 1, made once per device (before any graph capture: warm-up runs
+    every captured shape eagerly first)."""
+    one = _UNIT_SCALES.get(device)
+    if one is None:
+        one = _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
 def fuses_quant(x: torch.Tensor) -> bool:
     """Whether the norm or activation computing x [M, K] for an Fp8Linear hands it an
     Fp8Activation: on the layer's _scaled_mm path, where x would be quantized anyway."""
@@ -210,6 +243,13 @@ def fp8_linear(x: torch.Tensor | Fp8Activation, w: torch.Tensor, w_scale: torch.
             return fp8_gemv(x, w, w_scale, bias)
         (x_q, x_s), dtype = quantize_activation(x, input_scale), x.dtype
     if x_q.is_cuda:
+        if scales_after(x_q.shape[0], w.shape[0]):
+            from tandem.kernels import fp8_scale_product  # noqa: PLC0415 - Triton, CUDA only
+
+            one = _unit_scale(x_q.device)
+            acc = torch._scaled_mm(x_q, w.t(), scale_a=one, scale_b=one, out_dtype=ACC_DTYPE,
+                                   use_fast_accum=FAST_ACCUM)
+            return fp8_scale_product(acc, x_s, w_scale, bias, dtype)
         y = torch._scaled_mm(x_q, w.t(), scale_a=x_s, scale_b=w_scale.view(1, -1),
                              out_dtype=dtype, use_fast_accum=FAST_ACCUM)
     else:

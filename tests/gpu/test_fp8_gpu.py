@@ -1,6 +1,7 @@
 """FP8 on a GPU: the FP8 KV kernels at Llama-3.1-8B attention shapes in bfloat16 against their
 references; the engine with --kv-cache-dtype fp8 close to bf16 KV (CUDA graphs and eager
-alike); torch._scaled_mm linear layers against the fp32 reference math, the weight-only FP8
+alike); torch._scaled_mm linear layers against the fp32 reference math (row-wise scales, and
+scales of 1 with the scales applied after the product), the weight-only FP8
 kernel of small M (kernels/fp8_gemv.py) at the 8B projections' shapes, and the engine with
 --quantization fp8 close to bf16, in large and in small (weight-only) steps (compute capability
 >= 8.9: Ada, Hopper).
@@ -28,6 +29,7 @@ if torch.cuda.is_available():
     from tandem.kernels import (
         fp8_gemv,
         fp8_gemv_ref,
+        fp8_scale_product,
         paged_decode_attention,
         paged_decode_attention_ref,
         paged_prefill_attention,
@@ -122,6 +124,8 @@ def test_quant_fp8_kernel_matches_reference(seed):
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 @pytest.mark.parametrize("static", [False, True], ids=["per-token", "static-input"])
 def test_scaled_mm_linear_matches_reference_math(seed, m, static):
+    """(Up to fp8.SCALES_AFTER_MAX_OUTPUT output elements the scales and the bias are applied
+    after the product.)"""
     k, n = 4096, 6144
     w = torch.randn(n, k, device=DEV, dtype=BF16) * 0.02
     wq, ws = quantize_weight(w)
@@ -162,6 +166,27 @@ def test_fp8_gemv_8b_shapes(seed, m, n, k):
         x32 = x.float()
         ref32 = fp8_gemv_ref(x32.cpu(), wq.cpu(), ws.cpu())
         assert rel_err(fp8_gemv(x32, wq, ws).cpu(), ref32) < 1e-5, f"seed={seed}"
+
+
+@needs_fp8_mma
+@pytest.mark.parametrize("m", [2, 96, 256, 257])
+@pytest.mark.parametrize(("n", "k"), SHAPES_8B, ids=["qkv", "o", "gate_up", "down"])
+def test_scales_after_the_product_match_row_wise_scaled_mm(seed, m, n, k):
+    """Few rows multiply with scales of 1 and scale after (fp8.scales_after): the same
+    product as the row-wise _scaled_mm, and fp8_linear takes the path fp8.scales_after names."""
+    wq, ws = quantize_weight(torch.randn(n, k, device=DEV, dtype=BF16) * 0.02)
+    x = torch.randn(m, k, device=DEV, dtype=BF16)
+    xq, xs = quant_fp8(x)
+    row = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=BF16,
+                           use_fast_accum=fp8.FAST_ACCUM)
+    one = torch.ones((), device=DEV)
+    acc = torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=fp8.ACC_DTYPE,
+                           use_fast_accum=fp8.FAST_ACCUM)
+    after = fp8_scale_product(acc, xs, ws, None, BF16)
+    # Two kernels' fast accumulation in different orders: within the e4m3 operands' error.
+    assert rel_err(after, row) < 1e-2, f"seed={seed}"
+    assert torch.equal(fp8_linear(x, wq, ws, None, None),
+                       after if fp8.scales_after(m, n) else row), f"seed={seed}"
 
 
 @needs_fp8_mma
