@@ -124,8 +124,8 @@ def test_quant_fp8_kernel_matches_reference(seed):
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 @pytest.mark.parametrize("static", [False, True], ids=["per-token", "static-input"])
 def test_scaled_mm_linear_matches_reference_math(seed, m, static):
-    """(Up to fp8.SCALES_AFTER_MAX_OUTPUT output elements the scales and the bias are applied
-    after the product.)"""
+    """fp8_linear against the same math in fp32; up to fp8.SCALES_AFTER_MAX_OUTPUT output
+    elements it applies the scales and the bias after the product."""
     k, n = 4096, 6144
     w = torch.randn(n, k, device=DEV, dtype=BF16) * 0.02
     wq, ws = quantize_weight(w)
