@@ -2,13 +2,13 @@
 torch._scaled_mm on e4m3 inputs already quantized (the GEMM alone), with the scales W8A8 uses
 (row-wise: one per token, one per output channel) and with one scale per tensor, each with and
 without `use_fast_accum` (Hopper's FP8 tensor cores accumulate in reduced precision between
-promotions to fp32); and the row-wise product computed as W8A8 does at few rows (after: scales
-of 1, fast accumulation, then kernels/fp8_scale_product.py applies the row and channel scales;
-after16 with a bf16 accumulator). Each replayed from a CUDA graph (median), several copies of W
-rotating past the L2; TFLOP/s, speed-up over bf16, and each FP8 output's error against the fp32
-product of the same e4m3 operands (max |err| / max |ref|). The last column names the faster of
-rowwise+fast and after at each shape, and the table after it the share of the weight's bytes a
-microsecond each of them reads at the copy bandwidth.
+promotions to fp32); and the row-wise product computed as W8A8 computes a small one (after:
+scales of 1, fast accumulation, sums in fp8.ACC_DTYPE, then kernels/fp8_scale_product.py applies
+the row and channel scales; after-fp32 with fp32 sums). Each replayed from a CUDA graph (median),
+several copies of W rotating past the L2; TFLOP/s, speed-up over bf16, and each FP8 output's
+error against the fp32 product of the same e4m3 operands (max |err| / max |ref|). The last
+column names the faster of rowwise+fast and after at each shape; a table after it gives the
+rate each of the two reads the weight at, as a share of the copy bandwidth.
 
     python3 benchmarks/kernels/fp8_scaled_mm.py
     python3 benchmarks/kernels/fp8_scaled_mm.py --m 2,16,64,96,128,192,256,512 --shapes 4096:4096,16384:4096
@@ -30,7 +30,7 @@ from benchmarks.lib.timing import copy_bandwidth, graph_time
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}  # (N, K)
 L2_WORKING_SET = 256 << 20
-VARIANTS = ("rowwise", "rowwise+fast", "tensor", "tensor+fast", "after", "after16")
+VARIANTS = ("rowwise", "rowwise+fast", "tensor", "tensor+fast", "after", "after-fp32")
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
     a = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)")
-    from tandem.engine.quantization.fp8 import quantize_activation, quantize_weight
+    from tandem.engine.quantization.fp8 import ACC_DTYPE, quantize_activation, quantize_weight
     from tandem.kernels import fp8_scale_product
 
     shapes = SHAPES
@@ -93,8 +93,8 @@ def main() -> None:
                 tag = "+fast" if fast else ""
                 calls["rowwise" + tag] = [lambda w=w, s=s, f=fast: rowwise(w, s, f) for w, s in wq]
                 calls["tensor" + tag] = [lambda w=w, s=s, f=fast: tensor(w, s, f) for w, s in wt]
-            calls["after"] = [lambda w=w, s=s: after(w, s, torch.float32) for w, s in wq]
-            calls["after16"] = [lambda w=w, s=s: after(w, s, torch.bfloat16) for w, s in wq]
+            calls["after"] = [lambda w=w, s=s: after(w, s, ACC_DTYPE) for w, s in wq]
+            calls["after-fp32"] = [lambda w=w, s=s: after(w, s, torch.float32) for w, s in wq]
             times = {}
             for v, fs in calls.items():
                 for f in fs:
@@ -110,8 +110,8 @@ def main() -> None:
                 tag = "+fast" if fast else ""
                 errs["rowwise" + tag] = _err(rowwise(w0, s0, fast), ref_r)
                 errs["tensor" + tag] = _err(tensor(wt0, st0, fast), ref_t)
-            errs["after"] = _err(after(w0, s0, torch.float32), ref_r)
-            errs["after16"] = _err(after(w0, s0, torch.bfloat16), ref_r)
+            errs["after"] = _err(after(w0, s0, ACC_DTYPE), ref_r)
+            errs["after-fp32"] = _err(after(w0, s0, torch.float32), ref_r)
             flops = 2 * m * n * k
             cells = " | ".join(f"{times[v] * 1e6:12.1f} {times['bf16'] / times[v]:4.2f} "
                                f"{errs[v]:.0e}" for v in VARIANTS)
