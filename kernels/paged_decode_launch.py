@@ -43,7 +43,9 @@ def decode_config(head_dim: int, *, fp8: bool = False, split: bool = True) -> De
     batch 1-512 x context 1k/4k, NVIDIA H200: benchmarks/kernels/decode_kv_dtype.py): 0.82-0.95x
     the time at every shape, where converting to bf16 in 64-token tiles took 0.92-1.28x.
     An unsplit launch of a bf16/fp16 cache on a GPU picks among UNSPLIT_CANDIDATES (the
-    first is this one's) by its grid (paged_decode_attention's launcher)."""
+    first is this one's) by its grid (paged_decode_attention's launcher), except a mixed-step
+    graph's, whose grid is mostly rows without context: it passes this config
+    (engine/attention/triton_backend.py)."""
     if head_dim <= 128:
         return DecodeConfig(128 if fp8 and not split else 64, 4, 3, fp8)
     return DecodeConfig(32, 4, 3, fp8)

@@ -103,10 +103,14 @@ class TritonAttentionBackend(AttentionBackend):
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         if meta.decode_lens is not None:  # a mixed-step graph's layout (base.py)
             rows = meta.decode_lens.shape[0]
+            splits = self._num_splits(rows, meta.max_seq_len, meta.block_tables, capturing)
+            # The grid covers every row the graph can hold, most of them with no context (their
+            # programs exit at once): tiles picked by how full that grid's last wave is would
+            # fit programs that do nothing, so the decode rows keep the default tiles.
             paged_decode_attention(
                 q[:rows], k_cache, v_cache, meta.block_tables[:rows], meta.decode_lens,
-                self.scale, out=out[:rows],
-                num_splits=self._num_splits(rows, meta.max_seq_len, meta.block_tables, capturing),
+                self.scale, out=out[:rows], num_splits=splits,
+                config=decode_config(self.head_dim, fp8=k_scale is not None, split=splits > 1),
                 workspace=self.workspace, counters=self.split_counters, k_scale=k_scale,
                 v_scale=v_scale)
             paged_prefill_attention(
