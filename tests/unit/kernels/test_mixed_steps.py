@@ -42,23 +42,18 @@ def greedy(model: str, backend: str) -> tuple[list[list[int]], int]:
     return [o.outputs[0].token_ids for o in outs], replays
 
 
-def test_mixed_step_buffers_give_the_eager_tokens(tiny_models):
-    model = str(tiny_models["llama"])
-    expected, _ = greedy(model, "torch")
-    assert greedy(model, "triton")[0] == expected
-    got, replays = greedy(model, "mixed")
-    assert replays > 0
-    assert got == expected
-
-
-def test_mixed_step_decode_rows_keep_the_default_tiles(tiny_models, monkeypatch):
-    """A mixed-step graph's decode launch covers every sequence row the graph holds, most of
-    them without context: it takes the default tiles (decode_config), not the ones the
-    launcher would pick by how full that grid's last wave is (kernels/paged_decode_launch.py
-    UNSPLIT_CANDIDATES), which on a GPU fit programs that exit at once."""
+def test_mixed_step_buffers_give_the_eager_tokens(tiny_models, monkeypatch):
+    """Also: a mixed-step graph's decode launch covers every sequence row the graph holds,
+    most of them without context, so it takes the default tiles (decode_config), not the
+    ones the launcher would pick by how full that grid's last wave is
+    (kernels/paged_decode_launch.py UNSPLIT_CANDIDATES), which on a GPU fit programs that
+    exit at once."""
     from tandem.engine.attention import triton_backend
     from tandem.kernels.paged_decode_launch import decode_config
 
+    model = str(tiny_models["llama"])
+    expected, _ = greedy(model, "torch")
+    assert greedy(model, "triton")[0] == expected
     configs = []
 
     def recording(*args, **kwargs):
@@ -67,13 +62,14 @@ def test_mixed_step_decode_rows_keep_the_default_tiles(tiny_models, monkeypatch)
 
     attend = triton_backend.paged_decode_attention
     monkeypatch.setattr(triton_backend, "paged_decode_attention", recording)
-    _, replays = greedy(str(tiny_models["llama"]), "mixed")
-    model = json.loads((tiny_models["llama"] / "config.json").read_text())
-    head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
-    chosen = [(cfg, splits) for cfg, splits in configs if cfg is not None]
+    got, replays = greedy(model, "mixed")
     assert replays > 0
-    assert len(chosen) == replays * model["num_hidden_layers"]  # a launch a layer a replay
-    assert all(cfg == decode_config(head_dim, split=splits > 1) for cfg, splits in chosen)
+    assert got == expected
+    cfg = json.loads((tiny_models["llama"] / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    chosen = [(tiles, splits) for tiles, splits in configs if tiles is not None]
+    assert len(chosen) == replays * cfg["num_hidden_layers"]  # a launch a layer a replay
+    assert all(tiles == decode_config(head_dim, split=splits > 1) for tiles, splits in chosen)
 
 
 @pytest.mark.parametrize("graph_rows", [16, 8])
