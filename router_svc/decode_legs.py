@@ -261,7 +261,7 @@ class DecodeLegs:
     def _can_move_from(self, d: Worker) -> bool:
         """d drains and asks for this request to be moved: whether another decode worker can
         take it (else d finishes it). d takes no new request from here on."""
-        d.load.draining = True  # as its next poll will say
+        d.heard_draining()  # as its next poll will say
         return self.orch.workers.pick_decode(self.route, "decode", {d.address}) is not None
 
     async def _prefill(self) -> bool:

@@ -75,6 +75,7 @@ class Worker:
     local_prefill_tokens: int = 0
     last_seen: float = 0.0  # time.monotonic() of its last answered poll
     instance_id: str = ""  # the worker process that answered last (Load.instance_id)
+    drain_heard: str | None = None  # the instance whose Stream call said it drains
     # Set when the worker is lost (no poll answered for worker_timeout_s): calls in flight on
     # it give up. A fresh one once it answers again.
     lost: asyncio.Event = field(default_factory=asyncio.Event)
@@ -97,8 +98,19 @@ class Worker:
 
     def heard_draining(self) -> None:
         """Its Stream call said it drains (StreamResponse.closing): no new request from now,
-        as its next poll will say."""
+        as its next poll will say. Held for as long as this process (its instance id) answers:
+        a poll answered before the drain began may be applied after it (a round of polls is
+        applied whole, once its slowest answer is in)."""
         self.load.draining = True
+        self.drain_heard = self.load.instance_id
+
+    def polled(self, load: worker_pb2.Load) -> None:
+        """An answered poll: its load, still draining if this process said it drains."""
+        if load.instance_id != self.drain_heard:  # another process (restarted): its own say
+            self.drain_heard = None
+        elif self.drain_heard is not None:
+            load.draining = True
+        self.load = load
 
     def as_load(self, cached: TierMatch = TierMatch(0, 0)) -> WorkerLoad:
         """What a routing policy sees of this worker."""
@@ -404,7 +416,7 @@ class WorkerSet:
                     r.code.name if r.code else "no answer")
             w.healthy = False
             return
-        w.load = r.load
+        w.polled(r.load)
         instance = w.load.instance_id
         if w.instance_id and instance != w.instance_id:
             log.warning("worker %s (%s) restarted", w.address, w.role)

@@ -342,6 +342,35 @@ def test_a_worker_whose_polls_time_out_is_lost_one_that_refuses_is_not():
     asyncio.run(main())
 
 
+def test_a_worker_heard_draining_stays_so_whatever_a_late_poll_said_until_it_restarts():
+    """Its Stream call said it drains; a poll it answered before that is applied after (a round
+    of polls is applied whole, when its slowest answer is in): it still takes no new request,
+    and a call it then refuses as it stops is no failure. Its next process is routed to."""
+    async def main():
+        ws = WorkerSet([], ["d0", "d1"], [], worker_timeout_s=60.0, metrics=FaultMetrics())
+        real = [w.channel for w in ws.workers]
+        for w in ws.workers:
+            w.channel, w.probe, w.stream = FakeDataChannel(), FakeProbe(), FakeWorkerStream()
+        await ws.poll_once()
+        d0, d1 = ws.workers
+        assert ws.by_role("decode") == [d0, d1]
+        d0.heard_draining()  # StreamResponse.closing
+        assert ws.by_role("decode") == [d1]
+        d0.probe.answer = worker_pb2.Load(instance_id="a")  # answered before it began to drain
+        await ws.poll_once()
+        assert ws.by_role("decode") == [d1] and d0.leaving
+        ws.mark_down(d0)  # a new call refused by its stopping server
+        assert d0.healthy
+        d0.probe.answer = worker_pb2.Load(instance_id="b")  # restarted
+        await ws.poll_once()
+        assert ws.by_role("decode") == [d0, d1] and not d0.leaving
+        await ws.close()
+        for ch in real:
+            await ch.close()
+
+    asyncio.run(main())
+
+
 class FakeCall:
     def __init__(self) -> None:
         self.result: asyncio.Future = asyncio.get_running_loop().create_future()
