@@ -73,7 +73,7 @@ class PrefillServicer(WorkerServicer):
                 if self.draining:  # the router prefills it elsewhere (or on a decode worker)
                     self.pools.let_go(request.prefix_kv)
                     raise WorkerError(grpc.StatusCode.UNAVAILABLE,
-                                      f"prefill worker {self.worker_id} drains")
+                                      f"prefill worker {self.worker_id} drains", draining=True)
                 check_request_id(request.request_id)
                 check_prompt("prompt_token_ids", request.prompt_token_ids, self.limits)
                 check_kv(request.prefix_kv, "prefix_kv")

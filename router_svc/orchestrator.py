@@ -55,6 +55,7 @@ from tandem.router_svc.routing import RouteRequest
 from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update
 from tandem.router_svc.workers import Worker, WorkerSet, unless_lost
 from tandem.runtime.convert import params_to_proto
+from tandem.runtime.lifecycle import refused_draining
 from tandem.runtime.request_trace import client_call
 from tandem.v1 import worker_pb2
 
@@ -210,7 +211,10 @@ class Orchestrator:
                 return p, resp
             except grpc.aio.AioRpcError as e:
                 if _retryable(e):
-                    self.workers.mark_down(p)
+                    if refused_draining(e):  # not a failure: no new prompt there from now
+                        p.heard_draining()
+                    else:
+                        self.workers.mark_down(p)
                     if lent is not None:  # p died or refused, perhaps before its claim
                         self.release_later(lent.lender, lent.kv.lease_id, ctx)
                     continue

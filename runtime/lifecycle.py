@@ -56,6 +56,16 @@ GRPC_OPTIONS = [
 ]
 
 
+# On a call a worker refuses because it drains (UNAVAILABLE): its caller hears at once that the
+# worker drains, not that it failed, before the worker's next poll says so (Load.draining).
+DRAINING_METADATA = ("tandem-draining", "1")
+
+
+def refused_draining(e: grpc.aio.AioRpcError) -> bool:
+    """Whether a call was refused by a worker that drains (DRAINING_METADATA)."""
+    return DRAINING_METADATA in tuple(e.trailing_metadata() or ())
+
+
 # gRPC core listens with SO_REUSEPORT by default: a second server on a port already in use
 # then shares it (a second `tandem up` answered on 50051 beside the first, health alternating
 # between them) instead of failing to bind.

@@ -27,6 +27,7 @@ from tandem.runtime.cluster_roles import RoleInterceptor
 from tandem.runtime.engine_args import add_engine_args, engine_config
 from tandem.runtime.kv_events import KVEventHub, SubscriberLagged
 from tandem.runtime.lifecycle import (
+    DRAINING_METADATA,
     Health,
     close_server,
     enable_reflection,
@@ -96,12 +97,14 @@ def _at_least_one(text: str) -> int:
 
 
 class WorkerError(Exception):
-    """A request failed on this worker with the gRPC status its caller should see."""
+    """A request failed on this worker with the gRPC status its caller should see.
+    `draining`: refused because the worker drains (the status carries DRAINING_METADATA)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, draining: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.draining = draining
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -124,7 +127,8 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> No
     code, message = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
         raise exc  # logged by gRPC; the caller sees UNKNOWN
-    await context.abort(code, message)
+    draining = isinstance(exc, WorkerError) and exc.draining
+    await context.abort(code, message, (DRAINING_METADATA,) if draining else ())
 
 
 async def checked(context: grpc.aio.ServicerContext, check: Callable[..., None],

@@ -189,7 +189,8 @@ class WorkerServicer:
     def Drain(self, request, context):
         """Any role: take this worker out without dropping a request, then it exits 0 (SIGTERM does
         the same). It stops taking new requests at once (Load.draining; refused UNAVAILABLE, so
-        the router retries them elsewhere). A decode worker asks its routers to move every
+        the router retries them elsewhere; a refused Prefill carries the trailing metadata
+        tandem-draining: 1, a drain and not a failure to its caller). A decode worker asks its routers to move every
         request it runs (RequestUpdate.move) and decodes each until its router takes it away; a
         prefill worker finishes its prompts and keeps serving ClaimLease, Release and RenewLeases
         until every lease it granted is released or expired. Answered once that is done (or the

@@ -23,6 +23,7 @@ import pytest
 from cluster import WORKER_ARGS, Cluster
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime.convert import params_to_proto
+from tandem.runtime.lifecycle import refused_draining
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 PROMPTS = [[(7 * i + 11 * j) % 250 + 1 for j in range(6 + 9 * i)] for i in range(8)]
@@ -140,8 +141,8 @@ def test_rolling_restart_of_both_decode_workers_under_load_drops_nothing(tiny_mo
 
 def test_a_draining_prefill_worker_keeps_its_leases_until_claimed(tiny_models, tmp_path):
     """Drain called on the prefill worker while a prefill's lease is unclaimed (its KV not yet
-    pulled): the worker refuses new prompts at once, answers the claim and the release, and
-    only then stops, exit 0."""
+    pulled): the worker refuses new prompts at once (saying it drains), answers the claim and
+    the release, and only then stops, exit 0."""
     c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=WORKER_ARGS).start()
     try:
         async def main():
@@ -157,6 +158,7 @@ def test_a_draining_prefill_worker_keeps_its_leases_until_claimed(tiny_models, t
                     await stub.Prefill(worker_pb2.PrefillRequest(
                         request_id="new", prompt_token_ids=[1, 2], params=params))
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert refused_draining(e.value)  # a drain, not a failure, to the router
                 assert not drained.done()  # the lease holds it
                 claim = await stub.ClaimLease(worker_pb2.ClaimLeaseRequest(
                     lease_id=resp.kv.lease_id))

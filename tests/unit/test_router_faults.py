@@ -402,12 +402,16 @@ def test_a_unary_call_gives_up_when_its_worker_is_lost():
     asyncio.run(main())
 
 
-def test_a_prefix_lent_to_a_prefill_worker_that_fails_is_released_unless_claimed():
+@pytest.mark.parametrize("refusal", ["failed", "draining"])
+def test_a_prefix_lent_to_a_prefill_worker_that_fails_is_released_unless_claimed(refusal):
     """The prefill worker a request went to with a lent prefix fails UNAVAILABLE: the router
     releases the prefix (if still unclaimed, as every release of its: that worker may have died
-    before its claim) and tries the other worker with a prefix lent afresh."""
+    before its claim) and tries the other worker with a prefix lent afresh. A worker that
+    refused because it drains (the status says so) is draining, not failed: out of routing,
+    not down."""
     from tandem.router_svc.orchestrator import Orchestrator
     from tandem.router_svc.remote_prefix import LentPrefix
+    from tandem.runtime.lifecycle import DRAINING_METADATA
 
     class Stub:
         def __init__(self, answer) -> None:
@@ -423,8 +427,10 @@ def test_a_prefix_lent_to_a_prefill_worker_that_fails_is_released_unless_claimed
 
     async def main():
         ws = WorkerSet([], [], [], metrics=FaultMetrics())
-        dead = Worker("p0", "prefill", None, Stub(_rpc_error(grpc.StatusCode.UNAVAILABLE)),
-                      None, healthy=True)
+        error = grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+            grpc.aio.Metadata(*([DRAINING_METADATA] if refusal == "draining" else [])), "no")
+        dead = Worker("p0", "prefill", None, Stub(error), None, healthy=True)
         alive = Worker("p1", "prefill", None, Stub(worker_pb2.PrefillResponse(
             first_token_ids=[7], kv=worker_pb2.KVLocation(lease_id="lease"))), None,
             healthy=True)
@@ -444,7 +450,10 @@ def test_a_prefix_lent_to_a_prefill_worker_that_fails_is_released_unless_claimed
         params = SamplingParams(max_tokens=4)
         p, resp = await orch.prefill("r", RouteRequest([1, 2, 3]), params_to_proto(params),
                                      None, None)
-        assert p is alive and resp.kv.lease_id == "lease" and not dead.healthy
+        assert p is alive and resp.kv.lease_id == "lease"
+        assert (dead.healthy, dead.leaving) == ((False, False) if refusal == "failed"
+                                                else (True, True))
+        assert ws.by_role("prefill") == [alive]
         assert lent == ["prefix0", "prefix1"]
         assert released == [("far", "prefix0")]  # prefix1 went with the answered call
 
