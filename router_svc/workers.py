@@ -97,10 +97,11 @@ class Worker:
         return self.draining or self.load.draining
 
     def heard_draining(self) -> None:
-        """Its Stream call said it drains (StreamResponse.closing): no new request from now,
-        as its next poll will say. Held for as long as this process (its instance id) answers:
-        a poll answered before the drain began may be applied after it (a round of polls is
-        applied whole, once its slowest answer is in)."""
+        """It said it drains (its Stream call's StreamResponse.closing, a move it asked for, a
+        refusal carrying DRAINING_METADATA): no new request from now, as its next poll will
+        say. Held for as long as this process (its instance id) answers: a poll answered
+        before the drain began may be applied after it (a round of polls is applied whole,
+        once its slowest answer is in)."""
         self.load.draining = True
         self.drain_heard = self.load.instance_id
 
