@@ -3,7 +3,8 @@
     Frontend.stream ─check(fmt)─▶ SchemaChecker ── verdict cached (LRU) ───────────────▶ ok / 400
                                        │ not cached: one check per schema text
                                        ▼
-                          checker process (python -m tandem.router_svc.schema_check, niced)
+                          checker process (python -m tandem.router_svc.schema_check, niced
+                          once started)
                           the schema's grammar compiled against the model's tokenizer,
                           as a worker compiles it ── answer within budget_s ─▶ verdict
                                                   └─ no answer: killed ─▶ refused, 400
@@ -36,7 +37,10 @@ from tandem.runtime.security import API_KEY_ENV, API_KEY_FILE_ENV
 DEFAULT_BUDGET_S = 5.0
 START_TIMEOUT_S = 120.0  # for a checker process to load the tokenizer (not part of any budget)
 CACHE_SIZE = 1024  # verdicts kept, least recently used dropped first
-NICENESS = 10  # the checkers yield the CPU to the router's event loop
+# The checkers yield the CPU to the router's event loop while they compile. Not while they
+# start (imports, the tokenizer: a few seconds of CPU that a request waits for): niced, a start
+# beside two CPU-bound processes on a 2-core machine took ~100 s, past START_TIMEOUT_S.
+NICENESS = 10
 
 
 class SchemaChecker:
@@ -77,7 +81,10 @@ class SchemaChecker:
 
     async def _check(self, key: bytes, spec: str) -> str | None:
         async with self._slots:
-            checker = self._idle.pop() if self._idle else await _Checker.start(self.argv)
+            try:
+                checker = self._idle.pop() if self._idle else await _Checker.start(self.argv)
+            except (OSError, RuntimeError, TimeoutError, ValueError) as e:
+                raise _unavailable(e) from None  # the router's fault, not the schema's
             self.num_checked += 1
             try:
                 verdict = await asyncio.wait_for(checker.ask(spec), self.budget_s)
@@ -109,6 +116,16 @@ class SchemaChecker:
             await checker.close()
 
 
+def _unavailable(e: Exception) -> Exception:
+    """A checker that did not start: UNAVAILABLE (HTTP 503), no verdict remembered. (Imported
+    here: the checker process runs this module and needs none of the router.)"""
+    import grpc  # noqa: PLC0415
+
+    from tandem.router_svc.decode_legs import RouterError  # noqa: PLC0415
+
+    return RouterError(grpc.StatusCode.UNAVAILABLE, f"the schema checker did not start: {e}")
+
+
 class _Checker:
     """One checker process: a schema as a line of JSON in, a verdict as a line out."""
 
@@ -123,9 +140,12 @@ class _Checker:
             limit=1 << 20, env=env)  # no API key: it has no use for one
         checker = cls(proc)
         try:
-            ready = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
+            try:
+                ready = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
+            except TimeoutError:
+                raise TimeoutError(f"not ready within {START_TIMEOUT_S:g} s") from None
             if json.loads(ready or b"null") != {"ready": True}:
-                raise RuntimeError(f"the schema checker did not start: {ready[:200]!r}")
+                raise RuntimeError(f"it answered {ready[:200]!r}")
         except BaseException:
             await checker.close()
             raise
@@ -152,14 +172,14 @@ def _serve(model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
     {"refused": reason or null}."""
     from tandem.engine.grammar import GrammarCompiler  # noqa: PLC0415 - the process's only work
 
-    with contextlib.suppress(OSError):
-        os.nice(NICENESS)
     compiler = GrammarCompiler(Path(model_dir), vocab_size, eos_token_ids, cache_size=1)
     unavailable = None
     try:
         compiler.compile(ResponseFormat("json_object"))  # loads the tokenizer: before "ready"
     except InvalidArgument as e:  # xgrammar missing: every check says so
         unavailable = e.message
+    with contextlib.suppress(OSError):  # started at the caller's priority: see NICENESS
+        os.nice(NICENESS)
     _reply({"ready": True})
     for line in sys.stdin:
         refused = unavailable

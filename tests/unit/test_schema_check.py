@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
 import httpx
 import pytest
@@ -116,3 +117,29 @@ def test_past_its_budget_a_schema_is_refused_naming_the_field_and_remembered(mod
     assert "bogus" in bogus
     assert "longer than 1 s" in bomb and again == bomb and "longer than 1 s" in tools
     assert checked == 5  # two schemas, the bogus one, the bomb once (then remembered), the tools
+
+
+def test_a_checker_that_does_not_start_answers_unavailable_and_nothing_is_remembered(model_dir):
+    """The checker process answers something else than ready (a broken install, say): the
+    request gets 503 naming the schema checker, not a 500 or a verdict on the schema; the same
+    schema is checked again once a checker starts."""
+    schemas = checker(model_dir, budget_s=60.0)
+    argv, schemas.argv = schemas.argv, [sys.executable, "-c", "print('no')"]
+
+    async def main():
+        transport = httpx.ASGITransport(app=app_with(model_dir, schemas))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            async def completion() -> httpx.Response:
+                return await client.post("/v1/completions", json={
+                    "prompt": [1, 2, 3], "max_tokens": 4, "response_format": fmt({"type": "bogus"})})
+            first = await completion()
+            schemas.argv = argv
+            second = await completion()
+        await schemas.close()
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert first.status_code == 503, first.text
+    assert "the schema checker did not start" in first.json()["error"]["message"]
+    assert second.status_code == 400 and "bogus" in second.json()["error"]["message"]
+    assert schemas.num_checked == 1
