@@ -117,11 +117,10 @@ class SchemaChecker:
 
 
 def _unavailable(e: Exception) -> Exception:
-    """A checker that did not start: UNAVAILABLE (HTTP 503), no verdict remembered. (Imported
-    here: the checker process runs this module and needs none of the router.)"""
-    import grpc  # noqa: PLC0415
+    """A checker that did not start: UNAVAILABLE (HTTP 503), no verdict remembered."""
+    import grpc  # noqa: PLC0415 - the checker process runs this module: none of the router
 
-    from tandem.router_svc.decode_legs import RouterError  # noqa: PLC0415
+    from tandem.router_svc.decode_legs import RouterError  # noqa: PLC0415 - as above
 
     return RouterError(grpc.StatusCode.UNAVAILABLE, f"the schema checker did not start: {e}")
 
