@@ -103,10 +103,14 @@ class Outbox:
 
 
 def failure_message(request_id: str, exc: BaseException) -> worker_pb2.RequestUpdate:
-    """A request's last update when it failed: the gRPC status that reports `exc`."""
+    """A request's last update when it failed: the gRPC status that reports `exc` (and, for a
+    refusal, whether the worker drains and whether the request's lease is the router's again)."""
     code, message = status_of(exc)
+    refused = exc if isinstance(exc, WorkerError) else None
     return worker_pb2.RequestUpdate(request_id=request_id, done=True,
-                                    error_code=code.value[0], error_message=message)
+                                    error_code=code.value[0], error_message=message,
+                                    draining=refused is not None and refused.draining,
+                                    lease_returned=refused is not None and refused.lease_returned)
 
 
 def relay(outbox: Outbox, with_logprobs: bool, progress: Progress) -> OutputSink:

@@ -165,14 +165,15 @@ class DecodeServicer(WorkerServicer):
             req = getattr(msg, kind)
             rid = req.request_id
             # The router handed a decode request's lease over: from here this worker releases
-            # it, even when it refuses the request (a token it already holds excepted).
+            # it, unless it refuses the request now (a token it already holds excepted).
             lease = self._hold(req.kv) if kind == "decode" and req.HasField("kv") else None
             try:
                 self._admit(kind, rid, tasks)
-            except WorkerError:
-                if lease is not None:
-                    self._end(lease)
-                if kind == "decode":  # a prefix lent for it goes back too
+            except WorkerError as e:
+                if lease is not None:  # never claimed: the router's again, for another worker
+                    del self._held[lease.lease_id]  # (RequestUpdate.lease_returned)
+                    e.lease_returned = True
+                if kind == "decode":  # a prefix lent for it goes back
                     self.pools.let_go(req.prefix_kv)
                 raise
             # In the request's trace, as the router sent it: its worker span continues there.
@@ -225,7 +226,7 @@ class DecodeServicer(WorkerServicer):
     def _admit(self, kind: str, rid: str, tasks: dict[str, asyncio.Task]) -> None:
         if self._draining.is_set():
             raise WorkerError(grpc.StatusCode.UNAVAILABLE,
-                              f"worker {self.worker_id} is shutting down")
+                              f"worker {self.worker_id} is shutting down", draining=True)
         if kind != ("generate" if self.role == "both" else "decode"):
             raise WorkerError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"worker {self.worker_id} has role {self.role}, not for {kind}")

@@ -28,6 +28,9 @@ be copying the blocks.
 A decode worker that drains (Drain, SIGTERM) asks for each of its requests to be moved
 (Update.move) and decodes on meanwhile: the leg ends there and the request moves the same way,
 not counted against the bounds below, when another decode worker is up; else it finishes there.
+A request that reaches a decode worker as it begins to drain is refused with its lease handed
+back unclaimed (RequestUpdate.draining, lease_returned): it goes to another decode worker with
+the same lease, not prefilled again, and the refusal is no failure either.
 
 Bounds: a leg that fails after it sent tokens moves the request (UNAVAILABLE: its worker died,
 hung or lost the lease's KV; INTERNAL: gRPC failed inside the worker or its connection) at most
@@ -58,7 +61,13 @@ from tandem.router_svc.rebalance import Candidate, Rebalancer
 from tandem.router_svc.remote_prefix import LentPrefix
 from tandem.router_svc.routing import RouteRequest
 from tandem.router_svc.routing.policy import DISAGGREGATED, LOCAL
-from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update, until_done
+from tandem.router_svc.worker_stream import (
+    Refused,
+    SampleUpdate,
+    StreamBroken,
+    Update,
+    until_done,
+)
 from tandem.router_svc.workers import Worker, WorkerSet
 from tandem.runtime.convert import logprobs_from_proto
 from tandem.runtime.request_trace import client_call
@@ -590,6 +599,16 @@ class DecodeLegs:
             log.info("decode worker %s drains: moving %s with its %d tokens", d.address,
                      self.rid, made)
             return
+        if isinstance(e, Refused):
+            leg = self._leg_lease
+            if e.lease_returned and leg is not None and self._lease is None \
+                    and not leg.expired():
+                self._lease = leg  # the next leg takes it: no second prefill
+            if e.draining:  # it began to drain as the request went out: planned, as a drain's
+                d.heard_draining()  # move, not a failure, not counted as one
+                log.info("decode worker %s drains: %s goes to another", d.address, self.rid)
+                self._event("decode_retried", d, e, 0)
+                return
         if isinstance(e, StreamBroken):
             self.orch.workers.mark_down(d)
         # ABORTED: the leg's lease ran too short to pull (a busy worker, a short --lease-ttl);
@@ -628,8 +647,9 @@ class DecodeLegs:
                 self._avoid.add(d.address)
             if self.retries > limit + len(self.orch.workers.by_role("decode", False)):
                 raise as_router_error(e, f"decode worker {d.address}") from None
-            log.warning("decode worker %s failed %s before its first token: prefilling "
-                        "again for another", d.address, self.rid)
+            log.warning("decode worker %s failed %s before its first token: %s for another",
+                        d.address, self.rid,
+                        "its lease" if self._lease is not None else "prefilling again")
             self._event("decode_retried", d, e, sum(len(out) for out in self.outputs))
 
     def _event(self, name: str, d: Worker, e: grpc.aio.AioRpcError, tokens: int,
@@ -637,7 +657,8 @@ class DecodeLegs:
         """On the request's span: a leg failed and the request goes on elsewhere (`to`: the
         decode worker it moved to)."""
         attrs = {"tandem.worker": d.address, "error.type": e.code().name,
-                 "tandem.move.cause": "drain" if isinstance(e, DrainMove) else "failure",
+                 "tandem.move.cause": "drain" if isinstance(e, DrainMove)
+                 or (isinstance(e, Refused) and e.draining) else "failure",
                  "tandem.moves": self.moves, "tandem.retries": self.retries,
                  "tandem.tokens_so_far": tokens}
         if to is not None:

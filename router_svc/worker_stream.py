@@ -50,6 +50,18 @@ class StreamBroken(grpc.aio.AioRpcError):
     or unreachable, as far as this router can tell."""
 
 
+class Refused(grpc.aio.AioRpcError):
+    """The worker turned the request away (its one update, RequestUpdate): `draining`, because
+    it drains; `lease_returned`, before claiming the lease it was handed, which is this
+    router's again."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, draining: bool,
+                 lease_returned: bool) -> None:
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+        self.draining = draining
+        self.lease_returned = lease_returned
+
+
 @dataclass
 class SampleUpdate:
     index: int
@@ -187,8 +199,11 @@ class WorkerStream:
                     if u.done:
                         done = True
                         if u.error_code:
-                            raise _error(_STATUS.get(u.error_code, grpc.StatusCode.UNKNOWN),
-                                         u.error_message)
+                            code = _STATUS.get(u.error_code, grpc.StatusCode.UNKNOWN)
+                            if u.draining or u.lease_returned:
+                                raise Refused(code, u.error_message, u.draining,
+                                              u.lease_returned)
+                            raise _error(code, u.error_message)
                         return
         except TimeoutError:
             raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None

@@ -98,13 +98,16 @@ def _at_least_one(text: str) -> int:
 
 class WorkerError(Exception):
     """A request failed on this worker with the gRPC status its caller should see.
-    `draining`: refused because the worker drains (the status carries DRAINING_METADATA)."""
+    `draining`: refused because the worker drains (the status carries DRAINING_METADATA; a
+    Stream call's update says so). `lease_returned`: a decode request refused before its lease
+    was claimed, the lease neither claimed nor released: its router's again."""
 
     def __init__(self, code: grpc.StatusCode, message: str, draining: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.draining = draining
+        self.lease_returned = False
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -191,7 +191,7 @@ class StreamRequest(_message.Message):
     def __init__(self, generate: _Optional[_Union[GenerateOnWorkerRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., handover: _Optional[_Union[HandOver, _Mapping]] = ..., lend: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RequestUpdate(_message.Message):
-    __slots__ = ("request_id", "done", "error_code", "error_message", "move", "kv", "ready", "rebalance", "operator")
+    __slots__ = ("request_id", "done", "error_code", "error_message", "move", "kv", "ready", "rebalance", "operator", "lease_returned", "draining")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +201,8 @@ class RequestUpdate(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     REBALANCE_FIELD_NUMBER: _ClassVar[int]
     OPERATOR_FIELD_NUMBER: _ClassVar[int]
+    LEASE_RETURNED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     done: bool
     error_code: int
@@ -210,7 +212,9 @@ class RequestUpdate(_message.Message):
     ready: bool
     rebalance: bool
     operator: bool
-    def __init__(self, request_id: _Optional[str] = ..., done: _Optional[bool] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., move: _Optional[bool] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., ready: _Optional[bool] = ..., rebalance: _Optional[bool] = ..., operator: _Optional[bool] = ...) -> None: ...
+    lease_returned: bool
+    draining: bool
+    def __init__(self, request_id: _Optional[str] = ..., done: _Optional[bool] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., move: _Optional[bool] = ..., kv: _Optional[_Union[KVLocation, _Mapping]] = ..., ready: _Optional[bool] = ..., rebalance: _Optional[bool] = ..., operator: _Optional[bool] = ..., lease_returned: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class TokenColumns(_message.Message):
     __slots__ = ("request_id", "sample_index", "num_tokens", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "with_logprobs", "logprobs")

@@ -135,11 +135,12 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tiny_models, tmp_path)
             p.name
 
 
-def test_a_draining_decode_worker_releases_the_lease_of_a_request_it_refuses(tiny_models,
-                                                                            tmp_path):
+def test_a_draining_decode_worker_hands_back_the_lease_of_a_request_it_refuses(tiny_models,
+                                                                              tmp_path):
     """A decode request that reaches a draining decode worker on a Stream call opened before
-    is refused (UNAVAILABLE), and its prefill lease is released at once, not at its expiry:
-    the router had handed the lease over. The request in flight runs to its end. The
+    is refused (UNAVAILABLE, saying it drains), and its prefill lease handed back unclaimed and
+    unreleased (RequestUpdate.lease_returned): still valid at the prefill worker, for the router
+    to send on to another decode worker or release. The request in flight runs to its end. The
     worker says it drains (StreamResponse.closing) and keeps the call open, even with nothing
     left running on it, until the router closes its side: a request sent meanwhile is read,
     never lost with a call the worker ended (gRPC's client then reported INTERNAL)."""
@@ -198,9 +199,14 @@ def test_a_draining_decode_worker_releases_the_lease_of_a_request_it_refuses(tin
             await read_until(lambda: "late" in ends)
             assert ends["late"].error_code == grpc.StatusCode.UNAVAILABLE.value[0]
             assert "shutting down" in ends["late"].error_message
+            assert ends["late"].draining and ends["late"].lease_returned
             outbox.put_nowait(None)  # closed on this side: the call ends
             assert await call.read() is grpc.aio.EOF
             assert await call.code() == grpc.StatusCode.OK
+            assert (await c.load(p)).num_leases == 1  # neither claimed nor released
+            released = await worker_pb2_grpc.WorkerStub(pch).Release(worker_pb2.ReleaseRequest(
+                lease_id=late.decode.kv.lease_id, if_unclaimed=True))
+            assert released.released
             await c.wait_idle(timeout=60, procs=[p])  # released: it expires after 600 s
             watch.cancel()
 

@@ -15,7 +15,7 @@ from opentelemetry import trace
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router_svc.decode_legs import DecodeLegs, RouterError
 from tandem.router_svc.routing import RouteRequest
-from tandem.router_svc.worker_stream import SampleUpdate, StreamBroken, Update
+from tandem.router_svc.worker_stream import Refused, SampleUpdate, StreamBroken, Update
 from tandem.router_svc.workers import FaultMetrics, Worker, WorkerSet, unless_lost
 from tandem.runtime.convert import params_to_proto
 from tandem.v1 import worker_pb2
@@ -218,6 +218,47 @@ def test_no_decode_worker_left_fails_before_prefilling_again():
     _, error = asyncio.run(_run(orch, 1))
     assert error.code == grpc.StatusCode.UNAVAILABLE and "no healthy decode" in error.message
     assert orch.prefills == 1
+
+
+class HandsBack(FakeStream):
+    """A decode worker that refuses its first request before claiming the lease, and hands the
+    lease back (RequestUpdate.lease_returned): as it begins to drain (`draining`), or for a
+    reason of its own (FAILED_PRECONDITION)."""
+
+    def __init__(self, draining: bool) -> None:
+        super().__init__(2, fail=False)
+        self.draining = draining
+
+    async def request(self, msg, md=None, timeout=None, on_sent=None):
+        self.sent.append(msg.decode)
+        if on_sent is not None:
+            on_sent()
+        code = (grpc.StatusCode.UNAVAILABLE if self.draining
+                else grpc.StatusCode.FAILED_PRECONDITION)
+        raise Refused(code, "refused", draining=self.draining, lease_returned=True)
+        yield  # an async generator, as a stream's request is
+
+
+@pytest.mark.parametrize("draining", [True, False])
+def test_a_lease_handed_back_with_a_refusal_goes_to_the_next_decode_worker(draining):
+    """A decode worker that turns a request away before claiming its lease hands the lease
+    back: the next decode worker gets the same lease (no second prefill, nothing released).
+    Refused as it begins to drain: the worker is heard draining (no new request) and the
+    refusal is no failure (no retry counted)."""
+    orch = FakeOrchestrator([HandsBack(draining), FakeStream(3, fail=False)], max_migrations=1)
+    params = SamplingParams(max_tokens=100)
+    legs = DecodeLegs(orch, "r", RouteRequest([1, 2, 3]), params, params_to_proto(params),
+                      None, None)
+
+    async def main() -> list[int]:
+        return [t async for u in legs.run() for s in u.samples for t in s.token_ids]
+
+    assert len(asyncio.run(main())) == 1 + 3
+    d0, d1 = orch.decode
+    assert [r.kv.lease_id for r in d0.stream.sent + d1.stream.sent] == ["lease1", "lease1"]
+    assert orch.prefills == 1 and orch.released == []
+    assert legs.retries == (0 if draining else 1)
+    assert d0.leaving == draining and d0.healthy
 
 
 class FakeProbe:
