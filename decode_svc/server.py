@@ -165,14 +165,18 @@ class DecodeServicer(WorkerServicer):
             req = getattr(msg, kind)
             rid = req.request_id
             # The router handed a decode request's lease over: from here this worker releases
-            # it, unless it refuses the request now (a token it already holds excepted).
+            # it, even when it refuses the request (a token it already holds excepted), unless
+            # it refuses because it drains: then the lease, never claimed, is the router's again
+            # for another decode worker (RequestUpdate.lease_returned).
             lease = self._hold(req.kv) if kind == "decode" and req.HasField("kv") else None
             try:
                 self._admit(kind, rid, tasks)
             except WorkerError as e:
-                if lease is not None:  # never claimed: the router's again, for another worker
-                    del self._held[lease.lease_id]  # (RequestUpdate.lease_returned)
+                if lease is not None and e.draining:
+                    del self._held[lease.lease_id]
                     e.lease_returned = True
+                elif lease is not None:
+                    self._end(lease)
                 if kind == "decode":  # a prefix lent for it goes back
                     self.pools.let_go(req.prefix_kv)
                 raise
