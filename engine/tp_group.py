@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.engine.config import EngineConfig, ModelConfig
+from tandem.engine.heap import freeze_startup_heap
 from tandem.engine.host_kv_tier import HostKVTier
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.parallel import (
@@ -344,6 +345,7 @@ def main() -> None:
     elif spec.config.device.startswith("cuda") and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     server = RankServer(spec)
+    freeze_startup_heap()  # a collection's pause on one rank would stall every rank's step
     try:
         server.serve()
     finally:

@@ -13,6 +13,7 @@ from pathlib import Path
 import structlog
 
 from tandem.engine.config import ModelConfig
+from tandem.engine.heap import freeze_startup_heap
 from tandem.engine.model_source import resolve_model, served_name
 from tandem.engine.tokenizer import Tokenizer, has_tokenizer
 from tandem.errors import InvalidArgument
@@ -392,6 +393,7 @@ async def serve(args: argparse.Namespace, stop_event: asyncio.Event | None = Non
     def ready() -> None:
         log.info("router: gRPC on %s:%d, HTTP on %s, %d workers", args.host, grpc_port,
                  f"{args.host}:{http_port}" if http else "off", len(workers.workers))
+        freeze_startup_heap()
         if args.ready_file:
             tmp = f"{args.ready_file}.tmp"
             with open(tmp, "w") as f:

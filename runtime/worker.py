@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from tandem.engine.heap import freeze_startup_heap
 from tandem.engine.serving.async_engine import AsyncEngine, EngineDead, RequestAborted
 from tandem.engine.serving.core_messages import CoreSpec, LeaseDone
 from tandem.errors import InvalidArgument, LayoutMismatch, ModelLoadError, Overloaded
@@ -410,6 +411,7 @@ class RoleFront:
         await self.health.set(True)
         log.info("%s serving on %s (pid %d, engine core pid %d)", self.servicer.worker_id,
                  self.address, os.getpid(), engine.info.pid)
+        freeze_startup_heap()
         if args.ready_file:
             tmp = f"{args.ready_file}.tmp"
             with open(tmp, "w") as f:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from benchmarks.lib.common import progress_bar
 from benchmarks.lib.workloads import Request
+from tandem.engine.heap import freeze_startup_heap
 
 
 # -- one request's record ------------------------------------------------------------------------
@@ -173,6 +174,7 @@ def _shard_process(opts: LoadOptions, shard, conn, go, start_value) -> None:
             conn.send(("progress", 8))
 
     async def main():
+        freeze_startup_heap()  # a collection's pause here would read as the server's latency
         conn.send(("ready", None))
         await asyncio.to_thread(go.wait)
         c0 = time.process_time()
@@ -191,6 +193,7 @@ def send_all(opts: LoadOptions, requests: list[Request], offsets: list[float],
     indexed = [(i, r, off) for i, (r, off) in enumerate(zip(requests, offsets))]
     bar = progress_bar(len(requests), label, opts.progress)
     if opts.client_procs <= 1:
+        freeze_startup_heap()  # a collection's pause here would read as the server's latency
         c0 = time.process_time()
         results = asyncio.run(run_shard(opts, indexed, time.monotonic() + 0.05,
                                         lambda: bar.update(1)))

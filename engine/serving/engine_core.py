@@ -39,6 +39,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from tandem.engine.heap import freeze_startup_heap
 from tandem.engine.serving.core_messages import (
     Abort,
     Aborted,
@@ -374,6 +375,7 @@ def run_core(spec: CoreSpec, commands: Connection, events: Connection) -> None:
         events.send(Failed(portable(e)))
         return
     try:
+        freeze_startup_heap()
         events.send(Ready(core.info()))
         core.serve(commands)
     except (BrokenPipeError, EOFError):
