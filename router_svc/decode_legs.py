@@ -607,7 +607,7 @@ class DecodeLegs:
             if e.draining:  # it began to drain as the request went out: planned, as a drain's
                 d.heard_draining()  # move, not a failure, not counted as one
                 log.info("decode worker %s drains: %s goes to another", d.address, self.rid)
-                self._event("decode_retried", d, e, 0)
+                self._event("decode_retried", d, e, sum(len(out) for out in self.outputs))
                 return
         if isinstance(e, StreamBroken):
             self.orch.workers.mark_down(d)
