@@ -105,7 +105,9 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tiny_models, tmp_path)
                 await httpx.AsyncClient(timeout=5).post(f"{http_url}/v1/completions",
                                                         json={"prompt": [1, 2, 3],
                                                               "max_tokens": 2})
-            assert all(p.popen.poll() is None for p in c.procs.values())
+            # The router holds the streams until its clients have read them: it still runs
+            # (the workers may have exited, as above; they exit 0, checked below).
+            assert c.procs["router"].popen.poll() is None
 
             # Every in-flight stream runs to its last token.
             reasons = [await read_all(call, got) for call, got in zip(calls, tokens)]
