@@ -6,7 +6,7 @@
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, fp8_fusion, defaults, structured,
 # pulls, profile, offline, layouts, compare, spec, spec_batch, multiturn_tier, migration_stall,
-# changing_mix, rolling, router_procs, spec_latency, pack, pd_pace, decode_tiles.
+# changing_mix, rolling, router_procs, spec_latency, pack, pd_pace, decode_tiles, tile_sweep, fp8kv_tiles.
 # Several groups of stages at once, each on its own GPUs: gpu_parallel.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -39,6 +39,17 @@ for stage in "$@"; do
     kernels) run kernels python3 benchmarks/kernels/paged_kernels.py --out "$OUT/kernels.json" ;;
     kv_dtype)  # FP8 KV against bf16 KV in the decode kernel, FP8 tile configs swept
       run decode_kv_dtype python3 benchmarks/kernels/decode_kv_dtype.py --out "$OUT/decode_kv_dtype.json" ;;
+    tile_sweep)  # unsplit decode attention over tile configurations, registers capped or not,
+      # bf16 and FP8 KV
+      run tile_sweep python3 benchmarks/kernels/decode_tiles.py --out "$OUT/tile_sweep.json" ;;
+    fp8kv_tiles)  # 8B decode steps with an FP8 KV cache, BASE's tree and this one in turn
+      for tree in "${BASE:?set BASE}" "$PWD" "$BASE" "$PWD"; do
+        tag=$([ "$tree" = "$PWD" ] && echo head || echo base)
+        (cd "$tree" && PYTHONPATH=/tmp/site:$tree run "fp8kv_tiles_$tag" python3 \
+          benchmarks/engine/decode_step.py --model $B8 --batch ${TILE_BATCHES:-64 96 192 256 512} \
+          --context ${TILE_CONTEXT:-1024} --kv-cache-dtype fp8)
+        grep -E "^ +[0-9]+ +graphs" "$OUT/fp8kv_tiles_$tag.txt" | sed "s/^/$tag: /" >> "$OUT/fp8kv_tiles_table.txt"
+      done ;;
     fp8kv_steps)  # FP8 KV against bf16 KV in whole decode steps (8B config, CUDA graphs)
       run fp8kv_steps python3 benchmarks/engine/decode_step.py --model benchmarks/configs/llama-3.1-8b \
         --batch 1 16 64 256 512 --context 1024 --variants bf16 fp8-kv --out "$OUT/fp8kv_steps.json" ;;

@@ -53,6 +53,7 @@ from tandem.kernels.paged_decode_launch import (
     DEFAULT_SPLIT_POLICY,
     MAX_SPLITS,
     UNSPLIT_CANDIDATES,
+    UNSPLIT_CANDIDATES_FP8,
     DecodeConfig,
     SplitPolicy,
     check_decode_args,
@@ -372,8 +373,11 @@ def _tiles(cfg: DecodeConfig, q: torch.Tensor, fp8: bool) -> dict:
     """A launch's tile arguments from its config."""
     # fp32 queries (CPU runs) keep fp32 dot products: fp16 would round them.
     dot_f16 = bool(cfg.fp8_dot_f16 and fp8 and q.dtype != torch.float32)
-    return dict(BLOCK_N=cfg.block_n, DOT_F16=dot_f16, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+    tiles = dict(BLOCK_N=cfg.block_n, DOT_F16=dot_f16, num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages)
+    if cfg.max_registers is not None and q.device.type == "cuda":
+        tiles["maxnreg"] = cfg.max_registers
+    return tiles
 
 
 # (device, dtypes, constants) -> programs each of UNSPLIT_CANDIDATES holds on the whole card
@@ -381,12 +385,14 @@ _UNSPLIT_SLOTS: dict[tuple, tuple[int, ...]] = {}
 
 
 def _unsplit_config(args: tuple, consts: dict, programs: int, fp8: bool) -> DecodeConfig:
-    """An unsplit launch's tiles: on a GPU, with a bf16/fp16 cache of head_dim <= 128, the one
-    of UNSPLIT_CANDIDATES that fills the grid's last wave best (paged_decode_launch.py), from
-    what the compiled candidates hold on an SM (compiled once per device and constants)."""
+    """An unsplit launch's tiles: on a GPU, with head_dim <= 128, the one of its cache's
+    candidates (UNSPLIT_CANDIDATES, UNSPLIT_CANDIDATES_FP8) that fills the grid's last wave
+    best (paged_decode_launch.py), from what the compiled candidates hold on an SM (compiled
+    once per device and constants)."""
     q, k_cache = args[0], args[1]
-    if q.device.type != "cuda" or fp8 or consts["HEAD_DIM"] > 128:
+    if q.device.type != "cuda" or consts["HEAD_DIM"] > 128:
         return decode_config(consts["HEAD_DIM"], fp8=fp8, split=False)
+    candidates = UNSPLIT_CANDIDATES_FP8 if fp8 else UNSPLIT_CANDIDATES
     key = (q.device, q.dtype, k_cache.dtype, *sorted(consts.items()))
     slots = _UNSPLIT_SLOTS.get(key)
     if slots is None:
@@ -395,8 +401,8 @@ def _unsplit_config(args: tuple, consts: dict, programs: int, fp8: bool) -> Deco
             slots = _UNSPLIT_SLOTS[key] = tuple(
                 sms * resident_programs(_paged_decode_kernel.warmup(
                     *args, grid=(1, 1), **consts, **_tiles(c, q, fp8)), q.device)
-                for c in UNSPLIT_CANDIDATES)
-    return UNSPLIT_CANDIDATES[fullest_last_wave(programs, slots)]
+                for c in candidates)
+    return candidates[fullest_last_wave(programs, slots)]
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

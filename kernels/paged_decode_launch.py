@@ -32,6 +32,9 @@ class DecodeConfig(NamedTuple):
     # FP8 caches only: dot products in fp16 (e4m3 -> fp16 is exact and one conversion; q, a
     # bf16 row of moderate range, rounds to fp16) instead of converting tiles to q's dtype.
     fp8_dot_f16: bool = False
+    # Registers a thread may use (ptxas's maxnreg; None: as many as it wants). Registers bound
+    # how many programs an SM holds, and so how many tiles are in flight to hide memory latency.
+    max_registers: int | None = None
 
 
 def decode_config(head_dim: int, *, fp8: bool = False, split: bool = True) -> DecodeConfig:
@@ -39,30 +42,40 @@ def decode_config(head_dim: int, *, fp8: bool = False, split: bool = True) -> De
 
     An FP8 cache (fp8) reads its tiles as fp16, and an unsplit launch (split False: enough
     (sequence, KV head) programs to fill the card) takes 128-token tiles, as many bytes as a
-    64-token bf16 tile. Measured against bf16 KV with its own config (Llama-3.1-8B shapes,
-    batch 1-512 x context 1k/4k, NVIDIA H200: benchmarks/kernels/decode_kv_dtype.py): 0.82-0.95x
-    the time at every shape, where converting to bf16 in 64-token tiles took 0.92-1.28x.
-    An unsplit launch of a bf16/fp16 cache on a GPU picks among UNSPLIT_CANDIDATES (the
-    first is this one's) by its grid (paged_decode_attention's launcher), except a mixed-step
-    graph's, whose grid is mostly rows without context: it passes this config
+    64-token bf16 tile, with registers capped at 160 a thread (below). Measured against bf16 KV
+    with its own config (Llama-3.1-8B shapes, batch 1-512 x context 1k/4k, NVIDIA H200:
+    benchmarks/kernels/decode_kv_dtype.py): 0.82-0.95x the time at every shape uncapped, where
+    converting to bf16 in 64-token tiles took 0.92-1.28x.
+    An unsplit launch on a GPU with head_dim <= 128 picks among its cache's UNSPLIT_CANDIDATES
+    (the first is this one's) by its grid (paged_decode_attention's launcher), except a
+    mixed-step graph's, whose grid is mostly rows without context: it passes this config
     (engine/attention/triton_backend.py)."""
     if head_dim <= 128:
-        return DecodeConfig(128 if fp8 and not split else 64, 4, 3, fp8)
+        if fp8 and not split:
+            return UNSPLIT_CANDIDATES_FP8[0]
+        return DecodeConfig(64, 4, 3, fp8)
     return DecodeConfig(32, 4, 3, fp8)
 
 
-# An unsplit launch (one program per (sequence, KV head), a bf16/fp16 cache, head_dim <= 128)
-# takes one of these, by how full each leaves the grid's last wave: a grid just past a whole
-# number of waves runs its last wave nearly empty, with too few programs on each SM to keep its
-# share of the memory bandwidth. Registers bound how many programs an SM holds (the tiles load
-# to registers, not shared memory), and they differ between these: on an H200 with Triton 3.6,
-# 4, 5 and 8 programs an SM. Measured there over the decode graphs' batches of 40-512 sequences
-# (8 KV heads, contexts 256-1,024: benchmarks/kernels/paged_kernels.py --tiles), the pick took
-# 0.92, 0.95 and 0.98 of the first candidate's time for batches of 40-128, 136-256 and 264-512
-# (the fastest at each batch: 0.92, 0.95, 0.97), 0.79-0.85 at 72-96 sequences, and was never
-# slower beyond the timing's noise (1%). An FP8 cache keeps its one configuration: its 128-token
-# fp16 tiles were within 1-2% of the fastest of six configurations at every batch there.
+# An unsplit launch (one program per (sequence, KV head), head_dim <= 128) takes one of these,
+# by how full each leaves the grid's last wave: a grid just past a whole number of waves runs
+# its last wave nearly empty, with too few programs on each SM to keep its share of the memory
+# bandwidth. Registers bound how many programs an SM holds (the compiler keeps one K and one V
+# tile in shared memory a program and loads the next only after the current one is used, so
+# a program has little in flight and the SM's share of the bandwidth comes from holding many).
+# bf16/fp16 caches: on an H200 with Triton 3.6 these hold 4, 5 and 8 programs an SM. Measured
+# there over the decode graphs' batches of 40-512 sequences (8 KV heads, contexts 256-1,024:
+# benchmarks/kernels/paged_kernels.py --tiles), the pick took 0.92, 0.95 and 0.98 of the first
+# candidate's time for batches of 40-128, 136-256 and 264-512 (the fastest at each batch: 0.92,
+# 0.95, 0.97), 0.79-0.85 at 72-96 sequences, and was never slower beyond the timing's noise
+# (1%); capping their registers lost (benchmarks/kernels/decode_tiles.py).
 UNSPLIT_CANDIDATES = (DecodeConfig(64, 4, 3), DecodeConfig(64, 4, 2), DecodeConfig(32, 2, 4))
+# FP8 caches: 128-token fp16 tiles with registers capped at 160 and at 128 a thread, 3 and 4
+# programs an SM (uncapped: 193 registers, 2). Same card, batches 40-512 x contexts 256-2,048
+# (benchmarks/kernels/decode_tiles.py): the pick took 0.90 of the uncapped kernel's time summed
+# over the shapes, 0.73-0.92 at each.
+UNSPLIT_CANDIDATES_FP8 = (DecodeConfig(128, 4, 3, True, max_registers=160),
+                          DecodeConfig(128, 4, 3, True, max_registers=128))
 FILL_MARGIN = 0.02
 
 

@@ -26,7 +26,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.kernels.paged_kernels_common import LLAMA_8B, SMOKE, bench, copies_for, fits
+from benchmarks.kernels.paged_kernels_common import (
+    LLAMA_8B,
+    SMOKE,
+    add_sweep_args,
+    bench,
+    copies_for,
+    fits,
+    sweep_device,
+)
 from benchmarks.kernels.paged_kernels_decode import make_decode_inputs
 from benchmarks.lib.timing import rel_err
 from tandem.kernels import paged_decode_attention
@@ -118,17 +126,11 @@ def _key(cfg: DecodeConfig | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256, 512])
-    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: the interpreter)")
-    p.add_argument("--out", type=Path)
+    add_sweep_args(p, [1, 16, 64, 256, 512], [1024, 4096])
     args = p.parse_args(argv)
     if args.smoke:
         args.batches, args.contexts, args.reps = [2], [64], 1
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    device, card = sweep_device()
     rows = [run_shape(b, c, args, device) for c in args.contexts for b in args.batches]
     done = [r for r in rows if "fp8" in r]
     geo = {}

@@ -5,9 +5,11 @@ check, and the copy bandwidth every share is taken of.
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -70,3 +72,21 @@ def copy_bound(device: torch.device, reps: int, smoke: bool) -> dict[str, float]
     nbytes = (16 << 20) if smoke else (1 << 30)
     gbps = copy_bandwidth(device, nbytes, max(3, reps // 4))
     return {"bytes": nbytes, "seconds": 2 * nbytes / gbps / 1e9, "gbps": gbps}
+
+
+# ----------------------------------------------------------------------------- sweeps' flags
+
+def add_sweep_args(p: argparse.ArgumentParser, batches: list[int], contexts: list[int]) -> None:
+    """The flags of a sweep over batch x context (decode_kv_dtype.py, decode_tiles.py)."""
+    p.add_argument("--batches", type=int, nargs="+", default=batches)
+    p.add_argument("--contexts", type=int, nargs="+", default=contexts)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: the interpreter)")
+    p.add_argument("--out", type=Path)
+
+
+def sweep_device() -> tuple[torch.device, str]:
+    """The GPU if there is one (else the CPU) and its name."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device, torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

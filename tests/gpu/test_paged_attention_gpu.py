@@ -88,31 +88,53 @@ def test_decode_single_launch_split(seed, lens, min_split_tiles):
             assert torch.all(out[b] == 0), f"seed={seed}: padding row"
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("batch", [64, 72, 96, 136, 512])
-def test_decode_unsplit_tiles_by_the_last_wave(seed, batch):
-    """An unsplit launch without a config takes the candidate tiles that fill the grid's last
-    wave (the card's own register counts), and matches the reference with each of them."""
+def test_decode_unsplit_tiles_by_the_last_wave(seed, batch, kv_dtype):
+    """An unsplit launch without a config takes the candidate tiles of its cache's dtype that
+    fill the grid's last wave (the card's own register counts), and matches the reference with
+    each of them. The FP8 candidates cap the registers a thread may use: a lower cap holds at
+    least as many programs on the card."""
     import importlib
 
-    from tandem.kernels.paged_decode_launch import UNSPLIT_CANDIDATES, fullest_last_wave
+    from tandem.kernels._common import FP8_DTYPE, quantize_fp8_ref
+    from tandem.kernels.paged_decode_launch import (
+        UNSPLIT_CANDIDATES,
+        UNSPLIT_CANDIDATES_FP8,
+        fullest_last_wave,
+    )
 
     lens = torch.randint(1, 1024, (batch,)).tolist()
     pool, tables, seq_lens = make_pool(lens, 16, 8, 128)
     k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    scales = {}
+    candidates = UNSPLIT_CANDIDATES
+    if kv_dtype == "fp8":
+        k_scale = torch.rand(8, device=DEV) / 64 + 1e-3
+        v_scale = torch.rand(8, device=DEV) / 64 + 1e-3
+        k_cache = quantize_fp8_ref(k_cache, k_scale)
+        v_cache = quantize_fp8_ref(v_cache, v_scale)
+        assert k_cache.dtype == FP8_DTYPE
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        candidates = UNSPLIT_CANDIDATES_FP8
     q = torch.randn(batch, 32, 128, dtype=BF16, device=DEV)
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5,
+                                     **scales)
     out = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5,
-                                 num_splits=1)
+                                 num_splits=1, **scales)
     assert rel_err(out, ref) < TOL, f"seed={seed} batch={batch}"
     launcher = importlib.import_module("tandem.kernels.paged_decode_attention")
-    slots = [v for k, v in launcher._UNSPLIT_SLOTS.items() if k[0] == q.device]
-    assert slots and all(len(s) == len(UNSPLIT_CANDIDATES) and min(s) >= num_sms(DEV)
+    slots = [v for k, v in launcher._UNSPLIT_SLOTS.items()
+             if k[0] == q.device and k[2] == k_cache.dtype]
+    assert slots and all(len(s) == len(candidates) and min(s) >= num_sms(DEV)
                          for s in slots), slots
-    for cfg in UNSPLIT_CANDIDATES:
+    if kv_dtype == "fp8":  # capped at 160, then 128 registers a thread
+        assert all(s[0] <= s[1] for s in slots), slots
+    for cfg in candidates:
         out = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5,
-                                     num_splits=1, config=cfg)
+                                     num_splits=1, config=cfg, **scales)
         assert rel_err(out, ref) < TOL, f"seed={seed} batch={batch} {cfg}"
-    assert 0 <= fullest_last_wave(batch * 8, slots[0]) < len(UNSPLIT_CANDIDATES)
+    assert 0 <= fullest_last_wave(batch * 8, slots[0]) < len(candidates)
 
 
 def test_decode_split_cuda_graph_replays(seed):
