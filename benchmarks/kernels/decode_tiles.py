@@ -7,7 +7,8 @@ programs one SM holds, against the launcher's own pick among its cache's UNSPLIT
     python benchmarks/kernels/decode_tiles.py [--out decode_tiles.json]   # one GPU, ~1 minute
     python benchmarks/kernels/decode_tiles.py --smoke                     # CPU, the interpreter
 
-Llama-3.1-8B attention shapes, 16-token blocks of randomly permuted ids, inputs replicated past
+Llama-3.1-8B attention shapes, 16-token blocks of randomly permuted ids (--ordered-blocks: in
+order, as from a fresh pool), inputs replicated past
 the L2, each call replayed from a CUDA graph (paged_kernels_common). The last lines are a
 table: per dtype, each configuration's time over the launcher pick's, summed over the shapes,
 and at its best and worst shape.
@@ -39,7 +40,7 @@ from benchmarks.kernels.paged_kernels_common import (
 from benchmarks.kernels.paged_kernels_decode import make_decode_inputs
 from benchmarks.lib.timing import rel_err
 from tandem.kernels import paged_decode_attention
-from tandem.kernels._common import resident_programs
+from tandem.kernels._common import FP8_DTYPE, quantize_fp8_ref, resident_programs
 from tandem.kernels.paged_decode_attention import LOG2E, _paged_decode_kernel, _tiles
 from tandem.kernels.paged_decode_launch import (
     UNSPLIT_CANDIDATES,
@@ -87,15 +88,21 @@ def run_shape(dtype: str, batch: int, ctx: int, args: argparse.Namespace,
     el = 1 if fp8 else 2
     kv_layer = 2 * batch * ctx * shape.num_kv_heads * shape.head_dim * el
     copies = copies_for(kv_layer)
-    if not fits(copies * 3 * kv_layer * (2 if fp8 else 1), device):
+    if not fits(copies * 3 * kv_layer * (2 if fp8 else 1) * args.layers, device):
         return {"dtype": dtype, "batch": batch, "context": ctx, "skipped": "memory"}
-    inputs = [make_decode_inputs(batch, ctx, shape, args.block_size, 1, device, False)
+    inputs = [make_decode_inputs(batch, ctx, shape, args.block_size, args.layers, device, False,
+                                 args.ordered_blocks)
               for _ in range(copies)]
     caches = []
     for inp in inputs:
-        if fp8:
-            (k, ks), (v, vs) = to_fp8(inp.k_cache), to_fp8(inp.v_cache)
-            caches.append((k, v, ks, vs))
+        if fp8:  # the whole pool in e4m3, its last layer's views (the engine's layout)
+            ks, vs = to_fp8(inp.k_cache)[1], to_fp8(inp.v_cache)[1]
+            pool = inp.k_cache._base
+            pool8 = torch.empty(pool.shape, dtype=FP8_DTYPE, device=device)
+            pool8[:, :, 0] = quantize_fp8_ref(pool[:, :, 0], ks)
+            pool8[:, :, 1] = quantize_fp8_ref(pool[:, :, 1], vs)
+            caches.append((pool8[:, -1, 0], pool8[:, -1, 1], ks, vs))
+            del pool
         else:
             caches.append((inp.k_cache, inp.v_cache, None, None))
     scale = shape.head_dim ** -0.5
@@ -131,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     add_sweep_args(p, [40, 64, 96, 128, 192, 256, 512], [256, 448, 1024, 2048])
+    p.add_argument("--layers", type=int, default=1,
+                   help="layers in the KV pool (the engine's block-major layout; one is timed)")
+    p.add_argument("--ordered-blocks", action="store_true",
+                   help="each sequence's blocks in order (a fresh pool) instead of at random")
     args = p.parse_args(argv)
     if args.smoke:
         args.batches, args.contexts, args.reps = [2], [32], 1

@@ -38,7 +38,10 @@ class DecodeInputs:
 
 
 def make_decode_inputs(batch: int, ctx: int, shape: Shape, block_size: int, num_layers: int,
-                       device: torch.device, contiguous: bool) -> DecodeInputs:
+                       device: torch.device, contiguous: bool, ordered: bool = False
+                       ) -> DecodeInputs:
+    """ordered: each sequence's blocks in order, one run after another (a fresh pool, as the
+    engine's benchmarks allocate them); else block ids drawn at random (a pool long in use)."""
     nblk = ctx // block_size
     num_blocks = batch * nblk
     pool = torch.empty(num_blocks, num_layers, 2, block_size, shape.num_kv_heads,
@@ -46,7 +49,9 @@ def make_decode_inputs(batch: int, ctx: int, shape: Shape, block_size: int, num_
     pool.normal_()
     layer = num_layers - 1
     k_cache, v_cache = pool[:, layer, 0], pool[:, layer, 1]
-    tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, nblk)
+    order = (torch.arange(num_blocks, device=device) if ordered
+             else torch.randperm(num_blocks, device=device))
+    tables = order.to(torch.int32).view(batch, nblk)
     k_contig = v_contig = None
     if contiguous:
         k_contig = torch.empty(batch, shape.num_kv_heads, ctx, shape.head_dim,
