@@ -73,7 +73,7 @@ UNSPLIT_CANDIDATES = (DecodeConfig(64, 4, 3), DecodeConfig(64, 4, 2), DecodeConf
 # FP8 caches: 128-token fp16 tiles with registers capped at 160 and at 128 a thread, 3 and 4
 # programs an SM (uncapped: 193 registers, 2). Same card, batches 40-512 x contexts 256-2,048
 # (benchmarks/kernels/decode_tiles.py): the pick took 0.90 of the uncapped kernel's time summed
-# over the shapes, 0.73-0.92 at each.
+# over the shapes, 0.73-0.95 at each.
 UNSPLIT_CANDIDATES_FP8 = (DecodeConfig(128, 4, 3, True, max_registers=160),
                           DecodeConfig(128, 4, 3, True, max_registers=128))
 FILL_MARGIN = 0.02
