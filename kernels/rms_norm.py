@@ -18,13 +18,12 @@ from tandem.kernels._common import check, check_last_dim_contiguous, check_same_
 
 
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    hidden, eps,
-    stride_x, stride_res, stride_out, stride_res_out,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
+def normed_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, hidden, eps,
+               stride_x, stride_res, stride_res_out,
+               HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's RMSNorm output, weight * normed in fp32 before its rounding to the output dtype
+    (masked lanes are 0), after the residual add, whose sum it stores. Returns (y, offs, mask).
+    Shared by this kernel and rms_norm_quant_fp8's."""
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
@@ -36,8 +35,20 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (normed * w).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    return normed * w, offs, mask
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    hidden, eps,
+    stride_x, stride_res, stride_out, stride_res_out,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    y, offs, mask = normed_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, hidden, eps,
+                               stride_x, stride_res, stride_res_out, HAS_RESIDUAL, BLOCK)
+    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 class RMSNormResidual(NamedTuple):

@@ -2,8 +2,8 @@
 for a norm whose output only feeds an FP8 matmul (torch._scaled_mm): the normed row never goes
 to memory in bf16.
 
-One program per row; the whole row is one tile, as in rms_norm.py, whose arithmetic this
-repeats step for step so that the result is the unfused pair's (rms_norm then quant_fp8):
+One program per row; the whole row is one tile, as in rms_norm.py, whose row arithmetic it
+shares (`normed_row`), so that the result is the unfused pair's (rms_norm then quant_fp8):
 
     h   = x + residual                        (in the input dtype: the new residual, stored)
     y   = weight * (h * rsqrt(mean(h^2) + eps)).to(dtype), rounded to dtype (the norm's output)
@@ -29,7 +29,7 @@ from tandem.kernels._common import (
     device_guard,
 )
 from tandem.kernels.fp8_quant import check_static_scale, fp8_row_scale, quant_fp8_ref, to_fp8
-from tandem.kernels.rms_norm import RMSNormResidual, rms_norm_ref
+from tandem.kernels.rms_norm import RMSNormResidual, normed_row, rms_norm_ref
 
 
 @triton.jit
@@ -40,19 +40,10 @@ def _rms_norm_quant_fp8_kernel(
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < hidden
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_res_out + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y, offs, mask = normed_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, hidden, eps,
+                               stride_x, stride_res, stride_res_out, HAS_RESIDUAL, BLOCK)
     # The norm's output as the unfused kernel would store it (masked lanes are 0).
-    y = (normed * w).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     if static_ptr is not None:
         s = tl.load(static_ptr)
     else:
