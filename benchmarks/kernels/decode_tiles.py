@@ -97,12 +97,10 @@ def run_shape(dtype: str, batch: int, ctx: int, args: argparse.Namespace,
     for inp in inputs:
         if fp8:  # the whole pool in e4m3, its last layer's views (the engine's layout)
             ks, vs = to_fp8(inp.k_cache)[1], to_fp8(inp.v_cache)[1]
-            pool = inp.k_cache._base
-            pool8 = torch.empty(pool.shape, dtype=FP8_DTYPE, device=device)
-            pool8[:, :, 0] = quantize_fp8_ref(pool[:, :, 0], ks)
-            pool8[:, :, 1] = quantize_fp8_ref(pool[:, :, 1], vs)
+            pool8 = torch.empty(inp.pool.shape, dtype=FP8_DTYPE, device=device)
+            pool8[:, :, 0] = quantize_fp8_ref(inp.pool[:, :, 0], ks)
+            pool8[:, :, 1] = quantize_fp8_ref(inp.pool[:, :, 1], vs)
             caches.append((pool8[:, -1, 0], pool8[:, -1, 1], ks, vs))
-            del pool
         else:
             caches.append((inp.k_cache, inp.v_cache, None, None))
     scale = shape.head_dim ** -0.5

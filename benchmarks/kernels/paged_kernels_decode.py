@@ -35,6 +35,7 @@ class DecodeInputs:
     out: torch.Tensor
     k_contig: torch.Tensor | None  # [B, Hkv, S, D] for SDPA
     v_contig: torch.Tensor | None
+    pool: torch.Tensor  # [blocks, layers, 2, block_size, Hkv, D]; k/v_cache: its last layer
 
 
 def make_decode_inputs(batch: int, ctx: int, shape: Shape, block_size: int, num_layers: int,
@@ -64,7 +65,7 @@ def make_decode_inputs(batch: int, ctx: int, shape: Shape, block_size: int, num_
     q = torch.randn(batch, shape.num_q_heads, shape.head_dim, dtype=shape.dtype, device=device)
     return DecodeInputs(q, k_cache, v_cache, tables.contiguous(),
                         torch.full((batch,), ctx, dtype=torch.int32, device=device),
-                        torch.empty_like(q), k_contig, v_contig)
+                        torch.empty_like(q), k_contig, v_contig, pool)
 
 
 def sdpa_decode_fns(inp: DecodeInputs, shape: Shape, device: torch.device

@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+
+
 def kind_of(command: str) -> str:
     """Which process a command line is: `tandem router` / `tandem worker` by the subcommand's
     word (a router's --workers flag names workers too)."""
