@@ -43,7 +43,7 @@ def make_decode_inputs(batch: int, ctx: int, shape: Shape, block_size: int, num_
                        ) -> DecodeInputs:
     """ordered: each sequence's blocks in order, one run after another (a fresh pool, as the
     engine's benchmarks allocate them); else block ids drawn at random (a pool long in use)."""
-    nblk = ctx // block_size
+    nblk = -(-ctx // block_size)  # a context past a whole block takes one more
     num_blocks = batch * nblk
     pool = torch.empty(num_blocks, num_layers, 2, block_size, shape.num_kv_heads,
                        shape.head_dim, dtype=shape.dtype, device=device)
@@ -60,8 +60,8 @@ def make_decode_inputs(batch: int, ctx: int, shape: Shape, block_size: int, num_
         v_contig = torch.empty_like(k_contig)
         for b in range(batch):  # one sequence at a time keeps the temporaries small
             ids = tables[b].long()
-            k_contig[b] = k_cache[ids].reshape(ctx, shape.num_kv_heads, -1).transpose(0, 1)
-            v_contig[b] = v_cache[ids].reshape(ctx, shape.num_kv_heads, -1).transpose(0, 1)
+            k_contig[b] = k_cache[ids].flatten(0, 1)[:ctx].transpose(0, 1)
+            v_contig[b] = v_cache[ids].flatten(0, 1)[:ctx].transpose(0, 1)
     q = torch.randn(batch, shape.num_q_heads, shape.head_dim, dtype=shape.dtype, device=device)
     return DecodeInputs(q, k_cache, v_cache, tables.contiguous(),
                         torch.full((batch,), ctx, dtype=torch.int32, device=device),
