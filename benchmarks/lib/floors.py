@@ -13,6 +13,12 @@
                      reported beside it: the difference is time spent waiting for admission.
 
 The run's floor is the largest of the three; `share` is floor / measured duration.
+
+The matmul rate is the best of single products, at the card's full clocks: a floor no run can
+beat. Run back to back, the same product holds the card at its power limit and its clocks
+fall (an H200: 784 TFLOP/s in single products, ~660 held, its SMs at ~1,455 MHz against
+1,980); the run's FLOPs at that held rate (`compute_sustained_s`) are reported beside the
+floor, as what a run whose steps are all matmuls would take: where a busy run's time goes.
 """
 
 from __future__ import annotations
@@ -20,13 +26,17 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
+# Seconds of back-to-back products before the held rate is read (over the last of them).
+SUSTAIN_S = 3.0
+
 
 @dataclass
 class Card:
-    matmul_tflops: float  # bf16, 8192^3, measured
+    matmul_tflops: float  # bf16, 8192^3, the best of single products
     # Memory bandwidth from a device-to-device copy: bytes read + written per second / 1e9.
     # A stream that only reads (weights, KV) moves its bytes at this same rate.
     copy_gbps: float
+    matmul_sustained_tflops: float | None = None  # the same product back to back, held
 
 
 def measure_card(device: str) -> Card:
@@ -52,7 +62,25 @@ def measure_card(device: str) -> Card:
 
     mm = best(lambda: a @ b)
     cp = best(lambda: dst.copy_(src))
-    return Card(matmul_tflops=2 * n**3 / mm / 1e12, copy_gbps=2 * (1 << 30) / cp / 1e9)
+
+    def held() -> float:
+        """Products back to back for SUSTAIN_S seconds; the FLOP/s of the last second."""
+        def burst() -> None:
+            for _ in range(20):
+                a @ b
+            torch.cuda.synchronize(device)
+
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < SUSTAIN_S - 1.0:  # the clocks settle
+            burst()
+        t1, done = time.perf_counter(), 0
+        while time.perf_counter() - t1 < 1.0:
+            burst()
+            done += 20
+        return 2 * n**3 * done / (time.perf_counter() - t1)
+
+    return Card(matmul_tflops=2 * n**3 / mm / 1e12, copy_gbps=2 * (1 << 30) / cp / 1e9,
+                matmul_sustained_tflops=held() / 1e12)
 
 
 @dataclass
@@ -100,9 +128,11 @@ def floors(card: Card, model: Model, prompt_lens: list[int], output_lens: list[i
     slowest = max(range(len(critical)), key=critical.__getitem__)
     critical_s = critical[slowest]
     floor = max(compute_s, bandwidth_s, critical_s)
+    held = card.matmul_sustained_tflops
     return {
         "card": asdict(card), "tflop": flops / 1e12,
         "compute_floor_s": compute_s, "bandwidth_floor_s": bandwidth_s,
+        "compute_sustained_s": flops / (held * 1e12) if held else None,
         "critical_path_s": critical_s,
         "critical_request": {"index": slowest, "output_tokens": output_lens[slowest],
                              "earliest_first_token_s": critical_s - (output_lens[slowest] - 1)

@@ -239,6 +239,11 @@ def print_offline(r: dict, header: str) -> None:
               f"{f['critical_request']['output_tokens']} tokens at "
               f"{f['batch1_step_floor_ms']:.2f} ms); bound by {f['bound_by']}: this run is "
               f"{f['share_of_floor']:.0%} of its floor")
+        if f.get("compute_sustained_s"):
+            print(f"    its FLOPs at the matmul rate the card holds back to back "
+                  f"({c['matmul_sustained_tflops']:.0f} TFLOP/s, at its power limit): "
+                  f"{f['compute_sustained_s']:.2f} s, {f['compute_sustained_s'] / r['duration_s']:.0%}"
+                  f" of this run")
     kv, st = r["kv"], r["kv"]["static"]
     print(f"KV: peak {kv['peak_running_seqs']} sequences running (max_num_seqs "
           f"{kv['max_num_seqs']}); slots allocated but unfilled {fmt(kv['paged_waste'], '.1%')} "

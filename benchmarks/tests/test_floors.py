@@ -31,3 +31,16 @@ def test_floors_worked_by_hand():
     assert f["critical_request"]["measured_first_token_s"] == 0.1
     assert f["bound_by"] == "bandwidth"  # 40 ms of weights beats 30 ms of steps
     assert f["share_of_floor"] == pytest.approx(f["bandwidth_floor_s"] / 1.0)
+    assert f["compute_sustained_s"] is None  # no held rate measured
+
+
+def test_the_held_matmul_rate_times_the_same_flops_and_leaves_the_floor():
+    model = Model(matmul_params=1_000_000, weight_bytes=10_000_000, layers=2, q_dim=4,
+                  kv_bytes_per_token=100)
+    burst = floors(Card(matmul_tflops=1.0, copy_gbps=1.0), model, [3, 1], [2, 4],
+                   ttft_s=[0.5, 0.1], duration_s=1.0)
+    held = floors(Card(matmul_tflops=1.0, copy_gbps=1.0, matmul_sustained_tflops=0.8), model,
+                  [3, 1], [2, 4], ttft_s=[0.5, 0.1], duration_s=1.0)
+    assert held["compute_sustained_s"] == pytest.approx(burst["compute_floor_s"] / 0.8)
+    for key in ("compute_floor_s", "bandwidth_floor_s", "critical_path_s", "floor_s"):
+        assert held[key] == burst[key]  # the floor stays what no run can beat
