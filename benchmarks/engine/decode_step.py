@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.lib.decode_batch import decode_batch, step_times
+from benchmarks.lib.floors import describe_model
 from benchmarks.lib.timing import copy_bandwidth
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
@@ -117,9 +118,9 @@ def main() -> None:
         kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization), progress=False)
     cfg = engine.model_config
     runner = engine.runner
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv_token_bytes = (cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
                       * runner.kv_dtype.itemsize)
+    weight_bytes = describe_model(runner.model, kv_token_bytes).weight_bytes  # what a step reads
     pool = {"pool_tokens": runner.num_blocks * runner.block_size,
             "pool_gib": runner.num_blocks * runner.block_bytes / 2**30,
             "kv_dtype": str(runner.kv_dtype).removeprefix("torch."),
@@ -134,7 +135,7 @@ def main() -> None:
             rows.append(r)
     card = torch.cuda.get_device_name()
     print(f"{card}; {Path(a.model).name} dummy weights {a.dtype}"
-          f"{', FP8 weights' if a.quantization else ''} ({weight_bytes / 1e9:.2f} GB); KV "
+          f"{', FP8 weights' if a.quantization else ''} (a step reads {weight_bytes / 1e9:.2f} GB); KV "
           f"{pool['kv_dtype']}, pool {pool['pool_tokens']} tokens ({pool['pool_gib']:.1f} GiB); "
           f"context {a.context}; copy bandwidth {bw / 1e9:.0f} GB/s")
     print(f"{'batch':>6}{'mode':>8}{'step ms':>10}{'tok/s':>10}{'floor ms':>10}{'of floor':>10}"

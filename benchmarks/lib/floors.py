@@ -1,10 +1,14 @@
 """What the card allows a run: floors beside a throughput figure, so the figure reads as a share.
 
-    compute floor    the run's FLOPs (matmuls over every prompt and output token, attention
-                     over each token's context) at the card's measured bf16 matmul rate
+    compute floor    the run's FLOPs at the card's measured bf16 matmul rate: the layers'
+                     matmuls over every token that goes through the model (the prompt, and
+                     every output token but the last, which is sampled and never fed back),
+                     the LM head over the rows sampled (a prompt's last, each output token's
+                     predecessor), attention over each token's context
     bandwidth floor  weight bytes once per step, for the fewest steps the run can take (its
                      longest output), plus the KV bytes every decode token reads, at the card's
-                     measured copy bandwidth
+                     measured copy bandwidth (a step reads every weight but an embedding table
+                     of its own, of which it reads its tokens' rows)
     critical path    per request, in arrival order: the prefill FLOPs of every prompt up to
                      and including its own at the matmul rate (its earliest first token with
                      first-come first-served admission), plus its remaining decode steps at the
@@ -86,20 +90,24 @@ def measure_card(device: str) -> Card:
 @dataclass
 class Model:
     matmul_params: int  # parameters in matmuls per token (LM head included, embedding not)
-    weight_bytes: int  # every parameter, as stored
+    weight_bytes: int  # what a step reads: every parameter as stored, an untied embedding aside
     layers: int
     q_dim: int  # heads x head_dim
     kv_bytes_per_token: int  # all layers, K and V
+    lm_head_params: int  # of matmul_params, the LM head's (vocab x hidden): sampled rows only
 
 
 def describe_model(model, kv_bytes_per_token: int) -> Model:
     cfg = model.config
+    table = model.model.embed_tokens.weight
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.model.embed_tokens.weight.numel()
+    if not cfg.tie_word_embeddings:  # a step reads only its tokens' rows of it
+        weight_bytes -= table.numel() * table.element_size()
+    embed = table.numel()
     total = sum(p.numel() for p in model.parameters())
     matmul = total - embed + (embed if cfg.tie_word_embeddings else 0)
     return Model(matmul, weight_bytes, cfg.num_layers, cfg.num_heads * cfg.head_dim,
-                 kv_bytes_per_token)
+                 kv_bytes_per_token, lm_head_params=embed)  # the head has the embedding's shape
 
 
 def floors(card: Card, model: Model, prompt_lens: list[int], output_lens: list[int],
@@ -108,16 +116,19 @@ def floors(card: Card, model: Model, prompt_lens: list[int], output_lens: list[i
     rate = card.matmul_tflops * 1e12
     attn = 4 * model.layers * model.q_dim  # QK^T and PV: 2 FLOPs a multiply-add, per context
 
-    def prefill_flops(p: int) -> int:
-        return 2 * model.matmul_params * p + attn * (p * (p + 1) // 2)
+    body = model.matmul_params - model.lm_head_params
 
-    tokens = sum(prompt_lens) + sum(output_lens)
-    context_sum = sum(p * (p + 1) // 2 + o * p + o * (o - 1) // 2
-                      for p, o in zip(prompt_lens, output_lens))
-    flops = 2 * model.matmul_params * tokens + attn * context_sum
+    def prefill_flops(p: int) -> int:  # the prompt, and the head on its last row
+        return 2 * body * p + 2 * model.lm_head_params + attn * (p * (p + 1) // 2)
+
+    # Through the model: the prompt and every output token but the last; each position i
+    # attends to i + 1 tokens (the prompt's 1..p, the fed outputs' p + 1 .. p + o - 1).
+    fed = sum(prompt_lens) + sum(o - 1 for o in output_lens)
+    decode_context = sum((o - 1) * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens))
+    context_sum = sum(p * (p + 1) // 2 for p in prompt_lens) + decode_context
+    flops = 2 * body * fed + 2 * model.lm_head_params * sum(output_lens) + attn * context_sum
     compute_s = flops / rate
     bw = card.copy_gbps * 1e9  # bytes read per second
-    decode_context = sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens))
     bandwidth_s = (max(output_lens) * model.weight_bytes
                    + decode_context * model.kv_bytes_per_token) / bw
     step_b1 = model.weight_bytes / bw
