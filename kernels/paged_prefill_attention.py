@@ -141,10 +141,10 @@ class PrefillConfig(NamedTuple):
 def prefill_config(head_dim: int, group: int) -> PrefillConfig:
     """Tiles for head_dim <= 128: 64 rows (16 tokens x a group of 4) and 64-token K/V tiles, 4
     warps, 3 stages. Against 128 rows, 8 warps, 2 stages (Llama-3.1-8B shapes, NVIDIA H200,
-    chunks of 64-2,048 tokens over 0-500 cached): 0.81-0.97 of the time at every shape, 0.86
-    summed; chunks of a mixed step's size leave most SMs idle with 128-row programs, and at 2,048
-    tokens the smaller programs still pipeline better (BENCHMARKS "Kernels and the decode
-    step")."""
+    chunks of 64-2,048 tokens over 0-500 cached): 0.78-0.97 of the time at every shape, 0.86
+    summed. A mixed step's chunk of a few hundred tokens gave 128-row programs a grid of a few
+    dozen programs for 132 SMs; a 2,048-token chunk gains too (0.87) (BENCHMARKS "Kernels and
+    the decode step")."""
     if head_dim <= 128:
         cfg = PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
     else:

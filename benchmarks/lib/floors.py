@@ -3,8 +3,8 @@
     compute floor    the run's FLOPs at the card's measured bf16 matmul rate: the layers'
                      matmuls over every token that goes through the model (the prompt, and
                      every output token but the last, which is sampled and never fed back),
-                     the LM head over the rows sampled (a prompt's last, each output token's
-                     predecessor), attention over each token's context
+                     the LM head on the rows that sample (a prompt's last token and every
+                     output token fed back), attention over each token's context
     bandwidth floor  weight bytes once per step, for the fewest steps the run can take (its
                      longest output), plus the KV bytes every decode token reads, at the card's
                      measured copy bandwidth (a step reads every weight but an embedding table
