@@ -48,10 +48,13 @@ async def in_flight_on(cluster: Cluster, addresses: set[str], count: int) -> Non
 def stacks(tiny_models, tmp_path_factory):
     """2P+2D stacks: the affinity test uses one and leaves it idle; the test that kills workers
     takes it after (or a fresh one, run alone). --max-migrations 0: a stream whose decode worker
-    dies fails (test_faults.py has them move), and says why."""
+    dies fails (test_faults.py has them move), and says why. --lease-ttl 3: a decode worker
+    killed after its pull and before its Release reached the prefill worker leaves that lease
+    claimed, freed when it expires (as in test_faults.py), well within wait_idle's bound."""
     def start() -> Cluster:
         return Cluster(tmp_path_factory.mktemp("routing"), str(tiny_models["llama"]),
                        prefill=2, decode=2, worker_args=WORKER_ARGS,
+                       prefill_args=["--lease-ttl", "3"],
                        router_args=["--max-migrations", "0"]).start()
 
     stacks = Handed(start, stop_cleanly)
