@@ -6,6 +6,8 @@ benchmarks/kernels/paged_kernels.py.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,35 +15,63 @@ import torch
 from benchmarks.kernels.paged_kernels_common import Shape, bench, fits
 from benchmarks.lib.timing import rel_err
 from tandem.kernels import copy_blocks, paged_prefill_attention
+from tandem.kernels.paged_prefill_attention import PrefillConfig
 
 # ----------------------------------------------------------------------------- prefill
+
+@dataclass
+class PrefillInputs:
+    """`batch` chunks of `chunk` query tokens, each over `cached` tokens already in its blocks
+    (16-token blocks of randomly permuted ids in a one-layer pool: [blocks, 1, K/V, ...])."""
+
+    chunk: int
+    pool: torch.Tensor
+    tables: torch.Tensor
+    q: torch.Tensor
+    out: torch.Tensor
+    qsl: torch.Tensor
+    lens: torch.Tensor
+    scale: float
+
+    def call(self, config: PrefillConfig | None = None) -> Callable[[], torch.Tensor]:
+        return lambda: paged_prefill_attention(
+            self.q, self.pool[:, 0, 0], self.pool[:, 0, 1], self.qsl, self.lens, self.tables,
+            self.scale, self.chunk, out=self.out, config=config)
+
+
+def prefill_pool_bytes(batch: int, chunk: int, cached: int, shape: Shape, block_size: int) -> int:
+    el = torch.tensor([], dtype=shape.dtype).element_size()
+    nblk = -(-(cached + chunk) // block_size)
+    return batch * nblk * block_size * 2 * shape.num_kv_heads * shape.head_dim * el
+
+
+def make_prefill_inputs(batch: int, chunk: int, cached: int, shape: Shape, block_size: int,
+                        device: torch.device) -> PrefillInputs:
+    seq_len = cached + chunk
+    nblk = -(-seq_len // block_size)
+    pool = torch.randn(batch * nblk, 1, 2, block_size, shape.num_kv_heads, shape.head_dim,
+                       dtype=shape.dtype, device=device)
+    tables = torch.randperm(batch * nblk, device=device).to(torch.int32).view(batch, nblk)
+    q = torch.randn(batch * chunk, shape.num_q_heads, shape.head_dim, dtype=shape.dtype,
+                    device=device)
+    return PrefillInputs(
+        chunk, pool, tables.contiguous(), q, torch.empty_like(q),
+        torch.arange(0, batch + 1, dtype=torch.int32, device=device) * chunk,
+        torch.full((batch,), seq_len, dtype=torch.int32, device=device), shape.head_dim ** -0.5)
+
 
 def bench_prefill(batch: int, chunk: int, cached: int, shape: Shape, args: argparse.Namespace,
                   device: torch.device) -> dict[str, Any]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    bs = args.block_size
-    seq_len = cached + chunk
-    nblk = -(seq_len // -bs)
-    el = torch.tensor([], dtype=shape.dtype).element_size()
-    need = batch * nblk * bs * 2 * shape.num_kv_heads * shape.head_dim * el * 2
     row: dict[str, Any] = {"batch": batch, "chunk": chunk, "cached": cached}
-    if not fits(need, device):
+    if not fits(2 * prefill_pool_bytes(batch, chunk, cached, shape, args.block_size), device):
         row["skipped"] = "memory"
         return row
-    pool = torch.randn(batch * nblk, 1, 2, bs, shape.num_kv_heads, shape.head_dim,
-                       dtype=shape.dtype, device=device)
-    tables = torch.randperm(batch * nblk, device=device).to(torch.int32).view(batch, nblk)
-    q = torch.randn(batch * chunk, shape.num_q_heads, shape.head_dim, dtype=shape.dtype,
-                    device=device)
-    out = torch.empty_like(q)
-    qsl = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * chunk
-    lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
-    scale = shape.head_dim ** -0.5
-    t = bench([lambda: paged_prefill_attention(q, pool[:, 0, 0], pool[:, 0, 1], qsl, lens,
-                                               tables.contiguous(), scale, chunk, out=out)],
-              device, args.reps, min_calls=5)
+    inp = make_prefill_inputs(batch, chunk, cached, shape, args.block_size, device)
+    pool, tables, q, out = inp.pool, inp.tables, inp.q, inp.out
+    t = bench([inp.call()], device, args.reps, min_calls=5)
     visible = batch * (chunk * cached + chunk * (chunk + 1) // 2)
     flops = 4 * shape.num_q_heads * shape.head_dim * visible
     row.update(us=t * 1e6, tflops=flops / t / 1e12)

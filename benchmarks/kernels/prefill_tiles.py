@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.kernels.paged_kernels_cases import make_prefill_inputs
 from benchmarks.kernels.paged_kernels_common import LLAMA_8B, SMOKE, bench, sweep_device
 from benchmarks.lib.timing import rel_err
-from tandem.kernels import paged_prefill_attention
 from tandem.kernels.paged_prefill_attention import PrefillConfig, prefill_config
 
 P = PrefillConfig
@@ -37,28 +37,13 @@ SHAPES = [(1, 144, 0), (1, 144, 300), (1, 256, 0), (2, 128, 200), (1, 64, 500), 
 
 def run_shape(batch: int, chunk: int, cached: int, configs: list[PrefillConfig], shape,
               device: torch.device, reps: int, block_size: int) -> dict:
-    seq_len = cached + chunk
-    nblk = -(-seq_len // block_size)
-    pool = torch.randn(batch * nblk, 2, block_size, shape.num_kv_heads, shape.head_dim,
-                       dtype=shape.dtype, device=device)
-    tables = torch.randperm(batch * nblk, device=device).to(torch.int32).view(batch, nblk)
-    q = torch.randn(batch * chunk, shape.num_q_heads, shape.head_dim, dtype=shape.dtype,
-                    device=device)
-    out = torch.empty_like(q)
-    qsl = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * chunk
-    lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
-    scale = shape.head_dim ** -0.5
-
-    def call(cfg: PrefillConfig):
-        return lambda: paged_prefill_attention(q, pool[:, 0], pool[:, 1], qsl, lens, tables,
-                                               scale, chunk, out=out, config=cfg)
-
-    ref = call(configs[0])().clone()
+    inp = make_prefill_inputs(batch, chunk, cached, shape, block_size, device)
+    ref = inp.call(configs[0])().clone()
     row: dict = {"batch": batch, "chunk": chunk, "cached": cached, "configs": {}}
     for cfg in configs:
         try:
-            err = rel_err(call(cfg)(), ref)
-            t = bench([call(cfg)], device, reps, min_calls=20)
+            err = rel_err(inp.call(cfg)(), ref)
+            t = bench([inp.call(cfg)], device, reps, min_calls=20)
         except Exception as e:  # noqa: BLE001 - out of shared memory, a compile failure: skip
             row["configs"][key(cfg)] = {"error": (str(e).splitlines() or [repr(e)])[0][:160]}
             continue
