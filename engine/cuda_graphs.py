@@ -4,7 +4,12 @@
 A decode step's work is fixed by its batch size, so one graph per size on a ladder
 (1, 2, 4, 8, 16, 24, ... max) replays the whole forward pass, the LM head and the greedy argmax
 with one launch instead of a few hundred. A batch of B runs in the smallest captured size >= B; the padding rows have slot -1
-(nothing stored) and context 0 (nothing read).
+(nothing stored) and context 0 (nothing read), unless a larger graph runs its projections
+clearly faster: the GEMM library's kernels for some row counts are slower than for a few more
+rows (an 8B's four projections on an H200: 10.7 ms over the 32 layers at 400 rows, 9.7 at 408;
+benchmarks/kernels/gemm_rows.py), so once the graphs are captured one layer's projections are
+timed at each size from MIN_TIMED_ROWS (`projection_times`) and a size is sent on to the
+cheapest larger one that beats it by PICK_MARGIN (`cheaper_sizes`).
 
 Inputs live in static buffers that every graph reads:
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -65,6 +71,73 @@ def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
                 gc.enable()
 
 
+# A batch replays a larger graph than its own size only if that one is this much faster: timing
+# noise (a few %) never moves a batch, a GEMM picked badly for its row count (tens of %) does.
+PICK_MARGIN = 0.05
+
+
+def cheaper_sizes(sizes: list[int], times: dict[int, float], margin: float = PICK_MARGIN
+                  ) -> dict[int, int]:
+    """{size: larger size to run instead} for each size whose cheapest larger size (the
+    smallest of equals) takes under (1 - margin) of its own time; sizes ascending."""
+    remap: dict[int, int] = {}
+    best: tuple[float, int] | None = None  # the cheapest size above, with its time
+    for s in reversed(sizes):
+        t = times[s]
+        if best is not None and best[0] < (1 - margin) * t:
+            remap[s] = best[1]
+        if best is None or t <= best[0]:
+            best = (t, s)
+    return remap
+
+
+# Row counts below this are not timed (the projections read their weights at any of them, and
+# a step's time barely moves with its rows) and never sent on.
+MIN_TIMED_ROWS = 64
+
+
+@torch.inference_mode()
+def projection_times(layer: torch.nn.Module, sizes: list[int], dtype: torch.dtype,
+                     device: torch.device, rounds: int = 3) -> dict[int, float]:
+    """Seconds one decoder layer's projections (its modules with a 2-D weight: plain, merged
+    and FP8 linears) take over each row count in `sizes`, captured in a CUDA graph per size
+    as the steps' graphs run them, the median of `rounds` rounds of replays after one to
+    warm up. A graph's size changes
+    these and little else: the attention and the rest of a step scale with the step's real
+    rows. One device only (a tensor-parallel projection all-reduces)."""
+    projs = [m for m in layer.modules()
+             if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
+    x = {k: torch.randn(max(sizes), k, dtype=dtype, device=device)
+         for k in {m.weight.shape[1] for m in projs}}
+
+    def run(rows: int) -> None:
+        for m in projs:
+            m(x[m.weight.shape[1]][:rows])
+
+    graphs, pool = {}, None
+    for s in reversed(sizes):  # largest first: the others reuse its memory
+        run(s)
+        torch.cuda.synchronize()
+        graphs[s] = torch.cuda.CUDAGraph()
+        with capturing(graphs[s], pool):
+            run(s)
+        pool = pool or graphs[s].pool()
+    marks: dict[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {s: [] for s in sizes}
+    for r in range(rounds + 1):
+        for s in sizes:
+            start, end = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            start.record()
+            graphs[s].replay()
+            end.record()
+            if r:
+                marks[s].append((start, end))
+    torch.cuda.synchronize()
+    for g in graphs.values():
+        g.reset()
+    return {s: statistics.median(a.elapsed_time(b) for a, b in marks[s]) / 1e3 for s in sizes}
+
+
 def batch_size_ladder(max_bs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4) if b <= max_bs]
     sizes += list(range(8, max_bs + 1, 8))
@@ -97,6 +170,7 @@ class CudaGraphRunner:
         self.slot_mapping.fill_(-1)
         self.seq_lens = self.ints[:mb]
         self.size_for = [next(s for s in self.sizes if s >= b) for b in range(mb + 1)]
+        self.remap: dict[int, int] = {}  # sizes replayed at a larger one (use_sizes)
         self.staging = [_Staging(self.buf, mb, width) for _ in range(2)]
         self._turn = 0
         self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
@@ -140,6 +214,13 @@ class CudaGraphRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def use_sizes(self, remap: dict[int, int]) -> None:
+        """Send each batch whose own size `remap` maps on to the larger graph it names."""
+        self.remap = dict(remap)
+        self.size_for = [remap.get(s, s) for s in self.size_for]
+        if remap:
+            log.info("decode CUDA graphs replayed at a larger size (faster there): %s", remap)
 
     def release(self) -> None:
         """Free every captured graph. With tensor parallelism this must come before the process

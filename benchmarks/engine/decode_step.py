@@ -79,7 +79,7 @@ def _kernel_share(engine: LLMEngine, steps: int) -> float:
 
 def _graph_replay_ms(graphs, batch: int) -> float:
     """GPU time of the captured step alone: replay the graph back to back."""
-    bs = next(s for s in graphs.sizes if s >= batch)
+    bs = graphs.size_for[batch]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graphs.graphs[bs].replay()
     start.record()
@@ -138,6 +138,8 @@ def main() -> None:
           f"{', FP8 weights' if a.quantization else ''} (a step reads {weight_bytes / 1e9:.2f} GB); KV "
           f"{pool['kv_dtype']}, pool {pool['pool_tokens']} tokens ({pool['pool_gib']:.1f} GiB); "
           f"context {a.context}; copy bandwidth {bw / 1e9:.0f} GB/s")
+    if runner.graphs is not None and runner.graphs.remap:
+        print(f"batch sizes replayed in a larger graph (faster there): {runner.graphs.remap}")
     print(f"{'batch':>6}{'mode':>8}{'step ms':>10}{'tok/s':>10}{'floor ms':>10}{'of floor':>10}"
           f"{'graph ms':>10}{'outside kernels':>17}")
     for r in rows:

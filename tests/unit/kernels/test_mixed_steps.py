@@ -14,7 +14,7 @@ import torch
 
 from tandem.engine import cuda_graphs
 from tandem.engine.attention.triton_backend import TritonAttentionBackend
-from tandem.engine.cuda_graphs import CudaGraphRunner, MixedGraphRunner
+from tandem.engine.cuda_graphs import CudaGraphRunner, MixedGraphRunner, cheaper_sizes
 from tandem.engine.llm import LLM
 from tandem.engine.sampling_params import SamplingParams
 
@@ -145,9 +145,10 @@ class Answers:
         pass
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["full-rows", "packed-rows"])
+@pytest.mark.parametrize("packed,remap", [(False, {}), (True, {}), (False, {1: 4, 2: 8, 4: 8})],
+                         ids=["full-rows", "packed-rows", "larger-graphs"])
 def test_pipelined_decode_steps_staged_into_the_graph_buffers_give_the_eager_tokens(
-        tiny_models, monkeypatch, packed):
+        tiny_models, monkeypatch, packed, remap):
     """Decode steps whose inputs go straight into the decode graphs' buffers
     (CudaGraphRunner.run_step: host lists staged into one of two buffers, the block table's
     rows as full rows in the same copy, or packed at the step's width and put in place on the
@@ -155,7 +156,9 @@ def test_pipelined_decode_steps_staged_into_the_graph_buffers_give_the_eager_tok
     shrinks from 3 rows (padded to a graph of 4) to 2 and 1 while requests of different
     lengths finish. The steps are pipelined: each step's token ids hold placeholders that the
     device fills from the step before (the fill's indices travel in the staged buffer), from
-    the graph's own output buffer. (Steps that are not: the verify test above.)"""
+    the graph's own output buffer. (Steps that are not: the verify test above.) With sizes sent
+on to larger graphs (CudaGraphRunner.use_sizes, as when a larger one replays faster), the
+batches run with more padding rows and give the same tokens."""
     if packed:
         monkeypatch.setattr(cuda_graphs, "DIRECT_TABLE_ENTRIES", 0)
     model = str(tiny_models["llama"])
@@ -168,14 +171,23 @@ def test_pipelined_decode_steps_staged_into_the_graph_buffers_give_the_eager_tok
     runner.backend = TritonAttentionBackend(runner.pool, runner.num_heads,
                                             runner.config.head_dim ** -0.5)
     runner.prefill_block_q = runner.backend.prefill_block_q
-    runner.graphs = CudaGraphRunner(runner.model, runner.backend, 4, 64, torch.device("cpu"))
+    runner.graphs = CudaGraphRunner(runner.model, runner.backend, 8 if remap else 4, 64,
+                                    torch.device("cpu"))
     assert runner.graphs.packed.numel() == (4 * 64 if packed else 0)
-    fills = []
+    runner.graphs.use_sizes(remap)
+    fills, sizes = [], []
     run_step = runner.graphs.run_step
+    forward = runner.graphs._forward
 
     def watched(*args):
         fills.append(bool(args[-1]))
         return run_step(*args)
+
+    def sized(bs):
+        sizes.append(bs)
+        return forward(bs)
+
+    runner.graphs._forward = sized
 
     runner.graphs.run_step = watched
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
@@ -183,5 +195,20 @@ def test_pipelined_decode_steps_staged_into_the_graph_buffers_give_the_eager_tok
     assert got == expected
     assert len(fills) >= 9  # decodes: 3 rows, then 2, then 1
     assert sum(fills) >= len(fills) - 1  # every decode step but the first is fed
+    assert set(sizes) == ({4, 8} if remap else {1, 2, 4}), sizes
     runner.close()
     assert runner.graphs is None
+
+
+def test_cheaper_sizes_send_a_size_on_only_to_a_clearly_faster_larger_one():
+    """The decode graphs' sizes after their replays are timed (CudaGraphRunner.replay_times):
+    a size goes to the cheapest larger one (the smallest of equals) only when that one is
+    faster by more than the margin; never to a smaller one."""
+    sizes = [8, 16, 24, 32, 40]
+    ms = {8: 4.0, 16: 4.1, 24: 6.0, 32: 5.0, 40: 5.0}  # 24: a GEMM picked badly
+    assert cheaper_sizes(sizes, ms, 0.05) == {24: 32}
+    assert cheaper_sizes(sizes, ms, 0.2) == {}  # 5.0 is not under 0.8 * 6.0
+    assert cheaper_sizes(sizes, {8: 9.0, 16: 5.0, 24: 4.0, 32: 6.0, 40: 4.0}, 0.05) == \
+        {8: 24, 16: 24, 32: 40}
+    assert cheaper_sizes(sizes, {s: 1.0 + s / 100 for s in sizes}, 0.05) == {}  # rising
+    assert cheaper_sizes([8], {8: 1.0}) == {}
