@@ -102,9 +102,9 @@ def projection_times(layer: torch.nn.Module, sizes: list[int], dtype: torch.dtyp
     """Seconds one decoder layer's projections (its modules with a 2-D weight: plain, merged
     and FP8 linears) take over each row count in `sizes`, captured in a CUDA graph per size
     as the steps' graphs run them, the median of `rounds` rounds of replays after one to
-    warm up. A graph's size changes
-    these and little else: the attention and the rest of a step scale with the step's real
-    rows. One device only (a tensor-parallel projection all-reduces)."""
+    warm up. A graph's size changes these and little else: the attention and the rest of a
+    step scale with the step's real rows. One device only (a tensor-parallel projection
+    all-reduces)."""
     projs = [m for m in layer.modules()
              if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
     x = {k: torch.randn(max(sizes), k, dtype=dtype, device=device)
@@ -214,6 +214,14 @@ class CudaGraphRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def pick_sizes(self, layer: torch.nn.Module, dtype: torch.dtype) -> None:
+        """Time `layer`'s projections at every size from MIN_TIMED_ROWS and send each batch
+        on to the larger graph `cheaper_sizes` names, if any. One device only."""
+        timed = [s for s in self.sizes if s >= MIN_TIMED_ROWS]
+        if len(timed) > 1:
+            self.use_sizes(cheaper_sizes(timed, projection_times(layer, timed, dtype,
+                                                                 self.buf.device)))
 
     def use_sizes(self, remap: dict[int, int]) -> None:
         """Send each batch whose own size `remap` maps on to the larger graph it names."""

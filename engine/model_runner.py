@@ -34,13 +34,7 @@ from tandem.engine.attention.base import (
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
 from tandem.engine.block_table import BlockTableMirror
 from tandem.engine.config import CacheConfig, ModelConfig, cdiv
-from tandem.engine.cuda_graphs import (
-    MIN_TIMED_ROWS,
-    CudaGraphRunner,
-    MixedGraphRunner,
-    cheaper_sizes,
-    projection_times,
-)
+from tandem.engine.cuda_graphs import CudaGraphRunner, MixedGraphRunner
 from tandem.engine.loader import build_model, init_dummy_weights, load_weights
 from tandem.engine.models.layers import CausalLM
 from tandem.engine.parallel import TPState, all_min, kv_heads_per_rank, rank_heads
@@ -149,10 +143,8 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self.model, self.backend, graph_bs,
                                           cdiv(max_model_len, self.block_size), self.device)
             self.graphs.capture()
-            timed = [s for s in self.graphs.sizes if s >= MIN_TIMED_ROWS]
-            if self.tp is None and len(timed) > 1:
-                self.graphs.use_sizes(cheaper_sizes(timed, projection_times(
-                    self.model.model.layers[0], timed, self.dtype, self.device)))
+            if self.tp is None:  # (a tensor-parallel projection all-reduces: not timed alone)
+                self.graphs.pick_sizes(self.model.model.layers[0], self.dtype)
         if mixed:
             self.mixed_graphs = MixedGraphRunner(
                 self.model, self.backend, max_num_batched_tokens, max_num_seqs,

@@ -156,9 +156,9 @@ def test_pipelined_decode_steps_staged_into_the_graph_buffers_give_the_eager_tok
     shrinks from 3 rows (padded to a graph of 4) to 2 and 1 while requests of different
     lengths finish. The steps are pipelined: each step's token ids hold placeholders that the
     device fills from the step before (the fill's indices travel in the staged buffer), from
-    the graph's own output buffer. (Steps that are not: the verify test above.) With sizes sent
-on to larger graphs (CudaGraphRunner.use_sizes, as when a larger one replays faster), the
-batches run with more padding rows and give the same tokens."""
+    the graph's own output buffer. (Steps that are not: the verify test above.) With sizes
+    sent on to larger graphs (CudaGraphRunner.use_sizes, as when a larger one runs its
+    projections faster), the batches run with more padding rows and give the same tokens."""
     if packed:
         monkeypatch.setattr(cuda_graphs, "DIRECT_TABLE_ENTRIES", 0)
     model = str(tiny_models["llama"])
@@ -188,7 +188,6 @@ batches run with more padding rows and give the same tokens."""
         return forward(bs)
 
     runner.graphs._forward = sized
-
     runner.graphs.run_step = watched
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert llm.engine.is_idle()
@@ -201,7 +200,7 @@ batches run with more padding rows and give the same tokens."""
 
 
 def test_cheaper_sizes_send_a_size_on_only_to_a_clearly_faster_larger_one():
-    """The decode graphs' sizes after their replays are timed (CudaGraphRunner.replay_times):
+    """The decode graphs' sizes after their projections are timed (projection_times):
     a size goes to the cheapest larger one (the smallest of equals) only when that one is
     faster by more than the margin; never to a smaller one."""
     sizes = [8, 16, 24, 32, 40]
@@ -212,3 +211,24 @@ def test_cheaper_sizes_send_a_size_on_only_to_a_clearly_faster_larger_one():
         {8: 24, 16: 24, 32: 40}
     assert cheaper_sizes(sizes, {s: 1.0 + s / 100 for s in sizes}, 0.05) == {}  # rising
     assert cheaper_sizes([8], {8: 1.0}) == {}
+
+
+def test_pick_sizes_times_the_sizes_from_64_rows_and_sends_batches_on(tiny_models, monkeypatch):
+    """CudaGraphRunner.pick_sizes (the timing itself needs CUDA graphs: here its figures are
+    given): only sizes from MIN_TIMED_ROWS are timed, and every batch whose own graph a larger
+    one beats by the margin replays that one; the others keep theirs."""
+    llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32", progress=False,
+              num_blocks=64)
+    runner = llm.engine.runner
+    graphs = CudaGraphRunner(runner.model, runner.backend, 96, 64, torch.device("cpu"))
+    timed = []
+
+    def times(layer, sizes, dtype, device):
+        timed.extend(sizes)
+        return {s: 2.0 if s == 72 else 1.0 + s / 1000 for s in sizes}
+
+    monkeypatch.setattr(cuda_graphs, "projection_times", times)
+    graphs.pick_sizes(runner.model.model.layers[0], torch.float32)
+    assert timed == [64, 72, 80, 88, 96]
+    assert graphs.remap == {72: 80}
+    assert [graphs.size_for[b] for b in (8, 64, 65, 72, 73, 96)] == [8, 64, 80, 80, 80, 96]
