@@ -12,10 +12,13 @@ captured in one CUDA graph and replayed:
 
     python benchmarks/kernels/gemm_rows.py [--rows 64 128 ... ] [--out gemm_rows.json]
     python benchmarks/kernels/gemm_rows.py --rows 440 448 456 --by-projection --no-splits
+    python benchmarks/kernels/gemm_rows.py --lm-head --rows 1 16 64 136 256 488 512
     python benchmarks/kernels/gemm_rows.py --smoke          # CPU, tiny
 
 Each row of the table: ms for the 32 layers, the rate in TFLOP/s, the best split and its time
-over one GEMM's.
+over one GEMM's. --lm-head times the LM head instead (128,256 × 4,096, into a float32 buffer as
+a CUDA graph's logits): the bf16 product then converted, against float32 written by the GEMM
+(engine/models/layers.py float_logits).
 """
 
 from __future__ import annotations
@@ -73,10 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--by-projection", action="store_true",
                    help="also time each projection alone (cuBLAS, one GEMM)")
     p.add_argument("--no-splits", action="store_true")
+    p.add_argument("--lm-head", action="store_true",
+                   help="the LM head's float32 logits two ways, instead of the projections")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     device, card = sweep_device()
+    if args.lm_head:
+        return lm_head(args, device, card)
     if args.smoke:
         projections, layers, dtype = PROJECTIONS_SMOKE, 2, torch.float32
         args.rows, args.reps, args.split_grid = [24, 40], 1, 16
@@ -118,6 +125,33 @@ def main(argv: list[str] | None = None) -> int:
         if "projections" in r:
             line += "   q/k/v, o, gate/up, down: " + " ".join(f"{t:.3f}" for t in r["projections"])
         print(line)
+    return 0
+
+
+def lm_head(args: argparse.Namespace, device: torch.device, card: str) -> int:
+    """The LM head into a float32 logits buffer by row count: the bf16 product then converted
+    (a copy kernel over [M, vocab]), against float32 straight from the GEMM (float_logits; on
+    the CPU both take the first path)."""
+    from tandem.engine.models.layers import float_logits
+
+    vocab, hidden, dtype = (512, 64, torch.float32) if args.smoke else (128256, 4096,
+                                                                        torch.bfloat16)
+    rows = [8, 24] if args.smoke else args.rows
+    head = torch.nn.Linear(hidden, vocab, bias=False, dtype=dtype, device=device)
+    logits = torch.empty(max(rows), vocab, dtype=torch.float32, device=device)
+    results = []
+    print(f"# {card}: LM head {vocab} x {hidden} into float32 logits, µs")
+    print(f"{'rows':>6}{'converted':>11}{'from GEMM':>11}{'×':>7}")
+    for m in rows:
+        x = torch.randn(m, hidden, dtype=dtype, device=device)
+        out = logits[:m]
+        old = bench([lambda x=x, out=out: out.copy_(head(x))], device, args.reps) * 1e6
+        new = bench([lambda x=x, out=out: float_logits(head, x, out=out)], device,
+                    args.reps) * 1e6
+        results.append({"rows": m, "converted_us": old, "from_gemm_us": new})
+        print(f"{m:>6}{old:>11.1f}{new:>11.1f}{new / old:>7.3f}")
+    if args.out:
+        args.out.write_text(json.dumps({"card": card, "lm_head": results}, indent=1))
     return 0
 
 

@@ -8,7 +8,13 @@ from __future__ import annotations
 import torch
 
 from tandem.engine.config import ModelConfig
-from tandem.engine.models.layers import AttentionOptions, CausalLM, DecoderLayer, DecoderModel
+from tandem.engine.models.layers import (
+    AttentionOptions,
+    CausalLM,
+    DecoderLayer,
+    DecoderModel,
+    float_logits,
+)
 
 
 def _scalar(cfg: ModelConfig, name: str) -> float:
@@ -53,5 +59,5 @@ class GraniteForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                        ) -> torch.Tensor:
-        logits = self.lm_head(hidden) / _scalar(self.config, "logits_scaling")
-        return logits.float() if out is None else out.copy_(logits)
+        return float_logits(self.lm_head, hidden, out).div_(
+            _scalar(self.config, "logits_scaling"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_kernels import BF16, DEV, ON_GPU, TOL, rel_err, rope_cache
+from gpu_kernels import BF16, DEV, ON_GPU, TOL, capture, rel_err, rope_cache
 
 pytestmark = ON_GPU
 
@@ -126,3 +126,26 @@ def test_copy_blocks_8b_pool(seed):
     copy_blocks(dst, dst, dst_ids[:64], dst_ids[64:])
     assert torch.equal(dst[dst_ids[64:]], expected[dst_ids[:64]]), f"seed={seed}"
 
+
+
+@pytest.mark.parametrize("rows", [1, 136, 488])
+def test_float_logits_from_the_gemm(seed, rows):
+    """A bf16 LM head writes float32 logits from its GEMM (engine/models/layers.py float_logits),
+    eagerly and into a CUDA graph's buffer: the half-precision product converted afterwards,
+    less its rounding; greedy picks differ only where that rounding tied or swapped two logits."""
+    from tandem.engine.models.layers import float_logits
+
+    head = torch.nn.Linear(4096, 128256, bias=False, dtype=BF16, device=DEV)
+    hidden = torch.randn(rows, 4096, dtype=BF16, device=DEV)
+    ref = torch.nn.functional.linear(hidden.float(), head.weight.float())
+    eager = float_logits(head, hidden)
+    assert eager.dtype == torch.float32 and eager.shape == (rows, 128256)
+    assert rel_err(eager, ref) < 1e-3, f"seed={seed}"
+    # the old path's error, for scale: the product rounded to bf16
+    assert rel_err(eager, ref) <= rel_err(head(hidden).float(), ref), f"seed={seed}"
+    buf = torch.full((512, 128256), float("nan"), device=DEV)
+    graph, _ = capture(lambda: float_logits(head, hidden, out=buf[:rows]))
+    buf[:rows].fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(buf[:rows], eager), f"seed={seed}"
+    assert buf[rows:].isnan().all()
