@@ -5,19 +5,23 @@ tokens, and the chat API answers a factual question correctly. Float32 on the CP
 
 The model is loaded once for the module; the test process computes on one thread (the model is
 small, and on a busy machine threads that spin between parallel regions cost more than they
-give); the stack boots meanwhile, its workers dividing the cores as `tandem up` does."""
+give); the stack boots meanwhile, its workers dividing the cores as `tandem up` does, and so does
+transformers' reference (a process of its own, on one thread too, loading the GGUF file from the
+module's start: the prompts reach it once Tandem's tokenizer made them)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 import torch
-import transformers
 
 from cluster import Cluster
 from tandem.engine.gguf_checkpoint import packaged_file
@@ -67,17 +71,6 @@ def expected(llm, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
 
 
-def test_greedy_tokens_equal_transformers_loading_the_same_gguf(prompts, expected):
-    path = packaged_file(MODEL)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    for p, ours in zip(prompts, expected):
-        with torch.no_grad():
-            ids = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        assert ours == ids[0, len(p):].tolist()
-    assert all(len(t) == NEW_TOKENS for t in expected)  # no early stop shortens the check
-
-
 def test_text_is_real(llm):
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))
     assert out[0].outputs[0].text.startswith(" Paris")
@@ -95,6 +88,55 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens(llm, prompts, expec
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.is_idle()
+
+
+# transformers loading the packaged GGUF file (argv[1]) on one thread, then argv[3] greedy
+# tokens for each prompt of the JSON list read from stdin, written as JSON to argv[2].
+HF_REFERENCE = """
+import json, sys
+from pathlib import Path
+
+import torch
+import transformers
+
+torch.set_num_threads(1)
+path = Path(sys.argv[1])
+model = transformers.AutoModelForCausalLM.from_pretrained(
+    str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+out = []
+for p in json.loads(sys.stdin.read()):
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([p]), max_new_tokens=int(sys.argv[3]), do_sample=False)
+    out.append(ids[0, len(p):].tolist())
+Path(sys.argv[2]).write_text(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hf_reference(tmp_path_factory):
+    """transformers' process, started at the module's start: it loads the model meanwhile."""
+    tmp = tmp_path_factory.mktemp("hf")
+    with open(tmp / "log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", HF_REFERENCE, str(packaged_file(MODEL)),
+                                 str(tmp / "tokens.json"), str(NEW_TOKENS)],
+                                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                text=True)
+    yield proc, tmp
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_greedy_tokens_equal_transformers_loading_the_same_gguf(hf_reference, prompts,
+                                                                  expected):
+    proc, tmp = hf_reference
+    proc.communicate(json.dumps(prompts), timeout=850)
+    assert proc.returncode == 0, (tmp / "log").read_text()[-3000:]
+    theirs = json.loads((tmp / "tokens.json").read_text())
+    assert len(theirs) == len(prompts)
+    for ours, reference in zip(expected, theirs):
+        assert ours == reference
+    assert all(len(t) == NEW_TOKENS for t in expected)  # no early stop shortens the check
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -3,12 +3,17 @@ module skips without it), float32 on the CPU, on prompts that quote or edit thei
 (benchmarks/data/spec_decode_prompts.jsonl): prompt lookup gets drafts accepted, and greedy
 tokens equal those without speculation, colocated (offline engine) and disaggregated (a
 router, a prefill worker and a decode worker started with --speculative-method ngram, as real
-processes): the first token comes from the prefill worker, the decode worker speculates."""
+processes): the first token comes from the prefill worker, the decode worker speculates.
+
+The stack boots in the background from the module's start, on the core the single-threaded
+offline engine leaves idle."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -65,18 +70,33 @@ def test_colocated_same_tokens_with_drafts_accepted(llm, prompts, expected):
     assert c.num_accepted_tokens > 0.2 * c.num_draft_tokens > 0
 
 
-def test_disaggregated_same_tokens(tmp_path, prompts, expected):
-    resolve_model(MODEL)
-    stack = Cluster(tmp_path, MODEL, prefill_args=["--transport", "shm"], metrics=True,
-                    decode_args=["--speculative-method", "ngram",
-                                 "--num-speculative-tokens", "4"]).start()
-    try:
-        assert stack.generate(prompts, GREEDY) == expected
-        asyncio.run(stack.wait_idle())
-        (decode,) = stack.workers("decode")
-        text = httpx.get(decode.metrics_url, timeout=5).text
-        accepted = [line for line in text.splitlines()
-                    if line.startswith("tandem:spec_decode_num_accepted_tokens_total")]
-        assert accepted and float(accepted[0].split()[-1]) > 0, text
-    finally:
-        stack.stop()
+@pytest.fixture(scope="module", autouse=True)
+def booting(tmp_path_factory):
+    """The disaggregated stack, started in the background from the module's start."""
+    resolve_model(MODEL)  # the checkpoint directory, built here once on first use
+    c = Cluster(tmp_path_factory.mktemp("spec"), MODEL, prefill_args=["--transport", "shm"],
+                metrics=True, decode_args=["--speculative-method", "ngram",
+                                           "--num-speculative-tokens", "4"])
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(c.start)
+        yield c, started
+        with contextlib.suppress(Exception):  # a failed start is reported by `stack`
+            started.result()
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(booting):
+    c, started = booting
+    started.result()
+    return c
+
+
+def test_disaggregated_same_tokens(stack, prompts, expected):
+    assert stack.generate(prompts, GREEDY) == expected
+    asyncio.run(stack.wait_idle())
+    (decode,) = stack.workers("decode")
+    text = httpx.get(decode.metrics_url, timeout=5).text
+    accepted = [line for line in text.splitlines()
+                if line.startswith("tandem:spec_decode_num_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) > 0, text

@@ -50,8 +50,8 @@ def test_serve_launches_the_stack_and_counts_every_token(tiny_models, tmp_path, 
     run("serving/serve.py", "--launch", launch, *layout, "--model", str(tiny_models["llama"]),
         "--devices", "cpu", "--dtype", "float32", *WORKLOAD, "--rate", "inf", "40",
         "--warmup", "2", "--client-procs", "2" if launch == "disaggregated" else "1",
-        "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000", "--no-progress", "--out", str(out),
-        *ENGINE)
+        "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000", "--cooldown", "0", "--no-progress",
+        "--out", str(out), *ENGINE)
     r = json.loads(out.read_text())
     roles = [w["role"] for w in r["workers"]]
     assert roles == (["prefill", "decode"] if launch == "disaggregated" else ["both"])
