@@ -211,10 +211,11 @@ class DecoderModel(nn.Module):
 def float_logits(lm_head: nn.Module, hidden: torch.Tensor, out: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """The LM head's float32 logits of `hidden` [T, H], into `out` when given. A plain bf16 or
-    fp16 head on a GPU has the GEMM write float32 itself (its accumulator, unrounded): a
-    [T, vocab] half-precision product converted afterwards costs a copy kernel that reads and
-    writes the step's largest activation (0.1-0.18 ms an 8B decode step of 136-488 rows on an
-    H200); any other head (the CPU, float32, a tensor-parallel shard) is run and converted."""
+    fp16 head on a GPU has the GEMM write float32 itself, its accumulator unrounded, where a
+    half-precision product would be rounded and then converted by a copy kernel over the step's
+    largest activation (the head alone: 0.77-0.99x the time at 1-512 rows of an 8B on an H200,
+    benchmarks/kernels/gemm_rows.py --lm-head). Any other head (the CPU, float32, a
+    tensor-parallel shard) is run and converted."""
     w = getattr(lm_head, "weight", None)
     if (type(lm_head) is nn.Linear and lm_head.bias is None and hidden.is_cuda
             and w.dtype in (torch.bfloat16, torch.float16) and hidden.dtype == w.dtype):
