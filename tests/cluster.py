@@ -10,6 +10,7 @@ import json
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -18,8 +19,8 @@ import grpc
 from tandem.cli.launcher import LocalStack, Proc, free_port
 from tandem.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-__all__ = ["WORKER_ARGS", "Cluster", "ClusterProc", "Handed", "Proc", "free_port", "serve",
-           "stop_cleanly"]
+__all__ = ["WORKER_ARGS", "Cluster", "ClusterProc", "Handed", "Proc", "booting", "free_port",
+           "serve", "stop_cleanly"]
 
 # The tiny models' workers: a 256-block pool, 64-token steps (a long prompt prefills in chunks).
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
@@ -137,6 +138,21 @@ def serve(cluster: Cluster) -> Iterator[Cluster]:
     cluster.start()
     yield cluster
     stop_cleanly(cluster)
+
+
+@contextlib.contextmanager
+def booting(cluster: Cluster) -> Iterator[Callable[[], Cluster]]:
+    """The stack starting on a thread of its own, for a module whose first tests do not need it
+    (its processes boot on the cores those leave idle): yields a call that waits for the start
+    and returns the stack, raising what the start raised; stops the stack on exit."""
+    with ThreadPoolExecutor(1) as pool:
+        started = pool.submit(cluster.start)
+        try:
+            yield started.result
+        finally:
+            with contextlib.suppress(Exception):  # a failed start was raised to its waiter
+                started.result()
+            cluster.stop()
 
 
 def stop_cleanly(cluster: LocalStack) -> None:

@@ -12,18 +12,16 @@ module's start: the prompts reach it once Tandem's tokenizer made them)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 import torch
 
-from cluster import Cluster
+from cluster import Cluster, booting
 from tandem.engine.gguf_checkpoint import packaged_file
 from tandem.engine.llm import LLM
 from tandem.engine.model_source import resolve_model
@@ -140,24 +138,18 @@ def test_greedy_tokens_equal_transformers_loading_the_same_gguf(hf_reference, pr
 
 
 @pytest.fixture(scope="module", autouse=True)
-def booting(tmp_path_factory):
+def boot(tmp_path_factory):
     """The stack (router, prefill and decode workers) boots in the background from the module's
     start: its processes run on the cores the single-threaded offline tests leave idle."""
     resolve_model(MODEL)  # the checkpoint directory, built here once on first use
-    c = Cluster(tmp_path_factory.mktemp("smollm2"), MODEL, prefill_args=["--transport", "shm"])
-    with ThreadPoolExecutor(1) as pool:
-        started = pool.submit(c.start)
-        yield c, started
-        with contextlib.suppress(Exception):  # a failed start is reported by `stack`
-            started.result()
-    c.stop()
+    cluster = Cluster(tmp_path_factory.mktemp("smollm2"), MODEL, prefill_args=["--transport", "shm"])
+    with booting(cluster) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
-def stack(booting):
-    c, started = booting
-    started.result()
-    return c
+def stack(boot):
+    return boot()
 
 
 def test_disaggregated_stack_gives_the_offline_tokens(stack, prompts, expected):

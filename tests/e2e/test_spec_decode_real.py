@@ -11,16 +11,14 @@ offline engine leaves idle."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from cluster import Cluster
+from cluster import Cluster, booting
 from tandem.engine.gguf_checkpoint import packaged_file
 from tandem.engine.llm import LLM
 from tandem.engine.model_source import resolve_model
@@ -71,25 +69,19 @@ def test_colocated_same_tokens_with_drafts_accepted(llm, prompts, expected):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def booting(tmp_path_factory):
+def boot(tmp_path_factory):
     """The disaggregated stack, started in the background from the module's start."""
     resolve_model(MODEL)  # the checkpoint directory, built here once on first use
-    c = Cluster(tmp_path_factory.mktemp("spec"), MODEL, prefill_args=["--transport", "shm"],
-                metrics=True, decode_args=["--speculative-method", "ngram",
-                                           "--num-speculative-tokens", "4"])
-    with ThreadPoolExecutor(1) as pool:
-        started = pool.submit(c.start)
-        yield c, started
-        with contextlib.suppress(Exception):  # a failed start is reported by `stack`
-            started.result()
-    c.stop()
+    cluster = Cluster(tmp_path_factory.mktemp("spec"), MODEL, prefill_args=["--transport", "shm"],
+                      metrics=True, decode_args=["--speculative-method", "ngram",
+                                                 "--num-speculative-tokens", "4"])
+    with booting(cluster) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
-def stack(booting):
-    c, started = booting
-    started.result()
-    return c
+def stack(boot):
+    return boot()
 
 
 def test_disaggregated_same_tokens(stack, prompts, expected):
