@@ -76,8 +76,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg = engine_config(args)
     from tandem.engine.llm import LLM  # noqa: PLC0415 - torch: after the arguments parsed
 
-    llm = LLM(cfg.model, **{k: v for k, v in cfg.__dict__.items() if k != "model"},
-              progress=not args.json)
+    llm = LLM.from_config(cfg, progress=not args.json)
     try:
         outputs = llm.generate(args.prompts, params)
     finally:

@@ -51,7 +51,18 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
         progress = kwargs.pop("progress", True)
-        self.config = EngineConfig(model=model, **kwargs)
+        self._start(EngineConfig(model=model, **kwargs), progress)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = True) -> LLM:
+        """An LLM from a whole EngineConfig (runtime/engine_args.py's engine_config builds one
+        from the workers' flags)."""
+        llm = cls.__new__(cls)
+        llm._start(config, progress)
+        return llm
+
+    def _start(self, config: EngineConfig, progress: bool) -> None:
+        self.config = config
         self.engine = LLMEngine(self.config, progress=progress)
         self.tokenizer = _maybe_tokenizer(self.engine)
         self._ids = itertools.count()

@@ -27,7 +27,6 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -109,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = engine_config(ep.parse_args(
         ["--model", a.model, "--device", a.device, "--dtype", a.dtype, "--load-format",
          a.load_format, "--max-model-len", str(a.max_model_len), *engine_flags]))
-    llm = LLM(cfg.model, **{f.name: getattr(cfg, f.name) for f in fields(cfg)
-                            if f.name != "model"}, progress=False)
+    llm = LLM.from_config(cfg, progress=False)
     requests = build_workload(a, model_vocab(a.model)[0])
     engine = llm.engine
     cuda = a.device.startswith("cuda")

@@ -91,8 +91,7 @@ def run_offline(a: argparse.Namespace, requests: list[Request], warmup: list[Req
 
         card = measure_card(device)
     t = time.perf_counter()
-    llm = LLM(cfg.model, **{f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "model"},
-              progress=False)
+    llm = LLM.from_config(cfg, progress=False)
     startup_s = time.perf_counter() - t
     if warmup:
         llm.generate([r.prompt for r in warmup],
