@@ -158,20 +158,16 @@ class Step:
         chunk, dec = slice(0, self.prompt), slice(self.prompt, self.prompt + self.decodes)
         everything = slice(0, self.prompt + self.decodes)
 
-        def serial() -> None:
-            for i in range(n):
-                self.qkv(i)
-                self.prefill_attn(i)
-                self.decode_attn(i)
-                self.after_attn(i, everything)
-
-        def split() -> None:
-            for i in range(n):
-                self.qkv(i)
-                self.prefill_attn(i)
-                self.decode_attn(i)
-                self.after_attn(i, chunk)
-                self.after_attn(i, dec)
+        def in_order(groups: tuple[slice, ...]) -> Callable[[], None]:
+            """Each layer in turn, its rows after attention in `groups`."""
+            def run() -> None:
+                for i in range(n):
+                    self.qkv(i)
+                    self.prefill_attn(i)
+                    self.decode_attn(i)
+                    for rows in groups:
+                        self.after_attn(i, rows)
+            return run
 
         def overlap(stream: torch.cuda.Stream | None) -> Callable[[], None]:
             def run() -> None:
@@ -202,7 +198,8 @@ class Step:
                 self.prefill_attn(i)
                 self.decode_attn(i)
 
-        return {"serial": serial, "split": split, "overlap": overlap(self.side),
+        return {"serial": in_order((everything,)), "split": in_order((chunk, dec)),
+                "overlap": overlap(self.side),
                 "overlap-hi": overlap(self.side_hi), "bound": bound, "gemms": gemms,
                 "attn": attn}[variant]
 
