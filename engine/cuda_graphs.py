@@ -161,9 +161,17 @@ class CudaGraphRunner:
         # table), and when full rows can be too many to copy, int32 [max_bs * width] for rows
         # packed at a step's width (`run_step`).
         packed = mb * width > DIRECT_TABLE_ENTRIES
-        self.buf = torch.zeros(8 * 5 * mb + 4 * mb * (1 + width * (1 + packed)),
+        # The decode kernel's plan (the GPU backend's; kernels/paged_decode_launch.py): a
+        # graph of bs rows reads its first plan_capacity(bs) + 1 rows.
+        cap = backend.plan_capacity(mb)
+        plan_rows = cap + 1 if cap else 0
+        self.buf = torch.zeros(8 * 5 * mb + 4 * (mb + 2 * plan_rows + mb * width * (1 + packed)),
                                dtype=torch.uint8, device=device)
-        self.longs, self.ints, self.block_tables, self.packed = _views(self.buf, mb, width)
+        self.longs, self.ints, self.plan, self.block_tables, self.packed = _views(
+            self.buf, mb, width, plan_rows)
+        if plan_rows:  # no work while capturing
+            self.plan[:] = torch.tensor([-1, 0], dtype=torch.int32)
+            self.plan[0, 0] = 1
         self.input_ids = self.longs[:mb]
         self.positions = self.longs[mb:2 * mb]
         self.slot_mapping = self.longs[2 * mb:3 * mb]
@@ -171,7 +179,7 @@ class CudaGraphRunner:
         self.seq_lens = self.ints[:mb]
         self.size_for = [next(s for s in self.sizes if s >= b) for b in range(mb + 1)]
         self.remap: dict[int, int] = {}  # sizes replayed at a larger one (use_sizes)
-        self.staging = [_Staging(self.buf, mb, width) for _ in range(2)]
+        self.staging = [_Staging(self.buf, mb, width, plan_rows) for _ in range(2)]
         self._turn = 0
         self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
@@ -189,7 +197,9 @@ class CudaGraphRunner:
             slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
             seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], num_decodes=bs,
             max_query_len=1, max_seq_len=self.block_tables.shape[1] * self.backend.pool.shape[3],
-            query_lens_cpu=[1] * bs, seq_lens_cpu=[0] * bs)
+            query_lens_cpu=[1] * bs, seq_lens_cpu=[0] * bs,
+            decode_plan=self.plan[:self.backend.plan_capacity(bs) + 1] if self.plan.numel()
+            else None)
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         with forward_context(self.backend, self._meta(bs)):
@@ -273,6 +283,9 @@ class CudaGraphRunner:
             longs[4 * mb:4 * mb + k] = fill.src
         ints[:b] = seq_lens
         ints[b:bs] = 0
+        if self.plan.numel():  # over the graph's rows, the padding's (context 0) too
+            cap = self.backend.plan_capacity(bs)
+            st.plan[:cap + 1] = self.backend.plan(ints[:bs], cap)
         # Columns past the step's width, and padding rows, keep what they held: no row reads
         # past its context. Full rows up to the graph's last make one copy with the rest
         # while they are few; past that, rows packed at the step's width are copied and then
@@ -317,30 +330,33 @@ class CudaGraphRunner:
 DIRECT_TABLE_ENTRIES = 64 * 1024
 
 
-def _views(buf: torch.Tensor, mb: int, width: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CudaGraphRunner's buffer (bytes) as its int64 part, its int32 part, the block table
-    (the int32 part past the context lengths) and the packed rows' space after it (empty
-    when there is none)."""
+def _views(buf: torch.Tensor, mb: int, width: int, plan_rows: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CudaGraphRunner's buffer (bytes) as its int64 part, its int32 part, the decode plan
+    (int32 [plan_rows, 2] after the context lengths; empty without one), the block table after
+    it and the packed rows' space after that (empty when there is none)."""
     n = 8 * 5 * mb
     ints = buf[n:].view(torch.int32)
-    return (buf[:n].view(torch.long), ints, ints[mb:mb + mb * width].view(mb, width),
-            ints[mb + mb * width:])
+    t = mb + 2 * plan_rows
+    return (buf[:n].view(torch.long), ints, ints[mb:t].view(plan_rows, 2),
+            ints[t:t + mb * width].view(mb, width), ints[t + mb * width:])
 
 
 class _Staging:
     """A pinned host copy of CudaGraphRunner's input buffer (plain memory on the CPU), its
     parts as numpy arrays, and the event recorded after the copy that read it."""
 
-    def __init__(self, buf: torch.Tensor, mb: int, width: int) -> None:
+    def __init__(self, buf: torch.Tensor, mb: int, width: int, plan_rows: int) -> None:
         pin = buf.is_cuda
         self.buf = torch.zeros(buf.shape, dtype=buf.dtype, pin_memory=pin)
-        longs, ints, table, self.packed_tensor = _views(self.buf, mb, width)
+        longs, ints, plan, table, self.packed_tensor = _views(self.buf, mb, width, plan_rows)
         self.longs, self.ints, self.table = longs.numpy(), ints.numpy(), table.numpy()
+        self.plan = plan.numpy()
         self.packed = self.packed_tensor.numpy()
         self.device_buf = buf
         self.row_bytes = 4 * width
-        self.head_bytes = 8 * 5 * mb + 4 * mb  # the int64 part and the context lengths
+        # the int64 part, the context lengths and the plan
+        self.head_bytes = 8 * 5 * mb + 4 * (mb + 2 * plan_rows)
         self.copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.event = torch.cuda.Event() if pin else None
         self.recorded = False
@@ -410,6 +426,9 @@ class MixedGraphRunner:
         self.decode_lens = torch.zeros(s, **ints)
         self.block_tables = torch.zeros(s, max_blocks_per_seq, **ints)
         self.tiles = torch.full((self.capacity(t), 2), -1, **ints)
+        # The decode kernel's plan over the graph's sequence rows (model_runner builds it
+        # padded to plan_capacity(S) + 1 rows); no work while capturing.
+        self.plan = torch.tensor([[1, 0]] + [[-1, 0]] * backend.plan_capacity(s), **ints)
         self.logits = torch.zeros(s, model.config.vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -430,7 +449,9 @@ class MixedGraphRunner:
             seq_lens=self.seq_lens[:s], block_tables=self.block_tables[:s], num_decodes=0,
             max_query_len=t, max_seq_len=self.block_tables.shape[1] * self.backend.pool.shape[3],
             query_lens_cpu=[t], seq_lens_cpu=[0] * s,
-            prefill_tiles=self.tiles[:self.capacity(t)], decode_lens=self.decode_lens[:s])
+            prefill_tiles=self.tiles[:self.capacity(t)], decode_lens=self.decode_lens[:s],
+            decode_plan=self.plan[:self.backend.plan_capacity(s) + 1]
+            if self.plan.shape[0] > 1 else None)
 
     def _forward(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.seqs(t)
@@ -493,6 +514,8 @@ class MixedGraphRunner:
         n = meta.prefill_tiles.shape[0]
         self.tiles[:n].copy_(meta.prefill_tiles)
         self.tiles[n:self.capacity(size), 0].fill_(-1)
+        if meta.decode_plan is not None:
+            self.plan[:meta.decode_plan.shape[0]].copy_(meta.decode_plan)
         self.sample_index[:r].copy_(sample_index)
         self.sample_index[r:self.seqs(size)].zero_()  # rows of an earlier, larger step
         graph = self.graphs.get(size)

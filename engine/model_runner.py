@@ -106,6 +106,7 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, self.device,
                                model_config.eos_token_ids)
 
+        self.max_num_seqs = max_num_seqs  # the most decode rows a captured step has
         self.block_tables = BlockTableMirror(2 * max_num_seqs + 16,
                                              cdiv(max_model_len, self.block_size))
         # With tensor parallelism every rank captures the same ladder (its all-reduces inside)
@@ -210,7 +211,8 @@ class ModelRunner:
         if pool.is_cuda:
             from tandem.engine.attention.triton_backend import TritonAttentionBackend  # noqa: PLC0415 - Triton, CUDA only
 
-            return TritonAttentionBackend(pool, self.num_heads, scale, self.kv_scales)
+            return TritonAttentionBackend(pool, self.num_heads, scale, self.kv_scales,
+                                          max_rows=self.max_num_seqs)
         return TorchAttentionBackend(pool, self.num_heads, scale, self.kv_scales)
 
     def _profile_run(self, num_tokens: int, max_model_len: int, rows: int) -> None:
@@ -244,7 +246,7 @@ class ModelRunner:
             seq.block_ids = list(range(i * per_seq, (i + 1) * per_seq))
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
-        ids, pos, meta, sample_index = self._inputs(batch, last)
+        ids, pos, meta, sample_index = self._inputs(batch, last, backend)
         with torch.inference_mode(), forward_context(backend, meta):
             hidden = self.model(ids, pos)
             logits = self.model.compute_logits(hidden[sample_index])
@@ -363,13 +365,17 @@ class ModelRunner:
                           row_token_index, self.block_tables.gather(rows, width),
                           list(batch.copies), use_graph, use_mixed)
 
-    def _inputs(self, batch: ScheduledBatch, row_token_index: list[int]):
-        return self._device_inputs(self.step_inputs(batch, row_token_index))
+    def _inputs(self, batch: ScheduledBatch, row_token_index: list[int],
+                backend: AttentionBackend | None = None):
+        return self._device_inputs(self.step_inputs(batch, row_token_index), backend=backend)
 
-    def _device_inputs(self, inputs: StepInputs, fill: TokenFill | None = None):
+    def _device_inputs(self, inputs: StepInputs, fill: TokenFill | None = None,
+                       backend: AttentionBackend | None = None):
         """The step's tensors, in two host-to-device copies (one int64, one int32) plus the
-        block table. `fill`: placeholder token ids replaced on the device, from the previous
-        step's sampled tokens (its indices travel in the int64 copy)."""
+        block table, for `backend` (default: the runner's). `fill`: placeholder token ids
+        replaced on the device, from the previous step's sampled tokens (its indices travel in
+        the int64 copy)."""
+        backend = backend or self.backend
         t = len(inputs.token_ids)
         b = len(inputs.seq_lens)
         qsl = [0]
@@ -394,7 +400,18 @@ class ModelRunner:
         if block_q and b > nd:
             tiles = (prefill_tiles(inputs.query_lens, block_q, first=nd) if inputs.use_mixed_graph
                      else prefill_tiles(inputs.query_lens[nd:], block_q))
-        ints = _to(qsl + inputs.seq_lens + tiles, torch.int32, dev)
+        # The decode kernel's plan (GPU): over the step's decodes, or over every sequence row
+        # of the mixed-step graph it replays, padded to that graph's capacity.
+        plan = np.empty((0, 2), dtype=np.int32)
+        planned = backend.plan_capacity(1) > 0
+        if planned and inputs.use_mixed_graph:
+            rows = self.mixed_graphs.seqs(self.mixed_graphs.size_for(
+                t, max(b, len(inputs.row_token_index))))
+            plan = backend.plan(inputs.seq_lens[:nd] + [0] * (rows - nd),
+                                backend.plan_capacity(rows))
+        elif planned and nd:
+            plan = backend.plan(inputs.seq_lens[:nd])
+        ints = _to(qsl + inputs.seq_lens + tiles + plan.ravel().tolist(), torch.int32, dev)
         table = torch.from_numpy(inputs.block_table)
         if dev.type == "cuda":
             table = table.pin_memory().to(dev, non_blocking=True)
@@ -403,7 +420,8 @@ class ModelRunner:
             seq_lens=ints[b + 1:2 * b + 1], block_tables=table, num_decodes=inputs.num_decodes,
             max_query_len=max(inputs.query_lens), max_seq_len=max(inputs.seq_lens),
             query_lens_cpu=inputs.query_lens, seq_lens_cpu=inputs.seq_lens,
-            prefill_tiles=ints[2 * b + 1:].view(-1, 2) if tiles else None)
+            prefill_tiles=ints[2 * b + 1:2 * b + 1 + len(tiles)].view(-1, 2) if tiles else None,
+            decode_plan=ints[2 * b + 1 + len(tiles):].view(-1, 2) if plan.size else None)
         return longs[:t], longs[t:2 * t], meta, longs[3 * t:r]
 
     def close(self) -> None:

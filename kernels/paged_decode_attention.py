@@ -30,6 +30,15 @@ replay. A sequence with a single active split writes its output directly.
     workspace (fp32)  partial [S, Hq, num_splits, D] | lse [S, Hq, num_splits]
     counters  (int32) [S, Hkv], all 0 between launches
 
+A plan (the engine's launches; paged_decode_launch.py decode_plan) replaces the grid's
+(sequence, KV head, split) with work items the host lists per step: one split length for the
+whole step, chosen so the contexts' total fills about 8 programs an SM, every sequence cut
+into splits of it, longest first. In a mixed batch a context several times the average would
+otherwise keep the launch waiting on its one program (a served ShareGPT-like step of ~100
+decodes: 30-40% of the copy bandwidth without a plan, ~70% with one). A graph's grid is the
+plan's capacity; unused items exit at once. Partials are indexed by item, a sequence's in
+consecutive rows, and merged as above.
+
 FP8 caches (e4m3, kernels/_common.py) come with one fp32 scale per KV head for K and for V.
 A program serves one KV head, so dequantizing costs no per-element multiply: K tiles are
 converted to q's dtype and k_scale folds into the softmax scale; V tiles likewise, and v_scale
@@ -48,7 +57,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels._common import check, device_guard, num_sms, resident_programs
+from tandem.kernels._common import (
+    check,
+    check_same_device,
+    device_guard,
+    num_sms,
+    resident_programs,
+)
 from tandem.kernels.paged_decode_launch import (
     DEFAULT_SPLIT_POLICY,
     MAX_SPLITS,
@@ -60,11 +75,16 @@ from tandem.kernels.paged_decode_launch import (
     decode_config,
     decode_num_splits,
     fullest_last_wave,
+    plan_config,
+    plan_workspace,
     split_workspace,
 )
 
 LOG2E = 1.4426950408889634
 MERGE_TILE = 4096  # fp32 elements of partial output the merging program loads at once
+# The plan kernel merges in smaller pieces (fewer registers on a path most of its programs skip;
+# measured with it: BENCHMARKS.md, "decode attention by a plan").
+PLAN_MERGE_TILE = 1024
 
 
 @triton.jit
@@ -131,7 +151,7 @@ def _attend(
 
 # Step-varying arguments are not specialised on (see paged_prefill_attention.py): the block
 # table's width and the metadata's offsets change with the batch; the split count is an
-# argument, so the split kernel has one variant per power of two (SPLITS_PAD).
+# argument, so the split kernel has one variant per power of two up to its merge chunk.
 @triton.jit(do_not_specialize=["stride_bt"],
             do_not_specialize_on_alignment=["bt_ptr", "seq_lens_ptr"])
 def _paged_decode_kernel(
@@ -168,33 +188,35 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _merge_splits(
-    part_ptr, lse_ptr, o_ptr, seq, kv_head, num_active,
-    stride_ps, stride_ph, stride_psp,
-    stride_ls, stride_lh,
-    stride_os, stride_oh,
+    part_ptr, lse_ptr, o_ptr, kv_head, num_active,
+    stride_psp, stride_ph,
+    stride_lh,
+    stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
 ):
-    """out[h] = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M) over the active splits, for the
-    group's query heads; MERGE_CHUNK splits at a time, as [GROUP_PAD, MERGE_CHUNK, D] tiles.
-    Loads bypass L1 (.cg): the partials were written by other SMs during this launch."""
+    """out[h] = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M) over the num_active splits of
+    one (sequence, KV head), for the group's query heads: part_ptr, lse_ptr and o_ptr point at
+    that sequence's first split and output row; the partial of split s, head h is at
+    part_ptr + s * stride_psp + h * stride_ph, its log-sum-exp at lse_ptr + s + h * stride_lh.
+    MERGE_CHUNK splits at a time, as [GROUP_PAD, MERGE_CHUNK, D] tiles: one pass for the
+    largest log-sum-exp, one to sum. Loads bypass L1 (.cg): the partials were written by other
+    SMs during this launch."""
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_c = tl.arange(0, MERGE_CHUNK)
     g_mask = offs_g < GROUP
     heads = kv_head * GROUP + offs_g
-    seq64 = seq.to(tl.int64)
-
-    lse_rows = lse_ptr + seq64 * stride_ls + heads[:, None] * stride_lh  # [GROUP_PAD, 1]
-    offs_s = tl.arange(0, SPLITS_PAD)
-    lse_all = tl.load(lse_rows + offs_s[None, :],
-                      mask=g_mask[:, None] & (offs_s[None, :] < num_active),
+    lse_rows = lse_ptr + heads[:, None] * stride_lh  # [GROUP_PAD, 1]
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    for s0 in range(0, num_active, MERGE_CHUNK):
+        s = s0 + offs_c
+        lse = tl.load(lse_rows + s[None, :], mask=g_mask[:, None] & (s[None, :] < num_active),
                       other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse_all, 1)
+        m = tl.maximum(m, tl.max(lse, 1))
     m = tl.where(m == float("-inf"), 0.0, m)
 
-    part_rows = (part_ptr + seq64 * stride_ps + heads[:, None, None] * stride_ph
-                 + offs_d[None, None, :])  # [GROUP_PAD, 1, D]
-    offs_c = tl.arange(0, MERGE_CHUNK)
+    part_rows = part_ptr + heads[:, None, None] * stride_ph + offs_d[None, None, :]
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     denom = tl.zeros([GROUP_PAD], tl.float32)
     for s0 in range(0, num_active, MERGE_CHUNK):
@@ -208,8 +230,43 @@ def _merge_splits(
         acc += tl.sum(part * w[:, :, None], 1)
         denom += tl.sum(w, 1)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(o_ptr + seq64 * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+    tl.store(o_ptr + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _finish_split(
+    acc, m_i, l_i, o_ptr, part_ptr, lse_ptr, counter_ptr, kv_head, split, num_active,
+    stride_oh, stride_psp, stride_ph, stride_lh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+):
+    """One split's result for a (sequence, KV head): o_ptr, part_ptr and lse_ptr point at the
+    sequence's output row and its first split's partial and log-sum-exp, counter_ptr at its
+    counter. A sole split writes the output; otherwise the split writes its partial, and the
+    last to arrive merges them all and sets the counter back to 0."""
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head_mask = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    if num_active == 1:
+        tl.store(o_ptr + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=head_mask[:, None])
+    else:
+        tl.store(part_ptr + split * stride_psp + heads[:, None] * stride_ph + offs_d[None, :],
+                 out, mask=head_mask[:, None])
+        tl.store(lse_ptr + heads * stride_lh + split, m_i + tl.log2(l_safe), mask=head_mask)
+        # Every thread's stores before the counter moves (one thread does the atomic;
+        # acq_rel at GPU scope publishes them to, and orders the loads of, the merger).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_active - 1:  # the last active split of this (sequence, KV head)
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+            _merge_splits(part_ptr, lse_ptr, o_ptr, kv_head, num_active,
+                          stride_psp, stride_ph, stride_lh, stride_oh,
+                          GROUP, GROUP_PAD, HEAD_DIM, MERGE_CHUNK)
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_ps", "stride_ph",
@@ -231,8 +288,7 @@ def _paged_decode_split_kernel(
     stride_cs,  # counters [S, Hkv] (KV-head stride 1)
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_F16: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    DOT_F16: tl.constexpr, GROUP_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -253,33 +309,58 @@ def _paged_decode_split_kernel(
             stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
             stride_vh, stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION,
             DOT_F16)
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / l_safe[:, None]
-        offs_h = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, HEAD_DIM)
-        head_mask = offs_h < GROUP
-        heads = kv_head * GROUP + offs_h
         seq64 = seq.to(tl.int64)
-        if num_active == 1:
-            o_ptrs = o_ptr + seq64 * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
-            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=head_mask[:, None])
-        else:
-            p_ptrs = (part_ptr + seq64 * stride_ps + heads[:, None] * stride_ph
-                      + split * stride_psp + offs_d[None, :])
-            tl.store(p_ptrs, out, mask=head_mask[:, None])
-            tl.store(lse_ptr + seq64 * stride_ls + heads * stride_lh + split,
-                     m_i + tl.log2(l_safe), mask=head_mask)
-            # Every thread's stores before the counter moves (one thread does the atomic;
-            # acq_rel at GPU scope publishes them to, and orders the loads of, the merger).
-            tl.debug_barrier()
-            counter = counter_ptr + seq64 * stride_cs + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_active - 1:  # the last active split of this (sequence, KV head)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                _merge_splits(
-                    part_ptr, lse_ptr, o_ptr, seq, kv_head, num_active,
-                    stride_ps, stride_ph, stride_psp, stride_ls, stride_lh, stride_os, stride_oh,
-                    GROUP, GROUP_PAD, HEAD_DIM, SPLITS_PAD, MERGE_CHUNK)
+        _finish_split(
+            acc, m_i, l_i, o_ptr + seq64 * stride_os, part_ptr + seq64 * stride_ps,
+            lse_ptr + seq64 * stride_ls, counter_ptr + seq64 * stride_cs + kv_head, kv_head,
+            split, num_active, stride_oh, stride_psp, stride_ph, stride_lh,
+            GROUP, BLOCK_H, HEAD_DIM, GROUP_PAD, MERGE_CHUNK)
+
+
+@triton.jit(do_not_specialize=["stride_bt", "stride_pi", "stride_ph", "stride_lh"],
+            do_not_specialize_on_alignment=["bt_ptr", "seq_lens_ptr", "plan_ptr"])
+def _paged_decode_plan_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, plan_ptr, part_ptr, lse_ptr, counter_ptr,
+    k_scale_ptr, v_scale_ptr,
+    scale_log2,  # softmax scale * log2(e)
+    stride_qs, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt,
+    stride_os, stride_oh,
+    stride_pi, stride_ph,  # partial outputs [capacity, Hq, D]
+    stride_lh,  # log-sum-exps [Hq, capacity] (item stride 1)
+    stride_cs,  # counters [S, Hkv] (KV-head stride 1)
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_F16: tl.constexpr, GROUP_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+):
+    """One program per (work item of the plan, KV head): plan row 0 holds the step's split
+    length, row 1 + i item i (sequence, split), a sequence's splits in consecutive rows;
+    unused rows have sequence -1."""
+    item = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(plan_ptr + 2 * item + 2)
+    if seq >= 0:
+        split = tl.load(plan_ptr + 2 * item + 3)
+        split_len = tl.load(plan_ptr)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        num_active = tl.maximum(tl.cdiv(seq_len, split_len), 1)
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        acc, m_i, l_i = _attend(
+            q_ptr, k_ptr, v_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, start, end,
+            scale_log2,
+            stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+            stride_vh, stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION,
+            DOT_F16)
+        first = (item - split).to(tl.int64)  # the item of the sequence's split 0
+        seq64 = seq.to(tl.int64)
+        _finish_split(
+            acc, m_i, l_i, o_ptr + seq64 * stride_os, part_ptr + first * stride_pi,
+            lse_ptr + first, counter_ptr + seq64 * stride_cs + kv_head, kv_head,
+            split, num_active, stride_oh, stride_pi, stride_ph, stride_lh,
+            GROUP, BLOCK_H, HEAD_DIM, GROUP_PAD, MERGE_CHUNK)
 
 
 def paged_decode_attention(
@@ -299,6 +380,7 @@ def paged_decode_attention(
     policy: SplitPolicy = DEFAULT_SPLIT_POLICY,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    plan: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context: one kernel launch.
 
@@ -315,6 +397,12 @@ def paged_decode_attention(
     CUDA graph (and never share them between launches that may run concurrently). config
     overrides tile sizes; policy the split heuristic. k_scale, v_scale: fp32 [Hkv], with FP8
     caches only: the caches hold values / scale in e4m3.
+
+    plan: the step's work items from the host (paged_decode_launch.decode_plan), int32
+    [capacity + 1, 2]: the grid is one program per (item, KV head), every sequence cut into
+    splits of the plan's one length, so that a long context does not keep a whole launch
+    waiting on its one program; num_splits and policy are then unused, and workspace must
+    hold decode_workspace_numel(capacity, Hq, D, 1) elements.
     """
     out = check_decode_args(q, k_cache, v_cache, block_tables, seq_lens, out, policy,
                             k_scale, v_scale)
@@ -324,6 +412,10 @@ def paged_decode_attention(
         return out
 
     fp8 = k_scale is not None
+    if plan is not None:
+        _launch_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, plan, workspace,
+                     counters, config, k_scale, v_scale)
+        return out
     if num_splits is None:
         bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
         block_n = (config or decode_config(head_dim, fp8=fp8)).block_n
@@ -362,11 +454,46 @@ def paged_decode_attention(
             part.stride(0), part.stride(1), part.stride(2),
             lse.stride(0), lse.stride(1),
             num_kv_heads,
-            SPLITS_PAD=splits_pad, GROUP_PAD=group_pad,
+            GROUP_PAD=group_pad,
             MERGE_CHUNK=max(1, min(splits_pad, MERGE_TILE // (group_pad * head_dim))),
             **consts, **_tiles(cfg, q, fp8),
         )
     return out
+
+
+def _launch_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor,
+                 scale: float, plan: torch.Tensor, workspace: torch.Tensor | None,
+                 counters: torch.Tensor | None, config: DecodeConfig | None,
+                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    _, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    check(plan.dtype == torch.int32 and plan.dim() == 2 and plan.shape[1] == 2
+          and plan.shape[0] >= 2 and plan.is_contiguous(),
+          f"plan must be contiguous int32 [capacity + 1, 2], got {plan.dtype} "
+          f"{tuple(plan.shape)}")
+    capacity = plan.shape[0] - 1
+    part, lse, counters = plan_workspace(q, num_kv_heads, capacity, workspace, counters)
+    check_same_device(q=q, plan=plan)
+    fp8 = k_scale is not None
+    cfg = config or plan_config(head_dim, fp8=fp8)
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    with device_guard(q):
+        _paged_decode_plan_kernel[(capacity, num_kv_heads)](
+            q, k_cache, v_cache, block_tables, seq_lens, out, plan, part, lse, counters,
+            k_scale, v_scale, scale * LOG2E,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            part.stride(0), part.stride(1), lse.stride(0), num_kv_heads,
+            GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+            BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            GROUP_PAD=group_pad, MERGE_CHUNK=max(1, PLAN_MERGE_TILE // (group_pad * head_dim)),
+            **_tiles(cfg, q, fp8),
+        )
 
 
 def _tiles(cfg: DecodeConfig, q: torch.Tensor, fp8: bool) -> dict:

@@ -3,8 +3,9 @@ host: tile sizes (`decode_config`; for an unsplit launch on a GPU, the candidate
 grid's last wave best: `UNSPLIT_CANDIDATES`, `fullest_last_wave`), how many split programs the
 grid gets per (sequence, KV head) (`decode_num_splits`, under a `SplitPolicy`), how long each
 sequence's splits are, as the kernel computes them (`decode_split_len`), the fp32 workspace a
-split launch writes its partials to (`decode_workspace_numel`, `split_workspace`), and the
-launcher's argument checks (`check_decode_args`: shapes, dtypes, layouts, devices, FP8 scales,
+split launch writes its partials to (`decode_workspace_numel`, `split_workspace`), a planned
+launch's work items (`decode_plan`, `decode_plan_capacity`, `plan_config`, `plan_workspace`),
+and the launcher's argument checks (`check_decode_args`: shapes, dtypes, layouts, devices, FP8 scales,
 split policy).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from tandem.kernels._common import (
@@ -153,21 +155,97 @@ def split_workspace(q: torch.Tensor, num_kv_heads: int, num_splits: int,
     allocated when None) and the workspace viewed as partial outputs and log-sum-exps."""
     num_seqs, num_q_heads, head_dim = q.shape
     need = decode_workspace_numel(num_seqs, num_q_heads, head_dim, num_splits)
+    workspace, counters = _scratch(q, num_kv_heads, need, workspace, counters)
+    n_part = num_seqs * num_q_heads * num_splits * head_dim
+    part = workspace[:n_part].view(num_seqs, num_q_heads, num_splits, head_dim)
+    lse = workspace[n_part:need].view(num_seqs, num_q_heads, num_splits)
+    return SplitWorkspace(part, lse, counters)
+
+
+def _scratch(q: torch.Tensor, num_kv_heads: int, need: int, workspace: torch.Tensor | None,
+             counters: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A launch's fp32 workspace of >= need elements and its int32 counters, one per
+    (sequence, KV head): checked, each allocated when None."""
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=q.device)
     check(workspace.dtype == torch.float32 and workspace.is_contiguous()
           and workspace.numel() >= need,
           f"workspace must be contiguous fp32 with >= {need} elements")
     if counters is None:
-        counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=q.device)
+        counters = torch.zeros(q.shape[0] * num_kv_heads, dtype=torch.int32, device=q.device)
     check(counters.dtype == torch.int32 and counters.is_contiguous()
-          and counters.numel() >= num_seqs * num_kv_heads,
-          f"counters must be contiguous int32 with >= {num_seqs * num_kv_heads} elements")
+          and counters.numel() >= q.shape[0] * num_kv_heads,
+          f"counters must be contiguous int32 with >= {q.shape[0] * num_kv_heads} elements")
     check_same_device(q=q, workspace=workspace, counters=counters)
-    n_part = num_seqs * num_q_heads * num_splits * head_dim
-    part = workspace[:n_part].view(num_seqs, num_q_heads, num_splits, head_dim)
-    lse = workspace[n_part:need].view(num_seqs, num_q_heads, num_splits)
-    return SplitWorkspace(part, lse, counters)
+    return workspace, counters
+
+
+# A planned launch (decode_plan): tiles, and how many programs the plan aims to spread a step's
+# KV over (this many an SM). Picked on an H200 (8B shapes, the contexts of a served
+# ShareGPT-like run's steps, replayed from its scheduler) over 2, 4 and 8 an SM and the
+# unsplit launch's three tiles; benchmarks/kernels/decode_plan.py measures the pick.
+PLAN_PROGRAMS_PER_SM = 8
+PLAN_MIN_SPLIT_TILES = 4
+
+
+def plan_config(head_dim: int, *, fp8: bool = False) -> DecodeConfig:
+    """A planned launch's tiles (its programs hold at most one split each)."""
+    if head_dim <= 128 and not fp8:
+        return DecodeConfig(64, 4, 2)
+    return decode_config(head_dim, fp8=fp8, split=True)
+
+
+def decode_plan_capacity(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """The most work items decode_plan lists for num_seqs sequences: one each, plus at most
+    one more per PLAN_PROGRAMS_PER_SM * num_sms / num_kv_heads of their total context."""
+    return num_seqs + _cdiv(PLAN_PROGRAMS_PER_SM * num_sms, num_kv_heads)
+
+
+def decode_plan(seq_lens: list[int] | np.ndarray, num_kv_heads: int, num_sms: int, block_n: int,
+                capacity: int = 0) -> np.ndarray:
+    """A planned decode launch's work, int32 [capacity + 1, 2] (kernels/
+    paged_decode_attention.py, `plan`): row 0 (split_len, items), then one (sequence, split)
+    row per item, unused rows (-1, 0); capacity 0: exactly the items.
+
+    Every sequence is cut into splits of split_len tokens (whole block_n tiles, at least
+    PLAN_MIN_SPLIT_TILES of them), the length at which the contexts' total fills about
+    PLAN_PROGRAMS_PER_SM programs an SM: a context many times the step's average no longer
+    keeps the launch waiting on its one program. Sequences longest first, each one's splits in
+    consecutive rows (the merge finds them there). A sequence of length 0 has one item, which
+    writes zeros."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    tiles = max(PLAN_MIN_SPLIT_TILES,
+                _cdiv(int(lens.sum()) * num_kv_heads, PLAN_PROGRAMS_PER_SM * num_sms * block_n))
+    split_len = tiles * block_n
+    order = np.argsort(-lens, kind="stable")
+    splits = np.maximum(1, -(-lens[order] // split_len))
+    items = int(splits.sum())
+    rows = max(capacity, items)
+    assert rows == capacity or not capacity, "more work items than the capacity"
+    plan = np.empty((rows + 1, 2), dtype=np.int32)
+    plan[0] = split_len, items
+    plan[1:items + 1, 0] = np.repeat(order, splits)
+    plan[1:items + 1, 1] = np.arange(items) - np.repeat(np.cumsum(splits) - splits, splits)
+    plan[items + 1:] = -1, 0
+    return plan
+
+
+class PlanWorkspace(NamedTuple):
+    part: torch.Tensor  # fp32 [capacity, Hq, D]: each split item's normalised output
+    lse: torch.Tensor  # fp32 [Hq, capacity]: its log-sum-exp (base 2)
+    counters: torch.Tensor  # int32 [S * Hkv]: splits arrived, all 0 between launches
+
+
+def plan_workspace(q: torch.Tensor, num_kv_heads: int, capacity: int,
+                   workspace: torch.Tensor | None, counters: torch.Tensor | None
+                   ) -> PlanWorkspace:
+    """A planned launch's scratch for q [S, Hq, D] and `capacity` items (as split_workspace)."""
+    _, num_q_heads, head_dim = q.shape
+    need = decode_workspace_numel(capacity, num_q_heads, head_dim, 1)
+    workspace, counters = _scratch(q, num_kv_heads, need, workspace, counters)
+    n_part = capacity * num_q_heads * head_dim
+    return PlanWorkspace(workspace[:n_part].view(capacity, num_q_heads, head_dim),
+                         workspace[n_part:need].view(num_q_heads, capacity), counters)
 
 
 def check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

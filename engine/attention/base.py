@@ -46,6 +46,10 @@ class AttentionMetadata:
     # over those rows (a 0 writes zeros) and the prefill kernel over the prefill_tiles items,
     # which list the chunks of the whole batch (sequence indices from 0).
     decode_lens: torch.Tensor | None = None
+    # The GPU backend's decode work items (kernels/paged_decode_launch.py decode_plan): int32
+    # [capacity + 1, 2] over the decode rows (decode_lens' rows in a mixed-step graph); None:
+    # the launcher's own split heuristic.
+    decode_plan: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -86,6 +90,11 @@ class AttentionBackend(ABC):
         self._kv_scale_rows = [
             (None, None) if kv_scales is None else (kv_scales.k[layer], kv_scales.v[layer])
             for layer in range(pool.shape[1])]
+
+    def plan_capacity(self, rows: int) -> int:
+        """Work items of a decode plan (metadata.decode_plan) for `rows` decode rows; 0: this
+        backend takes no plan."""
+        return 0
 
     def kv_scale(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Layer's (k_scale, v_scale), fp32 [num_kv_heads] each, or (None, None)."""

@@ -10,10 +10,17 @@ An all-decode step is two launches per layer (rotary + store, decode attention; 
 decode merges inside its own launch), with shapes fixed by the batch size and the split
 workspace and counters allocated here once: it can be captured in a CUDA graph. forward never
 syncs with the device; it reads the host copies in the metadata.
+
+The decode rows run as the step's plan lists them (meta.decode_plan, built on the host by
+`plan`: kernels/paged_decode_launch.py decode_plan): each context cut into splits of one
+length, so that the few long contexts of a mixed batch do not keep the launch waiting on their
+one program each. Without a plan (a caller that built none) the launcher's own split heuristic
+runs.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tandem.engine.attention.base import AttentionBackend, AttentionMetadata, Rope
@@ -28,12 +35,20 @@ from tandem.kernels import (
     store_kv,
 )
 from tandem.kernels._common import num_sms
-from tandem.kernels.paged_decode_launch import DEFAULT_SPLIT_POLICY, decode_config
+from tandem.kernels.paged_decode_launch import (
+    DEFAULT_SPLIT_POLICY,
+    decode_config,
+    decode_plan,
+    decode_plan_capacity,
+    plan_config,
+)
 
 
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, pool: torch.Tensor, num_heads: int, scale: float,
-                 kv_scales: KVScales | None = None) -> None:
+                 kv_scales: KVScales | None = None, max_rows: int = 0) -> None:
+        """max_rows: the most decode rows a captured step has (larger eager steps allocate
+        their plan's scratch as they run)."""
         super().__init__(pool, num_heads, scale, kv_scales)
         _, _, _, self.block_size, self.num_kv_heads, self.head_dim = pool.shape
         self.num_sms = num_sms(pool.device)
@@ -51,11 +66,34 @@ class TritonAttentionBackend(AttentionBackend):
                 rows, seqs = max(rows, b * splits), b
         self._workspace_rows = rows  # (sequence, split) pairs
         self._split_seqs = seqs  # sequences the counters cover
-        self.workspace = torch.empty(decode_workspace_numel(rows, num_heads, self.head_dim, 1),
+        self.plan_block_n = plan_config(self.head_dim, fp8=kv_scales is not None).block_n
+        self.max_rows = max(max_rows, seqs)
+        items = max(rows, self.plan_capacity(max_rows)) if max_rows else rows
+        self.workspace = torch.empty(decode_workspace_numel(items, num_heads, self.head_dim, 1),
                                      dtype=torch.float32, device=pool.device)
         # One per (sequence, KV head); zero between launches (each split launch resets them).
-        self.split_counters = torch.zeros(max(1, seqs) * self.num_kv_heads, dtype=torch.int32,
-                                          device=pool.device)
+        self.split_counters = torch.zeros(max(1, self.max_rows) * self.num_kv_heads,
+                                          dtype=torch.int32, device=pool.device)
+
+    def plan_capacity(self, rows: int) -> int:
+        """Work items a plan for `rows` decode rows can list. FP8 caches take no plan: their
+        unsplit launches keep the register-capped tiles picked by the grid's last wave."""
+        if self.kv_scales is not None:
+            return 0
+        return decode_plan_capacity(rows, self.num_kv_heads, self.num_sms)
+
+    def plan(self, seq_lens: list[int], capacity: int = 0) -> np.ndarray:
+        """The decode rows' plan (int32 [capacity + 1, 2]; capacity 0: exactly its items)."""
+        return decode_plan(seq_lens, self.num_kv_heads, self.num_sms, self.plan_block_n,
+                           capacity)
+
+    def _plan_scratch(self, rows: int, plan: torch.Tensor
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The preallocated workspace and counters when they fit the launch (always, for the
+        captured steps), else None: the launcher allocates for a larger eager step."""
+        fits = (rows <= self.max_rows and self.workspace.numel() >= decode_workspace_numel(
+            plan.shape[0] - 1, self.num_heads, self.head_dim, 1))
+        return (self.workspace, self.split_counters) if fits else (None, None)
 
     def _num_splits(self, num_seqs: int, max_seq_len: int, block_tables: torch.Tensor,
                     capturing: bool) -> int:
@@ -100,34 +138,36 @@ class TritonAttentionBackend(AttentionBackend):
                             meta.slot_mapping, k_scale, v_scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd, ns = meta.num_decodes, meta.num_seqs
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if meta.decode_lens is not None:  # a mixed-step graph's layout (base.py)
-            rows = meta.decode_lens.shape[0]
-            splits = self._num_splits(rows, meta.max_seq_len, meta.block_tables, capturing)
-            # The grid covers every row the graph can hold, most of them with no context (their
-            # programs exit at once): tiles picked by how full that grid's last wave is would
-            # fit programs that do nothing, so the decode rows keep the default tiles.
+        graph_rows = meta.decode_lens is not None  # a mixed-step graph's layout (base.py)
+        # The decode kernel's rows: every sequence row of a mixed-step graph (decode_lens, 0
+        # for all but the decodes: zeros written, and the prefill kernel then writes the
+        # chunks' rows), else the step's decodes.
+        rows = meta.decode_lens.shape[0] if graph_rows else nd
+        lens = meta.decode_lens if graph_rows else meta.seq_lens[:nd]
+        if rows and meta.decode_plan is not None:
+            workspace, counters = self._plan_scratch(rows, meta.decode_plan)
             paged_decode_attention(
-                q[:rows], k_cache, v_cache, meta.block_tables[:rows], meta.decode_lens,
-                self.scale, out=out[:rows], num_splits=splits,
-                config=decode_config(self.head_dim, fp8=k_scale is not None, split=splits > 1),
-                workspace=self.workspace, counters=self.split_counters, k_scale=k_scale,
-                v_scale=v_scale)
+                q[:rows], k_cache, v_cache, meta.block_tables[:rows], lens, self.scale,
+                out=out[:rows], plan=meta.decode_plan, workspace=workspace, counters=counters,
+                k_scale=k_scale, v_scale=v_scale)
+        elif rows:
+            capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+            splits = self._num_splits(rows, meta.max_seq_len, meta.block_tables, capturing)
+            # A mixed-step graph's grid covers every row the graph can hold, most of them with
+            # no context (their programs exit at once): tiles picked by how full that grid's
+            # last wave is would fit programs that do nothing, so it keeps the default tiles.
+            config = (decode_config(self.head_dim, fp8=k_scale is not None, split=splits > 1)
+                      if graph_rows else None)
+            paged_decode_attention(
+                q[:rows], k_cache, v_cache, meta.block_tables[:rows], lens, self.scale,
+                out=out[:rows], num_splits=splits, config=config, workspace=self.workspace,
+                counters=self.split_counters, k_scale=k_scale, v_scale=v_scale)
+        if graph_rows:  # the prefill kernel over the chunks' work items, rows from 0
             paged_prefill_attention(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 self.scale, meta.max_query_len, out=out, tiles=meta.prefill_tiles,
                 k_scale=k_scale, v_scale=v_scale)
-            return out
-
-        if nd:
-            block_tables = meta.block_tables[:nd] if nd < ns else meta.block_tables
-            seq_lens = meta.seq_lens[:nd] if nd < ns else meta.seq_lens
-            paged_decode_attention(
-                q[:nd], k_cache, v_cache, block_tables, seq_lens, self.scale, out=out[:nd],
-                num_splits=self._num_splits(nd, meta.max_seq_len, block_tables, capturing),
-                workspace=self.workspace, counters=self.split_counters, k_scale=k_scale,
-                v_scale=v_scale)
-        if nd < ns:
+        elif nd < ns:
             # Decodes own exactly one token each, so the prefill part starts at token nd.
             paged_prefill_attention(
                 q[nd:], k_cache, v_cache, meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:],

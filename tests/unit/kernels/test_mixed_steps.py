@@ -43,22 +43,21 @@ def greedy(model: str, backend: str) -> tuple[list[list[int]], int]:
 
 
 def test_mixed_step_buffers_give_the_eager_tokens(tiny_models, monkeypatch):
-    """Also: a mixed-step graph's decode launch covers every sequence row the graph holds,
-    most of them without context, so it takes the default tiles (decode_config), not the
-    ones the launcher would pick by how full that grid's last wave is
-    (kernels/paged_decode_launch.py UNSPLIT_CANDIDATES), which on a GPU fit programs that
-    exit at once."""
+    """Also: a mixed-step graph's decode launch runs the plan the model runner built over
+    every sequence row the graph holds (kernels/paged_decode_launch.py decode_plan): one item
+    per row, the decodes first, the rows without context after them, padded to the graph's
+    capacity."""
     from tandem.engine.attention import triton_backend
-    from tandem.kernels.paged_decode_launch import decode_config
 
     model = str(tiny_models["llama"])
     expected, _ = greedy(model, "torch")
     assert greedy(model, "triton")[0] == expected
-    configs = []
+    plans = []
 
-    def recording(*args, **kwargs):
-        configs.append((kwargs.get("config"), kwargs.get("num_splits")))
-        return attend(*args, **kwargs)
+    def recording(q, *args, **kwargs):
+        if kwargs.get("plan") is not None:
+            plans.append((q.shape[0], kwargs["plan"].clone()))
+        return attend(q, *args, **kwargs)
 
     attend = triton_backend.paged_decode_attention
     monkeypatch.setattr(triton_backend, "paged_decode_attention", recording)
@@ -66,10 +65,15 @@ def test_mixed_step_buffers_give_the_eager_tokens(tiny_models, monkeypatch):
     assert replays > 0
     assert got == expected
     cfg = json.loads((tiny_models["llama"] / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    chosen = [(tiles, splits) for tiles, splits in configs if tiles is not None]
-    assert len(chosen) == replays * cfg["num_hidden_layers"]  # a launch a layer a replay
-    assert all(tiles == decode_config(head_dim, split=splits > 1) for tiles, splits in chosen)
+    rows = {r for r, _ in plans}
+    assert len(plans) >= replays * cfg["num_hidden_layers"]  # a launch a layer a replay
+    graph_plans = [(r, p) for r, p in plans if p.shape[0] > p[0, 1] + 1]  # padded: a graph's
+    assert len(graph_plans) == replays * cfg["num_hidden_layers"], rows
+    for r, plan in graph_plans:
+        items = int(plan[0, 1])
+        assert items == r  # tiny contexts: no sequence split
+        assert sorted(plan[1:items + 1, 0].tolist()) == list(range(r))
+        assert (plan[items + 1:, 0] == -1).all()
 
 
 @pytest.mark.parametrize("graph_rows", [16, 8])

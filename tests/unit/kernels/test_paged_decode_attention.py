@@ -11,7 +11,14 @@ from tandem.kernels import (
     paged_decode_attention_ref,
 )
 from tandem.kernels._common import INTERPRET
-from tandem.kernels.paged_decode_launch import DecodeConfig, decode_split_len, fullest_last_wave
+from tandem.kernels.paged_decode_launch import (
+    PLAN_MIN_SPLIT_TILES,
+    DecodeConfig,
+    decode_plan,
+    decode_plan_capacity,
+    decode_split_len,
+    fullest_last_wave,
+)
 
 # Splits of one tile are allowed, so that short contexts exercise the split path.
 ANY_SPLIT = SplitPolicy(min_split_tiles=1)
@@ -71,6 +78,63 @@ def test_default_split_path_and_workspace(seed, device, make_paged_context):
     ref = paged_decode_attention_ref(q, pool[:, 1, 0], pool[:, 1, 1], tables, seq_lens, 0.125)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"seed={seed}\n{m}")
     assert not torch.isnan(ws).all(), "the split path did not use the workspace"
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_planned_launch_matches_reference(seed, device, make_paged_context, group):
+    """A planned launch (the engine's): the long contexts cut into splits of the plan's one
+    length, a padding row, unused items at the end; twice over one workspace and counters."""
+    lens = [*_random_lens(4, 300), 0]
+    num_kv_heads, head_dim, sms = 2, 64, 1
+    pool, tables, seq_lens = make_paged_context(lens, 64, 16, 3, 1, num_kv_heads, head_dim,
+                                                torch.float32, device)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, device=device)
+    capacity = decode_plan_capacity(len(lens), num_kv_heads, sms)
+    plan = torch.from_numpy(decode_plan(lens, num_kv_heads, sms, SMALL_TILES.block_n,
+                                        capacity)).to(device)
+    msg = f"seed={seed} lens={lens} plan={plan[0].tolist()}"
+    assert plan[0, 1] > len(lens), msg  # something was split
+    ws = torch.full((decode_workspace_numel(capacity, q.shape[1], head_dim, 1),), float("nan"),
+                    device=device)
+    counters = torch.zeros(len(lens) * num_kv_heads, dtype=torch.int32, device=device)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, out=out, plan=plan,
+                               workspace=ws, counters=counters, config=SMALL_TILES)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4, msg=lambda m: f"{msg}\n{m}")
+        assert torch.all(out[-1] == 0), msg
+        assert torch.all(counters == 0), msg
+
+
+def test_decode_plan_covers_every_sequence_within_capacity():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        num_seqs = int(torch.randint(1, 40, (), generator=gen))
+        lens = torch.randint(0, 5000, (num_seqs,), generator=gen).tolist()
+        if trial % 3 == 0:
+            lens[0] = 60000  # one context far above the rest
+        heads, sms, block_n = (8, 132, 64) if trial % 2 else (2, 4, 16)
+        capacity = decode_plan_capacity(num_seqs, heads, sms)
+        plan = decode_plan(lens, heads, sms, block_n, capacity)
+        split_len, items = plan[0].tolist()
+        pairs = [tuple(row) for row in plan[1:].tolist()]
+        assert len(pairs) == capacity and items <= capacity
+        assert split_len % block_n == 0 and split_len >= PLAN_MIN_SPLIT_TILES * block_n
+        used, rest = pairs[:items], pairs[items:]
+        assert all(p == (-1, 0) for p in rest)
+        order = []
+        for i, (seq, split) in enumerate(used):  # each sequence's splits 0.. in a row
+            if split == 0:
+                order.append(seq)
+            else:
+                assert used[i - 1] == (seq, split - 1)
+        assert sorted(order) == list(range(num_seqs))
+        assert [lens[s] for s in order] == sorted(lens, reverse=True)  # longest first
+        for seq in order:
+            n = sum(1 for s, _ in used if s == seq)
+            assert n == max(1, -(-lens[seq] // split_len))
 
 
 def test_split_heuristic():

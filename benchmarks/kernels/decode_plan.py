@@ -1,0 +1,122 @@
+"""Decode attention with a plan (kernels/paged_decode_launch.py decode_plan: every context cut
+into splits of one length, sequences longest first) against the launch without one (the split
+heuristic and, from ~33 sequences, one program per (sequence, KV head)), as the engine's
+decode graphs launch it: replayed from a CUDA graph, block tables 4,096 tokens wide.
+
+    python benchmarks/kernels/decode_plan.py [--out decode_plan.json]   # one GPU, ~30 s
+    python benchmarks/kernels/decode_plan.py --smoke                    # CPU, the interpreter
+
+Batches: uniform contexts, and mixed ones as a served ShareGPT-like run's steps hold them
+(--mixed N: N requests of the workload, each at a random point of its output: its prompt plus
+that many tokens). Llama-3.1-8B attention shapes, bf16, 16-token blocks of randomly permuted
+ids. Per batch: µs without and with the plan, each one's share of the copy bandwidth, the
+plan's split length and items. Outputs are checked against the torch reference first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.kernels.paged_kernels_common import LLAMA_8B, SMOKE, bench, copy_bound, sweep_device
+from benchmarks.lib.workloads import sharegpt_like
+from tandem.kernels import (
+    decode_workspace_numel,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+)
+from tandem.kernels._common import num_sms
+from tandem.kernels.paged_decode_launch import decode_plan, decode_plan_capacity, plan_config
+
+UNIFORM = [(1, 2048), (16, 2048), (96, 448), (446, 320)]
+MIXED = [16, 100, 200]  # requests drawn from the ShareGPT-like workload
+
+
+def mixed_lens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [len(r.prompt) + rng.randrange(1, r.max_tokens + 1)
+            for r in sharegpt_like(n, 1000, seed=seed)]
+
+
+def time_batch(lens: list[int], table_tokens: int, shape, args, device) -> dict:
+    bs, b = args.block_size, len(lens)
+    width = table_tokens // bs
+    pool = torch.randn(b * width + 1, 2, 2, bs, shape.num_kv_heads, shape.head_dim,
+                       dtype=shape.dtype, device=device)
+    k, v = pool[:, 1, 0], pool[:, 1, 1]
+    table = torch.randperm(b * width, device=device).to(torch.int32).view(b, width)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(b, shape.num_q_heads, shape.head_dim, dtype=shape.dtype, device=device)
+    scale = shape.head_dim ** -0.5
+    sms = num_sms(device)
+    capacity = decode_plan_capacity(b, shape.num_kv_heads, sms)
+    plan = decode_plan(lens, shape.num_kv_heads, sms, plan_config(shape.head_dim).block_n,
+                       capacity)
+    plan_t = torch.from_numpy(plan).to(device)
+    ws = torch.empty(decode_workspace_numel(max(capacity, 64 * b), shape.num_q_heads,
+                                            shape.head_dim, 1), dtype=torch.float32, device=device)
+    counters = torch.zeros(b * shape.num_kv_heads, dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    calls = {
+        "unplanned": lambda: paged_decode_attention(q, k, v, table, seq_lens, scale, out=out,
+                                                    max_seq_len=table_tokens, workspace=ws,
+                                                    counters=counters),
+        "planned": lambda: paged_decode_attention(q, k, v, table, seq_lens, scale, out=out,
+                                                  plan=plan_t, workspace=ws, counters=counters),
+    }
+    ref = paged_decode_attention_ref(q, k, v, table, seq_lens, scale) if b <= 16 else None
+    row = {"batch": b, "mean_context": sum(lens) // b, "max_context": max(lens),
+           "split_len": int(plan[0, 0]), "items": int(plan[0, 1])}
+    for name, call in calls.items():
+        call()
+        if ref is not None:
+            torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        row[name] = bench([call], device, args.reps)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mixed", type=int, nargs="+", default=MIXED)
+    p.add_argument("--seeds", type=int, default=2, help="mixed batches drawn per size")
+    p.add_argument("--table-tokens", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: the interpreter)")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    device, card = sweep_device()
+    shape, uniform = LLAMA_8B, UNIFORM
+    if args.smoke:
+        shape, uniform, args.mixed, args.seeds = SMOKE, [(3, 100)], [3], 1
+        args.table_tokens, args.reps = 512, 1
+    bw = copy_bound(device, 10, args.smoke)["gbps"]
+    print(f"# {card}: decode attention without and with a plan; copy bandwidth {bw:.0f} GB/s")
+    batches = [(f"{b} x {c}", [c] * b) for b, c in uniform]
+    batches += [(f"{n} mixed, seed {s}", mixed_lens(n, s) if not args.smoke else [5, 300, 40])
+                for n in args.mixed for s in range(args.seeds)]
+    rows = []
+    for name, lens in batches:
+        r = time_batch(lens, args.table_tokens, shape, args, device)
+        nbytes = 2 * sum(lens) * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+        share = {k: nbytes / r[k] / 1e9 / bw for k in ("unplanned", "planned")}
+        print(f"{name:>20}: mean {r['mean_context']:5d} max {r['max_context']:5d}  "
+              f"unplanned {r['unplanned'] * 1e6:7.1f} us ({share['unplanned']:.0%})  "
+              f"planned {r['planned'] * 1e6:7.1f} us ({share['planned']:.0%})  "
+              f"x{r['planned'] / r['unplanned']:.3f}  split {r['split_len']} items {r['items']}",
+              flush=True)
+        rows.append({"name": name, **r})
+    if args.out:
+        args.out.write_text(json.dumps({"card": card, "copy_gbps": bw, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
