@@ -198,8 +198,7 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], num_decodes=bs,
             max_query_len=1, max_seq_len=self.block_tables.shape[1] * self.backend.pool.shape[3],
             query_lens_cpu=[1] * bs, seq_lens_cpu=[0] * bs,
-            decode_plan=self.plan[:self.backend.plan_capacity(bs) + 1] if self.plan.numel()
-            else None)
+            decode_plan=self.plan[:cap + 1] if (cap := self.backend.plan_capacity(bs)) else None)
 
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         with forward_context(self.backend, self._meta(bs)):
@@ -283,8 +282,7 @@ class CudaGraphRunner:
             longs[4 * mb:4 * mb + k] = fill.src
         ints[:b] = seq_lens
         ints[b:bs] = 0
-        if self.plan.numel():  # over the graph's rows, the padding's (context 0) too
-            cap = self.backend.plan_capacity(bs)
+        if cap := self.backend.plan_capacity(bs):  # over the graph's rows, the padding's too
             st.plan[:cap + 1] = self.backend.plan(ints[:bs], cap)
         # Columns past the step's width, and padding rows, keep what they held: no row reads
         # past its context. Full rows up to the graph's last make one copy with the rest
@@ -450,8 +448,7 @@ class MixedGraphRunner:
             max_query_len=t, max_seq_len=self.block_tables.shape[1] * self.backend.pool.shape[3],
             query_lens_cpu=[t], seq_lens_cpu=[0] * s,
             prefill_tiles=self.tiles[:self.capacity(t)], decode_lens=self.decode_lens[:s],
-            decode_plan=self.plan[:self.backend.plan_capacity(s) + 1]
-            if self.plan.shape[0] > 1 else None)
+            decode_plan=self.plan[:cap + 1] if (cap := self.backend.plan_capacity(s)) else None)
 
     def _forward(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.seqs(t)

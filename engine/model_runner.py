@@ -403,13 +403,12 @@ class ModelRunner:
         # The decode kernel's plan (GPU): over the step's decodes, or over every sequence row
         # of the mixed-step graph it replays, padded to that graph's capacity.
         plan = np.empty((0, 2), dtype=np.int32)
-        planned = backend.plan_capacity(1) > 0
-        if planned and inputs.use_mixed_graph:
+        if inputs.use_mixed_graph:
             rows = self.mixed_graphs.seqs(self.mixed_graphs.size_for(
                 t, max(b, len(inputs.row_token_index))))
-            plan = backend.plan(inputs.seq_lens[:nd] + [0] * (rows - nd),
-                                backend.plan_capacity(rows))
-        elif planned and nd:
+            if capacity := backend.plan_capacity(rows):
+                plan = backend.plan(inputs.seq_lens[:nd] + [0] * (rows - nd), capacity)
+        elif nd and backend.plan_capacity(nd):
             plan = backend.plan(inputs.seq_lens[:nd])
         ints = _to(qsl + inputs.seq_lens + tiles + plan.ravel().tolist(), torch.int32, dev)
         table = torch.from_numpy(inputs.block_table)

@@ -6,15 +6,16 @@ traffic, each stalling a step for a second or more (BENCHMARKS.md, "the first ru
 The variants: the kernels take every step-varying size and address without specialising on it
 (`do_not_specialize` in kernels/), so what is left is one variant per kernel and constexpr set:
   - the model's kernels (norms, rotary + store, activation, FP8 quantization) and both attention
-    kernels (the decode kernel by a plan, as every engine step runs it), compiled by eager
-    steps: a mixed step (decodes and a prefill chunk) and a pure prefill step of several
+    kernels (the decode kernel by a plan, as engine steps of two or more decodes run it),
+    compiled by eager steps: a mixed step (decodes and a prefill chunk) and a pure prefill step of several
     chunks;
   - with FP8 weights, the weight-only matmul of steps of at most GEMV_MAX_M tokens (a batch-1
     decode, kernels/fp8_gemv.py), and the activation quantization and the scales applied after
     torch._scaled_mm (kernels/fp8_scale_product.py) of small decode batches, by eager decode
     steps of 1 and 3 sequences;
-  - the decode kernel without a plan (an FP8 cache's launches), split once per power of two
-    of splits (its merge is sized by it) and unsplit, launched on the pool's first block;
+  - the decode kernel without a plan (one decode row, and an FP8 cache's launches), split
+    once per power of two of splits (its merge is sized by it) and unsplit, launched on the
+    pool's first block;
   - the block copy of KV pulls, copying the pool's first block onto its second.
 The pool's contents are garbage at start-up and every block written here is overwritten before
 it is read: nothing is allocated or cached by this.

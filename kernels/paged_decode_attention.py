@@ -32,8 +32,8 @@ replay. A sequence with a single active split writes its output directly.
 
 A plan (the engine's launches; paged_decode_launch.py decode_plan) replaces the grid's
 (sequence, KV head, split) with work items the host lists per step: one split length for the
-whole step, chosen so the contexts' total fills about 8 programs an SM, every sequence cut
-into splits of it, longest first. In a mixed batch a context several times the average would
+whole step, chosen so the contexts' total fills about 8 programs an SM (unless no context is
+much longer than it), every sequence cut into splits of it, longest first. In a mixed batch a context several times the average would
 otherwise keep the launch waiting on its one program (a served ShareGPT-like step of ~100
 decodes: 30-40% of the copy bandwidth without a plan, ~70% with one). A graph's grid is the
 plan's capacity; unused items exit at once. Partials are indexed by item, a sequence's in
@@ -81,10 +81,6 @@ from tandem.kernels.paged_decode_launch import (
 )
 
 LOG2E = 1.4426950408889634
-MERGE_TILE = 4096  # fp32 elements of partial output the merging program loads at once
-# The plan kernel merges in smaller pieces (fewer registers on a path most of its programs skip;
-# measured with it: BENCHMARKS.md, "decode attention by a plan").
-PLAN_MERGE_TILE = 1024
 
 
 @triton.jit
@@ -455,7 +451,7 @@ def paged_decode_attention(
             lse.stride(0), lse.stride(1),
             num_kv_heads,
             GROUP_PAD=group_pad,
-            MERGE_CHUNK=max(1, min(splits_pad, MERGE_TILE // (group_pad * head_dim))),
+            MERGE_CHUNK=max(1, min(splits_pad, cfg.merge_tile // (group_pad * head_dim))),
             **consts, **_tiles(cfg, q, fp8),
         )
     return out
@@ -491,7 +487,7 @@ def _launch_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
             BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            GROUP_PAD=group_pad, MERGE_CHUNK=max(1, PLAN_MERGE_TILE // (group_pad * head_dim)),
+            GROUP_PAD=group_pad, MERGE_CHUNK=max(1, cfg.merge_tile // (group_pad * head_dim)),
             **_tiles(cfg, q, fp8),
         )
 

@@ -37,6 +37,9 @@ class DecodeConfig(NamedTuple):
     # Registers a thread may use (ptxas's maxnreg; None: as many as it wants). Registers bound
     # how many programs an SM holds, and so how many tiles are in flight to hide memory latency.
     max_registers: int | None = None
+    # fp32 elements of partial output the merging program of a split launch loads at once
+    # (larger: fewer rounds of loads; smaller: fewer registers, on a path most programs skip).
+    merge_tile: int = 4096
 
 
 def decode_config(head_dim: int, *, fp8: bool = False, split: bool = True) -> DecodeConfig:
@@ -186,12 +189,16 @@ def _scratch(q: torch.Tensor, num_kv_heads: int, need: int, workspace: torch.Ten
 # unsplit launch's three tiles; benchmarks/kernels/decode_plan.py measures the pick.
 PLAN_PROGRAMS_PER_SM = 8
 PLAN_MIN_SPLIT_TILES = 4
+PLAN_TILES = DecodeConfig(64, 4, 2, merge_tile=1024)
+# When the longest context is at most this many split lengths long, none is cut: a split that
+# short buys little balance and costs a merge (batches of equal contexts split for nothing).
+PLAN_KEEP_WHOLE = 1.5
 
 
 def plan_config(head_dim: int, *, fp8: bool = False) -> DecodeConfig:
-    """A planned launch's tiles (its programs hold at most one split each)."""
+    """A planned launch's tiles."""
     if head_dim <= 128 and not fp8:
-        return DecodeConfig(64, 4, 2)
+        return PLAN_TILES
     return decode_config(head_dim, fp8=fp8, split=True)
 
 
@@ -202,7 +209,7 @@ def decode_plan_capacity(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
 
 
 def decode_plan(seq_lens: list[int] | np.ndarray, num_kv_heads: int, num_sms: int, block_n: int,
-                capacity: int = 0) -> np.ndarray:
+                capacity: int = 0, keep_whole: float = PLAN_KEEP_WHOLE) -> np.ndarray:
     """A planned decode launch's work, int32 [capacity + 1, 2] (kernels/
     paged_decode_attention.py, `plan`): row 0 (split_len, items), then one (sequence, split)
     row per item, unused rows (-1, 0); capacity 0: exactly the items.
@@ -210,13 +217,17 @@ def decode_plan(seq_lens: list[int] | np.ndarray, num_kv_heads: int, num_sms: in
     Every sequence is cut into splits of split_len tokens (whole block_n tiles, at least
     PLAN_MIN_SPLIT_TILES of them), the length at which the contexts' total fills about
     PLAN_PROGRAMS_PER_SM programs an SM: a context many times the step's average no longer
-    keeps the launch waiting on its one program. Sequences longest first, each one's splits in
-    consecutive rows (the merge finds them there). A sequence of length 0 has one item, which
-    writes zeros."""
+    keeps the launch waiting on its one program. When the longest context is at most
+    keep_whole split lengths, the split length is it and nothing is cut. Sequences longest
+    first, each one's splits in consecutive rows (the merge finds them there). A sequence of
+    length 0 has one item, which writes zeros."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     tiles = max(PLAN_MIN_SPLIT_TILES,
                 _cdiv(int(lens.sum()) * num_kv_heads, PLAN_PROGRAMS_PER_SM * num_sms * block_n))
     split_len = tiles * block_n
+    longest = int(lens.max(initial=0))
+    if longest <= keep_whole * split_len:
+        split_len = max(split_len, _cdiv(longest, block_n) * block_n)
     order = np.argsort(-lens, kind="stable")
     splits = np.maximum(1, -(-lens[order] // split_len))
     items = int(splits.sum())

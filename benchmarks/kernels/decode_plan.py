@@ -33,9 +33,21 @@ from tandem.kernels import (
     paged_decode_attention_ref,
 )
 from tandem.kernels._common import num_sms
-from tandem.kernels.paged_decode_launch import decode_plan, decode_plan_capacity, plan_config
+from tandem.kernels.paged_decode_launch import (
+    PLAN_KEEP_WHOLE,
+    DecodeConfig,
+    decode_config,
+    decode_plan,
+    decode_plan_capacity,
+)
 
-UNIFORM = [(1, 2048), (16, 2048), (96, 448), (446, 320)]
+UNIFORM = [(1, 2048), (4, 1024), (16, 2048), (96, 448), (192, 448), (446, 320)]
+# Other plans than the default: (tiles (None: the launcher's pick), keep_whole)
+VARIANTS = {
+    "keep 1": (None, 1.0),
+    "64/4/3 m4k": (DecodeConfig(64, 4, 3), PLAN_KEEP_WHOLE),
+    "32/2/4 m1k": (DecodeConfig(32, 2, 4, merge_tile=1024), PLAN_KEEP_WHOLE),
+}
 MIXED = [16, 100, 200]  # requests drawn from the ShareGPT-like workload
 
 
@@ -57,20 +69,28 @@ def time_batch(lens: list[int], table_tokens: int, shape, args, device) -> dict:
     scale = shape.head_dim ** -0.5
     sms = num_sms(device)
     capacity = decode_plan_capacity(b, shape.num_kv_heads, sms)
-    plan = decode_plan(lens, shape.num_kv_heads, sms, plan_config(shape.head_dim).block_n,
-                       capacity)
-    plan_t = torch.from_numpy(plan).to(device)
+    block_n = decode_config(shape.head_dim).block_n
     ws = torch.empty(decode_workspace_numel(max(capacity, 64 * b), shape.num_q_heads,
                                             shape.head_dim, 1), dtype=torch.float32, device=device)
     counters = torch.zeros(b * shape.num_kv_heads, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
+
+    def planned(config: DecodeConfig | None, keep_whole: float):
+        plan = decode_plan(lens, shape.num_kv_heads, sms, block_n, capacity, keep_whole)
+        plan_t = torch.from_numpy(plan).to(device)
+        return plan, lambda: paged_decode_attention(q, k, v, table, seq_lens, scale, out=out,
+                                                    plan=plan_t, workspace=ws,
+                                                    counters=counters, config=config)
+
+    plan, call = planned(None, PLAN_KEEP_WHOLE)
     calls = {
         "unplanned": lambda: paged_decode_attention(q, k, v, table, seq_lens, scale, out=out,
                                                     max_seq_len=table_tokens, workspace=ws,
                                                     counters=counters),
-        "planned": lambda: paged_decode_attention(q, k, v, table, seq_lens, scale, out=out,
-                                                  plan=plan_t, workspace=ws, counters=counters),
+        "planned": call,
     }
+    if args.variants:
+        calls.update({name: planned(*v)[1] for name, v in VARIANTS.items()})
     ref = paged_decode_attention_ref(q, k, v, table, seq_lens, scale) if b <= 16 else None
     row = {"batch": b, "mean_context": sum(lens) // b, "max_context": max(lens),
            "split_len": int(plan[0, 0]), "items": int(plan[0, 1])}
@@ -89,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table-tokens", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--variants", action="store_true",
+                   help="also other tiles and keep_whole thresholds (VARIANTS)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: the interpreter)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -110,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>20}: mean {r['mean_context']:5d} max {r['max_context']:5d}  "
               f"unplanned {r['unplanned'] * 1e6:7.1f} us ({share['unplanned']:.0%})  "
               f"planned {r['planned'] * 1e6:7.1f} us ({share['planned']:.0%})  "
-              f"x{r['planned'] / r['unplanned']:.3f}  split {r['split_len']} items {r['items']}",
-              flush=True)
+              f"x{r['planned'] / r['unplanned']:.3f}  split {r['split_len']} items {r['items']}"
+              + "".join(f"\n{'':>22}{v}: x{r[v] / r['unplanned']:.3f}"
+                        for v in VARIANTS if v in r), flush=True)
         rows.append({"name": name, **r})
     if args.out:
         args.out.write_text(json.dumps({"card": card, "copy_gbps": bw, "rows": rows}, indent=1))

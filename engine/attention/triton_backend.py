@@ -40,7 +40,6 @@ from tandem.kernels.paged_decode_launch import (
     decode_config,
     decode_plan,
     decode_plan_capacity,
-    plan_config,
 )
 
 
@@ -66,7 +65,7 @@ class TritonAttentionBackend(AttentionBackend):
                 rows, seqs = max(rows, b * splits), b
         self._workspace_rows = rows  # (sequence, split) pairs
         self._split_seqs = seqs  # sequences the counters cover
-        self.plan_block_n = plan_config(self.head_dim, fp8=kv_scales is not None).block_n
+        self.plan_block_n = decode_config(self.head_dim).block_n  # plans cut whole tiles
         self.max_rows = max(max_rows, seqs)
         items = max(rows, self.plan_capacity(max_rows)) if max_rows else rows
         self.workspace = torch.empty(decode_workspace_numel(items, num_heads, self.head_dim, 1),
@@ -76,9 +75,11 @@ class TritonAttentionBackend(AttentionBackend):
                                           dtype=torch.int32, device=pool.device)
 
     def plan_capacity(self, rows: int) -> int:
-        """Work items a plan for `rows` decode rows can list. FP8 caches take no plan: their
-        unsplit launches keep the register-capped tiles picked by the grid's last wave."""
-        if self.kv_scales is not None:
+        """Work items a plan for `rows` decode rows can list; 0, no plan, for a single row (no
+        contexts to balance: the split heuristic cuts it as evenly, with less to load) and for
+        FP8 caches (their unsplit launches keep the register-capped tiles picked by the grid's
+        last wave)."""
+        if rows <= 1 or self.kv_scales is not None:
             return 0
         return decode_plan_capacity(rows, self.num_kv_heads, self.num_sms)
 

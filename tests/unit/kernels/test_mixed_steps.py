@@ -23,7 +23,8 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=2 + i, ignore_eos=True)
           for i in range(len(PROMPTS))]
 
 
-def greedy(model: str, backend: str) -> tuple[list[list[int]], int]:
+def greedy(model: str, backend: str, prompts: list[list[int]] = PROMPTS,
+           params: list[SamplingParams] = PARAMS) -> tuple[list[list[int]], int]:
     llm = LLM(model, device="cpu", dtype="float32", progress=False, num_blocks=128,
               max_num_batched_tokens=40)
     runner = llm.engine.runner
@@ -34,7 +35,7 @@ def greedy(model: str, backend: str) -> tuple[list[list[int]], int]:
     if backend == "mixed":
         runner.mixed_graphs = MixedGraphRunner(runner.model, runner.backend, 40, 512, 64,
                                                torch.device("cpu"))
-    outs = llm.generate(PROMPTS, PARAMS)
+    outs = llm.generate(prompts, params)
     assert llm.engine.is_idle()
     replays = runner.mixed_graphs.replays if runner.mixed_graphs is not None else 0
     runner.close()  # the graphs released, as before a tensor-parallel group is destroyed
@@ -74,6 +75,36 @@ def test_mixed_step_buffers_give_the_eager_tokens(tiny_models, monkeypatch):
         assert items == r  # tiny contexts: no sequence split
         assert sorted(plan[1:items + 1, 0].tolist()) == list(range(r))
         assert (plan[items + 1:, 0] == -1).all()
+
+
+def test_planned_decodes_cut_long_contexts(tiny_models, monkeypatch):
+    """Splits as short as one tile: the decodes beside a long context cut it into several work
+    items, which the kernel merges. The greedy tokens are the torch backend's, eagerly and from
+    the mixed-step graphs' buffers."""
+    from tandem.engine.attention import triton_backend
+    from tandem.kernels import paged_decode_launch
+
+    monkeypatch.setattr(paged_decode_launch, "PLAN_MIN_SPLIT_TILES", 1)
+    model = str(tiny_models["llama"])
+    prompts = [PROMPTS[0], [(13 * j) % 250 + 1 for j in range(110)]]
+    # The short one still decodes once the long prompt's chunks are done: decodes side by side.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 4)]
+    expected, _ = greedy(model, "torch", prompts, params)
+    cut = []
+
+    def recording(q, *args, **kwargs):
+        plan = kwargs.get("plan")
+        if plan is not None:
+            items = plan[1:int(plan[0, 1]) + 1, 0].tolist()
+            cut.append(len(items) > len(set(items)))  # a sequence in several items
+        return attend(q, *args, **kwargs)
+
+    attend = triton_backend.paged_decode_attention
+    monkeypatch.setattr(triton_backend, "paged_decode_attention", recording)
+    for backend in ("triton", "mixed"):
+        cut.clear()
+        assert greedy(model, backend, prompts, params)[0] == expected, backend
+        assert any(cut), backend
 
 
 @pytest.mark.parametrize("graph_rows", [16, 8])

@@ -84,7 +84,9 @@ def test_default_split_path_and_workspace(seed, device, make_paged_context):
 def test_planned_launch_matches_reference(seed, device, make_paged_context, group):
     """A planned launch (the engine's): the long contexts cut into splits of the plan's one
     length, a padding row, unused items at the end; twice over one workspace and counters."""
-    lens = [*_random_lens(4, 300), 0]
+    # Three short contexts and a long one: a split length of at most 8 tiles of 16 (their
+    # total, <= 480 tokens a head over 2 heads, fills 8 programs of 128 tokens), which cuts 300.
+    lens = [*_random_lens(3, 60), 300, 0]
     num_kv_heads, head_dim, sms = 2, 64, 1
     pool, tables, seq_lens = make_paged_context(lens, 64, 16, 3, 1, num_kv_heads, head_dim,
                                                 torch.float32, device)
