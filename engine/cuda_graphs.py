@@ -169,9 +169,8 @@ class CudaGraphRunner:
                                dtype=torch.uint8, device=device)
         self.longs, self.ints, self.plan, self.block_tables, self.packed = _views(
             self.buf, mb, width, plan_rows)
-        if plan_rows:  # no work while capturing
-            self.plan[:] = torch.tensor([-1, 0], dtype=torch.int32)
-            self.plan[0, 0] = 1
+        if cap:  # no work while capturing
+            self.plan.copy_(torch.from_numpy(backend.plan([], cap)))
         self.input_ids = self.longs[:mb]
         self.positions = self.longs[mb:2 * mb]
         self.slot_mapping = self.longs[2 * mb:3 * mb]
@@ -426,7 +425,9 @@ class MixedGraphRunner:
         self.tiles = torch.full((self.capacity(t), 2), -1, **ints)
         # The decode kernel's plan over the graph's sequence rows (model_runner builds it
         # padded to plan_capacity(S) + 1 rows); no work while capturing.
-        self.plan = torch.tensor([[1, 0]] + [[-1, 0]] * backend.plan_capacity(s), **ints)
+        cap = backend.plan_capacity(s)
+        self.plan = torch.from_numpy(backend.plan([], cap)).to(device) if cap else \
+            torch.zeros(0, 2, **ints)
         self.logits = torch.zeros(s, model.config.vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

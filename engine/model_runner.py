@@ -410,7 +410,8 @@ class ModelRunner:
                 plan = backend.plan(inputs.seq_lens[:nd] + [0] * (rows - nd), capacity)
         elif nd and backend.plan_capacity(nd):
             plan = backend.plan(inputs.seq_lens[:nd])
-        ints = _to(qsl + inputs.seq_lens + tiles + plan.ravel().tolist(), torch.int32, dev)
+        ints = _to(np.concatenate([np.asarray(qsl + inputs.seq_lens + tiles, dtype=np.int32),
+                                   plan.ravel()]), torch.int32, dev)
         table = torch.from_numpy(inputs.block_table)
         if dev.type == "cuda":
             table = table.pin_memory().to(dev, non_blocking=True)
@@ -504,8 +505,8 @@ def _as_decode_rows(batch: ScheduledBatch) -> bool:
     return several
 
 
-def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=dtype)
+def _to(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(values, dtype=dtype)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t

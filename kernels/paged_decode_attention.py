@@ -33,9 +33,10 @@ replay. A sequence with a single active split writes its output directly.
 A plan (the engine's launches; paged_decode_launch.py decode_plan) replaces the grid's
 (sequence, KV head, split) with work items the host lists per step: one split length for the
 whole step, chosen so the contexts' total fills about 8 programs an SM (unless no context is
-much longer than it), every sequence cut into splits of it, longest first. In a mixed batch a context several times the average would
-otherwise keep the launch waiting on its one program (a served ShareGPT-like step of ~100
-decodes: 30-40% of the copy bandwidth without a plan, ~70% with one). A graph's grid is the
+much longer than it), every sequence cut into splits of it, longest first. In a mixed batch a
+context several times the average would otherwise keep the launch waiting on its one program
+(a served ShareGPT-like step of ~100 decodes: 30-40% of the copy bandwidth without a plan, ~70%
+with one). A graph's grid is the
 plan's capacity; unused items exit at once. Partials are indexed by item, a sequence's in
 consecutive rows, and merged as above.
 

@@ -67,7 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._split_seqs = seqs  # sequences the counters cover
         self.plan_block_n = decode_config(self.head_dim).block_n  # plans cut whole tiles
         self.max_rows = max(max_rows, seqs)
-        items = max(rows, self.plan_capacity(max_rows)) if max_rows else rows
+        items = max(rows, self.plan_capacity(max_rows))  # split rows, or a plan's items
         self.workspace = torch.empty(decode_workspace_numel(items, num_heads, self.head_dim, 1),
                                      dtype=torch.float32, device=pool.device)
         # One per (sequence, KV head); zero between launches (each split launch resets them).
