@@ -68,7 +68,12 @@ STREAM = "/tandem.v1.Worker/Stream"  # streamed legs: one request each on the wo
 
 
 def _retryable(e: grpc.aio.AioRpcError) -> bool:
-    return e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION)
+    """A worker's answer that sends the call to another worker. CANCELLED counts: the router's
+    own cancels end its calls with asyncio.CancelledError, so a CANCELLED status comes from the
+    worker's side, where gRPC core ends a call its stopping server never handed to a handler
+    with CANCELLED (a Prefill arriving as a drained worker closes its server)."""
+    return e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
+                        grpc.StatusCode.CANCELLED)
 
 
 class Orchestrator:

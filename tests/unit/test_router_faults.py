@@ -443,13 +443,14 @@ def test_a_unary_call_gives_up_when_its_worker_is_lost():
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("refusal", ["failed", "draining"])
+@pytest.mark.parametrize("refusal", ["failed", "draining", "cancelled"])
 def test_a_prefix_lent_to_a_prefill_worker_that_fails_is_released_unless_claimed(refusal):
     """The prefill worker a request went to with a lent prefix fails UNAVAILABLE: the router
     releases the prefix (if still unclaimed, as every release of its: that worker may have died
     before its claim) and tries the other worker with a prefix lent afresh. A worker that
     refused because it drains (the status says so) is draining, not failed: out of routing,
-    not down."""
+    not down. CANCELLED from the worker (what gRPC core answers a call that reached a server
+    as it stopped, before any handler took it) is a failure of that worker, not of the request."""
     from tandem.router_svc.orchestrator import Orchestrator
     from tandem.router_svc.remote_prefix import LentPrefix
     from tandem.runtime.lifecycle import DRAINING_METADATA
@@ -469,7 +470,8 @@ def test_a_prefix_lent_to_a_prefill_worker_that_fails_is_released_unless_claimed
     async def main():
         ws = WorkerSet([], [], [], metrics=FaultMetrics())
         error = grpc.aio.AioRpcError(
-            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+            grpc.StatusCode.CANCELLED if refusal == "cancelled" else grpc.StatusCode.UNAVAILABLE,
+            grpc.aio.Metadata(),
             grpc.aio.Metadata(*([DRAINING_METADATA] if refusal == "draining" else [])), "no")
         dead = Worker("p0", "prefill", None, Stub(error), None, healthy=True)
         alive = Worker("p1", "prefill", None, Stub(worker_pb2.PrefillResponse(
@@ -492,8 +494,8 @@ def test_a_prefix_lent_to_a_prefill_worker_that_fails_is_released_unless_claimed
         p, resp = await orch.prefill("r", RouteRequest([1, 2, 3]), params_to_proto(params),
                                      None, None)
         assert p is alive and resp.kv.lease_id == "lease"
-        assert (dead.healthy, dead.leaving) == ((False, False) if refusal == "failed"
-                                                else (True, True))
+        assert (dead.healthy, dead.leaving) == ((True, True) if refusal == "draining"
+                                                else (False, False))
         assert ws.by_role("prefill") == [alive]
         assert lent == ["prefix0", "prefix1"]
         assert released == [("far", "prefix0")]  # prefix1 went with the answered call
