@@ -10,7 +10,8 @@ Batches: uniform contexts, and mixed ones as a served ShareGPT-like run's steps 
 (--mixed N: N requests of the workload, each at a random point of its output: its prompt plus
 that many tokens). Llama-3.1-8B attention shapes, bf16, 16-token blocks of randomly permuted
 ids. Per batch: µs without and with the plan, each one's share of the copy bandwidth, the
-plan's split length and items. Outputs are checked against the torch reference first.
+plan's split length and items. Outputs are checked against the torch reference first. On a GPU,
+last: every compiled variant's registers, spills, shared memory and programs an SM.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ VARIANTS = {
     "keep 1": (None, 1.0),
     "64/4/3 m4k": (DecodeConfig(64, 4, 3), PLAN_KEEP_WHOLE),
     "32/2/4 m1k": (DecodeConfig(32, 2, 4, merge_tile=1024), PLAN_KEEP_WHOLE),
+    "32/2/4 r128 m1k": (DecodeConfig(32, 2, 4, max_registers=128, merge_tile=1024),
+                        PLAN_KEEP_WHOLE),
 }
 MIXED = [16, 100, 200]  # requests drawn from the ShareGPT-like workload
 
@@ -102,6 +105,24 @@ def time_batch(lens: list[int], table_tokens: int, shape, args, device) -> dict:
     return row
 
 
+def print_compiled(device: torch.device) -> None:
+    """Each compiled decode kernel variant's registers, spills, shared memory and the programs
+    an SM holds (what bounds how many tiles are in flight)."""
+    import importlib
+
+    from tandem.kernels._common import resident_programs
+    mod = importlib.import_module("tandem.kernels.paged_decode_attention")
+    for kernel in (mod._paged_decode_kernel, mod._paged_decode_split_kernel,
+                   mod._paged_decode_plan_kernel):
+        for cache in kernel.device_caches.values():  # Triton's per-device compiled variants
+            for compiled in cache[0].values():
+                per_sm = resident_programs(compiled, device)
+                m = compiled.metadata
+                print(f"{kernel.fn.__name__:28} warps {m.num_warps} stages {m.num_stages} "
+                      f"registers {compiled.n_regs} spills {compiled.n_spills} shared "
+                      f"{m.shared} B: {per_sm} programs an SM")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mixed", type=int, nargs="+", default=MIXED)
@@ -136,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
               + "".join(f"\n{'':>22}{v}: x{r[v] / r['unplanned']:.3f}"
                         for v in VARIANTS if v in r), flush=True)
         rows.append({"name": name, **r})
+    if device.type == "cuda":
+        print_compiled(device)
     if args.out:
         args.out.write_text(json.dumps({"card": card, "copy_gbps": bw, "rows": rows}, indent=1))
     return 0
