@@ -347,7 +347,7 @@ class DecodeServicer(WorkerServicer):
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE,
                                   f"{lease.role} worker {lease.address}: {e.details()}"
                                   ) from None
-            remote = await claim(self.pools.stub(lease.address), lease, args,
+            remote = await claim(await self.pools.connected_stub(lease.address), lease, args,
                                  request.kv.instance_id)
             lease.owner = CORE  # from here the core ends it (LeaseDone), exactly once
             if self._renewing is None:

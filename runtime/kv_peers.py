@@ -44,6 +44,18 @@ log = logging.getLogger(__name__)
 # Pull only while the lease has this much time left: its lender reuses blocks of an expired
 # lease, and the request may wait for room here before its pull.
 LEASE_MARGIN_S = 2.0
+# How long a call to a peer first waits for this worker's channel to it to connect. A peer the
+# router just heard from (it granted the lease) may be one this channel last saw down, back on
+# its port after a restart: gRPC dials a failed peer again only after its backoff (at most
+# ~1.2 s with GRPC_OPTIONS), and a call made before then fails at once with the old error.
+PEER_CONNECT_S = 3.0
+
+
+async def connected(channel: grpc.aio.Channel, within: float = PEER_CONNECT_S) -> None:
+    """Return once `channel` is READY, or after `within` seconds (the call that follows then
+    fails as it would have, with the channel's own error)."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(channel.channel_ready(), within)
 
 
 class PeerPools:
@@ -72,6 +84,13 @@ class PeerPools:
                                                             GRPC_OPTIONS, role)
         return worker_pb2_grpc.WorkerStub(ch)
 
+    async def connected_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        """stub(address), once its channel is connected (`connected`): for the calls a
+        request waits on (Register, ClaimLease)."""
+        stub = self.stub(address)
+        await connected(self._channels[address])
+        return stub
+
     async def peer(self, address: str, instance_id: str, role: str = "prefill") -> None:
         """Register with the worker at `address` and map its pool in the engine core, on first
         use and again once the worker there restarted (a new instance has a new pool). A lease
@@ -99,7 +118,7 @@ class PeerPools:
         """Ask the worker at `address` for its pool's descriptor and map it."""
         self._check_plaintext_peer(address)
         with client_call("/tandem.v1.Worker/Register", address) as call:
-            resp = await self.stub(address).Register(worker_pb2.RegisterRequest(
+            resp = await (await self.connected_stub(address)).Register(worker_pb2.RegisterRequest(
                 decode_worker_id=self.owner.worker_id, layout=self.layout), timeout=30,
                 metadata=call.metadata)
         desc = descriptor_from_proto(resp.pool)
@@ -174,7 +193,7 @@ class PeerPools:
             await self.peer(kv.address, kv.instance_id, kv.role or "prefill")
             sent = time.monotonic()
             with client_call("/tandem.v1.Worker/ClaimLease", kv.address) as call:
-                resp = await self.stub(kv.address).ClaimLease(
+                resp = await (await self.connected_stub(kv.address)).ClaimLease(
                     worker_pb2.ClaimLeaseRequest(lease_id=kv.lease_id), timeout=10,
                     metadata=call.metadata)
             claimed = True
