@@ -181,7 +181,7 @@ class Orchestrator:
                       ctx: Context | None, may_fall_back: bool = False
                       ) -> tuple[Worker, worker_pb2.PrefillResponse] | Fallback:
         """A prefill on a healthy prefill worker: the first tokens and the lease, now this
-        caller's. A worker that fails it UNAVAILABLE (or stops answering) is taken out and
+        caller's. A worker that fails it (`_retryable`) or stops answering is taken out and
         another tried. `route`: the request as the routing policy sees it.
         `may_fall_back`: a Fallback instead when no prefill worker should take it (fallback)."""
         tried: set[str] = set()
