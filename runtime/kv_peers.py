@@ -52,10 +52,15 @@ PEER_CONNECT_S = 3.0
 
 
 async def connected(channel: grpc.aio.Channel, within: float = PEER_CONNECT_S) -> None:
-    """Return once `channel` is READY, or after `within` seconds (the call that follows then
-    fails as it would have, with the channel's own error)."""
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(channel.channel_ready(), within)
+    """Return once `channel` is READY (at once, without yielding, when it is), or after
+    `within` seconds (the call that follows then fails as it would have, with the channel's
+    own error). A cancel of the caller while it waits propagates (asyncio.timeout, not
+    Python 3.11's wait_for, which returns instead when its awaitable finished meanwhile)."""
+    if channel.get_state() == grpc.ChannelConnectivity.READY:
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(within):
+            await channel.channel_ready()
 
 
 class PeerPools:

@@ -69,3 +69,31 @@ def test_a_peer_that_stays_down_is_waited_for_only_within_the_bound():
                 raise AssertionError("a call to a peer that is down succeeded")
 
     asyncio.run(main())
+
+
+def test_a_caller_cancelled_while_it_waits_is_cancelled():
+    """A request cancelled while its claim waits for the channel ends there (its task sees
+    CancelledError), however the wait ends."""
+    async def main() -> None:
+        server, port = await serve()
+        await server.stop(None)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as ch:
+            await until(ch, grpc.ChannelConnectivity.TRANSIENT_FAILURE)
+            waiting = asyncio.get_running_loop().create_future()
+
+            async def claim() -> None:
+                waiting.set_result(None)
+                await connected(ch, within=60)
+
+            task = asyncio.create_task(claim())
+            await waiting  # the task is in connected() from here on
+            await asyncio.sleep(0)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            else:
+                raise AssertionError("the wait swallowed its caller's cancel")
+
+    asyncio.run(main())
