@@ -36,9 +36,8 @@ whole step, chosen so the contexts' total fills about 8 programs an SM (unless n
 much longer than it), every sequence cut into splits of it, longest first. In a mixed batch a
 context several times the average would otherwise keep the launch waiting on its one program
 (a served ShareGPT-like step of ~100 decodes: 30-40% of the copy bandwidth without a plan, ~70%
-with one). A graph's grid is the
-plan's capacity; unused items exit at once. Partials are indexed by item, a sequence's in
-consecutive rows, and merged as above.
+with one). A graph's grid is the plan's capacity; unused items exit at once. Partials are
+indexed by item, a sequence's in consecutive rows, and merged as above.
 
 FP8 caches (e4m3, kernels/_common.py) come with one fp32 scale per KV head for K and for V.
 A program serves one KV head, so dequantizing costs no per-element multiply: K tiles are

@@ -87,7 +87,6 @@ def test_a_caller_cancelled_while_it_waits_is_cancelled():
 
             task = asyncio.create_task(claim())
             await waiting  # the task is in connected() from here on
-            await asyncio.sleep(0)
             task.cancel()
             try:
                 await task
