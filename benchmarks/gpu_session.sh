@@ -6,7 +6,8 @@
 # transfer_nixl_env, fp8_blocks, sweep, decode, sched, kv_dtype, fp8kv_steps,
 # kernels_gpu, decode8b, decode_ops, ratio4, tokenpath, servepath, fp8, fp8_fusion, defaults, structured,
 # pulls, profile, offline, layouts, compare, spec, spec_batch, multiturn_tier, migration_stall,
-# changing_mix, rolling, router_procs, spec_latency, pack, pd_pace, decode_tiles, tile_sweep, fp8kv_tiles.
+# changing_mix, rolling, router_procs, spec_latency, pack, pd_pace, decode_tiles, tile_sweep, fp8kv_tiles,
+# fp8kv_short, fp8kv_ab.
 # Several groups of stages at once, each on its own GPUs: gpu_parallel.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -49,6 +50,28 @@ for stage in "$@"; do
           benchmarks/engine/decode_step.py --model $B8 --batch ${TILE_BATCHES:-64 96 192 256 512} \
           --context ${TILE_CONTEXT:-1024} --kv-cache-dtype fp8)
         grep -E "^ +[0-9]+ +graphs" "$OUT/fp8kv_tiles_$tag.txt" | sed "s/^/$tag: /" >> "$OUT/fp8kv_tiles_table.txt"
+      done ;;
+    fp8kv_short)  # FP8 KV against bf16 KV at short contexts and few rows: whole decode steps
+      # by kernel kind, then the decode kernel's split launch as a captured graph sizes it
+      run fp8kv_short_profile python3 benchmarks/engine/step_profile.py --variants bf16 fp8-kv \
+        --decode-batch 1 16 --context 256 --mixed 64+0 --steps 50 --out "$OUT/fp8kv_short_profile.json"
+      for len in 448 8192; do
+        # shellcheck disable=SC2086  # the configs are words
+        run "fp8kv_short_kernel_$len" python3 benchmarks/kernels/decode_kv_dtype.py --batches 1 2 4 16 \
+          --contexts 256 1024 --graph-len $len --max-copies 512 --configs ${SHORT_CONFIGS:-n64/w4/s3/f16 \
+          n128/w4/s3/f16 n128/w4/s3/f16/m512 n128/w4/s3/f16/r160 n64/w4/s2/f16 n64/w2/s3/f16 \
+          n32/w4/s3/f16 n64/w4/s3 n128/w8/s3/f16} --out "$OUT/fp8kv_short_kernel_$len.json"
+      done ;;
+    fp8kv_ab)  # FP8 KV against bf16 KV in whole decode steps, BASE's tree then this one, each
+      # context of AB_CONTEXTS (BASE: the contexts of AB_BASE_CONTEXTS only)
+      for tree in "${BASE:?set BASE}" "$PWD"; do
+        tag=$([ "$tree" = "$PWD" ] && echo head || echo base)
+        ctxs=$([ "$tag" = head ] && echo "${AB_CONTEXTS:-256 1024}" || echo "${AB_BASE_CONTEXTS:-256}")
+        for ctx in $ctxs; do
+          (cd "$tree" && PYTHONPATH=/tmp/site:$tree run "fp8kv_ab_${tag}_$ctx" python3 \
+            benchmarks/engine/decode_step.py --model $B8 --batch 1 16 64 256 512 --context "$ctx" \
+            --variants bf16 fp8-kv --out "$OUT/fp8kv_ab_${tag}_$ctx.json")
+        done
       done ;;
     fp8kv_steps)  # FP8 KV against bf16 KV in whole decode steps (8B config, CUDA graphs)
       run fp8kv_steps python3 benchmarks/engine/decode_step.py --model benchmarks/configs/llama-3.1-8b \

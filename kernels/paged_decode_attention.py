@@ -12,11 +12,11 @@ walks its token range BLOCK_N tokens at a time, gathering them through the block
 
 Split-KV (flash-decoding): with few (sequence, KV head) pairs for the SMs, the grid gets
 num_splits programs per pair, and each sequence's context is cut into ranges of whole BLOCK_N
-tiles, at least min_split_tiles long. The ranges are computed in the kernel from seq_lens, so
+tiles, at least min_split_tokens long (rounded up to whole tiles). The ranges are computed in the kernel from seq_lens, so
 the grid depends on shapes only and one captured CUDA graph serves every context length; a
 graph sized for long contexts still cuts a short one into few, long splits:
 
-    seq_len 1000, BLOCK_N 64, num_splits 33, min_split_tiles 4  ->  split_len 256 tokens
+    seq_len 1000, BLOCK_N 64, num_splits 33, min_split_tokens 256  ->  split_len 256 tokens
     split     0          1           2           3           4 .. 32
     tokens    [0, 256)   [256, 512)  [512, 768)  [768, 1000)  none: exit at once
 
@@ -75,6 +75,7 @@ from tandem.kernels.paged_decode_launch import (
     decode_config,
     decode_num_splits,
     fullest_last_wave,
+    min_split_len,
     plan_config,
     plan_workspace,
     split_workspace,
@@ -272,7 +273,7 @@ def _paged_decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, part_ptr, lse_ptr, counter_ptr,
     k_scale_ptr, v_scale_ptr,
     scale_log2,  # softmax scale * log2(e)
-    min_split_len,  # tokens: min_split_tiles * BLOCK_N
+    min_split_len,  # tokens, whole BLOCK_N tiles (paged_decode_launch.min_split_len)
     num_splits,  # split programs per (sequence, KV head): the grid's third dimension
     stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -386,7 +387,7 @@ def paged_decode_attention(
 
     max_seq_len: host-side bound on seq_lens for the split heuristic (default: the block
     table's capacity; no device sync). num_splits forces the grid's split count (each
-    sequence still gets splits of at least policy.min_split_tiles tiles). For split launches:
+    sequence still gets splits of at least policy.min_split_tokens, in whole tiles). For split launches:
     workspace, a flat fp32 tensor of >= decode_workspace_numel(...) elements, any contents;
     counters, a flat int32 tensor of >= S * Hkv elements that must be all zero and that every
     launch leaves all zero. Both are allocated here if not given; pass them when capturing a
@@ -438,14 +439,15 @@ def paged_decode_attention(
             _paged_decode_kernel[(num_seqs, num_kv_heads)](*args, **consts, **_tiles(cfg, q, fp8))
         return out
 
-    cfg = config or decode_config(head_dim, fp8=fp8, split=True)
+    cfg = config or decode_config(head_dim, fp8=fp8)
     part, lse, counters = split_workspace(q, num_kv_heads, num_splits, workspace, counters)
     group_pad = triton.next_power_of_2(group)
     splits_pad = triton.next_power_of_2(num_splits)
     with device_guard(q):
         _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, part, lse, counters,
-            k_scale, v_scale, scale * LOG2E, policy.min_split_tiles * cfg.block_n, num_splits,
+            k_scale, v_scale, scale * LOG2E, min_split_len(policy.min_split_tokens, cfg.block_n),
+            num_splits,
             *common,
             part.stride(0), part.stride(1), part.stride(2),
             lse.stride(0), lse.stride(1),
@@ -514,7 +516,7 @@ def _unsplit_config(args: tuple, consts: dict, programs: int, fp8: bool) -> Deco
     once per device and constants)."""
     q, k_cache = args[0], args[1]
     if q.device.type != "cuda" or consts["HEAD_DIM"] > 128:
-        return decode_config(consts["HEAD_DIM"], fp8=fp8, split=False)
+        return decode_config(consts["HEAD_DIM"], fp8=fp8)
     candidates = UNSPLIT_CANDIDATES_FP8 if fp8 else UNSPLIT_CANDIDATES
     key = (q.device, q.dtype, k_cache.dtype, *sorted(consts.items()))
     slots = _UNSPLIT_SLOTS.get(key)

@@ -42,23 +42,25 @@ class DecodeConfig(NamedTuple):
     merge_tile: int = 4096
 
 
-def decode_config(head_dim: int, *, fp8: bool = False, split: bool = True) -> DecodeConfig:
+def decode_config(head_dim: int, *, fp8: bool = False) -> DecodeConfig:
     """Tile sizes: a 64-token K and V tile of D=128 bf16 is 2 x 16 KiB per pipeline stage.
 
-    An FP8 cache (fp8) reads its tiles as fp16, and an unsplit launch (split False: enough
-    (sequence, KV head) programs to fill the card) takes 128-token tiles, as many bytes as a
-    64-token bf16 tile, with registers capped at 160 a thread (below). Measured against bf16 KV
-    with its own config (Llama-3.1-8B shapes, batch 1-512 x context 1k/4k, NVIDIA H200:
-    benchmarks/kernels/decode_kv_dtype.py): 0.82-0.95x the time at every shape uncapped, where
-    converting to bf16 in 64-token tiles took 0.92-1.28x.
+    An FP8 cache (fp8) reads its tiles as fp16 in 128-token tiles, as many bytes as a 64-token
+    bf16 tile, with registers capped at 160 a thread (below), split or not. Measured against
+    bf16 KV with its own config (Llama-3.1-8B shapes, NVIDIA H200:
+    benchmarks/kernels/decode_kv_dtype.py): unsplit, 0.82-0.95x the time at batch 1-512 x
+    context 1k/4k, where converting to bf16 in 64-token tiles took 0.92-1.28x; split as a
+    decode graph launches a few rows (batch 1-16, contexts 256 and 1,024, the grid sized for
+    block tables of 448 and 8,192 tokens: --graph-len), 0.72-0.80x, where 64-token fp16 tiles
+    took 0.89-1.05x (the 128-token tiles' 256-token minimum split is 2 of them: SplitPolicy).
     An unsplit launch on a GPU with head_dim <= 128 picks among its cache's UNSPLIT_CANDIDATES
     (the first is this one's) by its grid (paged_decode_attention's launcher), except a
     mixed-step graph's, whose grid is mostly rows without context: it passes this config
     (engine/attention/triton_backend.py)."""
     if head_dim <= 128:
-        if fp8 and not split:
+        if fp8:
             return UNSPLIT_CANDIDATES_FP8[0]
-        return DecodeConfig(64, 4, 3, fp8)
+        return DecodeConfig(64, 4, 3)
     return DecodeConfig(32, 4, 3, fp8)
 
 
@@ -102,7 +104,9 @@ class SplitPolicy(NamedTuple):
     more SMs, longer ones amortise each program's prologue and the merge."""
 
     programs_per_sm: int = 2  # split until the grid has about this many programs per SM
-    min_split_tiles: int = 4  # no split shorter than this many BLOCK_N tiles (host and kernel)
+    # No split shorter than this many KV tokens, rounded up to whole BLOCK_N tiles (host and
+    # kernel): 4 tiles of a 16-bit cache's 64, 2 of an FP8 cache's 128.
+    min_split_tokens: int = 256
 
 
 DEFAULT_SPLIT_POLICY = SplitPolicy()
@@ -115,23 +119,29 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     Without a split there are num_seqs * num_kv_heads programs. From programs_per_sm per SM
     on, the card is busy and splitting only adds merge work: 1. Below that, split until there
     are about that many programs, but no more than a max_seq_len context can fill with splits
-    of min_split_tiles tiles. (The kernel applies the same minimum to each sequence's own
-    length: see decode_split_len.)
+    of min_split_tokens (in whole block_n tiles). (The kernel applies the same minimum to each
+    sequence's own length: see decode_split_len.)
     """
     programs = num_seqs * num_kv_heads
     target = policy.programs_per_sm * num_sms
     if programs >= target:
         return 1
     want = math.ceil(target / max(programs, 1))
-    by_len = math.ceil(max_seq_len / (policy.min_split_tiles * block_n))
+    by_len = math.ceil(max_seq_len / min_split_len(policy.min_split_tokens, block_n))
     return max(1, min(want, by_len, MAX_SPLITS))
 
 
-def decode_split_len(seq_len: int, num_splits: int, block_n: int, min_split_tiles: int) -> int:
+def min_split_len(min_split_tokens: int, block_n: int) -> int:
+    """The shortest split, in tokens: min_split_tokens rounded up to whole block_n tiles."""
+    return _cdiv(min_split_tokens, block_n) * block_n
+
+
+def decode_split_len(seq_len: int, num_splits: int, block_n: int, min_split_tokens: int) -> int:
     """Tokens per split of one sequence, as the split kernel computes it: whole tiles, at least
-    min_split_tiles of them. The sequence has max(1, ceil(seq_len / split_len)) active splits."""
+    min_split_len(min_split_tokens, block_n). The sequence has max(1, ceil(seq_len /
+    split_len)) active splits."""
     tiles = _cdiv(_cdiv(seq_len, num_splits), block_n)
-    return max(tiles, min_split_tiles) * block_n
+    return max(tiles * block_n, min_split_len(min_split_tokens, block_n))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -199,7 +209,7 @@ def plan_config(head_dim: int, *, fp8: bool = False) -> DecodeConfig:
     """A planned launch's tiles."""
     if head_dim <= 128 and not fp8:
         return PLAN_TILES
-    return decode_config(head_dim, fp8=fp8, split=True)
+    return decode_config(head_dim, fp8=fp8)
 
 
 def decode_plan_capacity(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -278,7 +288,7 @@ def check_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
           and seq_lens.is_contiguous(),
           f"seq_lens must be contiguous int32 [num_seqs], got {seq_lens.dtype} "
           f"{tuple(seq_lens.shape)}")
-    check(policy.programs_per_sm >= 1 and policy.min_split_tiles >= 1,
+    check(policy.programs_per_sm >= 1 and policy.min_split_tokens >= 1,
           f"bad split policy {policy}")
     out = output_like(q, out)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,

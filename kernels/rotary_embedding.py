@@ -31,7 +31,7 @@ def load_cos_sin(cache_ptr, pos, stride_cache, offs_r, r_mask, HALF: tl.constexp
 @triton.jit
 def rotate_heads(x_ptr, token, num_heads, stride_t, stride_h, cos, sin, offs_h, offs_r, r_mask,
                  HALF: tl.constexpr):
-    """In place on one token's heads of x; shared with kernels/rotary_store_kv.py."""
+    """In place on one token's heads of x."""
     mask = (offs_h[:, None] < num_heads) & r_mask[None, :]
     p1 = x_ptr + token * stride_t + offs_h[:, None] * stride_h + offs_r[None, :]
     p2 = p1 + HALF

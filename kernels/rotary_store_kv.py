@@ -13,6 +13,11 @@ x1 cos - x2 sin, x2' = x2 cos + x1 sin in fp32, rounded once to k's dtype); the 
 rounded k (quantized as store_kv quantizes it for an FP8 cache), so the result equals
 rotary_embedding followed by store_kv. Slot -1 (CUDA-graph padding) still rotates q and k but
 stores nothing.
+
+A decode step has one token a sequence, so a program's time is its memory latencies. Every load
+comes before the first store: a load placed after a store issues only once that store's data is
+ready (the compiler cannot prove they do not alias), which chained q, k, the FP8 scales and v
+one latency after another.
 """
 
 from __future__ import annotations
@@ -22,13 +27,8 @@ import triton
 import triton.language as tl
 
 from tandem.kernels._common import check, check_last_dim_contiguous, check_same_device, device_guard
-from tandem.kernels.rotary_embedding import (
-    check_rotary_args,
-    load_cos_sin,
-    rotary_embedding_ref,
-    rotate_heads,
-)
-from tandem.kernels.store_kv import check_store_kv_args, store_kv_ref, to_cache
+from tandem.kernels.rotary_embedding import check_rotary_args, load_cos_sin, rotary_embedding_ref
+from tandem.kernels.store_kv import check_store_kv_args, load_scale, quantize, store_kv_ref
 
 
 # The step's positions and slots are views at offsets that vary with its token count: no
@@ -56,43 +56,50 @@ def _rotary_store_kv_kernel(
 
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < HALF
-    cos, sin = load_cos_sin(cache_ptr, pos, stride_cache, offs_r, r_mask, HALF)
-
-    rotate_heads(q_ptr, token, num_q_heads, stride_qt, stride_qh, cos, sin,
-                 tl.arange(0, BLOCK_HQ), offs_r, r_mask, HALF)
-
-    # k: rotate, write back in place, and store to its slot.
     offs_h = tl.arange(0, BLOCK_HK)
     h_mask = offs_h < num_kv_heads
+
+    # Loads: q's and k's halves, k's unrotated tail, v, the FP8 scales, cos and sin.
+    offs_hq = tl.arange(0, BLOCK_HQ)
+    q_mask = (offs_hq[:, None] < num_q_heads) & r_mask[None, :]
+    q1_ptr = q_ptr + token * stride_qt + offs_hq[:, None] * stride_qh + offs_r[None, :]
+    q1 = tl.load(q1_ptr, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q1_ptr + HALF, mask=q_mask, other=0.0).to(tl.float32)
     k_row = k_ptr + token * stride_kt + offs_h[:, None] * stride_kh  # [BLOCK_HK, 1]
-    kc_row = (k_cache_ptr + block * stride_kcb + offset * stride_kct
-              + offs_h[:, None] * stride_kch)
     mask = h_mask[:, None] & r_mask[None, :]
     x1 = tl.load(k_row + offs_r[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(k_row + HALF + offs_r[None, :], mask=mask, other=0.0).to(tl.float32)
-    o1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty)
-    o2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty)
-    tl.store(k_row + offs_r[None, :], o1, mask=mask)
-    tl.store(k_row + HALF + offs_r[None, :], o2, mask=mask)
-    tl.store(kc_row + offs_r[None, :], to_cache(o1, k_scale_ptr, offs_h, h_mask, k_cache_ptr),
-             mask=mask & keep)
-    tl.store(kc_row + HALF + offs_r[None, :],
-             to_cache(o2, k_scale_ptr, offs_h, h_mask, k_cache_ptr), mask=mask & keep)
+    offs_t = 2 * HALF + tl.arange(0, BLOCK_TAIL)
+    t_mask = h_mask[:, None] & (offs_t < HEAD_DIM)[None, :] & keep
     if 2 * HALF < HEAD_DIM:  # partial rotary: the rest of k goes to the cache as it is
-        offs_t = 2 * HALF + tl.arange(0, BLOCK_TAIL)
-        t_mask = h_mask[:, None] & (offs_t < HEAD_DIM)[None, :] & keep
         tail = tl.load(k_row + offs_t[None, :], mask=t_mask)
-        tl.store(kc_row + offs_t[None, :], to_cache(tail, k_scale_ptr, offs_h, h_mask,
-                                                    k_cache_ptr), mask=t_mask)
-
-    # v: copy to its slot.
     offs_d = tl.arange(0, BLOCK_D)
     v_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :] & keep
     v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
                 mask=v_mask)
+    k_s = load_scale(k_scale_ptr, offs_h, h_mask)
+    v_s = load_scale(v_scale_ptr, offs_h, h_mask)
+    cos, sin = load_cos_sin(cache_ptr, pos, stride_cache, offs_r, r_mask, HALF)
+
+    # Stores: q and k rotated in place, k and v to their slot.
+    tl.store(q1_ptr, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q1_ptr + HALF, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
+    o1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty)
+    o2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty)
+    tl.store(k_row + offs_r[None, :], o1, mask=mask)
+    tl.store(k_row + HALF + offs_r[None, :], o2, mask=mask)
+    kc_row = (k_cache_ptr + block * stride_kcb + offset * stride_kct
+              + offs_h[:, None] * stride_kch)
+    tl.store(kc_row + offs_r[None, :], quantize(o1, k_s, k_scale_ptr, k_cache_ptr),
+             mask=mask & keep)
+    tl.store(kc_row + HALF + offs_r[None, :], quantize(o2, k_s, k_scale_ptr, k_cache_ptr),
+             mask=mask & keep)
+    if 2 * HALF < HEAD_DIM:
+        tl.store(kc_row + offs_t[None, :], quantize(tail, k_s, k_scale_ptr, k_cache_ptr),
+                 mask=t_mask)
     vc = (v_cache_ptr + block * stride_vcb + offset * stride_vct + offs_h[:, None] * stride_vch
           + offs_d[None, :])
-    tl.store(vc, to_cache(v, v_scale_ptr, offs_h, h_mask, v_cache_ptr), mask=v_mask)
+    tl.store(vc, quantize(v, v_s, v_scale_ptr, v_cache_ptr), mask=v_mask)
 
 
 def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

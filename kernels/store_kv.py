@@ -32,8 +32,22 @@ def to_cache(x, scale_ptr, offs_h, h_mask, cache_ptr):
     """x [BLOCK_H, ...] (rows = KV heads offs_h) as the cache stores it: with scales (an FP8
     cache), clamp(x / scale[h]) in fp32, correctly rounded, then e4m3; else x in the cache's
     dtype. scale_ptr None is a compile-time branch."""
+    return quantize(x, load_scale(scale_ptr, offs_h, h_mask), scale_ptr, cache_ptr)
+
+
+@triton.jit
+def load_scale(scale_ptr, offs_h, h_mask):
+    """The scales of KV heads offs_h, fp32 [BLOCK_H] (ones without scales: scale_ptr None)."""
+    s = tl.full(offs_h.shape, 1.0, tl.float32)
     if scale_ptr is not None:
         s = tl.load(scale_ptr + offs_h, mask=h_mask, other=1.0)
+    return s
+
+
+@triton.jit
+def quantize(x, s, scale_ptr, cache_ptr):
+    """to_cache with the scales s already loaded (load_scale)."""
+    if scale_ptr is not None:
         x = tl.div_rn(x.to(tl.float32), s[:, None])
         x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
     return x.to(cache_ptr.dtype.element_ty)

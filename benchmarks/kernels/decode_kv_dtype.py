@@ -11,6 +11,14 @@ context: bf16 with its default config; FP8 with its default config and with each
 grid (block_n, num_warps, num_stages, fp8_dot_f16) at the split count the engine would give it. The
 last lines are a table: FP8 default / bf16 and best FP8 / bf16 per shape, and the config that
 is best over all shapes (the geometric mean of its ratios).
+
+A decode graph's launch is split for the longest context its block tables can hold, not the
+step's: --graph-len N sizes the split count (bf16's and each config's) for tables of N tokens,
+as engine/attention/triton_backend.py does while capturing. --configs times only the configs
+named as `_key` writes them (`n128/w4/s3/f16`, optionally `/r160` registers capped and `/m512`
+splits of at least 512 tokens); --max-copies raises how many input copies a timed graph cycles
+through (a batch-1 layer's KV is under a MiB: 32 copies stay in the L2, which the engine's
+weights flush between layers).
 """
 
 from __future__ import annotations
@@ -40,7 +48,9 @@ from benchmarks.lib.timing import rel_err
 from tandem.kernels import paged_decode_attention
 from tandem.kernels._common import FP8_DTYPE, FP8_MAX, num_sms
 from tandem.kernels.paged_decode_launch import (
+    DEFAULT_SPLIT_POLICY,
     DecodeConfig,
+    SplitPolicy,
     decode_config,
     decode_num_splits,
     decode_workspace_numel,
@@ -54,7 +64,14 @@ def to_fp8(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.contiguous()
 
 
-def grid(smoke: bool, head_dim: int) -> list[DecodeConfig]:
+def grid(smoke: bool, head_dim: int, names: list[str] | None = None
+         ) -> list[tuple[DecodeConfig, SplitPolicy]]:
+    if names:
+        return [_parse(n) for n in names]
+    return [(c, DEFAULT_SPLIT_POLICY) for c in _tile_grid(smoke, head_dim)]
+
+
+def _tile_grid(smoke: bool, head_dim: int) -> list[DecodeConfig]:
     if smoke:
         return [decode_config(head_dim), DecodeConfig(32, 4, 2, True)]
     return [DecodeConfig(n, w, s, f16) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
@@ -66,7 +83,9 @@ def run_shape(batch: int, ctx: int, args: argparse.Namespace, device: torch.devi
     shape = SMOKE if args.smoke else LLAMA_8B
     el = torch.tensor([], dtype=shape.dtype).element_size()
     kv_layer = 2 * batch * ctx * shape.num_kv_heads * shape.head_dim * el
-    copies = copies_for(kv_layer // 2)  # the FP8 copies' working set
+    copies = copies_for(kv_layer // 2)  # the FP8 copies' working set past the L2
+    if copies > 1:
+        copies = min(args.max_copies, -(-(256 << 20) // max(kv_layer // 2, 1)))
     if not fits(copies * 3 * kv_layer, device):
         return {"batch": batch, "context": ctx, "skipped": "memory"}
     inputs = [make_decode_inputs(batch, ctx, shape, args.block_size, 1, device, False)
@@ -74,21 +93,23 @@ def run_shape(batch: int, ctx: int, args: argparse.Namespace, device: torch.devi
     fp8 = [(to_fp8(i.k_cache), to_fp8(i.v_cache)) for i in inputs]
     scale = shape.head_dim ** -0.5
     default = decode_config(shape.head_dim)
-    splits = decode_num_splits(batch, shape.num_kv_heads, ctx, num_sms(device), default.block_n)
+    bound = args.graph_len or ctx  # the split heuristic's context bound
+    splits = decode_num_splits(batch, shape.num_kv_heads, bound, num_sms(device), default.block_n)
     ws = torch.empty(decode_workspace_numel(batch, shape.num_q_heads, shape.head_dim,
                                             max(splits, 64)), dtype=torch.float32, device=device)
     counters = torch.zeros(batch * shape.num_kv_heads, dtype=torch.int32, device=device)
 
-    def call(i: int, cfg: DecodeConfig | None, quant: bool):
+    def call(i: int, cfg: DecodeConfig | None, quant: bool,
+             policy: SplitPolicy = DEFAULT_SPLIT_POLICY):
         """cfg None: the tiles and split count the launcher picks, as the engine runs it."""
         inp = inputs[i]
         (k8, ks), (v8, vs) = fp8[i]
         k, v = (k8, v8) if quant else (inp.k_cache, inp.v_cache)
-        n = None if cfg is None else decode_num_splits(batch, shape.num_kv_heads, ctx,
-                                                       num_sms(device), cfg.block_n)
+        n = None if cfg is None else decode_num_splits(batch, shape.num_kv_heads, bound,
+                                                       num_sms(device), cfg.block_n, policy)
         return lambda: paged_decode_attention(
-            inp.q, k, v, inp.block_tables, inp.seq_lens, scale, out=inp.out, max_seq_len=ctx,
-            num_splits=n, workspace=ws, counters=counters, config=cfg,
+            inp.q, k, v, inp.block_tables, inp.seq_lens, scale, out=inp.out, max_seq_len=bound,
+            num_splits=n, workspace=ws, counters=counters, config=cfg, policy=policy,
             k_scale=ks if quant else None, v_scale=vs if quant else None)
 
     reps = max(3, args.reps)
@@ -96,15 +117,17 @@ def run_shape(batch: int, ctx: int, args: argparse.Namespace, device: torch.devi
     row["bf16_us"] = bench([call(i, None, False) for i in range(copies)], device, reps) * 1e6
     ref = call(0, None, False)().clone()
     configs = {}
-    for cfg in [None, *grid(args.smoke, shape.head_dim)]:
+    for cfg, policy in [(None, DEFAULT_SPLIT_POLICY),
+                        *grid(args.smoke, shape.head_dim, args.configs)]:
+        key = _key(cfg, policy)
         try:
-            t = bench([call(i, cfg, True) for i in range(copies)], device, reps) * 1e6
-            err = rel_err(call(0, cfg, True)(), ref)
+            t = bench([call(i, cfg, True, policy) for i in range(copies)], device, reps) * 1e6
+            err = rel_err(call(0, cfg, True, policy)(), ref)
         except Exception as e:  # noqa: BLE001 - out of shared memory, compile failure: skip it
-            configs[_key(cfg)] = {"error": str(e).splitlines()[0][:160] if str(e) else
-                                  type(e).__name__}
+            configs[key] = {"error": str(e).splitlines()[0][:160] if str(e) else
+                            type(e).__name__}
             continue
-        configs[_key(cfg)] = {"us": t, "rel_err": err}
+        configs[key] = {"us": t, "rel_err": err}
     row["fp8"] = configs
     row["fp8_default_us"] = configs.get(_key(None), {}).get("us", math.nan)
     timed = {k: v["us"] for k, v in configs.items() if "us" in v}
@@ -117,16 +140,38 @@ def run_shape(batch: int, ctx: int, args: argparse.Namespace, device: torch.devi
     return row
 
 
-def _key(cfg: DecodeConfig | None) -> str:
+def _key(cfg: DecodeConfig | None, policy: SplitPolicy = DEFAULT_SPLIT_POLICY) -> str:
     if cfg is None:
         return "default"
-    return f"n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}" + ("/f16" if cfg.fp8_dot_f16
-                                                                   else "")
+    key = f"n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}" + ("/f16" if cfg.fp8_dot_f16
+                                                                  else "")
+    if cfg.max_registers is not None:
+        key += f"/r{cfg.max_registers}"
+    if policy.min_split_tokens != DEFAULT_SPLIT_POLICY.min_split_tokens:
+        key += f"/m{policy.min_split_tokens}"
+    return key
+
+
+def _parse(key: str) -> tuple[DecodeConfig, SplitPolicy]:
+    """The config and split policy `_key` names."""
+    parts = key.split("/")
+    n, w, s = (int(p[1:]) for p in parts[:3])
+    flags = {p[0]: p[1:] for p in parts[3:]}
+    cfg = DecodeConfig(n, w, s, "f" in flags,
+                       max_registers=int(flags["r"]) if "r" in flags else None)
+    policy = DEFAULT_SPLIT_POLICY
+    if "m" in flags:
+        policy = policy._replace(min_split_tokens=int(flags["m"]))
+    return cfg, policy
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_sweep_args(p, [1, 16, 64, 256, 512], [1024, 4096])
+    p.add_argument("--graph-len", type=int, default=0,
+                   help="split counts for block tables of this many tokens (a captured graph)")
+    p.add_argument("--configs", nargs="+", default=None, help="only these configs (_key's names)")
+    p.add_argument("--max-copies", type=int, default=32, help="input copies a timed graph cycles")
     args = p.parse_args(argv)
     if args.smoke:
         args.batches, args.contexts, args.reps = [2], [64], 1

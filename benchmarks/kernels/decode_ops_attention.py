@@ -1,5 +1,5 @@
 """Decode attention in benchmarks/kernels/decode_ops.py: old (split + merge launches) vs new (one
-launch) at each batch, and the batch-1 sweep of the split policy's min_split_tiles.
+launch) at each batch, and the batch-1 sweep of the split policy's min_split_tokens (in whole tiles).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def bench_attention(b: int, shape: Shape, rep: Report, device: torch.device,
         for label, fn, active in (
                 ("old", attn.old, old_active_splits(ctx, splits, block_n)),
                 ("new", attn.new, new_active_splits(ctx, splits, block_n,
-                                                    attn.policy.min_split_tiles))):
+                                                    attn.policy.min_split_tokens))):
             rep.check(f"B={b} attention {label} {sized} vs reference", inp.error(fn))
             calls = inp.calls(fn)
             rep.add(b, f"attention {ctx}", f"{label}: grid {splits}{' ' * bool(sized)}{sized}, {active} active",
@@ -88,13 +88,13 @@ def bench_attention(b: int, shape: Shape, rep: Report, device: torch.device,
 
 def sweep_splits(shape: Shape, rep: Report, device: torch.device, args: argparse.Namespace
                  ) -> list[dict[str, Any]]:
-    """Batch-1 decode attention over min_split_tiles, with the grid sized for the graph
+    """Batch-1 decode attention over min_split_tokens (in whole tiles), with the grid sized for the graph
     capacity (what the engine's graphs launch); old with a grid of as many splits as the new
     kernel runs (its best case: no one-tile splits)."""
     block_n = decode_config(shape.head_dim).block_n
     grid = decode_num_splits(1, shape.num_kv_heads, args.graph_capacity, num_sms(device),
                              block_n)
-    default_mt = DEFAULT_SPLIT_POLICY.min_split_tiles
+    default_mt = cdiv(DEFAULT_SPLIT_POLICY.min_split_tokens, block_n)
     print(f"\nsplit sweep, batch 1, new grid {grid} splits (sized for {args.graph_capacity} "
           "tokens); old grid = the splits the new one runs:")
     print(f"  {'context':>7} {'min_split_tiles':>15} {'active':>6} {'old us':>8} {'new us':>8}"
@@ -105,8 +105,8 @@ def sweep_splits(shape: Shape, rep: Report, device: torch.device, args: argparse
         tiles = cdiv(ctx, block_n)
         for mt in sorted({m for m in (1, 2, 4, 8, 16, 32, 64) if m <= tiles}
                          | {default_mt, tiles}):
-            active = new_active_splits(ctx, grid, block_n, mt)
-            new = Attn(shape, 1, grid, device, SplitPolicy(min_split_tiles=mt))
+            active = new_active_splits(ctx, grid, block_n, mt * block_n)
+            new = Attn(shape, 1, grid, device, SplitPolicy(min_split_tokens=mt * block_n))
             old = Attn(shape, 1, active, device)
             times = {}
             for label, fn in (("old", old.old), ("new", new.new)):

@@ -131,10 +131,10 @@ def old_active_splits(ctx: int, num_splits: int, block_n: int) -> int:
     return cdiv(ctx, cdiv(cdiv(ctx, num_splits), block_n) * block_n)
 
 
-def new_active_splits(ctx: int, num_splits: int, block_n: int, min_split_tiles: int) -> int:
+def new_active_splits(ctx: int, num_splits: int, block_n: int, min_split_tokens: int) -> int:
     if num_splits == 1:
         return 1
-    return cdiv(ctx, decode_split_len(ctx, num_splits, block_n, min_split_tiles))
+    return cdiv(ctx, decode_split_len(ctx, num_splits, block_n, min_split_tokens))
 
 
 class Attn:

@@ -1,5 +1,5 @@
 """Split-KV decode attention under other split policies (kernels/paged_decode_launch.py
-SplitPolicy: programs_per_sm, min_split_tiles), as a decode graph launches it: the grid's split
+SplitPolicy: programs_per_sm, min_split_tokens), as a decode graph launches it: the grid's split
 count from the block table's capacity (TritonAttentionBackend._num_splits while capturing), each
 sequence cut by its own length in the kernel.
 
@@ -41,8 +41,8 @@ from tandem.kernels.paged_decode_launch import (
     decode_workspace_numel,
 )
 
-POLICIES = [DEFAULT_SPLIT_POLICY, SplitPolicy(3, 4), SplitPolicy(4, 4), SplitPolicy(6, 4),
-            SplitPolicy(8, 4), SplitPolicy(4, 2), SplitPolicy(8, 2)]
+POLICIES = [DEFAULT_SPLIT_POLICY, SplitPolicy(3, 256), SplitPolicy(4, 256), SplitPolicy(6, 256),
+            SplitPolicy(8, 256), SplitPolicy(4, 128), SplitPolicy(8, 128)]
 BATCHES = [1, 4, 8, 11, 16, 24, 32, 40, 48, 64]
 CONTEXTS = [512, 1024, 2048, 4096]
 BANDS = ((1, 16), (17, 32), (33, 64))
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         shape, args.batches, args.contexts, args.reps = SMOKE, [1, 3], [64], 1
         args.table_tokens = 128
     bw = copy_bound(device, args.reps, args.smoke)["gbps"]
-    print(f"# {card}: split policies (programs_per_sm, min_split_tiles) {[tuple(x) for x in POLICIES]}; "
+    print(f"# {card}: split policies (programs_per_sm, min_split_tokens) {[tuple(x) for x in POLICIES]}; "
           f"copy bandwidth {bw:.0f} GB/s")
     rows = []
     for b in args.batches:

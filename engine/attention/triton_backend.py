@@ -157,8 +157,7 @@ class TritonAttentionBackend(AttentionBackend):
             # A mixed-step graph's grid covers every row the graph can hold, most of them with
             # no context (their programs exit at once): tiles picked by how full that grid's
             # last wave is would fit programs that do nothing, so it keeps the default tiles.
-            config = (decode_config(self.head_dim, fp8=k_scale is not None, split=splits > 1)
-                      if graph_rows else None)
+            config = decode_config(self.head_dim, fp8=k_scale is not None) if graph_rows else None
             paged_decode_attention(
                 q[:rows], k_cache, v_cache, meta.block_tables[:rows], lens, self.scale,
                 out=out[:rows], num_splits=splits, config=config, workspace=self.workspace,

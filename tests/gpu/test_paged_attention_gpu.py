@@ -64,11 +64,11 @@ def test_decode_32k_context(seed, block_size):
     assert err < TOL, f"seed={seed} block_size={block_size} rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("min_split_tiles", [1, 4])
+@pytest.mark.parametrize("min_split_tokens", [1, 256])
 @pytest.mark.parametrize("lens", [[1000], [8192, 1000, 1, 0, 130]], ids=["b1-1k", "ragged"])
-def test_decode_single_launch_split(seed, lens, min_split_tiles):
+def test_decode_single_launch_split(seed, lens, min_split_tokens):
     """Split-KV merged by each (sequence, KV head)'s last split in the same launch: a grid of
-    33 splits over ragged contexts (one-tile splits with min_split_tiles 1), NaN-filled
+    33 splits over ragged contexts (one-tile splits with min_split_tokens 1), NaN-filled
     workspace; the counters come back to zero."""
     pool, tables, seq_lens = make_pool(lens, 16, 8, 128)
     k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
@@ -78,7 +78,7 @@ def test_decode_single_launch_split(seed, lens, min_split_tiles):
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5, out=out,
                            num_splits=33, workspace=ws, counters=counters,
-                           policy=SplitPolicy(min_split_tiles=min_split_tiles))
+                           policy=SplitPolicy(min_split_tokens=min_split_tokens))
     ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 128 ** -0.5)
     err = rel_err(out, ref)
     assert err < TOL, f"seed={seed} rel err {err:.2e}"

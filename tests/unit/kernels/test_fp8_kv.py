@@ -113,7 +113,7 @@ def test_decode_attention_dequantizes(seed, device, make_paged_context, group, n
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, out=out,
                            num_splits=num_splits, config=DecodeConfig(16, 4, 2, dot_f16),
-                           policy=SplitPolicy(min_split_tiles=1), k_scale=k_scale,
+                           policy=SplitPolicy(min_split_tokens=1), k_scale=k_scale,
                            v_scale=v_scale)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 0.125, k_scale,
                                      v_scale)

@@ -21,7 +21,7 @@ from tandem.kernels.paged_decode_launch import (
 )
 
 # Splits of one tile are allowed, so that short contexts exercise the split path.
-ANY_SPLIT = SplitPolicy(min_split_tiles=1)
+ANY_SPLIT = SplitPolicy(min_split_tokens=1)
 SMALL_TILES = DecodeConfig(block_n=16, num_warps=4, num_stages=2)
 
 
@@ -146,13 +146,16 @@ def test_split_heuristic():
     assert decode_num_splits(256, 8, 32768, sms) == 1
     # One sequence, long context: split up to about two programs per SM.
     assert decode_num_splits(1, 8, 32768, sms) == 33
-    # Short contexts are not cut below 4 tiles of 64 tokens per split.
+    # Short contexts are not cut below 256 tokens (4 tiles of 64; 2 of 128) per split.
     assert decode_num_splits(1, 8, 512, sms) == 2
+    assert decode_num_splits(1, 8, 512, sms, block_n=128) == 2
     assert decode_num_splits(1, 8, 100, sms) == 1
     assert 1 <= decode_num_splits(16, 8, 8192, sms) <= 3
     # The policy's knobs (what benchmarks/kernels/decode_ops.py sweeps).
-    assert decode_num_splits(1, 8, 1024, sms, policy=SplitPolicy(min_split_tiles=1)) == 16
-    assert decode_num_splits(1, 8, 1024, sms, policy=SplitPolicy(min_split_tiles=8)) == 2
+    assert decode_num_splits(1, 8, 1024, sms, policy=SplitPolicy(min_split_tokens=64)) == 16
+    assert decode_num_splits(1, 8, 1024, sms, policy=SplitPolicy(min_split_tokens=512)) == 2
+    # The minimum is rounded up to whole tiles: 100 tokens is 2 of 64.
+    assert decode_num_splits(1, 8, 1024, sms, policy=SplitPolicy(min_split_tokens=100)) == 8
     assert decode_num_splits(1, 8, 32768, sms, policy=SplitPolicy(programs_per_sm=1)) == 17
     assert decode_num_splits(17, 8, 32768, sms, policy=SplitPolicy(programs_per_sm=1)) == 1
 
@@ -174,10 +177,12 @@ def test_unsplit_tiles_fill_the_last_wave():
 def test_split_length_in_the_kernel():
     """Each sequence's own length sets its split length: a grid sized for 32k tokens cuts a 1k
     context into 4 splits of 256 (4 tiles), not 33 of one tile."""
-    assert decode_split_len(1000, 33, 64, 4) == 256
+    assert decode_split_len(1000, 33, 64, 256) == 256
+    assert decode_split_len(1000, 33, 128, 256) == 256  # 2 tiles of 128
     assert decode_split_len(1000, 33, 64, 1) == 64
-    assert decode_split_len(32768, 33, 64, 4) == 1024
-    assert decode_split_len(0, 8, 64, 4) == 256  # padding rows: one (empty) active split
+    assert decode_split_len(1000, 33, 64, 100) == 128  # whole tiles
+    assert decode_split_len(32768, 33, 64, 256) == 1024
+    assert decode_split_len(0, 8, 64, 256) == 256  # padding rows: one (empty) active split
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -234,7 +239,7 @@ def test_repeated_launch_reuses_workspace_and_counters(seed, device, make_paged_
     assert torch.equal(outs[0], outs[2]), f"seed={seed}: the merge is not deterministic"
 
 
-def test_min_split_tiles_caps_the_active_splits(seed, device, make_paged_context):
+def test_min_split_tokens_caps_the_active_splits(seed, device, make_paged_context):
     """A grid of 33 splits (sized for a long context) over a 1000-token context with the
     default policy: only 4 splits of 256 tokens run and write partials."""
     pool, tables, seq_lens = make_paged_context([1000], 80, 16, 2, 1, 1, 64, torch.float32,
