@@ -198,7 +198,7 @@ def _scratch(q: torch.Tensor, num_kv_heads: int, need: int, workspace: torch.Ten
 # ShareGPT-like run's steps, replayed from its scheduler) over 2, 4 and 8 an SM and the
 # unsplit launch's three tiles; benchmarks/kernels/decode_plan.py measures the pick.
 PLAN_PROGRAMS_PER_SM = 8
-PLAN_MIN_SPLIT_TILES = 4
+PLAN_MIN_SPLIT_TOKENS = 256  # rounded up to whole tiles, as SplitPolicy's
 PLAN_TILES = DecodeConfig(64, 4, 2, merge_tile=1024)
 # When the longest context is at most this many split lengths long, none is cut: a split that
 # short buys little balance and costs a merge (batches of equal contexts split for nothing).
@@ -206,7 +206,7 @@ PLAN_KEEP_WHOLE = 1.5
 
 
 def plan_config(head_dim: int, *, fp8: bool = False) -> DecodeConfig:
-    """A planned launch's tiles."""
+    """A planned launch's tiles (an FP8 cache's: decode_config's, 128 tokens)."""
     if head_dim <= 128 and not fp8:
         return PLAN_TILES
     return decode_config(head_dim, fp8=fp8)
@@ -225,14 +225,14 @@ def decode_plan(seq_lens: list[int] | np.ndarray, num_kv_heads: int, num_sms: in
     row per item, unused rows (-1, 0); capacity 0: exactly the items.
 
     Every sequence is cut into splits of split_len tokens (whole block_n tiles, at least
-    PLAN_MIN_SPLIT_TILES of them), the length at which the contexts' total fills about
+    PLAN_MIN_SPLIT_TOKENS), the length at which the contexts' total fills about
     PLAN_PROGRAMS_PER_SM programs an SM: a context many times the step's average no longer
     keeps the launch waiting on its one program. When the longest context is at most
     keep_whole split lengths, the split length is it and nothing is cut. Sequences longest
     first, each one's splits in consecutive rows (the merge finds them there). A sequence of
     length 0 has one item, which writes zeros."""
     lens = np.asarray(seq_lens, dtype=np.int64)
-    tiles = max(PLAN_MIN_SPLIT_TILES,
+    tiles = max(_cdiv(PLAN_MIN_SPLIT_TOKENS, block_n),
                 _cdiv(int(lens.sum()) * num_kv_heads, PLAN_PROGRAMS_PER_SM * num_sms * block_n))
     split_len = tiles * block_n
     longest = int(lens.max(initial=0))

@@ -9,7 +9,8 @@ decode graphs launch it: replayed from a CUDA graph, block tables 4,096 tokens w
 Batches: uniform contexts, and mixed ones as a served ShareGPT-like run's steps hold them
 (--mixed N: N requests of the workload, each at a random point of its output: its prompt plus
 that many tokens). Llama-3.1-8B attention shapes, bf16, 16-token blocks of randomly permuted
-ids. Per batch: µs without and with the plan, each one's share of the copy bandwidth, the
+ids (--kv-cache-dtype fp8: the caches in e4m3 with a scale per KV head, each launch with its
+FP8 tiles). Per batch: µs without and with the plan, each one's share of the copy bandwidth, the
 plan's split length and items. Outputs are checked against the torch reference first. On a GPU,
 last: every compiled variant's registers, spills, shared memory and programs an SM.
 """
@@ -26,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.kernels.decode_kv_dtype import to_fp8
 from benchmarks.kernels.paged_kernels_common import LLAMA_8B, SMOKE, bench, copy_bound, sweep_device
 from benchmarks.lib.workloads import sharegpt_like
 from tandem.kernels import (
@@ -37,9 +39,9 @@ from tandem.kernels._common import num_sms
 from tandem.kernels.paged_decode_launch import (
     PLAN_KEEP_WHOLE,
     DecodeConfig,
-    decode_config,
     decode_plan,
     decode_plan_capacity,
+    plan_config,
 )
 
 UNIFORM = [(1, 2048), (4, 1024), (16, 2048), (96, 448), (192, 448), (446, 320)]
@@ -50,6 +52,13 @@ VARIANTS = {
     "32/2/4 m1k": (DecodeConfig(32, 2, 4, merge_tile=1024), PLAN_KEEP_WHOLE),
     "32/2/4 r128 m1k": (DecodeConfig(32, 2, 4, max_registers=128, merge_tile=1024),
                         PLAN_KEEP_WHOLE),
+}
+# FP8 caches: other tiles than plan_config's (128-token fp16 tiles, registers capped at 160)
+VARIANTS_FP8 = {
+    "128 r160 m1k": (DecodeConfig(128, 4, 3, True, max_registers=160, merge_tile=1024),
+                     PLAN_KEEP_WHOLE),
+    "128 r128": (DecodeConfig(128, 4, 3, True, max_registers=128), PLAN_KEEP_WHOLE),
+    "64/4/2 f16": (DecodeConfig(64, 4, 2, True), PLAN_KEEP_WHOLE),
 }
 MIXED = [16, 100, 200]  # requests drawn from the ShareGPT-like workload
 
@@ -66,35 +75,42 @@ def time_batch(lens: list[int], table_tokens: int, shape, args, device) -> dict:
     pool = torch.randn(b * width + 1, 2, 2, bs, shape.num_kv_heads, shape.head_dim,
                        dtype=shape.dtype, device=device)
     k, v = pool[:, 1, 0], pool[:, 1, 1]
+    fp8 = args.kv_cache_dtype == "fp8"
+    scales = {}
+    if fp8:
+        (k, k_scale), (v, v_scale) = to_fp8(k), to_fp8(v)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
     table = torch.randperm(b * width, device=device).to(torch.int32).view(b, width)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     q = torch.randn(b, shape.num_q_heads, shape.head_dim, dtype=shape.dtype, device=device)
     scale = shape.head_dim ** -0.5
     sms = num_sms(device)
     capacity = decode_plan_capacity(b, shape.num_kv_heads, sms)
-    block_n = decode_config(shape.head_dim).block_n
     ws = torch.empty(decode_workspace_numel(max(capacity, 64 * b), shape.num_q_heads,
                                             shape.head_dim, 1), dtype=torch.float32, device=device)
     counters = torch.zeros(b * shape.num_kv_heads, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
 
     def planned(config: DecodeConfig | None, keep_whole: float):
+        block_n = (config or plan_config(shape.head_dim, fp8=fp8)).block_n  # whole tiles
         plan = decode_plan(lens, shape.num_kv_heads, sms, block_n, capacity, keep_whole)
         plan_t = torch.from_numpy(plan).to(device)
         return plan, lambda: paged_decode_attention(q, k, v, table, seq_lens, scale, out=out,
                                                     plan=plan_t, workspace=ws,
-                                                    counters=counters, config=config)
+                                                    counters=counters, config=config, **scales)
 
     plan, call = planned(None, PLAN_KEEP_WHOLE)
     calls = {
         "unplanned": lambda: paged_decode_attention(q, k, v, table, seq_lens, scale, out=out,
                                                     max_seq_len=table_tokens, workspace=ws,
-                                                    counters=counters),
+                                                    counters=counters, **scales),
         "planned": call,
     }
+    variants = VARIANTS_FP8 if fp8 else VARIANTS
     if args.variants:
-        calls.update({name: planned(*v)[1] for name, v in VARIANTS.items()})
-    ref = paged_decode_attention_ref(q, k, v, table, seq_lens, scale) if b <= 16 else None
+        calls.update({name: planned(*v)[1] for name, v in variants.items()})
+    ref = (paged_decode_attention_ref(q, k, v, table, seq_lens, scale, **scales) if b <= 16
+           else None)
     row = {"batch": b, "mean_context": sum(lens) // b, "max_context": max(lens),
            "split_len": int(plan[0, 0]), "items": int(plan[0, 1])}
     for name, call in calls.items():
@@ -131,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--variants", action="store_true",
-                   help="also other tiles and keep_whole thresholds (VARIANTS)")
+                   help="also other tiles and keep_whole thresholds (VARIANTS, VARIANTS_FP8)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: the interpreter)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -141,21 +158,23 @@ def main(argv: list[str] | None = None) -> int:
         shape, uniform, args.mixed, args.seeds = SMOKE, [(3, 100)], [3], 1
         args.table_tokens, args.reps = 512, 1
     bw = copy_bound(device, 10, args.smoke)["gbps"]
-    print(f"# {card}: decode attention without and with a plan; copy bandwidth {bw:.0f} GB/s")
+    print(f"# {card}: decode attention without and with a plan, KV {args.kv_cache_dtype}; "
+          f"copy bandwidth {bw:.0f} GB/s")
     batches = [(f"{b} x {c}", [c] * b) for b, c in uniform]
     batches += [(f"{n} mixed, seed {s}", mixed_lens(n, s) if not args.smoke else [5, 300, 40])
                 for n in args.mixed for s in range(args.seeds)]
     rows = []
     for name, lens in batches:
         r = time_batch(lens, args.table_tokens, shape, args, device)
-        nbytes = 2 * sum(lens) * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+        itemsize = 1 if args.kv_cache_dtype == "fp8" else shape.dtype.itemsize
+        nbytes = 2 * sum(lens) * shape.num_kv_heads * shape.head_dim * itemsize
         share = {k: nbytes / r[k] / 1e9 / bw for k in ("unplanned", "planned")}
         print(f"{name:>20}: mean {r['mean_context']:5d} max {r['max_context']:5d}  "
               f"unplanned {r['unplanned'] * 1e6:7.1f} us ({share['unplanned']:.0%})  "
               f"planned {r['planned'] * 1e6:7.1f} us ({share['planned']:.0%})  "
               f"x{r['planned'] / r['unplanned']:.3f}  split {r['split_len']} items {r['items']}"
               + "".join(f"\n{'':>22}{v}: x{r[v] / r['unplanned']:.3f}"
-                        for v in VARIANTS if v in r), flush=True)
+                        for v in {**VARIANTS, **VARIANTS_FP8} if v in r), flush=True)
         rows.append({"name": name, **r})
     if device.type == "cuda":
         print_compiled(device)

@@ -10,6 +10,7 @@ import torch
 from tandem.kernels import (
     paged_decode_attention,
     paged_decode_attention_ref,
+    paged_decode_launch,
     paged_prefill_attention,
     paged_prefill_attention_ref,
     rotary_store_kv,
@@ -125,6 +126,35 @@ def test_decode_attention_dequantizes(seed, device, make_paged_context, group, n
     raw = paged_decode_attention_ref(q, k_cache.float(), v_cache.float(), tables, seq_lens,
                                      0.125)
     assert (raw[:-1] - ref[:-1]).abs().max() > 1.0, msg
+
+
+@pytest.mark.parametrize("dot_f16", [False, True])
+def test_planned_decode_attention_dequantizes(seed, device, make_paged_context, dot_f16,
+                                              monkeypatch):
+    """A plan's launch over FP8 caches (what the engine's decode steps take): the 150-token
+    context cut into 4 items of 48 tokens (3 tiles), merged; the scales applied in every item."""
+    monkeypatch.setattr(paged_decode_launch, "PLAN_MIN_SPLIT_TOKENS", 16)
+    lens, num_kv_heads, head_dim, block_n = [150, 37, 1, 0], 2, 64, 16
+    pool, tables, seq_lens, k_scale, v_scale = _fp8_context(
+        make_paged_context, lens, 48, 16, num_kv_heads, head_dim, device)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    q = torch.randn(len(lens), num_kv_heads * 4, head_dim, device=device)
+    if dot_f16:
+        q = q.half()
+    capacity = paged_decode_launch.decode_plan_capacity(len(lens), num_kv_heads, 1)
+    plan = paged_decode_launch.decode_plan(lens, num_kv_heads, 1, block_n, capacity)
+    assert plan[0].tolist() == [48, 7], plan[0].tolist()  # 4 + 1 + 1 + 1 items
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125, out=out,
+                           plan=torch.from_numpy(plan).to(device),
+                           config=DecodeConfig(block_n, 4, 2, dot_f16), k_scale=k_scale,
+                           v_scale=v_scale)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 0.125, k_scale,
+                                     v_scale)
+    tol = dict(atol=1e-2, rtol=1e-2) if dot_f16 else dict(atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out.float(), ref.float(), **tol,
+                               msg=lambda m: f"seed={seed}\n{m}")
+    assert torch.all(out[-1] == 0), f"seed={seed}"
 
 
 @pytest.mark.parametrize("group", [1, 4])

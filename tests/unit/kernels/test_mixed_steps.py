@@ -84,7 +84,7 @@ def test_planned_decodes_cut_long_contexts(tiny_models, monkeypatch):
     from tandem.engine.attention import triton_backend
     from tandem.kernels import paged_decode_launch
 
-    monkeypatch.setattr(paged_decode_launch, "PLAN_MIN_SPLIT_TILES", 1)
+    monkeypatch.setattr(paged_decode_launch, "PLAN_MIN_SPLIT_TOKENS", 1)
     model = str(tiny_models["llama"])
     prompts = [PROMPTS[0], [(13 * j) % 250 + 1 for j in range(110)]]
     # The short one still decodes once the long prompt's chunks are done: decodes side by side.

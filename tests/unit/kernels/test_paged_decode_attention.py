@@ -12,7 +12,7 @@ from tandem.kernels import (
 )
 from tandem.kernels._common import INTERPRET
 from tandem.kernels.paged_decode_launch import (
-    PLAN_MIN_SPLIT_TILES,
+    PLAN_MIN_SPLIT_TOKENS,
     DecodeConfig,
     decode_plan,
     decode_plan_capacity,
@@ -123,7 +123,7 @@ def test_decode_plan_covers_every_sequence_within_capacity():
         split_len, items = plan[0].tolist()
         pairs = [tuple(row) for row in plan[1:].tolist()]
         assert len(pairs) == capacity and items <= capacity
-        assert split_len % block_n == 0 and split_len >= PLAN_MIN_SPLIT_TILES * block_n
+        assert split_len % block_n == 0 and split_len >= PLAN_MIN_SPLIT_TOKENS
         used, rest = pairs[:items], pairs[items:]
         assert all(p == (-1, 0) for p in rest)
         order = []
