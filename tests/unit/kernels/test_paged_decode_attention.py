@@ -9,6 +9,7 @@ from tandem.kernels import (
     decode_workspace_numel,
     paged_decode_attention,
     paged_decode_attention_ref,
+    paged_decode_launch,
 )
 from tandem.kernels._common import INTERPRET
 from tandem.kernels.paged_decode_launch import (
@@ -81,11 +82,13 @@ def test_default_split_path_and_workspace(seed, device, make_paged_context):
 
 
 @pytest.mark.parametrize("group", [1, 4])
-def test_planned_launch_matches_reference(seed, device, make_paged_context, group):
+def test_planned_launch_matches_reference(seed, device, make_paged_context, group, monkeypatch):
     """A planned launch (the engine's): the long contexts cut into splits of the plan's one
     length, a padding row, unused items at the end; twice over one workspace and counters."""
     # Three short contexts and a long one: a split length of at most 8 tiles of 16 (their
-    # total, <= 480 tokens a head over 2 heads, fills 8 programs of 128 tokens), which cuts 300.
+    # total, <= 480 tokens a head over 2 heads, fills 8 programs of 128 tokens), which cuts 300
+    # once splits may be as short as 4 of those tiles.
+    monkeypatch.setattr(paged_decode_launch, "PLAN_MIN_SPLIT_TOKENS", 64)
     lens = [*_random_lens(3, 60), 300, 0]
     num_kv_heads, head_dim, sms = 2, 64, 1
     pool, tables, seq_lens = make_paged_context(lens, 64, 16, 3, 1, num_kv_heads, head_dim,
