@@ -12,9 +12,10 @@ walks its token range BLOCK_N tokens at a time, gathering them through the block
 
 Split-KV (flash-decoding): with few (sequence, KV head) pairs for the SMs, the grid gets
 num_splits programs per pair, and each sequence's context is cut into ranges of whole BLOCK_N
-tiles, at least min_split_tokens long (rounded up to whole tiles). The ranges are computed in the kernel from seq_lens, so
-the grid depends on shapes only and one captured CUDA graph serves every context length; a
-graph sized for long contexts still cuts a short one into few, long splits:
+tiles, at least min_split_tokens long (rounded up to whole tiles). The ranges are computed in
+the kernel from seq_lens, so the grid depends on shapes only and one captured CUDA graph serves
+every context length; a graph sized for long contexts still cuts a short one into few, long
+splits:
 
     seq_len 1000, BLOCK_N 64, num_splits 33, min_split_tokens 256  ->  split_len 256 tokens
     split     0          1           2           3           4 .. 32
@@ -387,10 +388,10 @@ def paged_decode_attention(
 
     max_seq_len: host-side bound on seq_lens for the split heuristic (default: the block
     table's capacity; no device sync). num_splits forces the grid's split count (each
-    sequence still gets splits of at least policy.min_split_tokens, in whole tiles). For split launches:
-    workspace, a flat fp32 tensor of >= decode_workspace_numel(...) elements, any contents;
-    counters, a flat int32 tensor of >= S * Hkv elements that must be all zero and that every
-    launch leaves all zero. Both are allocated here if not given; pass them when capturing a
+    sequence still gets splits of at least policy.min_split_tokens, in whole tiles). For split
+    launches: workspace, a flat fp32 tensor of >= decode_workspace_numel(...) elements, any
+    contents; counters, a flat int32 tensor of >= S * Hkv elements that must be all zero and
+    that every launch leaves all zero. Both are allocated here if not given; pass them when capturing a
     CUDA graph (and never share them between launches that may run concurrently). config
     overrides tile sizes; policy the split heuristic. k_scale, v_scale: fp32 [Hkv], with FP8
     caches only: the caches hold values / scale in e4m3.

@@ -16,7 +16,8 @@ block ids):
   context; o_proj; rms_norm + residual; gate_up linear; silu_and_mul; down linear. Then the
   layer (a middle layer: both norms add the residual) captured as one graph: old ops, new ops,
   and the engine's own DecoderLayer with the Triton backend (the new path through the model
-  code). Last, a sweep of the split policy's min_split_tokens (in whole tiles) for batch-1 decode attention.
+  code). Last, a sweep of the split policy's min_split_tokens (in whole tiles) for batch-1
+  decode attention.
 
 Timing: every op runs from a CUDA graph of many calls that cycle through enough copies of its
 inputs (weights, KV, activations) that the bytes one call touches come from DRAM, not L2 (the

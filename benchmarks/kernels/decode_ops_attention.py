@@ -1,5 +1,6 @@
 """Decode attention in benchmarks/kernels/decode_ops.py: old (split + merge launches) vs new (one
-launch) at each batch, and the batch-1 sweep of the split policy's min_split_tokens (in whole tiles).
+launch) at each batch, and the batch-1 sweep of the split policy's min_split_tokens (in whole
+tiles).
 """
 
 from __future__ import annotations
@@ -88,9 +89,9 @@ def bench_attention(b: int, shape: Shape, rep: Report, device: torch.device,
 
 def sweep_splits(shape: Shape, rep: Report, device: torch.device, args: argparse.Namespace
                  ) -> list[dict[str, Any]]:
-    """Batch-1 decode attention over min_split_tokens (in whole tiles), with the grid sized for the graph
-    capacity (what the engine's graphs launch); old with a grid of as many splits as the new
-    kernel runs (its best case: no one-tile splits)."""
+    """Batch-1 decode attention over min_split_tokens (in whole tiles), with the grid sized for
+    the graph capacity (what the engine's graphs launch); old with a grid of as many splits as
+    the new kernel runs (its best case: no one-tile splits)."""
     block_n = decode_config(shape.head_dim).block_n
     grid = decode_num_splits(1, shape.num_kv_heads, args.graph_capacity, num_sms(device),
                              block_n)
