@@ -28,14 +28,6 @@ _FP8_MAX = tl.constexpr(FP8_MAX)  # a jitted function reads globals only as cons
 
 
 @triton.jit
-def to_cache(x, scale_ptr, offs_h, h_mask, cache_ptr):
-    """x [BLOCK_H, ...] (rows = KV heads offs_h) as the cache stores it: with scales (an FP8
-    cache), clamp(x / scale[h]) in fp32, correctly rounded, then e4m3; else x in the cache's
-    dtype. scale_ptr None is a compile-time branch."""
-    return quantize(x, load_scale(scale_ptr, offs_h, h_mask), scale_ptr, cache_ptr)
-
-
-@triton.jit
 def load_scale(scale_ptr, offs_h, h_mask):
     """The scales of KV heads offs_h, fp32 [BLOCK_H] (ones without scales: scale_ptr None)."""
     s = tl.full(offs_h.shape, 1.0, tl.float32)
@@ -46,7 +38,10 @@ def load_scale(scale_ptr, offs_h, h_mask):
 
 @triton.jit
 def quantize(x, s, scale_ptr, cache_ptr):
-    """to_cache with the scales s already loaded (load_scale)."""
+    """x [BLOCK_H, ...] (rows = KV heads, their scales s from load_scale) as the cache stores it:
+    with scales (an FP8 cache), clamp(x / s[h]) in fp32, correctly rounded, then e4m3; else x in
+    the cache's dtype. scale_ptr None is a compile-time branch. Load the scales before a
+    kernel's first store: a load after a store waits for that store's data."""
     if scale_ptr is not None:
         x = tl.div_rn(x.to(tl.float32), s[:, None])
         x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
@@ -82,8 +77,10 @@ def _store_kv_kernel(
     vc = (v_cache_ptr + block * stride_vcb + offset * stride_vct + offs_h[:, None] * stride_vch
           + offs_d[None, :])
     h_mask = offs_h < num_kv_heads
-    tl.store(kc, to_cache(k, k_scale_ptr, offs_h, h_mask, k_cache_ptr), mask=mask)
-    tl.store(vc, to_cache(v, v_scale_ptr, offs_h, h_mask, v_cache_ptr), mask=mask)
+    k_s = load_scale(k_scale_ptr, offs_h, h_mask)
+    v_s = load_scale(v_scale_ptr, offs_h, h_mask)
+    tl.store(kc, quantize(k, k_s, k_scale_ptr, k_cache_ptr), mask=mask)
+    tl.store(vc, quantize(v, v_s, v_scale_ptr, v_cache_ptr), mask=mask)
 
 
 def check_store_kv_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
