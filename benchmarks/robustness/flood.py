@@ -28,7 +28,6 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ import httpx  # noqa: E402
 from google.rpc import error_details_pb2, status_pb2  # noqa: E402
 
 from benchmarks.robustness.soak_report import metric_total  # noqa: E402
+from tandem.cli.launcher import free_port  # noqa: E402
 from tandem.engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.runtime.convert import params_to_proto  # noqa: E402
 from tandem.v1 import api_pb2, api_pb2_grpc  # noqa: E402
@@ -55,12 +55,6 @@ TAKEN_OUT = re.compile(r"is down|failed a call: taken out|has answered no poll|f
 BANNER = re.compile(r"OpenAI HTTP: http://[^:]+:(\d+)/v1.*?gRPC:\s+[^:]+:(\d+)", re.S)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Stack:
     """`tandem up` as a user starts it, on free loopback ports, logging to a directory."""
 
@@ -69,8 +63,8 @@ class Stack:
         self.out = log_dir / "up.out"
         code = Path(args.code).resolve() if args.code else ROOT
         cmd = [sys.executable, "-m", "tandem.cli.main", "up", "--model", args.model,
-               "--decode-workers", str(args.decode_workers), "--http-port", str(_free_port()),
-               "--grpc-port", str(_free_port()), "--log-dir", str(log_dir), "--device", "cpu",
+               "--decode-workers", str(args.decode_workers), "--http-port", str(free_port()),
+               "--grpc-port", str(free_port()), "--log-dir", str(log_dir), "--device", "cpu",
                *args.up_arg]
         with open(self.out, "w") as f:
             # -m tandem.cli.main from `code`: that checkout's modules come first on sys.path.

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 
 import pytest
 from grpc_health.v1 import health_pb2
 from health_server import health_server
 
 from tandem.cli import health as healthcheck
+from tandem.cli.launcher import free_port
 
 WORKER = "tandem.v1.Worker"
 Status = health_pb2.HealthCheckResponse
@@ -37,12 +37,6 @@ async def _serve(statuses: dict[str, int], probes: list[list[str]]) -> list[int]
             # The client is synchronous: run it off the loop that serves it.
             codes.append(await asyncio.to_thread(_tandem_health, argv))
         return codes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serving_exits_0_and_prints_the_status(capsys) -> None:
@@ -71,7 +65,7 @@ def test_unknown_service_exits_1(capsys) -> None:
 
 
 def test_unreachable_exits_1_within_the_timeout(capsys) -> None:
-    port = _free_port()  # nothing listens there any more
+    port = free_port()  # nothing listens there any more
     assert _tandem_health(["--address", f"127.0.0.1:{port}", "--timeout", "2"]) == 1
     out = capsys.readouterr().out
     assert "UNAVAILABLE" in out or "DEADLINE_EXCEEDED" in out
