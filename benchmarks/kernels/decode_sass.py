@@ -1,0 +1,133 @@
+"""What the compiler makes of the unsplit paged decode kernel for a GPU, on any machine: its
+registers, spills, shared memory and the width of every global load and asynchronous copy, for
+a bf16 or FP8 cache and one tile configuration. No GPU is needed: triton compiles for the named
+architecture and assembles with the ptxas it ships. The arguments are specialised as the JIT
+does at run time for an 8B-shaped cache (32 query heads, 8 KV heads, D 128, 16-token blocks):
+16-byte aligned pointers and strides, except those the kernel opts out of.
+
+    python benchmarks/kernels/decode_sass.py --kv fp8 --config n128/w4/s3/f16/r160
+    python benchmarks/kernels/decode_sass.py --kv bf16 --config n32/w2/s2 --sass bf16.sass
+
+--config is written as decode_kv_dtype.py names configs: n<block_n>/w<warps>/s<stages>, then
+/f16 (FP8 tiles read as fp16) and /r<registers> (capped), each optional.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter has no compiler to ask
+    sys.exit("decode_sass.py compiles for a GPU: run it without TRITON_INTERPRET=1")
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+# The module, not the function tandem.kernels exports under the same name.
+pda = importlib.import_module("tandem.kernels.paged_decode_attention")
+
+GROUP, HEAD_DIM, BLOCK_SIZE = 4, 128, 16  # Llama-3.1-8B: 32 query heads over 8 KV heads
+CONFIG = re.compile(r"n(\d+)/w(\d+)/s(\d+)(/f16)?(?:/r(\d+))?$")
+# Global loads (LDG), asynchronous global-to-shared copies (LDGSTS), spills (STL/LDL).
+MEMORY_OPS = re.compile(r"\b(LDGSTS[.A-Z0-9]*|LDG[.A-Z0-9]*|STL[.A-Z0-9]*|LDL[.A-Z0-9]*)\b")
+
+
+def signature(fp8: bool) -> tuple[dict[str, str], list[str]]:
+    """The kernel's argument types, and the arguments the JIT would know as 16-byte aligned."""
+    kv = "*fp8e4nv" if fp8 else "*bf16"
+    types = {"q_ptr": "*bf16", "k_ptr": kv, "v_ptr": kv, "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "o_ptr": "*bf16", "k_scale_ptr": "*fp32" if fp8 else "constexpr",
+             "v_scale_ptr": "*fp32" if fp8 else "constexpr", "scale_log2": "fp32"}
+    for p in pda._paged_decode_kernel.params:
+        types.setdefault(p.name, "constexpr" if p.is_constexpr else "i32")
+    # The kernel opts out of specialising the block table's stride and its metadata's alignment.
+    aligned = [n for n, t in types.items() if t != "constexpr" and t != "fp32"
+               and n not in ("bt_ptr", "seq_lens_ptr", "stride_bt")]
+    return types, aligned
+
+
+def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, dot_f16: bool,
+                   max_registers: int | None, arch: int) -> dict:
+    types, aligned = signature(fp8)
+    names = list(types)
+    consts = {"GROUP": GROUP, "BLOCK_H": max(16, triton.next_power_of_2(GROUP)),
+              "BLOCK_N": block_n, "BLOCK_SIZE": BLOCK_SIZE, "HEAD_DIM": HEAD_DIM,
+              "DOT_PRECISION": "tf32", "DOT_F16": dot_f16 and fp8}
+    if not fp8:
+        consts.update(k_scale_ptr=None, v_scale_ptr=None)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    options = {"num_warps": warps, "num_stages": stages}
+    if max_registers:
+        options["maxnreg"] = max_registers
+    src = ASTSource(pda._paged_decode_kernel, types, constexprs=consts, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    return {"cubin": kernel.asm["cubin"], "shared_bytes": kernel.metadata.shared}
+
+
+def cuobjdump(args: list[str], cubin: bytes, tmp: Path) -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = tmp / "decode.cubin"
+    path.write_bytes(cubin)
+    return subprocess.run([str(tool), *args, str(path)], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def report(compiled: dict, tmp: Path) -> dict:
+    usage = cuobjdump(["-res-usage"], compiled["cubin"], tmp)
+    fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage))
+    sass = cuobjdump(["-sass"], compiled["cubin"], tmp)
+    ops = Counter(m.group(1) for m in MEMORY_OPS.finditer(sass))
+    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]),
+            "shared_bytes": compiled["shared_bytes"], "memory_ops": dict(sorted(ops.items())),
+            "sass": sass}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kv", choices=["bf16", "fp8"], default="fp8", help="the cache's dtype")
+    p.add_argument("--config", default="n128/w4/s3/f16/r160", help="tiles, as n128/w4/s3/f16/r160")
+    p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: Hopper)")
+    p.add_argument("--sass", type=Path, help="write the disassembly here")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    a = p.parse_args(argv)
+    m = CONFIG.match(a.config)
+    if not m:
+        p.error(f"--config {a.config!r}: expected n<block_n>/w<warps>/s<stages>[/f16][/r<regs>]")
+    block_n, warps, stages = int(m.group(1)), int(m.group(2)), int(m.group(3))
+    fp8 = a.kv == "fp8"
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"decode_sass_{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        r = report(compile_kernel(fp8, block_n, warps, stages, bool(m.group(4)),
+                                  int(m.group(5)) if m.group(5) else None, a.arch), tmp)
+    finally:
+        for f in tmp.glob("*"):
+            f.unlink()
+        tmp.rmdir()
+    if a.sass:
+        a.sass.write_text(r["sass"])
+    del r["sass"]
+    r.update(kv=a.kv, config=a.config, arch=a.arch)
+    if a.json:
+        print(json.dumps(r))
+        return 0
+    print(f"paged decode (unsplit), {a.kv} cache, {a.config}, sm_{a.arch}: {r['registers']} "
+          f"registers, {r['stack_bytes']} bytes of stack (spills), {r['shared_bytes']} bytes of "
+          f"shared memory")
+    for op, n in r["memory_ops"].items():
+        print(f"  {n:5d}  {op}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
