@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -74,18 +75,15 @@ def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, dot_f16: bo
     return {"cubin": kernel.asm["cubin"], "shared_bytes": kernel.metadata.shared}
 
 
-def cuobjdump(args: list[str], cubin: bytes, tmp: Path) -> str:
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    path = tmp / "decode.cubin"
-    path.write_bytes(cubin)
-    return subprocess.run([str(tool), *args, str(path)], capture_output=True, text=True,
-                          check=True).stdout
-
-
-def report(compiled: dict, tmp: Path) -> dict:
-    usage = cuobjdump(["-res-usage"], compiled["cubin"], tmp)
-    fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", usage))
-    sass = cuobjdump(["-sass"], compiled["cubin"], tmp)
+def report(compiled: dict) -> dict:
+    """Registers, spills and memory instructions of the cubin, by triton's own cuobjdump."""
+    tool = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled["cubin"])
+        f.flush()
+        usage, sass = (subprocess.run([tool, flag, f.name], capture_output=True, text=True,
+                                      check=True).stdout for flag in ("-res-usage", "-sass"))
+    fields = dict(re.findall(r"\b(REG|STACK):(\d+)", usage))
     ops = Counter(m.group(1) for m in MEMORY_OPS.finditer(sass))
     return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]),
             "shared_bytes": compiled["shared_bytes"], "memory_ops": dict(sorted(ops.items())),
@@ -105,15 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--config {a.config!r}: expected n<block_n>/w<warps>/s<stages>[/f16][/r<regs>]")
     block_n, warps, stages = int(m.group(1)), int(m.group(2)), int(m.group(3))
     fp8 = a.kv == "fp8"
-    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"decode_sass_{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    try:
-        r = report(compile_kernel(fp8, block_n, warps, stages, bool(m.group(4)),
-                                  int(m.group(5)) if m.group(5) else None, a.arch), tmp)
-    finally:
-        for f in tmp.glob("*"):
-            f.unlink()
-        tmp.rmdir()
+    r = report(compile_kernel(fp8, block_n, warps, stages, bool(m.group(4)),
+                              int(m.group(5)) if m.group(5) else None, a.arch))
     if a.sass:
         a.sass.write_text(r["sass"])
     del r["sass"]
