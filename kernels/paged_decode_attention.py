@@ -428,9 +428,7 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
     )
-    consts = dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-                  BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    consts = kernel_consts(group, block_size, head_dim, q.dtype)
 
     if num_splits == 1:  # no workspace: write the output directly
         args = (q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale,
@@ -487,21 +485,32 @@ def _launch_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
             part.stride(0), part.stride(1), lse.stride(0), num_kv_heads,
-            GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             GROUP_PAD=group_pad, MERGE_CHUNK=max(1, cfg.merge_tile // (group_pad * head_dim)),
-            **_tiles(cfg, q, fp8),
+            **kernel_consts(group, block_size, head_dim, q.dtype), **_tiles(cfg, q, fp8),
         )
+
+
+def kernel_consts(group: int, block_size: int, head_dim: int, dtype: torch.dtype) -> dict:
+    """The kernels' shape constants: a program's query heads padded to the 16 rows a tensor-core
+    product needs, and fp32 queries (CPU runs) multiplied exactly."""
+    return dict(GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+                BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+                DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
 
 def _tiles(cfg: DecodeConfig, q: torch.Tensor, fp8: bool) -> dict:
     """A launch's tile arguments from its config."""
+    return tile_args(cfg, q.dtype, fp8, q.device.type == "cuda")
+
+
+def tile_args(cfg: DecodeConfig, dtype: torch.dtype, fp8: bool, cuda: bool) -> dict:
+    """The kernels' tile constants and launch options for queries of `dtype`, a cache FP8 or
+    not, on a GPU or not."""
     # fp32 queries (CPU runs) keep fp32 dot products: fp16 would round them.
-    dot_f16 = bool(cfg.fp8_dot_f16 and fp8 and q.dtype != torch.float32)
-    tiles = dict(BLOCK_N=cfg.block_n, DOT_F16=dot_f16, num_warps=cfg.num_warps,
-                 num_stages=cfg.num_stages)
-    if cfg.max_registers is not None and q.device.type == "cuda":
+    tiles = dict(BLOCK_N=cfg.block_n,
+                 DOT_F16=bool(cfg.fp8_dot_f16 and fp8 and dtype != torch.float32),
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.max_registers is not None and cuda:
         tiles["maxnreg"] = cfg.max_registers
     return tiles
 

@@ -15,10 +15,10 @@ is best over all shapes (the geometric mean of its ratios).
 A decode graph's launch is split for the longest context its block tables can hold, not the
 step's: --graph-len N sizes the split count (bf16's and each config's) for tables of N tokens,
 as engine/attention/triton_backend.py does while capturing. --configs times only the configs
-named as `_key` writes them (`n128/w4/s3/f16`, optionally `/r160` registers capped and `/m512`
-splits of at least 512 tokens); --max-copies raises how many input copies a timed graph cycles
-through (a batch-1 layer's KV is under a MiB: 32 copies stay in the L2, which the engine's
-weights flush between layers).
+named as paged_kernels_common.config_key writes them (`n128/w4/s3/f16`, optionally `/r160`
+registers capped and `/m512` splits of at least 512 tokens); --max-copies raises how many input
+copies a timed graph cycles through (a batch-1 layer's KV is under a MiB: 32 copies stay in the
+L2, which the engine's weights flush between layers).
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ from benchmarks.kernels.paged_kernels_common import (
     SMOKE,
     add_sweep_args,
     bench,
+    config_key,
     copies_for,
     fits,
+    parse_config,
     sweep_device,
 )
 from benchmarks.kernels.paged_kernels_decode import make_decode_inputs
@@ -67,7 +69,7 @@ def to_fp8(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def grid(smoke: bool, head_dim: int, names: list[str] | None = None
          ) -> list[tuple[DecodeConfig, SplitPolicy]]:
     if names:
-        return [_parse(n) for n in names]
+        return [parse_config(n) for n in names]
     return [(c, DEFAULT_SPLIT_POLICY) for c in _tile_grid(smoke, head_dim)]
 
 
@@ -141,28 +143,7 @@ def run_shape(batch: int, ctx: int, args: argparse.Namespace, device: torch.devi
 
 
 def _key(cfg: DecodeConfig | None, policy: SplitPolicy = DEFAULT_SPLIT_POLICY) -> str:
-    if cfg is None:
-        return "default"
-    key = f"n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}" + ("/f16" if cfg.fp8_dot_f16
-                                                                  else "")
-    if cfg.max_registers is not None:
-        key += f"/r{cfg.max_registers}"
-    if policy.min_split_tokens != DEFAULT_SPLIT_POLICY.min_split_tokens:
-        key += f"/m{policy.min_split_tokens}"
-    return key
-
-
-def _parse(key: str) -> tuple[DecodeConfig, SplitPolicy]:
-    """The config and split policy `_key` names."""
-    parts = key.split("/")
-    n, w, s = (int(p[1:]) for p in parts[:3])
-    flags = {p[0]: p[1:] for p in parts[3:]}
-    cfg = DecodeConfig(n, w, s, "f" in flags,
-                       max_registers=int(flags["r"]) if "r" in flags else None)
-    policy = DEFAULT_SPLIT_POLICY
-    if "m" in flags:
-        policy = policy._replace(min_split_tokens=int(flags["m"]))
-    return cfg, policy
+    return "default" if cfg is None else config_key(cfg, policy)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,9 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     add_sweep_args(p, [1, 16, 64, 256, 512], [1024, 4096])
     p.add_argument("--graph-len", type=int, default=0,
                    help="split counts for block tables of this many tokens (a captured graph)")
-    p.add_argument("--configs", nargs="+", default=None, help="only these configs (_key's names)")
+    p.add_argument("--configs", nargs="+", default=None,
+                   help="only these configs (paged_kernels_common.config_key's names)")
     p.add_argument("--max-copies", type=int, default=32, help="input copies a timed graph cycles")
     args = p.parse_args(argv)
+    for name in args.configs or ():
+        try:
+            parse_config(name)
+        except ValueError as e:
+            p.error(f"--configs: {e}")
     if args.smoke:
         args.batches, args.contexts, args.reps = [2], [64], 1
     device, card = sweep_device()

@@ -1,6 +1,6 @@
 """What the compiler makes of the unsplit paged decode kernel for a GPU, on any machine: its
-registers, spills, shared memory and the width of every global load and asynchronous copy, for
-a bf16 or FP8 cache and one tile configuration. No GPU is needed: triton compiles for the named
+registers, spills, shared memory and the width of every global load, asynchronous copy and
+shared-memory access, for a bf16 or FP8 cache and one tile configuration. No GPU is needed: triton compiles for the named
 architecture and assembles with the ptxas it ships. The arguments are specialised as the JIT
 does at run time for an 8B-shaped cache (32 query heads, 8 KV heads, D 128, 16-token blocks):
 16-byte aligned pointers and strides, except those the kernel opts out of.
@@ -8,8 +8,9 @@ does at run time for an 8B-shaped cache (32 query heads, 8 KV heads, D 128, 16-t
     python benchmarks/kernels/decode_sass.py --kv fp8 --config n128/w4/s3/f16/r160
     python benchmarks/kernels/decode_sass.py --kv bf16 --config n32/w2/s2 --sass bf16.sass
 
---config is written as decode_kv_dtype.py names configs: n<block_n>/w<warps>/s<stages>, then
-/f16 (FP8 tiles read as fp16) and /r<registers> (capped), each optional.
+--config names a tile configuration as decode_kv_dtype.py does (paged_kernels_common.config_key:
+n<block_n>/w<warps>/s<stages>, then /f16 and /r<registers>, each optional); the kernel's
+constants and options are the launcher's for that configuration.
 """
 
 from __future__ import annotations
@@ -28,19 +29,24 @@ from pathlib import Path
 if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter has no compiler to ask
     sys.exit("decode_sass.py compiles for a GPU: run it without TRITON_INTERPRET=1")
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.kernels.paged_kernels_common import parse_config
+from tandem.kernels.paged_decode_launch import DecodeConfig
+
 # The module, not the function tandem.kernels exports under the same name.
 pda = importlib.import_module("tandem.kernels.paged_decode_attention")
 
 GROUP, HEAD_DIM, BLOCK_SIZE = 4, 128, 16  # Llama-3.1-8B: 32 query heads over 8 KV heads
-CONFIG = re.compile(r"n(\d+)/w(\d+)/s(\d+)(/f16)?(?:/r(\d+))?$")
-# Global loads (LDG), asynchronous global-to-shared copies (LDGSTS), spills (STL/LDL).
-MEMORY_OPS = re.compile(r"\b(LDGSTS[.A-Z0-9]*|LDG[.A-Z0-9]*|STL[.A-Z0-9]*|LDL[.A-Z0-9]*)\b")
+# Global loads (LDG), asynchronous global-to-shared copies (LDGSTS), spills (STL/LDL), shared
+# memory loads (LDS; LDSM: ldmatrix) and stores (STS). Counted in the code, not as executed.
+MEMORY_OPS = re.compile(r"\b(LDGSTS[.A-Z0-9]*|LDG[.A-Z0-9]*|STL[.A-Z0-9]*|LDL[.A-Z0-9]*"
+                        r"|LDS[.A-Z0-9]*|STS[.A-Z0-9]*)\b")
 
 
 def signature(fp8: bool) -> tuple[dict[str, str], list[str]]:
@@ -57,19 +63,16 @@ def signature(fp8: bool) -> tuple[dict[str, str], list[str]]:
     return types, aligned
 
 
-def compile_kernel(fp8: bool, block_n: int, warps: int, stages: int, dot_f16: bool,
-                   max_registers: int | None, arch: int) -> dict:
+def compile_kernel(fp8: bool, cfg: DecodeConfig, arch: int) -> dict:
+    """The unsplit kernel's cubin for bf16 queries, with the constants the launcher gives it."""
     types, aligned = signature(fp8)
     names = list(types)
-    consts = {"GROUP": GROUP, "BLOCK_H": max(16, triton.next_power_of_2(GROUP)),
-              "BLOCK_N": block_n, "BLOCK_SIZE": BLOCK_SIZE, "HEAD_DIM": HEAD_DIM,
-              "DOT_PRECISION": "tf32", "DOT_F16": dot_f16 and fp8}
+    consts = pda.kernel_consts(GROUP, BLOCK_SIZE, HEAD_DIM, torch.bfloat16)
+    options = pda.tile_args(cfg, torch.bfloat16, fp8, cuda=True)
+    consts.update((k, options.pop(k)) for k in ("BLOCK_N", "DOT_F16"))
     if not fp8:
         consts.update(k_scale_ptr=None, v_scale_ptr=None)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    options = {"num_warps": warps, "num_stages": stages}
-    if max_registers:
-        options["maxnreg"] = max_registers
     src = ASTSource(pda._paged_decode_kernel, types, constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     return {"cubin": kernel.asm["cubin"], "shared_bytes": kernel.metadata.shared}
@@ -98,13 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sass", type=Path, help="write the disassembly here")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
-    m = CONFIG.match(a.config)
-    if not m:
-        p.error(f"--config {a.config!r}: expected n<block_n>/w<warps>/s<stages>[/f16][/r<regs>]")
-    block_n, warps, stages = int(m.group(1)), int(m.group(2)), int(m.group(3))
-    fp8 = a.kv == "fp8"
-    r = report(compile_kernel(fp8, block_n, warps, stages, bool(m.group(4)),
-                              int(m.group(5)) if m.group(5) else None, a.arch))
+    try:
+        cfg, _ = parse_config(a.config)
+    except ValueError as e:
+        p.error(f"--config: {e}")
+    r = report(compile_kernel(a.kv == "fp8", cfg, a.arch))
     if a.sass:
         a.sass.write_text(r["sass"])
     del r["sass"]

@@ -32,6 +32,7 @@ from benchmarks.kernels.paged_kernels_common import (
     SMOKE,
     add_sweep_args,
     bench,
+    config_key,
     copies_for,
     copy_bound,
     fits,
@@ -41,7 +42,12 @@ from benchmarks.kernels.paged_kernels_decode import make_decode_inputs
 from benchmarks.lib.timing import rel_err
 from tandem.kernels import paged_decode_attention
 from tandem.kernels._common import FP8_DTYPE, quantize_fp8_ref, resident_programs
-from tandem.kernels.paged_decode_attention import LOG2E, _paged_decode_kernel, _tiles
+from tandem.kernels.paged_decode_attention import (
+    LOG2E,
+    _paged_decode_kernel,
+    _tiles,
+    kernel_consts,
+)
 from tandem.kernels.paged_decode_launch import (
     UNSPLIT_CANDIDATES,
     UNSPLIT_CANDIDATES_FP8,
@@ -59,19 +65,14 @@ CONFIGS = {  # the candidates the launcher picks among first, then others for co
 
 
 def key(cfg: DecodeConfig | None) -> str:
-    if cfg is None:
-        return "launcher"
-    return (f"n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
-            + ("/f16" if cfg.fp8_dot_f16 else "")
-            + (f"/r{cfg.max_registers}" if cfg.max_registers else ""))
+    return "launcher" if cfg is None else config_key(cfg)
 
 
 def held(inp, k, v, ks, vs, cfg: DecodeConfig, fp8: bool, device: torch.device) -> int:
     """Programs of this configuration one SM holds (from the compiled kernel)."""
     if device.type != "cuda":
         return 0
-    shape_consts = dict(GROUP=LLAMA_8B.group, BLOCK_H=16, BLOCK_SIZE=k.shape[1],
-                        HEAD_DIM=k.shape[3], DOT_PRECISION="tf32")
+    shape_consts = kernel_consts(LLAMA_8B.group, k.shape[1], k.shape[3], inp.q.dtype)
     args = (inp.q, k, v, inp.block_tables, inp.seq_lens, inp.out, ks, vs, LOG2E,
             inp.q.stride(0), inp.q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), inp.block_tables.stride(0),

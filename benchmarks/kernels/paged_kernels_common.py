@@ -1,6 +1,7 @@
 """What the parts of benchmarks/kernels/paged_kernels.py share: the attention shapes (Llama-3.1-8B's, or tiny
 for --smoke), timing from captured graphs over input copies that exceed the L2, the memory
-check, and the copy bandwidth every share is taken of.
+check, the copy bandwidth every share is taken of, and the names the decode benchmarks give
+tile configurations (`config_key`, `parse_config`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.lib.timing import copy_bandwidth, eager_time, graph_time
+from tandem.kernels.paged_decode_launch import DEFAULT_SPLIT_POLICY, DecodeConfig, SplitPolicy
 
 L2_WORKING_SET = 256 << 20  # bytes of distinct inputs per timed graph (H100 L2: 50 MiB)
 
@@ -32,6 +34,45 @@ class Shape:
 
 LLAMA_8B = Shape(32, 8, 128, torch.bfloat16)
 SMOKE = Shape(8, 2, 64, torch.float32)
+
+
+# ----------------------------------------------------------------------------- config names
+
+def config_key(cfg: DecodeConfig, policy: SplitPolicy = DEFAULT_SPLIT_POLICY) -> str:
+    """A decode tile configuration's name: n<block_n>/w<warps>/s<stages>, then each that
+    applies of /f16 (FP8 tiles read as fp16), /r<registers> (capped) and /m<tokens> (the split
+    policy's shortest split)."""
+    key = f"n{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}"
+    if cfg.fp8_dot_f16:
+        key += "/f16"
+    if cfg.max_registers is not None:
+        key += f"/r{cfg.max_registers}"
+    if policy.min_split_tokens != DEFAULT_SPLIT_POLICY.min_split_tokens:
+        key += f"/m{policy.min_split_tokens}"
+    return key
+
+
+def parse_config(key: str) -> tuple[DecodeConfig, SplitPolicy]:
+    """The configuration and split policy `config_key` names; ValueError naming the key if it
+    names none."""
+    parts = key.split("/")
+    try:
+        prefixes = "".join(p[0] for p in parts[:3])
+        if prefixes != "nws":
+            raise ValueError
+        n, w, s = (int(p[1:]) for p in parts[:3])
+        flags = {p[0]: p[1:] for p in parts[3:]}
+        if set(flags) - set("frm") or flags.get("f", "16") != "16":
+            raise ValueError
+        cfg = DecodeConfig(n, w, s, "f" in flags,
+                           max_registers=int(flags["r"]) if "r" in flags else None)
+        policy = DEFAULT_SPLIT_POLICY
+        if "m" in flags:
+            policy = policy._replace(min_split_tokens=int(flags["m"]))
+    except (ValueError, IndexError):
+        raise ValueError(f"config {key!r}: expected n<block_n>/w<warps>/s<stages>"
+                         "[/f16][/r<registers>][/m<tokens>]") from None
+    return cfg, policy
 
 
 # ----------------------------------------------------------------------------- timing

@@ -29,6 +29,7 @@ def test_fp8_default_tiles_hold_their_register_cap_without_spills():
     r = report("--kv", "fp8", "--config", "n128/w4/s3/f16/r160")
     assert 0 < r["registers"] <= 160 and r["stack_bytes"] == 0, r
     assert any(op.startswith("LDGSTS") for op in r["memory_ops"]), r  # tiles copied ahead
+    assert any(op.startswith("LDSM") for op in r["memory_ops"]), r  # K's tiles by ldmatrix
 
 
 def test_bf16_tiles_copy_sixteen_bytes_at_a_time(tmp_path):
