@@ -94,7 +94,7 @@ def _attend(
     stride_bt,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_F16: tl.constexpr, V_TRANS: tl.constexpr = 0,
+    DOT_F16: tl.constexpr,
 ):
     """Online softmax of the group's query heads over tokens [start, end) of one sequence.
     Returns (acc [BLOCK_H, D], running max m [BLOCK_H], running sum l [BLOCK_H]), unnormalised.
@@ -137,19 +137,8 @@ def _attend(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        if V_TRANS:  # an experiment: V pages as [Hkv, D, block_size], tokens contiguous
-            vt_ptrs = (v_base + (block * stride_vb + slot)[None, :]
-                       + offs_d[:, None] * BLOCK_SIZE)  # [D, BLOCK_N]
-            vt_ptrs = tl.max_contiguous(tl.multiple_of(vt_ptrs, [16, 16]), [1, BLOCK_SIZE])
-            vt = tl.load(vt_ptrs)  # whole blocks (block 0 past the end)
-            if V_TRANS == 1:  # past the end zeroed: stale values there may be NaN
-                v = tl.where(t_mask[:, None], tl.trans(vt), 0.0)
-            else:  # not zeroed: what the transposed read alone costs (unsafe)
-                v = tl.trans(vt)
-        else:
-            v_off = block * stride_vb + slot * stride_vt
-            v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=t_mask[:, None],
-                        other=0.0)
+        v_off = block * stride_vb + slot * stride_vt
+        v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
         v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -173,7 +162,7 @@ def _paged_decode_kernel(
     stride_os, stride_oh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_F16: tl.constexpr, V_TRANS: tl.constexpr = 0,
+    DOT_F16: tl.constexpr,
 ):
     """No split: one program per (sequence, KV head) over the whole context."""
     seq = tl.program_id(0)
@@ -183,7 +172,7 @@ def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, 0, seq_len,
         scale_log2,
         stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION, DOT_F16, V_TRANS)
+        stride_bt, GROUP, BLOCK_H, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DOT_PRECISION, DOT_F16)
 
     # seq_len 0 (padding rows) leaves l_i at 0: write zeros, not NaN.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
