@@ -179,7 +179,7 @@ class ModelRunner:
             load_weights(model, model_dir, progress=progress, kv_scales=kv)
         if scheme is not None:
             fp8.finish(model, scheme)
-            # The norms in front of FP8 projections quantize for them.
+            # The norms and SiLU-and-mul in front of FP8 projections quantize for them.
             fp8_fusion.fuse_activation_quant(model)
         return model
 

@@ -2,15 +2,15 @@
 activation whose output only feeds an FP8 matmul (torch._scaled_mm, the down projection): the
 [T, I] product never goes to memory in bf16.
 
-One program per row of x = [gate | up] [T, 2I], BLOCK columns at a time, two passes:
+One program per row of x = [gate | up] [T, 2I]. Up to MAX_BLOCK columns (every Llama-class
+intermediate size) the row is one tile, held in registers from its one read to its store:
 
-    pass 1:  y = (silu(gate).to(dtype) * up).to(dtype)   amax = max |y|   (y thrown away)
-             s = max(amax, MIN_AMAX) / 448               (or the static scale: no pass 1)
-    pass 2:  y again, q = clamp(y / s, -448, 448) in e4m3, rounded to nearest even
+    y = (silu(gate).to(dtype) * up).to(dtype)     s = max(max |y|, MIN_AMAX) / 448 (or static)
+    q = clamp(y / s, -448, 448) in e4m3, rounded to nearest even
 
 with silu_and_mul.py's rounding, so the result is the unfused pair's (silu_and_mul then
-quant_fp8). Up to MAX_BLOCK columns (every Llama-class intermediate size) the row is one tile
-and pass 2 re-reads it from cache right after pass 1; only wider rows loop.
+quant_fp8), and x is read once where the pair reads x, writes y and reads y again. Wider rows
+loop over BLOCK columns twice: once for the amax, once (y computed again) for q.
 """
 
 from __future__ import annotations
@@ -52,26 +52,36 @@ def _silu_mul(gate_ptr, up_ptr, offs, mask):
 def _silu_and_mul_quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr,
     inter, stride_x, stride_q,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     gate_ptr = x_ptr + row * stride_x
     up_ptr = gate_ptr + inter
     offs = tl.arange(0, BLOCK)
-    if static_ptr is not None:
-        s = tl.load(static_ptr)
+    if ONE_TILE:  # inter <= BLOCK: y stays in registers
+        mask = offs < inter
+        y = _silu_mul(gate_ptr, up_ptr, offs, mask)
+        if static_ptr is not None:
+            s = tl.load(static_ptr)
+        else:
+            s = fp8_row_scale(tl.max(tl.abs(y), 0))
+        tl.store(s_ptr + row, s)
+        tl.store(q_ptr + row * stride_q + offs, to_fp8(y, s, q_ptr.dtype.element_ty), mask=mask)
     else:
-        amax = tl.zeros([BLOCK], tl.float32)
+        if static_ptr is not None:
+            s = tl.load(static_ptr)
+        else:
+            amax = tl.zeros([BLOCK], tl.float32)
+            for k0 in range(0, inter, BLOCK):
+                y = _silu_mul(gate_ptr, up_ptr, k0 + offs, k0 + offs < inter)
+                amax = tl.maximum(amax, tl.abs(y))
+            s = fp8_row_scale(tl.max(amax, 0))
+        tl.store(s_ptr + row, s)
         for k0 in range(0, inter, BLOCK):
-            y = _silu_mul(gate_ptr, up_ptr, k0 + offs, k0 + offs < inter)
-            amax = tl.maximum(amax, tl.abs(y))
-        s = fp8_row_scale(tl.max(amax, 0))
-    tl.store(s_ptr + row, s)
-    for k0 in range(0, inter, BLOCK):
-        mask = k0 + offs < inter
-        y = _silu_mul(gate_ptr, up_ptr, k0 + offs, mask)
-        tl.store(q_ptr + row * stride_q + k0 + offs, to_fp8(y, s, q_ptr.dtype.element_ty),
-                 mask=mask)
+            mask = k0 + offs < inter
+            y = _silu_mul(gate_ptr, up_ptr, k0 + offs, mask)
+            tl.store(q_ptr + row * stride_q + k0 + offs, to_fp8(y, s, q_ptr.dtype.element_ty),
+                     mask=mask)
 
 
 def silu_and_mul_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> Fp8Rows:
@@ -90,7 +100,7 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -
         with device_guard(x):
             _silu_and_mul_quant_fp8_kernel[(num_tokens,)](
                 x, q, s, scale, inter, x.stride(0), q.stride(0), BLOCK=block,
-                num_warps=min(max(block // 512, 4), 16))
+                ONE_TILE=inter <= block, num_warps=min(max(block // 512, 4), 16))
     return Fp8Rows(q, s)
 
 

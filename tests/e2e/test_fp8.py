@@ -16,7 +16,7 @@ from tandem.engine.llm import LLM
 from tandem.engine.models.layers import RMSNorm
 from tandem.engine.quantization import fp8_fusion
 from tandem.engine.quantization.fp8 import Fp8Linear, linear_path, quantize_weight
-from tandem.engine.quantization.fp8_fusion import Fp8RMSNorm
+from tandem.engine.quantization.fp8_fusion import Fp8MLP, Fp8RMSNorm
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scoring import Accuracy, build, compare, score
 from tandem.errors import InvalidArgument, ModelLoadError
@@ -225,7 +225,7 @@ def test_generate_and_up_take_the_fp8_flags(tiny_models, capsys):
 
 @pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels on the CPU (TRITON_INTERPRET=1)")
 def test_fused_activation_quantization_gives_the_unfused_logits(tiny_models, text, monkeypatch):
-    """The norms in front of FP8 projections hand them e4m3 rows on the
+    """The norms and SiLU-and-mul in front of FP8 projections hand them e4m3 rows on the
     _scaled_mm path (engine/quantization/fp8_fusion.py). Taken here on the CPU, with the fused
     Triton kernels in the interpreter and the reference matmul: the prefill chunks (8 and 2
     rows) fuse, the decode steps (1 row, the weight-only kernel's on CUDA) do not, and the
@@ -233,9 +233,9 @@ def test_fused_activation_quantization_gives_the_unfused_logits(tiny_models, tex
     engine = _fp8_runner(tiny_models["llama"], quantization="fp8")
     model = engine.runner.model
     fused_modules = {n for n, m in model.named_modules()
-                     if isinstance(m, Fp8RMSNorm)}
+                     if isinstance(m, (Fp8RMSNorm, Fp8MLP))}
     assert fused_modules == {f"model.layers.{i}.{p}" for i in range(2) for p in (
-        "input_layernorm", "post_attention_layernorm")}
+        "input_layernorm", "post_attention_layernorm", "mlp")}
     assert type(model.model.norm) is RMSNorm  # in front of lm_head, which stays float
     unfused = score(engine, text[:12], 8, 2)  # on the CPU nothing fuses by default
 

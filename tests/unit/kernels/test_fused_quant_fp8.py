@@ -141,7 +141,10 @@ def test_silu_and_mul_quant_equals_the_unfused_pair(seed, device, dtype, inter, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_silu_and_mul_quant_static_scale(seed, device, dtype):
+@pytest.mark.parametrize("max_block", [None, 64], ids=["one-tile", "chunked"])
+def test_silu_and_mul_quant_static_scale(seed, device, dtype, max_block, monkeypatch):
+    if max_block is not None:
+        monkeypatch.setattr(silu_quant_module, "MAX_BLOCK", max_block)
     x = torch.randn(5, 2 * 96, device=device).to(dtype)
     x[3, 7], x[3, 96 + 7] = 30.0, 100.0  # silu(30) * 100 = 3000 > 448 * 0.5: saturates
     scale = torch.tensor([0.5], device=device)
