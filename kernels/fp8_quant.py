@@ -52,6 +52,19 @@ def to_fp8(x, s, fp8_ty: tl.constexpr):
 
 
 @triton.jit
+def store_fp8_row(y, offs, mask, q_row_ptr, s_ptr, static_ptr):
+    """A whole row y (fp32 [BLOCK], 0 where masked) quantized: its scale (static_ptr's, else
+    from its amax) stored at s_ptr, its e4m3 values at q_row_ptr + offs; for the fused
+    kernels, which hold their row in registers."""
+    if static_ptr is not None:
+        s = tl.load(static_ptr)
+    else:
+        s = fp8_row_scale(tl.max(tl.abs(y), 0))
+    tl.store(s_ptr, s)
+    tl.store(q_row_ptr + offs, to_fp8(y, s, q_row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _quant_fp8_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr,
     num_cols, stride_xm, stride_qm,

@@ -28,7 +28,7 @@ from tandem.kernels._common import (
     check_same_device,
     device_guard,
 )
-from tandem.kernels.fp8_quant import check_static_scale, fp8_row_scale, quant_fp8_ref, to_fp8
+from tandem.kernels.fp8_quant import check_static_scale, quant_fp8_ref, store_fp8_row
 from tandem.kernels.rms_norm import RMSNormResidual, normed_row, rms_norm_ref
 
 
@@ -44,12 +44,7 @@ def _rms_norm_quant_fp8_kernel(
                                stride_x, stride_res, stride_res_out, HAS_RESIDUAL, BLOCK)
     # The norm's output as the unfused kernel would store it (masked lanes are 0).
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-    if static_ptr is not None:
-        s = tl.load(static_ptr)
-    else:
-        s = fp8_row_scale(tl.max(tl.abs(y), 0))
-    tl.store(s_ptr + row, s)
-    tl.store(q_ptr + row * stride_q + offs, to_fp8(y, s, q_ptr.dtype.element_ty), mask=mask)
+    store_fp8_row(y, offs, mask, q_ptr + row * stride_q, s_ptr + row, static_ptr)
 
 
 class RMSNormFp8(NamedTuple):

@@ -31,6 +31,7 @@ from tandem.kernels.fp8_quant import (
     check_static_scale,
     fp8_row_scale,
     quant_fp8_ref,
+    store_fp8_row,
     to_fp8,
 )
 from tandem.kernels.silu_and_mul import silu_and_mul_ref
@@ -60,13 +61,8 @@ def _silu_and_mul_quant_fp8_kernel(
     offs = tl.arange(0, BLOCK)
     if ONE_TILE:  # inter <= BLOCK: y stays in registers
         mask = offs < inter
-        y = _silu_mul(gate_ptr, up_ptr, offs, mask)
-        if static_ptr is not None:
-            s = tl.load(static_ptr)
-        else:
-            s = fp8_row_scale(tl.max(tl.abs(y), 0))
-        tl.store(s_ptr + row, s)
-        tl.store(q_ptr + row * stride_q + offs, to_fp8(y, s, q_ptr.dtype.element_ty), mask=mask)
+        store_fp8_row(_silu_mul(gate_ptr, up_ptr, offs, mask), offs, mask,
+                      q_ptr + row * stride_q, s_ptr + row, static_ptr)
     else:
         if static_ptr is not None:
             s = tl.load(static_ptr)
