@@ -1,9 +1,10 @@
 """What the compiler makes of the unsplit paged decode kernel for a GPU, on any machine: its
 registers, spills, shared memory and the width of every global load, asynchronous copy and
-shared-memory access, for a bf16 or FP8 cache and one tile configuration. No GPU is needed: triton compiles for the named
-architecture and assembles with the ptxas it ships. The arguments are specialised as the JIT
-does at run time for an 8B-shaped cache (32 query heads, 8 KV heads, D 128, 16-token blocks):
-16-byte aligned pointers and strides, except those the kernel opts out of.
+shared-memory access, for a bf16 or FP8 cache and one tile configuration. No GPU is needed:
+triton compiles for the named architecture and assembles with the ptxas it ships. The arguments
+are specialised as the JIT does at run time for an 8B-shaped cache (32 query heads, 8 KV heads,
+D 128, 16-token blocks): 16-byte aligned pointers and strides, except those the kernel opts out
+of.
 
     python benchmarks/kernels/decode_sass.py --kv fp8 --config n128/w4/s3/f16/r160
     python benchmarks/kernels/decode_sass.py --kv bf16 --config n32/w2/s2 --sass bf16.sass
