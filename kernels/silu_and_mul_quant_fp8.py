@@ -80,9 +80,14 @@ def _silu_and_mul_quant_fp8_kernel(
                      mask=mask)
 
 
-def silu_and_mul_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> Fp8Rows:
+def silu_and_mul_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None, *,
+                           block: int | None = None, num_warps: int | None = None) -> Fp8Rows:
     """x: [T, 2I] (last dim contiguous); scale: a static fp32 activation scale of one element,
-    or None for per-token scales. Returns Fp8Rows(q e4m3 [T, I], s fp32 [T, 1])."""
+    or None for per-token scales. Returns Fp8Rows(q e4m3 [T, I], s fp32 [T, 1]).
+
+    block, num_warps: the launch's shape (a power of two; benchmarks/kernels/fp8_fused_quant.py
+    --sweep times others); default: the row in one tile up to MAX_BLOCK, block / 512 warps
+    within [4, 16]."""
     check(x.dim() == 2 and x.shape[1] % 2 == 0,
           f"x must be [num_tokens, 2 * intermediate], got {tuple(x.shape)}")
     check_last_dim_contiguous("x", x)
@@ -91,12 +96,13 @@ def silu_and_mul_quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -
     num_tokens, inter = x.shape[0], x.shape[1] // 2
     q = torch.empty((num_tokens, inter), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((num_tokens, 1), dtype=torch.float32, device=x.device)
+    block = block or min(triton.next_power_of_2(max(inter, 1)), MAX_BLOCK)
+    check(block & (block - 1) == 0, f"block must be a power of two, got {block}")
     if num_tokens and inter:
-        block = min(triton.next_power_of_2(inter), MAX_BLOCK)
         with device_guard(x):
             _silu_and_mul_quant_fp8_kernel[(num_tokens,)](
                 x, q, s, scale, inter, x.stride(0), q.stride(0), BLOCK=block,
-                ONE_TILE=inter <= block, num_warps=min(max(block // 512, 4), 16))
+                ONE_TILE=inter <= block, num_warps=num_warps or min(max(block // 512, 4), 16))
     return Fp8Rows(q, s)
 
 

@@ -13,7 +13,12 @@ fused output equals the unfused pair's (scales equal, e4m3 bytes equal).
     python3 benchmarks/kernels/fp8_fused_quant.py                  # M {16,256,2048,8192} x K {4096,14336}
     python3 benchmarks/kernels/fp8_fused_quant.py --static         # with a static input scale
     python3 benchmarks/kernels/fp8_fused_quant.py --m 2048 --k 4096 --reps 200
+    python3 benchmarks/kernels/fp8_fused_quant.py --sweep          # the SiLU kernel's launch shapes
     python3 benchmarks/kernels/fp8_fused_quant.py --smoke          # CPU, interpreter, tiny shapes
+
+--sweep times the fused SiLU-and-mul kernel at other launch shapes than its default (the row
+in one tile at 4-32 warps; loops over 1,024-4,096 columns, the row read twice) and marks any
+whose output differs from the default's.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ def main() -> None:
     p.add_argument("--k", default="4096,14336", help="columns, comma-separated")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--static", action="store_true", help="a static input scale (no amax pass)")
+    p.add_argument("--sweep", action="store_true", help="the SiLU kernel's launch shapes")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter, M <= 32, K / 64")
     a = p.parse_args()
     gpu_or_smoke(a.smoke)
@@ -75,6 +81,10 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name(device)}; copy bandwidth (read + write) "
               f"{copy_bandwidth(device):.0f} GB/s; {'static' if a.static else 'per-token'} "
               f"scales; CUDA-graph replays, median of {reps}")
+    if a.sweep:
+        for k in ks:
+            sweep_silu(silu_and_mul_quant_fp8, ms, k, scale, reps, device, a.smoke)
+        return
     print(f"{'op':>13} {'M':>5} {'K':>6} | {'unfused us':>10} {'fused us':>9} {'speedup':>7} | "
           f"{'fused GB/s':>10} | same")
     for k in ks:
@@ -119,6 +129,36 @@ def main() -> None:
             del norm_in, act_in
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def sweep_silu(fused: Callable, ms: list[int], k: int, scale, reps: int,  # type: ignore[no-untyped-def]
+               device: torch.device, smoke: bool) -> None:
+    """µs of silu_and_mul_quant_fp8 at each launch shape, the default first."""
+    one = triton_next_pow2(k)
+    shapes = [(one, w) for w in (4, 8, 16, 32)] + [(b, w) for b in (1024, 2048, 4096)
+                                                   for w in (4, 8) if b < k]
+    if smoke:
+        shapes = [(one, 4), (max(1, one // 2), 4)]
+    names = ["default"] + [f"{'row' if b >= k else b}/{w}w" for b, w in shapes]
+    print(f"SiLU-and-mul + FP8, K {k}, µs (block or row / warps):")
+    print(f"{'M':>5} | " + " ".join(f"{n:>9}" for n in names))
+    for m in ms:
+        copies = 1 if smoke else max(1, min(8, math.ceil(L2_WORKING_SET / (4 * m * k))))
+        xs = [torch.randn(m, 2 * k, device=device, dtype=torch.bfloat16) * 3
+              for _ in range(copies)]
+        ref = fused(xs[0], scale)
+        cells = [f"{time_calls([lambda x=x: fused(x, scale) for x in xs], reps, device) * 1e6:9.1f}"]
+        for b, w in shapes:
+            def call(x, b=b, w=w):  # type: ignore[no-untyped-def]
+                return fused(x, scale, block=b, num_warps=w)
+            t = time_calls([lambda x=x: call(x) for x in xs], reps, device)
+            cells.append(f"{t * 1e6:8.1f}{' ' if same(call(xs[0]), ref) else '!'}")
+        print(f"{m:>5} | " + " ".join(cells))
+        del xs
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 if __name__ == "__main__":

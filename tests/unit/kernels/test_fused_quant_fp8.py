@@ -6,7 +6,6 @@ within what the references' own norm and activation arithmetic allows (assert_cl
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
@@ -22,8 +21,6 @@ from tandem.kernels import (
 )
 from tandem.kernels._common import FP8_MAX
 
-# The module, not the function of the same name the package exports.
-silu_quant_module = importlib.import_module("tandem.kernels.silu_and_mul_quant_fp8")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -127,13 +124,10 @@ def test_rms_norm_quant_checks_its_arguments(device):
 # -- SiLU-and-mul + quantization -----------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("inter", [64, 300])
-@pytest.mark.parametrize("max_block", [None, 64], ids=["one-tile", "chunked"])
-def test_silu_and_mul_quant_equals_the_unfused_pair(seed, device, dtype, inter, max_block,
-                                                    monkeypatch):
-    if max_block is not None:  # rows wider than a tile: both passes loop over chunks
-        monkeypatch.setattr(silu_quant_module, "MAX_BLOCK", max_block)
+@pytest.mark.parametrize("block", [None, 64], ids=["one-tile", "chunked"])
+def test_silu_and_mul_quant_equals_the_unfused_pair(seed, device, dtype, inter, block):
     x = _rows(6, 2 * inter, dtype, device) * 4
-    got = silu_and_mul_quant_fp8(x)
+    got = silu_and_mul_quant_fp8(x, block=block)  # 64 < inter: both passes loop over chunks
     assert_same_bytes(got, quant_fp8(silu_and_mul(x)), seed)
     assert_close_to_reference(got, silu_and_mul_quant_fp8_ref(x), dtype, seed)
     amax = got.q.float().abs().amax(1)
@@ -141,14 +135,12 @@ def test_silu_and_mul_quant_equals_the_unfused_pair(seed, device, dtype, inter, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("max_block", [None, 64], ids=["one-tile", "chunked"])
-def test_silu_and_mul_quant_static_scale(seed, device, dtype, max_block, monkeypatch):
-    if max_block is not None:
-        monkeypatch.setattr(silu_quant_module, "MAX_BLOCK", max_block)
+@pytest.mark.parametrize("block", [None, 64], ids=["one-tile", "chunked"])
+def test_silu_and_mul_quant_static_scale(seed, device, dtype, block):
     x = torch.randn(5, 2 * 96, device=device).to(dtype)
     x[3, 7], x[3, 96 + 7] = 30.0, 100.0  # silu(30) * 100 = 3000 > 448 * 0.5: saturates
     scale = torch.tensor([0.5], device=device)
-    got = silu_and_mul_quant_fp8(x, scale)
+    got = silu_and_mul_quant_fp8(x, scale, block=block)
     assert torch.all(got.scale == 0.5) and got.q[3, 7].float() == FP8_MAX
     assert_same_bytes(got, quant_fp8(silu_and_mul(x), scale), seed)
     assert_close_to_reference(got, silu_and_mul_quant_fp8_ref(x, scale), dtype, seed)
@@ -160,3 +152,5 @@ def test_silu_and_mul_quant_checks_its_arguments(device):
     with pytest.raises(ValueError, match="scale"):
         silu_and_mul_quant_fp8(torch.randn(3, 64, device=device),
                                torch.ones(1, dtype=torch.float64, device=device))
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        silu_and_mul_quant_fp8(torch.randn(3, 64, device=device), block=48)
