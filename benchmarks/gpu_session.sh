@@ -158,7 +158,9 @@ for stage in "$@"; do
       run fp8_fusion_gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/gpu/test_fp8_fusion_gpu.py tests/gpu/test_fp8_gpu.py -rA
       run fp8_fused_quant timeout 600 python3 benchmarks/kernels/fp8_fused_quant.py
-      run fp8_fused_quant_static timeout 600 python3 benchmarks/kernels/fp8_fused_quant.py --static ;;
+      run fp8_fused_quant_static timeout 600 python3 benchmarks/kernels/fp8_fused_quant.py --static
+      run fp8_fused_quant_sweep timeout 600 python3 benchmarks/kernels/fp8_fused_quant.py --sweep \
+        --m 16,112,256,512,2048,8192 ;;
     fp8)  # issue 20: FP8 KV cache and FP8 weights (Llama-3.1-8B config, dummy weights)
       run fp8_gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_fp8_gpu.py -rA
       run fp8_gemv timeout 600 python3 benchmarks/kernels/fp8_gemv.py --sweep
