@@ -65,9 +65,12 @@ buf: $(TOOLS_STAMP)
 up: $(STAMP)
 	$(BIN)/tandem up $(ARGS)
 
-# --durations: the slowest tests in the log, to keep the suite inside CI's time.
+# --durations: the slowest tests in the log, to keep the suite inside CI's time. The tests run
+# in TEST_JOBS processes (pytest-xdist; a file's tests stay in one, sharing its module's stack),
+# one per core up to 4, each test process and what it starts on one torch thread (tests/conftest.py).
+TEST_JOBS ?= $(shell $(PY) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 test: $(STAMP) $(OLDEST_STAMP)
-	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
+	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_JOBS) --dist loadfile $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -63,10 +63,14 @@ class Proc:
 
 
 def cpu_threads_each(num_engine_cores: int) -> int:
-    """torch threads for each of the engine cores that compute on this machine's CPUs: its
-    share of the cores this process may run on. Each core would otherwise start a thread per
-    CPU, and threads that spin between parallel regions on oversubscribed cores stalled every
-    step of a two-decode-worker stack on two cores for seconds (0.3 s became 5-17 s)."""
+    """torch threads for each of the engine cores that compute on this machine's CPUs:
+    OMP_NUM_THREADS where the environment sets it, else its share of the cores this process
+    may run on. Each core would otherwise start a thread per CPU, and threads that spin between
+    parallel regions on oversubscribed cores stalled every step of a two-decode-worker stack on
+    two cores for seconds (0.3 s became 5-17 s)."""
+    with contextlib.suppress(ValueError):
+        if (threads := int(os.environ.get("OMP_NUM_THREADS", ""))) > 0:
+            return threads
     return max(1, len(os.sched_getaffinity(0)) // max(1, num_engine_cores))
 
 
@@ -76,21 +80,39 @@ _handed_out: set[int] = set()
 # never taken in the meantime as the source port of an outgoing connection or by a server
 # binding port 0, as one from bind(("127.0.0.1", 0)) can be (a worker started later on it then
 # failed with "Address already in use" under a busy test run).
-_PICK_LOW, _PICK_HIGH = 20000, 32767
+PICK_RANGE = (20000, 32767)
+# Where free_port picks instead, "LOW-HIGH": for processes that start stacks side by side on one
+# machine (the test suite's parallel runners), each given a range of its own, so that no two
+# hand out the same port before its process binds it.
+PORT_RANGE_ENV = "TANDEM_PORT_RANGE"
+
+
+def port_range() -> tuple[int, int]:
+    """free_port's range: PORT_RANGE_ENV's when set, else PICK_RANGE below the ephemeral range
+    when the kernel says where that starts (an empty range: none)."""
+    if spec := os.environ.get(PORT_RANGE_ENV):
+        try:
+            low, high = (int(x) for x in spec.split("-"))
+        except ValueError:
+            raise ValueError(f"{PORT_RANGE_ENV} must be LOW-HIGH, got {spec!r}") from None
+        if not 1024 <= low <= high <= 65535:
+            raise ValueError(f"{PORT_RANGE_ENV} must be LOW-HIGH within 1024-65535, got {spec!r}")
+        return low, high
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 0
+    return PICK_RANGE[0], min(PICK_RANGE[1], ephemeral - 1)
 
 
 def free_port() -> int:
-    """A port nothing listens on now, for a process started later to bind: below the
-    ephemeral range when the kernel says where that starts, never one handed out before."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    high = min(_PICK_HIGH, low - 1)
-    if high > _PICK_LOW:
+    """A port nothing listens on now, for a process started later to bind, from port_range()
+    (any free port when that is empty or full), never one handed out before."""
+    low, high = port_range()
+    if high >= low:
         rng = random.Random()
         for _ in range(200):
-            port = rng.randint(_PICK_LOW, high)
+            port = rng.randint(low, high)
             if port in _handed_out:
                 continue
             with socket.socket() as s:

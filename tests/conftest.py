@@ -1,20 +1,47 @@
 """Shared test setup. Triton kernels run under the interpreter when no GPU is present; the
 variable must be set before any kernel module is imported. Hypothesis tests have no per-example
-deadline: the suite runs beside other CPU-bound work, where an example's time says nothing."""
+deadline: the suite runs beside other CPU-bound work, where an example's time says nothing.
+
+One torch thread in this process and every process it starts (OMP_NUM_THREADS, which the
+launcher's workers take too): the tiny models' steps are too small to split across cores, and
+a second thread spinning between them tripled a test's CPU time. The cores go to the suite's
+parallel runners instead (pytest-xdist, `make test`), each picking ports from a range of its
+own (TANDEM_PORT_RANGE, cli/launcher.py)."""
 
 from __future__ import annotations
 
 import os
 import secrets
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
 import pytest
 from hypothesis import settings
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _port_range() -> str | None:
+    """This runner's share of the launcher's port range, under pytest-xdist."""
+    from tandem.cli.launcher import PICK_RANGE
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if not (worker.startswith("gw") and count):
+        return None
+    size = (PICK_RANGE[1] - PICK_RANGE[0] + 1) // count
+    start = PICK_RANGE[0] + int(worker[2:]) * size
+    return f"{start}-{start + size - 1}"
+
+
+if (_ports := _port_range()) is not None:
+    from tandem.cli.launcher import PORT_RANGE_ENV
+
+    os.environ.setdefault(PORT_RANGE_ENV, _ports)
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS)
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 settings.register_profile("tandem", deadline=None)
 settings.load_profile("tandem")

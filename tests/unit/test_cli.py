@@ -95,13 +95,17 @@ def test_tensor_parallel_workers_take_consecutive_gpus():
     assert devices == ["cpu", "cpu"] and "3 ranks" in note
 
 
-def test_up_passes_each_role_its_tensor_parallel_size():
+def test_up_passes_each_role_its_tensor_parallel_size(monkeypatch):
     from tandem.cli.up import stack_from_args
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     stack, _ = stack_from_args(build_parser("up").parse_args(
         ["up", "--device", "cpu", "--prefill-tensor-parallel-size", "2"]))
     assert stack.role_args == {"prefill": ["--tensor-parallel-size", "2"]}
     assert stack.cpu_threads == max(1, len(os.sched_getaffinity(0)) // 3)  # 3 engine processes
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the operator's count wins
+    stack, _ = stack_from_args(build_parser("up").parse_args(["up", "--device", "cpu"]))
+    assert stack.cpu_threads == 3
     stack, _ = stack_from_args(build_parser("up").parse_args(
         ["up", "--device", "cpu", "--tensor-parallel-size", "2", "--decode-tensor-parallel-size",
          "1", "--both-workers", "1"]))
@@ -314,3 +318,16 @@ def test_a_leases_life_is_ten_times_its_ttl_unless_told_and_never_shorter():
     worker = build_parser("worker").parse_args(["worker", "--role", "prefill", "--model", "m",
                                                 "--lease-max-life", "60"])
     assert lease_life(worker) == (30.0, 60.0)
+
+
+def test_free_port_picks_from_the_range_it_is_given(monkeypatch):
+    from tandem.cli import launcher
+
+    monkeypatch.setenv(launcher.PORT_RANGE_ENV, "23000-23004")
+    monkeypatch.setattr(launcher, "_handed_out", set())
+    ports = {launcher.free_port() for _ in range(3)}
+    assert len(ports) == 3 and ports <= set(range(23000, 23005))  # none handed out twice
+    for bad in ("23000", "23005-23000", "80-90", "a-b"):
+        monkeypatch.setenv(launcher.PORT_RANGE_ENV, bad)
+        with pytest.raises(ValueError, match=launcher.PORT_RANGE_ENV):
+            launcher.free_port()

@@ -6,7 +6,6 @@ within what the references' own norm and activation arithmetic allows (assert_cl
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
