@@ -20,22 +20,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _port_range() -> str | None:
-    """This runner's share of the launcher's port range, under pytest-xdist."""
-    from tandem.cli.launcher import PICK_RANGE
+    """This runner's share of the launcher's port range (TANDEM_PORT_RANGE's where set), under
+    pytest-xdist; None where the range is too small to share."""
+    from tandem.cli.launcher import port_range
 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if not (worker.startswith("gw") and count):
+    low, high = port_range()
+    size = (high - low + 1) // max(count, 1)
+    if not (worker.startswith("gw") and count and size >= 100):
         return None
-    size = (PICK_RANGE[1] - PICK_RANGE[0] + 1) // count
-    start = PICK_RANGE[0] + int(worker[2:]) * size
+    start = low + int(worker[2:]) * size
     return f"{start}-{start + size - 1}"
 
 
 if (_ports := _port_range()) is not None:
     from tandem.cli.launcher import PORT_RANGE_ENV
 
-    os.environ.setdefault(PORT_RANGE_ENV, _ports)
+    os.environ[PORT_RANGE_ENV] = _ports
 
 import torch  # noqa: E402  (after OMP_NUM_THREADS)
 
