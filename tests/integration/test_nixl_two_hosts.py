@@ -55,8 +55,11 @@ class Host:
     """A network namespace held open by a process of its own (it ends when its stdin closes)."""
 
     def __init__(self) -> None:
-        self.holder = subprocess.Popen(["unshare", "--net", "cat"], stdin=subprocess.PIPE,
-                                       stdout=subprocess.DEVNULL)
+        # The holder says "up" from inside its new namespace: until then its pid is still in
+        # the machine's own, where nsenter would have put the veth pair (a busy run did).
+        self.holder = subprocess.Popen(["unshare", "--net", "sh", "-c", "echo up && exec cat"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.holder.stdout.readline() == b"up\n", "the namespace's holder did not start"
         self.procs: list[subprocess.Popen] = []
 
     def run(self, *cmd: str) -> None:
@@ -89,6 +92,7 @@ class Host:
                 codes.append(p.wait())
         self.holder.stdin.close()
         self.holder.wait()
+        self.holder.stdout.close()
         return codes
 
 
