@@ -134,7 +134,9 @@ def main() -> None:
 def sweep_silu(fused: Callable, ms: list[int], k: int, scale, reps: int,  # type: ignore[no-untyped-def]
                device: torch.device, smoke: bool) -> None:
     """µs of silu_and_mul_quant_fp8 at each launch shape, the default first."""
-    one = triton_next_pow2(k)
+    import triton  # after gpu_or_smoke, as the kernels are
+
+    one = triton.next_power_of_2(k)
     shapes = [(one, w) for w in (4, 8, 16, 32)] + [(b, w) for b in (1024, 2048, 4096)
                                                    for w in (4, 8) if b < k]
     if smoke:
@@ -155,10 +157,6 @@ def sweep_silu(fused: Callable, ms: list[int], k: int, scale, reps: int,  # type
             cells.append(f"{t * 1e6:8.1f}{' ' if same(call(xs[0]), ref) else '!'}")
         print(f"{m:>5} | " + " ".join(cells))
         del xs
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 if __name__ == "__main__":
