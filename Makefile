@@ -69,7 +69,7 @@ up: $(STAMP)
 # in TEST_JOBS processes (pytest-xdist; a file's tests stay in one, sharing its module's stack),
 # two per core up to 4, each test process and what it starts on one torch thread
 # (tests/conftest.py). Two a core: much of a test is waiting for the processes it starts to come
-# up; with one a core, 2 cores ran the suite in ~24 min, with two in ~15, the cores busy 95%.
+# up; with one a core, 2 cores ran the suite in ~24 min, with two in ~17, the cores busy 95%.
 TEST_JOBS ?= $(shell $(PY) -c "import os; print(min(4, 2 * len(os.sched_getaffinity(0))))")
 test: $(STAMP) $(OLDEST_STAMP)
 	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_JOBS) --dist loadfile $(ARGS)
