@@ -511,6 +511,7 @@ class WorkerSet:
         return [{"address": w.address, "role": w.role,
                  "state": "lost" if w.lost.is_set() else "up" if w.healthy else "down",
                  "draining": w.leaving, "in_flight": w.in_flight,
+                 "running": w.load.num_running, "waiting": w.load.num_waiting,
                  "last_answer_s": round(now - w.last_seen, 3) if w.last_seen else None,
                  "instance_id": w.instance_id, "worker_id": w.load.worker_id}
                 for w in self.workers]

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import grpc
 import httpx
@@ -31,17 +32,28 @@ async def generate(stub, prompt, params, timeout=30):
     return chunks
 
 
-async def in_flight_on(cluster: Cluster, addresses: set[str], count: int) -> None:
-    """Until the router's /workers counts `count` requests in flight on those workers (a bound
-    of 60 s, for a failure to read: nothing else holds them)."""
-    deadline = time.monotonic() + 60
+async def router_view(cluster: Cluster, addresses: set[str]) -> list[dict]:
+    """Those workers as the router sees them (its /workers)."""
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{cluster.router.http_port}") as h:
-        while True:
-            workers = (await h.get("/workers")).json()["workers"]
-            if sum(w["in_flight"] for w in workers if w["address"] in addresses) >= count:
-                return
-            assert time.monotonic() < deadline, workers
-            await asyncio.sleep(0.05)
+        return [w for w in (await h.get("/workers")).json()["workers"]
+                if w["address"] in addresses]
+
+
+async def until_router_sees(cluster: Cluster, addresses: set[str],
+                            seen: Callable[[list[dict]], bool]) -> None:
+    """Until `seen` holds of those workers as the router sees them (a bound of 60 s, for a
+    failure to read: the router polls its workers every 0.5 s)."""
+    deadline = time.monotonic() + 60
+    while not seen(workers := await router_view(cluster, addresses)):
+        assert time.monotonic() < deadline, workers
+        await asyncio.sleep(0.05)
+
+
+async def in_flight_on(cluster: Cluster, addresses: set[str], count: int) -> None:
+    """Until the router counts `count` requests in flight on those workers (nothing else
+    holds them)."""
+    await until_router_sees(cluster, addresses,
+                            lambda ws: sum(w["in_flight"] for w in ws) >= count)
 
 
 @pytest.fixture(scope="module")
@@ -121,19 +133,21 @@ def test_killed_workers_are_taken_out(spent):
     async def main():
         async with grpc.aio.insecure_channel(cluster.router.address) as ch:
             stub = cluster.api(ch)
+            # The router's view of the decode workers idle first: its polls lag the last test's
+            # end by up to 0.5 s, and a worker it still saw running that test's requests would
+            # lose every pick of the burst below. From an idle view each pick sees the ones
+            # before it (in flight), and both workers get some of the six streams.
+            decode = {p.address: p.name for p in cluster.workers("decode")}
+            await until_router_sees(cluster, set(decode), lambda ws: all(
+                w["in_flight"] == w["running"] == w["waiting"] == 0 for w in ws))
             calls = [stub.Generate(request([i + 1] * 20, long)) for i in range(6)]
-            for call in calls:
+            for call in calls:  # its first token, then its decode worker's first
                 await call.read()
                 await call.read()
-            # Both decode workers hold some of the streams (load reports lag a step or two).
-            deadline = time.monotonic() + 5
-            while True:
-                loads = {p.name: await cluster.load(p) for p in cluster.workers("decode")}
-                if all(ld.num_running > 0 for ld in loads.values()):
-                    break
-                assert time.monotonic() < deadline, f"streams not spread: {loads}"
-                await asyncio.sleep(0.1)
-            victim = max(loads, key=lambda n: loads[n].num_running)
+            loads = {decode[w["address"]]: w["in_flight"]
+                     for w in await router_view(cluster, set(decode))}
+            assert all(n > 0 for n in loads.values()), f"streams not spread: {loads}"
+            victim = max(loads, key=loads.get)
             cluster.kill(victim)
 
             async def outcome(call):
