@@ -140,16 +140,7 @@ def test_ranks_beyond_the_kv_heads_take_their_replicated_heads_scales(tp, rank, 
     assert torch.equal(target.k, K[:, head:head + 1]) and torch.equal(target.v, V[:, head:head + 1])
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread here and in the rank processes (they take this process's count)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def test_tp2_with_checkpoint_scales_equals_tp1(tiny_models, tmp_path, one_thread):
+def test_tp2_with_checkpoint_scales_equals_tp1(tiny_models, tmp_path):
     """Over gloo on the CPU: each rank serves with its head's checkpoint scales, so TP 2 gives
     TP 1's greedy tokens (with these clamping scales, a rank holding another head's would
     not)."""

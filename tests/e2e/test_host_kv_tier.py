@@ -87,8 +87,6 @@ def test_tensor_parallel_ranks_keep_and_restore_their_own_heads(tiny_models):
     own heads: outputs equal the engine's without a tier (a rank restoring nothing would
     decode from stale heads), the flag sizes the worker's tier across both ranks."""
     model = str(tiny_models["llama"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # this process's and each rank's
     tiered = LLMEngine(EngineConfig(model, num_blocks=24, max_model_len=256,
                                     tensor_parallel_size=2,
                                     host_kv_cache_gb=200 * BLOCK_BYTES / (1 << 30)),
@@ -100,7 +98,6 @@ def test_tensor_parallel_ranks_keep_and_restore_their_own_heads(tiny_models):
         assert tiered.is_idle()
     finally:
         tiered.shutdown()
-        torch.set_num_threads(threads)
     plain = _engine(model, host_blocks=0)
     assert got == _conversations(plain)
     assert stats.hits > 0

@@ -19,7 +19,6 @@ import sys
 import httpx
 import openai
 import pytest
-import torch
 
 from cluster import Cluster, booting
 from tandem.engine.gguf_checkpoint import packaged_file
@@ -42,16 +41,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def llm(one_thread):
+def llm():
     engine = LLM(MODEL, progress=False)
     yield engine
     assert engine.engine.is_idle()

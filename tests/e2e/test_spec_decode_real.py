@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from cluster import Cluster, booting
 from tandem.engine.gguf_checkpoint import packaged_file
@@ -40,12 +39,9 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def llm():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     engine = LLM(MODEL, progress=False, speculative_method="ngram", num_speculative_tokens=4)
     yield engine
     assert engine.engine.is_idle()
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -22,15 +22,6 @@ SHARED = [PREFIX + [200 + i] * (1 + i) for i in range(3)]
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread here and in every rank process (they take this process's count)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def mqa_model(tmp_path_factory):
     """A Llama with one KV head: at TP 2 both ranks hold (a replica of) it."""

@@ -31,13 +31,9 @@ LAYOUTS = {"P2-D1": ("2", "1"), "P1-D2": ("1", "2")}
 @pytest.fixture(scope="module")
 def offline(tiny_models):
     """Colocated, TP 1: the reference."""
-    import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     with LLM(str(tiny_models["qwen2"]), progress=False, num_blocks=128) as llm:
         out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    torch.set_num_threads(threads)
     return out
 
 
@@ -94,13 +90,9 @@ def test_second_turn_pulls_only_its_new_blocks(cluster, tiny_models):
     second, out2, pulled, n1 = asyncio.run(main())
     kept = (len(first) + n1 - 1) // 16  # what turn 1 computed on the decode worker
     assert pulled == -(-len(second) // 16) - kept
-    import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     with LLM(str(tiny_models["qwen2"]), progress=False, num_blocks=128) as llm:
         (expected,) = llm.generate([second], params)
-    torch.set_num_threads(threads)
     assert out2 == expected.outputs[0].token_ids
 
 
