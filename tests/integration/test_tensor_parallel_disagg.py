@@ -31,7 +31,6 @@ LAYOUTS = {"P2-D1": ("2", "1"), "P1-D2": ("1", "2")}
 @pytest.fixture(scope="module")
 def offline(tiny_models):
     """Colocated, TP 1: the reference."""
-
     with LLM(str(tiny_models["qwen2"]), progress=False, num_blocks=128) as llm:
         out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     return out
