@@ -1,12 +1,13 @@
 """Drain: a rolling restart of both decode workers of a 1P+2D CPU stack under steady load drops
-nothing. decode0 is drained with `tandem drain` and decode1 with SIGTERM, each while it runs
-requests: each asks the router to move them (the router moves them to the other decode worker
-by live migration, the KV pulled from the draining worker: token-identical for greedy and
-seeded sampling), takes no new one, exits 0 and is restarted
-before the next. Every request of the load finishes whole, equal to the offline engine's
-output; the router never counts a drained worker as failed; every pool ends idle. A prefill
-worker drains by finishing its prompts and keeping its leases until they are claimed. An n = 2
-request moves live too (its prompt's KV lent), not by token replay."""
+nothing. One decode worker is drained with `tandem drain` while it runs a long request (the
+anchor, sent before the load: the drain always finds it) and the other with SIGTERM while it
+runs requests: each asks the router to move them (the router moves them to the other decode
+worker by live migration, the KV pulled from the draining worker: token-identical for greedy
+and seeded sampling), takes no new one, exits 0 and is restarted before the next. Every request
+of the load finishes whole, equal to the offline engine's output; the router never counts a
+drained worker as failed; every pool ends idle. A prefill worker drains by finishing its prompts
+and keeping its leases until they are claimed. An n = 2 request moves live too (its prompt's KV
+lent), not by token replay."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from cluster import WORKER_ARGS, Cluster
+from tandem.cli import drain as drain_cli
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime.convert import params_to_proto
 from tandem.runtime.lifecycle import refused_draining
@@ -36,6 +38,9 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True),
 TEMPLATES = [(p, PARAMS[i % len(PARAMS)]) for i, p in enumerate(PROMPTS)]
 CLIENTS = 4
 MAX_REQUESTS = 200  # the load's bound, whatever the machine's speed
+# The anchor: in flight before the load starts, so the first drain knows its worker runs it,
+# and long (900 tokens; under three CPU hogs on 2 cores its move was done 50-150 tokens in).
+ANCHOR = (PROMPTS[5], SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
 
 
 async def generate(stub, prompt: list[int], params: SamplingParams) -> list[list[int]]:
@@ -80,6 +85,17 @@ async def until_running(c: Cluster, name: str) -> None:
         await asyncio.sleep(0.05)
 
 
+async def busy_decode_worker(c: Cluster, runs: list[asyncio.Task]) -> str:
+    """The decode worker that runs a request once one does (the only requests in flight are
+    `runs`, none of which may end first)."""
+    while True:
+        assert not any(r.done() for r in runs), "ended before any drain"
+        for name in ("decode0", "decode1"):
+            if (await c.load(c.procs[name])).num_running:
+                return name
+        await asyncio.sleep(0.02)
+
+
 async def until_routed(h: httpx.AsyncClient, address: str) -> None:
     """Until the router routes to `address` again: up, not draining."""
     while True:
@@ -91,9 +107,9 @@ async def until_routed(h: httpx.AsyncClient, address: str) -> None:
 
 
 def test_rolling_restart_of_both_decode_workers_under_load_drops_nothing(tiny_models, tmp_path,
-                                                                         offline):
+                                                                         offline, capsys):
     expected = [[o.token_ids for o in out.outputs] for out in offline.generate(
-        [p for p, _ in TEMPLATES], [p for _, p in TEMPLATES])]
+        [p for p, _ in [*TEMPLATES, ANCHOR]], [p for _, p in [*TEMPLATES, ANCHOR]])]
     c = Cluster(tmp_path, str(tiny_models["llama"]), decode=2, worker_args=WORKER_ARGS,
                 metrics=True).start()
     try:
@@ -105,30 +121,35 @@ def test_rolling_restart_of_both_decode_workers_under_load_drops_nothing(tiny_mo
         async def main():
             async with grpc.aio.insecure_channel(c.router.address) as ch, \
                     httpx.AsyncClient(base_url=f"http://127.0.0.1:{c.router.http_port}") as h:
+                anchor = asyncio.create_task(generate(c.api(ch), *ANCHOR))
+                first = await busy_decode_worker(c, [anchor])
+                second = "decode1" if first == "decode0" else "decode0"
                 load = Load(c.api(ch))
-                await until_running(c, "decode0")
-                cli = await asyncio.to_thread(subprocess.run, [
-                    sys.executable, "-m", "tandem.cli.drain", c.procs["decode0"].address],
-                    capture_output=True, text=True, timeout=300)
-                await restart(h, "decode0")
-                await until_running(c, "decode1")
-                c.kill("decode1", signal.SIGTERM)
-                await restart(h, "decode1")
+                # `tandem drain` in this process: the drain reaches the worker within
+                # milliseconds, not an interpreter's start later.
+                cli = await asyncio.to_thread(drain_cli.main, [c.procs[first].address])
+                await restart(h, first)
+                await until_running(c, second)
+                c.kill(second, signal.SIGTERM)
+                await restart(h, second)
                 await load.finish()
+                anchored = await anchor
                 await c.wait_idle(timeout=60)
-                return load, cli
+                return load, cli, anchored, c.procs[first].address
 
-        load, cli = asyncio.run(main())
+        load, cli, anchored, drained = asyncio.run(main())
         failed = [(t, r) for t, r in load.results if isinstance(r, BaseException)]
         assert failed == []
         assert all(r == expected[t] for t, r in load.results)
-        assert cli.returncode == 0, cli.stderr
-        assert "drained" in cli.stdout and " 0 left" in cli.stdout, cli.stdout
-        moved = [line["event"] for line in c.router.json_logs()
-                 if (line["event"].startswith("decode worker") and "drains: moving" in
-                 line["event"]) or (line["event"].startswith("moved ") and " live from " in
-                 line["event"])]
-        assert moved, "no request was moved by a drain"
+        assert anchored == expected[-1]
+        out = capsys.readouterr().out
+        assert cli == 0, out
+        # The anchor at least: moved live, not finished where it began.
+        m = re.search(r"drained in \S+ s: (\d+) requests moved, \d+ finished there, 0 left",
+                      out)
+        assert m and int(m.group(1)) >= 1, out
+        assert any(f" live from {drained} to " in line["event"]
+                   for line in c.router.json_logs())
         # A drain is not a failure: no worker was lost or failed a call, nothing at error level.
         events = [line["event"] for line in c.router.json_logs()]
         assert not any("failed a call" in e or "answered no poll" in e for e in events), events
@@ -202,13 +223,7 @@ def test_a_drain_moves_a_forked_request_live(tiny_models, tmp_path, offline):
             async with grpc.aio.insecure_channel(c.router.address) as ch, \
                     httpx.AsyncClient(base_url=f"http://127.0.0.1:{c.router.http_port}") as h:
                 runs = [asyncio.create_task(generate(c.api(ch), p, q)) for p, q in FORKED]
-                busy = None
-                while busy is None:
-                    assert not any(r.done() for r in runs), "ended before any drain"
-                    for name in ("decode0", "decode1"):
-                        if (await c.load(c.procs[name])).num_running:
-                            busy = name
-                    await asyncio.sleep(0.02)
+                busy = await busy_decode_worker(c, runs)
                 async with c.worker_channel(c.procs[busy]) as wch:
                     tally = await worker_pb2_grpc.WorkerStub(wch).Drain(
                         worker_pb2.DrainRequest())
