@@ -70,6 +70,11 @@ class Worker:
     healthy: bool = False
     load: worker_pb2.Load = field(default_factory=worker_pb2.Load)
     in_flight: int = 0  # requests this router has on the worker now
+    # Other routers' requests its engine ran at its last poll: the poll's running count less
+    # this router's in flight when the poll was applied. Policies add this router's own count,
+    # exact, to it: a poll lags by up to an interval, and one still counting a burst that has
+    # since ended would make an idle worker look busy to the next burst.
+    other_running: int = 0
     # Prompt tokens of this router's requests the worker prefills itself (no lease) that have
     # not streamed a first token yet: work its polls show only as requests waiting.
     local_prefill_tokens: int = 0
@@ -112,12 +117,14 @@ class Worker:
         elif self.drain_heard is not None:
             load.draining = True
         self.load = load
+        self.other_running = max(0, load.num_running - self.in_flight)
 
     def as_load(self, cached: TierMatch = TierMatch(0, 0)) -> WorkerLoad:
         """What a routing policy sees of this worker."""
         ld = self.load
         return WorkerLoad(self.address, self.role, self.in_flight, ld.num_waiting,
                           ld.num_running, ld.num_free_blocks, cached.gpu,
+                          other_running=self.other_running,
                           step_seconds=ld.step_seconds,
                           prompt_token_seconds=ld.prompt_token_seconds,
                           kv_bandwidth=(ld.kv_bytes_pulled / ld.kv_pull_seconds

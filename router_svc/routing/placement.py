@@ -19,9 +19,9 @@ them for the trace):
     local_s         = D.waiting * D.step_s + (D.backlog + uncached_D) * D.token_s + restore_D_s
     harm_local_s    = D.running * uncached_D * D.token_s      (each running sequence on D
     harm_disagg_s   = D.running * transfer_s                   waits that long for its tokens;
-                                                               D.running: its engine's count at
-                                                               its last poll, or this router's
-                                                               requests there if more)
+                                                               D.running: this router's
+                                                               requests there plus other
+                                                               routers' at D's last poll)
 
     local when   local_s + w * harm_local_s  <  disaggregated_s + w * harm_disagg_s
 
@@ -123,7 +123,7 @@ def _weigh(request: RouteRequest, p: WorkerLoad, d: WorkerLoad, block_size: int,
     block_bytes = d.kv_block_bytes or options.kv_block_bytes
     transfer_s = pull_blocks * block_bytes / bandwidth
     restore_p_s, restore_d_s = (w.host_blocks * block_bytes / HOST_COPY_BANDWIDTH for w in (p, d))
-    running = max(d.num_running, d.in_flight)  # polls lag; this router's count does not
+    running = d.requests  # polls lag; this router's count does not
     cls = slo_class(request.priority)
     weight = {"interactive": 0.0, "standard": options.interference,
               "batch": options.interference * BATCH_INTERFERENCE}[cls]

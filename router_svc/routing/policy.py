@@ -44,7 +44,7 @@ class WorkerLoad:
     role: str  # prefill | decode | both
     in_flight: int = 0  # this router's requests on the worker now
     num_waiting: int = 0  # requests queued in the worker's engine (its last answered poll)
-    num_running: int = 0  # requests its engine is running
+    num_running: int = 0  # requests its engine is running (its last answered poll)
     free_blocks: int = 0  # free KV blocks in its pool
     # How many leading blocks of the request's prompt its prefix cache holds. Filled only for a
     # policy that says `uses_prefix_cache` (it costs a walk of the prompt's hashes); else 0.
@@ -62,11 +62,21 @@ class WorkerLoad:
     # Prompt tokens this router sent the worker to prefill itself that have no first token yet
     # (a decode worker's own prefills: placement or fallback).
     local_prefill_tokens: int = 0
+    # Other routers' requests it runs: its last poll's running count less this router's in
+    # flight then (router_svc.workers.Worker.other_running).
+    other_running: int = 0
 
     @property
     def queued(self) -> int:
         """Requests ahead of a new one there: this router's in flight plus the engine's queue."""
         return self.in_flight + self.num_waiting
+
+    @property
+    def requests(self) -> int:
+        """Requests on it now: this router's in flight, exact, plus other routers' running as
+        its last poll counted them (the poll's own running count lags: a burst that ended since
+        would still weigh)."""
+        return self.in_flight + self.other_running
 
 
 DISAGGREGATED = "disaggregated"  # prefilled on a prefill worker, decoded on a decode worker

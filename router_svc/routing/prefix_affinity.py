@@ -6,8 +6,8 @@ Prefill: among the workers no busier than the least busy one plus `balance_slack
 
 Decode (and colocated): among the same near-least-busy workers, the one caching the longest
 prefix of the prompt (a conversation's earlier turns, pulled or generated there: only the rest
-is pulled); ties to the most free KV blocks per request it runs or has in flight, then to the
-fewest in flight.
+is pulled); ties to the most free KV blocks per request on it (WorkerLoad.requests: this
+router's in flight plus other routers' running), then to the fewest in flight.
 
 Ties left after that go to the first candidate in the router's order of workers.
 
@@ -57,5 +57,5 @@ class PrefixAffinity(RoutingPolicy):
     def pick_decode(self, request: RouteRequest, workers: Sequence[WorkerLoad]) -> WorkerLoad:
         return max(self.near_least_busy(workers),
                    key=lambda w: (cached_score(w),
-                                  w.free_blocks / (1 + w.in_flight + w.num_running),
+                                  w.free_blocks / (1 + w.requests),
                                   -w.in_flight))

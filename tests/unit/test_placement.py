@@ -25,8 +25,10 @@ OPTS = PlacementOptions(kv_bandwidth=1e9, kv_block_bytes=BLOCK_BYTES)
 def worker(role: str, *, queued: int = 0, running: int = 0, cached: int = 0,
            step: float = 0.02, token: float = 1e-4, bandwidth: float = 0.0,
            host: int = 0) -> WorkerLoad:
+    """`running`: requests running there, none of them this router's (none in flight)."""
     return WorkerLoad(f"{role}:1", role, 0, queued, running, 1000, cached, step_seconds=step,
-                      prompt_token_seconds=token, kv_bandwidth=bandwidth, host_blocks=host)
+                      prompt_token_seconds=token, kv_bandwidth=bandwidth, host_blocks=host,
+                      other_running=running)
 
 
 def request(tokens: int, priority: int = 0) -> RouteRequest:

@@ -26,14 +26,17 @@ from tandem.router_svc.routing import (
 from tandem.router_svc.routing.least_loaded import LeastLoaded
 from tandem.router_svc.routing.prefix_affinity import PrefixAffinity
 from tandem.router_svc.workers import Worker, WorkerSet
+from tandem.v1 import worker_pb2
 
 REQUEST = RouteRequest(list(range(1, 65)))
 
 
 def load(address: str, queued: int = 0, *, in_flight: int = 0, running: int = 0,
          free: int = 0, cached: int = 0, role: str = "prefill") -> WorkerLoad:
-    """A worker with `queued` requests waiting in its engine (besides `in_flight`)."""
-    return WorkerLoad(address, role, in_flight, queued, running, free, cached)
+    """A worker with `queued` requests waiting in its engine (besides `in_flight`) and
+    `running` of other routers' running there."""
+    return WorkerLoad(address, role, in_flight, queued, running, free, cached,
+                      other_running=running)
 
 
 # -- prefix-affinity (the default) ----------------------------------------------------------
@@ -138,7 +141,8 @@ def _worker_set(specs, policy: RoutingPolicy | None = None) -> WorkerSet:
     for i, (role, healthy, draining, in_flight, waiting, running, free) in enumerate(specs):
         w = Worker(f"w{i}", role, None, None, None, healthy=healthy, slot=i,
                    in_flight=in_flight, draining=draining)
-        w.load.num_waiting, w.load.num_running, w.load.num_free_blocks = waiting, running, free
+        w.polled(worker_pb2.Load(num_waiting=waiting, num_running=running,
+                                 num_free_blocks=free))
         ws.workers.append(w)
     return ws
 
@@ -146,7 +150,9 @@ def _worker_set(specs, policy: RoutingPolicy | None = None) -> WorkerSet:
 def _picks_before(ws: WorkerSet, leg: str, role: str, prompt: list[int], exclude: set[str],
                   cache_salt: str, slack: int = 4) -> Worker | None:
     """WorkerSet.pick_prefill / pick_decode as they were before routing policies, verbatim
-    but for their names: the reference the default policy must match pick for pick."""
+    but for their names and the decode tie-break's count of requests (this router's in flight,
+    exact, plus other routers' running: Worker.other_running): the reference the default
+    policy must match pick for pick."""
     candidates = [w for w in ws.by_role(role) if w.address not in exclude]
     if not candidates:
         return None
@@ -161,8 +167,8 @@ def _picks_before(ws: WorkerSet, leg: str, role: str, prompt: list[int], exclude
     if leg == "prefill":
         return max(near, key=lambda w: (hits[w.address], -score_load(w)))
     return max(near, key=lambda w: (hits[w.address],
-                                    w.load.num_free_blocks / (1 + w.in_flight
-                                                              + w.load.num_running),
+                                    w.load.num_free_blocks / (1 + max(w.in_flight,
+                                                                      w.load.num_running)),
                                     -w.in_flight))
 
 
@@ -191,6 +197,23 @@ def test_the_default_policy_picks_as_the_router_did_before(specs, prompt_len, sa
     for role in ("decode", "both"):
         assert ws.pick_decode(request, role, exclude) is _picks_before(ws, "decode", role,
                                                                        prompt, exclude, salt)
+
+
+def test_a_burst_after_a_burst_spreads_though_the_last_poll_still_counts_the_first():
+    """Decode worker w0's last poll counted 6 running requests, all this router's; they have
+    ended since (none in flight) and the next poll has not come. A burst of 6 spreads 3 and 3:
+    w0 counts as idle, not as running 6 (which sent five of the six to w1). Had the 6 been another
+    router's, w0 is busy: w1 takes five, until it is queued past the balance slack."""
+    for in_flight_at_poll, spread in ((6, [3, 3]), (0, [1, 5])):
+        ws = _worker_set([("decode", True, False, in_flight_at_poll, 0, 6, 100),
+                          ("decode", True, False, 0, 0, 0, 100)])
+        ws.workers[0].in_flight = 0
+        picks = []
+        for _ in range(6):
+            w = ws.pick_decode(REQUEST)
+            w.in_flight += 1  # as the router counts a request it sent
+            picks.append(w.address)
+        assert sorted(picks.count(a) for a in ("w0", "w1")) == spread, picks
 
 
 class Recording(RoutingPolicy):
@@ -228,7 +251,7 @@ def test_a_policy_sees_only_routable_workers_and_the_caches_it_asks_for(uses_cac
     # Down (w1), draining (w2), excluded and other roles never reach the policy.
     assert [w.address for w in policy.given[0]] == ["w0", "w3"]
     assert policy.given[0][0] == WorkerLoad("w0", "prefill", 1, 2, 3, 40,
-                                            2 if uses_cache else 0)
+                                            2 if uses_cache else 0, other_running=3 - 1)
 
 
 def test_a_policy_that_picks_a_stranger_is_a_bug_named():
