@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -56,6 +57,15 @@ def tiny_models(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("tiny")
     return {name: build_tiny(name, root / name) for name in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_long(tiny_models, tmp_path_factory) -> Path:
+    """The tiny llama with a 32K-token context: a request there can generate for minutes on the
+    CPU, so a test holds a worker's slot with one until it cancels it (no race with its end)."""
+    from tiny import with_context
+
+    return with_context(tiny_models["llama"], tmp_path_factory.mktemp("long") / "llama", 32768)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ separated and the generated sequences vary (a tiny random model otherwise repeat
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -59,6 +60,16 @@ def build_tiny(name: str, out: Path) -> Path:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         if (demo / f).exists():
             shutil.copy(demo / f, out / f)
+    return out
+
+
+def with_context(src: Path, out: Path, positions: int) -> Path:
+    """A copy of the checkpoint at `src` that takes `positions` tokens of context: the same
+    weights (rotary positions need none), a larger max_position_embeddings."""
+    shutil.copytree(src, out)
+    config = json.loads((out / "config.json").read_text())
+    config["max_position_embeddings"] = positions
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 

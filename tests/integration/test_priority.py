@@ -15,13 +15,17 @@ import pytest
 from cluster import WORKER_ARGS, Cluster, serve
 from tandem import client as tc
 
-LONG = 1000  # tokens: the sequence that holds the decode worker's one slot until cancelled
+# Tokens: the sequence that holds the decode worker's one slot until cancelled. The long-context
+# llama takes them (minutes of steps on the CPU: the others queue long before; 1,000 steps once
+# ended first under load), the pools hold them (a model's context is bounded by its pools too).
+LONG = 30000
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_models, tmp_path_factory):
-    yield from serve(Cluster(tmp_path_factory.mktemp("priority"), str(tiny_models["llama"]),
-                             worker_args=WORKER_ARGS, decode_args=["--max-num-seqs", "1"]))
+def cluster(tiny_llama_long, tmp_path_factory):
+    yield from serve(Cluster(tmp_path_factory.mktemp("priority"), str(tiny_llama_long),
+                             worker_args=[*WORKER_ARGS, "--num-blocks", "2048"],
+                             decode_args=["--max-num-seqs", "1"]))
 
 
 @pytest.fixture(autouse=True)
@@ -30,12 +34,15 @@ def idle_after(cluster):
     asyncio.run(cluster.wait_idle())
 
 
-async def _waiting(cluster: Cluster, count: int, holder: asyncio.Task) -> None:
-    """Until the decode worker has `count` requests waiting for its slot (while the holder
-    still holds it)."""
+async def _waiting(cluster: Cluster, count: int, holder: asyncio.Task, running: int = 0) -> None:
+    """Until the decode worker has `count` requests waiting for its slot and `running` in it
+    (while the holder still holds it)."""
     (decode,) = cluster.workers("decode")
-    while (await cluster.load(decode)).num_waiting < count:
-        assert not holder.done(), "the long request ended before the others queued"
+    while (load := await cluster.load(decode)).num_waiting < count or \
+            load.num_running < running:
+        if holder.done():
+            holder.result()  # its error, if it failed
+            raise AssertionError("the long request ended before the others queued")
         await asyncio.sleep(0.02)
 
 
@@ -70,15 +77,14 @@ def test_a_lower_priority_value_is_admitted_first(cluster, surface):
         order: list[str] = []
         async with tc.AsyncClient(cluster.router.address, timeout=120) as client:
             holder_chunks = client.stream([1, 2, 3], max_tokens=LONG, ignore_eos=True)
-            first = asyncio.Event()
 
             async def hold() -> None:
                 async with holder_chunks as chunks:
                     async for _ in chunks:
-                        first.set()
+                        pass
 
             holder = asyncio.create_task(hold())
-            await first.wait()  # the long request holds the decode worker's one slot
+            await _waiting(cluster, 0, holder, running=1)  # it holds the decode worker's slot
             earlier = asyncio.create_task(_finished(
                 order, "earlier", client.stream([4, 5, 6], max_tokens=3, temperature=0, ignore_eos=True)))
             await _waiting(cluster, 1, holder)
