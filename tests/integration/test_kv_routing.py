@@ -165,6 +165,10 @@ def test_restarted_decode_worker_pulls_everything(cluster):
             (holder,) = [w for w in ws.by_role("decode")
                          if ws.cached_blocks([w], hashes)[w.address] == kept]
             name = next(d.name for d in cluster.workers("decode") if d.address == holder.address)
+            # The first turn's lease released first: its Release, sent once the decode worker's
+            # core has pulled, can trail the turn's last token, and a lease a killed worker never
+            # released stays until it expires (past wait_idle's bound).
+            await cluster.wait_idle(procs=cluster.workers("prefill"))
             cluster.kill(name)
             cluster.wait_ready([cluster.restart(name)])
             # The router hears of the restart (a new instance); what the old one cached is
