@@ -63,6 +63,9 @@ def test_ready_while_a_path_is_left_live_while_the_process_serves(tiny_models, t
                 assert states["ready"] and not states["all_up"]
                 assert (await h.post("/v1/completions", json=BODY)).status_code == 200
 
+                # The completion's lease released before its decode worker dies (a lease a
+                # killed worker never released stays until it expires).
+                await c.wait_idle(procs=c.workers("prefill"))
                 c.kill("decode1")  # every decode worker out: live, not ready
                 await until_status(health, Health.READINESS, NOT_SERVING)
                 assert await status(health, "") == NOT_SERVING
