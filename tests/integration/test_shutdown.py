@@ -105,11 +105,10 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tiny_models, tmp_path)
                 await httpx.AsyncClient(timeout=5).post(f"{http_url}/v1/completions",
                                                         json={"prompt": [1, 2, 3],
                                                               "max_tokens": 2})
-            # The router holds the streams until its clients have read them: it still runs
-            # (the workers may have exited, as above; they exit 0, checked below).
-            assert c.procs["router"].popen.poll() is None
-
-            # Every in-flight stream runs to its last token.
+            # Every in-flight stream runs to its last token. The router may have exited by now
+            # too (0, checked below), as the workers may: once it has sent every stream's last
+            # token it is done, though this client has not read them yet (its transport holds
+            # them); a router that left early would have cut a stream short here.
             reasons = [await read_all(call, got) for call, got in zip(calls, tokens)]
             assert reasons == ["length"] * len(calls)
             assert [len(t) for t in tokens] == [MAX_TOKENS] * len(calls)
