@@ -19,7 +19,8 @@ asked to cancel). Expiry covers a decode worker that died and a request lost wit
 Stream call. The request's timeout is one deadline for all of its legs.
 
 Prefill fallback: when no prefill worker is up (or every one has at least
---prefill-saturation requests of this router's in flight or waiting), a disaggregated request's
+--prefill-saturation requests ahead of a new one: this router's in flight and other routers'
+waiting, Worker.queued), a disaggregated request's
 prompt goes to its decode worker, which prefills it itself in chunks (a decode request without
 a lease); the request's span says so (`tandem.prefill.fallback`: the reason) and
 tandem:prefill_fallbacks counts it. --no-prefill-fallback turns this off (the request then fails
@@ -173,7 +174,7 @@ class Orchestrator:
         if not up:
             return Fallback("no_prefill") if self.workers.by_role("decode") else None
         bound = self.prefill_saturation
-        if bound and all(w.in_flight + w.load.num_waiting >= bound for w in up):
+        if bound and all(w.queued >= bound for w in up):
             return Fallback("saturated")
         return None
 

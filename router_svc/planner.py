@@ -204,7 +204,7 @@ class Planner:
 
 
 def _queued(workers: Iterable) -> int:
-    return sum(w.in_flight + w.load.num_waiting for w in workers)
+    return sum(w.queued for w in workers)
 
 
 def _fmt(v: float | None) -> str:

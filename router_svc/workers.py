@@ -70,11 +70,13 @@ class Worker:
     healthy: bool = False
     load: worker_pb2.Load = field(default_factory=worker_pb2.Load)
     in_flight: int = 0  # requests this router has on the worker now
-    # Other routers' requests its engine ran at its last poll: the poll's running count less
-    # this router's in flight when the poll was applied. Policies add this router's own count,
-    # exact, to it: a poll lags by up to an interval, and one still counting a burst that has
-    # since ended would make an idle worker look busy to the next burst.
+    # Other routers' requests its engine ran and queued at its last poll: the poll's counts
+    # less this router's in flight when the poll was applied (counted as running first, the
+    # rest as waiting). Policies add this router's own count, exact, to them: a poll lags by up
+    # to an interval, and one still counting a burst that has since ended would make an idle
+    # worker look busy to the next burst.
     other_running: int = 0
+    other_waiting: int = 0
     # Prompt tokens of this router's requests the worker prefills itself (no lease) that have
     # not streamed a first token yet: work its polls show only as requests waiting.
     local_prefill_tokens: int = 0
@@ -118,6 +120,12 @@ class Worker:
             load.draining = True
         self.load = load
         self.other_running = max(0, load.num_running - self.in_flight)
+        self.other_waiting = max(0, load.num_waiting - max(0, self.in_flight - load.num_running))
+
+    @property
+    def queued(self) -> int:
+        """Requests ahead of a new one (WorkerLoad.queued)."""
+        return self.in_flight + self.other_waiting
 
     def as_load(self, cached: TierMatch = TierMatch(0, 0)) -> WorkerLoad:
         """What a routing policy sees of this worker."""
@@ -125,6 +133,7 @@ class Worker:
         return WorkerLoad(self.address, self.role, self.in_flight, ld.num_waiting,
                           ld.num_running, ld.num_free_blocks, cached.gpu,
                           other_running=self.other_running,
+                          other_waiting=self.other_waiting,
                           step_seconds=ld.step_seconds,
                           prompt_token_seconds=ld.prompt_token_seconds,
                           kv_bandwidth=(ld.kv_bytes_pulled / ld.kv_pull_seconds

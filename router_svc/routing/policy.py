@@ -62,14 +62,17 @@ class WorkerLoad:
     # Prompt tokens this router sent the worker to prefill itself that have no first token yet
     # (a decode worker's own prefills: placement or fallback).
     local_prefill_tokens: int = 0
-    # Other routers' requests it runs: its last poll's running count less this router's in
-    # flight then (router_svc.workers.Worker.other_running).
+    # Other routers' requests it runs and queues, as its last poll counted them less this
+    # router's in flight then (router_svc.workers.Worker.polled).
     other_running: int = 0
+    other_waiting: int = 0
 
     @property
     def queued(self) -> int:
-        """Requests ahead of a new one there: this router's in flight plus the engine's queue."""
-        return self.in_flight + self.num_waiting
+        """Requests ahead of a new one there: this router's in flight, exact, plus other
+        routers' waiting as its last poll counted them (the poll's own waiting count lags and
+        holds this router's too: a queue that has drained since would still weigh, twice)."""
+        return self.in_flight + self.other_waiting
 
     @property
     def requests(self) -> int:

@@ -114,7 +114,8 @@ def test_hub_carries_the_host_set_and_its_tier_id():
 
 def _load(address: str, gpu: int = 0, host: int = 0, queued: int = 0,
           role: str = "prefill") -> WorkerLoad:
-    return WorkerLoad(address, role, 0, queued, 0, 64, gpu, host_blocks=host)
+    return WorkerLoad(address, role, 0, queued, 0, 64, gpu, host_blocks=host,
+                      other_waiting=queued)
 
 
 def test_score_gpu_hit_over_host_hit_over_none():

@@ -28,7 +28,7 @@ def worker(role: str, *, queued: int = 0, running: int = 0, cached: int = 0,
     """`running`: requests running there, none of them this router's (none in flight)."""
     return WorkerLoad(f"{role}:1", role, 0, queued, running, 1000, cached, step_seconds=step,
                       prompt_token_seconds=token, kv_bandwidth=bandwidth, host_blocks=host,
-                      other_running=running)
+                      other_running=running, other_waiting=queued)
 
 
 def request(tokens: int, priority: int = 0) -> RouteRequest:

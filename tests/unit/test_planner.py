@@ -98,7 +98,7 @@ def test_the_planner_exports_desired_replicas_from_the_routers_histograms():
     buckets = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0)
     ttft = Histogram(TTFT_METRIC, "", ["role"], registry=reg, buckets=buckets).labels("router")
     itl = Histogram(ITL_METRIC, "", ["role"], registry=reg, buckets=buckets).labels("router")
-    worker = SimpleNamespace(in_flight=0, load=SimpleNamespace(num_waiting=0))
+    worker = SimpleNamespace(queued=0)
     workers = SimpleNamespace(by_role=lambda role: [worker] * (1 if role == "prefill" else 2))
     ttft.observe(100.0)  # before the planner started: not in its first window
     planner = Planner(T, reg, workers, interval_s=30)

@@ -36,7 +36,7 @@ def load(address: str, queued: int = 0, *, in_flight: int = 0, running: int = 0,
     """A worker with `queued` requests waiting in its engine (besides `in_flight`) and
     `running` of other routers' running there."""
     return WorkerLoad(address, role, in_flight, queued, running, free, cached,
-                      other_running=running)
+                      other_running=running, other_waiting=queued)
 
 
 # -- prefix-affinity (the default) ----------------------------------------------------------
@@ -150,15 +150,16 @@ def _worker_set(specs, policy: RoutingPolicy | None = None) -> WorkerSet:
 def _picks_before(ws: WorkerSet, leg: str, role: str, prompt: list[int], exclude: set[str],
                   cache_salt: str, slack: int = 4) -> Worker | None:
     """WorkerSet.pick_prefill / pick_decode as they were before routing policies, verbatim
-    but for their names and the decode tie-break's count of requests (this router's in flight,
-    exact, plus other routers' running: Worker.other_running): the reference the default
-    policy must match pick for pick."""
+    but for their names and their counts of requests ahead (this router's in flight, exact,
+    plus other routers' waiting: Worker.queued) and in the decode tie-break (the same with
+    other routers' running: Worker.other_running): the reference the default policy must match
+    pick for pick."""
     candidates = [w for w in ws.by_role(role) if w.address not in exclude]
     if not candidates:
         return None
 
     def score_load(w: Worker) -> int:
-        return w.in_flight + w.load.num_waiting
+        return w.queued
 
     least = min(score_load(w) for w in candidates)
     near = [w for w in candidates if score_load(w) - least <= slack]
@@ -216,6 +217,25 @@ def test_a_burst_after_a_burst_spreads_though_the_last_poll_still_counts_the_fir
         assert sorted(picks.count(a) for a in ("w0", "w1")) == spread, picks
 
 
+@pytest.mark.parametrize("policy", [None, LeastLoaded()], ids=["prefix-affinity", "least-loaded"])
+def test_a_burst_after_a_queue_drained_spreads_though_the_last_poll_still_counts_the_queue(
+        policy):
+    """Prefill worker w0's last poll counted 1 running and 7 waiting, all this router's; they
+    have ended since and the next poll has not come. A burst of 6 prefills spreads 3 and 3: w0
+    counts as idle, not as 7 queued (and the 7 of this router's in flight then, twice). Had the
+    8 been another router's, w0 has 7 ahead of a new one and w1 takes the burst first."""
+    for in_flight_at_poll, spread in ((8, [3, 3]), (0, [0, 6])):
+        ws = _worker_set([("prefill", True, False, in_flight_at_poll, 7, 1, 100),
+                          ("prefill", True, False, 0, 0, 0, 100)], policy)
+        ws.workers[0].in_flight = 0
+        picks = []
+        for _ in range(6):
+            w = ws.pick_prefill(REQUEST)
+            w.in_flight += 1
+            picks.append(w.address)
+        assert sorted(picks.count(a) for a in ("w0", "w1")) == spread, picks
+
+
 class Recording(RoutingPolicy):
     """Picks the last worker, and keeps what it was given."""
 
@@ -251,7 +271,8 @@ def test_a_policy_sees_only_routable_workers_and_the_caches_it_asks_for(uses_cac
     # Down (w1), draining (w2), excluded and other roles never reach the policy.
     assert [w.address for w in policy.given[0]] == ["w0", "w3"]
     assert policy.given[0][0] == WorkerLoad("w0", "prefill", 1, 2, 3, 40,
-                                            2 if uses_cache else 0, other_running=3 - 1)
+                                            2 if uses_cache else 0, other_running=3 - 1,
+                                            other_waiting=2)
 
 
 def test_a_policy_that_picks_a_stranger_is_a_bug_named():
