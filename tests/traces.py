@@ -16,14 +16,15 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from cluster import WORKER_ARGS, Cluster
+from cluster import HOLD_TOKENS, WORKER_ARGS, Cluster
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 ERROR = trace_pb2.Status.STATUS_CODE_ERROR
 CLIENT, SERVER = trace_pb2.Span.SPAN_KIND_CLIENT, trace_pb2.Span.SPAN_KIND_SERVER
-LONG = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)  # seconds of decoding
+# Ends only when cancelled or aborted: on a stack of the long-context llama (HOLD_WORKER_ARGS).
+LONG = SamplingParams(temperature=0, max_tokens=HOLD_TOKENS, ignore_eos=True)
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -59,8 +60,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
 def traced_cluster(tmp: Path, model: str, receiver: Receiver, **kw) -> Cluster:
     """A stack on the tiny model's worker flags (prefill + decode + router unless `kw` says
     otherwise) whose processes export their spans to `receiver` every 50 ms."""
-    return Cluster(tmp, model, worker_args=WORKER_ARGS, env=receiver.env(schedule_delay_ms=50),
-                   **kw)
+    kw.setdefault("worker_args", WORKER_ARGS)
+    return Cluster(tmp, model, env=receiver.env(schedule_delay_ms=50), **kw)
 
 
 def _value(v: AnyValue):

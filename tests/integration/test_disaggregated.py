@@ -11,12 +11,11 @@ import time
 import grpc
 import pytest
 
-from cluster import Cluster, Handed, stop_cleanly
+from cluster import HOLD_TOKENS, HOLD_WORKER_ARGS, WORKER_ARGS, Cluster, Handed, stop_cleanly
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
-WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
 PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(4 + 9 * i)] for i in range(16)]
 # Long enough that a decode worker on a loaded machine claims its lease in time, short enough
 # that a test waits for one to expire.
@@ -24,9 +23,9 @@ LEASE_TTL = "8"
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_models, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("disagg"), str(tiny_models["llama"]),
-                worker_args=WORKER_ARGS, prefill_args=["--lease-ttl", LEASE_TTL],
+def cluster(tiny_llama_long, tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("disagg"), str(tiny_llama_long),
+                worker_args=HOLD_WORKER_ARGS, prefill_args=["--lease-ttl", LEASE_TTL],
                 router_args=["--http-port", "-1"]).start()
     yield c
     codes = c.stop()
@@ -40,12 +39,12 @@ def idle_after(cluster):
 
 
 @pytest.fixture(scope="module")
-def short_leases(tiny_models, tmp_path_factory):
+def short_leases(tiny_llama_long, tmp_path_factory):
     """Stacks whose prefill leases live 3 s: the lease-expiry test reads one first (it waits
     out a lease), then the first kill test takes it, as its last user."""
     def start() -> Cluster:
-        return Cluster(tmp_path_factory.mktemp("short-lease"), str(tiny_models["llama"]),
-                       worker_args=WORKER_ARGS, prefill_args=["--lease-ttl", "3"],
+        return Cluster(tmp_path_factory.mktemp("short-lease"), str(tiny_llama_long),
+                       worker_args=HOLD_WORKER_ARGS, prefill_args=["--lease-ttl", "3"],
                        router_args=["--http-port", "-1"]).start()
 
     stacks = Handed(start, stop_cleanly)
@@ -178,14 +177,14 @@ def test_decode_request_cancelled_before_it_ran_releases_the_lease_at_once(clust
     """On a decode worker's Stream call a cancel follows its request in order, so the worker
     always sees the request it cancels: a request cancelled right after it was sent (before its
     task ran, or while it claims, waits or decodes: the cancel may be read late on a busy
-    machine, so the request asks for every token the model allows and cannot be done by then)
+    machine, so the request asks for HOLD_TOKENS and cannot be done by then)
     sends no update and releases the prefill side's lease now, not at the lease's expiry
     (LEASE_TTL here). Requests of the wrong kind or a reused id are refused by status; closing
     the call's sending side ends the call once its requests are done."""
     p, d = cluster.workers("prefill")[0], cluster.workers("decode")[0]
     params = params_to_proto(SamplingParams(temperature=0, max_tokens=8))
     endless = params_to_proto(SamplingParams(temperature=0, ignore_eos=True,
-                                             max_tokens=1024 - len(PROMPTS[11])))
+                                             max_tokens=HOLD_TOKENS))
     expired_before = p.log_text().count("expired unreleased")
 
     async def main():
@@ -223,7 +222,7 @@ def test_registration_with_a_different_layout_is_refused(cluster):
             ok = await stub.Register(worker_pb2.RegisterRequest(
                 decode_worker_id="probe", layout=worker_pb2.PoolDescriptor(
                     dtype="float32", block_size=16, num_layers=2, num_kv_heads=2, head_dim=64)))
-            assert ok.pool.transport == "shm" and ok.pool.num_blocks == 256
+            assert ok.pool.transport == "shm" and ok.pool.num_blocks == 2048  # HOLD_WORKER_ARGS
             for field, bad in [("block_size", 32), ("head_dim", 128), ("dtype", "bfloat16"),
                                ("num_layers", 4), ("num_kv_heads", 8)]:
                 layout = dict(dtype="float32", block_size=16, num_layers=2, num_kv_heads=2,
@@ -271,7 +270,7 @@ def test_decode_worker_or_its_engine_core_killed_mid_stream(short_leases, victim
     exits 1, for its supervisor to restart it."""
     c = short_leases.take()  # killed here: its last user
     try:
-        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=HOLD_TOKENS, ignore_eos=True)
 
         async def main():
             async with grpc.aio.insecure_channel(c.router.address) as ch:

@@ -13,18 +13,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster import Cluster
+from cluster import HOLD_TOKENS, HOLD_WORKER_ARGS, Cluster
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
-WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
-
 
 @pytest.fixture(scope="module")
-def cluster(tiny_models, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("grpc"), str(tiny_models["llama"]),
-                worker_args=WORKER_ARGS, router_args=["--http-port", "-1", "--reflection"]
+def cluster(tiny_llama_long, tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("grpc"), str(tiny_llama_long),
+                worker_args=HOLD_WORKER_ARGS, router_args=["--http-port", "-1", "--reflection"]
                 ).start()
     yield c
     assert all(code == 0 for code in c.stop().values())
@@ -86,7 +84,7 @@ def test_deadline_mid_stream_ends_deadline_exceeded(cluster):
     held still (SIGSTOP), so the call cannot finish before its deadline however fast the machine;
     the client sees DEADLINE_EXCEEDED, and once the core runs again the router's cancel frees
     the request's blocks (the autouse fixture waits for every pool to be idle)."""
-    params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=HOLD_TOKENS, ignore_eos=True)
     core = cluster.engine_core("decode0")
 
     async def main():
@@ -113,7 +111,7 @@ def test_client_cancel(cluster):
     (SIGSTOP), so the request is still running when the cancel comes however slow this
     machine; once the core runs again the router's cancel frees its blocks (the autouse
     fixture waits for every pool to be idle)."""
-    params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=HOLD_TOKENS, ignore_eos=True)
     core = cluster.engine_core("decode0")
 
     async def main():

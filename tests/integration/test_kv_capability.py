@@ -12,22 +12,21 @@ import secrets
 import grpc
 import pytest
 
-from cluster import Cluster
+from cluster import HOLD_TOKENS, HOLD_WORKER_ARGS, Cluster
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kvtransfer.lease import prompt_digest
 from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
-WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
 VICTIM = [(17 * j) % 250 + 3 for j in range(40)]  # 3 blocks of 16
 IDLE_S = 10.0  # well inside the lease's 120 s
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_models, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("kvcap"), str(tiny_models["llama"]),
-                worker_args=WORKER_ARGS, prefill_args=["--lease-ttl", "120"],
+def cluster(tiny_llama_long, tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("kvcap"), str(tiny_llama_long),
+                worker_args=HOLD_WORKER_ARGS, prefill_args=["--lease-ttl", "120"],
                 router_args=["--http-port", "-1"]).start()
     yield c
     codes = c.stop()
@@ -347,7 +346,7 @@ def test_repeated_request_ids_release_what_they_took(cluster):
             # The second twin goes out once the first is decoding (a token of it came back),
             # and the first, far from its end, is cancelled once the second was refused: the
             # order is the events', not a race between the two messages and 30 decode steps.
-            long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+            long = SamplingParams(temperature=0, max_tokens=HOLD_TOKENS, ignore_eos=True)
             decoding, refused = asyncio.Event(), asyncio.Event()
 
             async def twins():
@@ -381,7 +380,7 @@ def test_a_worker_abort_ends_the_stream(cluster):
     """Abort on the decode worker, mid-stream: the request's stream ends ABORTED (through the
     router to the client), it does not hang; its blocks are freed."""
     d = cluster.workers("decode")[0]
-    long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=HOLD_TOKENS, ignore_eos=True)
 
     async def main():
         async with grpc.aio.insecure_channel(cluster.router.address) as rch, \

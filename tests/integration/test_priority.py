@@ -12,19 +12,18 @@ import asyncio
 import httpx
 import pytest
 
-from cluster import WORKER_ARGS, Cluster, serve
+from cluster import HOLD_TOKENS, HOLD_WORKER_ARGS, Cluster, serve
 from tandem import client as tc
 
-# Tokens: the sequence that holds the decode worker's one slot until cancelled. The long-context
-# llama takes them (minutes of steps on the CPU: the others queue long before; 1,000 steps once
-# ended first under load), the pools hold them (a model's context is bounded by its pools too).
-LONG = 30000
+# Tokens: the sequence that holds the decode worker's one slot until cancelled (the others
+# queue long before it could end; 1,000 steps once ended first under load).
+LONG = HOLD_TOKENS
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_long, tmp_path_factory):
     yield from serve(Cluster(tmp_path_factory.mktemp("priority"), str(tiny_llama_long),
-                             worker_args=[*WORKER_ARGS, "--num-blocks", "2048"],
+                             worker_args=HOLD_WORKER_ARGS,
                              decode_args=["--max-num-seqs", "1"]))
 
 

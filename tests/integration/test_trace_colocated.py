@@ -22,17 +22,17 @@ from traces import (
     wait_trace,
 )
 
-from cluster import serve
+from cluster import HOLD_WORKER_ARGS, serve
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
 
 
 @pytest.fixture(scope="module")
-def colocated(tiny_models, tmp_path_factory, receiver):
+def colocated(tiny_llama_long, tmp_path_factory, receiver):
     yield from serve(traced_cluster(tmp_path_factory.mktemp("colocated"),
-                                    str(tiny_models["llama"]), receiver, prefill=0, decode=0,
-                                    both=1))
+                                    str(tiny_llama_long), receiver, prefill=0, decode=0,
+                                    both=1, worker_args=HOLD_WORKER_ARGS))
 
 
 @pytest.fixture(autouse=True)
