@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from cluster import Cluster, Handed, stop_cleanly
+from cluster import HOLD_TOKENS, HOLD_WORKER_ARGS, Cluster, Handed, stop_cleanly
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2
@@ -182,14 +182,14 @@ def test_killed_workers_are_taken_out(spent):
                                          if p.popen.poll() is None]))
 
 
-def test_full_router_answers_resource_exhausted(tiny_models, tmp_path):
+def test_full_router_answers_resource_exhausted(tiny_llama_long, tmp_path):
     # Streams cancelled right after their first token, while their KV may be in flight: the
     # decode worker releases every lease at once (wait_idle's 20 s is within the default 30 s
     # lease, so expiry cannot be what frees them).
-    c = Cluster(tmp_path, str(tiny_models["llama"]), worker_args=WORKER_ARGS,
+    c = Cluster(tmp_path, str(tiny_llama_long), worker_args=HOLD_WORKER_ARGS,
                 router_args=["--http-port", "-1", "--max-requests", "2"]).start()
     try:
-        long = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)  # within 1024
+        long = SamplingParams(temperature=0, max_tokens=HOLD_TOKENS, ignore_eos=True)
 
         async def main():
             async with grpc.aio.insecure_channel(c.router.address) as ch:
