@@ -19,7 +19,7 @@ import grpc
 from tandem.cli.launcher import LocalStack, Proc, free_port
 from tandem.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-__all__ = ["HOLD_TOKENS", "HOLD_WORKER_ARGS", "WORKER_ARGS", "Cluster", "ClusterProc", "Handed", "Proc", "booting", "free_port",
+__all__ = ["HOLD_BLOCKS", "HOLD_TOKENS", "HOLD_WORKER_ARGS", "WORKER_ARGS", "Cluster", "ClusterProc", "Handed", "Proc", "booting", "free_port",
            "serve", "stop_cleanly"]
 
 # The tiny models' workers: a 256-block pool, 64-token steps (a long prompt prefills in chunks).
@@ -30,7 +30,8 @@ WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
 # by its pools too). A test that cancels, aborts or holds a request mid-stream sends one: a
 # request of hundreds of tokens has ended before its cancel landed on a busy machine.
 HOLD_TOKENS = 30000
-HOLD_WORKER_ARGS = [*WORKER_ARGS, "--num-blocks", "2048"]
+HOLD_BLOCKS = 2048
+HOLD_WORKER_ARGS = [*WORKER_ARGS, "--num-blocks", str(HOLD_BLOCKS)]
 
 
 class ClusterProc(Proc):

@@ -11,7 +11,15 @@ import time
 import grpc
 import pytest
 
-from cluster import HOLD_TOKENS, HOLD_WORKER_ARGS, WORKER_ARGS, Cluster, Handed, stop_cleanly
+from cluster import (
+    HOLD_BLOCKS,
+    HOLD_TOKENS,
+    HOLD_WORKER_ARGS,
+    WORKER_ARGS,
+    Cluster,
+    Handed,
+    stop_cleanly,
+)
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime.convert import params_to_proto
 from tandem.v1 import api_pb2, worker_pb2, worker_pb2_grpc
@@ -222,7 +230,7 @@ def test_registration_with_a_different_layout_is_refused(cluster):
             ok = await stub.Register(worker_pb2.RegisterRequest(
                 decode_worker_id="probe", layout=worker_pb2.PoolDescriptor(
                     dtype="float32", block_size=16, num_layers=2, num_kv_heads=2, head_dim=64)))
-            assert ok.pool.transport == "shm" and ok.pool.num_blocks == 2048  # HOLD_WORKER_ARGS
+            assert ok.pool.transport == "shm" and ok.pool.num_blocks == HOLD_BLOCKS
             for field, bad in [("block_size", 32), ("head_dim", 128), ("dtype", "bfloat16"),
                                ("num_layers", 4), ("num_kv_heads", 8)]:
                 layout = dict(dtype="float32", block_size=16, num_layers=2, num_kv_heads=2,

@@ -13,7 +13,6 @@ import grpc
 import pytest
 from test_disaggregated import (  # the same tests, collected here against the nixl stack
     PROMPTS,
-    WORKER_ARGS,
     generate,
     test_client_cancel_mid_stream_frees_everything,
     test_deadline_mid_stream,
@@ -23,7 +22,7 @@ from test_disaggregated import (  # the same tests, collected here against the n
     test_seeded_sampling_and_n3_match_colocated,
 )
 
-from cluster import Cluster
+from cluster import HOLD_BLOCKS, HOLD_WORKER_ARGS, Cluster
 from tandem.engine.sampling_params import SamplingParams
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -46,9 +45,9 @@ UCX_LOOPBACK_TCP = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_models, tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("disagg-nixl"), str(tiny_models["llama"]),
-                worker_args=WORKER_ARGS, prefill_args=["--lease-ttl", "3", "--transport", "nixl"],
+def cluster(tiny_llama_long, tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("disagg-nixl"), str(tiny_llama_long),
+                worker_args=HOLD_WORKER_ARGS, prefill_args=["--lease-ttl", "3", "--transport", "nixl"],
                 router_args=["--http-port", "-1"], env=UCX_LOOPBACK_TCP).start()
     yield c
     codes = c.stop()
@@ -81,7 +80,7 @@ def test_the_prefill_worker_serves_its_pool_over_nixl_and_never_logs_the_handle(
         return ok.pool, tokens
 
     pool, tokens = asyncio.run(main())
-    assert (pool.transport, pool.device_index, pool.num_blocks) == ("nixl", -1, 256)
+    assert (pool.transport, pool.device_index, pool.num_blocks) == ("nixl", -1, HOLD_BLOCKS)
     assert pool.handle.startswith(b"TNX1") and len(tokens[0]) == 4
     # The handle holds the agent's metadata: a capability, in no log line.
     agent_name = pool.handle[14:14 + int.from_bytes(pool.handle[12:14], "little")].decode()

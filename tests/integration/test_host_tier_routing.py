@@ -120,8 +120,10 @@ def test_moves_reported_routed_on_and_the_next_turn_served_from_the_shared_tier(
             pa, cold, pb = ws.by_role("prefill")
             hashes = await evict_into_tier(ws, pa, prompt, "", "plain")
             idx = ws.kv_index
-            # pb reads the tier pa wrote (one tier id); the cold worker reads none.
-            assert all(idx.holds_on_host(pb.slot, h) for h in hashes)
+            # pb reads the tier pa wrote (one tier id: the router knows it once pb's KV events
+            # have begun, which can trail pa's); the cold worker reads none.
+            async with asyncio.timeout(60):
+                await idx.wait_for(lambda: all(idx.holds_on_host(pb.slot, h) for h in hashes))
             assert not any(idx.holds_on_host(cold.slot, h) for h in hashes)
             assert ws.tier_hits([pa, cold, pb], ws.prefix_hashes(nxt)) == {
                 pa.address: TierMatch(0, 3), cold.address: TierMatch(0, 0),
