@@ -20,11 +20,11 @@ Stream call. The request's timeout is one deadline for all of its legs.
 
 Prefill fallback: when no prefill worker is up (or every one has at least
 --prefill-saturation requests ahead of a new one: this router's in flight and other routers'
-waiting, Worker.queued), a disaggregated request's
-prompt goes to its decode worker, which prefills it itself in chunks (a decode request without
-a lease); the request's span says so (`tandem.prefill.fallback`: the reason) and
-tandem:prefill_fallbacks counts it. --no-prefill-fallback turns this off (the request then fails
-UNAVAILABLE as with no decode worker).
+waiting, Worker.queued), a disaggregated request's prompt goes to its decode worker, which
+prefills it itself in chunks (a decode request without a lease); the request's span says so
+(`tandem.prefill.fallback`: the reason) and tandem:prefill_fallbacks counts it.
+--no-prefill-fallback turns this off (the request then fails UNAVAILABLE as with no decode
+worker).
 
 A request id in flight is refused for a second request (INVALID_ARGUMENT) before anything is
 taken for it: no prefill, no lease.

@@ -19,8 +19,8 @@ import grpc
 from tandem.cli.launcher import LocalStack, Proc, free_port
 from tandem.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-__all__ = ["HOLD_BLOCKS", "HOLD_TOKENS", "HOLD_WORKER_ARGS", "WORKER_ARGS", "Cluster", "ClusterProc", "Handed", "Proc", "booting", "free_port",
-           "serve", "stop_cleanly"]
+__all__ = ["HOLD_BLOCKS", "HOLD_TOKENS", "HOLD_WORKER_ARGS", "WORKER_ARGS", "Cluster",
+           "ClusterProc", "Handed", "Proc", "booting", "free_port", "serve", "stop_cleanly"]
 
 # The tiny models' workers: a 256-block pool, 64-token steps (a long prompt prefills in chunks).
 WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
@@ -31,7 +31,7 @@ WORKER_ARGS = ["--num-blocks", "256", "--max-num-batched-tokens", "64"]
 # request of hundreds of tokens has ended before its cancel landed on a busy machine.
 HOLD_TOKENS = 30000
 HOLD_BLOCKS = 2048
-HOLD_WORKER_ARGS = [*WORKER_ARGS, "--num-blocks", str(HOLD_BLOCKS)]
+HOLD_WORKER_ARGS = ["--num-blocks", str(HOLD_BLOCKS), "--max-num-batched-tokens", "64"]
 
 
 class ClusterProc(Proc):
