@@ -68,6 +68,14 @@ def tiny_llama_long(tiny_models, tmp_path_factory) -> Path:
     return with_context(tiny_models["llama"], tmp_path_factory.mktemp("long") / "llama", 32768)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen2_long(tiny_models, tmp_path_factory) -> Path:
+    """The tiny qwen2 with a 32K-token context, as tiny_llama_long (tensor-parallel stacks)."""
+    from tiny import with_context
+
+    return with_context(tiny_models["qwen2"], tmp_path_factory.mktemp("long") / "qwen2", 32768)
+
+
 @pytest.fixture
 def seed() -> int:
     """A fresh torch seed per test (tests print it in their failure messages); set

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster import Cluster
+from cluster import HOLD_BLOCKS, HOLD_TOKENS, Cluster
 from tandem.engine.llm import LLM
 from tandem.engine.sampling_params import SamplingParams
 from tandem.runtime.convert import params_to_proto
@@ -115,17 +115,19 @@ def test_cancel_mid_stream_leaves_every_pool_idle(cluster):
 
 @pytest.mark.parametrize("victim", ["worker", "rank 1"])
 def test_decode_worker_or_its_rank_killed_mid_stream_frees_the_prefill_pool(
-        tiny_models, tmp_path, victim):
+        tiny_qwen2_long, tmp_path, victim):
     """SIGKILL to a decode worker of two ranks (fed by a prefill worker of two ranks), or to its
     rank 1 alone: its requests fail UNAVAILABLE, its engine core and rank process are gone (a
     core without its rank exits, and the worker with it, exit code 1, for its supervisor to
     restart it), and every pool of the prefill worker is idle again."""
-    c = Cluster(tmp_path, str(tiny_models["qwen2"]), worker_args=WORKER_ARGS,
+    c = Cluster(tmp_path, str(tiny_qwen2_long),
+                worker_args=["--num-blocks", str(HOLD_BLOCKS), "--max-num-batched-tokens", "64",
+                             "--cpu-threads", "1"],  # WORKER_ARGS with a pool for HOLD_TOKENS
                 prefill_args=["--lease-ttl", "5", "--tensor-parallel-size", "2"],
                 decode_args=["--tensor-parallel-size", "2"],
                 router_args=["--http-port", "-1"]).start()
     try:
-        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=HOLD_TOKENS, ignore_eos=True)
 
         async def main():
             async with grpc.aio.insecure_channel(c.router.address) as ch:
